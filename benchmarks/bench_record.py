@@ -1,0 +1,159 @@
+"""Per-record cost of record_metric, including the background writing.
+
+Each variant runs in its own process and records N values over 10 keys, with a
+flush (one training step) every 100 records; the figure is the whole process's CPU
+time (all threads: the writer thread and polars/arrow pools included) from just
+before the loop to just after shutdown, divided by N. Variants, side by side:
+
+  seed        torchforge's in-memory path: a Metric dataclass with a timestamp,
+              pushed into a per-key accumulator (no I/O at all)
+  parquet     metric_core.record_metric, file_format="parquet"
+  jsonl       metric_core.record_metric, file_format="jsonl"
+  wandb       every record streamed through wandb.log, offline mode (fewer records,
+              since it is slow; the cost per record is what is compared)
+
+Usage: python benchmarks/bench_record.py [--records 2000000] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+KEYS = 10
+STEP_EVERY = 100
+
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys, time
+    variant, n, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    keys = [f"trainer/metric_{i}" for i in range(%(keys)d)]
+    step_every = %(step_every)d
+    if variant == "seed":
+        from dataclasses import dataclass, field
+        from enum import Enum
+
+        class Reduce(Enum):
+            MEAN = "mean"
+
+        @dataclass
+        class Metric:
+            key: str
+            value: float
+            reduction: Reduce
+            timestamp: float = field(default_factory=time.time)
+
+        class MeanAccumulator:
+            def __init__(self, reduction):
+                self.reduction = reduction
+                self.sum = 0.0
+                self.count = 0
+
+            def append(self, value):
+                self.sum += value
+                self.count += 1
+
+        class MetricCollector:
+            def __init__(self):
+                self.accumulators = {}
+                self.per_rank_no_reduce_backends = []
+
+            def push(self, metric):
+                for backend in self.per_rank_no_reduce_backends:
+                    backend.log_stream(metric=metric, global_step=0)
+                key = metric.key
+                if key not in self.accumulators:
+                    self.accumulators[key] = MeanAccumulator(metric.reduction)
+                self.accumulators[key].append(metric.value)
+
+            def flush(self, step):
+                states = {k: (a.sum, a.count) for k, a in self.accumulators.items()}
+                self.accumulators.clear()
+                return states
+
+        collector = MetricCollector()
+
+        def record_metric(key, value, reduction=Reduce.MEAN):
+            collector.push(Metric(key=key, value=value, reduction=reduction))
+
+        flush = collector.flush
+        shutdown = lambda: None
+        mean = Reduce.MEAN
+    elif variant == "wandb":
+        os.environ["WANDB_MODE"] = "offline"
+        os.environ["WANDB_SILENT"] = "true"
+        import wandb
+        run = wandb.init(project="bench", dir=run_dir)
+        step_box = [0]
+
+        def record_metric(key, value, reduction=None):
+            run.log({key: value, "step": step_box[0]})
+
+        def flush(step):
+            step_box[0] = step + 1
+
+        shutdown = run.finish
+        mean = None
+    else:
+        import metric_core
+        metric_core.init(run_dir, rank=0, process_name="bench", file_format=variant)
+        record_metric, flush, shutdown = metric_core.record_metric, metric_core.flush, metric_core.shutdown
+        mean = metric_core.Reduce.MEAN
+    start = time.process_time()
+    wall = time.perf_counter()
+    step = 0
+    for i in range(n // step_every):
+        for j in range(step_every):
+            record_metric(keys[j %% len(keys)], 0.001 * j + i, mean)
+        flush(step)
+        step += 1
+    shutdown()
+    cpu = time.process_time() - start
+    print(json.dumps({"cpu_ns": cpu / n * 1e9, "wall_ns": (time.perf_counter() - wall) / n * 1e9}))
+    """
+) % {"keys": KEYS, "step_every": STEP_EVERY}
+
+
+def run_variant(variant: str, n: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, variant, str(n), tmp],
+            check=True,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+        )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=2_000_000)
+    parser.add_argument("--wandb-records", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    variants = {"seed": args.records, "parquet": args.records, "jsonl": args.records, "wandb": args.wandb_records}
+    results: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
+        for variant, n in variants.items():
+            results[variant].append(run_variant(variant, n)["cpu_ns"])
+    med = {v: statistics.median(xs) for v, xs in results.items()}
+    print(f"records: {args.records:,} (wandb: {args.wandb_records:,}); repeats: {args.repeats}; medians")
+    print(f"{'variant':<10}{'CPU ns/record':>15}{'vs seed':>10}{'vs wandb.log':>15}")
+    for v in variants:
+        print(f"{v:<10}{med[v]:>15.0f}{med[v] / med['seed']:>9.2f}x{med['wandb'] / med[v]:>14.0f}x cheaper")
+    print()
+    print(f"parquet / seed = {med['parquet'] / med['seed']:.2f}x (target <= 1.0x)")
+    print(f"jsonl   / seed = {med['jsonl'] / med['seed']:.2f}x (target <= 2.0x)")
+    print(f"wandb.log / parquet = {med['wandb'] / med['parquet']:.0f}x, wandb.log / jsonl = "
+          f"{med['wandb'] / med['jsonl']:.0f}x (target >= 50x)")
+
+
+if __name__ == "__main__":
+    main()

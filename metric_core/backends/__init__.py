@@ -1,0 +1,107 @@
+"""Logger backends: where a process's metrics go.
+
+The seed left open whether ``log_batch`` and ``log_stream`` should both be async or
+be unified. The answer here:
+
+* ``log_batch`` stays ``async``. It runs once per step with reduced values and may
+  do network I/O (W&B), so asyncio callers can await it without blocking their loop.
+* ``log_stream`` stays synchronous, but it is never called on the training thread.
+  ``record_metric`` only appends to an in-memory buffer; the collector drains that
+  buffer on a writer thread (every ``flush_interval`` seconds, and at each flush) and
+  hands the records to PER_RANK_NO_REDUCE backends with ``log_stream_batch``, one
+  Arrow record batch per drain. The default ``log_stream_batch`` calls ``log_stream``
+  once per record, so a backend that only knows single records still works; the file
+  writers override it and write the batch whole.
+
+An async ``log_stream`` would cost a coroutine per record on the hot path, and a
+synchronous one on the training thread would put I/O there; the buffered batch
+avoids both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import pyarrow as pa
+
+from metric_core.errors import ConfigError
+from metric_core.metric import BackendRole, LoggingMode, Metric, Reduce
+
+
+class LoggerBackend(ABC):
+    """Abstract logger backend for metric logging, e.g. wandb, jsonl, console."""
+
+    def __init__(self, logger_backend_config: dict[str, Any]) -> None:
+        self.logger_backend_config = dict(logger_backend_config)
+        mode = self.logger_backend_config.get("logging_mode", LoggingMode.PER_RANK_REDUCE)
+        try:
+            self.logging_mode = LoggingMode(mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in LoggingMode)
+            raise ConfigError(
+                f"{type(self).__name__}: logging_mode '{mode}' is not one of {allowed}"
+            ) from None
+
+    @abstractmethod
+    async def init(
+        self,
+        role: BackendRole,
+        primary_logger_metadata: dict[str, Any] | None = None,
+        process_name: str | None = None,
+    ) -> None:
+        """Initializes the backend, e.g. wandb.init()."""
+
+    @abstractmethod
+    async def log_batch(self, metrics: list[Metric], global_step: int) -> None:
+        """Log the reduced metrics of one step."""
+
+    def log_stream(self, metric: Metric, global_step: int) -> None:  # noqa: B027
+        """Log one raw metric (PER_RANK_NO_REDUCE). Called from the writer thread."""
+
+    def log_stream_batch(self, batch: pa.RecordBatch, global_step: int) -> None:
+        """Log a batch of raw records in the record schema; default: log_stream per row."""
+        for row in batch.to_pylist():
+            metric = Metric(
+                key=row["key"],
+                value=row["value"],
+                reduction=Reduce(row["reduction"]),
+                timestamp=row["timestamp"],
+                step=row["step"],
+                rank=row["rank"],
+                process=row["process"],
+            )
+            self.log_stream(metric, global_step)
+
+    async def finish(self) -> None:  # noqa: B027
+        """Release resources; called by shutdown()."""
+
+    def get_metadata_for_secondary_ranks(self) -> dict[str, Any] | None:
+        """Sharable state after primary init (e.g. a shared W&B run id)."""
+        return None
+
+
+def make_backend(name: str, config: dict[str, Any]) -> LoggerBackend:
+    """Build a backend from its config name: ``console``, ``jsonl``, ``parquet``, ``wandb``."""
+    mode = LoggingMode(config.get("logging_mode", LoggingMode.PER_RANK_REDUCE))
+    if mode is LoggingMode.GLOBAL_REDUCE:
+        raise ConfigError(
+            f"backend '{name}': logging_mode global_reduce is not computed live. Every rank "
+            "writes its raw stream to files; compute the global reduction from them with "
+            "`metriclog reduce RUN_DIR` (or upload it with `metriclog upload RUN_DIR`). "
+            "Use per_rank_reduce or per_rank_no_reduce for a live backend."
+        )
+    if name == "console":
+        from metric_core.backends.console import ConsoleBackend
+
+        return ConsoleBackend(config)
+    if name == "wandb":
+        from metric_core.backends.wandb import WandbBackend
+
+        return WandbBackend(config)
+    if name in ("jsonl", "parquet"):
+        raise ConfigError(
+            f"backend '{name}': the raw-stream file writer is always on; choose its format "
+            "with metric_core.init(run_dir, file_format=...)."
+        )
+    raise ConfigError(f"unknown backend '{name}': use console or wandb")

@@ -1,0 +1,523 @@
+"""The per-process MetricCollector and the module-level API a training script uses.
+
+Data flow::
+
+    record_metric(key, value)            training thread: one array append, no I/O
+        -> MetricCollector._buffer       (value, key code, timestamp) as 3 doubles
+        -> MetricCollector._drain()      writer thread every flush_interval, and flush()
+            -> RawFileWriter             raw records to {run_dir}/{process}.NNNNN.*
+            -> other PER_RANK_NO_REDUCE backends (log_stream_batch)
+            -> pending values            reduced at flush(step) for PER_RANK_REDUCE
+                                         backends and for return_state=True
+
+The hot path builds no object per record beyond a 3-tuple: the key and its reduction
+are interned to an integer code once, and the buffer is a flat ``array('d')``. One
+``extend`` of a 3-tuple of floats is a single C call under the GIL, so recording from
+several threads never tears a record.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import atexit
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from metric_core import journal
+from metric_core.backends import LoggerBackend, make_backend
+from metric_core.backends.files import RawFileWriter
+from metric_core.errors import ConfigError, MetricLogError, NotInitializedError
+from metric_core.metric import (
+    BackendRole,
+    LoggingMode,
+    Metric,
+    MetricAccumulator,
+    Reduce,
+)
+from metric_core.schema import default_process_name
+
+_now = time.time
+# Fold pending values into accumulators past this many, so memory stays bounded
+# when a script records for a long time without calling flush(step).
+_MAX_PENDING = 1_000_000
+
+
+class MetricCollector:
+    """Collects one process's metrics, writes them raw, and reduces them per step.
+
+    Most scripts use the module-level ``init``/``record_metric``/``flush``/``shutdown``,
+    which drive the one collector of the process.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        rank: int = 0,
+        process_name: str | None = None,
+        file_format: str = "parquet",
+        step: int = 0,
+        backends: dict[str, dict[str, Any]] | None = None,
+        flush_interval: float = 1.0,
+        segment_records: int = 1_000_000,
+        seal_interval: float = 600.0,
+        fsync: bool = False,
+    ) -> None:
+        if flush_interval <= 0:
+            raise ConfigError(f"flush_interval must be positive seconds, got {flush_interval}")
+        self.run_dir = Path(run_dir)
+        self.rank = int(rank)
+        self.process_name = process_name or default_process_name(self.rank)
+        self.flush_interval = flush_interval
+        self._step = int(step)
+        self._writer = RawFileWriter(
+            run_dir,
+            process=self.process_name,
+            rank=self.rank,
+            file_format=file_format,
+            segment_records=segment_records,
+            seal_interval=seal_interval,
+            fsync=fsync,
+        )
+        extra = [make_backend(name, cfg) for name, cfg in (backends or {}).items()]
+        self._extra_stream_backends = [b for b in extra if b.logging_mode is LoggingMode.PER_RANK_NO_REDUCE]
+        self._reduce_backends = [b for b in extra if b.logging_mode is LoggingMode.PER_RANK_REDUCE]
+
+        self._buffer = array.array("d")
+        self._extend = self._buffer.extend
+        self._codes: dict[str, tuple[Any, int]] = {}
+        self._code_of: dict[tuple[str, Reduce], int] = {}
+        self._code_table: list[tuple[str, str]] = []  # code -> (key, reduction)
+        self._code_reductions: list[Reduce] = []
+        self._intern_lock = threading.Lock()
+
+        self._drain_lock = threading.Lock()
+        self._pending: list[array.array[float]] = []
+        self._pending_rows = 0
+        self._accumulators: dict[int, MetricAccumulator] = {}
+        self._writer_error: BaseException | None = None
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+        self._run_coroutine(self._init_backends(extra))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._background_flush, name=f"metriclog-writer-{self.process_name}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def step(self) -> int:
+        """The step stamped on records recorded now."""
+        return self._step
+
+    # -- hot path ----------------------------------------------------------------------
+
+    def record(self, key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None:
+        """Record one value. O(1), no I/O: the writer thread serializes it later."""
+        entry = self._codes.get(key)
+        code = entry[1] if entry is not None and entry[0] is reduction else self._intern(key, reduction)
+        try:
+            self._extend((value, code, _now()))
+        except (TypeError, ValueError):
+            self._extend((_as_float(key, value), code, _now()))
+
+    def push(self, metric: Metric) -> None:
+        """Record a Metric (the seed's API); its own timestamp is kept."""
+        value = metric.value if type(metric.value) is float else _as_float(metric.key, metric.value)
+        code = self._intern(metric.key, metric.reduction)
+        self._extend((value, code, metric.timestamp))
+
+    def _intern(self, key: str, reduction: Any) -> int:
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"metric key must be a non-empty string, got {key!r}")
+        try:
+            red = Reduce(reduction)
+        except ValueError:
+            allowed = ", ".join(r.value for r in Reduce)
+            raise ValueError(f"metric '{key}': reduction {reduction!r} is not one of {allowed}") from None
+        with self._intern_lock:
+            code = self._code_of.get((key, red))
+            if code is None:
+                code = len(self._code_table)
+                self._code_table.append((key, red.value))
+                self._code_reductions.append(red)
+                self._code_of[(key, red)] = code
+            self._codes[key] = (reduction, code)
+        return code
+
+    # -- writing ---------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Hand everything recorded so far to the stream backends (durable on return)."""
+        with self._drain_lock:
+            n = len(self._buffer)
+            if n == 0:
+                return
+            chunk = self._buffer[:n]
+            del self._buffer[:n]
+            self._writer.append(self._step, chunk.tobytes(), n // 3, self._code_table)
+            if self._extra_stream_backends:
+                rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
+                batch = self._record_table(rows).to_batches()[0]
+                for backend in self._extra_stream_backends:
+                    backend.log_stream_batch(batch, self._step)
+            self._pending.append(chunk)
+            self._pending_rows += n // 3
+            if self._pending_rows > _MAX_PENDING:
+                self._fold_pending()
+
+    def _record_table(self, rows: np.ndarray) -> pa.Table:
+        return journal.build_table(
+            codes=rows[:, 1].astype(np.int64),
+            values=rows[:, 0],
+            timestamps=rows[:, 2],
+            steps=np.full(len(rows), self._step, dtype=np.int64),
+            key_names=[k for k, _ in self._code_table],
+            reductions=[r for _, r in self._code_table],
+            rank=self.rank,
+            process=self.process_name,
+        )
+
+    def _fold_pending(self) -> None:
+        """Reduce the pending raw values per key into the step's accumulators."""
+        if not self._pending:
+            return
+        rows = np.frombuffer(b"".join(c.tobytes() for c in self._pending), dtype=np.float64)
+        rows = rows.reshape(-1, 3)
+        self._pending.clear()
+        self._pending_rows = 0
+        codes = rows[:, 1].astype(np.int64)
+        order = np.argsort(codes, kind="stable")
+        codes, values = codes[order], rows[order, 0]
+        starts = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]])
+        ends = np.r_[starts[1:], len(codes)]
+        for s, e in zip(starts, ends, strict=True):
+            code = int(codes[s])
+            acc = self._accumulators.get(code)
+            if acc is None:
+                red = self._code_reductions[code]
+                acc = self._accumulators[code] = red.accumulator_class(red)
+            acc.append_many(values[s:e])
+
+    def _background_flush(self) -> None:
+        while not self._stop.wait(self.flush_interval):
+            try:
+                self._drain()
+                self._writer.seal_ready()
+            except BaseException as exc:
+                self._writer_error = exc
+                return
+
+    def _check_writer(self) -> None:
+        if self._writer_error is not None:
+            exc, self._writer_error = self._writer_error, None
+            raise MetricLogError(
+                f"writing metrics of {self.process_name} to {self.run_dir} failed: {exc}"
+            ) from exc
+
+    # -- steps -------------------------------------------------------------------------
+
+    def _flush_files(self, step: int, need_states: bool) -> tuple[list[Metric], dict[str, dict[str, Any]]]:
+        if self._closed:
+            raise MetricLogError(f"flush() after shutdown() of {self.process_name}")
+        self._check_writer()
+        with self._drain_lock:
+            self._step = step
+        self._drain()
+        with self._drain_lock:
+            if need_states or self._accumulators:
+                self._fold_pending()
+            else:
+                self._pending.clear()
+                self._pending_rows = 0
+            accs, self._accumulators = self._accumulators, {}
+        metrics, states = [], {}
+        for code, acc in sorted(accs.items()):
+            key = self._code_table[code][0]
+            metrics.append(
+                Metric(
+                    key=key,
+                    value=acc.get_value(),
+                    reduction=acc.reduction,
+                    step=step,
+                    rank=self.rank,
+                    process=self.process_name,
+                )
+            )
+            states[key] = acc.get_state()
+        return metrics, states
+
+    def flush(
+        self, step: int | None = None, *, return_state: bool = False
+    ) -> dict[str, dict[str, Any]] | None:
+        """End step ``step`` (default: the current one), as in SPEC section 4.
+
+        Everything recorded since the previous flush is made durable, reduced per key
+        for PER_RANK_REDUCE backends, and the current step becomes ``step + 1``. With
+        ``return_state`` the accumulator states are returned for a global reduction
+        (see ``reduce_metrics_states``).
+        """
+        step = self._step if step is None else int(step)
+        metrics, states = self._flush_files(step, bool(self._reduce_backends) or return_state)
+        if self._reduce_backends and metrics:
+            self._run_coroutine(self._log_reduced(metrics, step))
+        self._step = step + 1
+        return states if return_state else None
+
+    async def aflush(
+        self, step: int | None = None, *, return_state: bool = False
+    ) -> dict[str, dict[str, Any]] | None:
+        """``flush`` for asyncio code: file I/O runs in a worker thread."""
+        step = self._step if step is None else int(step)
+        need = bool(self._reduce_backends) or return_state
+        metrics, states = await asyncio.to_thread(self._flush_files, step, need)
+        if self._reduce_backends and metrics:
+            await self._log_reduced(metrics, step)
+        self._step = step + 1
+        return states if return_state else None
+
+    async def _log_reduced(self, metrics: list[Metric], step: int) -> None:
+        await asyncio.gather(*(b.log_batch(metrics, step) for b in self._reduce_backends))
+
+    async def _init_backends(self, backends: list[LoggerBackend]) -> None:
+        for b in backends:
+            await b.init(BackendRole.LOCAL, None, self.process_name)
+
+    def shutdown(self) -> None:
+        """Flush everything, close the backends and record a clean end of this source."""
+        if self._closed:
+            return
+        self._stop.set()
+        self._thread.join()
+        self.flush(self._step)
+        self._closed = True
+        self._run_coroutine(self._finish_backends())
+        if self._loop is not None:
+            self._loop.close()
+
+    async def _finish_backends(self) -> None:
+        for b in [self._writer, *self._extra_stream_backends, *self._reduce_backends]:
+            await b.finish()
+
+    def _close_unclean(self) -> None:
+        """At interpreter exit without shutdown(): keep every record, claim no clean end."""
+        if self._closed:
+            return
+        self._stop.set()
+        self._thread.join(timeout=5)
+        with contextlib.suppress(Exception):
+            self._drain()
+        self._closed = True
+        self._writer.close(clean_shutdown=False)
+
+    def _run_coroutine(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(coro)
+            return
+        # Called from inside a running event loop: run on a helper thread's loop.
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(coro)
+            except BaseException as exc:
+                error.append(exc)
+
+        helper = threading.Thread(target=run)
+        helper.start()
+        helper.join()
+        if error:
+            raise error[0]
+
+
+def _as_float(key: str, value: Any) -> float:
+    """The slow path of record(): everything that is not already a float."""
+    if isinstance(value, (bool, int, float)):
+        return float(value)
+    item = getattr(value, "item", None)
+    if item is not None:  # numpy scalars and 0-d arrays, 0-d torch tensors
+        try:
+            inner = item()
+        except (ValueError, RuntimeError):
+            inner = None
+        if isinstance(inner, (bool, int, float)):
+            return float(inner)
+    raise TypeError(
+        f"metric '{key}': value {value!r} of type {type(value).__name__} is not a number; "
+        "pass a Python number, a bool, a numpy scalar or a 0-d tensor"
+    )
+
+
+# -- module-level API ----------------------------------------------------------------------
+
+_active: MetricCollector | None = None
+
+
+def init(
+    run_dir: str | os.PathLike[str],
+    *,
+    rank: int | None = None,
+    process_name: str | None = None,
+    file_format: str = "parquet",
+    step: int = 0,
+    backends: dict[str, dict[str, Any]] | None = None,
+    flush_interval: float = 1.0,
+    world_size: int | None = None,
+    config: dict[str, Any] | None = None,
+    segment_records: int = 1_000_000,
+    fsync: bool = False,
+) -> MetricCollector:
+    """Start recording this process's metrics into ``run_dir``.
+
+    ``rank`` defaults to the ``RANK`` environment variable (0 if unset), ``world_size``
+    to ``WORLD_SIZE``. Rank 0 writes ``run.json`` (name, world_size, config) unless it
+    exists. ``backends`` maps ``console`` or ``wandb`` to their configs, each with a
+    ``logging_mode``; the raw-stream files are always written.
+
+    >>> import metric_core, tempfile
+    >>> _ = metric_core.init(tempfile.mkdtemp(), rank=0, process_name="trainer")
+    >>> metric_core.record_metric("loss", 0.5, metric_core.Reduce.MEAN)
+    >>> metric_core.flush(0)
+    >>> metric_core.shutdown()
+    """
+    if _active is not None and not _active._closed:
+        raise ConfigError(
+            f"metric_core.init() was already called in this process (for {_active.run_dir}); "
+            "call metric_core.shutdown() before initializing again"
+        )
+    if rank is None:
+        rank = _env_int("RANK", 0)
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", None)
+    collector = MetricCollector(
+        run_dir,
+        rank=rank,
+        process_name=process_name,
+        file_format=file_format,
+        step=step,
+        backends=backends,
+        flush_interval=flush_interval,
+        segment_records=segment_records,
+        fsync=fsync,
+    )
+    if rank == 0:
+        _write_run_json(Path(run_dir), world_size=world_size, config=config)
+    _bind(collector)
+    return collector
+
+
+def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None:
+    """Record one value of ``key`` in the current step. Cheap enough for any loop.
+
+    ``value`` may be a Python number, a bool, a numpy scalar or a 0-d tensor.
+
+    >>> record_metric("trainer/loss", 0.31, Reduce.MEAN)  # doctest: +SKIP
+    """
+    # MetricCollector.record, inlined over module globals that init() binds: attribute
+    # lookups and a method call would be a third of this function's cost.
+    entry = _key_codes.get(key)
+    code = entry[1] if entry is not None and entry[0] is reduction else _intern(key, reduction)
+    try:
+        _extend((value, code, _now()))  # the array converts int, bool and numpy scalars
+    except (TypeError, ValueError):
+        _extend((_as_float(key, value), code, _now()))
+
+
+def _not_initialized(*_: Any) -> Any:
+    raise NotInitializedError("record_metric()")
+
+
+_key_codes: dict[str, tuple[Any, int]] = {}
+_intern: Any = _not_initialized
+_extend: Any = _not_initialized
+
+
+def _bind(collector: MetricCollector | None) -> None:
+    global _active, _key_codes, _intern, _extend
+    _active = collector
+    if collector is None:
+        _key_codes, _intern, _extend = {}, _not_initialized, _not_initialized
+    else:
+        _key_codes, _intern, _extend = collector._codes, collector._intern, collector._extend
+
+
+def flush(step: int | None = None, *, return_state: bool = False) -> Any:
+    """End step ``step`` of this process's collector (see ``MetricCollector.flush``)."""
+    if _active is None:
+        raise NotInitializedError("flush()")
+    return _active.flush(step, return_state=return_state)
+
+
+async def aflush(step: int | None = None, *, return_state: bool = False) -> Any:
+    """``flush`` without blocking the running event loop."""
+    if _active is None:
+        raise NotInitializedError("aflush()")
+    return await _active.aflush(step, return_state=return_state)
+
+
+def shutdown() -> None:
+    """Flush, close backends and mark this source as cleanly finished."""
+    if _active is not None:
+        _active.shutdown()
+        _bind(None)
+
+
+def get_collector() -> MetricCollector:
+    """The collector started by ``init``."""
+    if _active is None:
+        raise NotInitializedError("get_collector()")
+    return _active
+
+
+@atexit.register
+def _at_exit() -> None:
+    if _active is not None:
+        _active._close_unclean()
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, Any] | None) -> None:
+    path = run_dir / "run.json"
+    if path.exists():
+        return
+    meta = {"name": run_dir.resolve().name, "world_size": world_size, "created": time.time()}
+    if config is not None:
+        meta["config"] = config
+    tmp = run_dir / ".run.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+__all__ = [
+    "MetricCollector",
+    "aflush",
+    "flush",
+    "get_collector",
+    "init",
+    "record_metric",
+    "shutdown",
+]

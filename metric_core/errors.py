@@ -1,0 +1,46 @@
+"""The exceptions metric_core raises. Every one derives from MetricLogError."""
+
+from __future__ import annotations
+
+
+class MetricLogError(Exception):
+    """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1."""
+
+
+class NotInitializedError(MetricLogError):
+    """record_metric or flush was called before metric_core.init()."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"{what} was called before metric_core.init(run_dir): "
+            "call metric_core.init() once per process before recording metrics."
+        )
+
+
+class ConfigError(MetricLogError):
+    """A backend or writer configuration that cannot work, with what to do instead."""
+
+
+class NoDataError(MetricLogError):
+    """A run directory (or a filtered selection of it) holds no readable record."""
+
+    def __init__(self, where: str, why: str) -> None:
+        self.where = where
+        super().__init__(f"no readable metric record in {where}: {why}")
+
+
+class MixedReductionError(MetricLogError):
+    """The same key was recorded with different reductions by different sources."""
+
+    def __init__(self, key: str, origins: dict[str, list[str]]) -> None:
+        self.key = key
+        self.origins = origins
+        where = "; ".join(f"{red} by {', '.join(srcs)}" for red, srcs in sorted(origins.items()))
+        super().__init__(
+            f"key '{key}' is recorded with more than one reduction ({where}). "
+            f"Choose one with --reduce '{key}=STAT'."
+        )
+
+
+class StrictModeError(MetricLogError):
+    """--strict was given and the reader skipped records or files."""

@@ -1,0 +1,260 @@
+"""The data model: Reduce, Metric, LoggingMode and the mergeable accumulators.
+
+Names follow torchforge's observability module ('Metric Logging updates 5/N'). Two
+things differ from it on purpose:
+
+* ``StdAccumulator`` keeps (count, mean, M2) and merges with Chan et al.'s parallel
+  formula. The seed's sqrt(E[x^2] - E[x]^2) cancels catastrophically: for values
+  1e8 + N(0, 1) it returns 1.41 where the true std is ~1.
+* Accumulators also take whole numpy arrays (``append_many``), so the collector can
+  reduce a drained batch without a Python loop per value.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+
+class LoggingMode(Enum):
+    """How a backend receives metrics (and how ``metriclog`` reduces them offline)."""
+
+    GLOBAL_REDUCE = "global_reduce"
+    PER_RANK_REDUCE = "per_rank_reduce"
+    PER_RANK_NO_REDUCE = "per_rank_no_reduce"
+
+
+class BackendRole(Enum):
+    """LOCAL backends live in a rank; GLOBAL ones in a controller that merges states."""
+
+    LOCAL = "local"
+    GLOBAL = "global"
+
+
+class Reduce(str, Enum):
+    """How the values of one key are reduced within a step.
+
+    The members are strings ("mean", ...), which is what the raw record stores.
+    """
+
+    MEAN = "mean"
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    STD = "std"
+
+    @property
+    def accumulator_class(self) -> type[MetricAccumulator]:
+        return _ACCUMULATORS[self]
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class Metric:
+    """One observation of one metric.
+
+    ``step``, ``rank`` and ``process`` are filled in by the collector when the metric
+    is written; a reduced Metric carries the step it was reduced for.
+    """
+
+    key: str
+    value: float
+    reduction: Reduce = Reduce.MEAN
+    timestamp: float = field(default_factory=time.time)
+    step: int | None = None
+    rank: int | None = None
+    process: str | None = None
+
+
+class MetricAccumulator:
+    """Accumulates the values of one key; its state merges with other ranks' states."""
+
+    def __init__(self, reduction: Reduce) -> None:
+        self.reduction = reduction
+        self.reset()
+
+    def reset(self) -> None:
+        raise NotImplementedError
+
+    def append(self, value: float) -> None:
+        self.append_many(np.asarray([value], dtype=np.float64))
+
+    def append_many(self, values: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def get_value(self) -> float:
+        return self.get_reduced_value_from_states([self.get_state()])
+
+    def get_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
+        raise NotImplementedError
+
+
+class MeanAccumulator(MetricAccumulator):
+    def reset(self) -> None:
+        self.sum = 0.0
+        self.count = 0
+
+    def append_many(self, values: np.ndarray) -> None:
+        self.sum += float(values.sum())
+        self.count += len(values)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"reduction_type": self.reduction.value, "sum": self.sum, "count": self.count}
+
+    @classmethod
+    def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
+        count = sum(s["count"] for s in states)
+        return sum(s["sum"] for s in states) / count if count else math.nan
+
+
+class SumAccumulator(MetricAccumulator):
+    def reset(self) -> None:
+        self.sum = 0.0
+        self.count = 0
+
+    def append_many(self, values: np.ndarray) -> None:
+        self.sum += float(values.sum())
+        self.count += len(values)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"reduction_type": self.reduction.value, "sum": self.sum, "count": self.count}
+
+    @classmethod
+    def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
+        return float(sum(s["sum"] for s in states))
+
+
+class _ExtremumAccumulator(MetricAccumulator):
+    _pick = staticmethod(max)
+    _np_pick = staticmethod(np.max)
+
+    def reset(self) -> None:
+        self.value: float | None = None
+        self.count = 0
+
+    def append_many(self, values: np.ndarray) -> None:
+        if len(values) == 0:
+            return
+        # NaN propagates, as in numpy and in the offline reduction.
+        batch = float(self._np_pick(values))
+        if self.value is None or math.isnan(batch):
+            self.value = batch
+        elif not math.isnan(self.value):
+            self.value = self._pick(self.value, batch)
+        self.count += len(values)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"reduction_type": self.reduction.value, "value": self.value, "count": self.count}
+
+    @classmethod
+    def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
+        values = [s["value"] for s in states if s["value"] is not None]
+        if not values:
+            return math.nan
+        if any(math.isnan(v) for v in values):
+            return math.nan
+        return float(cls._pick(values))
+
+
+class MaxAccumulator(_ExtremumAccumulator):
+    _pick = staticmethod(max)
+    _np_pick = staticmethod(np.max)
+
+
+class MinAccumulator(_ExtremumAccumulator):
+    _pick = staticmethod(min)
+    _np_pick = staticmethod(np.min)
+
+
+class StdAccumulator(MetricAccumulator):
+    """Population std (ddof=0) from (count, mean, M2), merged with Chan's formula."""
+
+    def reset(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    def append_many(self, values: np.ndarray) -> None:
+        if len(values) == 0:
+            return
+        n_b = len(values)
+        mean_b = float(values.mean())
+        m2_b = float(((values - mean_b) ** 2).sum())
+        self.count, self.mean, self.m2 = _merge_moments((self.count, self.mean, self.m2), (n_b, mean_b, m2_b))
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "reduction_type": self.reduction.value,
+            "count": self.count,
+            "mean": self.mean,
+            "m2": self.m2,
+        }
+
+    @classmethod
+    def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
+        acc: tuple[int, float, float] = (0, 0.0, 0.0)
+        for s in states:
+            acc = _merge_moments(acc, (s["count"], s["mean"], s["m2"]))
+        count, _, m2 = acc
+        if count == 0:
+            return math.nan
+        return math.sqrt(max(m2, 0.0) / count)
+
+
+def _merge_moments(a: tuple[int, float, float], b: tuple[int, float, float]) -> tuple[int, float, float]:
+    n_a, mean_a, m2_a = a
+    n_b, mean_b, m2_b = b
+    if n_a == 0:
+        return n_b, mean_b, m2_b
+    if n_b == 0:
+        return n_a, mean_a, m2_a
+    n = n_a + n_b
+    delta = mean_b - mean_a
+    return n, mean_a + delta * n_b / n, m2_a + m2_b + delta * delta * n_a * n_b / n
+
+
+_ACCUMULATORS: dict[Reduce, type[MetricAccumulator]] = {
+    Reduce.MEAN: MeanAccumulator,
+    Reduce.SUM: SumAccumulator,
+    Reduce.MAX: MaxAccumulator,
+    Reduce.MIN: MinAccumulator,
+    Reduce.STD: StdAccumulator,
+}
+
+
+def reduce_metrics_states(states: Iterable[dict[str, dict[str, Any]]]) -> list[Metric]:
+    """Merge per-rank accumulator states ({key: state}) into one reduced Metric per key.
+
+    This is what a live GLOBAL_REDUCE controller does with the states each rank
+    returns from ``MetricCollector.flush(step, return_state=True)``.
+
+    >>> a = MeanAccumulator(Reduce.MEAN); a.append(1.0); a.append(2.0)
+    >>> b = MeanAccumulator(Reduce.MEAN); b.append(6.0)
+    >>> reduce_metrics_states([{"loss": a.get_state()}, {"loss": b.get_state()}])[0].value
+    3.0
+    """
+    by_key: dict[str, list[dict[str, Any]]] = {}
+    for rank_states in states:
+        for key, state in rank_states.items():
+            by_key.setdefault(key, []).append(state)
+    metrics = []
+    for key, key_states in by_key.items():
+        kinds = {s["reduction_type"] for s in key_states}
+        if len(kinds) > 1:
+            raise ValueError(f"key '{key}' has states of several reductions: {sorted(kinds)}")
+        reduction = Reduce(kinds.pop())
+        value = reduction.accumulator_class.get_reduced_value_from_states(key_states)
+        metrics.append(Metric(key=key, value=value, reduction=reduction))
+    return metrics

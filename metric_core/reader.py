@@ -1,0 +1,526 @@
+"""Read a run directory into one polars LazyFrame in the record schema, with a health report.
+
+Every file of SPEC section 2 is read (recursively: ``*.jsonl``, ``*.parquet`` and the
+writer's ``*.arrows`` tails; names starting with "." are not data). Bad input is
+survived and reported, never silently dropped:
+
+* a JSONL line that is not JSON, lacks a required field, or holds a value that is not
+  a number is skipped and reported with its line number;
+* a half-written last JSONL line (a crash mid-write) is skipped and reported as such;
+* a Parquet file that cannot be read is skipped and named;
+* an Arrow tail cut short by a kill is read up to its last complete batch.
+
+The happy path is vectorized: JSONL goes through polars' NDJSON parser with every
+field read as text and cast in bulk, Parquet is scanned lazily. Only a JSONL file that
+polars cannot parse at all falls back to a line-by-line pass that finds the bad lines.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from metric_core import journal
+from metric_core.errors import MetricLogError, NoDataError
+from metric_core.schema import (
+    DATA_SUFFIXES,
+    PARQUET_META_KEY,
+    POLARS_SCHEMA,
+    REQUIRED_FIELDS,
+    SEGMENT_EVENT,
+    SHUTDOWN_EVENT,
+)
+
+MAX_LINES_KEPT = 1000
+_TEXT_SCHEMA = {name: pl.String() for name in (*POLARS_SCHEMA, "event")}
+_TRUNCATED = "half-written last line (the writer was killed mid-write)"
+
+
+@dataclass
+class FileReport:
+    """What reading one file gave."""
+
+    path: Path
+    format: str
+    records: int = 0
+    skipped: int = 0
+    skipped_lines: list[tuple[int, str]] = field(default_factory=list)
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    truncated: bool = False
+    unreadable: str | None = None
+    superseded_by: str | None = None
+
+    def skip(self, reason: str, count: int = 1, lines: list[int] | None = None) -> None:
+        self.skipped += count
+        self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + count
+        for line in lines or []:
+            if len(self.skipped_lines) < MAX_LINES_KEPT:
+                self.skipped_lines.append((line, reason))
+
+
+@dataclass
+class Shutdown:
+    """A clean end recorded by a writer's shutdown()."""
+
+    process: str
+    rank: int
+    timestamp: float | None
+
+
+@dataclass
+class ReadReport:
+    """The health of a run directory: per file, what was read and what was skipped."""
+
+    run_dir: Path
+    files: list[FileReport] = field(default_factory=list)
+    shutdowns: list[Shutdown] = field(default_factory=list)
+
+    @property
+    def skipped_records(self) -> int:
+        return sum(f.skipped for f in self.files)
+
+    @property
+    def unreadable_files(self) -> list[FileReport]:
+        return [f for f in self.files if f.unreadable is not None]
+
+    @property
+    def records(self) -> int:
+        return sum(f.records for f in self.files)
+
+    @property
+    def has_skips(self) -> bool:
+        return self.skipped_records > 0 or bool(self.unreadable_files)
+
+    def clean_shutdowns(self) -> set[tuple[str, int]]:
+        return {(s.process, s.rank) for s in self.shutdowns}
+
+    def summary(self, max_files: int = 8, max_lines: int = 3) -> str:
+        """A short multi-line summary of every skip, for stderr; '' when nothing was skipped."""
+        bad = [f for f in self.files if f.skipped or f.unreadable]
+        if not bad:
+            return ""
+        head = (
+            f"skipped {self.skipped_records} record(s) and "
+            f"{len(self.unreadable_files)} unreadable file(s) in {self.run_dir}:"
+        )
+        out = [head]
+        for f in bad[:max_files]:
+            name = _rel(f.path, self.run_dir)
+            if f.unreadable is not None:
+                out.append(f"  {name}: unreadable, skipped ({f.unreadable})")
+                continue
+            detail = "; ".join(f"line {line}: {reason}" for line, reason in f.skipped_lines[:max_lines])
+            if not detail:
+                detail = "; ".join(f"{n} x {r}" for r, n in f.skip_reasons.items())
+            more = f" (+{f.skipped - max_lines} more)" if f.skipped_lines and f.skipped > max_lines else ""
+            out.append(f"  {name}: {f.skipped} skipped: {detail}{more}")
+        if len(bad) > max_files:
+            out.append(f"  ... and {len(bad) - max_files} more file(s)")
+        return "\n".join(out)
+
+
+@dataclass
+class RunScan:
+    """A run directory read lazily: ``frame`` in the record schema plus ``file_id``."""
+
+    run_dir: Path
+    frame: pl.LazyFrame
+    report: ReadReport
+    meta: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.meta.get("name") or self.run_dir.resolve().name)
+
+
+def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
+    """Read every metric file below ``run_dir`` into one LazyFrame and a health report.
+
+    Raises NoDataError when the directory has no readable record.
+
+    >>> scan = scan_run("sample_logs/rl_run")  # doctest: +SKIP
+    >>> scan.frame.select(pl.len()).collect().item()  # doctest: +SKIP
+    """
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise NoDataError(str(root), "it is not a directory")
+    report = ReadReport(run_dir=root)
+    meta = _read_run_json(root)
+    paths = sorted(_data_files(root))
+    superseded = _superseded_tails(paths)
+    frames: list[pl.LazyFrame] = []
+    for path in paths:
+        suffix = path.suffix
+        rep = FileReport(path=path, format=suffix.lstrip("."))
+        report.files.append(rep)
+        if path in superseded:
+            rep.superseded_by = superseded[path]
+            continue
+        if suffix == ".parquet":
+            frame = _scan_parquet(path, rep, report)
+        elif suffix == journal.SUFFIX:
+            frame = _read_journal(path, rep)
+        else:
+            frame = _read_jsonl(path, rep, report)
+        if frame is not None:
+            frames.append(frame.with_columns(file_id=pl.lit(len(report.files) - 1, pl.Int32)))
+    if not frames or report.records == 0:
+        why = "no *.jsonl or *.parquet file was found" if not paths else "every record was skipped"
+        extra = report.summary()
+        raise NoDataError(str(root), why + (f"\n{extra}" if extra else ""))
+    return RunScan(run_dir=root, frame=pl.concat(frames, how="vertical"), report=report, meta=meta)
+
+
+# -- discovery -----------------------------------------------------------------------------
+
+
+def _data_files(root: Path) -> Iterator[Path]:
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for name in filenames:
+            if not name.startswith(".") and name.endswith(DATA_SUFFIXES):
+                yield Path(dirpath) / name
+
+
+def _read_run_json(root: Path) -> dict[str, Any]:
+    path = root / "run.json"
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MetricLogError(f"{path}: not valid JSON ({exc}); fix or remove run.json") from None
+    if not isinstance(meta, dict):
+        raise MetricLogError(f'{path}: must hold a JSON object, e.g. {{"world_size": 8}}')
+    return meta
+
+
+def _parquet_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        kv = pq.read_metadata(path).metadata or {}
+    except Exception:
+        return None
+    raw = kv.get(PARQUET_META_KEY.encode())
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def _jsonl_segment_meta(path: Path) -> dict[str, Any] | None:
+    """The writer's first line of a sealed JSONL segment, if this file has one."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(65536)
+        meta = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and meta.get("event") == SEGMENT_EVENT else None
+
+
+def _superseded_tails(paths: list[Path]) -> dict[Path, str]:
+    """Journals that a sealed segment already holds (a kill between rename and unlink)."""
+    present = set(paths)
+    out = {}
+    for path in paths:
+        if path.suffix == ".parquet":
+            meta = _parquet_meta(path)
+        elif path.suffix == ".jsonl":
+            meta = _jsonl_segment_meta(path)
+        else:
+            continue
+        if meta and isinstance(meta.get("supersedes"), str):
+            tail = path.parent / meta["supersedes"]
+            if tail in present:
+                out[tail] = path.name
+    return out
+
+
+# -- conversion from text columns ----------------------------------------------------------
+
+
+def _number(col: str) -> pl.Expr:
+    text = pl.col(col)
+    lowered = text.str.to_lowercase()
+    return (
+        pl.when(lowered == "true")
+        .then(pl.lit(1.0))
+        .when(lowered == "false")
+        .then(pl.lit(0.0))
+        .otherwise(text.cast(pl.Float64, strict=False))
+    )
+
+
+def _integer(col: str) -> pl.Expr:
+    as_float = pl.col(col).cast(pl.Float64, strict=False)
+    integral = pl.when(as_float.is_finite() & (as_float == as_float.floor())).then(
+        as_float.cast(pl.Int64, strict=False)
+    )
+    return pl.coalesce(pl.col(col).cast(pl.Int64, strict=False), integral)
+
+
+def _typed_from_text(df: pl.DataFrame) -> pl.DataFrame:
+    """Cast a frame of text columns to the record schema; bad cells become null."""
+    return df.select(
+        key=pl.when(pl.col("key") != "").then(pl.col("key")),
+        value=_number("value"),
+        reduction=pl.col("reduction").str.to_lowercase(),
+        step=_integer("step"),
+        timestamp=pl.col("timestamp").cast(pl.Float64, strict=False),
+        rank=_integer("rank"),
+        process=pl.col("process"),
+    )
+
+
+def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
+    """Why each row of ``typed`` with a null required field is bad ('' when it is fine)."""
+    reason = pl.lit("")
+    for name in reversed(REQUIRED_FIELDS):
+        missing = raw[name].is_null()
+        invalid = typed[name].is_null() & ~missing
+        what = "is not a number" if name in ("value", "timestamp") else "is not valid"
+        if name in ("step", "rank"):
+            what = "is not an integer"
+        reason = (
+            pl.when(pl.lit(missing))
+            .then(pl.lit(f"missing '{name}'"))
+            .when(pl.lit(invalid))
+            .then(pl.lit(f"'{name}' {what}"))
+            .otherwise(reason)
+        )
+    return pl.select(reason.alias("reason")).to_series()
+
+
+def _finish(typed: pl.DataFrame) -> pl.DataFrame:
+    return typed.with_columns(process=pl.coalesce(pl.col("process"), pl.format("rank{}", pl.col("rank"))))
+
+
+def _accept(raw: pl.DataFrame, line_numbers: np.ndarray, rep: FileReport, report: ReadReport) -> pl.DataFrame:
+    """Split a text frame into shutdown events, bad rows (reported) and good typed rows."""
+    if "event" in raw.columns:
+        events = raw["event"].is_not_null()
+        if events.any():
+            shutdown_rows = raw.filter(raw["event"] == SHUTDOWN_EVENT)
+            for row in shutdown_rows.iter_rows(named=True):
+                rank = _to_int(row.get("rank"))
+                if row.get("process") is not None and rank is not None:
+                    ts = row.get("timestamp")
+                    report.shutdowns.append(
+                        Shutdown(row["process"], rank, float(ts) if ts is not None else None)
+                    )
+            raw = raw.filter(~events)
+            line_numbers = line_numbers[~events.to_numpy()]
+    typed = _typed_from_text(raw)
+    ok = typed.select(pl.all_horizontal(pl.col(REQUIRED_FIELDS).is_not_null())).to_series()
+    if not ok.all():
+        reasons = _skip_reason(raw, typed).filter(~ok)
+        bad_lines = line_numbers[~ok.to_numpy()]
+        for reason in reasons.unique(maintain_order=True):
+            mask = (reasons == reason).to_numpy()
+            rep.skip(reason, int(mask.sum()), bad_lines[mask][:MAX_LINES_KEPT].tolist())
+        typed = typed.filter(ok)
+    rep.records += typed.height
+    return _finish(typed)
+
+
+def _to_int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+# -- JSONL -------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        rep.unreadable = str(exc)
+        return None
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        last = data[cut:]
+        if _is_json_object(last):
+            data += b"\n"
+        else:
+            rep.truncated = True
+            rep.skip(_TRUNCATED, 1, [data.count(b"\n", 0, cut) + 1])
+            data = data[:cut]
+    if not data.strip():
+        return None
+    buf = np.frombuffer(data, dtype=np.uint8)
+    ends = np.flatnonzero(buf == 10)
+    starts = np.r_[0, ends[:-1] + 1]
+    nonblank = ends > starts
+    line_numbers = np.flatnonzero(nonblank) + 1
+    raw = None
+    try:
+        raw = pl.read_ndjson(io.BytesIO(data), schema=_TEXT_SCHEMA)
+    except (pl.exceptions.PolarsError, ValueError):
+        raw = None
+    if raw is None or raw.height != len(line_numbers):
+        raw, line_numbers = _jsonl_line_by_line(data, rep)
+    return _accept(raw, line_numbers, rep, report).lazy()
+
+
+def _is_json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _jsonl_line_by_line(data: bytes, rep: FileReport) -> tuple[pl.DataFrame, np.ndarray]:
+    """The fallback for files polars cannot parse: find the bad lines one by one."""
+    columns: dict[str, list[str | None]] = {name: [] for name in _TEXT_SCHEMA}
+    numbers = []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            rep.skip("not valid JSON", 1, [number])
+            continue
+        if not isinstance(obj, dict):
+            rep.skip("not a JSON object", 1, [number])
+            continue
+        numbers.append(number)
+        for name, col in columns.items():
+            col.append(_as_text(obj.get(name)))
+    return pl.DataFrame(columns, schema=_TEXT_SCHEMA), np.asarray(numbers, dtype=np.int64)
+
+
+def _as_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "NaN"
+        return repr(value) if math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (int, str)):
+        return str(value)
+    return json.dumps(value)
+
+
+# -- Parquet and Arrow -----------------------------------------------------------------------
+
+
+def _scan_parquet(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+    try:
+        meta = pq.read_metadata(path)
+        schema = pq.read_schema(path)
+    except Exception as exc:
+        rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return None
+    own = _parquet_meta(path)
+    if own and own.get("clean_shutdown") and "process" in own and "rank" in own:
+        report.shutdowns.append(Shutdown(str(own["process"]), int(own["rank"]), own.get("timestamp")))
+    missing = [f for f in REQUIRED_FIELDS if f not in schema.names]
+    if missing:
+        rep.skip(f"lacks column(s) {', '.join(missing)}", meta.num_rows)
+        return None
+    if meta.num_rows == 0:
+        return None
+    lf = pl.scan_parquet(path)
+    ts_type = schema.field("timestamp").type
+    if pa.types.is_timestamp(ts_type):
+        timestamp = pl.col("timestamp").dt.epoch("us").cast(pl.Float64) / 1e6
+    else:
+        timestamp = pl.col("timestamp").cast(pl.Float64, strict=False)
+    value_type = schema.field("value").type
+    if pa.types.is_boolean(value_type) or pa.types.is_integer(value_type) or pa.types.is_floating(value_type):
+        value = pl.col("value").cast(pl.Float64)
+    else:
+        value = pl.col("value").cast(pl.String).pipe(lambda _: _number("value"))
+    process = pl.col("process").cast(pl.String) if "process" in schema.names else pl.lit(None, pl.String)
+    typed = lf.select(
+        key=pl.col("key").cast(pl.String),
+        value=value,
+        reduction=pl.col("reduction").cast(pl.String).str.to_lowercase(),
+        step=pl.col("step").cast(pl.Int64, strict=False),
+        timestamp=timestamp,
+        rank=pl.col("rank").cast(pl.Int64, strict=False),
+        process=process,
+    )
+    ok = pl.all_horizontal(pl.col(REQUIRED_FIELDS).is_not_null())
+    if _may_have_nulls(meta, schema):
+        try:
+            counts = typed.select(bad=(~ok).sum(), total=pl.len()).collect()
+        except pl.exceptions.PolarsError as exc:
+            rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return None
+        bad = int(counts["bad"][0])
+        if bad:
+            rep.skip("a required field is null or not a number", bad)
+        rep.records += int(counts["total"][0]) - bad
+        typed = typed.filter(ok)
+    else:
+        rep.records += meta.num_rows
+    return typed.with_columns(process=pl.coalesce(pl.col("process"), pl.format("rank{}", pl.col("rank"))))
+
+
+def _may_have_nulls(meta: pq.FileMetaData, schema: pa.Schema) -> bool:
+    """False only when the footer's statistics prove every required column is non-null."""
+    if not pa.types.is_floating(schema.field("value").type):
+        return True
+    wanted = {schema.get_field_index(f) for f in REQUIRED_FIELDS}
+    for rg in range(meta.num_row_groups):
+        group = meta.row_group(rg)
+        for ci in range(group.num_columns):
+            col = group.column(ci)
+            if col.path_in_schema not in REQUIRED_FIELDS and ci not in wanted:
+                continue
+            stats = col.statistics
+            if stats is None or not stats.has_null_count or stats.null_count > 0:
+                return True
+    return False
+
+
+def _read_journal(path: Path, rep: FileReport) -> pl.LazyFrame | None:
+    try:
+        decoded = journal.decode(path.read_bytes())
+    except OSError as exc:
+        rep.unreadable = str(exc)
+        return None
+    if decoded.problems and decoded.table is None:
+        rep.unreadable = "; ".join(decoded.problems)
+        return None
+    for problem in decoded.problems:
+        rep.skip(problem, 0)
+    if decoded.truncated:
+        rep.truncated = True
+        rep.skip("unfinished write at the end (the writer was killed mid-write)", decoded.truncated_records)
+    if decoded.unknown_codes:
+        rep.skip("key code without a key definition", decoded.unknown_codes)
+    if decoded.table is None or decoded.table.num_rows == 0:
+        return None
+    df = pl.from_arrow(decoded.table)
+    assert isinstance(df, pl.DataFrame)
+    rep.records += df.height
+    return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
+
+
+def _rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)

@@ -1,0 +1,63 @@
+"""The raw record (SPEC section 2) and the names of the files the writer leaves.
+
+Files of one source (``stem`` is the sanitized process name):
+
+* ``{stem}.{seq:05d}.journal`` the open segment: an append-only binary journal of
+  the collector's buffer (see ``metric_core.journal``), readable up to its last
+  complete frame after a kill.
+* ``{stem}.{seq:05d}.parquet`` or ``.jsonl``: a sealed segment. It names the journal
+  it supersedes (Parquet key-value metadata ``metriclog``, or a first JSONL line
+  ``{"event": "segment", "supersedes": ...}``), so a journal left behind by a kill
+  between the atomic rename and the unlink is not read twice.
+* ``.{name}.tmp``              work in progress; names starting with "." are not data.
+"""
+
+from __future__ import annotations
+
+import re
+
+import polars as pl
+import pyarrow as pa
+
+REQUIRED_FIELDS = ("key", "value", "reduction", "step", "timestamp", "rank")
+FIELDS = (*REQUIRED_FIELDS, "process")
+
+POLARS_SCHEMA: dict[str, pl.DataType] = {
+    "key": pl.String(),
+    "value": pl.Float64(),
+    "reduction": pl.String(),
+    "step": pl.Int64(),
+    "timestamp": pl.Float64(),
+    "rank": pl.Int64(),
+    "process": pl.String(),
+}
+
+ARROW_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("value", pa.float64()),
+        ("reduction", pa.string()),
+        ("step", pa.int64()),
+        ("timestamp", pa.float64()),
+        ("rank", pa.int64()),
+        ("process", pa.string()),
+    ]
+)
+
+DATA_SUFFIXES = (".jsonl", ".parquet", ".journal")
+PARQUET_META_KEY = "metriclog"
+SHUTDOWN_EVENT = "shutdown"
+SEGMENT_EVENT = "segment"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
+
+
+def file_stem(process: str) -> str:
+    """A file-name-safe stem for a process name."""
+    stem = _UNSAFE.sub("_", process).strip(".")
+    return stem or "process"
+
+
+def default_process_name(rank: int) -> str:
+    """The process name a reader fills in when a record has none."""
+    return f"rank{rank}"
