@@ -138,7 +138,12 @@ def main() -> None:
     parser.add_argument("--wandb-records", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    variants = {"seed": args.records, "parquet": args.records, "jsonl": args.records, "wandb": args.wandb_records}
+    variants = {
+        "seed": args.records,
+        "parquet": args.records,
+        "jsonl": args.records,
+        "wandb": args.wandb_records,
+    }
     results: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
         for variant, n in variants.items():
@@ -151,8 +156,10 @@ def main() -> None:
     print()
     print(f"parquet / seed = {med['parquet'] / med['seed']:.2f}x (target <= 1.0x)")
     print(f"jsonl   / seed = {med['jsonl'] / med['seed']:.2f}x (target <= 2.0x)")
-    print(f"wandb.log / parquet = {med['wandb'] / med['parquet']:.0f}x, wandb.log / jsonl = "
-          f"{med['wandb'] / med['jsonl']:.0f}x (target >= 50x)")
+    print(
+        f"wandb.log / parquet = {med['wandb'] / med['parquet']:.0f}x, wandb.log / jsonl = "
+        f"{med['wandb'] / med['jsonl']:.0f}x (target >= 50x)"
+    )
 
 
 if __name__ == "__main__":

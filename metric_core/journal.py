@@ -176,9 +176,7 @@ def build_table(
 
 DICT_SCHEMA = pa.schema(
     [
-        pa.field(f.name, pa.dictionary(pa.int32(), pa.string()))
-        if pa.types.is_string(f.type)
-        else f
+        pa.field(f.name, pa.dictionary(pa.int32(), pa.string())) if pa.types.is_string(f.type) else f
         for f in ARROW_SCHEMA
     ]
 )

@@ -122,7 +122,7 @@ class ReadReport:
                 continue
             detail = "; ".join(f"line {line}: {reason}" for line, reason in f.skipped_lines[:max_lines])
             if not detail:
-                detail = "; ".join(f"{n} x {r}" for r, n in f.skip_reasons.items())
+                detail = "; ".join(f"{n} record(s): {r}" for r, n in f.skip_reasons.items())
             more = f" (+{f.skipped - max_lines} more)" if f.skipped_lines and f.skipped > max_lines else ""
             out.append(f"  {name}: {f.skipped} skipped: {detail}{more}")
         if len(bad) > max_files:

@@ -81,16 +81,14 @@ class LoggerBackend(ABC):
         return None
 
 
-def make_backend(name: str, config: dict[str, Any]) -> LoggerBackend:
-    """Build a backend from its config name: ``console``, ``jsonl``, ``parquet``, ``wandb``."""
-    mode = LoggingMode(config.get("logging_mode", LoggingMode.PER_RANK_REDUCE))
-    if mode is LoggingMode.GLOBAL_REDUCE:
-        raise ConfigError(
-            f"backend '{name}': logging_mode global_reduce is not computed live. Every rank "
-            "writes its raw stream to files; compute the global reduction from them with "
-            "`metriclog reduce RUN_DIR` (or upload it with `metriclog upload RUN_DIR`). "
-            "Use per_rank_reduce or per_rank_no_reduce for a live backend."
-        )
+def make_backend(name: str, config: dict[str, Any] | LoggerBackend) -> LoggerBackend:
+    """Build a backend from its config name (``console``, ``wandb``), or take an instance."""
+    if isinstance(config, LoggerBackend):
+        if config.logging_mode is LoggingMode.GLOBAL_REDUCE:
+            raise ConfigError(_global_reduce_message(name))
+        return config
+    if config.get("logging_mode") in (LoggingMode.GLOBAL_REDUCE, LoggingMode.GLOBAL_REDUCE.value):
+        raise ConfigError(_global_reduce_message(name))
     if name == "console":
         from metric_core.backends.console import ConsoleBackend
 
@@ -105,3 +103,12 @@ def make_backend(name: str, config: dict[str, Any]) -> LoggerBackend:
             "with metric_core.init(run_dir, file_format=...)."
         )
     raise ConfigError(f"unknown backend '{name}': use console or wandb")
+
+
+def _global_reduce_message(name: str) -> str:
+    return (
+        f"backend '{name}': logging_mode global_reduce is not computed live. Every rank "
+        "writes its raw stream to files; compute the global reduction from them with "
+        "`metriclog reduce RUN_DIR` (or upload it with `metriclog upload RUN_DIR`). "
+        "Use per_rank_reduce or per_rank_no_reduce for a live backend."
+    )

@@ -41,7 +41,6 @@ from metric_core.backends import LoggerBackend
 from metric_core.errors import ConfigError
 from metric_core.metric import BackendRole, Metric
 from metric_core.schema import (
-    ARROW_SCHEMA,
     PARQUET_META_KEY,
     SEGMENT_EVENT,
     SHUTDOWN_EVENT,

@@ -1,0 +1,76 @@
+"""Shared fixtures: runs written by the real writer, and raw values for ground truth."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metric_core import MetricCollector, Reduce
+
+os.environ.setdefault("WANDB_SILENT", "true")
+
+
+@pytest.fixture(autouse=True)
+def _no_global_collector():
+    """Every test starts and ends without a module-level collector."""
+    import metric_core
+
+    yield
+    metric_core.shutdown()
+
+
+def write_collector_run(
+    run_dir: Path,
+    sources: list[tuple[str, int]],
+    *,
+    steps: int = 20,
+    file_format: str = "parquet",
+    seed: int = 0,
+    shutdown: bool = True,
+    segment_records: int = 1_000_000,
+) -> list[dict]:
+    """Write a run with one MetricCollector per source; return every raw record written.
+
+    Each source records keys with several values per step, some keys only on some steps.
+    """
+    rng = np.random.default_rng(seed)
+    truth: list[dict] = []
+    for process, rank in sources:
+        c = MetricCollector(
+            run_dir,
+            rank=rank,
+            process_name=process,
+            file_format=file_format,
+            segment_records=segment_records,
+        )
+        for step in range(steps):
+            for key, red, n in (
+                ("trainer/loss", Reduce.MEAN, 3),
+                ("trainer/grad_norm", Reduce.MAX, 2),
+                ("policy/tokens", Reduce.SUM, 4),
+                ("policy/latency_s", Reduce.STD, 5),
+            ):
+                if key == "policy/tokens" and step % 3 == rank % 3:
+                    continue  # missing on some steps
+                for _ in range(n):
+                    value = float(rng.normal(1e8 if red is Reduce.STD else 0.0, 1.0))
+                    c.record(key, value, red)
+                    truth.append(
+                        {
+                            "process": process,
+                            "rank": rank,
+                            "step": step,
+                            "key": key,
+                            "value": value,
+                            "reduction": red.value,
+                        }
+                    )
+            c.flush(step)
+        if shutdown:
+            c.shutdown()
+        else:
+            c._close_unclean()
+    return truth

@@ -1,0 +1,222 @@
+"""The reader survives and reports every bad input of SPEC section 6, and loses nothing else."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from metric_core import scan_run
+from metric_core.errors import NoDataError
+
+from .conftest import write_collector_run
+
+
+def rec(i: int, **over) -> dict:
+    r = {
+        "key": "loss",
+        "value": float(i),
+        "reduction": "mean",
+        "step": i,
+        "timestamp": 1.7e9 + i,
+        "rank": 0,
+        "process": "p0",
+    }
+    r.update(over)
+    return r
+
+
+def jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def values(scan) -> list[float]:
+    return sorted(scan.frame.collect()["value"].to_list())
+
+
+def test_bad_jsonl_lines_are_skipped_with_line_numbers_and_the_rest_is_kept(tmp_path):
+    jsonl(
+        tmp_path / "a.jsonl",
+        [
+            rec(0),
+            "{not json",
+            rec(2, value="abc"),
+            {k: v for k, v in rec(3).items() if k != "step"},
+            rec(4, value=True),
+            "",
+            rec(6, step="6"),
+            rec(7, value=None),
+            [1, 2],
+            rec(9, rank=1.5),
+            rec(10),
+        ],
+    )
+    scan = scan_run(tmp_path)
+    (f,) = scan.report.files
+    assert f.skipped_lines == [
+        (2, "not valid JSON"),
+        (9, "not a JSON object"),
+        (3, "'value' is not a number"),
+        (4, "missing 'step'"),
+        (8, "missing 'value'"),
+        (10, "'rank' is not an integer"),
+    ]
+    assert f.skipped == 6
+    assert values(scan) == [0.0, 1.0, 6.0, 10.0]  # true -> 1.0; "6" is a valid step
+    summary = scan.report.summary()
+    assert "a.jsonl: 6 skipped: line 2: not valid JSON; line 9: not a JSON object; line 3:" in summary
+
+
+def test_bad_fields_on_the_fast_path_are_reported_too(tmp_path):
+    """A file polars parses whole: bad fields still get their line numbers."""
+    jsonl(tmp_path / "a.jsonl", [rec(0), rec(1, value="abc"), rec(2), {"key": "k"}, rec(4)])
+    (f,) = scan_run(tmp_path).report.files
+    assert sorted(f.skipped_lines) == [
+        (2, "'value' is not a number"),
+        (4, "missing 'value'"),
+    ]
+
+
+def test_half_written_last_line_is_skipped_and_said(tmp_path):
+    path = tmp_path / "r.jsonl"
+    jsonl(path, [rec(0), rec(1)])
+    with open(path, "a") as f:
+        f.write('{"key": "loss", "value": 2.0, "redu')
+    scan = scan_run(tmp_path)
+    (f,) = scan.report.files
+    assert f.truncated
+    assert f.skipped_lines == [(3, "half-written last line (the writer was killed mid-write)")]
+    assert values(scan) == [0.0, 1.0]
+
+
+def test_a_complete_last_line_without_newline_is_kept(tmp_path):
+    (tmp_path / "r.jsonl").write_text(json.dumps(rec(0)) + "\n" + json.dumps(rec(1)))
+    scan = scan_run(tmp_path)
+    assert values(scan) == [0.0, 1.0]
+    assert not scan.report.has_skips
+
+
+def test_python_json_nan_tokens_and_string_spellings_are_numbers(tmp_path):
+    (tmp_path / "r.jsonl").write_text(
+        "\n".join(
+            json.dumps(rec(i, value=v))
+            for i, v in enumerate([math.nan, math.inf, -math.inf, "NaN", "-Infinity"])
+        )
+        + "\n"
+    )
+    got = scan_run(tmp_path).frame.collect().sort("step")["value"].to_list()
+    assert math.isnan(got[0]) and math.isnan(got[3])
+    assert got[1] == math.inf and got[2] == -math.inf and got[4] == -math.inf
+
+
+def test_missing_process_is_filled_from_rank_and_extra_fields_are_ignored(tmp_path):
+    r = rec(0, rank=3, extra={"a": 1})
+    del r["process"]
+    jsonl(tmp_path / "x.jsonl", [r])
+    df = scan_run(tmp_path).frame.collect()
+    assert df.select("process", "rank").row(0) == ("rank3", 3)
+
+
+def test_unreadable_parquet_is_named_and_skipped(tmp_path):
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
+    jsonl(tmp_path / "ok.jsonl", [rec(0)])
+    scan = scan_run(tmp_path)
+    (bad,) = scan.report.unreadable_files
+    assert bad.path.name == "broken.parquet"
+    assert "broken.parquet: unreadable, skipped" in scan.report.summary()
+    assert values(scan) == [0.0]
+
+
+def test_parquet_lacking_a_required_column_is_skipped_and_counted(tmp_path):
+    pq.write_table(pa.table({"key": ["a"], "value": [1.0]}), tmp_path / "thin.parquet")
+    jsonl(tmp_path / "ok.jsonl", [rec(0)])
+    scan = scan_run(tmp_path)
+    f = next(f for f in scan.report.files if f.path.name == "thin.parquet")
+    assert f.skip_reasons == {"lacks column(s) reduction, step, timestamp, rank": 1}
+
+
+def test_parquet_nulls_and_other_types_are_handled(tmp_path):
+    ts = pa.array([1_700_000_000_000_000, 1_700_000_001_500_000, None], pa.timestamp("us", tz="UTC"))
+    pq.write_table(
+        pa.table(
+            {
+                "key": ["a", "b", "c"],
+                "value": pa.array([1, None, 3], pa.int32()),
+                "reduction": ["mean"] * 3,
+                "step": [0, 1, 2],
+                "timestamp": ts,
+                "rank": [0, 0, 0],
+            }
+        ),
+        tmp_path / "typed.parquet",
+    )
+    scan = scan_run(tmp_path)
+    df = scan.frame.collect()
+    assert df.select("key", "value", "timestamp", "process").rows() == [("a", 1.0, 1.7e9, "rank0")]
+    (f,) = scan.report.files
+    assert f.skipped == 2
+
+
+def test_empty_directory_stray_files_and_dot_files(tmp_path):
+    with pytest.raises(NoDataError, match=r"no \*.jsonl or \*.parquet file was found"):
+        scan_run(tmp_path)
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / ".hidden.jsonl").write_text("garbage\n")
+    (tmp_path / ".cache").mkdir()
+    jsonl(tmp_path / ".cache" / "x.jsonl", ["garbage"])
+    with pytest.raises(NoDataError):
+        scan_run(tmp_path)
+    (tmp_path / "sub" / "deeper").mkdir(parents=True)
+    jsonl(tmp_path / "sub" / "deeper" / "r.jsonl", [rec(5)])
+    scan = scan_run(tmp_path)
+    assert values(scan) == [5.0]
+    assert not scan.report.has_skips
+
+
+def test_a_directory_of_only_bad_records_is_no_data(tmp_path):
+    jsonl(tmp_path / "bad.jsonl", ["nope", rec(1, value="x")])
+    with pytest.raises(NoDataError, match="every record was skipped"):
+        scan_run(tmp_path)
+
+
+def test_not_a_directory(tmp_path):
+    with pytest.raises(NoDataError, match="it is not a directory"):
+        scan_run(tmp_path / "missing")
+
+
+def test_truncated_journal_is_read_up_to_its_last_whole_frame(tmp_path):
+    write_collector_run(tmp_path, [("w", 0)], steps=4, shutdown=False)
+    # An unclean end seals its journal; recreate the crash state from a live collector.
+    from metric_core import MetricCollector
+
+    c = MetricCollector(tmp_path / "live", rank=0, process_name="w")
+    for step in range(3):
+        for i in range(10):
+            c.record("k", float(step * 10 + i))
+        c.flush(step)
+    (journal,) = (tmp_path / "live").glob("*.journal")
+    data = journal.read_bytes()
+    c._stop.set()
+    journal.write_bytes(data[:-50])  # cut the last frame
+    scan = scan_run(tmp_path / "live")
+    (f,) = scan.report.files
+    assert f.truncated
+    assert values(scan) == [float(i) for i in range(20)]
+    assert "unfinished write at the end" in scan.report.summary()
+
+
+def test_both_formats_and_many_sources_read_into_one_frame(tmp_path):
+    a = write_collector_run(tmp_path, [("TrainActor_r0", 0), ("TrainActor_r1", 1)], file_format="parquet")
+    b = write_collector_run(tmp_path, [("GeneratorActor_r0", 0)], file_format="jsonl", seed=3)
+    df = scan_run(tmp_path).frame.collect()
+    assert df.height == len(a) + len(b)
+    got = df.group_by("process").agg(pl.col("value").sum()).sort("process")
+    truth = pl.DataFrame(a + b).group_by("process").agg(pl.col("value").sum()).sort("process")
+    np.testing.assert_allclose(got["value"].to_numpy(), truth["value"].to_numpy(), rtol=1e-12)

@@ -1,0 +1,345 @@
+"""The writer: round trips on real files, step stamping, backends, configuration errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow.parquet as pq
+import pytest
+
+import metric_core
+from metric_core import LoggerBackend, LoggingMode, MetricCollector, Reduce, scan_run
+from metric_core.errors import ConfigError, NotInitializedError
+from metric_core.metric import BackendRole
+
+from .conftest import write_collector_run
+
+
+def read_back(run_dir: Path) -> pl.DataFrame:
+    scan = scan_run(run_dir)
+    assert not scan.report.has_skips, scan.report.summary()
+    return scan.frame.drop("file_id").collect().sort("process", "timestamp")
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_every_record_comes_back_exactly_with_its_step(tmp_path, file_format):
+    truth = write_collector_run(
+        tmp_path,
+        [("TrainActor_r0", 0), ("GeneratorActor_r0", 0), ("TrainActor_r1", 1)],
+        file_format=file_format,
+        segment_records=37,  # many sealed segments
+    )
+    got = read_back(tmp_path)
+    expected = pl.DataFrame(truth).select("process", "rank", "step", "key", "value", "reduction")
+    key = ["process", "rank", "step", "key", "value", "reduction"]
+    assert got.height == len(truth)
+    assert got.select(key).sort(key).equals(expected.sort(key))
+    assert sorted(p.suffix for p in tmp_path.iterdir() if p.suffix != ".json") == sorted(
+        ["." + file_format] * len([p for p in tmp_path.iterdir() if p.suffix == "." + file_format])
+    ), "after shutdown only sealed segments remain"
+
+
+def test_module_api_stamps_steps_as_spec_section_4(tmp_path):
+    metric_core.init(tmp_path, rank=3, process_name="TrainActor_r3", step=10)
+    for step in range(10, 13):
+        for i in range(step - 9):
+            metric_core.record_metric("loss", float(i), Reduce.MEAN)
+        metric_core.flush(step)
+    metric_core.record_metric("loss", 99.0)  # recorded after flush(12): step 13
+    assert metric_core.get_collector().step == 13
+    metric_core.shutdown()
+    df = read_back(tmp_path)
+    assert df["step"].to_list() == [10, 11, 11, 12, 12, 12, 13]
+    assert df["value"].to_list() == [0.0, 0.0, 1.0, 0.0, 1.0, 2.0, 99.0]
+    assert set(df["rank"]) == {3}
+    assert set(df["process"]) == {"TrainActor_r3"}
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_values_of_every_accepted_type_and_non_finite_values_round_trip(tmp_path, file_format):
+    c = MetricCollector(tmp_path, rank=0, process_name="p", file_format=file_format)
+    inputs = [
+        1,
+        True,
+        False,
+        np.float32(0.5),
+        np.int64(7),
+        np.array(2.5),
+        0.1,
+        1e-300,
+        1.7976931348623157e308,
+        math.nan,
+        math.inf,
+        -math.inf,
+        -0.0,
+    ]
+    for v in inputs:
+        c.record("k", v)
+    c.shutdown()
+    got = read_back(tmp_path)["value"].to_numpy()
+    expected = np.array([float(v) for v in inputs])
+    np.testing.assert_array_equal(got, expected)  # NaN == NaN here, bit-exact otherwise
+
+
+def test_bad_values_keys_and_reductions_are_clear_errors(tmp_path):
+    c = MetricCollector(tmp_path, rank=0)
+    with pytest.raises(TypeError, match=r"metric 'trainer/loss': value '0\.3' of type str is not a number"):
+        c.record("trainer/loss", "0.3")
+    with pytest.raises(TypeError, match="metric 'x': value None"):
+        c.record("x", None)
+    with pytest.raises(TypeError, match="metric key must be a non-empty string"):
+        c.record(5, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="reduction 'avg' is not one of mean, sum, max, min, std"):
+        c.record("x", 1.0, "avg")  # type: ignore[arg-type]
+    c.record("x", 1.0, "max")  # the string form of a Reduce is accepted
+    c.shutdown()
+    df = read_back(tmp_path)
+    assert df.select("key", "value", "reduction").rows() == [("x", 1.0, "max")]
+
+
+def test_record_before_init_says_what_to_do():
+    with pytest.raises(NotInitializedError, match=r"call metric_core.init\(\) once per process"):
+        metric_core.record_metric("loss", 1.0)
+    with pytest.raises(NotInitializedError):
+        metric_core.flush(0)
+
+
+def test_init_twice_is_refused_until_shutdown(tmp_path):
+    metric_core.init(tmp_path / "a")
+    with pytest.raises(ConfigError, match="already called"):
+        metric_core.init(tmp_path / "b")
+    metric_core.shutdown()
+    metric_core.init(tmp_path / "b", world_size=4, config={"lr": 0.1})
+    meta = json.loads((tmp_path / "b" / "run.json").read_text())
+    assert (meta["name"], meta["world_size"], meta["config"]) == ("b", 4, {"lr": 0.1})
+
+
+def test_rank_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    metric_core.init(tmp_path)
+    metric_core.record_metric("a", 1.0)
+    metric_core.shutdown()
+    df = read_back(tmp_path)
+    assert df.select("rank", "process").row(0) == (5, "rank5")
+    assert not (tmp_path / "run.json").exists()  # only rank 0 writes it
+
+
+def test_shutdown_is_recorded_and_an_unclean_end_is_not(tmp_path):
+    write_collector_run(tmp_path, [("clean", 0)], steps=2)
+    write_collector_run(tmp_path, [("died", 1)], steps=2, shutdown=False)
+    scan = scan_run(tmp_path)
+    assert scan.report.clean_shutdowns() == {("clean", 0)}
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_a_restarted_process_appends_new_segments_and_loses_nothing(tmp_path, file_format):
+    first = write_collector_run(tmp_path, [("trainer", 0)], steps=3, file_format=file_format, shutdown=False)
+    second = write_collector_run(tmp_path, [("trainer", 0)], steps=3, file_format=file_format, seed=9)
+    assert read_back(tmp_path).height == len(first) + len(second)
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_sealed_files_are_plain_files_other_tools_read(tmp_path, file_format):
+    duckdb = pytest.importorskip("duckdb")
+    pd = pytest.importorskip("pandas")
+    truth = write_collector_run(tmp_path, [("TrainActor_r0", 0)], steps=5, file_format=file_format)
+    files = sorted(tmp_path.glob(f"*.{file_format}"))
+    if file_format == "parquet":
+        frame = pd.concat([pd.read_parquet(f) for f in files])
+        n = duckdb.sql(f"select count(*) from read_parquet({[str(f) for f in files]})").fetchall()[0][0]
+        assert list(pq.read_schema(files[0]).names) == [
+            "key",
+            "value",
+            "reduction",
+            "step",
+            "timestamp",
+            "rank",
+            "process",
+        ]
+    else:
+        frame = pd.concat([pd.read_json(f, lines=True, precise_float=True) for f in files])
+        frame = frame[frame["key"].notna()]  # the writer's segment and shutdown event lines
+        n = len(frame)
+    assert len(frame) == n == len(truth)
+    assert sorted(frame["value"].tolist()) == sorted(r["value"] for r in truth)
+
+
+class Recording(LoggerBackend):
+    """A per-rank reduce backend that keeps what it is given."""
+
+    def __init__(self, mode: str = "per_rank_reduce") -> None:
+        super().__init__({"logging_mode": mode})
+        self.batches: list[tuple[int, dict[str, float]]] = []
+        self.streamed: list[tuple[str, float, int]] = []
+        self.finished = False
+        self.role = None
+
+    async def init(self, role, primary_logger_metadata=None, process_name=None):
+        self.role = role
+
+    async def log_batch(self, metrics, global_step):
+        self.batches.append((global_step, {m.key: m.value for m in metrics}))
+
+    def log_stream(self, metric, global_step):
+        self.streamed.append((metric.key, metric.value, global_step))
+
+    async def finish(self):
+        self.finished = True
+
+
+def test_per_rank_reduce_backend_gets_numpy_reductions_of_each_step(tmp_path):
+    rng = np.random.default_rng(4)
+    backend = Recording()
+    c = MetricCollector(tmp_path, rank=0, backends={"mine": backend}, flush_interval=0.01)
+    raw: dict[int, dict[str, list[float]]] = {}
+    for step in range(6):
+        for key, red in (
+            ("m", Reduce.MEAN),
+            ("s", Reduce.SUM),
+            ("x", Reduce.MAX),
+            ("n", Reduce.MIN),
+            ("d", Reduce.STD),
+        ):
+            values = (1e8 if red is Reduce.STD else 0) + rng.normal(size=int(rng.integers(1, 40)))
+            for v in values:
+                c.record(key, float(v), red)
+            raw.setdefault(step, {})[key] = list(values)
+        if step == 2:
+            import time
+
+            time.sleep(0.05)  # let the writer thread drain part of the step
+        c.flush(step)
+    c.shutdown()
+    assert backend.role is BackendRole.LOCAL
+    assert backend.finished
+    assert [s for s, _ in backend.batches] == list(range(6))
+    for step, reduced in backend.batches:
+        for key, fn in (("m", np.mean), ("s", np.sum), ("x", np.max), ("n", np.min), ("d", np.std)):
+            assert reduced[key] == pytest.approx(float(fn(raw[step][key])), rel=1e-9), (step, key)
+
+
+def test_flush_returns_states_that_merge_into_the_global_reduction(tmp_path):
+    rng = np.random.default_rng(2)
+    collectors = [MetricCollector(tmp_path, rank=r) for r in range(3)]
+    all_values = []
+    for c in collectors:
+        values = 1e8 + rng.normal(size=50)
+        all_values.extend(values)
+        for v in values:
+            c.record("lat", float(v), Reduce.STD)
+    states = [c.flush(0, return_state=True) for c in collectors]
+    for c in collectors:
+        c.shutdown()
+    (metric,) = metric_core.reduce_metrics_states(states)
+    assert metric.value == pytest.approx(float(np.std(all_values)), rel=1e-6)
+
+
+def test_a_stream_backend_gets_every_raw_record_off_the_training_thread(tmp_path):
+    backend = Recording("per_rank_no_reduce")
+    c = MetricCollector(tmp_path, rank=0, backends={"mine": backend})
+    for i in range(5):
+        c.record("k", float(i))
+    c.flush(7)
+    c.shutdown()
+    assert backend.streamed == [("k", float(i), 7) for i in range(5)]
+
+
+def test_global_reduce_backend_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"global_reduce is not computed live.*metriclog reduce"):
+        MetricCollector(tmp_path, backends={"console": {"logging_mode": "global_reduce"}})
+    with pytest.raises(ConfigError, match="logging_mode 'sometimes' is not one of"):
+        MetricCollector(tmp_path, backends={"console": {"logging_mode": "sometimes"}})
+    with pytest.raises(ConfigError, match="unknown backend 'tensorboard'"):
+        MetricCollector(tmp_path, backends={"tensorboard": {}})
+    with pytest.raises(ConfigError, match="file_format 'csv' is not supported"):
+        MetricCollector(tmp_path, file_format="csv")
+
+
+def test_console_backend_prints_reduced_values(tmp_path, capsys):
+    c = MetricCollector(
+        tmp_path,
+        rank=0,
+        process_name="TrainActor_r0",
+        backends={"console": {"logging_mode": "per_rank_reduce"}},
+    )
+    c.record("loss", 1.0)
+    c.record("loss", 2.0)
+    c.flush(4)
+    c.shutdown()
+    assert "[TrainActor_r0] step 4: loss=1.5" in capsys.readouterr().out
+
+
+def test_asyncio_code_flushes_without_blocking_its_loop(tmp_path):
+    backend = Recording()
+
+    async def main():
+        c = MetricCollector(tmp_path, rank=0, backends={"mine": backend})
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        for step in range(3):
+            c.record("k", float(step))
+            await c.aflush(step)
+        task.cancel()
+        c.shutdown()  # a sync call inside a running loop still works
+        return ticks
+
+    ticks = asyncio.run(main())
+    assert ticks > 0
+    assert backend.batches == [(0, {"k": 0.0}), (1, {"k": 1.0}), (2, {"k": 2.0})]
+    assert read_back(tmp_path)["step"].to_list() == [0, 1, 2]
+
+
+def test_background_flush_makes_records_durable_without_a_flush_call(tmp_path):
+    import time
+
+    c = MetricCollector(tmp_path, rank=0, flush_interval=0.05)
+    c.record("k", 1.0)
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        journals = list(tmp_path.glob("*.journal"))
+        if journals and scan_run(tmp_path).report.records == 1:
+            break
+        time.sleep(0.02)
+    assert scan_run(tmp_path).frame.collect()["value"].to_list() == [1.0]
+    c.shutdown()
+
+
+def test_seal_interval_seals_an_open_segment(tmp_path):
+    c = MetricCollector(tmp_path, rank=0, seal_interval=0.0)
+    c.record("k", 1.0)
+    c.flush(0)
+    c._writer.seal_ready()
+    assert [p.suffix for p in tmp_path.iterdir()] == [".parquet"]
+    c.shutdown()
+    assert read_back(tmp_path)["value"].to_list() == [1.0]
+
+
+def test_only_the_writer_imports_nothing_heavy(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, metric_core\n"
+        f"metric_core.init({str(tmp_path)!r})\n"
+        "metric_core.record_metric('a', 1.0); metric_core.flush(0); metric_core.shutdown()\n"
+        "print('wandb' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_logging_mode_enum_is_what_backends_take():
+    assert Recording("per_rank_no_reduce").logging_mode is LoggingMode.PER_RANK_NO_REDUCE
