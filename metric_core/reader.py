@@ -120,11 +120,13 @@ class ReadReport:
             if f.unreadable is not None:
                 out.append(f"  {name}: unreadable, skipped ({f.unreadable})")
                 continue
-            detail = "; ".join(f"line {line}: {reason}" for line, reason in f.skipped_lines[:max_lines])
-            if not detail:
-                detail = "; ".join(f"{n} record(s): {r}" for r, n in f.skip_reasons.items())
-            more = f" (+{f.skipped - max_lines} more)" if f.skipped_lines and f.skipped > max_lines else ""
-            out.append(f"  {name}: {f.skipped} skipped: {detail}{more}")
+            if f.skipped_lines:
+                detail = "; ".join(f"line {line}: {reason}" for line, reason in f.skipped_lines[:max_lines])
+                if f.skipped > max_lines:
+                    detail += f" (+{f.skipped - max_lines} more)"
+            else:
+                detail = "; ".join(f"{n} x {reason}" if n > 1 else reason for reason, n in f.skip_reasons.items())
+            out.append(f"  {name}: {f.skipped} record(s) skipped: {detail}")
         if len(bad) > max_files:
             out.append(f"  ... and {len(bad) - max_files} more file(s)")
         return "\n".join(out)

@@ -8,7 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metric_core import MetricCollector, Reduce
+from metric_core import Metric, MetricCollector, Reduce
+
+BASE_TIME = 1_760_000_000.0
 
 os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -34,7 +36,8 @@ def write_collector_run(
 ) -> list[dict]:
     """Write a run with one MetricCollector per source; return every raw record written.
 
-    Each source records keys with several values per step, some keys only on some steps.
+    Each source records keys with several values per step, some keys only on some steps,
+    with known timestamps (about one step per second, sources slightly apart).
     """
     rng = np.random.default_rng(seed)
     truth: list[dict] = []

@@ -1,0 +1,1 @@
+"""The metriclog command line."""

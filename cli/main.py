@@ -1,0 +1,146 @@
+"""``metriclog``: reduce, upload and diagnose the raw metric streams of a run.
+
+Each command parses its options, makes one metric_core call and prints the result;
+metric_core errors become one ``Error: ...`` line on stderr and exit code 1.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from metric_core.errors import MetricLogError
+
+app = typer.Typer(
+    name="metriclog",
+    help="Reduce, upload and diagnose the raw metric streams that metric_core writes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+T = TypeVar("T")
+
+
+@app.callback()
+def _root() -> None:
+    """Reduce, upload and diagnose the raw metric streams that metric_core writes."""
+
+
+class Mode(str, Enum):
+    global_reduce = "global_reduce"
+    per_rank_reduce = "per_rank_reduce"
+    per_rank_no_reduce = "per_rank_no_reduce"
+
+
+class By(str, Enum):
+    step = "step"
+    time = "time"
+
+
+RunDir = Annotated[
+    Path, typer.Argument(metavar="RUN_DIR", help="Run directory holding *.parquet / *.jsonl files.", show_default=False)
+]
+ModeOpt = Annotated[Mode, typer.Option("--mode", help="Logging mode to compute.")]
+ByOpt = Annotated[By, typer.Option("--by", help="Group by training step or by wall-clock window.")]
+EveryOpt = Annotated[str | None, typer.Option("--every", metavar="DURATION", help="Window length with --by time: 10s, 500ms, 5m, 1h.")]
+ReduceOpt = Annotated[
+    list[str] | None,
+    typer.Option("--reduce", metavar="PATTERN=STAT", help="PATTERN=STAT: reduce matching keys with STAT (mean, sum, max, min, std, "
+                 "count, median, pNN, first, last). Repeatable; the last match wins."),
+]
+KeyOpt = Annotated[list[str] | None, typer.Option("--key", metavar="PATTERN", help="Only keys matching this glob. Repeatable.")]
+RanksOpt = Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Only these ranks, e.g. 0,2-5.")]
+StepsOpt = Annotated[str | None, typer.Option("--steps", metavar="START:STOP", help="Only steps START:STOP (STOP excluded), e.g. 100:200.")]
+StrictOpt = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
+
+
+def fail(message: str) -> typer.Exit:
+    typer.echo(f"Error: {message}", err=True)
+    return typer.Exit(code=1)
+
+
+@contextmanager
+def errors_to_exit() -> Iterator[None]:
+    """Expected failures: one line on stderr and exit 1, never a traceback."""
+    try:
+        yield
+    except MetricLogError as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")) from None
+
+
+def report_skips(scan: Any, strict: bool) -> None:
+    summary = scan.report.summary()
+    if summary:
+        typer.echo(f"warning: {summary}", err=True)
+        if strict:
+            raise fail("--strict: records or files were skipped (see above)")
+
+
+def usage(call: Callable[[], T]) -> T:
+    """Parse an option value; a bad one is a usage error (exit 2)."""
+    from metric_core.reduce import PlanError
+
+    try:
+        return call()
+    except PlanError as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+@app.command()
+def reduce(
+    run_dir: RunDir,
+    mode: ModeOpt = Mode.global_reduce,
+    by: ByOpt = By.step,
+    every: EveryOpt = None,
+    reduce: ReduceOpt = None,
+    key: KeyOpt = None,
+    ranks: RanksOpt = None,
+    steps: StepsOpt = None,
+    out: Annotated[Path | None, typer.Option("--out", metavar="FILE", help="Write to FILE.parquet, .csv or .jsonl.")] = None,
+    wide: Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")] = False,
+    strict: StrictOpt = False,
+) -> None:
+    """Compute a logging mode offline from a run's raw records.
+
+    Example:
+
+        metriclog reduce runs/exp1 --mode per_rank_reduce --reduce 'policy/latency_s=p99' --out latency.csv
+    """
+    from cli.output import print_table, write_frame
+    from metric_core.reduce import execute, make_plan, pivot_wide
+    from metric_core.reader import scan_run
+
+    plan = usage(lambda: make_plan(mode=mode.value, by=by.value, every=every, reduce=reduce or (),
+                                   keys=key or (), ranks=ranks or (), steps=steps))
+    if wide and plan.mode.value == "per_rank_no_reduce":
+        raise typer.BadParameter("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
+    with errors_to_exit():
+        scan = scan_run(run_dir)
+        report_skips(scan, strict)
+        result = execute(plan, scan)
+        for warning in result.warnings:
+            typer.echo(f"warning: {warning}", err=True)
+        frame = pivot_wide(result.frame, plan) if wide else result.frame
+        if out is None:
+            print_table(frame)
+        else:
+            write_frame(frame, out)
+            typer.echo(f"wrote {frame.height} row(s) to {out}", err=True)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
