@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/metriclog inspect sample_logs/rl_run
+	$(BIN)/metriclog reduce sample_logs/rl_run --steps 0:3
+	$(BIN)/metriclog reduce sample_logs/rl_run --mode per_rank_reduce --key "policy/*" --reduce "policy/latency_s=p99" --steps 178:182
 
 test: $(STAMP)
 	$(BIN)/pytest -q

@@ -46,19 +46,39 @@ class By(str, Enum):
 
 
 RunDir = Annotated[
-    Path, typer.Argument(metavar="RUN_DIR", help="Run directory holding *.parquet / *.jsonl files.", show_default=False)
+    Path,
+    typer.Argument(
+        metavar="RUN_DIR", help="Run directory holding *.parquet / *.jsonl files.", show_default=False
+    ),
 ]
 ModeOpt = Annotated[Mode, typer.Option("--mode", help="Logging mode to compute.")]
 ByOpt = Annotated[By, typer.Option("--by", help="Group by training step or by wall-clock window.")]
-EveryOpt = Annotated[str | None, typer.Option("--every", metavar="DURATION", help="Window length with --by time: 10s, 500ms, 5m, 1h.")]
+EveryOpt = Annotated[
+    str | None,
+    typer.Option("--every", metavar="DURATION", help="Window length with --by time: 10s, 500ms, 5m, 1h."),
+]
 ReduceOpt = Annotated[
     list[str] | None,
-    typer.Option("--reduce", metavar="PATTERN=STAT", help="PATTERN=STAT: reduce matching keys with STAT (mean, sum, max, min, std, "
-                 "count, median, pNN, first, last). Repeatable; the last match wins."),
+    typer.Option(
+        "--reduce",
+        metavar="PATTERN=STAT",
+        help="PATTERN=STAT: reduce matching keys with STAT (mean, sum, max, min, std, "
+        "count, median, pNN, first, last). Repeatable; the last match wins.",
+    ),
 ]
-KeyOpt = Annotated[list[str] | None, typer.Option("--key", metavar="PATTERN", help="Only keys matching this glob. Repeatable.")]
-RanksOpt = Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Only these ranks, e.g. 0,2-5.")]
-StepsOpt = Annotated[str | None, typer.Option("--steps", metavar="START:STOP", help="Only steps START:STOP (STOP excluded), e.g. 100:200.")]
+KeyOpt = Annotated[
+    list[str] | None,
+    typer.Option("--key", metavar="PATTERN", help="Only keys matching this glob. Repeatable."),
+]
+RanksOpt = Annotated[
+    str | None, typer.Option("--ranks", metavar="RANKS", help="Only these ranks, e.g. 0,2-5.")
+]
+StepsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--steps", metavar="START:STOP", help="Only steps START:STOP (STOP excluded), e.g. 100:200."
+    ),
+]
 StrictOpt = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
 
 
@@ -106,8 +126,12 @@ def reduce(
     key: KeyOpt = None,
     ranks: RanksOpt = None,
     steps: StepsOpt = None,
-    out: Annotated[Path | None, typer.Option("--out", metavar="FILE", help="Write to FILE.parquet, .csv or .jsonl.")] = None,
-    wide: Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")] = False,
+    out: Annotated[
+        Path | None, typer.Option("--out", metavar="FILE", help="Write to FILE.parquet, .csv or .jsonl.")
+    ] = None,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="One row per step (per source), one column per key.")
+    ] = False,
     strict: StrictOpt = False,
 ) -> None:
     """Compute a logging mode offline from a run's raw records.
@@ -117,11 +141,20 @@ def reduce(
         metriclog reduce runs/exp1 --mode per_rank_reduce --reduce 'policy/latency_s=p99' --out latency.csv
     """
     from cli.output import print_table, write_frame
-    from metric_core.reduce import execute, make_plan, pivot_wide
     from metric_core.reader import scan_run
+    from metric_core.reduce import execute, make_plan, pivot_wide
 
-    plan = usage(lambda: make_plan(mode=mode.value, by=by.value, every=every, reduce=reduce or (),
-                                   keys=key or (), ranks=ranks or (), steps=steps))
+    plan = usage(
+        lambda: make_plan(
+            mode=mode.value,
+            by=by.value,
+            every=every,
+            reduce=reduce or (),
+            keys=key or (),
+            ranks=ranks or (),
+            steps=steps,
+        )
+    )
     if wide and plan.mode.value == "per_rank_no_reduce":
         raise typer.BadParameter("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
     with errors_to_exit():

@@ -32,7 +32,9 @@ def write_frame(df: pl.DataFrame, out: Path) -> None:
 
 def jsonl_bytes(df: pl.DataFrame) -> bytes:
     floats = [c for c, t in df.schema.items() if t == pl.Float64]
-    finite = pl.all_horizontal([pl.col(c).is_finite() | pl.col(c).is_null() for c in floats] or [pl.lit(True)])
+    finite = pl.all_horizontal(
+        [pl.col(c).is_finite() | pl.col(c).is_null() for c in floats] or [pl.lit(True)]
+    )
     if df.select(finite.all()).item():
         buf = io.BytesIO()
         df.write_ndjson(buf)
@@ -66,5 +68,8 @@ def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS) -> None:
     ):
         print(shown)
     if df.height > max_rows:
-        print(f"... {df.height - max_rows} more row(s) not shown ({df.height} in all); "
-              "write them all with --out FILE.parquet|.csv|.jsonl", file=sys.stdout)
+        print(
+            f"... {df.height - max_rows} more row(s) not shown ({df.height} in all); "
+            "write them all with --out FILE.parquet|.csv|.jsonl",
+            file=sys.stdout,
+        )

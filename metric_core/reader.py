@@ -125,7 +125,9 @@ class ReadReport:
                 if f.skipped > max_lines:
                     detail += f" (+{f.skipped - max_lines} more)"
             else:
-                detail = "; ".join(f"{n} x {reason}" if n > 1 else reason for reason, n in f.skip_reasons.items())
+                detail = "; ".join(
+                    f"{n} x {reason}" if n > 1 else reason for reason, n in f.skip_reasons.items()
+                )
             out.append(f"  {name}: {f.skipped} record(s) skipped: {detail}")
         if len(bad) > max_files:
             out.append(f"  ... and {len(bad) - max_files} more file(s)")

@@ -57,7 +57,7 @@ class Statistic:
         if match:
             q = float(match.group(1))
             if q <= 100:
-                return cls(name, q / 100)
+                return cls(name, round(q / 100, 12))
         allowed = ", ".join((*BASIC_STATS, *OFFLINE_STATS, "pNN (e.g. p99, p99.9)"))
         raise PlanError(f"unknown statistic '{text}': use one of {allowed}")
 
@@ -225,9 +225,7 @@ def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
         if t0 is None:
             raise NoDataError(str(scan.run_dir), "no record matches the filters")
         every = float(plan.every or 0)
-        lf = lf.with_columns(
-            window_start=pl.lit(t0) + ((pl.col("timestamp") - t0) / every).floor() * every
-        )
+        lf = lf.with_columns(window_start=pl.lit(t0) + ((pl.col("timestamp") - t0) / every).floor() * every)
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         if plan.overrides:
             warnings.append("--reduce has no effect with --mode per_rank_no_reduce: raw values are kept")

@@ -60,7 +60,8 @@ def write_collector_run(
                     continue  # missing on some steps
                 for _ in range(n):
                     value = float(rng.normal(1e8 if red is Reduce.STD else 0.0, 1.0))
-                    c.record(key, value, red)
+                    ts = BASE_TIME + step * 1.0 + float(rng.uniform(0.0, 0.9)) + rank * 0.01
+                    c.push(Metric(key, value, red, ts))
                     truth.append(
                         {
                             "process": process,
@@ -69,6 +70,7 @@ def write_collector_run(
                             "key": key,
                             "value": value,
                             "reduction": red.value,
+                            "timestamp": ts,
                         }
                     )
             c.flush(step)

@@ -71,7 +71,9 @@ def test_bad_jsonl_lines_are_skipped_with_line_numbers_and_the_rest_is_kept(tmp_
     assert f.skipped == 6
     assert values(scan) == [0.0, 1.0, 6.0, 10.0]  # true -> 1.0; "6" is a valid step
     summary = scan.report.summary()
-    assert "a.jsonl: 6 record(s) skipped: line 2: not valid JSON; line 9: not a JSON object; line 3:" in summary
+    assert (
+        "a.jsonl: 6 record(s) skipped: line 2: not valid JSON; line 9: not a JSON object; line 3:" in summary
+    )
 
 
 def test_bad_fields_on_the_fast_path_are_reported_too(tmp_path):

@@ -1,0 +1,178 @@
+"""The command line through Typer's CliRunner: exit codes, messages, output files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from metric_core import MetricCollector, Reduce
+
+from .conftest import write_collector_run
+
+runner = CliRunner()
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_logs" / "rl_run"
+
+
+def invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli_run")
+    truth = write_collector_run(root, [("TrainActor_r0", 0), ("TrainActor_r1", 1)], steps=8)
+    return root, truth
+
+
+def test_every_command_has_help_with_an_example():
+    commands = [c.name or c.callback.__name__ for c in app.registered_commands]
+    assert "reduce" in commands
+    for name in commands:
+        result = invoke(name, "--help")
+        assert result.exit_code == 0, name
+        assert "Example:" in result.output, name
+        assert "metriclog " + name in result.output, name
+
+
+def test_reduce_prints_a_table(run):
+    root, _ = run
+    result = invoke("reduce", root, "--key", "trainer/loss", "--steps", "0:2")
+    assert result.exit_code == 0, result.output
+    assert "trainer/loss" in result.stdout
+    assert "count" in result.stdout
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".jsonl"])
+def test_reduce_writes_files_by_extension(run, tmp_path, suffix):
+    root, truth = run
+    out = tmp_path / f"out{suffix}"
+    result = invoke("reduce", root, "--mode", "per_rank_reduce", "--out", out)
+    assert result.exit_code == 0, result.output
+    groups = {(r["process"], r["step"], r["key"]) for r in truth}
+    assert f"wrote {len(groups)} row(s) to {out}" in result.stderr
+    read = {".parquet": pl.read_parquet, ".csv": pl.read_csv, ".jsonl": pl.read_ndjson}[suffix]
+    df = read(out)
+    assert df.columns == ["process", "rank", "step", "key", "value", "reduction", "count"]
+    loss = df.filter((pl.col("key") == "trainer/loss") & (pl.col("rank") == 1) & (pl.col("step") == 3))
+    values = [r["value"] for r in truth if r["key"] == "trainer/loss" and r["rank"] == 1 and r["step"] == 3]
+    assert loss["value"][0] == pytest.approx(float(np.mean(values)), rel=1e-12)
+
+
+def test_jsonl_output_keeps_non_finite_values(tmp_path):
+    c = MetricCollector(tmp_path / "run", rank=0)
+    c.record("k", float("inf"), Reduce.MAX)
+    c.shutdown()
+    out = tmp_path / "o.jsonl"
+    assert invoke("reduce", tmp_path / "run", "--out", out).exit_code == 0
+    assert json.loads(out.read_text())["value"] == "Infinity"
+
+
+def test_wide_pivots_one_column_per_key(run):
+    root, _ = run
+    result = invoke("reduce", root, "--wide", "--steps", "0:1")
+    assert result.exit_code == 0
+    header = result.stdout.splitlines()[1]
+    for key in ("policy/latency_s", "policy/tokens", "trainer/grad_norm", "trainer/loss"):
+        assert key in header
+
+
+def test_wide_with_no_reduce_is_a_usage_error(run):
+    root, _ = run
+    result = invoke("reduce", root, "--wide", "--mode", "per_rank_no_reduce")
+    assert result.exit_code == 2
+    assert "--wide needs a reducing mode" in result.stderr
+
+
+def test_mixed_reductions_exit_1_with_the_exact_message(tmp_path):
+    a = MetricCollector(tmp_path, rank=0, process_name="TrainActor_r0")
+    b = MetricCollector(tmp_path, rank=1, process_name="GeneratorActor_r1")
+    a.record("loss", 1.0, Reduce.MEAN)
+    b.record("loss", 2.0, Reduce.SUM)
+    a.shutdown()
+    b.shutdown()
+    result = invoke("reduce", tmp_path)
+    assert result.exit_code == 1
+    assert result.stderr == (
+        "Error: key 'loss' is recorded with more than one reduction (mean by TrainActor_r0 (rank 0); "
+        "sum by GeneratorActor_r1 (rank 1)). Choose one with --reduce 'loss=STAT'.\n"
+    )
+    assert invoke("reduce", tmp_path, "--reduce", "loss=mean").exit_code == 0
+
+
+def test_empty_directory_is_exit_1(tmp_path):
+    result = invoke("reduce", tmp_path)
+    assert result.exit_code == 1
+    assert result.stderr == (
+        f"Error: no readable metric record in {tmp_path}: no *.jsonl or *.parquet file was found\n"
+    )
+
+
+def test_missing_directory_is_exit_1(tmp_path):
+    result = invoke("reduce", tmp_path / "nope")
+    assert result.exit_code == 1
+    assert "it is not a directory" in result.stderr
+
+
+def test_skips_are_summarized_and_strict_makes_them_fatal(tmp_path):
+    write_collector_run(tmp_path, [("w", 0)], steps=2)
+    (tmp_path / "extra.jsonl").write_text(
+        '{"key": "a", "value": "x", "reduction": "mean", "step": 0, "timestamp": 1.0, "rank": 0}\nnot json\n'
+    )
+    result = invoke("reduce", tmp_path)
+    assert result.exit_code == 0
+    assert "warning: skipped 2 record(s) and 0 unreadable file(s)" in result.stderr
+    assert (
+        "extra.jsonl: 2 record(s) skipped: line 2: not valid JSON; line 1: 'value' is not a number"
+        in result.stderr
+    )
+    strict = invoke("reduce", tmp_path, "--strict")
+    assert strict.exit_code == 1
+    assert strict.stderr.endswith("Error: --strict: records or files were skipped (see above)\n")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--by", "time", "--every", "ten"], "--every 'ten' is not a duration"),
+        (["--by", "time"], "--by time needs a window length"),
+        (["--every", "5s"], "--every sets the window of --by time"),
+        (["--steps", "5"], "--steps '5' is not START:STOP"),
+        (["--ranks", "a-b"], "--ranks 'a-b'"),
+        (["--reduce", "loss=avg"], "unknown statistic 'avg'"),
+        (["--mode", "global"], "Invalid value for '--mode'"),
+    ],
+)
+def test_bad_option_syntax_is_a_usage_error(run, args, message):
+    root, _ = run
+    result = invoke("reduce", root, *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+
+
+def test_bad_out_extension_is_exit_1(run, tmp_path):
+    root, _ = run
+    result = invoke("reduce", root, "--out", tmp_path / "x.xlsx")
+    assert result.exit_code == 1
+    assert "use a file ending in .parquet, .csv, .jsonl" in result.stderr
+
+
+def test_long_results_are_cut_and_the_cut_is_said(run):
+    root, _ = run
+    result = invoke("reduce", root, "--mode", "per_rank_no_reduce")
+    assert result.exit_code == 0
+    assert "more row(s) not shown" in result.stdout
+
+
+def test_sample_run_reduces_and_reports_its_killed_generator():
+    result = invoke("reduce", SAMPLE, "--key", "policy/*", "--steps", "179:182", "--mode", "per_rank_reduce")
+    assert result.exit_code == 0, result.output
+    assert "GeneratorActor_r1.00001.journal" in result.stderr
+    assert "unfinished write at the end" in result.stderr
+    assert "GeneratorActor_r1" in result.stdout

@@ -1,0 +1,271 @@
+"""metriclog reduce against numpy over the raw values, for every mode, statistic and filter."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
+from metric_core.errors import MixedReductionError
+from metric_core.reduce import PlanError, Statistic, execute, glob_to_regex, make_plan, reduce_run
+
+from .conftest import write_collector_run
+
+SOURCES_PARQUET = [("TrainActor_r0", 0), ("TrainActor_r1", 1), ("TrainActor_r2", 2)]
+SOURCES_JSONL = [("GeneratorActor_r0", 0), ("GeneratorActor_r1", 1)]
+NUMPY = {
+    "mean": np.mean,
+    "sum": np.sum,
+    "max": np.max,
+    "min": np.min,
+    "std": np.std,
+    "median": np.median,
+    "count": len,
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Many ranks, both formats, several values per step, missing keys, a rank that died."""
+    root = tmp_path_factory.mktemp("run")
+    truth = write_collector_run(root, SOURCES_PARQUET, steps=25, file_format="parquet", seed=1)
+    truth += write_collector_run(root, SOURCES_JSONL, steps=25, file_format="jsonl", seed=2)
+    truth += write_collector_run(root, [("TrainActor_r3", 3)], steps=9, seed=3, shutdown=False)
+    return root, truth
+
+
+def numpy_stat(name: str, rows: list[dict]) -> float:
+    values = np.array([r["value"] for r in rows])
+    if name in ("first", "last"):
+        order = np.argsort([r["timestamp"] for r in rows], kind="stable")
+        return float(values[order[0] if name == "first" else order[-1]])
+    if name.startswith("p"):
+        return float(np.percentile(values, float(name[1:])))
+    return float(NUMPY[name](values))
+
+
+def expected(truth, *, per_rank=False, every=None, stat_of=None, keep=lambda r: True):
+    rows = [r for r in truth if keep(r)]
+    t0 = min(r["timestamp"] for r in rows)
+    groups = defaultdict(list)
+    for r in rows:
+        bucket = r["step"] if every is None else t0 + math.floor((r["timestamp"] - t0) / every) * every
+        source = (r["process"], r["rank"]) if per_rank else ()
+        groups[(*source, bucket, r["key"])].append(r)
+    out = {}
+    for gk, grp in groups.items():
+        stat = stat_of(gk[-1]) if stat_of else grp[0]["reduction"]
+        out[gk] = (numpy_stat(stat, grp), len(grp), stat)
+    return out
+
+
+def check(frame, want, *, per_rank=False, bucket="step"):
+    cols = (["process", "rank"] if per_rank else []) + [bucket, "key"]
+    got = {
+        tuple(row[:-3]): row[-3:] for row in frame.select(*cols, "value", "count", "reduction").iter_rows()
+    }
+    assert set(got) == set(want)
+    for gk, (value, count, stat) in want.items():
+        g_value, g_count, g_stat = got[gk]
+        assert (g_count, g_stat) == (count, stat), gk
+        tol = 1e-6 if stat == "std" else 1e-9
+        assert g_value == pytest.approx(value, rel=tol, abs=1e-12), gk
+
+
+@pytest.mark.parametrize("per_rank", [False, True], ids=["global", "per_rank"])
+def test_recorded_reductions_by_step(run, per_rank):
+    root, truth = run
+    mode = "per_rank_reduce" if per_rank else "global_reduce"
+    frame = reduce_run(root, mode=mode)
+    check(frame, expected(truth, per_rank=per_rank), per_rank=per_rank)
+    cols = ["process", "rank", "step"] if per_rank else ["step"]
+    assert frame.columns == [*cols, "key", "value", "reduction", "count"]
+    assert frame.equals(frame.sort([*cols, "key"]))
+    assert str(frame.schema["value"]) == "Float64"
+    assert str(frame.schema["count"]) == "Int64"
+
+
+@pytest.mark.parametrize(
+    "stat",
+    ["mean", "sum", "max", "min", "std", "count", "median", "p99", "p99.9", "p0", "p50", "first", "last"],
+)
+@pytest.mark.parametrize("per_rank", [False, True], ids=["global", "per_rank"])
+def test_every_statistic_as_an_override(run, stat, per_rank):
+    root, truth = run
+    mode = "per_rank_reduce" if per_rank else "global_reduce"
+    frame = reduce_run(root, mode=mode, reduce=[f"*={stat}"])
+    check(frame, expected(truth, per_rank=per_rank, stat_of=lambda k: stat), per_rank=per_rank)
+
+
+def test_overrides_apply_by_glob_and_the_last_match_wins(run):
+    root, truth = run
+    frame = reduce_run(root, reduce=["policy/*=median", "policy/latency_s=p90", "trainer/l?ss=max"])
+
+    def stat_of(key):
+        return {"policy/latency_s": "p90", "policy/tokens": "median", "trainer/loss": "max"}.get(key) or next(
+            r["reduction"] for r in truth if r["key"] == key
+        )
+
+    check(frame, expected(truth, stat_of=stat_of))
+
+
+@pytest.mark.parametrize("every", [1.0, 2.5, 10.0])
+@pytest.mark.parametrize("per_rank", [False, True], ids=["global", "per_rank"])
+def test_wall_clock_windows(run, every, per_rank):
+    root, truth = run
+    mode = "per_rank_reduce" if per_rank else "global_reduce"
+    frame = reduce_run(root, mode=mode, by="time", every=f"{every}s")
+    assert "window_start" in frame.columns and "step" not in frame.columns
+    check(frame, expected(truth, per_rank=per_rank, every=every), per_rank=per_rank, bucket="window_start")
+
+
+def test_filters_keys_ranks_and_steps(run):
+    root, truth = run
+    frame = reduce_run(root, keys=["trainer/*", "policy/tokens"], ranks="0,2-3", steps="5:12")
+
+    def keep(r):
+        return (
+            (r["key"].startswith("trainer/") or r["key"] == "policy/tokens")
+            and r["rank"] in (0, 2, 3)
+            and (5 <= r["step"] < 12)
+        )
+
+    check(frame, expected(truth, keep=keep))
+
+
+def test_windows_align_to_the_first_timestamp_of_the_selected_data(run):
+    root, truth = run
+    frame = reduce_run(root, by="time", every="3s", steps="4:", keys=["trainer/*"])
+    keep = lambda r: r["step"] >= 4 and r["key"].startswith("trainer/")  # noqa: E731
+    t0 = min(r["timestamp"] for r in truth if keep(r))
+    assert frame["window_start"].min() == t0
+    check(frame, expected(truth, every=3.0, keep=keep), bucket="window_start")
+
+
+def test_per_rank_no_reduce_is_every_raw_record_sorted(run):
+    root, truth = run
+    frame = reduce_run(root, mode="per_rank_no_reduce")
+    assert frame.columns == ["process", "rank", "step", "timestamp", "key", "value", "reduction"]
+    want = sorted((r["process"], r["rank"], r["timestamp"], r["step"], r["key"], r["value"]) for r in truth)
+    got = [(p, rk, t, s, k, v) for p, rk, s, t, k, v, _ in frame.iter_rows()]
+    assert got == want
+
+
+def test_offline_global_reduce_equals_merging_live_states(tmp_path):
+    rng = np.random.default_rng(7)
+    collectors = [MetricCollector(tmp_path, rank=r, process_name=f"r{r}") for r in range(4)]
+    live = {}
+    for step in range(10):
+        states = []
+        for c in collectors:
+            for key, red in (
+                ("m", Reduce.MEAN),
+                ("s", Reduce.SUM),
+                ("x", Reduce.MAX),
+                ("n", Reduce.MIN),
+                ("d", Reduce.STD),
+            ):
+                for v in (1e8 if red is Reduce.STD else 0) + rng.normal(size=int(rng.integers(1, 20))):
+                    c.record(key, float(v), red)
+            states.append(c.flush(step, return_state=True))
+        for metric in reduce_metrics_states(states):
+            live[(step, metric.key)] = metric.value
+    for c in collectors:
+        c.shutdown()
+    offline = {(s, k): v for s, k, v in reduce_run(tmp_path).select("step", "key", "value").iter_rows()}
+    assert offline.keys() == live.keys()
+    for (step, key), value in live.items():
+        if key in ("x", "n"):
+            assert offline[(step, key)] == value  # exact
+        else:
+            assert offline[(step, key)] == pytest.approx(value, rel=1e-9 if key != "d" else 1e-6)
+
+
+def test_same_key_with_two_reductions_names_the_key_and_the_sources(tmp_path):
+    a = MetricCollector(tmp_path, rank=0, process_name="TrainActor_r0")
+    b = MetricCollector(tmp_path, rank=1, process_name="TrainActor_r1")
+    a.record("loss", 1.0, Reduce.MEAN)
+    b.record("loss", 2.0, Reduce.MAX)
+    a.shutdown()
+    b.shutdown()
+    with pytest.raises(MixedReductionError) as err:
+        reduce_run(tmp_path)
+    assert str(err.value) == (
+        "key 'loss' is recorded with more than one reduction (max by TrainActor_r1 (rank 1); "
+        "mean by TrainActor_r0 (rank 0)). Choose one with --reduce 'loss=STAT'."
+    )
+    frame = reduce_run(tmp_path, reduce=["loss=sum"])
+    assert frame.select("value", "reduction", "count").row(0) == (3.0, "sum", 2)
+
+
+def test_nan_makes_a_statistic_nan_as_in_numpy(tmp_path):
+    c = MetricCollector(tmp_path, rank=0)
+    for v in (1.0, math.nan, 3.0):
+        c.record("k", v, Reduce.MAX)
+    c.shutdown()
+    for stat in ("max", "min", "mean", "median", "p50", "std", "sum"):
+        value = reduce_run(tmp_path, reduce=[f"k={stat}"])["value"][0]
+        assert math.isnan(value), stat
+    assert reduce_run(tmp_path, reduce=["k=count"])["value"][0] == 3.0
+    assert reduce_run(tmp_path, reduce=["k=last"])["value"][0] == 3.0
+
+
+def test_a_single_value_has_zero_std(tmp_path):
+    c = MetricCollector(tmp_path, rank=0)
+    c.record("k", 5.0, Reduce.STD)
+    c.shutdown()
+    assert reduce_run(tmp_path)["value"].to_list() == [0.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"reduce": ["k=avg"]}, "unknown statistic 'avg'"),
+        ({"reduce": ["k"]}, "--reduce 'k' is not PATTERN=STAT"),
+        ({"ranks": "1-x"}, "--ranks '1-x': '1-x' is not a rank"),
+        ({"ranks": "5-2"}, "runs backwards"),
+        ({"steps": "200:100"}, "STOP must be greater than START"),
+        ({"steps": "100"}, "--steps '100' is not START:STOP"),
+        ({"by": "time"}, "--by time needs a window length"),
+        ({"by": "time", "every": "ten"}, "--every 'ten' is not a duration"),
+        ({"every": 5.0}, "--every sets the window of --by time"),
+        ({"mode": "global"}, "--mode 'global' is not one of"),
+    ],
+)
+def test_bad_plans_say_what_is_wrong(kwargs, message):
+    with pytest.raises(PlanError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        make_plan(**kwargs)
+
+
+def test_glob_translation():
+    import re
+
+    cases = {
+        "trainer/*": ["trainer/loss", "trainer/a/b"],
+        "a?c": ["abc"],
+        "[lr]oss": ["loss", "ross"],
+        "x[!0-9]": ["xa"],
+        "a.b": ["a.b"],
+    }
+    for pattern, hits in cases.items():
+        for hit in hits:
+            assert re.match(glob_to_regex(pattern), hit), (pattern, hit)
+    assert not re.match(glob_to_regex("a.b"), "axb")
+    assert not re.match(glob_to_regex("x[!0-9]"), "x1")
+    assert Statistic.parse("P99.9") == Statistic("p99.9", 0.999)
+
+
+def test_plan_reads_only_the_columns_a_mode_needs():
+    assert make_plan().input_columns == ["key", "rank", "reduction", "step", "value"]
+    assert "process" in make_plan(mode="per_rank_reduce").input_columns
+
+
+def test_filters_that_match_nothing_are_no_data(run):
+    from metric_core.errors import NoDataError
+
+    root, _ = run
+    with pytest.raises(NoDataError, match="no record matches the filters"):
+        execute(make_plan(keys=["nothing/*"]), scan_run(root))
