@@ -24,7 +24,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from metric_core.schema import ARROW_SCHEMA
+ARROW_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("value", pa.float64()),
+        ("reduction", pa.string()),
+        ("step", pa.int64()),
+        ("timestamp", pa.float64()),
+        ("rank", pa.int64()),
+        ("process", pa.string()),
+    ]
+)
 
 MAGIC = b"MLJ1"
 SUFFIX = ".journal"

@@ -17,9 +17,10 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class LoggingMode(Enum):
@@ -85,6 +86,8 @@ class MetricAccumulator:
         raise NotImplementedError
 
     def append(self, value: float) -> None:
+        import numpy as np
+
         self.append_many(np.asarray([value], dtype=np.float64))
 
     def append_many(self, values: np.ndarray) -> None:
@@ -138,7 +141,7 @@ class SumAccumulator(MetricAccumulator):
 
 class _ExtremumAccumulator(MetricAccumulator):
     _pick = staticmethod(max)
-    _np_pick = staticmethod(np.max)
+    _array_method = "max"
 
     def reset(self) -> None:
         self.value: float | None = None
@@ -148,7 +151,7 @@ class _ExtremumAccumulator(MetricAccumulator):
         if len(values) == 0:
             return
         # NaN propagates, as in numpy and in the offline reduction.
-        batch = float(self._np_pick(values))
+        batch = float(getattr(values, self._array_method)())
         if self.value is None or math.isnan(batch):
             self.value = batch
         elif not math.isnan(self.value):
@@ -170,12 +173,12 @@ class _ExtremumAccumulator(MetricAccumulator):
 
 class MaxAccumulator(_ExtremumAccumulator):
     _pick = staticmethod(max)
-    _np_pick = staticmethod(np.max)
+    _array_method = "max"
 
 
 class MinAccumulator(_ExtremumAccumulator):
     _pick = staticmethod(min)
-    _np_pick = staticmethod(np.min)
+    _array_method = "min"
 
 
 class StdAccumulator(MetricAccumulator):

@@ -21,17 +21,16 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
+
 import polars as pl
-import pyarrow as pa
-import pyarrow.parquet as pq
 
-from metric_core import journal
 from metric_core.errors import MetricLogError, NoDataError
 from metric_core.schema import (
     DATA_SUFFIXES,
@@ -44,6 +43,7 @@ from metric_core.schema import (
 
 MAX_LINES_KEPT = 1000
 _TEXT_SCHEMA = {name: pl.String() for name in (*POLARS_SCHEMA, "event")}
+_TYPED_SCHEMA = {**POLARS_SCHEMA, "event": pl.String()}
 _TRUNCATED = "half-written last line (the writer was killed mid-write)"
 
 
@@ -164,6 +164,7 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
     paths = sorted(_data_files(root))
     superseded = _superseded_tails(paths)
     frames: list[pl.LazyFrame] = []
+    checks: list[tuple[int, FileReport, pl.LazyFrame | None]] = []
     for path in paths:
         suffix = path.suffix
         rep = FileReport(path=path, format=suffix.lstrip("."))
@@ -171,14 +172,19 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
         if path in superseded:
             rep.superseded_by = superseded[path]
             continue
+        check: pl.LazyFrame | None = None
+        trusted = True
         if suffix == ".parquet":
-            frame = _scan_parquet(path, rep, report)
-        elif suffix == journal.SUFFIX:
+            frame, trusted, check = _scan_parquet(path, rep, report)
+        elif suffix == ".journal":
             frame = _read_journal(path, rep)
         else:
             frame = _read_jsonl(path, rep, report)
         if frame is not None:
+            if not trusted:
+                checks.append((len(frames), rep, check))
             frames.append(frame.with_columns(file_id=pl.lit(len(report.files) - 1, pl.Int32)))
+    _run_parquet_checks(frames, checks)
     if not frames or report.records == 0:
         why = "no *.jsonl or *.parquet file was found" if not paths else "every record was skipped"
         extra = report.summary()
@@ -212,10 +218,10 @@ def _read_run_json(root: Path) -> dict[str, Any]:
 
 def _parquet_meta(path: Path) -> dict[str, Any] | None:
     try:
-        kv = pq.read_metadata(path).metadata or {}
+        kv = pl.read_parquet_metadata(path)
     except Exception:
         return None
-    raw = kv.get(PARQUET_META_KEY.encode())
+    raw = kv.get(PARQUET_META_KEY)
     if raw is None:
         return None
     try:
@@ -313,26 +319,51 @@ def _finish(typed: pl.DataFrame) -> pl.DataFrame:
     return typed.with_columns(process=pl.coalesce(pl.col("process"), pl.format("rank{}", pl.col("rank"))))
 
 
-def _accept(raw: pl.DataFrame, line_numbers: np.ndarray, rep: FileReport, report: ReadReport) -> pl.DataFrame:
-    """Split a text frame into shutdown events, bad rows (reported) and good typed rows."""
+def _accept(
+    raw: pl.DataFrame,
+    line_numbers: Callable[[], np.ndarray],
+    rep: FileReport,
+    report: ReadReport,
+    *,
+    typed_input: bool = False,
+) -> pl.DataFrame:
+    """Split a parsed frame into writer events, bad rows (reported) and good typed rows.
+
+    ``raw`` holds text columns, or already typed ones when ``typed_input``; line numbers
+    are only computed when a row has to be reported.
+    """
+    keep = None
     if "event" in raw.columns:
         events = raw["event"].is_not_null()
         if events.any():
-            shutdown_rows = raw.filter(raw["event"] == SHUTDOWN_EVENT)
-            for row in shutdown_rows.iter_rows(named=True):
+            for row in raw.filter(raw["event"] == SHUTDOWN_EVENT).iter_rows(named=True):
                 rank = _to_int(row.get("rank"))
                 if row.get("process") is not None and rank is not None:
                     ts = row.get("timestamp")
                     report.shutdowns.append(
                         Shutdown(row["process"], rank, float(ts) if ts is not None else None)
                     )
-            raw = raw.filter(~events)
-            line_numbers = line_numbers[~events.to_numpy()]
-    typed = _typed_from_text(raw)
+            keep = ~events
+            raw = raw.filter(keep)
+    if typed_input:
+        typed = raw.select(
+            key=pl.when(pl.col("key") != "").then(pl.col("key")),
+            value=pl.col("value"),
+            reduction=pl.col("reduction").str.to_lowercase(),
+            step=pl.col("step"),
+            timestamp=pl.col("timestamp"),
+            rank=pl.col("rank"),
+            process=pl.col("process"),
+        )
+    else:
+        typed = _typed_from_text(raw)
     ok = typed.select(pl.all_horizontal(pl.col(REQUIRED_FIELDS).is_not_null())).to_series()
     if not ok.all():
+        numbers = line_numbers()
+        if keep is not None:
+            numbers = numbers[keep.to_numpy()]
         reasons = _skip_reason(raw, typed).filter(~ok)
-        bad_lines = line_numbers[~ok.to_numpy()]
+        bad_lines = numbers[~ok.to_numpy()]
         for reason in reasons.unique(maintain_order=True):
             mask = (reasons == reason).to_numpy()
             rep.skip(reason, int(mask.sum()), bad_lines[mask][:MAX_LINES_KEPT].tolist())
@@ -368,19 +399,25 @@ def _read_jsonl(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame
             data = data[:cut]
     if not data.strip():
         return None
-    buf = np.frombuffer(data, dtype=np.uint8)
-    ends = np.flatnonzero(buf == 10)
-    starts = np.r_[0, ends[:-1] + 1]
-    nonblank = ends > starts
-    line_numbers = np.flatnonzero(nonblank) + 1
-    raw = None
-    try:
-        raw = pl.read_ndjson(io.BytesIO(data), schema=_TEXT_SCHEMA)
-    except (pl.exceptions.PolarsError, ValueError):
-        raw = None
-    if raw is None or raw.height != len(line_numbers):
-        raw, line_numbers = _jsonl_line_by_line(data, rep)
-    return _accept(raw, line_numbers, rep, report).lazy()
+    blank = data.count(b"\n\n") + data.startswith(b"\n")
+    expected_rows = data.count(b"\n") - blank
+
+    def line_numbers() -> np.ndarray:
+        import numpy as np
+
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+        starts = np.r_[0, ends[:-1] + 1]
+        return np.flatnonzero(ends > starts) + 1
+
+    for schema, typed_input in ((_TYPED_SCHEMA, True), (_TEXT_SCHEMA, False)):
+        try:
+            raw = pl.read_ndjson(io.BytesIO(data), schema=schema)
+        except (pl.exceptions.PolarsError, ValueError):
+            continue
+        if raw.height == expected_rows:
+            return _accept(raw, line_numbers, rep, report, typed_input=typed_input).lazy()
+    raw, numbers = _jsonl_line_by_line(data, rep)
+    return _accept(raw, lambda: numbers, rep, report).lazy()
 
 
 def _is_json_object(line: bytes) -> bool:
@@ -392,6 +429,8 @@ def _is_json_object(line: bytes) -> bool:
 
 def _jsonl_line_by_line(data: bytes, rep: FileReport) -> tuple[pl.DataFrame, np.ndarray]:
     """The fallback for files polars cannot parse: find the bad lines one by one."""
+    import numpy as np
+
     columns: dict[str, list[str | None]] = {name: [] for name in _TEXT_SCHEMA}
     numbers = []
     for number, line in enumerate(data.split(b"\n"), start=1):
@@ -428,78 +467,107 @@ def _as_text(value: Any) -> str | None:
 # -- Parquet and Arrow -----------------------------------------------------------------------
 
 
-def _scan_parquet(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+_EXACT_TYPES = {
+    "key": pl.String,
+    "value": pl.Float64,
+    "reduction": pl.String,
+    "step": pl.Int64,
+    "timestamp": pl.Float64,
+    "rank": pl.Int64,
+}
+
+
+def _scan_parquet(
+    path: Path, rep: FileReport, report: ReadReport
+) -> tuple[pl.LazyFrame | None, bool, pl.LazyFrame | None]:
+    """A lazy typed scan of one file; whether its rows need no check (sealed by our writer
+    from typed arrays, so no nulls by construction); for a file whose columns had to be
+    cast, the query of its null counts after the casts."""
     try:
-        meta = pq.read_metadata(path)
-        schema = pq.read_schema(path)
+        schema = pl.read_parquet_schema(path)
+        rows = pl.scan_parquet(path).select(pl.len()).collect().item()
     except Exception as exc:
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        return None
+        return None, True, None
     own = _parquet_meta(path)
     if own and own.get("clean_shutdown") and "process" in own and "rank" in own:
         report.shutdowns.append(Shutdown(str(own["process"]), int(own["rank"]), own.get("timestamp")))
-    missing = [f for f in REQUIRED_FIELDS if f not in schema.names]
+    missing = [f for f in REQUIRED_FIELDS if f not in schema]
     if missing:
-        rep.skip(f"lacks column(s) {', '.join(missing)}", meta.num_rows)
-        return None
-    if meta.num_rows == 0:
-        return None
-    lf = pl.scan_parquet(path)
-    ts_type = schema.field("timestamp").type
-    if pa.types.is_timestamp(ts_type):
-        timestamp = pl.col("timestamp").dt.epoch("us").cast(pl.Float64) / 1e6
+        rep.skip(f"lacks column(s) {', '.join(missing)}", rows)
+        return None, True, None
+    if rows == 0:
+        return None, True, None
+    exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
+    scan = pl.scan_parquet(path)
+    if exact:
+        typed = scan.select(
+            *REQUIRED_FIELDS,
+            process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
+        )
     else:
-        timestamp = pl.col("timestamp").cast(pl.Float64, strict=False)
-    value_type = schema.field("value").type
-    if pa.types.is_boolean(value_type) or pa.types.is_integer(value_type) or pa.types.is_floating(value_type):
-        value = pl.col("value").cast(pl.Float64)
-    else:
-        value = pl.col("value").cast(pl.String).pipe(lambda _: _number("value"))
-    process = pl.col("process").cast(pl.String) if "process" in schema.names else pl.lit(None, pl.String)
-    typed = lf.select(
-        key=pl.col("key").cast(pl.String),
-        value=value,
-        reduction=pl.col("reduction").cast(pl.String).str.to_lowercase(),
-        step=pl.col("step").cast(pl.Int64, strict=False),
-        timestamp=timestamp,
-        rank=pl.col("rank").cast(pl.Int64, strict=False),
-        process=process,
-    )
+        typed = scan.select(
+            key=pl.col("key").cast(pl.String),
+            value=_parquet_value(schema["value"]),
+            reduction=pl.col("reduction").cast(pl.String).str.to_lowercase(),
+            step=pl.col("step").cast(pl.Int64, strict=False),
+            timestamp=_parquet_timestamp(schema["timestamp"]),
+            rank=pl.col("rank").cast(pl.Int64, strict=False),
+            process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
+        )
+    typed = typed.with_columns(process=pl.coalesce(pl.col("process"), pl.format("rank{}", pl.col("rank"))))
+    rep.records += rows
+    if own is not None and own.get("records") == rows:
+        return typed, True, None
+    # Exact-typed files are checked together, from null counts (read from null bitmaps);
+    # others per file after casting. Rows are only counted where a null was found.
+    return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
+
+
+def _parquet_value(dtype: pl.DataType) -> pl.Expr:
+    if dtype.is_numeric() or dtype == pl.Boolean:
+        return pl.col("value").cast(pl.Float64)
+    return pl.col("value").cast(pl.String).pipe(lambda _: _number("value"))
+
+
+def _parquet_timestamp(dtype: pl.DataType) -> pl.Expr:
+    if dtype.is_temporal():
+        return pl.col("timestamp").cast(pl.Datetime("us")).dt.epoch("us").cast(pl.Float64) / 1e6
+    return pl.col("timestamp").cast(pl.Float64, strict=False)
+
+
+def _run_parquet_checks(
+    frames: list[pl.LazyFrame], checks: list[tuple[int, FileReport, pl.LazyFrame | None]]
+) -> None:
+    """Find foreign Parquet files with bad rows, count those rows and drop them from the scan."""
+    exact = [(i, rep) for i, rep, check in checks if check is None]
+    suspects = [
+        (i, rep)
+        for i, rep, check in checks
+        if check is not None and sum(check.collect(engine="streaming").row(0))
+    ]
+    if exact:
+        totals = pl.scan_parquet([rep.path for _, rep in exact]).select(pl.col(REQUIRED_FIELDS).null_count())
+        if sum(totals.collect(engine="streaming").row(0)):
+            suspects += exact
     ok = pl.all_horizontal(pl.col(REQUIRED_FIELDS).is_not_null())
-    if _may_have_nulls(meta, schema):
+    for index, rep in suspects:
         try:
-            counts = typed.select(bad=(~ok).sum(), total=pl.len()).collect()
+            bad = frames[index].select((~ok).sum()).collect(engine="streaming").item()
         except pl.exceptions.PolarsError as exc:
             rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return None
-        bad = int(counts["bad"][0])
+            rep.records = 0
+            frames[index] = frames[index].head(0)
+            continue
         if bad:
+            rep.records -= bad
             rep.skip("a required field is null or not a number", bad)
-        rep.records += int(counts["total"][0]) - bad
-        typed = typed.filter(ok)
-    else:
-        rep.records += meta.num_rows
-    return typed.with_columns(process=pl.coalesce(pl.col("process"), pl.format("rank{}", pl.col("rank"))))
-
-
-def _may_have_nulls(meta: pq.FileMetaData, schema: pa.Schema) -> bool:
-    """False only when the footer's statistics prove every required column is non-null."""
-    if not pa.types.is_floating(schema.field("value").type):
-        return True
-    wanted = {schema.get_field_index(f) for f in REQUIRED_FIELDS}
-    for rg in range(meta.num_row_groups):
-        group = meta.row_group(rg)
-        for ci in range(group.num_columns):
-            col = group.column(ci)
-            if col.path_in_schema not in REQUIRED_FIELDS and ci not in wanted:
-                continue
-            stats = col.statistics
-            if stats is None or not stats.has_null_count or stats.null_count > 0:
-                return True
-    return False
+            frames[index] = frames[index].filter(ok)
 
 
 def _read_journal(path: Path, rep: FileReport) -> pl.LazyFrame | None:
+    from metric_core import journal  # pyarrow: only for runs that hold a journal
+
     try:
         decoded = journal.decode(path.read_bytes())
     except OSError as exc:

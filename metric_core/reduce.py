@@ -168,6 +168,7 @@ def _matches(patterns: Iterable[str]) -> pl.Expr:
 
 
 def _statistic_expr(stat: Statistic) -> pl.Expr:
+    """The aggregation of one statistic over a group's ``value`` (NaN is handled later)."""
     v = pl.col("value")
     exprs = {
         "mean": v.mean(),
@@ -183,10 +184,7 @@ def _statistic_expr(stat: Statistic) -> pl.Expr:
     expr = exprs.get(stat.name)
     if expr is None:
         expr = v.quantile(stat.quantile or 0.0, interpolation="linear")
-    if stat.name in ("count", "first", "last"):
-        return expr
-    # numpy semantics: a NaN anywhere in the group makes the statistic NaN.
-    return pl.when(v.is_nan().any()).then(pl.lit(float("nan"))).otherwise(expr)
+    return expr.cast(pl.Float64)
 
 
 def _filtered(plan: ReducePlan, frame: pl.LazyFrame) -> pl.LazyFrame:
@@ -238,18 +236,33 @@ def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
 
 
 def _aggregate(plan: ReducePlan, lf: pl.LazyFrame, scan: RunScan) -> pl.DataFrame:
-    lf = lf.with_columns(statistic=_effective_statistic(plan))
+    # One column per statistic that some key needs, all computed in one streaming pass
+    # with polars' native group-by aggregations; each row then picks its own.
     stats = {Statistic.parse(s) for s in BASIC_STATS} | {s for _, s in plan.overrides}
-    value = pl.lit(None, pl.Float64)
-    for stat in sorted(stats, key=lambda s: s.name):
-        value = pl.when(pl.col("statistic").first() == stat.name).then(_statistic_expr(stat)).otherwise(value)
+    names = sorted(s.name for s in stats)
     grouped = (
-        lf.group_by([*plan.group_columns, "key", "statistic"])
-        .agg(value=value.cast(pl.Float64), count=pl.len().cast(pl.Int64))
+        lf.with_columns(statistic=_effective_statistic(plan))
+        .group_by([*plan.group_columns, "key", "statistic"])
+        .agg(
+            *(_statistic_expr(s).alias(f"_{s.name}") for s in stats),
+            _nan=pl.col("value").is_nan().sum(),
+            count=pl.len().cast(pl.Int64),
+        )
         .collect(engine="streaming")
     )
     _check_statistics(plan, grouped, scan)
-    return grouped.rename({"statistic": "reduction"}).select(plan.output_columns).sort(plan.sort_columns)
+    value = pl.lit(None, pl.Float64)
+    for name in names:
+        value = pl.when(pl.col("statistic") == name).then(pl.col(f"_{name}")).otherwise(value)
+    # numpy semantics: a NaN in the group makes every statistic NaN but count, first, last.
+    keeps_nan_out = pl.col("statistic").is_in(["count", "first", "last"])
+    value = pl.when((pl.col("_nan") > 0) & ~keeps_nan_out).then(pl.lit(float("nan"))).otherwise(value)
+    return (
+        grouped.with_columns(value=value)
+        .rename({"statistic": "reduction"})
+        .select(plan.output_columns)
+        .sort(plan.sort_columns)
+    )
 
 
 def _check_statistics(plan: ReducePlan, grouped: pl.DataFrame, scan: RunScan) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import re
 
 import polars as pl
-import pyarrow as pa
 
 REQUIRED_FIELDS = ("key", "value", "reduction", "step", "timestamp", "rank")
 FIELDS = (*REQUIRED_FIELDS, "process")
@@ -31,18 +30,6 @@ POLARS_SCHEMA: dict[str, pl.DataType] = {
     "rank": pl.Int64(),
     "process": pl.String(),
 }
-
-ARROW_SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("value", pa.float64()),
-        ("reduction", pa.string()),
-        ("step", pa.int64()),
-        ("timestamp", pa.float64()),
-        ("rank", pa.int64()),
-        ("process", pa.string()),
-    ]
-)
 
 DATA_SUFFIXES = (".jsonl", ".parquet", ".journal")
 PARQUET_META_KEY = "metriclog"
