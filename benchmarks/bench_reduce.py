@@ -1,11 +1,13 @@
 """`metriclog reduce --mode global_reduce` against DuckDB and the seed's Python replay.
 
-Synthetic runs in the record schema (10 keys, 5 values per key per step, rank files):
+Synthetic runs in the record schema, one file per rank, 10 keys (two of each reduction):
 
-  parquet_2M    32 ranks x 62.5k rows      (growth)
-  parquet_20M   32 ranks x 625k rows
-  parquet_100M  32 ranks x 3.125M rows     (growth)
-  jsonl_2M      8 ranks x 250k rows
+  run              ranks x rows/rank   steps    output groups
+  parquet_2M       32 x 62.5k          1,250    12,500     growth: same run length,
+  parquet_20M      32 x 625k           1,250    12,500     more values per step
+  parquet_100M     32 x 3.125M         1,250    12,500
+  parquet_20M_g    32 x 625k           12,500   125,000    ten times the groups
+  jsonl_2M         8 x 250k            1,250    12,500
 
 For each run, side by side and interleaved over --repeats rounds (medians):
 
@@ -19,7 +21,7 @@ For each run, side by side and interleaved over --repeats rounds (medians):
 Wall time and peak RSS come from wait4() on each child. The DuckDB and metriclog
 outputs are compared value by value before any figure is printed.
 
-Usage: python benchmarks/bench_reduce.py [--sizes 2M,20M,100M,jsonl] [--repeats 3] [--dir DIR]
+Usage: python benchmarks/bench_reduce.py [--sizes 2M,20M,100M,20M_g,jsonl] [--repeats 3] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -40,12 +42,12 @@ import pyarrow.parquet as pq
 
 KEYS = [f"group{i // 4}/metric_{i}" for i in range(10)]
 REDUCTIONS = ["mean", "sum", "max", "min", "std"] * 2
-VALUES_PER_STEP = 5
-RUNS = {
-    "2M": ("parquet", 32, 62_500),
-    "20M": ("parquet", 32, 625_000),
-    "100M": ("parquet", 32, 3_125_000),
-    "jsonl": ("jsonl", 8, 250_000),
+RUNS = {  # name: (format, ranks, rows per rank, steps)
+    "2M": ("parquet", 32, 62_500, 1_250),
+    "20M": ("parquet", 32, 625_000, 1_250),
+    "100M": ("parquet", 32, 3_125_000, 1_250),
+    "20M_g": ("parquet", 32, 625_000, 12_500),
+    "jsonl": ("jsonl", 8, 250_000, 1_250),
 }
 
 DUCKDB_CHILD = """
@@ -72,20 +74,20 @@ COPY (
 
 
 def generate(root: Path, name: str) -> Path:
-    fmt, ranks, rows = RUNS[name]
+    fmt, ranks, rows, steps = RUNS[name]
     run = root / f"{fmt}_{name}"
     done = run / ".complete"
     if done.exists():
         return run
     run.mkdir(parents=True, exist_ok=True)
-    per_step = len(KEYS) * VALUES_PER_STEP
-    steps = rows // per_step
+    values_per_key = rows // (steps * len(KEYS))
+    per_step = len(KEYS) * values_per_key
     for rank in range(ranks):
         rng = np.random.default_rng(rank)
         n = steps * per_step
-        key_idx = np.tile(np.repeat(np.arange(len(KEYS), dtype=np.int32), VALUES_PER_STEP), steps)
+        key_idx = np.tile(np.repeat(np.arange(len(KEYS), dtype=np.int32), values_per_key), steps)
         step = np.repeat(np.arange(steps, dtype=np.int64), per_step)
-        ts = 1.76e9 + step * 2.0 + rng.uniform(0, 1.9, n)
+        ts = 1.76e9 + step * 2.0 + np.sort(rng.uniform(0, 1.9, n).reshape(steps, per_step), axis=1).ravel()
         table = pa.table(
             {
                 "key": pa.DictionaryArray.from_arrays(pa.array(key_idx), pa.array(KEYS)),
@@ -165,7 +167,7 @@ def same_result(a: Path, b: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="2M,20M,100M,jsonl")
+    parser.add_argument("--sizes", default="2M,20M,100M,20M_g,jsonl")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
@@ -173,9 +175,9 @@ def main() -> None:
     metriclog = str(Path(sys.executable).with_name("metriclog"))
     rows_out = []
     for name in args.sizes.split(","):
-        fmt, ranks, per_rank = RUNS[name]
+        fmt, ranks, per_rank, _ = RUNS[name]
         run = generate(args.dir, name)
-        total = ranks * (per_rank // (len(KEYS) * VALUES_PER_STEP)) * len(KEYS) * VALUES_PER_STEP
+        total = ranks * per_rank
         ours, duck = [], []
         for _ in range(args.repeats):
             ours.append(
@@ -234,7 +236,7 @@ def main() -> None:
             f"{r['metriclog_mib']:>10.0f}{r['duckdb_mib']:>10.0f}{r['rss_ratio']:>6.2f}x{r['replay_s']:>10.0f}"
             f"{r['vs_replay']:>7.0f}x"
         )
-    parquet = [r for r in rows_out if r["run"].startswith("parquet")]
+    parquet = [r for r in rows_out if r["run"] in ("parquet_2M", "parquet_20M", "parquet_100M")]
     if len(parquet) > 1:
         print(
             "growth (parquet): "

@@ -171,6 +171,154 @@ def reduce(
             typer.echo(f"wrote {frame.height} row(s) to {out}", err=True)
 
 
+@app.command()
+def upload(
+    run_dir: RunDir,
+    project: Annotated[str, typer.Option("--project", metavar="PROJECT", help="W&B project.")],
+    entity: Annotated[
+        str | None, typer.Option("--entity", metavar="ENTITY", help="W&B entity (team or user).")
+    ] = None,
+    group: Annotated[
+        str | None, typer.Option("--group", metavar="GROUP", help="W&B group [default: --name].")
+    ] = None,
+    name: Annotated[
+        str | None,
+        typer.Option("--name", metavar="NAME", help="Run name [default: the run directory's name]."),
+    ] = None,
+    mode: ModeOpt = Mode.global_reduce,
+    per_rank_share_run: Annotated[
+        bool,
+        typer.Option("--per-rank-share-run", help="Per-rank modes: one shared run, keys {key}/{process}."),
+    ] = False,
+    offline: Annotated[
+        bool, typer.Option("--offline", help="Write W&B offline runs, to sync later with `wandb sync`.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the runs, rows and keys; upload nothing.")
+    ] = False,
+    force_new: Annotated[
+        bool, typer.Option("--force-new", help="Upload finished runs again under fresh ids.")
+    ] = False,
+    by: ByOpt = By.step,
+    every: EveryOpt = None,
+    reduce: ReduceOpt = None,
+    key: KeyOpt = None,
+    ranks: RanksOpt = None,
+    steps: StepsOpt = None,
+    strict: StrictOpt = False,
+) -> None:
+    """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
+
+    Example:
+
+        metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
+    """
+    import os
+
+    from cli.output import print_table
+    from metric_core import upload as up
+    from metric_core.reader import scan_run
+    from metric_core.reduce import execute, make_plan
+
+    plan = usage(
+        lambda: make_plan(
+            mode=mode.value,
+            by=by.value,
+            every=every,
+            reduce=reduce or (),
+            keys=key or (),
+            ranks=ranks or (),
+            steps=steps,
+        )
+    )
+    os.environ.setdefault("WANDB_SILENT", "true")
+    os.environ.setdefault("WANDB_CONSOLE", "off")
+    with errors_to_exit():
+        scan = scan_run(run_dir)
+        report_skips(scan, strict)
+        result = execute(plan, scan)
+        run_name = name or run_dir.resolve().name
+        upload_plan = up.plan_upload(result, name=run_name, group=group, share_run=per_rank_share_run)
+        for original, safe in upload_plan.key_mapping.items():
+            typer.echo(
+                f"note: key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)", err=True
+            )
+        for warning in upload_plan.warnings:
+            typer.echo(f"warning: {warning}", err=True)
+        if dry_run:
+            import polars as pl
+
+            print_table(
+                pl.DataFrame(
+                    [
+                        {
+                            "id": r.run_id,
+                            "name": r.name,
+                            "group": r.group,
+                            "rows": r.rows,
+                            "keys": len(r.keys),
+                        }
+                        for r in upload_plan.runs
+                    ]
+                )
+            )
+            typer.echo("dry run: nothing was uploaded", err=True)
+            return
+        if not offline and not up.has_credentials():
+            raise fail(
+                "not logged in to W&B: run `wandb login` (or set WANDB_API_KEY), "
+                "or write offline runs with --offline and `wandb sync` them later"
+            )
+        ledger = up.Ledger.for_run_dir(run_dir, up.run_identity(result))
+        wandb_dir = None if os.environ.get("WANDB_DIR") else ledger.path.parent
+        with _progress() as progress:
+            outcomes = up.upload_plan(
+                upload_plan,
+                ledger,
+                project=project,
+                entity=entity,
+                offline=offline,
+                force_new=force_new,
+                wandb_dir=wandb_dir,
+                progress=progress,
+            )
+        for o in outcomes:
+            if o.message:
+                typer.echo(o.message, err=True)
+            if o.action != "skipped":
+                typer.echo(
+                    f"{o.action} {o.run.name} ({o.run_id}): {o.rows_sent} rows, {len(o.run.keys)} keys",
+                    err=True,
+                )
+        synced = [o.sync_dir for o in outcomes if o.sync_dir]
+        if synced:
+            typer.echo("offline runs written; upload them with:\n  wandb sync " + " ".join(synced), err=True)
+
+
+@contextmanager
+def _progress() -> Iterator[Any]:
+    """A progress bar per W&B run (rows, rows/s, ETA) when stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.speed} rows/s"),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=False) as bars:
+
+        def start(run: Any, done: int) -> Callable[[int], None]:
+            task = bars.add_task(run.name, total=run.rows, completed=done)
+            return lambda n: bars.update(task, completed=n)
+
+        yield start
+
+
 def main() -> None:
     app()
 

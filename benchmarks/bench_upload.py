@@ -1,0 +1,109 @@
+"""Rows/s of `metriclog upload --offline` against a plain `wandb.log` loop over the same rows.
+
+A run of 4 sources x 2,000 steps (~56k raw records) is written by metric_core's writer.
+For each mode, side by side and interleaved over --repeats rounds (medians), two whole
+processes in W&B offline mode:
+
+  metriclog   `metriclog upload RUN --offline --mode MODE --force-new` (scan, reduce,
+              plan, then wandb.init / log per row / finish for each run)
+  wandb.log   wandb.init / a plain loop of run.log over the very same rows (loaded from
+              a file before the clock starts) / finish, for each run
+
+rows/s = history rows written / wall time. Target: metriclog >= 0.9x wandb.log.
+
+Usage: python benchmarks/bench_upload.py [--repeats 3] [--steps 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+MODES = ["global_reduce", "per_rank_reduce", "per_rank_no_reduce"]
+
+PLAIN = """
+import os, pickle, sys, time
+runs = pickle.load(open(sys.argv[1], "rb"))
+import wandb
+start = time.perf_counter()
+for name, x_axis, rows in runs:
+    run = wandb.init(project="bench", name=name, dir=sys.argv[2], mode="offline", reinit="create_new")
+    if x_axis:
+        run.define_metric(x_axis)
+        run.define_metric("*", step_metric=x_axis)
+    for row in rows:
+        run.log(row)
+    run.finish()
+print(time.perf_counter() - start)
+"""
+
+
+def write_run(root: Path, steps: int) -> Path:
+    from metric_core import Metric, MetricCollector, Reduce
+
+    run = root / "bench_run"
+    for rank, process in enumerate(["TrainActor_r0", "TrainActor_r1", "GeneratorActor_r0", "GeneratorActor_r1"]):
+        c = MetricCollector(run, rank=rank % 2, process_name=process, flush_interval=3600)
+        for step in range(steps):
+            t = 1.76e9 + step * 2.0 + rank * 0.01
+            for i, (key, red) in enumerate([("loss", Reduce.MEAN), ("grad_norm", Reduce.MAX), ("tokens", Reduce.SUM),
+                                            ("latency_s", Reduce.STD)]):
+                for j in range(1 + (i == 3) * 3):
+                    c.push(Metric(f"{process[:5].lower()}/{key}", float(step + j), red, t + 0.1 * i + 0.01 * j))
+            c.flush(step)
+        c.shutdown()
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2000)
+    args = parser.parse_args()
+    from metric_core import scan_run
+    from metric_core.reduce import execute, make_plan
+    from metric_core.upload import plan_upload
+
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
+    metriclog = str(Path(sys.executable).with_name("metriclog"))
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        run = write_run(root, args.steps)
+        for mode in MODES:
+            plan = plan_upload(execute(make_plan(mode=mode), scan_run(run)), name="bench_run")
+            rows = sum(r.rows for r in plan.runs)
+            dump = root / f"{mode}.pkl"
+            pickle.dump([(r.name, r.x_axis, list(r.history())) for r in plan.runs], dump.open("wb"))
+            ours, plain = [], []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                subprocess.run([metriclog, "upload", str(run), "--project", "bench", "--offline", "--mode", mode,
+                                "--force-new"], env=env, check=True, capture_output=True)
+                ours.append(time.perf_counter() - start)
+                start = time.perf_counter()
+                subprocess.run([sys.executable, "-c", PLAIN, str(dump), str(root / "plain")], env=env, check=True,
+                               capture_output=True)
+                plain.append(time.perf_counter() - start)
+            results[mode] = (rows, len(plan.runs), statistics.median(ours), statistics.median(plain))
+            print(json.dumps({mode: results[mode]}), file=sys.stderr)
+    print(f"W&B offline mode; repeats: {args.repeats}; medians; wall time of whole processes")
+    print(f"{'mode':<20}{'runs':>5}{'rows':>9}{'metriclog rows/s':>18}{'wandb.log rows/s':>18}{'ratio':>8}")
+    for mode, (rows, runs, ours_s, plain_s) in results.items():
+        print(f"{mode:<20}{runs:>5}{rows:>9,}{rows / ours_s:>18,.0f}{rows / plain_s:>18,.0f}"
+              f"{plain_s / ours_s:>7.2f}x")
+    print("target: ratio >= 0.90x (replay overhead <= 10%)")
+
+
+if __name__ == "__main__":
+    main()

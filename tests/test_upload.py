@@ -1,0 +1,300 @@
+"""metriclog upload: the real wandb client in offline mode, read back from what it wrote;
+a fake run object only for what a server does (resume, rows it already holds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import polars as pl
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from metric_core import scan_run
+from metric_core.reduce import execute, make_plan
+from metric_core.upload import Ledger, UploadError, plan_upload, safe_keys, upload_plan
+
+from .conftest import write_collector_run
+from .wandb_file import config_of, find_run_file, history_rows, metric_definitions, read_records, run_record
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def offline_env(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent-netrc")
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exp1")
+    write_collector_run(root, [("TrainActor_r0", 0), ("GeneratorActor_r1", 1)], steps=4)
+    (root / "run.json").write_text(json.dumps({"name": "exp1", "world_size": 2, "config": {"lr": 0.5}}))
+    return root
+
+
+def upload_cli(run_dir: Path, *args: str):
+    return runner.invoke(app, ["upload", str(run_dir), "--project", "proj", *args])
+
+
+def uploaded(run_dir: Path, run_id: str) -> list:
+    return read_records(find_run_file(run_dir / ".metriclog", run_id))
+
+
+def reduce_frame(run_dir: Path, **kw) -> pl.DataFrame:
+    return execute(make_plan(**kw), scan_run(run_dir)).frame
+
+
+@pytest.mark.parametrize(
+    ("mode", "share"),
+    [("global_reduce", False), ("per_rank_reduce", False), ("per_rank_reduce", True),
+     ("per_rank_no_reduce", False), ("per_rank_no_reduce", True)],
+)
+def test_every_mode_lands_in_wandb_as_the_spec_maps_it(tmp_path, small_run, mode, share):
+    run_dir = tmp_path / "exp1"
+    import shutil
+
+    shutil.copytree(small_run, run_dir)
+    result = upload_cli(run_dir, "--mode", mode, "--offline", *(["--per-rank-share-run"] if share else []))
+    assert result.exit_code == 0, result.output
+    assert "wandb sync" in result.stderr
+    ledger = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"]
+    assert all(e["finished"] for e in ledger.values())
+    truth = reduce_frame(run_dir, mode=mode)
+    per_source = mode != "global_reduce" and not share
+    assert len(ledger) == (2 if per_source else 1)
+    for run_id, entry in ledger.items():
+        records = uploaded(run_dir, run_id)
+        run = run_record(records)
+        assert run.run_id == run_id
+        config = config_of(records)
+        assert config["lr"] == 0.5
+        assert config["metriclog"]["mode"] == mode
+        assert config["metriclog"]["source_run_dir"] == "exp1"
+        rows = [r for r in history_rows(records) if any(not k.startswith("_") and k != "step" for k in r)]
+        assert len(rows) == entry["rows_planned"] == entry["rows_sent"]
+        assert all("_step" in r for r in rows)  # W&B's own counter, never ours
+        if per_source:
+            process = run.display_name.removeprefix("exp1_")
+            assert run.run_group == "exp1"
+            expected = truth.filter(pl.col("process") == process)
+        else:
+            assert run.display_name == "exp1"
+            expected = truth
+        if mode == "per_rank_no_reduce":
+            assert metric_definitions(records).get("*") is None
+            got = sorted((r["_timestamp"], r["step"], k, v) for r in rows for k, v in r.items()
+                         if not k.startswith("_") and k != "step")
+            want = sorted(
+                (t, s, f"{k}/{p}" if share else k, v)
+                for p, t, s, k, v in expected.select("process", "timestamp", "step", "key", "value").iter_rows()
+            )
+            assert got == want
+        else:
+            assert metric_definitions(records).get("*") == "step"
+            got = {(r["step"], k): v for r in rows for k, v in r.items() if not k.startswith("_") and k != "step"}
+            want = {
+                (s, f"{k}/{p}" if share else k): v
+                for p, s, k, v in expected.select(
+                    pl.col("process") if "process" in expected.columns else pl.lit(""), "step", "key", "value"
+                ).iter_rows()
+            }
+            assert got.keys() == want.keys()
+            for gk, value in want.items():
+                assert got[gk] == pytest.approx(value, rel=1e-12), gk
+
+
+def test_run_ids_are_deterministic_and_survive_a_copy(tmp_path, small_run):
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(small_run, a)
+    shutil.copytree(small_run, b)
+    (a / "run.json").unlink()
+    (b / "run.json").unlink()  # identity from the data itself
+    ids_a = [r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(a)), name="x").runs]
+    ids_b = [r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(b)), name="x").runs]
+    assert ids_a == ids_b
+    assert len(set(ids_a)) == 2
+    ids_global = [r.run_id for r in plan_upload(execute(make_plan(), scan_run(a)), name="x").runs]
+    assert not set(ids_global) & set(ids_a)
+
+
+def test_rerun_of_a_finished_upload_is_skipped_and_force_new_uploads_again(tmp_path, small_run):
+    import shutil
+
+    run_dir = tmp_path / "exp1"
+    shutil.copytree(small_run, run_dir)
+    assert upload_cli(run_dir, "--offline").exit_code == 0
+    again = upload_cli(run_dir, "--offline")
+    assert again.exit_code == 0
+    assert "already uploaded" in again.stderr and "--force-new" in again.stderr
+    forced = upload_cli(run_dir, "--offline", "--force-new")
+    assert forced.exit_code == 0
+    assert "fresh id" in forced.stderr
+    ledger = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"]
+    assert len(ledger) == 2 and all(e["finished"] for e in ledger.values())
+
+
+def test_without_credentials_online_is_exit_1_and_dry_run_touches_nothing(tmp_path, small_run):
+    import shutil
+
+    run_dir = tmp_path / "exp1"
+    shutil.copytree(small_run, run_dir)
+    result = upload_cli(run_dir)
+    assert result.exit_code == 1
+    assert "Error: not logged in to W&B: run `wandb login`" in result.stderr
+    assert "--offline" in result.stderr
+    dry = upload_cli(run_dir, "--dry-run", "--mode", "per_rank_reduce")
+    assert dry.exit_code == 0
+    assert "exp1_TrainActor_r0" in dry.stdout and "exp1_GeneratorActor_r1" in dry.stdout
+    assert not (run_dir / ".metriclog").exists()
+
+
+def test_unsafe_keys_are_renamed_and_reported():
+    mapping = safe_keys(["trainer/loss", "_private", "a:b", "step", "a_b"])
+    assert mapping["trainer/loss"] == "trainer/loss"
+    assert mapping["_private"] == "m_private"
+    assert mapping["step"] == "metric/step"
+    assert mapping["a:b"] != mapping["a_b"]
+
+
+# -- ledger and resume, with a fake run for what only a server does -----------------------
+
+
+class FakeRun:
+    def __init__(self, server_rows: int = 0, fail_logs_at: int | None = None) -> None:
+        self.step = server_rows
+        self.logged: list[dict] = []
+        self.finished = False
+        self.fail_logs_at = fail_logs_at
+        self.sync_dir = None
+
+    def define_metric(self, *args, **kwargs):
+        pass
+
+    def log(self, row):
+        if self.fail_logs_at is not None and self.step >= self.fail_logs_at:
+            raise ConnectionError("429 Too Many Requests")
+        self.logged.append(row)
+        self.step += 1
+
+    def finish(self):
+        self.finished = True
+
+
+class FakeInit:
+    def __init__(self, run: FakeRun, failures: int = 0) -> None:
+        self.run = run
+        self.calls: list[dict] = []
+        self.failures = failures
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        if self.failures:
+            self.failures -= 1
+            raise ConnectionError("503 Service Unavailable")
+        return self.run
+
+
+@pytest.fixture
+def planned(small_run):
+    return plan_upload(execute(make_plan(), scan_run(small_run)), name="exp1")
+
+
+def test_an_interrupted_online_upload_resumes_at_the_servers_next_row(tmp_path, planned):
+    ledger = Ledger(tmp_path / "uploads.json")
+    (run,) = planned.runs
+    first = FakeRun(fail_logs_at=2)
+    with pytest.raises(UploadError, match="logging to W&B failed 6 times: 429"):
+        upload_plan(planned, ledger, project="p", init=FakeInit(first), sleep=lambda s: None)
+    assert ledger.get(run.run_id)["rows_sent"] == 2
+    assert not ledger.get(run.run_id)["finished"]
+    second = FakeRun(server_rows=2)
+    fake = FakeInit(second)
+    (outcome,) = upload_plan(planned, ledger, project="p", init=fake, sleep=lambda s: None)
+    assert fake.calls[0]["resume"] == "must" and fake.calls[0]["id"] == run.run_id
+    assert outcome.action == "resumed" and "at row 2" in outcome.message
+    assert [r["step"] for r in first.logged + second.logged] == list(range(run.rows))  # no row twice
+    assert ledger.get(run.run_id)["finished"] and ledger.get(run.run_id)["rows_sent"] == run.rows
+
+
+def test_init_failures_are_retried_with_backoff(tmp_path, planned):
+    ledger = Ledger(tmp_path / "uploads.json")
+    delays: list[float] = []
+    fake = FakeInit(FakeRun(), failures=2)
+    (outcome,) = upload_plan(planned, ledger, project="p", init=fake, sleep=delays.append)
+    assert delays == [1.0, 2.0]
+    assert outcome.rows_sent == planned.runs[0].rows
+
+
+def test_a_read_only_run_directory_keeps_its_ledger_in_the_user_cache(tmp_path, monkeypatch, small_run):
+    import shutil
+
+    run_dir = tmp_path / "ro"
+    shutil.copytree(small_run, run_dir)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    os.chmod(run_dir, 0o555)
+    try:
+        if os.access(run_dir, os.W_OK):
+            pytest.skip("running as a user that ignores permissions")
+        ledger = Ledger.for_run_dir(run_dir, "abc123")
+    finally:
+        os.chmod(run_dir, 0o755)
+    assert ledger.path == tmp_path / "cache" / "metriclog" / "abc123" / "uploads.json"
+
+
+def test_a_read_only_run_directory_falls_back_even_as_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    blocker = tmp_path / "run"
+    blocker.mkdir()
+    (blocker / ".metriclog").write_text("a file where the ledger folder would go")
+    ledger = Ledger.for_run_dir(blocker, "ident")
+    assert ledger.path.parent == tmp_path / "cache" / "metriclog" / "ident"
+
+
+KILL_CHILD = """
+import sys
+from cli.main import main
+sys.argv = ["metriclog", "upload", sys.argv[1], "--project", "p", "--offline", "--mode", "per_rank_no_reduce",
+            "--per-rank-share-run"]
+main()
+"""
+
+
+def test_a_killed_offline_upload_is_redone_as_a_fresh_offline_run(tmp_path):
+    run_dir = tmp_path / "big"
+    records = len(write_collector_run(run_dir, [("w", 0)], steps=1200))
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(run_dir)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ledger_path = run_dir / ".metriclog" / "uploads.json"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if ledger_path.exists() and any(e["rows_sent"] >= 5000 for e in
+                                        json.loads(ledger_path.read_text())["runs"].values()):
+            break
+        if child.poll() is not None:
+            pytest.fail("the upload finished before it could be killed")
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    (entry,) = json.loads(ledger_path.read_text())["runs"].values()
+    assert not entry["finished"] and 5000 <= entry["rows_sent"] < entry["rows_planned"]
+    again = upload_cli(run_dir, "--offline", "--mode", "per_rank_no_reduce", "--per-rank-share-run")
+    assert again.exit_code == 0, again.output
+    assert "cannot be resumed, so a fresh offline run" in again.stderr
+    runs = json.loads(ledger_path.read_text())["runs"]
+    fresh = [e for e in runs.values() if e["finished"]]
+    assert len(runs) == 2 and len(fresh) == 1
+    assert fresh[0]["rows_sent"] == fresh[0]["rows_planned"] == records
