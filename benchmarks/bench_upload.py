@@ -11,7 +11,7 @@ processes in W&B offline mode:
 
 rows/s = history rows written / wall time. Target: metriclog >= 0.9x wandb.log.
 
-Usage: python benchmarks/bench_upload.py [--repeats 3] [--steps 2000]
+Usage: python benchmarks/bench_upload.py [--repeats 3] [--steps 2000] [--modes global_reduce,...]
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
     from metric_core import scan_run
     from metric_core.reduce import execute, make_plan
@@ -80,7 +81,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         run = write_run(root, args.steps)
-        for mode in MODES:
+        for mode in args.modes.split(","):
             plan = plan_upload(execute(make_plan(mode=mode), scan_run(run)), name="bench_run")
             rows = sum(r.rows for r in plan.runs)
             dump = root / f"{mode}.pkl"

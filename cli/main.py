@@ -295,6 +295,92 @@ def upload(
             typer.echo("offline runs written; upload them with:\n  wandb sync " + " ".join(synced), err=True)
 
 
+@app.command()
+def inspect(
+    run_dir: RunDir,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+) -> None:
+    """Tell what happened in a crashed or hung run: per-source health, then a verdict.
+
+    Example:
+
+        metriclog inspect runs/exp1 --json
+    """
+    from metric_core.inspect import inspect_run, verdict
+    from metric_core.reader import scan_run
+
+    with errors_to_exit():
+        scan = scan_run(run_dir)
+        report_skips(scan, strict=False)
+        report = inspect_run(scan)
+    if json_out:
+        import json
+
+        typer.echo(json.dumps(report, indent=2))
+        return
+    _print_sources(report)
+    typer.echo("")
+    for line in verdict(report):
+        typer.echo(line)
+
+
+@app.command()
+def plot(
+    run_dir: RunDir,
+    key: Annotated[list[str], typer.Option("--key", metavar="PATTERN", help="Keys to plot (glob). Repeatable.")],
+    out: Annotated[Path, typer.Option("--out", metavar="FILE.png", help="Where to write the PNG.")],
+    mode: ModeOpt = Mode.global_reduce,
+    by: ByOpt = By.step,
+    every: EveryOpt = None,
+    reduce: ReduceOpt = None,
+    ranks: RanksOpt = None,
+    steps: StepsOpt = None,
+) -> None:
+    """Plot keys of a run to a PNG, marking where sources stopped and values went non-finite.
+
+    Example:
+
+        metriclog plot runs/exp1 --key 'trainer/*' --mode per_rank_reduce --out trainer.png
+    """
+    from metric_core.plot import plot_run
+    from metric_core.reader import scan_run
+    from metric_core.reduce import make_plan
+
+    plan = usage(lambda: make_plan(mode=mode.value, by=by.value, every=every, reduce=reduce or (),
+                                   keys=key, ranks=ranks or (), steps=steps))
+    if out.suffix.lower() != ".png":
+        raise typer.BadParameter(f"--out {out}: the plot is a PNG; name it FILE.png")
+    with errors_to_exit():
+        scan = scan_run(run_dir)
+        report_skips(scan, strict=False)
+        plot_run(scan, plan, out)
+    typer.echo(f"wrote {out}", err=True)
+
+
+def _print_sources(report: dict[str, Any]) -> None:
+    from datetime import datetime
+
+    import polars as pl
+
+    from cli.output import print_table
+
+    def local(ts: float) -> str:
+        return datetime.fromtimestamp(ts).strftime("%m-%d %H:%M:%S")
+
+    rows = [
+        {
+            "process": s["process"], "rank": s["rank"], "files": s["files"], "records": s["records"],
+            "skipped": s["skipped"], "truncated": "yes" if s["truncated"] else "", "keys": s["keys"],
+            "steps": f"{s['first_step']}-{s['last_step']}",
+            "first": local(s["first_timestamp"]), "last": local(s["last_timestamp"]),
+            "lag": f"{s['lag_s']:.1f} s", "status": s["status"],
+        }
+        for s in report["sources"]
+    ]
+    typer.echo(f"run {report['name']} ({report['run_dir']}), world_size {report['world_size'] or 'unknown'}")
+    print_table(pl.DataFrame(rows), max_rows=1000)
+
+
 @contextmanager
 def _progress() -> Iterator[Any]:
     """A progress bar per W&B run (rows, rows/s, ETA) when stderr is a terminal."""

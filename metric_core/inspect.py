@@ -1,0 +1,248 @@
+"""What happened in a crashed or hung run: per-source health and a verdict (SPEC 6, inspect).
+
+Status of a source:
+
+* ``finished``: its writer recorded a clean ``shutdown()``.
+* ``stopped_early``: no clean shutdown, and it went quiet long before the others. "Long"
+  is measured against the source's own cadence: its lag (the newest record of any source
+  minus its own newest) must exceed both 10 times its typical gap between steps (the
+  median time from one step's last record to the next one's) and twice the longest gap
+  it ever took on its own (an evaluation pause, a checkpoint). A source that steps every
+  2 s is late after 20 s of silence; one that steps every 10 min is not late after 30 min.
+* ``unfinished``: no clean shutdown, but among the last to write: the whole job died
+  together, or is still running.
+
+Stragglers are sources that reached the same step later than the fastest source of
+their role (the process name without its ``_rN`` suffix) by more than 3 times their own
+cadence; the worst such lag is reported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import polars as pl
+
+from metric_core.reader import RunScan
+
+QUIET_FACTOR = 10.0
+OWN_GAP_FACTOR = 2.0
+STRAGGLER_FACTOR = 3.0
+_ROLE = re.compile(r"_r\d+$")
+
+
+def inspect_run(scan: RunScan) -> dict[str, Any]:
+    """The inspect object of SPEC section 6 for a scanned run.
+
+    >>> report = inspect_run(scan_run("sample_logs/rl_run"))  # doctest: +SKIP
+    >>> report["first_to_stop"]["process"]  # doctest: +SKIP
+    'GeneratorActor_r1'
+    """
+    frame = scan.frame
+    summary_q = frame.group_by("process", "rank").agg(
+        files=pl.col("file_id").n_unique(),
+        records=pl.len(),
+        keys=pl.col("key").n_unique(),
+        first_step=pl.col("step").min(),
+        last_step=pl.col("step").max(),
+        first_timestamp=pl.col("timestamp").min(),
+        last_timestamp=pl.col("timestamp").max(),
+        file_ids=pl.col("file_id").unique(),
+    )
+    steps_q = frame.group_by("process", "rank", "step").agg(
+        reached=pl.col("timestamp").min(), done=pl.col("timestamp").max()
+    )
+    nonfinite_q = (
+        frame.filter(~pl.col("value").is_finite())
+        .group_by("process", "rank", "key")
+        .agg(
+            first_step=pl.col("step").sort_by("timestamp").first(),
+            first_timestamp=pl.col("timestamp").min(),
+            count=pl.len(),
+        )
+    )
+    summary, steps, nonfinite = pl.collect_all([summary_q, steps_q, nonfinite_q], engine="streaming")
+    summary = summary.sort("process", "rank")
+    newest = summary["last_timestamp"].max()
+    clean = scan.report.clean_shutdowns()
+    cadence = _cadence(steps)
+    sources = []
+    for row in summary.iter_rows(named=True):
+        source = (row["process"], row["rank"])
+        typical, longest = cadence.get(source, (None, None))
+        lag = float(newest - row["last_timestamp"])  # type: ignore[operator]
+        sources.append(
+            {
+                "process": row["process"],
+                "rank": row["rank"],
+                **_file_health(scan, row["file_ids"]),
+                "records": row["records"],
+                "keys": row["keys"],
+                "first_step": row["first_step"],
+                "last_step": row["last_step"],
+                "first_timestamp": row["first_timestamp"],
+                "last_timestamp": row["last_timestamp"],
+                "lag_s": lag,
+                "cadence_s": typical,
+                "clean_shutdown": source in clean,
+                "status": _status(source in clean, lag, typical, longest),
+            }
+        )
+    world_size = scan.meta.get("world_size")
+    present = set(summary["rank"].to_list())
+    missing = sorted(set(range(int(world_size))) - present) if isinstance(world_size, int) else []
+    return {
+        "run_dir": str(scan.run_dir),
+        "name": scan.name,
+        "world_size": world_size if isinstance(world_size, int) else None,
+        "missing_ranks": missing,
+        "sources": sources,
+        "first_to_stop": _first_to_stop(scan, sources),
+        "nonfinite": [
+            {k: row[k] for k in ("process", "rank", "key", "first_step", "first_timestamp", "count")}
+            for row in nonfinite.sort("first_timestamp", "process", "rank", "key").iter_rows(named=True)
+        ],
+        "stragglers": _stragglers(steps, cadence),
+        "skipped_records": scan.report.skipped_records,
+        "unreadable_files": [str(f.path) for f in scan.report.unreadable_files],
+    }
+
+
+def _cadence(steps: pl.DataFrame) -> dict[tuple[str, int], tuple[float | None, float | None]]:
+    """Per source: the median and the longest gap between consecutive steps' last records."""
+    gaps = (
+        steps.sort("process", "rank", "done")
+        .with_columns(gap=pl.col("done").diff().over("process", "rank"))
+        .group_by("process", "rank")
+        .agg(typical=pl.col("gap").drop_nulls().median(), longest=pl.col("gap").drop_nulls().max())
+    )
+    return {(p, r): (t, m) for p, r, t, m in gaps.iter_rows()}
+
+
+def _status(clean: bool, lag: float, typical: float | None, longest: float | None) -> str:
+    if clean:
+        return "finished"
+    threshold = max(QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0))
+    return "stopped_early" if lag > threshold and lag > 0 else "unfinished"
+
+
+def _file_health(scan: RunScan, file_ids: list[int]) -> dict[str, Any]:
+    files = [scan.report.files[i] for i in file_ids]
+    return {
+        "files": len(files),
+        "skipped": sum(f.skipped for f in files),
+        "truncated": any(f.truncated for f in files),
+    }
+
+
+def _first_to_stop(scan: RunScan, sources: list[dict[str, Any]]) -> dict[str, Any] | None:
+    candidates = [s for s in sources if s["status"] == "stopped_early"] or [
+        s for s in sources if s["status"] == "unfinished" and s["lag_s"] > 0
+    ]
+    if not candidates:
+        return None
+    first = min(candidates, key=lambda s: (s["last_timestamp"], s["process"], s["rank"]))
+    last_values = (
+        scan.frame.filter((pl.col("process") == first["process"]) & (pl.col("rank") == first["rank"]))
+        .group_by("key")
+        .agg(pl.col("value").sort_by("timestamp").last())
+        .sort("key")
+        .collect(engine="streaming")
+    )
+    return {
+        "process": first["process"],
+        "rank": first["rank"],
+        "last_step": first["last_step"],
+        "last_timestamp": first["last_timestamp"],
+        "lag_s": first["lag_s"],
+        "status": first["status"],
+        "last_values": {k: _json_number(v) for k, v in last_values.iter_rows()},
+    }
+
+
+def _stragglers(steps: pl.DataFrame, cadence: dict[tuple[str, int], tuple[float | None, float | None]]) -> list[dict]:
+    role = pl.col("process").str.replace(_ROLE.pattern, "")
+    behind = (
+        steps.with_columns(role=role)
+        .with_columns(behind=pl.col("reached") - pl.col("reached").min().over("role", "step"))
+        .sort("behind", descending=True)
+        .group_by("process", "rank", maintain_order=True)
+        .agg(worst_lag_s=pl.col("behind").first(), at_step=pl.col("step").first())
+        .sort("process", "rank")
+    )
+    out = []
+    for process, rank, worst, at_step in behind.iter_rows():
+        typical = cadence.get((process, rank), (None, None))[0]
+        if typical and worst > STRAGGLER_FACTOR * typical:
+            out.append({"process": process, "rank": rank, "worst_lag_s": worst, "at_step": at_step})
+    return sorted(out, key=lambda s: -s["worst_lag_s"])
+
+
+def _json_number(value: float) -> float | str:
+    """JSON has no NaN or infinity: those are given as strings."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "Infinity" if value > 0 else "-Infinity"
+    return value
+
+
+def verdict(report: dict[str, Any]) -> list[str]:
+    """The plain-words verdict that follows the table."""
+    from datetime import datetime
+
+    def when(ts: float) -> str:
+        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+    lines = []
+    if report["missing_ranks"]:
+        lines.append(
+            f"Ranks {', '.join(map(str, report['missing_ranks']))} of world_size {report['world_size']} never wrote a record."
+        )
+    first = report["first_to_stop"]
+    if first:
+        kind = "stopped early" if first["status"] == "stopped_early" else "stopped first"
+        lines.append(
+            f"{first['process']} (rank {first['rank']}) {kind}: last record at step {first['last_step']}, "
+            f"{when(first['last_timestamp'])}, {_duration(first['lag_s'])} before the newest record of the run."
+        )
+        values = ", ".join(f"{k}={_fmt(v)}" for k, v in first["last_values"].items())
+        lines.append(f"  its last values: {values}")
+    for item in report["nonfinite"]:
+        lines.append(
+            f"Non-finite values in {item['key']} on {item['process']} (rank {item['rank']}) from step "
+            f"{item['first_step']} ({when(item['first_timestamp'])}), {item['count']} in all."
+        )
+    for s in report["stragglers"]:
+        lines.append(
+            f"Straggler: {s['process']} (rank {s['rank']}) reached step {s['at_step']} "
+            f"{_duration(s['worst_lag_s'])} after the fastest of its role."
+        )
+    statuses = [s["status"] for s in report["sources"]]
+    if not lines:
+        if all(st == "finished" for st in statuses):
+            lines.append("Every source finished cleanly; no non-finite values.")
+        else:
+            lines.append("No source stopped early; the run is still running or ended without shutdown() everywhere.")
+    elif all(st == "finished" for st in statuses):
+        lines.append("Every source recorded a clean shutdown.")
+    if report["skipped_records"] or report["unreadable_files"]:
+        lines.append(
+            f"{report['skipped_records']} record(s) and {len(report['unreadable_files'])} file(s) could not be read "
+            "(see the warning above)."
+        )
+    return lines
+
+
+def _fmt(v: float | str) -> str:
+    return v if isinstance(v, str) else f"{v:.6g}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

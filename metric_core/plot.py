@@ -1,0 +1,99 @@
+"""``metriclog plot``: a PNG of some keys, with where sources stopped and where values went bad.
+
+* ``global_reduce``: a line per key, with the min-max band of the per-source reductions;
+* ``per_rank_reduce``: a line per source;
+* ``per_rank_no_reduce``: the raw points over wall-clock time, a colour per source.
+
+A source that did not shut down cleanly gets a dashed vertical line where it stopped; the
+first non-finite value of a source gets a dotted red line. One subplot per key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from metric_core.errors import MetricLogError
+from metric_core.inspect import inspect_run
+from metric_core.metric import LoggingMode
+from metric_core.reader import RunScan
+from metric_core.reduce import ReducePlan, execute
+
+MAX_KEYS = 12
+
+
+def plot_run(scan: RunScan, plan: ReducePlan, out: Path | None = None) -> Any:
+    """Draw ``plan``'s keys of a run; save a PNG to ``out`` if given; return the Figure."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MetricLogError("metriclog plot needs matplotlib: pip install 'metriclog[plot]'") from None
+    if not plan.keys:
+        raise MetricLogError("choose the keys to plot with --key PATTERN, e.g. --key 'trainer/*'")
+    result = execute(plan, scan).frame
+    keys = sorted(result["key"].unique().to_list())
+    if len(keys) > MAX_KEYS:
+        raise MetricLogError(
+            f"--key matches {len(keys)} keys; plot at most {MAX_KEYS} at once (narrow the pattern)"
+        )
+    health = inspect_run(scan)
+    recorders = {
+        key: set(zip(part["process"], part["rank"], strict=True))
+        for (key,), part in scan.frame.select("key", "process", "rank").unique().collect()
+        .partition_by("key", as_dict=True).items()
+    }
+    mode = plan.mode
+    band = None
+    if mode is LoggingMode.GLOBAL_REDUCE:
+        per_source = execute(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan).frame
+        band = per_source.group_by(plan.bucket, "key").agg(lo=pl.col("value").min(), hi=pl.col("value").max())
+    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys) + 0.8), sharex=True, squeeze=False)
+    x_col = "timestamp" if mode is LoggingMode.PER_RANK_NO_REDUCE else plan.bucket
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        data = result.filter(pl.col("key") == key)
+        if mode is LoggingMode.GLOBAL_REDUCE:
+            ax.plot(data[x_col].to_numpy(), data["value"].to_numpy(), label=f"{key} ({data['reduction'][0]})")
+            if band is not None:
+                b = band.filter(pl.col("key") == key).sort(plan.bucket)
+                ax.fill_between(b[plan.bucket].to_numpy(), b["lo"].to_numpy(), b["hi"].to_numpy(), alpha=0.25,
+                                label="min-max across sources")
+        else:
+            for (process, rank), part in data.partition_by("process", "rank", as_dict=True, maintain_order=True).items():
+                x, y = part[x_col].to_numpy(), part["value"].to_numpy()
+                if mode is LoggingMode.PER_RANK_REDUCE:
+                    ax.plot(x, y, label=f"{process} (rank {rank})")
+                else:
+                    ax.plot(x, y, linestyle="none", marker=".", markersize=3, label=f"{process} (rank {rank})")
+        _mark(ax, health, key, x_col, recorders.get(key, set()))
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="best")
+    axes[-1, 0].set_xlabel({"step": "step", "window_start": "window start (epoch s)",
+                            "timestamp": "wall-clock time (epoch s)"}[x_col])
+    fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
+    fig.tight_layout()
+    if out is not None:
+        fig.savefig(out, dpi=110)
+    return fig
+
+
+def _mark(ax: Any, health: dict[str, Any], key: str, x_col: str, recorders: set[tuple[str, int]]) -> None:
+    """Dashed line where a source of this key stopped; dotted red line at its first non-finite value."""
+    for source in health["sources"]:
+        if source["status"] == "finished" or (source["process"], source["rank"]) not in recorders:
+            continue
+        x = source["last_timestamp"] if x_col != "step" else source["last_step"]
+        ax.axvline(x, color="grey", linestyle="--", linewidth=1,
+                   label=f"{source['process']} stopped ({source['status']})")
+    for item in health["nonfinite"]:
+        if item["key"] != key:
+            continue
+        x = item["first_timestamp"] if x_col != "step" else item["first_step"]
+        ax.axvline(x, color="red", linestyle=":", linewidth=1.5,
+                   label=f"non-finite from here: {item['process']}")

@@ -1,0 +1,206 @@
+"""metriclog inspect and plot on runs written by the writer with known failure patterns."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from metric_core import Metric, MetricCollector, Reduce, scan_run
+from metric_core.inspect import inspect_run
+from metric_core.plot import plot_run
+from metric_core.reduce import execute, make_plan
+
+runner = CliRunner()
+T0 = 1_760_000_000.0
+STEP_S = 2.0
+
+
+def source(run_dir: Path, process: str, rank: int, steps: range, *, end: str = "shutdown",
+           nan_from: int | None = None, delay: float = 0.0) -> None:
+    """Record trainer/loss and trainer/grad_norm each step, with known timestamps.
+
+    end: "shutdown" (clean), "killed" (the process died: no shutdown, no seal), or "hung" (alive
+    but silent: its last records were flushed, nothing more comes, no shutdown).
+    """
+    c = MetricCollector(run_dir, rank=rank, process_name=process, flush_interval=3600)
+    for step in steps:
+        t = T0 + step * STEP_S + delay
+        loss = math.nan if nan_from is not None and step >= nan_from else 1.0 / (step + 1)
+        c.push(Metric("trainer/loss", loss, Reduce.MEAN, t))
+        c.push(Metric("trainer/loss", loss, Reduce.MEAN, t + 0.1))
+        c.push(Metric("trainer/grad_norm", float(step % 7), Reduce.MAX, t + 0.2))
+        c.flush(step)
+    if end == "shutdown":
+        c.shutdown()
+    else:
+        c._stop.set()  # the writer thread stops too: what is on disk is what a kill leaves
+
+
+def write_meta(run_dir: Path, world_size: int) -> None:
+    (run_dir / "run.json").write_text(json.dumps({"name": run_dir.name, "world_size": world_size}))
+
+
+@pytest.fixture
+def crashed(tmp_path):
+    """Rank 1 killed at step 40, rank 2 hung after step 70, rank 3 NaN from step 55,
+    rank 5 of world_size 6 never wrote, the rest run to step 99 and shut down."""
+    run = tmp_path / "crashed"
+    run.mkdir()
+    write_meta(run, 6)
+    source(run, "TrainActor_r0", 0, range(100))
+    source(run, "TrainActor_r1", 1, range(41), end="killed")
+    source(run, "TrainActor_r2", 2, range(71), end="hung")
+    source(run, "TrainActor_r3", 3, range(100), nan_from=55)
+    source(run, "TrainActor_r4", 4, range(100), delay=9.0)  # a straggler: always 9 s behind
+    return run
+
+
+def test_inspect_reports_exactly_the_known_failures(crashed):
+    report = inspect_run(scan_run(crashed))
+    by_rank = {s["rank"]: s for s in report["sources"]}
+    assert report["world_size"] == 6
+    assert report["missing_ranks"] == [5]
+    assert {r: s["status"] for r, s in by_rank.items()} == {
+        0: "finished", 1: "stopped_early", 2: "stopped_early", 3: "finished", 4: "finished"
+    }
+    assert by_rank[1]["last_step"] == 40 and by_rank[2]["last_step"] == 70
+    assert by_rank[1]["clean_shutdown"] is False and by_rank[0]["clean_shutdown"] is True
+    newest = T0 + 99 * STEP_S + 9.0 + 0.2
+    assert by_rank[1]["lag_s"] == pytest.approx(newest - (T0 + 40 * STEP_S + 0.2))
+    assert by_rank[0]["records"] == 300 and by_rank[0]["keys"] == 2
+    first = report["first_to_stop"]
+    assert (first["process"], first["rank"], first["last_step"]) == ("TrainActor_r1", 1, 40)
+    assert first["last_values"] == {"trainer/grad_norm": float(40 % 7), "trainer/loss": 1.0 / 41}
+    assert report["nonfinite"] == [{
+        "process": "TrainActor_r3", "rank": 3, "key": "trainer/loss", "first_step": 55,
+        "first_timestamp": T0 + 55 * STEP_S, "count": 2 * 45,
+    }]
+    assert [(s["process"], round(s["worst_lag_s"], 6)) for s in report["stragglers"]] == [("TrainActor_r4", 9.0)]
+
+
+def test_a_clean_run_reports_nothing(tmp_path):
+    run = tmp_path / "clean"
+    run.mkdir()
+    write_meta(run, 2)
+    source(run, "TrainActor_r0", 0, range(50))
+    source(run, "TrainActor_r1", 1, range(50))
+    report = inspect_run(scan_run(run))
+    assert report["missing_ranks"] == []
+    assert report["first_to_stop"] is None
+    assert report["nonfinite"] == []
+    assert report["stragglers"] == []
+    assert {s["status"] for s in report["sources"]} == {"finished"}
+
+
+def test_a_job_that_died_together_is_unfinished_not_stopped_early(tmp_path):
+    run = tmp_path / "died"
+    run.mkdir()
+    for rank in range(3):
+        source(run, f"TrainActor_r{rank}", rank, range(30), end="killed")
+    report = inspect_run(scan_run(run))
+    assert {s["status"] for s in report["sources"]} == {"unfinished"}
+
+
+def test_the_quiet_threshold_follows_each_sources_own_cadence(tmp_path):
+    """A slow source (one step per 100 s) silent for 300 s is not late; a fast one is."""
+    run = tmp_path / "cadence"
+    run.mkdir()
+    for process, rank, step_s, last in (("fast", 0, 2.0, 500), ("slow", 1, 100.0, 10)):
+        c = MetricCollector(run, rank=rank, process_name=process, flush_interval=3600)
+        for step in range(last + 1):
+            c.push(Metric("x", 1.0, Reduce.MEAN, T0 + step * step_s))
+            c.flush(step)
+        c._stop.set()
+    # fast ends at T0+1000; slow at T0+1000 too. Add a third, fast source that ends 300 s early.
+    c = MetricCollector(run, rank=2, process_name="fast_quiet", flush_interval=3600)
+    for step in range(351):
+        c.push(Metric("x", 1.0, Reduce.MEAN, T0 + step * 2.0))
+        c.flush(step)
+    c._stop.set()
+    statuses = {s["process"]: s["status"] for s in inspect_run(scan_run(run))["sources"]}
+    assert statuses == {"fast": "unfinished", "slow": "unfinished", "fast_quiet": "stopped_early"}
+
+
+def test_inspect_command_table_verdict_and_json(crashed):
+    result = runner.invoke(app, ["inspect", str(crashed)])
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "TrainActor_r1" in out and "stopped_early" in out
+    assert "Ranks 5 of world_size 6 never wrote a record." in out
+    assert "TrainActor_r1 (rank 1) stopped early: last record at step 40" in out
+    assert "Non-finite values in trainer/loss on TrainActor_r3 (rank 3) from step 55" in out
+    assert "Straggler: TrainActor_r4 (rank 4)" in out
+    as_json = runner.invoke(app, ["inspect", str(crashed), "--json"])
+    data = json.loads(as_json.stdout)
+    for field in ("run_dir", "world_size", "missing_ranks", "sources", "first_to_stop", "nonfinite"):
+        assert field in data
+    for field in ("process", "rank", "files", "records", "skipped", "truncated", "keys", "first_step", "last_step",
+                  "first_timestamp", "last_timestamp", "lag_s", "clean_shutdown", "status"):
+        assert field in data["sources"][0]
+
+
+def test_sample_run_names_its_killed_generator_first_to_stop():
+    sample = Path(__file__).resolve().parent.parent / "sample_logs" / "rl_run"
+    report = inspect_run(scan_run(sample))
+    first = report["first_to_stop"]
+    assert (first["process"], first["status"]) == ("GeneratorActor_r1", "stopped_early")
+    gen = next(s for s in report["sources"] if s["process"] == "GeneratorActor_r1")
+    assert gen["truncated"] and gen["skipped"] > 0 and not gen["clean_shutdown"]
+
+
+def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path):
+    scan = scan_run(crashed)
+    out = tmp_path / "loss.png"
+    fig = plot_run(scan, make_plan(keys=["trainer/*"]), out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "crashed" in fig._suptitle.get_text()
+    ax_grad, ax_loss = fig.axes  # keys sorted
+    assert ax_loss.get_ylabel() == "trainer/loss" and ax_loss.get_xlabel() == "step"
+    truth = execute(make_plan(keys=["trainer/loss"]), scan).frame
+    (line,) = [ln for ln in ax_loss.get_lines() if ln.get_label().startswith("trainer/loss")]
+    np.testing.assert_array_equal(line.get_xdata(), truth["step"].to_numpy())
+    np.testing.assert_array_equal(line.get_ydata(), truth["value"].to_numpy())
+    assert ax_loss.collections, "the min-max band across sources"
+    marks = {ln.get_label(): ln.get_xdata()[0] for ln in ax_loss.get_lines() if "stopped" in ln.get_label()
+             or "non-finite" in ln.get_label()}
+    assert marks == {
+        "TrainActor_r1 stopped (stopped_early)": 40,
+        "TrainActor_r2 stopped (stopped_early)": 70,
+        "non-finite from here: TrainActor_r3": 55,
+    }
+    assert not any("non-finite" in ln.get_label() for ln in ax_grad.get_lines())
+
+
+def test_plot_per_rank_draws_a_line_per_source(crashed, tmp_path):
+    fig = plot_run(scan_run(crashed), make_plan(mode="per_rank_reduce", keys=["trainer/grad_norm"]),
+                   tmp_path / "g.png")
+    (ax,) = fig.axes
+    labels = [ln.get_label() for ln in ax.get_lines() if "rank" in ln.get_label() and "stopped" not in ln.get_label()]
+    assert labels == [f"TrainActor_r{r} (rank {r})" for r in range(5)]
+    r1 = next(ln for ln in ax.get_lines() if ln.get_label() == "TrainActor_r1 (rank 1)")
+    assert list(r1.get_xdata()) == list(range(41))
+
+
+def test_plot_raw_points_over_wall_clock_time(crashed, tmp_path):
+    fig = plot_run(scan_run(crashed), make_plan(mode="per_rank_no_reduce", keys=["trainer/grad_norm"]),
+                   tmp_path / "raw.png")
+    (ax,) = fig.axes
+    assert ax.get_xlabel().startswith("wall-clock time")
+    r0 = next(ln for ln in ax.get_lines() if ln.get_label() == "TrainActor_r0 (rank 0)")
+    assert r0.get_linestyle() == "None"
+    assert r0.get_xdata()[0] == pytest.approx(T0 + 0.2)
+
+
+def test_plot_command_errors(crashed, tmp_path):
+    bad = runner.invoke(app, ["plot", str(crashed), "--key", "trainer/*", "--out", str(tmp_path / "x.jpg")])
+    assert bad.exit_code == 2
+    none = runner.invoke(app, ["plot", str(crashed), "--key", "nothing/*", "--out", str(tmp_path / "x.png")])
+    assert none.exit_code == 1 and "no record matches the filters" in none.stderr
+    ok = runner.invoke(app, ["plot", str(crashed), "--key", "trainer/loss", "--out", str(tmp_path / "x.png")])
+    assert ok.exit_code == 0 and (tmp_path / "x.png").exists()
