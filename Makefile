@@ -15,6 +15,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/metriclog reduce sample_logs/rl_run --steps 0:3
 	$(BIN)/metriclog reduce sample_logs/rl_run --mode per_rank_reduce --key "policy/*" --reduce "policy/latency_s=p99" --steps 178:182
+	$(BIN)/metriclog inspect sample_logs/rl_run
 
 test: $(STAMP)
 	$(BIN)/pytest -q

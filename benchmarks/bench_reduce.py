@@ -1,6 +1,7 @@
 """`metriclog reduce --mode global_reduce` against DuckDB and the seed's Python replay.
 
-Synthetic runs in the record schema, one file per rank, 10 keys (two of each reduction):
+Synthetic runs written by metric_core's own writer (RawFileWriter: journal, then sealed
+Parquet or JSONL segments of 1M records), 10 keys (two of each reduction):
 
   run              ranks x rows/rank   steps    output groups
   parquet_2M       32 x 62.5k          1,250    12,500     growth: same run length,
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,8 +39,6 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 KEYS = [f"group{i // 4}/metric_{i}" for i in range(10)]
 REDUCTIONS = ["mean", "sum", "max", "min", "std"] * 2
@@ -67,6 +67,7 @@ COPY (
               WHEN 'std' THEN stddev_pop(value) END AS value,
          reduction, count(*) AS count
   FROM {source}
+  WHERE key IS NOT NULL  -- the writer's segment and shutdown event lines of JSONL segments
   GROUP BY step, key, reduction
   ORDER BY step, key
 ) TO '{out}' (FORMAT parquet)''')
@@ -74,38 +75,34 @@ COPY (
 
 
 def generate(root: Path, name: str) -> Path:
+    """Write a synthetic run through metric_core's own writer (journal, then sealed segments),
+    so the files are exactly what a training job leaves: Parquet or JSONL with writer metadata."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from metric_core.backends.files import RawFileWriter
+
     fmt, ranks, rows, steps = RUNS[name]
     run = root / f"{fmt}_{name}"
     done = run / ".complete"
     if done.exists():
         return run
-    run.mkdir(parents=True, exist_ok=True)
+    if run.exists():
+        shutil.rmtree(run)
+    run.mkdir(parents=True)
     values_per_key = rows // (steps * len(KEYS))
     per_step = len(KEYS) * values_per_key
+    codes = np.repeat(np.arange(len(KEYS), dtype=np.float64), values_per_key)
+    table = list(zip(KEYS, REDUCTIONS, strict=True))
     for rank in range(ranks):
         rng = np.random.default_rng(rank)
-        n = steps * per_step
-        key_idx = np.tile(np.repeat(np.arange(len(KEYS), dtype=np.int32), values_per_key), steps)
-        step = np.repeat(np.arange(steps, dtype=np.int64), per_step)
-        ts = 1.76e9 + step * 2.0 + np.sort(rng.uniform(0, 1.9, n).reshape(steps, per_step), axis=1).ravel()
-        table = pa.table(
-            {
-                "key": pa.DictionaryArray.from_arrays(pa.array(key_idx), pa.array(KEYS)),
-                "value": rng.normal(10.0, 3.0, n),
-                "reduction": pa.DictionaryArray.from_arrays(pa.array(key_idx), pa.array(REDUCTIONS)),
-                "step": step,
-                "timestamp": ts,
-                "rank": np.full(n, rank, dtype=np.int64),
-                "process": pa.DictionaryArray.from_arrays(
-                    pa.array(np.zeros(n, dtype=np.int32)), pa.array([f"TrainActor_r{rank}"])
-                ),
-            }
-        )
-        if fmt == "parquet":
-            pq.write_table(table, run / f"TrainActor_r{rank}.parquet", store_schema=False)
-        else:
-            df = pl.from_arrow(table).with_columns(pl.col(pl.Categorical).cast(pl.String))
-            df.write_ndjson(run / f"TrainActor_r{rank}.jsonl")
+        writer = RawFileWriter(run, process=f"TrainActor_r{rank}", rank=rank, file_format=fmt,
+                               seal_interval=float("inf"))
+        for step in range(steps):
+            ts = 1.76e9 + step * 2.0 + np.sort(rng.uniform(0, 1.9, per_step))
+            block = np.stack([rng.normal(10.0, 3.0, per_step), codes, ts], axis=1)
+            writer.append(step, block.tobytes(), per_step, table)
+            if step % 100 == 99:
+                writer.seal_ready()
+        writer.close(clean_shutdown=True)
     done.touch()
     return run
 

@@ -40,30 +40,29 @@ def inspect_run(scan: RunScan) -> dict[str, Any]:
     >>> report["first_to_stop"]["process"]  # doctest: +SKIP
     'GeneratorActor_r1'
     """
-    frame = scan.frame
-    summary_q = frame.group_by("process", "rank").agg(
-        files=pl.col("file_id").n_unique(),
-        records=pl.len(),
-        keys=pl.col("key").n_unique(),
-        first_step=pl.col("step").min(),
-        last_step=pl.col("step").max(),
-        first_timestamp=pl.col("timestamp").min(),
-        last_timestamp=pl.col("timestamp").max(),
-        file_ids=pl.col("file_id").unique(),
-    )
-    steps_q = frame.group_by("process", "rank", "step").agg(
-        reached=pl.col("timestamp").min(), done=pl.col("timestamp").max()
-    )
-    nonfinite_q = (
-        frame.filter(~pl.col("value").is_finite())
-        .group_by("process", "rank", "key")
+    per_step, per_key = _aggregate(scan)
+    steps = per_step.group_by("process", "rank", "step").agg(pl.col("reached").min(), pl.col("done").max())
+    summary = (
+        per_step.group_by("process", "rank")
         .agg(
-            first_step=pl.col("step").sort_by("timestamp").first(),
-            first_timestamp=pl.col("timestamp").min(),
-            count=pl.len(),
+            files=pl.col("file_id").n_unique(),
+            records=pl.col("records").sum(),
+            first_step=pl.col("step").min(),
+            last_step=pl.col("step").max(),
+            first_timestamp=pl.col("reached").min(),
+            last_timestamp=pl.col("done").max(),
+            file_ids=pl.col("file_id").unique(),
         )
+        .join(per_key.group_by("process", "rank").agg(keys=pl.len()), on=["process", "rank"])
     )
-    summary, steps, nonfinite = pl.collect_all([summary_q, steps_q, nonfinite_q], engine="streaming")
+    nonfinite = per_key.filter(pl.col("nonfinite") > 0).select(
+        "process",
+        "rank",
+        "key",
+        first_step=pl.col("first_bad_step"),
+        first_timestamp=pl.col("first_bad_timestamp"),
+        count=pl.col("nonfinite"),
+    )
     summary = summary.sort("process", "rank")
     newest = summary["last_timestamp"].max()
     clean = scan.report.clean_shutdowns()
@@ -99,7 +98,7 @@ def inspect_run(scan: RunScan) -> dict[str, Any]:
         "world_size": world_size if isinstance(world_size, int) else None,
         "missing_ranks": missing,
         "sources": sources,
-        "first_to_stop": _first_to_stop(scan, sources),
+        "first_to_stop": _first_to_stop(per_key, sources),
         "nonfinite": [
             {k: row[k] for k in ("process", "rank", "key", "first_step", "first_timestamp", "count")}
             for row in nonfinite.sort("first_timestamp", "process", "rank", "key").iter_rows(named=True)
@@ -108,6 +107,66 @@ def inspect_run(scan: RunScan) -> dict[str, Any]:
         "skipped_records": scan.report.skipped_records,
         "unreadable_files": [str(f.path) for f in scan.report.unreadable_files],
     }
+
+
+def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Per (source, file, step) and per (source, key), in two streaming passes.
+
+    Files whose writer metadata names their one source are grouped by file id alone (no
+    string hashed per record); other files are grouped by process and rank as well.
+    """
+    vouched = {
+        i: f.source for i, f in enumerate(scan.report.files) if f.source is not None and i in scan.parts
+    }
+    others = [frame for i, frame in scan.parts.items() if i not in vouched]
+    bad = ~pl.col("value").is_finite()
+    step_aggs = {"records": pl.len(), "reached": pl.col("timestamp").min(), "done": pl.col("timestamp").max()}
+    key_aggs = {
+        "last_value": pl.col("value").max_by("timestamp"),
+        "last_timestamp": pl.col("timestamp").max(),
+        "nonfinite": bad.sum(),
+        "first_bad_step": pl.when(bad).then(pl.col("step")).min(),
+        "first_bad_timestamp": pl.when(bad).then(pl.col("timestamp")).min(),
+    }
+    per_step, by_key = [], []
+    if vouched:
+        owners = pl.DataFrame(
+            {
+                "file_id": list(vouched),
+                "process": [p for p, _ in vouched.values()],
+                "rank": [r for _, r in vouched.values()],
+            },
+            schema={"file_id": pl.Int32, "process": pl.String, "rank": pl.Int64},
+        )
+        frame = pl.concat([scan.parts[i] for i in vouched]).select(
+            "file_id", "step", "key", "value", "timestamp"
+        )
+        # One after the other: collect_all would cache the shared scan in memory, whole.
+        steps = frame.group_by("file_id", "step").agg(**step_aggs).collect(engine="streaming")
+        keys = frame.group_by("file_id", "key").agg(**key_aggs).collect(engine="streaming")
+        per_step.append(
+            steps.join(owners, on="file_id").select("process", "rank", "file_id", *steps.columns[1:])
+        )
+        by_key.append(keys.join(owners, on="file_id").select("process", "rank", "file_id", *keys.columns[1:]))
+    if others:
+        frame = pl.concat(others)
+        per_step.append(
+            frame.group_by("process", "rank", "file_id", "step").agg(**step_aggs).collect(engine="streaming")
+        )
+        by_key.append(
+            frame.group_by("process", "rank", "file_id", "key").agg(**key_aggs).collect(engine="streaming")
+        )
+    per_key = (
+        pl.concat(by_key)
+        .group_by("process", "rank", "key")
+        .agg(
+            last_value=pl.col("last_value").max_by("last_timestamp"),
+            nonfinite=pl.col("nonfinite").sum(),
+            first_bad_step=pl.col("first_bad_step").min(),
+            first_bad_timestamp=pl.col("first_bad_timestamp").min(),
+        )
+    )
+    return pl.concat(per_step), per_key
 
 
 def _cadence(steps: pl.DataFrame) -> dict[tuple[str, int], tuple[float | None, float | None]]:
@@ -137,7 +196,7 @@ def _file_health(scan: RunScan, file_ids: list[int]) -> dict[str, Any]:
     }
 
 
-def _first_to_stop(scan: RunScan, sources: list[dict[str, Any]]) -> dict[str, Any] | None:
+def _first_to_stop(per_key: pl.DataFrame, sources: list[dict[str, Any]]) -> dict[str, Any] | None:
     candidates = [s for s in sources if s["status"] == "stopped_early"] or [
         s for s in sources if s["status"] == "unfinished" and s["lag_s"] > 0
     ]
@@ -145,11 +204,9 @@ def _first_to_stop(scan: RunScan, sources: list[dict[str, Any]]) -> dict[str, An
         return None
     first = min(candidates, key=lambda s: (s["last_timestamp"], s["process"], s["rank"]))
     last_values = (
-        scan.frame.filter((pl.col("process") == first["process"]) & (pl.col("rank") == first["rank"]))
-        .group_by("key")
-        .agg(pl.col("value").sort_by("timestamp").last())
+        per_key.filter((pl.col("process") == first["process"]) & (pl.col("rank") == first["rank"]))
+        .select("key", "last_value")
         .sort("key")
-        .collect(engine="streaming")
     )
     return {
         "process": first["process"],
@@ -162,7 +219,9 @@ def _first_to_stop(scan: RunScan, sources: list[dict[str, Any]]) -> dict[str, An
     }
 
 
-def _stragglers(steps: pl.DataFrame, cadence: dict[tuple[str, int], tuple[float | None, float | None]]) -> list[dict]:
+def _stragglers(
+    steps: pl.DataFrame, cadence: dict[tuple[str, int], tuple[float | None, float | None]]
+) -> list[dict]:
     role = pl.col("process").str.replace(_ROLE.pattern, "")
     behind = (
         steps.with_columns(role=role)
@@ -225,7 +284,9 @@ def verdict(report: dict[str, Any]) -> list[str]:
         if all(st == "finished" for st in statuses):
             lines.append("Every source finished cleanly; no non-finite values.")
         else:
-            lines.append("No source stopped early; the run is still running or ended without shutdown() everywhere.")
+            lines.append(
+                "No source stopped early; the run is still running or ended without shutdown() everywhere."
+            )
     elif all(st == "finished" for st in statuses):
         lines.append("Every source recorded a clean shutdown.")
     if report["skipped_records"] or report["unreadable_files"]:

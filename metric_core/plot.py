@@ -45,8 +45,11 @@ def plot_run(scan: RunScan, plan: ReducePlan, out: Path | None = None) -> Any:
     health = inspect_run(scan)
     recorders = {
         key: set(zip(part["process"], part["rank"], strict=True))
-        for (key,), part in scan.frame.select("key", "process", "rank").unique().collect()
-        .partition_by("key", as_dict=True).items()
+        for (key,), part in scan.frame.select("key", "process", "rank")
+        .unique()
+        .collect()
+        .partition_by("key", as_dict=True)
+        .items()
     }
     mode = plan.mode
     band = None
@@ -61,21 +64,33 @@ def plot_run(scan: RunScan, plan: ReducePlan, out: Path | None = None) -> Any:
             ax.plot(data[x_col].to_numpy(), data["value"].to_numpy(), label=f"{key} ({data['reduction'][0]})")
             if band is not None:
                 b = band.filter(pl.col("key") == key).sort(plan.bucket)
-                ax.fill_between(b[plan.bucket].to_numpy(), b["lo"].to_numpy(), b["hi"].to_numpy(), alpha=0.25,
-                                label="min-max across sources")
+                ax.fill_between(
+                    b[plan.bucket].to_numpy(),
+                    b["lo"].to_numpy(),
+                    b["hi"].to_numpy(),
+                    alpha=0.25,
+                    label="min-max across sources",
+                )
         else:
-            for (process, rank), part in data.partition_by("process", "rank", as_dict=True, maintain_order=True).items():
+            for (process, rank), part in data.partition_by(
+                "process", "rank", as_dict=True, maintain_order=True
+            ).items():
                 x, y = part[x_col].to_numpy(), part["value"].to_numpy()
                 if mode is LoggingMode.PER_RANK_REDUCE:
                     ax.plot(x, y, label=f"{process} (rank {rank})")
                 else:
-                    ax.plot(x, y, linestyle="none", marker=".", markersize=3, label=f"{process} (rank {rank})")
+                    ax.plot(
+                        x, y, linestyle="none", marker=".", markersize=3, label=f"{process} (rank {rank})"
+                    )
         _mark(ax, health, key, x_col, recorders.get(key, set()))
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="best")
-    axes[-1, 0].set_xlabel({"step": "step", "window_start": "window start (epoch s)",
-                            "timestamp": "wall-clock time (epoch s)"}[x_col])
+    axes[-1, 0].set_xlabel(
+        {"step": "step", "window_start": "window start (epoch s)", "timestamp": "wall-clock time (epoch s)"}[
+            x_col
+        ]
+    )
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
     fig.tight_layout()
     if out is not None:
@@ -89,11 +104,17 @@ def _mark(ax: Any, health: dict[str, Any], key: str, x_col: str, recorders: set[
         if source["status"] == "finished" or (source["process"], source["rank"]) not in recorders:
             continue
         x = source["last_timestamp"] if x_col != "step" else source["last_step"]
-        ax.axvline(x, color="grey", linestyle="--", linewidth=1,
-                   label=f"{source['process']} stopped ({source['status']})")
+        ax.axvline(
+            x,
+            color="grey",
+            linestyle="--",
+            linewidth=1,
+            label=f"{source['process']} stopped ({source['status']})",
+        )
     for item in health["nonfinite"]:
         if item["key"] != key:
             continue
         x = item["first_timestamp"] if x_col != "step" else item["first_step"]
-        ax.axvline(x, color="red", linestyle=":", linewidth=1.5,
-                   label=f"non-finite from here: {item['process']}")
+        ax.axvline(
+            x, color="red", linestyle=":", linewidth=1.5, label=f"non-finite from here: {item['process']}"
+        )

@@ -59,6 +59,7 @@ class FileReport:
     truncated: bool = False
     unreadable: str | None = None
     superseded_by: str | None = None
+    source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
 
     def skip(self, reason: str, count: int = 1, lines: list[int] | None = None) -> None:
         self.skipped += count
@@ -141,6 +142,7 @@ class RunScan:
     frame: pl.LazyFrame
     report: ReadReport
     meta: dict[str, Any]
+    parts: dict[int, pl.LazyFrame] = field(default_factory=dict)  # file_id -> that file's frame
 
     @property
     def name(self) -> str:
@@ -164,6 +166,7 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
     superseded = _superseded_tails(paths)
     frames: list[pl.LazyFrame] = []
     checks: list[tuple[int, FileReport, pl.LazyFrame | None]] = []
+    file_ids: list[int] = []
     for path in paths:
         suffix = path.suffix
         rep = FileReport(path=path, format=suffix.lstrip("."))
@@ -183,12 +186,19 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
             if not trusted:
                 checks.append((len(frames), rep, check))
             frames.append(frame.with_columns(file_id=pl.lit(len(report.files) - 1, pl.Int32)))
+            file_ids.append(len(report.files) - 1)
     _run_parquet_checks(frames, checks)
     if not frames or report.records == 0:
         why = "no *.jsonl or *.parquet file was found" if not paths else "every record was skipped"
         extra = report.summary()
         raise NoDataError(str(root), why + (f"\n{extra}" if extra else ""))
-    return RunScan(run_dir=root, frame=pl.concat(frames, how="vertical"), report=report, meta=meta)
+    return RunScan(
+        run_dir=root,
+        frame=pl.concat(frames, how="vertical"),
+        report=report,
+        meta=meta,
+        parts=dict(zip(file_ids, frames, strict=True)),
+    )
 
 
 # -- discovery -----------------------------------------------------------------------------
@@ -335,6 +345,10 @@ def _accept(
     if "event" in raw.columns:
         events = raw["event"].is_not_null()
         if events.any():
+            for row in raw.filter(raw["event"] == SEGMENT_EVENT).iter_rows(named=True):
+                rank = _to_int(row.get("rank"))
+                if row.get("process") is not None and rank is not None:
+                    rep.source = (row["process"], rank)
             for row in raw.filter(raw["event"] == SHUTDOWN_EVENT).iter_rows(named=True):
                 rank = _to_int(row.get("rank"))
                 if row.get("process") is not None and rank is not None:
@@ -489,6 +503,8 @@ def _scan_parquet(
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None, True, None
     own = _parquet_meta(path)
+    if own and "process" in own and "rank" in own:
+        rep.source = (str(own["process"]), int(own["rank"]))
     if own and own.get("clean_shutdown") and "process" in own and "rank" in own:
         report.shutdowns.append(Shutdown(str(own["process"]), int(own["rank"]), own.get("timestamp")))
     missing = [f for f in REQUIRED_FIELDS if f not in schema]
@@ -575,6 +591,8 @@ def _read_journal(path: Path, rep: FileReport) -> pl.LazyFrame | None:
     if decoded.problems and decoded.table is None:
         rep.unreadable = "; ".join(decoded.problems)
         return None
+    if decoded.process is not None and decoded.rank is not None:
+        rep.source = (decoded.process, decoded.rank)
     for problem in decoded.problems:
         rep.skip(problem, 0)
     if decoded.truncated:

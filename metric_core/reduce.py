@@ -178,8 +178,8 @@ def _statistic_expr(stat: Statistic) -> pl.Expr:
         "std": v.std(ddof=0),
         "count": pl.len().cast(pl.Float64),
         "median": v.median(),
-        "first": v.sort_by("timestamp").first(),
-        "last": v.sort_by("timestamp").last(),
+        "first": v.min_by("timestamp"),
+        "last": v.max_by("timestamp"),
     }
     expr = exprs.get(stat.name)
     if expr is None:

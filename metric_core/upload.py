@@ -195,7 +195,9 @@ def _keys(wide: pl.DataFrame, bucket: str) -> list[str]:
     return [c for c in wide.columns if c != bucket]
 
 
-def _raw_run(run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str) -> PlannedRun:
+def _raw_run(
+    run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
+) -> PlannedRun:
     keys = sorted(part["key"].unique().to_list())
     frame = part.select("key", "value", bucket, "timestamp")
     return PlannedRun(run_id, name, group, source, frame, None, keys, raw=True, bucket=bucket)
