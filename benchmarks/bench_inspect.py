@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_reduce import generate  # noqa: E402
+from bench_reduce import generate
 
 
 def wall(cmd: list[str]) -> float:

@@ -94,8 +94,9 @@ def generate(root: Path, name: str) -> Path:
     table = list(zip(KEYS, REDUCTIONS, strict=True))
     for rank in range(ranks):
         rng = np.random.default_rng(rank)
-        writer = RawFileWriter(run, process=f"TrainActor_r{rank}", rank=rank, file_format=fmt,
-                               seal_interval=float("inf"))
+        writer = RawFileWriter(
+            run, process=f"TrainActor_r{rank}", rank=rank, file_format=fmt, seal_interval=float("inf")
+        )
         for step in range(steps):
             ts = 1.76e9 + step * 2.0 + np.sort(rng.uniform(0, 1.9, per_step))
             block = np.stack([rng.normal(10.0, 3.0, per_step), codes, ts], axis=1)
@@ -135,7 +136,8 @@ def replay_rows_per_second(run: Path, fmt: str, limit: int = 1_000_000) -> float
     from metric_core.metric import Reduce
 
     files = sorted(run.glob(f"*.{fmt}"))
-    df = (pl.scan_parquet(files) if fmt == "parquet" else pl.scan_ndjson(files)).head(limit).collect()
+    scan = pl.scan_parquet(files) if fmt == "parquet" else pl.scan_ndjson(files, infer_schema_length=None)
+    df = scan.filter(pl.col("key").is_not_null()).head(limit).collect()  # not the writer's event lines
     rows = df.select("key", "value", "reduction", "step").rows()
     start = time.perf_counter()
     accumulators: dict = {}

@@ -52,14 +52,24 @@ def write_run(root: Path, steps: int) -> Path:
     from metric_core import Metric, MetricCollector, Reduce
 
     run = root / "bench_run"
-    for rank, process in enumerate(["TrainActor_r0", "TrainActor_r1", "GeneratorActor_r0", "GeneratorActor_r1"]):
+    for rank, process in enumerate(
+        ["TrainActor_r0", "TrainActor_r1", "GeneratorActor_r0", "GeneratorActor_r1"]
+    ):
         c = MetricCollector(run, rank=rank % 2, process_name=process, flush_interval=3600)
         for step in range(steps):
             t = 1.76e9 + step * 2.0 + rank * 0.01
-            for i, (key, red) in enumerate([("loss", Reduce.MEAN), ("grad_norm", Reduce.MAX), ("tokens", Reduce.SUM),
-                                            ("latency_s", Reduce.STD)]):
+            for i, (key, red) in enumerate(
+                [
+                    ("loss", Reduce.MEAN),
+                    ("grad_norm", Reduce.MAX),
+                    ("tokens", Reduce.SUM),
+                    ("latency_s", Reduce.STD),
+                ]
+            ):
                 for j in range(1 + (i == 3) * 3):
-                    c.push(Metric(f"{process[:5].lower()}/{key}", float(step + j), red, t + 0.1 * i + 0.01 * j))
+                    c.push(
+                        Metric(f"{process[:5].lower()}/{key}", float(step + j), red, t + 0.1 * i + 0.01 * j)
+                    )
             c.flush(step)
         c.shutdown()
     return run
@@ -89,20 +99,40 @@ def main() -> None:
             ours, plain = [], []
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                subprocess.run([metriclog, "upload", str(run), "--project", "bench", "--offline", "--mode", mode,
-                                "--force-new"], env=env, check=True, capture_output=True)
+                subprocess.run(
+                    [
+                        metriclog,
+                        "upload",
+                        str(run),
+                        "--project",
+                        "bench",
+                        "--offline",
+                        "--mode",
+                        mode,
+                        "--force-new",
+                    ],
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                )
                 ours.append(time.perf_counter() - start)
                 start = time.perf_counter()
-                subprocess.run([sys.executable, "-c", PLAIN, str(dump), str(root / "plain")], env=env, check=True,
-                               capture_output=True)
+                subprocess.run(
+                    [sys.executable, "-c", PLAIN, str(dump), str(root / "plain")],
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                )
                 plain.append(time.perf_counter() - start)
             results[mode] = (rows, len(plan.runs), statistics.median(ours), statistics.median(plain))
             print(json.dumps({mode: results[mode]}), file=sys.stderr)
     print(f"W&B offline mode; repeats: {args.repeats}; medians; wall time of whole processes")
     print(f"{'mode':<20}{'runs':>5}{'rows':>9}{'metriclog rows/s':>18}{'wandb.log rows/s':>18}{'ratio':>8}")
     for mode, (rows, runs, ours_s, plain_s) in results.items():
-        print(f"{mode:<20}{runs:>5}{rows:>9,}{rows / ours_s:>18,.0f}{rows / plain_s:>18,.0f}"
-              f"{plain_s / ours_s:>7.2f}x")
+        print(
+            f"{mode:<20}{runs:>5}{rows:>9,}{rows / ours_s:>18,.0f}{rows / plain_s:>18,.0f}"
+            f"{plain_s / ours_s:>7.2f}x"
+        )
     print("target: ratio >= 0.90x (replay overhead <= 10%)")
 
 

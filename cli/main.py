@@ -298,7 +298,9 @@ def upload(
 @app.command()
 def inspect(
     run_dir: RunDir,
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object instead of the table.")
+    ] = False,
 ) -> None:
     """Tell what happened in a crashed or hung run: per-source health, then a verdict.
 
@@ -327,7 +329,9 @@ def inspect(
 @app.command()
 def plot(
     run_dir: RunDir,
-    key: Annotated[list[str], typer.Option("--key", metavar="PATTERN", help="Keys to plot (glob). Repeatable.")],
+    key: Annotated[
+        list[str], typer.Option("--key", metavar="PATTERN", help="Keys to plot (glob). Repeatable.")
+    ],
     out: Annotated[Path, typer.Option("--out", metavar="FILE.png", help="Where to write the PNG.")],
     mode: ModeOpt = Mode.global_reduce,
     by: ByOpt = By.step,
@@ -346,8 +350,17 @@ def plot(
     from metric_core.reader import scan_run
     from metric_core.reduce import make_plan
 
-    plan = usage(lambda: make_plan(mode=mode.value, by=by.value, every=every, reduce=reduce or (),
-                                   keys=key, ranks=ranks or (), steps=steps))
+    plan = usage(
+        lambda: make_plan(
+            mode=mode.value,
+            by=by.value,
+            every=every,
+            reduce=reduce or (),
+            keys=key,
+            ranks=ranks or (),
+            steps=steps,
+        )
+    )
     if out.suffix.lower() != ".png":
         raise typer.BadParameter(f"--out {out}: the plot is a PNG; name it FILE.png")
     with errors_to_exit():
@@ -369,11 +382,18 @@ def _print_sources(report: dict[str, Any]) -> None:
 
     rows = [
         {
-            "process": s["process"], "rank": s["rank"], "files": s["files"], "records": s["records"],
-            "skipped": s["skipped"], "truncated": "yes" if s["truncated"] else "", "keys": s["keys"],
+            "process": s["process"],
+            "rank": s["rank"],
+            "files": s["files"],
+            "records": s["records"],
+            "skipped": s["skipped"],
+            "truncated": "yes" if s["truncated"] else "",
+            "keys": s["keys"],
             "steps": f"{s['first_step']}-{s['last_step']}",
-            "first": local(s["first_timestamp"]), "last": local(s["last_timestamp"]),
-            "lag": f"{s['lag_s']:.1f} s", "status": s["status"],
+            "first": local(s["first_timestamp"]),
+            "last": local(s["last_timestamp"]),
+            "lag": f"{s['lag_s']:.1f} s",
+            "status": s["status"],
         }
         for s in report["sources"]
     ]

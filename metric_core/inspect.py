@@ -258,14 +258,16 @@ def verdict(report: dict[str, Any]) -> list[str]:
     lines = []
     if report["missing_ranks"]:
         lines.append(
-            f"Ranks {', '.join(map(str, report['missing_ranks']))} of world_size {report['world_size']} never wrote a record."
+            f"Ranks {', '.join(map(str, report['missing_ranks']))} of world_size {report['world_size']} "
+            "never wrote a record."
         )
     first = report["first_to_stop"]
     if first:
         kind = "stopped early" if first["status"] == "stopped_early" else "stopped first"
         lines.append(
             f"{first['process']} (rank {first['rank']}) {kind}: last record at step {first['last_step']}, "
-            f"{when(first['last_timestamp'])}, {_duration(first['lag_s'])} before the newest record of the run."
+            f"{when(first['last_timestamp'])}, {_duration(first['lag_s'])} before the newest record "
+            "of the run."
         )
         values = ", ".join(f"{k}={_fmt(v)}" for k, v in first["last_values"].items())
         lines.append(f"  its last values: {values}")
@@ -291,8 +293,8 @@ def verdict(report: dict[str, Any]) -> list[str]:
         lines.append("Every source recorded a clean shutdown.")
     if report["skipped_records"] or report["unreadable_files"]:
         lines.append(
-            f"{report['skipped_records']} record(s) and {len(report['unreadable_files'])} file(s) could not be read "
-            "(see the warning above)."
+            f"{report['skipped_records']} record(s) and {len(report['unreadable_files'])} file(s) "
+            "could not be read (see the warning above)."
         )
     return lines
 

@@ -396,6 +396,9 @@ def _to_int(value: Any) -> int | None:
 
 
 def _read_jsonl(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+    sealed = _jsonl_segment_meta(path)
+    if sealed is not None and sealed.get("nonfinite") == 0 and isinstance(sealed.get("records"), int):
+        return _scan_sealed_jsonl(path, sealed, rep, report)
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -431,6 +434,20 @@ def _read_jsonl(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame
             return _accept(raw, line_numbers, rep, report, typed_input=typed_input).lazy()
     raw, numbers = _jsonl_line_by_line(data, rep)
     return _accept(raw, lambda: numbers, rep, report).lazy()
+
+
+def _scan_sealed_jsonl(
+    path: Path, meta: dict[str, Any], rep: FileReport, report: ReadReport
+) -> pl.LazyFrame | None:
+    """A JSONL segment sealed by our writer: typed, finite, whole (it was renamed into place
+    complete), so it is scanned lazily, streaming, without a validation pass."""
+    rep.source = (str(meta["process"]), int(meta["rank"]))
+    rep.records += meta["records"]
+    if meta.get("clean_shutdown"):
+        report.shutdowns.append(Shutdown(rep.source[0], rep.source[1], meta.get("timestamp")))
+    if meta["records"] == 0:
+        return None
+    return pl.scan_ndjson(path, schema=_TYPED_SCHEMA).filter(pl.col("event").is_null()).select(*POLARS_SCHEMA)
 
 
 def _is_json_object(line: bytes) -> bool:

@@ -21,8 +21,16 @@ T0 = 1_760_000_000.0
 STEP_S = 2.0
 
 
-def source(run_dir: Path, process: str, rank: int, steps: range, *, end: str = "shutdown",
-           nan_from: int | None = None, delay: float = 0.0) -> None:
+def source(
+    run_dir: Path,
+    process: str,
+    rank: int,
+    steps: range,
+    *,
+    end: str = "shutdown",
+    nan_from: int | None = None,
+    delay: float = 0.0,
+) -> None:
     """Record trainer/loss and trainer/grad_norm each step, with known timestamps.
 
     end: "shutdown" (clean), "killed" (the process died: no shutdown, no seal), or "hung" (alive
@@ -67,7 +75,11 @@ def test_inspect_reports_exactly_the_known_failures(crashed):
     assert report["world_size"] == 6
     assert report["missing_ranks"] == [5]
     assert {r: s["status"] for r, s in by_rank.items()} == {
-        0: "finished", 1: "stopped_early", 2: "stopped_early", 3: "finished", 4: "finished"
+        0: "finished",
+        1: "stopped_early",
+        2: "stopped_early",
+        3: "finished",
+        4: "finished",
     }
     assert by_rank[1]["last_step"] == 40 and by_rank[2]["last_step"] == 70
     assert by_rank[1]["clean_shutdown"] is False and by_rank[0]["clean_shutdown"] is True
@@ -77,11 +89,19 @@ def test_inspect_reports_exactly_the_known_failures(crashed):
     first = report["first_to_stop"]
     assert (first["process"], first["rank"], first["last_step"]) == ("TrainActor_r1", 1, 40)
     assert first["last_values"] == {"trainer/grad_norm": float(40 % 7), "trainer/loss": 1.0 / 41}
-    assert report["nonfinite"] == [{
-        "process": "TrainActor_r3", "rank": 3, "key": "trainer/loss", "first_step": 55,
-        "first_timestamp": T0 + 55 * STEP_S, "count": 2 * 45,
-    }]
-    assert [(s["process"], round(s["worst_lag_s"], 6)) for s in report["stragglers"]] == [("TrainActor_r4", 9.0)]
+    assert report["nonfinite"] == [
+        {
+            "process": "TrainActor_r3",
+            "rank": 3,
+            "key": "trainer/loss",
+            "first_step": 55,
+            "first_timestamp": T0 + 55 * STEP_S,
+            "count": 2 * 45,
+        }
+    ]
+    assert [(s["process"], round(s["worst_lag_s"], 6)) for s in report["stragglers"]] == [
+        ("TrainActor_r4", 9.0)
+    ]
 
 
 def test_a_clean_run_reports_nothing(tmp_path):
@@ -140,8 +160,22 @@ def test_inspect_command_table_verdict_and_json(crashed):
     data = json.loads(as_json.stdout)
     for field in ("run_dir", "world_size", "missing_ranks", "sources", "first_to_stop", "nonfinite"):
         assert field in data
-    for field in ("process", "rank", "files", "records", "skipped", "truncated", "keys", "first_step", "last_step",
-                  "first_timestamp", "last_timestamp", "lag_s", "clean_shutdown", "status"):
+    for field in (
+        "process",
+        "rank",
+        "files",
+        "records",
+        "skipped",
+        "truncated",
+        "keys",
+        "first_step",
+        "last_step",
+        "first_timestamp",
+        "last_timestamp",
+        "lag_s",
+        "clean_shutdown",
+        "status",
+    ):
         assert field in data["sources"][0]
 
 
@@ -167,8 +201,11 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
     np.testing.assert_array_equal(line.get_xdata(), truth["step"].to_numpy())
     np.testing.assert_array_equal(line.get_ydata(), truth["value"].to_numpy())
     assert ax_loss.collections, "the min-max band across sources"
-    marks = {ln.get_label(): ln.get_xdata()[0] for ln in ax_loss.get_lines() if "stopped" in ln.get_label()
-             or "non-finite" in ln.get_label()}
+    marks = {
+        ln.get_label(): ln.get_xdata()[0]
+        for ln in ax_loss.get_lines()
+        if "stopped" in ln.get_label() or "non-finite" in ln.get_label()
+    }
     assert marks == {
         "TrainActor_r1 stopped (stopped_early)": 40,
         "TrainActor_r2 stopped (stopped_early)": 70,
@@ -178,18 +215,26 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
 
 
 def test_plot_per_rank_draws_a_line_per_source(crashed, tmp_path):
-    fig = plot_run(scan_run(crashed), make_plan(mode="per_rank_reduce", keys=["trainer/grad_norm"]),
-                   tmp_path / "g.png")
+    fig = plot_run(
+        scan_run(crashed), make_plan(mode="per_rank_reduce", keys=["trainer/grad_norm"]), tmp_path / "g.png"
+    )
     (ax,) = fig.axes
-    labels = [ln.get_label() for ln in ax.get_lines() if "rank" in ln.get_label() and "stopped" not in ln.get_label()]
+    labels = [
+        ln.get_label()
+        for ln in ax.get_lines()
+        if "rank" in ln.get_label() and "stopped" not in ln.get_label()
+    ]
     assert labels == [f"TrainActor_r{r} (rank {r})" for r in range(5)]
     r1 = next(ln for ln in ax.get_lines() if ln.get_label() == "TrainActor_r1 (rank 1)")
     assert list(r1.get_xdata()) == list(range(41))
 
 
 def test_plot_raw_points_over_wall_clock_time(crashed, tmp_path):
-    fig = plot_run(scan_run(crashed), make_plan(mode="per_rank_no_reduce", keys=["trainer/grad_norm"]),
-                   tmp_path / "raw.png")
+    fig = plot_run(
+        scan_run(crashed),
+        make_plan(mode="per_rank_no_reduce", keys=["trainer/grad_norm"]),
+        tmp_path / "raw.png",
+    )
     (ax,) = fig.axes
     assert ax.get_xlabel().startswith("wall-clock time")
     r0 = next(ln for ln in ax.get_lines() if ln.get_label() == "TrainActor_r0 (rank 0)")

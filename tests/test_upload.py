@@ -57,8 +57,13 @@ def reduce_frame(run_dir: Path, **kw) -> pl.DataFrame:
 
 @pytest.mark.parametrize(
     ("mode", "share"),
-    [("global_reduce", False), ("per_rank_reduce", False), ("per_rank_reduce", True),
-     ("per_rank_no_reduce", False), ("per_rank_no_reduce", True)],
+    [
+        ("global_reduce", False),
+        ("per_rank_reduce", False),
+        ("per_rank_reduce", True),
+        ("per_rank_no_reduce", False),
+        ("per_rank_no_reduce", True),
+    ],
 )
 def test_every_mode_lands_in_wandb_as_the_spec_maps_it(tmp_path, small_run, mode, share):
     run_dir = tmp_path / "exp1"
@@ -93,16 +98,24 @@ def test_every_mode_lands_in_wandb_as_the_spec_maps_it(tmp_path, small_run, mode
             expected = truth
         if mode == "per_rank_no_reduce":
             assert metric_definitions(records).get("*") is None
-            got = sorted((r["_timestamp"], r["step"], k, v) for r in rows for k, v in r.items()
-                         if not k.startswith("_") and k != "step")
+            got = sorted(
+                (r["_timestamp"], r["step"], k, v)
+                for r in rows
+                for k, v in r.items()
+                if not k.startswith("_") and k != "step"
+            )
             want = sorted(
                 (t, s, f"{k}/{p}" if share else k, v)
-                for p, t, s, k, v in expected.select("process", "timestamp", "step", "key", "value").iter_rows()
+                for p, t, s, k, v in expected.select(
+                    "process", "timestamp", "step", "key", "value"
+                ).iter_rows()
             )
             assert got == want
         else:
             assert metric_definitions(records).get("*") == "step"
-            got = {(r["step"], k): v for r in rows for k, v in r.items() if not k.startswith("_") and k != "step"}
+            got = {
+                (r["step"], k): v for r in rows for k, v in r.items() if not k.startswith("_") and k != "step"
+            }
             want = {
                 (s, f"{k}/{p}" if share else k): v
                 for p, s, k, v in expected.select(
@@ -122,8 +135,12 @@ def test_run_ids_are_deterministic_and_survive_a_copy(tmp_path, small_run):
     shutil.copytree(small_run, b)
     (a / "run.json").unlink()
     (b / "run.json").unlink()  # identity from the data itself
-    ids_a = [r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(a)), name="x").runs]
-    ids_b = [r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(b)), name="x").runs]
+    ids_a = [
+        r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(a)), name="x").runs
+    ]
+    ids_b = [
+        r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(b)), name="x").runs
+    ]
     assert ids_a == ids_b
     assert len(set(ids_a)) == 2
     ids_global = [r.run_id for r in plan_upload(execute(make_plan(), scan_run(a)), name="x").runs]
@@ -276,13 +293,18 @@ def test_a_killed_offline_upload_is_redone_as_a_fresh_offline_run(tmp_path):
     run_dir = tmp_path / "big"
     records = len(write_collector_run(run_dir, [("w", 0)], steps=1200))
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(run_dir)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, str(run_dir)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ledger_path = run_dir / ".metriclog" / "uploads.json"
     deadline = time.time() + 120
     while time.time() < deadline:
-        if ledger_path.exists() and any(e["rows_sent"] >= 5000 for e in
-                                        json.loads(ledger_path.read_text())["runs"].values()):
+        if ledger_path.exists() and any(
+            e["rows_sent"] >= 5000 for e in json.loads(ledger_path.read_text())["runs"].values()
+        ):
             break
         if child.poll() is not None:
             pytest.fail("the upload finished before it could be killed")

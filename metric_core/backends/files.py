@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from metric_core import journal
@@ -237,6 +238,10 @@ class RawFileWriter(LoggerBackend):
             "clean_shutdown": clean_shutdown,
             "timestamp": now,
         }
+        if self.file_format == "jsonl":  # a reader may then parse values as plain numbers
+            meta["nonfinite"] = (
+                table.num_rows - pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
+            )
         if self.file_format == "parquet":
             with pq.ParquetWriter(
                 tmp, table.schema, store_schema=False, compression="snappy", use_dictionary=_DICT_COLUMNS
