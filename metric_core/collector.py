@@ -232,8 +232,9 @@ class MetricCollector:
         if self._closed:
             raise MetricLogError(f"flush() after shutdown() of {self.process_name}")
         self._check_writer()
-        with self._drain_lock:
-            self._step = step
+        # Records keep the step that was current when they were recorded: the writer thread
+        # may already have written some, so relabelling the rest under ``step`` would make a
+        # record's step depend on timing.
         self._drain()
         with self._drain_lock:
             if need_states or self._accumulators:
@@ -264,7 +265,9 @@ class MetricCollector:
         """End step ``step`` (default: the current one), as in SPEC section 4.
 
         Everything recorded since the previous flush is made durable, reduced per key
-        for PER_RANK_REDUCE backends, and the current step becomes ``step + 1``. With
+        for PER_RANK_REDUCE backends under ``step``, and the current step becomes
+        ``step + 1``. Records keep the step that was current when they were recorded, so
+        in the usual loop (``flush(step)`` once per step) both agree. With
         ``return_state`` the accumulator states are returned for a global reduction
         (see ``reduce_metrics_states``).
         """

@@ -67,7 +67,9 @@ def test_per_rank_no_reduce_streams_each_record_with_its_timestamp(tmp_path, off
         "mode": "offline",
         "logging_mode": "per_rank_no_reduce",
     }
-    c = MetricCollector(tmp_path / "run", rank=1, process_name="GeneratorActor_r1", backends={"wandb": cfg})
+    c = MetricCollector(
+        tmp_path / "run", rank=1, process_name="GeneratorActor_r1", backends={"wandb": cfg}, step=3
+    )
     for i in range(5):
         c.record("policy/latency_s", 0.1 * i)
     c.flush(3)

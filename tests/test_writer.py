@@ -242,7 +242,7 @@ def test_flush_returns_states_that_merge_into_the_global_reduction(tmp_path):
 
 def test_a_stream_backend_gets_every_raw_record_off_the_training_thread(tmp_path):
     backend = Recording("per_rank_no_reduce")
-    c = MetricCollector(tmp_path, rank=0, backends={"mine": backend})
+    c = MetricCollector(tmp_path, rank=0, backends={"mine": backend}, step=7)
     for i in range(5):
         c.record("k", float(i))
     c.flush(7)
