@@ -106,6 +106,31 @@ def report_skips(scan: Any, strict: bool) -> None:
             raise fail("--strict: records or files were skipped (see above)")
 
 
+def _plan(
+    mode: Mode,
+    by: By,
+    every: str | None,
+    reduce: list[str] | None,
+    key: list[str] | None,
+    ranks: str | None,
+    steps: str | None,
+) -> Any:
+    """The reduce plan the shared options ask for; bad syntax is a usage error (exit 2)."""
+    from metric_core.reduce import make_plan
+
+    return usage(
+        lambda: make_plan(
+            mode=mode.value,
+            by=by.value,
+            every=every,
+            reduce=reduce or (),
+            keys=key or (),
+            ranks=ranks or (),
+            steps=steps,
+        )
+    )
+
+
 def usage(call: Callable[[], T]) -> T:
     """Parse an option value; a bad one is a usage error (exit 2)."""
     from metric_core.reduce import PlanError
@@ -142,19 +167,9 @@ def reduce(
     """
     from cli.output import print_table, write_frame
     from metric_core.reader import scan_run
-    from metric_core.reduce import execute, make_plan, pivot_wide
+    from metric_core.reduce import execute, pivot_wide
 
-    plan = usage(
-        lambda: make_plan(
-            mode=mode.value,
-            by=by.value,
-            every=every,
-            reduce=reduce or (),
-            keys=key or (),
-            ranks=ranks or (),
-            steps=steps,
-        )
-    )
+    plan = _plan(mode, by, every, reduce, key, ranks, steps)
     if wide and plan.mode.value == "per_rank_no_reduce":
         raise typer.BadParameter("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
     with errors_to_exit():
@@ -218,19 +233,9 @@ def upload(
     from cli.output import print_table
     from metric_core import upload as up
     from metric_core.reader import scan_run
-    from metric_core.reduce import execute, make_plan
+    from metric_core.reduce import execute
 
-    plan = usage(
-        lambda: make_plan(
-            mode=mode.value,
-            by=by.value,
-            every=every,
-            reduce=reduce or (),
-            keys=key or (),
-            ranks=ranks or (),
-            steps=steps,
-        )
-    )
+    plan = _plan(mode, by, every, reduce, key, ranks, steps)
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
     with errors_to_exit():
@@ -348,19 +353,8 @@ def plot(
     """
     from metric_core.plot import plot_run
     from metric_core.reader import scan_run
-    from metric_core.reduce import make_plan
 
-    plan = usage(
-        lambda: make_plan(
-            mode=mode.value,
-            by=by.value,
-            every=every,
-            reduce=reduce or (),
-            keys=key,
-            ranks=ranks or (),
-            steps=steps,
-        )
-    )
+    plan = _plan(mode, by, every, reduce, key, ranks, steps)
     if out.suffix.lower() != ".png":
         raise typer.BadParameter(f"--out {out}: the plot is a PNG; name it FILE.png")
     with errors_to_exit():

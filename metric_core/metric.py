@@ -122,17 +122,8 @@ class MeanAccumulator(MetricAccumulator):
         return sum(s["sum"] for s in states) / count if count else math.nan
 
 
-class SumAccumulator(MetricAccumulator):
-    def reset(self) -> None:
-        self.sum = 0.0
-        self.count = 0
-
-    def append_many(self, values: np.ndarray) -> None:
-        self.sum += float(values.sum())
-        self.count += len(values)
-
-    def get_state(self) -> dict[str, Any]:
-        return {"reduction_type": self.reduction.value, "sum": self.sum, "count": self.count}
+class SumAccumulator(MeanAccumulator):
+    """The mean's state (sum, count); only the reduced value differs."""
 
     @classmethod
     def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:

@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 
@@ -351,25 +352,16 @@ def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, Statistic], ...]:
     return tuple(out)
 
 
-def reduce_run(
-    run_dir: str | os.PathLike[str],
-    *,
-    mode: LoggingMode | str = LoggingMode.GLOBAL_REDUCE,
-    by: str = "step",
-    every: float | str | None = None,
-    reduce: Sequence[str] | dict[str, str] = (),
-    keys: Sequence[str] = (),
-    ranks: str | Sequence[tuple[int, int]] = (),
-    steps: str | tuple[int | None, int | None] | None = None,
-) -> pl.DataFrame:
+def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
     """Reduce a run directory in one of the three logging modes; a polars DataFrame.
+
+    ``options`` are those of ``make_plan``: mode, by, every, reduce, keys, ranks, steps.
 
     >>> df = reduce_run("sample_logs/rl_run", mode="global_reduce", keys=["trainer/*"])  # doctest: +SKIP
     >>> df.columns  # doctest: +SKIP
     ['step', 'key', 'value', 'reduction', 'count']
     """
-    plan = make_plan(mode=mode, by=by, every=every, reduce=reduce, keys=keys, ranks=ranks, steps=steps)
-    return execute(plan, scan_run(run_dir)).frame
+    return execute(make_plan(**options), scan_run(run_dir)).frame
 
 
 def make_plan(
