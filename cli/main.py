@@ -96,6 +96,12 @@ def errors_to_exit() -> Iterator[None]:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"{exc.filename or ''}: {exc.strerror or exc}".lstrip(": ")) from None
+    except Exception as exc:
+        if not type(exc).__module__.startswith("polars"):
+            raise
+        # The reader checks every file before the query; this is a file that changed since.
+        first = str(exc).splitlines()[0]
+        raise fail(f"reading the run failed: {first}. Did a file change during the read? Run again.") from None
 
 
 def report_skips(scan: Any, strict: bool) -> None:

@@ -397,7 +397,7 @@ def _to_int(value: Any) -> int | None:
 
 def _read_jsonl(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
     sealed = _jsonl_segment_meta(path)
-    if sealed is not None and sealed.get("nonfinite") == 0 and isinstance(sealed.get("records"), int):
+    if sealed is not None and sealed.get("nonfinite") == 0 and _intact(path, sealed):
         return _scan_sealed_jsonl(path, sealed, rep, report)
     try:
         data = path.read_bytes()
@@ -434,6 +434,23 @@ def _read_jsonl(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame
             return _accept(raw, line_numbers, rep, report, typed_input=typed_input).lazy()
     raw, numbers = _jsonl_line_by_line(data, rep)
     return _accept(raw, lambda: numbers, rep, report).lazy()
+
+
+def _intact(path: Path, meta: dict[str, Any]) -> bool:
+    """Whether a sealed JSONL segment still has exactly the lines its writer put there."""
+    records = meta.get("records")
+    if not isinstance(records, int):
+        return False
+    expected = records + 1 + bool(meta.get("clean_shutdown"))  # + the segment and shutdown lines
+    lines, last = 0, b""
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+    except OSError:
+        return False
+    return lines == expected and last == b"\n"
 
 
 def _scan_sealed_jsonl(

@@ -222,3 +222,15 @@ def test_both_formats_and_many_sources_read_into_one_frame(tmp_path):
     got = df.group_by("process").agg(pl.col("value").sum()).sort("process")
     truth = pl.DataFrame(a + b).group_by("process").agg(pl.col("value").sum()).sort("process")
     np.testing.assert_allclose(got["value"].to_numpy(), truth["value"].to_numpy(), rtol=1e-12)
+
+
+def test_a_damaged_sealed_jsonl_segment_is_validated_not_trusted(tmp_path):
+    truth = write_collector_run(tmp_path, [("g", 0)], steps=3, file_format="jsonl")
+    (segment,) = tmp_path.glob("*.jsonl")
+    with open(segment, "a") as f:
+        f.write('{"key": "x", "value": \n')  # something appended to a sealed file
+    scan = scan_run(tmp_path)
+    (rep,) = scan.report.files
+    assert rep.skipped_lines == [(len(truth) + 3, "not valid JSON")]
+    assert sorted(values(scan)) == sorted(r["value"] for r in truth)
+    assert scan.report.clean_shutdowns() == {("g", 0)}
