@@ -101,7 +101,9 @@ def errors_to_exit() -> Iterator[None]:
             raise
         # The reader checks every file before the query; this is a file that changed since.
         first = str(exc).splitlines()[0]
-        raise fail(f"reading the run failed: {first}. Did a file change during the read? Run again.") from None
+        raise fail(
+            f"reading the run failed: {first}. Did a file change during the read? Run again."
+        ) from None
 
 
 def report_skips(scan: Any, strict: bool) -> None:

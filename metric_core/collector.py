@@ -404,7 +404,7 @@ def init(
             "call metric_core.shutdown() before initializing again"
         )
     if rank is None:
-        rank = _env_int("RANK", 0)
+        rank = _env_int("RANK", 0) or 0
     if world_size is None:
         world_size = _env_int("WORLD_SIZE", None)
     collector = MetricCollector(
@@ -507,7 +507,7 @@ def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, 
     path = run_dir / "run.json"
     if path.exists():
         return
-    meta = {"name": run_dir.resolve().name, "world_size": world_size, "created": time.time()}
+    meta: dict[str, Any] = {"name": run_dir.resolve().name, "world_size": world_size, "created": time.time()}
     if config is not None:
         meta["config"] = config
     tmp = run_dir / ".run.json.tmp"

@@ -131,8 +131,7 @@ class SumAccumulator(MeanAccumulator):
 
 
 class _ExtremumAccumulator(MetricAccumulator):
-    _pick = staticmethod(max)
-    _array_method = "max"
+    _array_method = "max"  # or "min": the name of the numpy method and of the builtin
 
     def reset(self) -> None:
         self.value: float | None = None
@@ -146,7 +145,7 @@ class _ExtremumAccumulator(MetricAccumulator):
         if self.value is None or math.isnan(batch):
             self.value = batch
         elif not math.isnan(self.value):
-            self.value = self._pick(self.value, batch)
+            self.value = _EXTREMA[self._array_method]([self.value, batch])
         self.count += len(values)
 
     def get_state(self) -> dict[str, Any]:
@@ -159,17 +158,18 @@ class _ExtremumAccumulator(MetricAccumulator):
             return math.nan
         if any(math.isnan(v) for v in values):
             return math.nan
-        return float(cls._pick(values))
+        return float(_EXTREMA[cls._array_method](values))
 
 
 class MaxAccumulator(_ExtremumAccumulator):
-    _pick = staticmethod(max)
     _array_method = "max"
 
 
 class MinAccumulator(_ExtremumAccumulator):
-    _pick = staticmethod(min)
     _array_method = "min"
+
+
+_EXTREMA = {"max": max, "min": min}
 
 
 class StdAccumulator(MetricAccumulator):

@@ -19,6 +19,7 @@ read-only) records each run's planned rows, rows handed over, and whether it fin
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import netrc
@@ -215,7 +216,7 @@ def _limit_warnings(runs: list[PlannedRun], mode: LoggingMode) -> list[str]:
         points = (
             r.rows
             if mode is not LoggingMode.PER_RANK_NO_REDUCE
-            else r.frame.group_by("key").len()["len"].max()
+            else int(r.frame.group_by("key").len()["len"].max() or 0)  # type: ignore[arg-type]
         )
         if points and points > MAX_POINTS_PER_METRIC:
             warnings.append(
@@ -433,7 +434,7 @@ def _upload_one(
     sent = start
     try:
         for row in run.history(start):
-            _retry(lambda row=row: wb.log(row), "logging to W&B", sleep)
+            _retry(functools.partial(wb.log, row), "logging to W&B", sleep)
             sent += 1
             if sent % LEDGER_EVERY_ROWS == 0:
                 ledger.update(run_id, rows_sent=sent)

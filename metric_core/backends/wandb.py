@@ -43,7 +43,7 @@ class WandbBackend(LoggerBackend):
         cfg = self.logger_backend_config
         self.process_name = process_name or self.process_name
         group = cfg.get("group") or cfg.get("name") or "metriclog"
-        common = {
+        common: dict[str, Any] = {
             "project": cfg.get("project"),
             "entity": cfg.get("entity"),
             "group": group,
