@@ -209,7 +209,7 @@ def _limit_warnings(runs: list[PlannedRun], mode: LoggingMode) -> list[str]:
     distinct = {k for r in runs for k in r.keys}
     if len(distinct) >= MAX_METRICS:
         warnings.append(
-            f"{len(distinct)} distinct metrics: W&B supports fewer than {MAX_METRICS:,} per project; "
+            f"{len(distinct):,} distinct metrics: W&B supports fewer than {MAX_METRICS:,} per project; "
             "select keys with --key"
         )
     for r in runs:

@@ -320,3 +320,24 @@ def test_a_killed_offline_upload_is_redone_as_a_fresh_offline_run(tmp_path):
     fresh = [e for e in runs.values() if e["finished"]]
     assert len(runs) == 2 and len(fresh) == 1
     assert fresh[0]["rows_sent"] == fresh[0]["rows_planned"] == records
+
+
+def test_wandb_limits_are_checked_before_anything_is_sent():
+    from metric_core.metric import LoggingMode
+    from metric_core.upload import MAX_POINTS_PER_METRIC, PlannedRun, _limit_warnings
+
+    rows = MAX_POINTS_PER_METRIC + 1
+    frame = pl.DataFrame({"step": range(rows), "loss": [0.0] * rows})
+    many = PlannedRun("id", "exp1", None, None, frame, "step", ["loss"])
+    (warning,) = _limit_warnings([many], LoggingMode.GLOBAL_REDUCE)
+    assert f"up to {rows:,} points per metric" in warning
+    assert "--by time --every" in warning
+    keys = [f"k{i}" for i in range(10_000)]
+    wide = PlannedRun("id2", "exp2", None, None, pl.DataFrame({"step": [0]}), "step", keys)
+    assert any("10,000 distinct metrics" in w for w in _limit_warnings([wide], LoggingMode.GLOBAL_REDUCE))
+    assert (
+        _limit_warnings(
+            [PlannedRun("id3", "ok", None, None, frame.head(10), "step", ["loss"])], LoggingMode.GLOBAL_REDUCE
+        )
+        == []
+    )
