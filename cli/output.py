@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import io
-import json
-import math
 import sys
 from pathlib import Path
 
 import polars as pl
 
 from metric_core.errors import MetricLogError
+from metric_core.schema import to_jsonl
 
 OUT_SUFFIXES = (".parquet", ".csv", ".jsonl")
 MAX_TABLE_ROWS = 40
@@ -27,26 +25,7 @@ def write_frame(df: pl.DataFrame, out: Path) -> None:
     elif suffix == ".csv":
         df.write_csv(out)
     else:
-        out.write_bytes(jsonl_bytes(df))
-
-
-def jsonl_bytes(df: pl.DataFrame) -> bytes:
-    floats = [c for c, t in df.schema.items() if t == pl.Float64]
-    finite = pl.all_horizontal(
-        [pl.col(c).is_finite() | pl.col(c).is_null() for c in floats] or [pl.lit(True)]
-    )
-    if df.select(finite.all()).item():
-        buf = io.BytesIO()
-        df.write_ndjson(buf)
-        return buf.getvalue()
-    lines = []
-    for row in df.iter_rows(named=True):
-        for c in floats:
-            v = row[c]
-            if v is not None and not math.isfinite(v):
-                row[c] = "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-        lines.append(json.dumps(row, separators=(",", ":")))
-    return ("\n".join(lines) + "\n").encode()
+        out.write_bytes(to_jsonl(df))
 
 
 def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS) -> None:

@@ -14,12 +14,14 @@ Files of one source (``stem`` is the sanitized process name):
 
 from __future__ import annotations
 
+import io
+import json
+import math
 import re
 
 import polars as pl
 
 REQUIRED_FIELDS = ("key", "value", "reduction", "step", "timestamp", "rank")
-FIELDS = (*REQUIRED_FIELDS, "process")
 
 POLARS_SCHEMA: dict[str, pl.DataType] = {
     "key": pl.String(),
@@ -48,3 +50,28 @@ def file_stem(process: str) -> str:
 def default_process_name(rank: int) -> str:
     """The process name a reader fills in when a record has none."""
     return f"rank{rank}"
+
+
+def to_jsonl(df: pl.DataFrame) -> bytes:
+    """JSONL of a frame, rows in order, vectorized unless a float is NaN or infinite.
+
+    JSON has no NaN or infinity and polars writes them as null, so a frame holding one is
+    written row by row with those floats as "NaN", "Infinity" or "-Infinity", which the
+    reader parses back exactly.
+    """
+    floats = [c for c, t in df.schema.items() if t == pl.Float64]
+    finite = pl.all_horizontal(
+        [pl.col(c).is_finite() | pl.col(c).is_null() for c in floats] or [pl.lit(True)]
+    )
+    if df.height == 0 or df.select(finite.all()).item():
+        buf = io.BytesIO()
+        df.write_ndjson(buf)
+        return buf.getvalue()
+    lines = []
+    for row in df.iter_rows(named=True):
+        for c in floats:
+            v = row[c]
+            if v is not None and not math.isfinite(v):
+                row[c] = "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+        lines.append(json.dumps(row, separators=(",", ":")))
+    return ("\n".join(lines) + "\n").encode()

@@ -21,9 +21,7 @@ segment.
 from __future__ import annotations
 
 import collections
-import io
 import json
-import math
 import os
 import re
 import threading
@@ -46,12 +44,12 @@ from metric_core.schema import (
     SEGMENT_EVENT,
     SHUTDOWN_EVENT,
     file_stem,
+    to_jsonl,
 )
 
 FILE_FORMATS = ("parquet", "jsonl")
 # Dictionary-encode only where values repeat: hashing every float would cost more than it saves.
 _DICT_COLUMNS = ["key", "reduction", "process", "step", "rank"]
-_NONFINITE = {math.inf: "Infinity", -math.inf: "-Infinity"}
 
 
 class RawFileWriter(LoggerBackend):
@@ -251,7 +249,9 @@ class RawFileWriter(LoggerBackend):
         else:
             with open(tmp, "wb") as f:
                 f.write(_event_line(SEGMENT_EVENT, meta))
-                f.write(jsonl_bytes(table))
+                frame = pl.from_arrow(table)
+                assert isinstance(frame, pl.DataFrame)
+                f.write(to_jsonl(frame.with_columns(pl.col(pl.Categorical).cast(pl.String))))
                 if clean_shutdown:
                     f.write(_event_line(SHUTDOWN_EVENT, meta))
         if self.fsync:
@@ -271,27 +271,3 @@ def _write_all(f: BinaryIO | None, data: bytes) -> None:
     while view:
         written = f.write(view)
         view = view[written or 0 :]
-
-
-def jsonl_bytes(table: pa.Table | pa.RecordBatch) -> bytes:
-    """Serialize records in the record schema as JSONL, vectorized.
-
-    JSON has no NaN or infinity, and polars writes them as null, so rows with a
-    non-finite value are written separately with the value as a string
-    ("NaN", "Infinity", "-Infinity"), which the reader parses back exactly.
-    """
-    df = pl.from_arrow(table)
-    assert isinstance(df, pl.DataFrame)
-    buf = io.BytesIO()
-    if df.height == 0:
-        return b""
-    finite = df["value"].is_finite()
-    if finite.all():
-        df.write_ndjson(buf)
-        return buf.getvalue()
-    df.filter(finite).write_ndjson(buf)
-    for row in df.filter(~finite).iter_rows(named=True):
-        v = row["value"]
-        row["value"] = "NaN" if math.isnan(v) else _NONFINITE[v]
-        buf.write((json.dumps(row, separators=(",", ":")) + "\n").encode())
-    return buf.getvalue()
