@@ -50,6 +50,9 @@ from metric_core.schema import (
 FILE_FORMATS = ("parquet", "jsonl")
 # Dictionary-encode only where values repeat: hashing every float would cost more than it saves.
 _DICT_COLUMNS = ["key", "reduction", "process", "step", "rank"]
+# Min/max of the values themselves help no reader; those of steps and timestamps let
+# DuckDB or polars skip row groups.
+_STATS_COLUMNS = ["key", "reduction", "process", "step", "rank", "timestamp"]
 
 
 class RawFileWriter(LoggerBackend):
@@ -242,7 +245,12 @@ class RawFileWriter(LoggerBackend):
             )
         if self.file_format == "parquet":
             with pq.ParquetWriter(
-                tmp, table.schema, store_schema=False, compression="snappy", use_dictionary=_DICT_COLUMNS
+                tmp,
+                table.schema,
+                store_schema=False,
+                compression="snappy",
+                use_dictionary=_DICT_COLUMNS,
+                write_statistics=_STATS_COLUMNS,
             ) as w:
                 w.write_table(table)
                 w.add_key_value_metadata({PARQUET_META_KEY: json.dumps(meta)})
