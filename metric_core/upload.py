@@ -340,31 +340,16 @@ def upload_plan(
         import wandb
 
         init = wandb.init
-    outcomes = []
-    for run in plan.runs:
-        outcomes.append(
-            _upload_one(
-                run,
-                plan,
-                ledger,
-                project=project,
-                entity=entity,
-                offline=offline,
-                force_new=force_new,
-                wandb_dir=wandb_dir,
-                init=init,
-                progress=progress,
-                sleep=sleep,
-            )
-        )
-    return outcomes
+    return [
+        _upload_one(run, plan, ledger, project, entity, offline, force_new, wandb_dir, init, progress, sleep)
+        for run in plan.runs
+    ]
 
 
 def _upload_one(
     run: PlannedRun,
     plan: UploadPlan,
     ledger: Ledger,
-    *,
     project: str,
     entity: str | None,
     offline: bool,
