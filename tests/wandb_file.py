@@ -74,7 +74,7 @@ def item_value(item) -> object:
 
 def run_record(records: list[pb.Record]) -> pb.RunRecord:
     runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    assert runs, "no run record"
+    assert runs, f"no run record among {[r.WhichOneof('record_type') for r in records][:20]}"
     return runs[0]
 
 

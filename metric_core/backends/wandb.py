@@ -50,6 +50,7 @@ class WandbBackend(LoggerBackend):
             "dir": cfg.get("dir"),
             "mode": cfg.get("mode"),
             "config": cfg.get("config"),
+            "reinit": "create_new",  # several collectors in one process each get their own run
         }
         if self.share:
             run_id = (primary_logger_metadata or {}).get("shared_run_id") or cfg.get("run_id")
