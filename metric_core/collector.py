@@ -98,7 +98,6 @@ class MetricCollector:
         self._codes: dict[str, tuple[Any, int]] = {}
         self._code_of: dict[tuple[str, Reduce], int] = {}
         self._code_table: list[tuple[str, str]] = []  # code -> (key, reduction)
-        self._code_reductions: list[Reduce] = []
         self._intern_lock = threading.Lock()
 
         self._drain_lock = threading.Lock()
@@ -151,7 +150,6 @@ class MetricCollector:
             if code is None:
                 code = len(self._code_table)
                 self._code_table.append((key, red.value))
-                self._code_reductions.append(red)
                 self._code_of[(key, red)] = code
             self._codes[key] = (reduction, code)
         return code
@@ -206,7 +204,7 @@ class MetricCollector:
             code = int(codes[s])
             acc = self._accumulators.get(code)
             if acc is None:
-                red = self._code_reductions[code]
+                red = Reduce(self._code_table[code][1])
                 acc = self._accumulators[code] = red.accumulator_class(red)
             acc.append_many(values[s:e])
 

@@ -163,7 +163,8 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
     report = ReadReport(run_dir=root)
     meta = _read_run_json(root)
     paths = sorted(_data_files(root))
-    superseded = _superseded_tails(paths)
+    metas = {p: _writer_meta(p) for p in paths}  # each footer or first line read once
+    superseded = _superseded_tails(metas)
     frames: list[pl.LazyFrame] = []
     checks: list[tuple[int, FileReport, pl.LazyFrame | None]] = []
     file_ids: list[int] = []
@@ -177,11 +178,11 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
         check: pl.LazyFrame | None = None
         trusted = True
         if suffix == ".parquet":
-            frame, trusted, check = _scan_parquet(path, rep, report)
+            frame, trusted, check = _scan_parquet(path, metas[path], rep, report)
         elif suffix == ".journal":
             frame = _read_journal(path, rep)
         else:
-            frame = _read_jsonl(path, rep, report)
+            frame = _read_jsonl(path, metas[path], rep, report)
         if frame is not None:
             if not trusted:
                 checks.append((len(frames), rep, check))
@@ -251,17 +252,20 @@ def _jsonl_segment_meta(path: Path) -> dict[str, Any] | None:
     return meta if isinstance(meta, dict) and meta.get("event") == SEGMENT_EVENT else None
 
 
-def _superseded_tails(paths: list[Path]) -> dict[Path, str]:
+def _writer_meta(path: Path) -> dict[str, Any] | None:
+    """What our writer recorded about a sealed segment, if it is one."""
+    if path.suffix == ".parquet":
+        return _parquet_meta(path)
+    if path.suffix == ".jsonl":
+        return _jsonl_segment_meta(path)
+    return None
+
+
+def _superseded_tails(metas: dict[Path, dict[str, Any] | None]) -> dict[Path, str]:
     """Journals that a sealed segment already holds (a kill between rename and unlink)."""
-    present = set(paths)
+    present = set(metas)
     out = {}
-    for path in paths:
-        if path.suffix == ".parquet":
-            meta = _parquet_meta(path)
-        elif path.suffix == ".jsonl":
-            meta = _jsonl_segment_meta(path)
-        else:
-            continue
+    for path, meta in metas.items():
         if meta and isinstance(meta.get("supersedes"), str):
             tail = path.parent / meta["supersedes"]
             if tail in present:
@@ -395,8 +399,9 @@ def _to_int(value: Any) -> int | None:
 # -- JSONL -------------------------------------------------------------------------------
 
 
-def _read_jsonl(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
-    sealed = _jsonl_segment_meta(path)
+def _read_jsonl(
+    path: Path, sealed: dict[str, Any] | None, rep: FileReport, report: ReadReport
+) -> pl.LazyFrame | None:
     if sealed is not None and sealed.get("nonfinite") == 0 and _intact(path, sealed):
         return _scan_sealed_jsonl(path, sealed, rep, report)
     try:
@@ -525,7 +530,7 @@ _EXACT_TYPES = {
 
 
 def _scan_parquet(
-    path: Path, rep: FileReport, report: ReadReport
+    path: Path, own: dict[str, Any] | None, rep: FileReport, report: ReadReport
 ) -> tuple[pl.LazyFrame | None, bool, pl.LazyFrame | None]:
     """A lazy typed scan of one file; whether its rows need no check (sealed by our writer
     from typed arrays, so no nulls by construction); for a file whose columns had to be
@@ -536,7 +541,6 @@ def _scan_parquet(
     except Exception as exc:
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None, True, None
-    own = _parquet_meta(path)
     if own and "process" in own and "rank" in own:
         rep.source = (str(own["process"]), int(own["rank"]))
     if own and own.get("clean_shutdown") and "process" in own and "rank" in own:
