@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from metric_core.schema import KEY_HASH, key_hash
+
 ARROW_SCHEMA = pa.schema(
     [
         ("key", pa.string()),
@@ -68,6 +70,7 @@ class Decoded:
     truncated: bool = False
     unknown_codes: int = 0
     problems: list[str] = field(default_factory=list)
+    pairs: list[tuple[str, str]] = field(default_factory=list)  # (key, reduction) present
 
 
 def decode(data: bytes) -> Decoded:
@@ -138,16 +141,21 @@ def _to_table(
         known = defined[np.where((codes >= 0) & (codes < table_size), codes, table_size)]
         out.unknown_codes = int((~known).sum())
         rows, steps, codes = rows[known], steps[known], codes[known]
-    return build_table(
+    present = np.flatnonzero(np.bincount(codes, minlength=table_size))
+    out.pairs = [(names[i][0] or "", names[i][1] or "") for i in present]
+    key_names = [n[0] or "" for n in names]
+    table = build_table(
         codes=codes,
         values=rows[:, 0],
         timestamps=rows[:, 2],
         steps=steps,
-        key_names=[n[0] or "" for n in names],
+        key_names=key_names,
         reductions=[n[1] or "" for n in names],
         rank=out.rank or 0,
         process=out.process or "",
     )
+    hashes = np.array([key_hash(k) for k in key_names], dtype=np.int64)
+    return table.append_column(KEY_HASH, pa.array(hashes[codes] if len(hashes) else np.zeros(0, np.int64)))
 
 
 def build_table(
@@ -190,6 +198,10 @@ DICT_SCHEMA = pa.schema(
         for f in ARROW_SCHEMA
     ]
 )
+
+
+# What ``decode`` returns and the writer seals into Parquet: the record, then its key's hash.
+DECODED_SCHEMA = DICT_SCHEMA.append(pa.field(KEY_HASH, pa.int64()))
 
 
 def warm_up() -> None:

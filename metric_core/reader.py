@@ -1,14 +1,14 @@
 """Read a run directory into one polars LazyFrame in the record schema, with a health report.
 
 Every file of SPEC section 2 is read (recursively: ``*.jsonl``, ``*.parquet`` and the
-writer's ``*.arrows`` tails; names starting with "." are not data). Bad input is
+writer's ``*.journal`` tails; names starting with "." are not data). Bad input is
 survived and reported, never silently dropped:
 
 * a JSONL line that is not JSON, lacks a required field, or holds a value that is not
   a number is skipped and reported with its line number;
 * a half-written last JSONL line (a crash mid-write) is skipped and reported as such;
 * a Parquet file that cannot be read is skipped and named;
-* an Arrow tail cut short by a kill is read up to its last complete batch.
+* a journal cut short by a kill is read up to its last complete frame.
 
 The happy path is vectorized: JSONL goes through polars' NDJSON parser with every
 field read as text and cast in bulk, Parquet is scanned lazily. Only a JSONL file that
@@ -33,6 +33,7 @@ import polars as pl
 from metric_core.errors import MetricLogError, NoDataError
 from metric_core.schema import (
     DATA_SUFFIXES,
+    KEY_HASH,
     PARQUET_META_KEY,
     POLARS_SCHEMA,
     REQUIRED_FIELDS,
@@ -58,6 +59,11 @@ class FileReport:
     skip_reasons: dict[str, int] = field(default_factory=dict)
     truncated: bool = False
     unreadable: str | None = None
+    # What its writer declared: the (key, reduction) pairs of its records (a superset)
+    # and their step range; ``hashed`` when its frame carries the writer's key_hash column.
+    keys: list[tuple[str, str]] | None = None
+    steps: tuple[int, int] | None = None
+    hashed: bool = False
     superseded_by: str | None = None
     source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
 
@@ -148,6 +154,30 @@ class RunScan:
     def name(self) -> str:
         return str(self.meta.get("name") or self.run_dir.resolve().name)
 
+    @property
+    def hashed(self) -> bool:
+        """Whether every record carries its writer's key_hash (see ``metric_core.schema``)."""
+        return all(self.report.files[fid].hashed for fid in self.parts)
+
+    @property
+    def step_range(self) -> tuple[int, int] | None:
+        """The lowest and highest step, when every file declared its own."""
+        ranges = [self.report.files[fid].steps for fid in self.parts]
+        if not ranges or any(r is None for r in ranges):
+            return None
+        return min(r[0] for r in ranges if r), max(r[1] for r in ranges if r)
+
+    def key_reductions(self) -> pl.DataFrame:
+        """Every distinct (key, reduction) of the run: from what the writer declared in each
+        sealed segment's metadata, and by reading only the files that declare nothing."""
+        declared = {pair for rep in self.report.files if rep.keys is not None for pair in rep.keys}
+        undeclared = [frame for fid, frame in self.parts.items() if self.report.files[fid].keys is None]
+        found = pl.DataFrame(sorted(declared), schema=["key", "reduction"], orient="row").cast(pl.String)
+        if undeclared:
+            read = pl.concat(undeclared).select("key", "reduction").unique().collect(engine="streaming")
+            found = pl.concat([found, read]).unique()
+        return found.sort("key", "reduction")
+
 
 def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
     """Read every metric file below ``run_dir`` into one LazyFrame and a health report.
@@ -186,6 +216,8 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
         if frame is not None:
             if not trusted:
                 checks.append((len(frames), rep, check))
+            if not rep.hashed:
+                frame = frame.with_columns(pl.lit(None, pl.Int64).alias(KEY_HASH))
             frames.append(frame.with_columns(file_id=pl.lit(len(report.files) - 1, pl.Int32)))
             file_ids.append(len(report.files) - 1)
     _run_parquet_checks(frames, checks)
@@ -258,6 +290,26 @@ def _writer_meta(path: Path) -> dict[str, Any] | None:
         return _parquet_meta(path)
     if path.suffix == ".jsonl":
         return _jsonl_segment_meta(path)
+    return None
+
+
+def _declared_keys(meta: dict[str, Any]) -> list[tuple[str, str]] | None:
+    """The (key, reduction) pairs a sealed segment's writer listed, if well formed."""
+    keys = meta.get("keys")
+    if not isinstance(keys, list):
+        return None
+    pairs = []
+    for item in keys:
+        if not (isinstance(item, list) and len(item) == 2 and all(isinstance(x, str) for x in item)):
+            return None
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
+def _declared_steps(meta: dict[str, Any]) -> tuple[int, int] | None:
+    steps = meta.get("steps")
+    if isinstance(steps, list) and len(steps) == 2 and all(type(x) is int for x in steps):
+        return steps[0], steps[1]
     return None
 
 
@@ -465,6 +517,7 @@ def _scan_sealed_jsonl(
     complete), so it is scanned lazily, streaming, without a validation pass."""
     rep.source = (str(meta["process"]), int(meta["rank"]))
     rep.records += meta["records"]
+    rep.keys = _declared_keys(meta)
     if meta.get("clean_shutdown"):
         report.shutdowns.append(Shutdown(rep.source[0], rep.source[1], meta.get("timestamp")))
     if meta["records"] == 0:
@@ -552,11 +605,17 @@ def _scan_parquet(
     if rows == 0:
         return None, True, None
     exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
+    ours = own is not None and own.get("records") == rows  # sealed by our writer, untouched
+    if ours:
+        assert own is not None
+        rep.keys, rep.steps = _declared_keys(own), _declared_steps(own)
+        rep.hashed = exact and rep.keys is not None and schema.get(KEY_HASH) == pl.Int64
     scan = pl.scan_parquet(path)
     if exact:
         typed = scan.select(
             *REQUIRED_FIELDS,
             process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
+            **({KEY_HASH: pl.col(KEY_HASH)} if rep.hashed else {}),
         )
     else:
         typed = scan.select(
@@ -570,7 +629,7 @@ def _scan_parquet(
         )
     typed = typed.with_columns(process=pl.coalesce(pl.col("process"), pl.format("rank{}", pl.col("rank"))))
     rep.records += rows
-    if own is not None and own.get("records") == rows:
+    if ours:
         return typed, True, None
     # Exact-typed files are checked together, from null counts (read from null bitmaps);
     # others per file after casting. Rows are only counted where a null was found.
@@ -643,6 +702,8 @@ def _read_journal(path: Path, rep: FileReport) -> pl.LazyFrame | None:
     df = pl.from_arrow(decoded.table)
     assert isinstance(df, pl.DataFrame)
     rep.records += df.height
+    rep.keys, rep.hashed = decoded.pairs, True
+    rep.steps = (int(df["step"].min()), int(df["step"].max()))  # type: ignore[arg-type]
     return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
 
 

@@ -26,6 +26,7 @@ import polars as pl
 from metric_core.errors import MetricLogError, MixedReductionError, NoDataError
 from metric_core.metric import LoggingMode
 from metric_core.reader import RunScan, scan_run
+from metric_core.schema import KEY_HASH, key_hash
 
 BASIC_STATS = ("mean", "sum", "max", "min", "std")
 OFFLINE_STATS = ("count", "median", "first", "last")
@@ -134,7 +135,7 @@ class ReduceResult:
 
 
 def glob_to_regex(pattern: str) -> str:
-    """A shell-style glob as an anchored regex for polars (``*``, ``?``, ``[...]``, ``[!...]``).
+    """A shell-style glob as an anchored regex (``*``, ``?``, ``[...]``, ``[!...]``).
 
     >>> glob_to_regex("trainer/*")
     '^trainer/.*$'
@@ -163,35 +164,17 @@ def glob_to_regex(pattern: str) -> str:
     return "".join(out)
 
 
-def _matches(patterns: Iterable[str]) -> pl.Expr:
-    regex = "|".join(f"(?:{glob_to_regex(p)})" for p in patterns)
-    return pl.col("key").str.contains(regex)
+def _matcher(patterns: Iterable[str]) -> re.Pattern[str]:
+    return re.compile("|".join(f"(?:{glob_to_regex(p)})" for p in patterns))
 
 
-def _statistic_expr(stat: Statistic) -> pl.Expr:
-    """The aggregation of one statistic over a group's ``value`` (NaN is handled later)."""
-    v = pl.col("value")
-    exprs = {
-        "mean": v.mean(),
-        "sum": v.sum(),
-        "max": v.max(),
-        "min": v.min(),
-        "std": v.std(ddof=0),
-        "count": pl.len().cast(pl.Float64),
-        "median": v.median(),
-        "first": v.min_by("timestamp"),
-        "last": v.max_by("timestamp"),
-    }
-    expr = exprs.get(stat.name)
-    if expr is None:
-        expr = v.quantile(stat.quantile or 0.0, interpolation="linear")
-    return expr.cast(pl.Float64)
-
-
-def _filtered(plan: ReducePlan, frame: pl.LazyFrame) -> pl.LazyFrame:
-    lf = frame.select(plan.input_columns)
-    if plan.keys:
-        lf = lf.filter(_matches(plan.keys))
+def _filtered(
+    plan: ReducePlan, frame: pl.LazyFrame, keys: Sequence[str] | None, extra: Sequence[str] = ()
+) -> pl.LazyFrame:
+    """The plan's filters; ``keys`` are the run's keys that ``--key`` selects (None: all)."""
+    lf = frame.select(*plan.input_columns, *extra)
+    if keys is not None:
+        lf = lf.filter(pl.col("key").is_in(list(keys)))
     if plan.ranks:
         rank = pl.col("rank")
         cond = pl.lit(False)
@@ -207,17 +190,21 @@ def _filtered(plan: ReducePlan, frame: pl.LazyFrame) -> pl.LazyFrame:
     return lf
 
 
-def _effective_statistic(plan: ReducePlan) -> pl.Expr:
-    """Per record: the statistic its key is reduced with (an override, or as recorded)."""
-    stat = pl.col("reduction")
-    for pattern, statistic in plan.overrides:  # later overrides take precedence
-        stat = pl.when(_matches([pattern])).then(pl.lit(statistic.name)).otherwise(stat)
-    return stat
+def _selected_keys(plan: ReducePlan, recorded: pl.DataFrame) -> list[str] | None:
+    if not plan.keys:
+        return None
+    match = _matcher(plan.keys).fullmatch
+    return [key for key in recorded["key"].unique().sort() if match(key)]
 
 
 def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
     """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served."""
-    lf = _filtered(plan, scan.frame)
+    recorded = scan.key_reductions()
+    keys = _selected_keys(plan, recorded)
+    if keys is not None:
+        recorded = recorded.filter(pl.col("key").is_in(keys))
+    fused = _fused_keys(plan, scan, recorded["key"].unique())
+    lf = _filtered(plan, scan.frame, keys, [KEY_HASH] if fused is not None else [])
     warnings: list[str] = []
     if plan.by == "time":
         t0 = lf.select(pl.col("timestamp").min()).collect().item()
@@ -230,64 +217,146 @@ def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
             warnings.append("--reduce has no effect with --mode per_rank_no_reduce: raw values are kept")
         out = lf.select(plan.output_columns).sort(plan.sort_columns).collect(engine="streaming")
     else:
-        out = _aggregate(plan, lf, scan)
+        out = _aggregate(plan, lf, _key_statistics(plan, scan, recorded, keys), fused)
     if out.height == 0:
         raise NoDataError(str(scan.run_dir), "no record matches the filters")
     return ReduceResult(frame=out, plan=plan, scan=scan, warnings=warnings)
 
 
-def _aggregate(plan: ReducePlan, lf: pl.LazyFrame, scan: RunScan) -> pl.DataFrame:
-    # One column per statistic that some key needs, all computed in one streaming pass
-    # with polars' native group-by aggregations; each row then picks its own.
-    stats = {Statistic.parse(s) for s in BASIC_STATS} | {s for _, s in plan.overrides}
-    names = sorted(s.name for s in stats)
-    grouped = (
-        lf.with_columns(statistic=_effective_statistic(plan))
-        .group_by([*plan.group_columns, "key", "statistic"])
-        .agg(
-            *(_statistic_expr(s).alias(f"_{s.name}") for s in stats),
-            _nan=pl.col("value").is_nan().sum(),
-            count=pl.len().cast(pl.Int64),
+_STEP_BITS = 24  # steps below 2**24 fit in the low bits of a key hash that has them cleared
+_STEP_MASK = (1 << _STEP_BITS) - 1
+
+
+def _fused_keys(plan: ReducePlan, scan: RunScan, keys: Iterable[str]) -> dict[int, str] | None:
+    """For global_reduce by step: each key by its hash with the low bits cleared, when
+    (hash | step) identifies a (step, key) group, so grouping is on one integer column.
+
+    That needs every file to carry the writer's key_hash column, steps in [0, 2**24),
+    and no two keys of the run sharing the 40 bits kept (else None: group on strings).
+    """
+    if plan.mode is not LoggingMode.GLOBAL_REDUCE or plan.by != "step" or not scan.hashed:
+        return None
+    steps = scan.step_range
+    if steps is None or steps[0] < 0 or steps[1] > _STEP_MASK:
+        return None
+    keys = list(keys)
+    fused = {key_hash(key) & ~_STEP_MASK: key for key in keys}
+    return fused if keys and len(fused) == len(keys) else None
+
+
+def _key_statistics(
+    plan: ReducePlan, scan: RunScan, recorded: pl.DataFrame, keys: Sequence[str] | None
+) -> dict[str, str]:
+    """Each key's statistic: the last ``--reduce`` pattern that matches it, or its recorded
+    reduction. A key recorded with several is checked against the filtered records."""
+    overrides = [(_matcher([pattern]).fullmatch, stat.name) for pattern, stat in plan.overrides]
+    out: dict[str, str] = {}
+    for key, reductions in recorded.group_by("key").agg("reduction").sort("key").iter_rows():
+        chosen = [name for match, name in overrides if match(key)]
+        if chosen:
+            out[key] = chosen[-1]
+            continue
+        if len(reductions) > 1:
+            origins = _reduction_origins(plan, scan, key, keys)
+            if len(origins) > 1:
+                raise MixedReductionError(key, origins)
+            reductions = list(origins)
+        if reductions:
+            out[key] = reductions[0]
+    return out
+
+
+def _aggregations(stat: Statistic, mask: pl.Expr | None) -> dict[str, pl.Expr]:
+    """The group aggregations a statistic is computed from (named so they are shared).
+
+    min/max propagate NaN as numpy does, and so do sum and std. Quantiles hold a
+    group's values; ``mask`` restricts them to the keys that need them.
+    """
+    v = pl.col("value")
+    name = stat.name
+    if name in ("mean", "sum"):
+        return {"_sum": v.sum()}
+    if name in ("max", "min"):
+        return {f"_{name}": v.nan_max() if name == "max" else v.nan_min()}
+    if name == "std":
+        return {"_std": v.std(ddof=0)}
+    if name in ("first", "last"):
+        return {f"_{name}": v.min_by("timestamp") if name == "first" else v.max_by("timestamp")}
+    if name == "count":
+        return {}
+    values = v if mask is None else v.filter(mask)
+    q = 0.5 if name == "median" else stat.quantile or 0.0
+    return {f"_{name}": values.quantile(q, interpolation="linear"), "_nan": v.is_nan().sum()}
+
+
+def _final(stat: Statistic) -> pl.Expr:
+    """A statistic from its group aggregations (see ``_aggregations``)."""
+    name = stat.name
+    if name == "mean":
+        return pl.col("_sum") / pl.col("count")
+    if name == "sum":
+        return pl.col("_sum")
+    if name == "count":
+        return pl.col("count").cast(pl.Float64)
+    if name in ("median",) or stat.quantile is not None:
+        return pl.when(pl.col("_nan") > 0).then(float("nan")).otherwise(pl.col(f"_{name}"))
+    return pl.col(f"_{name}")
+
+
+def _aggregate(
+    plan: ReducePlan, lf: pl.LazyFrame, statistics: dict[str, str], fused: dict[int, str] | None
+) -> pl.DataFrame:
+    # One streaming group-by computes the aggregations every statistic in use is built
+    # from; each row then takes its key's statistic.
+    by_name: dict[str, list[str]] = {}
+    for key, name in statistics.items():
+        by_name.setdefault(name, []).append(key)
+    known: dict[str, Statistic] = {}
+    aggs: dict[str, pl.Expr] = {"count": pl.len().cast(pl.Int64)}
+    for name, keys in by_name.items():
+        try:
+            known[name] = stat = Statistic.parse(name)
+        except PlanError:
+            continue
+        mask = None if len(by_name) == 1 else pl.col("key").is_in(keys)
+        aggs.update(_aggregations(stat, mask))
+    aggs = {name: expr.cast(pl.Float64) if name != "count" else expr for name, expr in aggs.items()}
+    if fused is None:
+        grouped = lf.group_by([*plan.group_columns, "key"]).agg(**aggs).collect(engine="streaming")
+    else:
+        group = (pl.col(KEY_HASH) & ~_STEP_MASK) | pl.col("step")
+        hashes = pl.DataFrame({"_hash": list(fused), "key": list(fused.values())})
+        grouped = (
+            lf.group_by(group.alias("_group"))
+            .agg(**aggs)
+            .collect(engine="streaming")
+            .with_columns(step=pl.col("_group") & _STEP_MASK, _hash=pl.col("_group") & ~_STEP_MASK)
+            .join(hashes, on="_hash", how="left")
         )
-        .collect(engine="streaming")
+    table = pl.DataFrame(
+        {"key": list(statistics), "reduction": list(statistics.values())},
+        schema={"key": pl.String, "reduction": pl.String},
     )
-    _check_statistics(plan, grouped, scan)
-    value = pl.lit(None, pl.Float64)
-    for name in names:
-        value = pl.when(pl.col("statistic") == name).then(pl.col(f"_{name}")).otherwise(value)
-    # numpy semantics: a NaN in the group makes every statistic NaN but count, first, last.
-    keeps_nan_out = pl.col("statistic").is_in(["count", "first", "last"])
-    value = pl.when((pl.col("_nan") > 0) & ~keeps_nan_out).then(pl.lit(float("nan"))).otherwise(value)
-    return (
-        grouped.with_columns(value=value)
-        .rename({"statistic": "reduction"})
-        .select(plan.output_columns)
-        .sort(plan.sort_columns)
-    )
-
-
-def _check_statistics(plan: ReducePlan, grouped: pl.DataFrame, scan: RunScan) -> None:
-    per_key = grouped.group_by("key").agg(pl.col("statistic").unique().sort())
-    mixed = per_key.filter(pl.col("statistic").list.len() > 1).sort("key")
-    if mixed.height:
-        key = mixed["key"][0]
-        raise MixedReductionError(key, _reduction_origins(plan, scan, key))
-    known = {*BASIC_STATS, *OFFLINE_STATS}
-    unknown = grouped.filter(
-        ~pl.col("statistic").is_in(list(known)) & ~pl.col("statistic").str.contains(_PERCENTILE.pattern)
-    )
+    grouped = grouped.join(table, on="key", how="left")
+    unknown = grouped.filter(~pl.col("reduction").is_in(list(known))).sort("key")
     if unknown.height:
-        key, stat = unknown.row(0, named=True)["key"], unknown.row(0, named=True)["statistic"]
+        key, stat = unknown["key"][0], unknown["reduction"][0]
         raise PlanError(
             f"key '{key}' is recorded with reduction '{stat}', which metriclog does not know; "
             f"choose one with --reduce '{key}=STAT'"
         )
+    value = pl.lit(None, pl.Float64)
+    for name, stat in known.items():
+        value = pl.when(pl.col("reduction") == name).then(_final(stat)).otherwise(value)
+    return grouped.with_columns(value=value).select(plan.output_columns).sort(plan.sort_columns)
 
 
-def _reduction_origins(plan: ReducePlan, scan: RunScan, key: str) -> dict[str, list[str]]:
+def _reduction_origins(
+    plan: ReducePlan, scan: RunScan, key: str, keys: Sequence[str] | None
+) -> dict[str, list[str]]:
     with_sources = dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE)
     rows = (
-        _filtered(with_sources, scan.frame)
+        _filtered(with_sources, scan.frame, keys)
         .filter(pl.col("key") == key)
         .select("reduction", "process", "rank")
         .unique()

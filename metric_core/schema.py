@@ -14,6 +14,7 @@ Files of one source (``stem`` is the sanitized process name):
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import math
@@ -33,6 +34,10 @@ POLARS_SCHEMA: dict[str, pl.DataType] = {
     "process": pl.String(),
 }
 
+# An extra column of the writer's Parquet segments: each record's key_hash(key). Readers
+# that know it group on one integer instead of a string; others ignore it (SPEC 2).
+KEY_HASH = "key_hash"
+
 DATA_SUFFIXES = (".jsonl", ".parquet", ".journal")
 PARQUET_META_KEY = "metriclog"
 SHUTDOWN_EVENT = "shutdown"
@@ -45,6 +50,15 @@ def file_stem(process: str) -> str:
     """A file-name-safe stem for a process name."""
     stem = _UNSAFE.sub("_", process).strip(".")
     return stem or "process"
+
+
+def key_hash(key: str) -> int:
+    """A key's 64-bit identity: the same in every process, on every machine.
+
+    >>> key_hash("loss") == key_hash("loss") != key_hash("lr")
+    True
+    """
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def default_process_name(rank: int) -> str:

@@ -31,10 +31,14 @@ def write_collector_run(
     steps: int = 20,
     file_format: str = "parquet",
     seed: int = 0,
-    shutdown: bool = True,
+    shutdown: bool | None = True,
     segment_records: int = 1_000_000,
+    first_step: int = 0,
 ) -> list[dict]:
     """Write a run with one MetricCollector per source; return every raw record written.
+
+    ``shutdown``: True ends cleanly, False uncleanly (sealed, no end marker), None not at
+    all (the last segment stays a journal, as after a kill).
 
     Each source records keys with several values per step, some keys only on some steps,
     with known timestamps (about one step per second, sources slightly apart).
@@ -48,8 +52,9 @@ def write_collector_run(
             process_name=process,
             file_format=file_format,
             segment_records=segment_records,
+            step=first_step,
         )
-        for step in range(steps):
+        for step in range(first_step, first_step + steps):
             for key, red, n in (
                 ("trainer/loss", Reduce.MEAN, 3),
                 ("trainer/grad_norm", Reduce.MAX, 2),
@@ -76,6 +81,16 @@ def write_collector_run(
             c.flush(step)
         if shutdown:
             c.shutdown()
-        else:
+        elif shutdown is False:
             c._close_unclean()
+        else:
+            abandon(c)
     return truth
+
+
+def abandon(c: MetricCollector) -> None:
+    """Leave a collector as a SIGKILL would after its last flush: its journal open, unsealed."""
+    c._stop.set()
+    c._thread.join(timeout=5)
+    c._closed = True
+    c._writer._file.close()

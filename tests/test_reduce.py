@@ -10,7 +10,15 @@ import pytest
 
 from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
 from metric_core.errors import MixedReductionError
-from metric_core.reduce import PlanError, Statistic, execute, glob_to_regex, make_plan, reduce_run
+from metric_core.reduce import (
+    PlanError,
+    Statistic,
+    _fused_keys,
+    execute,
+    glob_to_regex,
+    make_plan,
+    reduce_run,
+)
 
 from .conftest import write_collector_run
 
@@ -27,13 +35,20 @@ NUMPY = {
 }
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Many ranks, both formats, several values per step, missing keys, a rank that died."""
+@pytest.fixture(scope="module", params=["mixed", "parquet"])
+def run(request, tmp_path_factory):
+    """Many ranks, several values per step, missing keys, a rank that died (its journal left).
+
+    "mixed" adds JSONL sources, so reduce groups on key strings; in "parquet" every file
+    carries the writer's key hashes, so global_reduce by step groups on one integer.
+    """
     root = tmp_path_factory.mktemp("run")
     truth = write_collector_run(root, SOURCES_PARQUET, steps=25, file_format="parquet", seed=1)
-    truth += write_collector_run(root, SOURCES_JSONL, steps=25, file_format="jsonl", seed=2)
-    truth += write_collector_run(root, [("TrainActor_r3", 3)], steps=9, seed=3, shutdown=False)
+    fmt = "jsonl" if request.param == "mixed" else "parquet"
+    truth += write_collector_run(root, SOURCES_JSONL, steps=25, file_format=fmt, seed=2)
+    truth += write_collector_run(root, [("TrainActor_r3", 3)], steps=9, seed=3, shutdown=None)
+    assert list(root.glob("TrainActor_r3.*.journal"))
+    assert scan_run(root).hashed is (request.param == "parquet")
     return root, truth
 
 
@@ -269,3 +284,54 @@ def test_filters_that_match_nothing_are_no_data(run):
     root, _ = run
     with pytest.raises(NoDataError, match="no record matches the filters"):
         execute(make_plan(keys=["nothing/*"]), scan_run(root))
+
+
+@pytest.mark.parametrize(
+    ("first_step", "why"),
+    [(2**24 - 3, "steps from 2**24 do not fit under the key hash"), (-4, "negative steps")],
+)
+def test_steps_that_do_not_fit_the_integer_grouping_fall_back_to_strings(tmp_path, first_step, why):
+    truth = write_collector_run(tmp_path, SOURCES_PARQUET, steps=6, first_step=first_step)
+    scan = scan_run(tmp_path)
+    assert scan.hashed and scan.step_range == (first_step, first_step + 5)
+    assert _fused_keys(make_plan(), scan, ["trainer/loss"]) is None, why
+    check(execute(make_plan(), scan).frame, expected(truth))
+
+
+def test_global_reduce_by_step_groups_on_one_integer_when_every_file_is_hashed(run):
+    root, _ = run
+    scan = scan_run(root)
+    keys = scan.key_reductions()["key"]
+    assert (_fused_keys(make_plan(), scan, keys) is not None) == scan.hashed
+    assert _fused_keys(make_plan(mode="per_rank_reduce"), scan, keys) is None
+
+
+def test_keys_whose_hashes_collide_fall_back_to_strings(tmp_path, monkeypatch):
+    import metric_core.reduce as reduce_module
+
+    truth = write_collector_run(tmp_path, SOURCES_PARQUET, steps=4)
+    monkeypatch.setattr(reduce_module, "key_hash", lambda key: 1 << 40)  # every key alike
+    assert _fused_keys(make_plan(), scan_run(tmp_path), ["a", "b"]) is None
+    check(reduce_run(tmp_path), expected(truth))
+
+
+def test_a_foreign_file_among_the_writers_files_is_grouped_by_key_strings(tmp_path):
+    import polars as pl
+
+    truth = write_collector_run(tmp_path, SOURCES_PARQUET, steps=4)
+    foreign = [dict(r, rank=7, process="external") for r in truth if r["rank"] == 0]
+    pl.DataFrame(foreign).write_parquet(tmp_path / "external.parquet")
+    scan = scan_run(tmp_path)
+    assert not scan.hashed
+    check(execute(make_plan(), scan).frame, expected(truth + foreign))
+
+
+def test_a_key_recorded_two_ways_is_fine_when_the_filters_keep_one(tmp_path):
+    a = MetricCollector(tmp_path, rank=0, process_name="TrainActor_r0")
+    b = MetricCollector(tmp_path, rank=1, process_name="TrainActor_r1")
+    a.record("loss", 1.0, Reduce.MEAN)
+    a.record("loss", 3.0, Reduce.MEAN)
+    b.record("loss", 2.0, Reduce.MAX)
+    a.shutdown()
+    b.shutdown()
+    assert reduce_run(tmp_path, ranks="0").select("value", "reduction", "count").row(0) == (2.0, "mean", 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -160,7 +161,11 @@ def test_sealed_files_are_plain_files_other_tools_read(tmp_path, file_format):
             "timestamp",
             "rank",
             "process",
+            "key_hash",  # an extra column (SPEC 2 allows them): blake2b-64 of the key
         ]
+        for key, value in frame.groupby("key")["key_hash"].unique().items():
+            digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+            assert list(value) == [int.from_bytes(digest, "little", signed=True)]
     else:
         frame = pd.concat([pd.read_json(f, lines=True, precise_float=True) for f in files])
         frame = frame[frame["key"].notna()]  # the writer's segment and shutdown event lines

@@ -40,6 +40,7 @@ from metric_core.backends import LoggerBackend
 from metric_core.errors import ConfigError
 from metric_core.metric import BackendRole, Metric
 from metric_core.schema import (
+    KEY_HASH,
     PARQUET_META_KEY,
     SEGMENT_EVENT,
     SHUTDOWN_EVENT,
@@ -49,10 +50,12 @@ from metric_core.schema import (
 
 FILE_FORMATS = ("parquet", "jsonl")
 # Dictionary-encode only where values repeat: hashing every float would cost more than it saves.
-_DICT_COLUMNS = ["key", "reduction", "process", "step", "rank"]
+_DICT_COLUMNS = ["key", "reduction", "process", "step", "rank", KEY_HASH]
 # Min/max of the values themselves help no reader; those of steps and timestamps let
 # DuckDB or polars skip row groups.
 _STATS_COLUMNS = ["key", "reduction", "process", "step", "rank", "timestamp"]
+# Readers stream a row group at a time; DuckDB's default size, so they hold little at once.
+_ROW_GROUP_RECORDS = 122_880
 
 
 class RawFileWriter(LoggerBackend):
@@ -227,7 +230,7 @@ class RawFileWriter(LoggerBackend):
 
     def _seal(self, path: Path, *, clean_shutdown: bool) -> None:
         decoded = journal.decode(path.read_bytes())
-        table = decoded.table if decoded.table is not None else journal.DICT_SCHEMA.empty_table()
+        table = decoded.table if decoded.table is not None else journal.DECODED_SCHEMA.empty_table()
         final = path.with_suffix("." + self.file_format)
         tmp = path.with_name(f".{final.name}.tmp")
         now = time.time()
@@ -238,6 +241,9 @@ class RawFileWriter(LoggerBackend):
             "rank": self.rank,
             "clean_shutdown": clean_shutdown,
             "timestamp": now,
+            # Each key's reduction and the step range, so a reader knows them without a pass.
+            "keys": [list(pair) for pair in decoded.pairs],
+            "steps": _step_range(table),
         }
         if self.file_format == "jsonl":  # a reader may then parse values as plain numbers
             meta["nonfinite"] = (
@@ -252,12 +258,12 @@ class RawFileWriter(LoggerBackend):
                 use_dictionary=_DICT_COLUMNS,
                 write_statistics=_STATS_COLUMNS,
             ) as w:
-                w.write_table(table)
+                w.write_table(table, row_group_size=_ROW_GROUP_RECORDS)
                 w.add_key_value_metadata({PARQUET_META_KEY: json.dumps(meta)})
         else:
             with open(tmp, "wb") as f:
                 f.write(_event_line(SEGMENT_EVENT, meta))
-                frame = pl.from_arrow(table)
+                frame = pl.from_arrow(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
                 assert isinstance(frame, pl.DataFrame)
                 f.write(to_jsonl(frame.with_columns(pl.col(pl.Categorical).cast(pl.String))))
                 if clean_shutdown:
@@ -267,6 +273,13 @@ class RawFileWriter(LoggerBackend):
                 os.fsync(f.fileno())
         os.replace(tmp, final)
         path.unlink()
+
+
+def _step_range(table: pa.Table) -> list[int] | None:
+    if table.num_rows == 0:
+        return None
+    bounds = pc.min_max(table["step"]).as_py()
+    return [bounds["min"], bounds["max"]]
 
 
 def _event_line(event: str, meta: dict[str, Any]) -> bytes:
