@@ -6,6 +6,7 @@ metric_core errors become one ``Error: ...`` line on stderr and exit code 1.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -427,7 +428,23 @@ def _progress() -> Iterator[Any]:
         yield start
 
 
+# The commands stream a few columns of many small files into a group-by. For that, polars'
+# streaming engine holds far less memory with one file in flight, smaller morsels and a
+# larger table of groups, and jemalloc with one arena; as fast, measured with
+# benchmarks/bench_reduce.py. Set before polars loads; a value the user set is kept.
+ENGINE_SETTINGS = {
+    "_RJEM_MALLOC_CONF": "narenas:1",
+    "POLARS_NUM_READERS_PRE_INIT": "1",
+    "POLARS_MAX_CONCURRENT_SCANS": "1",
+    "POLARS_IDEAL_MORSEL_SIZE": "20000",
+    "POLARS_HOT_TABLE_SIZE": "1048576",
+}
+
+
 def main() -> None:
+    if "polars" not in sys.modules:
+        for name, value in ENGINE_SETTINGS.items():
+            os.environ.setdefault(name, value)
     app()
 
 

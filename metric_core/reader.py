@@ -42,6 +42,7 @@ from metric_core.schema import (
 )
 
 MAX_LINES_KEPT = 1000
+_MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the segment
 _TEXT_SCHEMA = {name: pl.String() for name in (*POLARS_SCHEMA, "event")}
 _TYPED_SCHEMA = {**POLARS_SCHEMA, "event": pl.String()}
 _TRUNCATED = "half-written last line (the writer was killed mid-write)"
@@ -277,11 +278,14 @@ def _jsonl_segment_meta(path: Path) -> dict[str, Any] | None:
     """The writer's first line of a sealed JSONL segment, if this file has one."""
     try:
         with open(path, "rb") as f:
-            first = f.readline(65536)
+            first = f.readline(_MAX_SEGMENT_LINE)
         meta = json.loads(first)
     except (OSError, ValueError):
         return None
-    return meta if isinstance(meta, dict) and meta.get("event") == SEGMENT_EVENT else None
+    if not (isinstance(meta, dict) and meta.get("event") == SEGMENT_EVENT):
+        return None
+    meta["_first_line_bytes"] = len(first)
+    return meta
 
 
 def _writer_meta(path: Path) -> dict[str, Any] | None:
@@ -494,20 +498,18 @@ def _read_jsonl(
 
 
 def _intact(path: Path, meta: dict[str, Any]) -> bool:
-    """Whether a sealed JSONL segment still has exactly the lines its writer put there."""
-    records = meta.get("records")
-    if not isinstance(records, int):
+    """Whether a sealed JSONL segment still has the size its writer gave it, ending in a newline."""
+    body = meta.get("bytes")
+    if not isinstance(body, int) or not isinstance(meta.get("records"), int):
         return False
-    expected = records + 1 + bool(meta.get("clean_shutdown"))  # + the segment and shutdown lines
-    lines, last = 0, b""
     try:
         with open(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                lines += chunk.count(b"\n")
-                last = chunk[-1:]
+            size = os.fstat(f.fileno()).st_size
+            f.seek(size - 1)
+            last = f.read(1)
     except OSError:
         return False
-    return lines == expected and last == b"\n"
+    return size == meta["_first_line_bytes"] + body and last == b"\n"
 
 
 def _scan_sealed_jsonl(

@@ -261,13 +261,16 @@ class RawFileWriter(LoggerBackend):
                 w.write_table(table, row_group_size=_ROW_GROUP_RECORDS)
                 w.add_key_value_metadata({PARQUET_META_KEY: json.dumps(meta)})
         else:
+            frame = pl.from_arrow(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
+            assert isinstance(frame, pl.DataFrame)
+            body = to_jsonl(frame.with_columns(pl.col(pl.Categorical).cast(pl.String)))
+            if clean_shutdown:
+                end = {"process": self.process, "rank": self.rank, "timestamp": now}
+                body += _event_line(SHUTDOWN_EVENT, end)
+            meta["bytes"] = len(body)  # after the first line: a reader checks the size, not each line
             with open(tmp, "wb") as f:
                 f.write(_event_line(SEGMENT_EVENT, meta))
-                frame = pl.from_arrow(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
-                assert isinstance(frame, pl.DataFrame)
-                f.write(to_jsonl(frame.with_columns(pl.col(pl.Categorical).cast(pl.String))))
-                if clean_shutdown:
-                    f.write(_event_line(SHUTDOWN_EVENT, meta))
+                f.write(body)
         if self.fsync:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
