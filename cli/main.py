@@ -433,18 +433,21 @@ def _progress() -> Iterator[Any]:
 # larger table of groups, and jemalloc with one arena; as fast, measured with
 # benchmarks/bench_reduce.py. Set before polars loads; a value the user set is kept.
 ENGINE_SETTINGS = {
-    "_RJEM_MALLOC_CONF": "narenas:1",
     "POLARS_NUM_READERS_PRE_INIT": "1",
     "POLARS_MAX_CONCURRENT_SCANS": "1",
     "POLARS_IDEAL_MORSEL_SIZE": "20000",
     "POLARS_HOT_TABLE_SIZE": "1048576",
 }
+JEMALLOC = "_RJEM_MALLOC_CONF"  # polars adds its own settings before these
 
 
 def main() -> None:
     if "polars" not in sys.modules:
         for name, value in ENGINE_SETTINGS.items():
             os.environ.setdefault(name, value)
+        conf = os.environ.get(JEMALLOC, "")
+        if "narenas" not in conf:  # inherited from a parent that imported polars, or the user's
+            os.environ[JEMALLOC] = f"{conf},narenas:1".lstrip(",")
     app()
 
 
