@@ -25,7 +25,8 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.reader import RunScan
+from metric_core.reader import FileReport, RunScan
+from metric_core.schema import KEY_HASH, key_hash
 
 QUIET_FACTOR = 10.0
 OWN_GAP_FACTOR = 2.0
@@ -119,15 +120,7 @@ def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
         i: f.source for i, f in enumerate(scan.report.files) if f.source is not None and i in scan.parts
     }
     others = [frame for i, frame in scan.parts.items() if i not in vouched]
-    bad = ~pl.col("value").is_finite()
     step_aggs = {"records": pl.len(), "reached": pl.col("timestamp").min(), "done": pl.col("timestamp").max()}
-    key_aggs = {
-        "last_value": pl.col("value").max_by("timestamp"),
-        "last_timestamp": pl.col("timestamp").max(),
-        "nonfinite": bad.sum(),
-        "first_bad_step": pl.when(bad).then(pl.col("step")).min(),
-        "first_bad_timestamp": pl.when(bad).then(pl.col("timestamp")).min(),
-    }
     per_step, by_key = [], []
     if vouched:
         owners = pl.DataFrame(
@@ -138,12 +131,16 @@ def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
             },
             schema={"file_id": pl.Int32, "process": pl.String, "rank": pl.Int64},
         )
+        hashes = _key_hashes([scan.report.files[i] for i in vouched])
+        key = KEY_HASH if hashes is not None else "key"
         frame = pl.concat([scan.parts[i] for i in vouched]).select(
-            "file_id", "step", "key", "value", "timestamp"
+            "file_id", "step", key, "value", "timestamp"
         )
         # One after the other: collect_all would cache the shared scan in memory, whole.
         steps = frame.group_by("file_id", "step").agg(**step_aggs).collect(engine="streaming")
-        keys = frame.group_by("file_id", "key").agg(**key_aggs).collect(engine="streaming")
+        keys = _per_key(frame, ["file_id", key])
+        if hashes is not None:
+            keys = keys.join(hashes, on=KEY_HASH).select("file_id", "key", *keys.columns[2:])
         per_step.append(
             steps.join(owners, on="file_id").select("process", "rank", "file_id", *steps.columns[1:])
         )
@@ -153,9 +150,7 @@ def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
         per_step.append(
             frame.group_by("process", "rank", "file_id", "step").agg(**step_aggs).collect(engine="streaming")
         )
-        by_key.append(
-            frame.group_by("process", "rank", "file_id", "key").agg(**key_aggs).collect(engine="streaming")
-        )
+        by_key.append(_per_key(frame, ["process", "rank", "file_id", "key"]))
     per_key = (
         pl.concat(by_key)
         .group_by("process", "rank", "key")
@@ -167,6 +162,43 @@ def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
         )
     )
     return pl.concat(per_step), per_key
+
+
+def _per_key(frame: pl.LazyFrame, by: list[str]) -> pl.DataFrame:
+    """Last value and non-finite count per group; where the first non-finite value came is
+    looked up in a second pass only when there is one."""
+    bad = ~pl.col("value").is_finite()
+    keys = (
+        frame.group_by(by)
+        .agg(
+            last_value=pl.col("value").max_by("timestamp"),
+            last_timestamp=pl.col("timestamp").max(),
+            nonfinite=bad.sum(),
+        )
+        .collect(engine="streaming")
+    )
+    if not keys["nonfinite"].sum():
+        return keys.with_columns(
+            first_bad_step=pl.lit(None, pl.Int64), first_bad_timestamp=pl.lit(None, pl.Float64)
+        )
+    first_bad = (
+        frame.filter(bad)
+        .group_by(by)
+        .agg(first_bad_step=pl.col("step").min(), first_bad_timestamp=pl.col("timestamp").min())
+        .collect(engine="streaming")
+    )
+    return keys.join(first_bad, on=by, how="left", nulls_equal=True)
+
+
+def _key_hashes(files: list[FileReport]) -> pl.DataFrame | None:
+    """key_hash -> key for files that all carry the writer's hashes, unless two keys collide."""
+    if not all(f.hashed and f.keys is not None for f in files):
+        return None
+    keys = sorted({key for f in files for key, _ in f.keys or ()})
+    table = pl.DataFrame(
+        {KEY_HASH: [key_hash(k) for k in keys], "key": keys}, schema={KEY_HASH: pl.Int64, "key": pl.String}
+    )
+    return table if table[KEY_HASH].n_unique() == table.height else None
 
 
 def _cadence(steps: pl.DataFrame) -> dict[tuple[str, int], tuple[float | None, float | None]]:
