@@ -283,7 +283,7 @@ def upload(
                 "not logged in to W&B: run `wandb login` (or set WANDB_API_KEY), "
                 "or write offline runs with --offline and `wandb sync` them later"
             )
-        ledger = up.Ledger.for_run_dir(run_dir, up.run_identity(result))
+        ledger = up.Ledger.for_run_dir(run_dir, upload_plan.identity)
         wandb_dir = None if os.environ.get("WANDB_DIR") else ledger.path.parent
         with _progress() as progress:
             outcomes = up.upload_plan(

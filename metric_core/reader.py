@@ -64,6 +64,7 @@ class FileReport:
     # and their step range; ``hashed`` when its frame carries the writer's key_hash column.
     keys: list[tuple[str, str]] | None = None
     steps: tuple[int, int] | None = None
+    timestamps: tuple[float, float] | None = None
     hashed: bool = False
     superseded_by: str | None = None
     source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
@@ -167,6 +168,22 @@ class RunScan:
         if not ranges or any(r is None for r in ranges):
             return None
         return min(r[0] for r in ranges if r), max(r[1] for r in ranges if r)
+
+    def first_timestamps(self) -> dict[tuple[str, int], float]:
+        """Each source's earliest record time: declared by the writer, or read from the rest."""
+        first: dict[tuple[str, int], float] = {}
+        rest = []
+        for fid, frame in self.parts.items():
+            rep = self.report.files[fid]
+            if rep.source is not None and rep.timestamps is not None:
+                first[rep.source] = min(first.get(rep.source, math.inf), rep.timestamps[0])
+            else:
+                rest.append(frame)
+        if rest:
+            found = pl.concat(rest).group_by("process", "rank").agg(pl.col("timestamp").min())
+            for process, rank, ts in found.collect(engine="streaming").iter_rows():
+                first[(process, rank)] = min(first.get((process, rank), math.inf), ts)
+        return first
 
     def key_reductions(self) -> pl.DataFrame:
         """Every distinct (key, reduction) of the run: from what the writer declared in each
@@ -314,6 +331,13 @@ def _declared_steps(meta: dict[str, Any]) -> tuple[int, int] | None:
     steps = meta.get("steps")
     if isinstance(steps, list) and len(steps) == 2 and all(type(x) is int for x in steps):
         return steps[0], steps[1]
+    return None
+
+
+def _declared_times(meta: dict[str, Any]) -> tuple[float, float] | None:
+    times = meta.get("timestamps")
+    if isinstance(times, list) and len(times) == 2 and all(type(x) in (int, float) for x in times):
+        return float(times[0]), float(times[1])
     return None
 
 
@@ -610,7 +634,7 @@ def _scan_parquet(
     ours = own is not None and own.get("records") == rows  # sealed by our writer, untouched
     if ours:
         assert own is not None
-        rep.keys, rep.steps = _declared_keys(own), _declared_steps(own)
+        rep.keys, rep.steps, rep.timestamps = _declared_keys(own), _declared_steps(own), _declared_times(own)
         rep.hashed = exact and rep.keys is not None and schema.get(KEY_HASH) == pl.Int64
     scan = pl.scan_parquet(path)
     if exact:
@@ -706,6 +730,7 @@ def _read_journal(path: Path, rep: FileReport) -> pl.LazyFrame | None:
     rep.records += df.height
     rep.keys, rep.hashed = decoded.pairs, True
     rep.steps = (int(df["step"].min()), int(df["step"].max()))  # type: ignore[arg-type]
+    rep.timestamps = (float(df["timestamp"].min()), float(df["timestamp"].max()))  # type: ignore[arg-type]
     return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
 
 

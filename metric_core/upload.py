@@ -89,6 +89,7 @@ class UploadPlan:
     """Every run of one upload, plus what the user should know before it starts."""
 
     runs: list[PlannedRun]
+    identity: str = ""  # of the run directory (see run_identity)
     key_mapping: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
@@ -99,13 +100,7 @@ def run_identity(result: ReduceResult) -> str:
     given = result.scan.meta.get("run_id")
     if given:
         return str(given)
-    firsts = (
-        result.scan.frame.group_by("process", "rank")
-        .agg(pl.col("timestamp").min())
-        .sort("process", "rank")
-        .collect()
-        .rows()
-    )
+    firsts = [[process, rank, ts] for (process, rank), ts in sorted(result.scan.first_timestamps().items())]
     return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
 
 
@@ -182,7 +177,9 @@ def plan_upload(
                 )
             else:
                 runs.append(_raw_run(run_id, run_name, group, str(process), part, bucket))
-    upload = UploadPlan(runs=runs, key_mapping={k: v for k, v in mapping.items() if k != v})
+    upload = UploadPlan(
+        runs=runs, identity=identity, key_mapping={k: v for k, v in mapping.items() if k != v}
+    )
     upload.warnings = _limit_warnings(runs, mode)
     upload.config = _provenance(result)
     return upload

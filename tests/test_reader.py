@@ -234,3 +234,30 @@ def test_a_damaged_sealed_jsonl_segment_is_validated_not_trusted(tmp_path):
     assert rep.skipped_lines == [(len(truth) + 3, "not valid JSON")]
     assert sorted(values(scan)) == sorted(r["value"] for r in truth)
     assert scan.report.clean_shutdowns() == {("g", 0)}
+
+
+def test_what_the_writer_declares_matches_the_records(tmp_path):
+    """Key reductions, step and time ranges come from segment metadata where the writer
+    declared them (sealed Parquet and JSONL, a journal), and from the data elsewhere."""
+    truth = write_collector_run(tmp_path, [("TrainActor_r0", 0)], steps=7, seed=1)
+    truth += write_collector_run(tmp_path, [("GeneratorActor_r0", 0)], steps=5, file_format="jsonl", seed=2)
+    truth += write_collector_run(tmp_path, [("TrainActor_r1", 1)], steps=3, shutdown=None, seed=3)
+    foreign = [dict(r, process="external", rank=9, key="ext/" + r["key"]) for r in truth[:40]]
+    pl.DataFrame(foreign).write_parquet(tmp_path / "external.parquet")
+    truth += foreign
+    scan = scan_run(tmp_path)
+    declared = {f.path.name: f.keys is not None for f in scan.report.files}
+    assert declared["external.parquet"] is False and sum(declared.values()) == len(declared) - 1
+    firsts: dict[tuple[str, int], float] = {}
+    for r in truth:
+        source = (r["process"], r["rank"])
+        firsts[source] = min(firsts.get(source, math.inf), r["timestamp"])
+    assert scan.first_timestamps() == firsts
+    pairs = scan.key_reductions()
+    assert set(pairs.iter_rows()) == {(r["key"], r["reduction"]) for r in truth}
+    by_file = {f.path.name: f for f in scan.report.files}
+    for name, f in by_file.items():
+        if f.steps is not None:
+            source = f.source
+            steps = [r["step"] for r in truth if (r["process"], r["rank"]) == source]
+            assert f.steps == (min(steps), max(steps)), name

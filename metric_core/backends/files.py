@@ -241,9 +241,10 @@ class RawFileWriter(LoggerBackend):
             "rank": self.rank,
             "clean_shutdown": clean_shutdown,
             "timestamp": now,
-            # Each key's reduction and the step range, so a reader knows them without a pass.
+            # Each key's reduction, the step and time ranges: a reader knows them without a pass.
             "keys": [list(pair) for pair in decoded.pairs],
-            "steps": _step_range(table),
+            "steps": _bounds(table, "step"),
+            "timestamps": _bounds(table, "timestamp"),
         }
         if self.file_format == "jsonl":  # a reader may then parse values as plain numbers
             meta["nonfinite"] = (
@@ -278,10 +279,10 @@ class RawFileWriter(LoggerBackend):
         path.unlink()
 
 
-def _step_range(table: pa.Table) -> list[int] | None:
+def _bounds(table: pa.Table, column: str) -> list[Any] | None:
     if table.num_rows == 0:
         return None
-    bounds = pc.min_max(table["step"]).as_py()
+    bounds = pc.min_max(table[column]).as_py()
     return [bounds["min"], bounds["max"]]
 
 
