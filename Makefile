@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/python -m compileall -q metric_core cli  # where PYTHONDONTWRITEBYTECODE is set, too
 	touch $(STAMP)
 
 demo: $(STAMP)

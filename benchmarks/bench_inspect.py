@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_reduce import generate
+from bench_reduce import compile_sources, generate
 
 
 def wall(cmd: list[str]) -> float:
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("bench_out"))
     args = parser.parse_args()
     args.dir.mkdir(exist_ok=True)
+    compile_sources()
     run = generate(args.dir, "20M")
     metriclog = str(Path(sys.executable).with_name("metriclog"))
     inspect, reduce = [], []

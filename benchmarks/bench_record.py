@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 KEYS = 10
 STEP_EVERY = 100
@@ -138,6 +139,10 @@ def main() -> None:
     parser.add_argument("--wandb-records", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_reduce import compile_sources
+
+    compile_sources()
     variants = {
         "seed": args.records,
         "parquet": args.records,

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = ["global_reduce", "per_rank_reduce", "per_rank_no_reduce"]
 
@@ -81,10 +82,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--modes", default=",".join(MODES))
     args = parser.parse_args()
+    from bench_reduce import compile_sources
+
     from metric_core import scan_run
     from metric_core.reduce import execute, make_plan
     from metric_core.upload import plan_upload
 
+    compile_sources()
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
     metriclog = str(Path(sys.executable).with_name("metriclog"))
     results = {}
