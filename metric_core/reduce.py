@@ -169,12 +169,13 @@ def _matcher(patterns: Iterable[str]) -> re.Pattern[str]:
 
 
 def _filtered(
-    plan: ReducePlan, frame: pl.LazyFrame, keys: Sequence[str] | None, extra: Sequence[str] = ()
+    plan: ReducePlan, frame: pl.LazyFrame, keys: Sequence[str] | None, hashed: bool = False
 ) -> pl.LazyFrame:
-    """The plan's filters; ``keys`` are the run's keys that ``--key`` selects (None: all)."""
-    lf = frame.select(*plan.input_columns, *extra)
+    """The plan's filters; ``keys`` are the run's keys that ``--key`` selects (None: all).
+    ``hashed``: every record has its key_hash, which is selected and filtered on."""
+    lf = frame.select(*plan.input_columns, *([KEY_HASH] if hashed else []))
     if keys is not None:
-        lf = lf.filter(pl.col("key").is_in(list(keys)))
+        lf = lf.filter(_key_in(keys, hashed))
     if plan.ranks:
         rank = pl.col("rank")
         cond = pl.lit(False)
@@ -188,6 +189,12 @@ def _filtered(
         if stop is not None:
             lf = lf.filter(pl.col("step") < stop)
     return lf
+
+
+def _key_in(keys: Sequence[str], hashed: bool) -> pl.Expr:
+    if hashed:  # an integer per record instead of a string
+        return pl.col(KEY_HASH).is_in([key_hash(key) for key in keys])
+    return pl.col("key").is_in(list(keys))
 
 
 def _selected_keys(plan: ReducePlan, recorded: pl.DataFrame) -> list[str] | None:
@@ -204,7 +211,7 @@ def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
     if keys is not None:
         recorded = recorded.filter(pl.col("key").is_in(keys))
     fused = _fused_keys(plan, scan, recorded["key"].unique())
-    lf = _filtered(plan, scan.frame, keys, [KEY_HASH] if fused is not None else [])
+    lf = _filtered(plan, scan.frame, keys, scan.hashed)
     warnings: list[str] = []
     if plan.by == "time":
         t0 = lf.select(pl.col("timestamp").min()).collect().item()
@@ -217,7 +224,7 @@ def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
             warnings.append("--reduce has no effect with --mode per_rank_no_reduce: raw values are kept")
         out = lf.select(plan.output_columns).sort(plan.sort_columns).collect(engine="streaming")
     else:
-        out = _aggregate(plan, lf, _key_statistics(plan, scan, recorded, keys), fused)
+        out = _aggregate(plan, lf, _key_statistics(plan, scan, recorded, keys), fused, scan.hashed)
     if out.height == 0:
         raise NoDataError(str(scan.run_dir), "no record matches the filters")
     return ReduceResult(frame=out, plan=plan, scan=scan, warnings=warnings)
@@ -298,13 +305,17 @@ def _final(stat: Statistic) -> pl.Expr:
         return pl.col("_sum")
     if name == "count":
         return pl.col("count").cast(pl.Float64)
-    if name in ("median",) or stat.quantile is not None:
+    if name == "median" or stat.quantile is not None:
         return pl.when(pl.col("_nan") > 0).then(float("nan")).otherwise(pl.col(f"_{name}"))
     return pl.col(f"_{name}")
 
 
 def _aggregate(
-    plan: ReducePlan, lf: pl.LazyFrame, statistics: dict[str, str], fused: dict[int, str] | None
+    plan: ReducePlan,
+    lf: pl.LazyFrame,
+    statistics: dict[str, str],
+    fused: dict[int, str] | None,
+    hashed: bool,
 ) -> pl.DataFrame:
     # One streaming group-by computes the aggregations every statistic in use is built
     # from; each row then takes its key's statistic.
@@ -318,7 +329,7 @@ def _aggregate(
             known[name] = stat = Statistic.parse(name)
         except PlanError:
             continue
-        mask = None if len(by_name) == 1 else pl.col("key").is_in(keys)
+        mask = None if len(by_name) == 1 else _key_in(keys, hashed)
         aggs.update(_aggregations(stat, mask))
     aggs = {name: expr.cast(pl.Float64) if name != "count" else expr for name, expr in aggs.items()}
     if fused is None:
@@ -356,7 +367,7 @@ def _reduction_origins(
 ) -> dict[str, list[str]]:
     with_sources = dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE)
     rows = (
-        _filtered(with_sources, scan.frame, keys)
+        _filtered(with_sources, scan.frame, keys, scan.hashed)
         .filter(pl.col("key") == key)
         .select("reduction", "process", "rank")
         .unique()
