@@ -349,6 +349,13 @@ def _aggregate(
         schema={"key": pl.String, "reduction": pl.String},
     )
     grouped = grouped.join(table, on="key", how="left")
+    undeclared = grouped.filter(pl.col("reduction").is_null())
+    if undeclared.height:  # only a sealed segment changed after its writer sealed it gets here
+        raise MetricLogError(
+            f"key '{undeclared['key'][0]}' is in the records but not in the key list of their "
+            "segments' metadata: a sealed file was rewritten with its metadata kept; "
+            "rewrite it without the 'metriclog' metadata, or restore the original"
+        )
     unknown = grouped.filter(~pl.col("reduction").is_in(list(known))).sort("key")
     if unknown.height:
         key, stat = unknown["key"][0], unknown["reduction"][0]

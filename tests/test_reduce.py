@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
-from metric_core.errors import MixedReductionError
+from metric_core.errors import MetricLogError, MixedReductionError
 from metric_core.reduce import (
     PlanError,
     Statistic,
@@ -335,3 +335,16 @@ def test_a_key_recorded_two_ways_is_fine_when_the_filters_keep_one(tmp_path):
     a.shutdown()
     b.shutdown()
     assert reduce_run(tmp_path, ranks="0").select("value", "reduction", "count").row(0) == (2.0, "mean", 2)
+
+
+def test_a_sealed_file_rewritten_with_its_metadata_kept_is_an_error_not_a_silent_gap(tmp_path):
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    write_collector_run(tmp_path, [("TrainActor_r0", 0)], steps=3)
+    (path,) = tmp_path.glob("*.parquet")
+    table = pq.read_table(path)  # keeps the writer's key-value metadata
+    renamed = pc.replace_substring(table["key"].cast("string"), "trainer/loss", "trainer/renamed")
+    pq.write_table(table.set_column(0, "key", renamed).drop_columns("key_hash"), path)
+    with pytest.raises(MetricLogError, match="'trainer/renamed' is in the records but not in the key list"):
+        reduce_run(tmp_path)
