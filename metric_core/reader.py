@@ -60,8 +60,8 @@ class FileReport:
     skip_reasons: dict[str, int] = field(default_factory=dict)
     truncated: bool = False
     unreadable: str | None = None
-    # What its writer declared: the (key, reduction) pairs of its records (a superset)
-    # and their step range; ``hashed`` when its frame carries the writer's key_hash column.
+    # What its writer declared: the (key, reduction) pairs of its records (a superset),
+    # their step and time ranges; ``hashed`` when its frame carries the key_hash column.
     keys: list[tuple[str, str]] | None = None
     steps: tuple[int, int] | None = None
     timestamps: tuple[float, float] | None = None
@@ -327,18 +327,14 @@ def _declared_keys(meta: dict[str, Any]) -> list[tuple[str, str]] | None:
     return pairs
 
 
-def _declared_steps(meta: dict[str, Any]) -> tuple[int, int] | None:
-    steps = meta.get("steps")
+def _take_declared(rep: FileReport, meta: dict[str, Any]) -> None:
+    """What a sealed segment's writer declared in its metadata, where well formed."""
+    rep.keys = _declared_keys(meta)
+    steps, times = meta.get("steps"), meta.get("timestamps")
     if isinstance(steps, list) and len(steps) == 2 and all(type(x) is int for x in steps):
-        return steps[0], steps[1]
-    return None
-
-
-def _declared_times(meta: dict[str, Any]) -> tuple[float, float] | None:
-    times = meta.get("timestamps")
+        rep.steps = (steps[0], steps[1])
     if isinstance(times, list) and len(times) == 2 and all(type(x) in (int, float) for x in times):
-        return float(times[0]), float(times[1])
-    return None
+        rep.timestamps = (float(times[0]), float(times[1]))
 
 
 def _superseded_tails(metas: dict[Path, dict[str, Any] | None]) -> dict[Path, str]:
@@ -543,7 +539,7 @@ def _scan_sealed_jsonl(
     complete), so it is scanned lazily, streaming, without a validation pass."""
     rep.source = (str(meta["process"]), int(meta["rank"]))
     rep.records += meta["records"]
-    rep.keys = _declared_keys(meta)
+    _take_declared(rep, meta)
     if meta.get("clean_shutdown"):
         report.shutdowns.append(Shutdown(rep.source[0], rep.source[1], meta.get("timestamp")))
     if meta["records"] == 0:
@@ -634,7 +630,7 @@ def _scan_parquet(
     ours = own is not None and own.get("records") == rows  # sealed by our writer, untouched
     if ours:
         assert own is not None
-        rep.keys, rep.steps, rep.timestamps = _declared_keys(own), _declared_steps(own), _declared_times(own)
+        _take_declared(rep, own)
         rep.hashed = exact and rep.keys is not None and schema.get(KEY_HASH) == pl.Int64
     scan = pl.scan_parquet(path)
     if exact:
