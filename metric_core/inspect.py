@@ -26,7 +26,7 @@ from typing import Any
 import polars as pl
 
 from metric_core.reader import FileReport, RunScan
-from metric_core.schema import KEY_HASH, key_hash
+from metric_core.schema import KEY_HASH, keys_by_hash
 
 QUIET_FACTOR = 10.0
 OWN_GAP_FACTOR = 2.0
@@ -194,11 +194,12 @@ def _key_hashes(files: list[FileReport]) -> pl.DataFrame | None:
     """key_hash -> key for files that all carry the writer's hashes, unless two keys collide."""
     if not all(f.hashed and f.keys is not None for f in files):
         return None
-    keys = sorted({key for f in files for key, _ in f.keys or ()})
-    table = pl.DataFrame(
-        {KEY_HASH: [key_hash(k) for k in keys], "key": keys}, schema={KEY_HASH: pl.Int64, "key": pl.String}
+    table = keys_by_hash(key for f in files for key, _ in f.keys or ())
+    if table is None:
+        return None
+    return pl.DataFrame(
+        {KEY_HASH: list(table), "key": list(table.values())}, schema={KEY_HASH: pl.Int64, "key": pl.String}
     )
-    return table if table[KEY_HASH].n_unique() == table.height else None
 
 
 def _cadence(steps: pl.DataFrame) -> dict[tuple[str, int], tuple[float | None, float | None]]:

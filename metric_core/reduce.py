@@ -26,7 +26,7 @@ import polars as pl
 from metric_core.errors import MetricLogError, MixedReductionError, NoDataError
 from metric_core.metric import LoggingMode
 from metric_core.reader import RunScan, scan_run
-from metric_core.schema import KEY_HASH, key_hash
+from metric_core.schema import KEY_HASH, key_hash, keys_by_hash
 
 BASIC_STATS = ("mean", "sum", "max", "min", "std")
 OFFLINE_STATS = ("count", "median", "first", "last")
@@ -246,9 +246,7 @@ def _fused_keys(plan: ReducePlan, scan: RunScan, keys: Iterable[str]) -> dict[in
     steps = scan.step_range
     if steps is None or steps[0] < 0 or steps[1] > _STEP_MASK:
         return None
-    keys = list(keys)
-    fused = {key_hash(key) & ~_STEP_MASK: key for key in keys}
-    return fused if keys and len(fused) == len(keys) else None
+    return keys_by_hash(keys, ~_STEP_MASK)
 
 
 def _key_statistics(

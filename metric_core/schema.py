@@ -19,6 +19,7 @@ import io
 import json
 import math
 import re
+from collections.abc import Iterable
 
 import polars as pl
 
@@ -59,6 +60,13 @@ def key_hash(key: str) -> int:
     True
     """
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def keys_by_hash(keys: Iterable[str], mask: int = -1) -> dict[int, str] | None:
+    """``key_hash(key) & mask`` -> key, or None when two keys share one (or there are none)."""
+    keys = set(keys)
+    table = {key_hash(key) & mask: key for key in keys}
+    return table if keys and len(table) == len(keys) else None
 
 
 def default_process_name(rank: int) -> str:

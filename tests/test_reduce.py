@@ -307,10 +307,10 @@ def test_global_reduce_by_step_groups_on_one_integer_when_every_file_is_hashed(r
 
 
 def test_keys_whose_hashes_collide_fall_back_to_strings(tmp_path, monkeypatch):
-    import metric_core.reduce as reduce_module
+    import metric_core.schema as schema
 
     truth = write_collector_run(tmp_path, SOURCES_PARQUET, steps=4)
-    monkeypatch.setattr(reduce_module, "key_hash", lambda key: 1 << 40)  # every key alike
+    monkeypatch.setattr(schema, "key_hash", lambda key: 1 << 40)  # every key alike
     assert _fused_keys(make_plan(), scan_run(tmp_path), ["a", "b"]) is None
     check(reduce_run(tmp_path), expected(truth))
 
