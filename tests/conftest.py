@@ -11,6 +11,14 @@ import pytest
 from metric_core import Metric, MetricCollector, Reduce
 
 BASE_TIME = 1_760_000_000.0
+# A key recorded with each reduction (the live-path tests' data).
+ONE_KEY_PER_REDUCTION = (
+    ("m", Reduce.MEAN),
+    ("s", Reduce.SUM),
+    ("x", Reduce.MAX),
+    ("n", Reduce.MIN),
+    ("d", Reduce.STD),
+)
 
 os.environ.setdefault("WANDB_SILENT", "true")
 

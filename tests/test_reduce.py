@@ -20,7 +20,7 @@ from metric_core.reduce import (
     reduce_run,
 )
 
-from .conftest import write_collector_run
+from .conftest import ONE_KEY_PER_REDUCTION, write_collector_run
 
 SOURCES_PARQUET = [("TrainActor_r0", 0), ("TrainActor_r1", 1), ("TrainActor_r2", 2)]
 SOURCES_JSONL = [("GeneratorActor_r0", 0), ("GeneratorActor_r1", 1)]
@@ -176,13 +176,7 @@ def test_offline_global_reduce_equals_merging_live_states(tmp_path):
     for step in range(10):
         states = []
         for c in collectors:
-            for key, red in (
-                ("m", Reduce.MEAN),
-                ("s", Reduce.SUM),
-                ("x", Reduce.MAX),
-                ("n", Reduce.MIN),
-                ("d", Reduce.STD),
-            ):
+            for key, red in ONE_KEY_PER_REDUCTION:
                 for v in (1e8 if red is Reduce.STD else 0) + rng.normal(size=int(rng.integers(1, 20))):
                     c.record(key, float(v), red)
             states.append(c.flush(step, return_state=True))

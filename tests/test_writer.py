@@ -18,7 +18,7 @@ from metric_core import LoggerBackend, LoggingMode, MetricCollector, Reduce, sca
 from metric_core.errors import ConfigError, NotInitializedError
 from metric_core.metric import BackendRole
 
-from .conftest import write_collector_run
+from .conftest import ONE_KEY_PER_REDUCTION, write_collector_run
 
 
 def read_back(run_dir: Path) -> pl.DataFrame:
@@ -203,13 +203,7 @@ def test_per_rank_reduce_backend_gets_numpy_reductions_of_each_step(tmp_path):
     c = MetricCollector(tmp_path, rank=0, backends={"mine": backend}, flush_interval=0.01)
     raw: dict[int, dict[str, list[float]]] = {}
     for step in range(6):
-        for key, red in (
-            ("m", Reduce.MEAN),
-            ("s", Reduce.SUM),
-            ("x", Reduce.MAX),
-            ("n", Reduce.MIN),
-            ("d", Reduce.STD),
-        ):
+        for key, red in ONE_KEY_PER_REDUCTION:
             values = (1e8 if red is Reduce.STD else 0) + rng.normal(size=int(rng.integers(1, 40)))
             for v in values:
                 c.record(key, float(v), red)
