@@ -7,7 +7,10 @@ processes in W&B offline mode:
   metriclog   `metriclog upload RUN --offline --mode MODE --force-new` (scan, reduce,
               plan, then wandb.init / log per row / finish for each run)
   wandb.log   wandb.init / a plain loop of run.log over the very same rows (loaded from
-              a file before the clock starts) / finish, for each run
+              a file before the clock starts) / finish, for each run: with W&B's default
+              settings (the issue's peer), and with metriclog's REPLAY_SETTINGS (which
+              leave out the uploading machine's metadata, system metrics and packages);
+              the second isolates metriclog's own replay overhead
 
 rows/s = history rows written / wall time. Target: metriclog >= 0.9x wandb.log.
 
@@ -33,12 +36,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MODES = ["global_reduce", "per_rank_reduce", "per_rank_no_reduce"]
 
 PLAIN = """
-import os, pickle, sys, time
+import json, os, pickle, sys, time
 runs = pickle.load(open(sys.argv[1], "rb"))
+settings = json.loads(sys.argv[3])
 import wandb
 start = time.perf_counter()
 for name, x_axis, rows in runs:
-    run = wandb.init(project="bench", name=name, dir=sys.argv[2], mode="offline", reinit="create_new")
+    run = wandb.init(
+        project="bench", name=name, dir=sys.argv[2], mode="offline", reinit="create_new", settings=settings
+    )
     if x_axis:
         run.define_metric(x_axis)
         run.define_metric("*", step_metric=x_axis)
@@ -86,7 +92,7 @@ def main() -> None:
 
     from metric_core import scan_run
     from metric_core.reduce import execute, make_plan
-    from metric_core.upload import plan_upload
+    from metric_core.upload import REPLAY_SETTINGS, plan_upload
 
     compile_sources()
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
@@ -100,7 +106,8 @@ def main() -> None:
             rows = sum(r.rows for r in plan.runs)
             dump = root / f"{mode}.pkl"
             pickle.dump([(r.name, r.x_axis, list(r.history())) for r in plan.runs], dump.open("wb"))
-            ours, plain = [], []
+            ours, plain, same = [], [], []
+            peers = [(plain, {}), (same, REPLAY_SETTINGS)]
             for _ in range(args.repeats):
                 start = time.perf_counter()
                 subprocess.run(
@@ -120,22 +127,26 @@ def main() -> None:
                     capture_output=True,
                 )
                 ours.append(time.perf_counter() - start)
-                start = time.perf_counter()
-                subprocess.run(
-                    [sys.executable, "-c", PLAIN, str(dump), str(root / "plain")],
-                    env=env,
-                    check=True,
-                    capture_output=True,
-                )
-                plain.append(time.perf_counter() - start)
-            results[mode] = (rows, len(plan.runs), statistics.median(ours), statistics.median(plain))
+                for times, settings in peers:
+                    start = time.perf_counter()
+                    subprocess.run(
+                        [sys.executable, "-c", PLAIN, str(dump), str(root / "plain"), json.dumps(settings)],
+                        env=env,
+                        check=True,
+                        capture_output=True,
+                    )
+                    times.append(time.perf_counter() - start)
+            results[mode] = (rows, len(plan.runs), *map(statistics.median, (ours, plain, same)))
             print(json.dumps({mode: results[mode]}), file=sys.stderr)
     print(f"W&B offline mode; repeats: {args.repeats}; medians; wall time of whole processes")
-    print(f"{'mode':<20}{'runs':>5}{'rows':>9}{'metriclog rows/s':>18}{'wandb.log rows/s':>18}{'ratio':>8}")
-    for mode, (rows, runs, ours_s, plain_s) in results.items():
+    print(
+        f"{'mode':<20}{'runs':>5}{'rows':>9}{'metriclog rows/s':>18}{'wandb.log rows/s':>18}{'ratio':>8}"
+        f"{'same settings':>15}{'ratio':>8}"
+    )
+    for mode, (rows, runs, ours_s, plain_s, same_s) in results.items():
         print(
             f"{mode:<20}{runs:>5}{rows:>9,}{rows / ours_s:>18,.0f}{rows / plain_s:>18,.0f}"
-            f"{plain_s / ours_s:>7.2f}x"
+            f"{plain_s / ours_s:>7.2f}x{rows / same_s:>15,.0f}{same_s / ours_s:>7.2f}x"
         )
     print("target: ratio >= 0.90x (replay overhead <= 10%)")
 

@@ -82,6 +82,9 @@ def test_every_mode_lands_in_wandb_as_the_spec_maps_it(tmp_path, small_run, mode
         records = uploaded(run_dir, run_id)
         run = run_record(records)
         assert run.run_id == run_id
+        # the run describes the training run: nothing of the machine that replayed it
+        # (its hardware and OS, system metrics, pip packages)
+        assert not {r.WhichOneof("record_type") for r in records} & {"environment", "stats", "files"}
         config = config_of(records)
         assert config["lr"] == 0.5
         assert config["metriclog"]["mode"] == mode
