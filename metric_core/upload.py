@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+import numpy as np
 import polars as pl
 
 from metric_core.errors import MetricLogError
@@ -46,6 +47,7 @@ MAX_POINTS_PER_METRIC = 100_000
 MAX_LOG_BYTES = 25 * 1024 * 1024
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0)
 LEDGER_EVERY_ROWS = 5_000
+HISTORY_CHUNK_ROWS = 10_000  # rows turned into Python objects at a time
 # A replayed run describes the training run, not the machine replaying it: without these,
 # W&B attaches this machine's system metrics, hardware, OS, git state, code and pip
 # packages to it. (Collecting them also cost each wandb.init about 50 ms.)
@@ -68,13 +70,20 @@ class UploadError(MetricLogError):
 
 @dataclass
 class PlannedRun:
-    """One W&B run to write: its identity and its history rows, in order."""
+    """One W&B run to write: its identity and its history rows, in order.
+
+    The history is held as numpy columns, not a polars frame: compact, and readable by a
+    process that never loads polars (the CLI reduces in a child process while it loads
+    wandb). A wide run has the x-axis and a column per key, masked where a key has no
+    value at a row; a raw run has columns key (an index into ``keys``), value, the
+    bucket and timestamp.
+    """
 
     run_id: str
     name: str
     group: str | None
     source: str | None
-    frame: pl.DataFrame
+    columns: dict[str, np.ndarray]
     x_axis: str | None
     keys: list[str]
     raw: bool = False
@@ -82,17 +91,32 @@ class PlannedRun:
 
     @property
     def rows(self) -> int:
-        return self.frame.height
+        return len(next(iter(self.columns.values()))) if self.columns else 0
 
     def history(self, start: int = 0) -> Iterator[dict[str, Any]]:
         """The rows to pass to ``run.log``, from row ``start``; missing keys are left out."""
-        frame = self.frame.slice(start)
-        if self.raw:  # one raw record per row: key, value, step (or window), timestamp
-            for key, value, bucket, timestamp in frame.iter_rows():
-                yield {key: value, self.bucket: bucket, "_timestamp": timestamp}
-            return
-        for row in frame.iter_rows(named=True):
-            yield {k: v for k, v in row.items() if v is not None}
+        names = list(self.columns)
+        for low in range(start, self.rows, HISTORY_CHUNK_ROWS):
+            # masked entries become None; Python floats and ints, as W&B wants
+            chunk = [self.columns[n][low : low + HISTORY_CHUNK_ROWS].tolist() for n in names]
+            if self.raw:  # one raw record per row
+                keys, bucket = self.keys, self.bucket
+                for code, value, at, timestamp in zip(*chunk, strict=True):
+                    yield {keys[code]: value, bucket: at, "_timestamp": timestamp}
+                continue
+            for values in zip(*chunk, strict=True):
+                yield {n: v for n, v in zip(names, values, strict=True) if v is not None}
+
+
+def _columns(frame: pl.DataFrame) -> dict[str, np.ndarray]:
+    """A frame's columns as numpy arrays, masked where they hold nulls."""
+    columns = {}
+    for series in frame.iter_columns():
+        values = series.to_numpy()
+        if series.null_count():
+            values = np.ma.MaskedArray(values, mask=series.is_null().to_numpy())
+        columns[series.name] = values
+    return columns
 
 
 @dataclass
@@ -158,19 +182,11 @@ def plan_upload(
     runs: list[PlannedRun] = []
     mode = plan.mode
     if mode is LoggingMode.GLOBAL_REDUCE:
-        wide = _pivot(frame, bucket)
-        runs.append(
-            PlannedRun(run_id_for(identity, mode, None), name, None, None, wide, bucket, _keys(wide, bucket))
-        )
+        runs.append(_wide_run(run_id_for(identity, mode, None), name, None, None, frame, bucket))
     elif share_run:
         shared = frame.with_columns(key=pl.format("{}/{}", "key", "process"))
         if mode is LoggingMode.PER_RANK_REDUCE:
-            wide = _pivot(shared, bucket)
-            runs.append(
-                PlannedRun(
-                    run_id_for(identity, mode, None), name, group, None, wide, bucket, _keys(wide, bucket)
-                )
-            )
+            runs.append(_wide_run(run_id_for(identity, mode, None), name, group, None, shared, bucket))
         else:
             runs.append(
                 _raw_run(
@@ -182,37 +198,41 @@ def plan_upload(
             run_id = run_id_for(identity, mode, str(process))
             run_name = f"{name}_{process}"
             if mode is LoggingMode.PER_RANK_REDUCE:
-                wide = _pivot(part, bucket)
-                runs.append(
-                    PlannedRun(run_id, run_name, group, str(process), wide, bucket, _keys(wide, bucket))
-                )
+                runs.append(_wide_run(run_id, run_name, group, str(process), part, bucket))
             else:
                 runs.append(_raw_run(run_id, run_name, group, str(process), part, bucket))
     upload = UploadPlan(
         runs=runs, identity=identity, key_mapping={k: v for k, v in mapping.items() if k != v}
     )
-    upload.warnings = _limit_warnings(runs, mode)
+    upload.warnings = _limit_warnings(runs)
     upload.config = _provenance(result)
     return upload
 
 
-def _pivot(frame: pl.DataFrame, bucket: str) -> pl.DataFrame:
-    return frame.pivot(on="key", index=bucket, values="value", sort_columns=True).sort(bucket)
-
-
-def _keys(wide: pl.DataFrame, bucket: str) -> list[str]:
-    return [c for c in wide.columns if c != bucket]
+def _wide_run(
+    run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
+) -> PlannedRun:
+    """A history row per bucket, a column per key."""
+    wide = part.pivot(on="key", index=bucket, values="value", sort_columns=True).sort(bucket)
+    keys = [c for c in wide.columns if c != bucket]
+    return PlannedRun(run_id, name, group, source, _columns(wide), bucket, keys, bucket=bucket)
 
 
 def _raw_run(
     run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
 ) -> PlannedRun:
+    """A history row per raw record."""
     keys = sorted(part["key"].unique().to_list())
-    frame = part.select("key", "value", bucket, "timestamp")
-    return PlannedRun(run_id, name, group, source, frame, None, keys, raw=True, bucket=bucket)
+    frame = part.select(
+        pl.col("key").replace_strict({k: i for i, k in enumerate(keys)}, return_dtype=pl.Int32),
+        "value",
+        bucket,
+        "timestamp",
+    )
+    return PlannedRun(run_id, name, group, source, _columns(frame), None, keys, raw=True, bucket=bucket)
 
 
-def _limit_warnings(runs: list[PlannedRun], mode: LoggingMode) -> list[str]:
+def _limit_warnings(runs: list[PlannedRun]) -> list[str]:
     warnings = []
     distinct = {k for r in runs for k in r.keys}
     if len(distinct) >= MAX_METRICS:
@@ -221,11 +241,7 @@ def _limit_warnings(runs: list[PlannedRun], mode: LoggingMode) -> list[str]:
             "select keys with --key"
         )
     for r in runs:
-        points = (
-            r.rows
-            if mode is not LoggingMode.PER_RANK_NO_REDUCE
-            else int(r.frame.group_by("key").len()["len"].max() or 0)  # type: ignore[arg-type]
-        )
+        points = int(np.bincount(r.columns["key"]).max(initial=0)) if r.raw else r.rows
         if points and points > MAX_POINTS_PER_METRIC:
             warnings.append(
                 f"run {r.name}: up to {points:,} points per metric; W&B shows at most "

@@ -11,16 +11,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from metric_core import scan_run
+from metric_core import Metric, MetricCollector, Reduce, scan_run, upload
 from metric_core.reduce import execute, make_plan
 from metric_core.upload import Ledger, UploadError, plan_upload, safe_keys, upload_plan
 
-from .conftest import write_collector_run
+from .conftest import BASE_TIME, write_collector_run
 from .wandb_file import config_of, find_run_file, history_rows, metric_definitions, read_records, run_record
 
 runner = CliRunner()
@@ -128,6 +129,31 @@ def test_every_mode_lands_in_wandb_as_the_spec_maps_it(tmp_path, small_run, mode
             assert got.keys() == want.keys()
             for gk, value in want.items():
                 assert got[gk] == pytest.approx(value, rel=1e-12), gk
+
+
+@pytest.mark.parametrize("mode", ["global_reduce", "per_rank_no_reduce"])
+def test_history_rows_are_exact_from_any_row_a_resume_starts_at(tmp_path, monkeypatch, mode):
+    """Missing keys are left out, a NaN is sent as NaN, steps stay ints; rows are built a
+    chunk at a time (4 here) and a resume may start anywhere, mid-chunk included."""
+    monkeypatch.setattr(upload, "HISTORY_CHUNK_ROWS", 4)
+    c = MetricCollector(tmp_path, rank=0, process_name="w")
+    raw, wide = [], []
+    for step in range(10):
+        a = float("nan") if step == 4 else float(step)
+        c.push(Metric("a", a, Reduce.MEAN, BASE_TIME + step))
+        raw.append({"a": a, "step": step, "_timestamp": BASE_TIME + step})
+        wide.append({"a": a, "step": step})
+        if step % 3:  # b is missing at steps 0, 3, 6, 9
+            c.push(Metric("b", 2.0 * step, Reduce.MAX, BASE_TIME + step + 0.5))
+            raw.append({"b": 2.0 * step, "step": step, "_timestamp": BASE_TIME + step + 0.5})
+            wide[-1]["b"] = 2.0 * step
+        c.flush(step)
+    c.shutdown()
+    (run,) = plan_upload(execute(make_plan(mode=mode), scan_run(tmp_path)), name="x").runs
+    want = [json.dumps(row, sort_keys=True) for row in (raw if mode == "per_rank_no_reduce" else wide)]
+    assert run.rows == len(want)
+    for start in (0, 3, 4, 5, len(want) - 1, len(want)):
+        assert [json.dumps(row, sort_keys=True) for row in run.history(start)] == want[start:]
 
 
 def test_run_ids_are_deterministic_and_survive_a_copy(tmp_path, small_run):
@@ -326,21 +352,23 @@ def test_a_killed_offline_upload_is_redone_as_a_fresh_offline_run(tmp_path):
 
 
 def test_wandb_limits_are_checked_before_anything_is_sent():
-    from metric_core.metric import LoggingMode
     from metric_core.upload import MAX_POINTS_PER_METRIC, PlannedRun, _limit_warnings
 
     rows = MAX_POINTS_PER_METRIC + 1
-    frame = pl.DataFrame({"step": range(rows), "loss": [0.0] * rows})
-    many = PlannedRun("id", "exp1", None, None, frame, "step", ["loss"])
-    (warning,) = _limit_warnings([many], LoggingMode.GLOBAL_REDUCE)
+    columns = {"step": np.arange(rows), "loss": np.zeros(rows)}
+    many = PlannedRun("id", "exp1", None, None, columns, "step", ["loss"])
+    (warning,) = _limit_warnings([many])
     assert f"up to {rows:,} points per metric" in warning
     assert "--by time --every" in warning
+    # a raw run counts the points of its busiest key, not its rows
+    n = 2 * MAX_POINTS_PER_METRIC
+    raw = {"key": np.arange(n) % 2, "value": np.zeros(n), "step": np.arange(n), "timestamp": np.zeros(n)}
+    assert _limit_warnings([PlannedRun("id4", "raw", None, None, raw, None, ["a", "b"], raw=True)]) == []
+    raw["key"] = np.zeros(n, dtype=int)
+    (warning,) = _limit_warnings([PlannedRun("id5", "raw", None, None, raw, None, ["a", "b"], raw=True)])
+    assert f"up to {n:,} points per metric" in warning
     keys = [f"k{i}" for i in range(10_000)]
-    wide = PlannedRun("id2", "exp2", None, None, pl.DataFrame({"step": [0]}), "step", keys)
-    assert any("10,000 distinct metrics" in w for w in _limit_warnings([wide], LoggingMode.GLOBAL_REDUCE))
-    assert (
-        _limit_warnings(
-            [PlannedRun("id3", "ok", None, None, frame.head(10), "step", ["loss"])], LoggingMode.GLOBAL_REDUCE
-        )
-        == []
-    )
+    wide = PlannedRun("id2", "exp2", None, None, {"step": np.arange(1)}, "step", keys)
+    assert any("10,000 distinct metrics" in w for w in _limit_warnings([wide]))
+    few = {name: column[:10] for name, column in columns.items()}
+    assert _limit_warnings([PlannedRun("id3", "ok", None, None, few, "step", ["loss"])]) == []
