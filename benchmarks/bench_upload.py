@@ -91,7 +91,8 @@ def main() -> None:
     from bench_reduce import compile_sources
 
     from metric_core import scan_run
-    from metric_core.reduce import execute, make_plan
+    from metric_core.plan import make_plan
+    from metric_core.reduce import execute
     from metric_core.upload import REPLAY_SETTINGS, plan_upload
 
     compile_sources()

@@ -6,6 +6,7 @@ metric_core errors become one ``Error: ...`` line on stderr and exit code 1.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -125,7 +126,7 @@ def _plan(
     steps: str | None,
 ) -> Any:
     """The reduce plan the shared options ask for; bad syntax is a usage error (exit 2)."""
-    from metric_core.reduce import make_plan
+    from metric_core.plan import make_plan
 
     return usage(
         lambda: make_plan(
@@ -142,7 +143,7 @@ def _plan(
 
 def usage(call: Callable[[], T]) -> T:
     """Parse an option value; a bad one is a usage error (exit 2)."""
-    from metric_core.reduce import PlanError
+    from metric_core.plan import PlanError
 
     try:
         return call()
@@ -237,52 +238,35 @@ def upload(
 
         metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
     """
-    import os
-
-    from cli.output import print_table
+    from cli import background
     from metric_core import upload as up
-    from metric_core.reader import scan_run
-    from metric_core.reduce import execute
 
     plan = _plan(mode, by, every, reduce, key, ranks, steps)
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
-    with errors_to_exit():
-        scan = scan_run(run_dir)
-        report_skips(scan, strict)
-        result = execute(plan, scan)
-        run_name = name or run_dir.resolve().name
-        upload_plan = up.plan_upload(result, name=run_name, group=group, share_run=per_rank_share_run)
-        for original, safe in upload_plan.key_mapping.items():
-            typer.echo(
-                f"note: key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)", err=True
-            )
-        for warning in upload_plan.warnings:
-            typer.echo(f"warning: {warning}", err=True)
-        if dry_run:
-            import polars as pl
+    if not dry_run and not offline and not up.has_credentials():
+        raise fail(
+            "not logged in to W&B: run `wandb login` (or set WANDB_API_KEY), "
+            "or write offline runs with --offline and `wandb sync` them later"
+        )
+    prepare = functools.partial(
+        _plan_upload,
+        run_dir,
+        plan,
+        strict,
+        name=name or run_dir.resolve().name,
+        group=group,
+        share_run=per_rank_share_run,
+    )
+    if dry_run:
+        _print_upload_plan(prepare())
+        typer.echo("dry run: nothing was uploaded", err=True)
+        return
+    pending = background.start(prepare)
+    import wandb  # noqa: F401  (half a second, while a child process reads and reduces the run)
 
-            print_table(
-                pl.DataFrame(
-                    [
-                        {
-                            "id": r.run_id,
-                            "name": r.name,
-                            "group": r.group,
-                            "rows": r.rows,
-                            "keys": len(r.keys),
-                        }
-                        for r in upload_plan.runs
-                    ]
-                )
-            )
-            typer.echo("dry run: nothing was uploaded", err=True)
-            return
-        if not offline and not up.has_credentials():
-            raise fail(
-                "not logged in to W&B: run `wandb login` (or set WANDB_API_KEY), "
-                "or write offline runs with --offline and `wandb sync` them later"
-            )
+    upload_plan = pending()
+    with errors_to_exit():
         ledger = up.Ledger.for_run_dir(run_dir, upload_plan.identity)
         wandb_dir = None if os.environ.get("WANDB_DIR") else ledger.path.parent
         with _progress() as progress:
@@ -307,6 +291,40 @@ def upload(
         synced = [o.sync_dir for o in outcomes if o.sync_dir]
         if synced:
             typer.echo("offline runs written; upload them with:\n  wandb sync " + " ".join(synced), err=True)
+
+
+def _plan_upload(run_dir: Path, plan: Any, strict: bool, **mapping: Any) -> Any:
+    """Read and reduce the run, map it to W&B runs, and say what the user should know."""
+    from metric_core import upload as up
+    from metric_core.reader import scan_run
+    from metric_core.reduce import execute
+
+    with errors_to_exit():
+        scan = scan_run(run_dir)
+        report_skips(scan, strict)
+        upload_plan = up.plan_upload(execute(plan, scan), **mapping)
+    for original, safe in upload_plan.key_mapping.items():
+        typer.echo(
+            f"note: key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)", err=True
+        )
+    for warning in upload_plan.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+    return upload_plan
+
+
+def _print_upload_plan(upload_plan: Any) -> None:
+    import polars as pl
+
+    from cli.output import print_table
+
+    print_table(
+        pl.DataFrame(
+            [
+                {"id": r.run_id, "name": r.name, "group": r.group, "rows": r.rows, "keys": len(r.keys)}
+                for r in upload_plan.runs
+            ]
+        )
+    )
 
 
 @app.command()

@@ -19,8 +19,9 @@ import polars as pl
 from metric_core.errors import MetricLogError
 from metric_core.inspect import inspect_run
 from metric_core.metric import LoggingMode
+from metric_core.plan import ReducePlan
 from metric_core.reader import RunScan
-from metric_core.reduce import ReducePlan, execute
+from metric_core.reduce import execute
 
 MAX_KEYS = 12
 

@@ -1,7 +1,7 @@
 """The three logging modes, computed offline from a run's raw records.
 
-A ``ReducePlan`` says what to compute (mode, grouping, statistics per key, filters) and
-knows nothing about how; ``execute`` turns a plan into one lazy polars query and runs it
+A ``ReducePlan`` (``metric_core.plan``) says what to compute and knows nothing about
+how; ``execute`` turns a plan into one lazy polars query and runs it
 on the streaming engine, reading only the columns the mode needs. Memory grows with
 the number of output groups (and, for median/pNN, with the values of one group), not
 with the number of raw records. Another engine can run the same plan.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,103 +24,9 @@ import polars as pl
 
 from metric_core.errors import MetricLogError, MixedReductionError, NoDataError
 from metric_core.metric import LoggingMode
+from metric_core.plan import PlanError, ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.reader import RunScan, scan_run
 from metric_core.schema import KEY_HASH, key_hash, keys_by_hash
-
-BASIC_STATS = ("mean", "sum", "max", "min", "std")
-OFFLINE_STATS = ("count", "median", "first", "last")
-_PERCENTILE = re.compile(r"^p(\d{1,2}(?:\.\d+)?|100)$")
-
-
-class PlanError(MetricLogError):
-    """A request that cannot be turned into a plan (bad statistic, pattern, range)."""
-
-
-@dataclass(frozen=True)
-class Statistic:
-    """One statistic of SPEC section 3: a name, and for ``pNN`` its quantile in [0, 1]."""
-
-    name: str
-    quantile: float | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> Statistic:
-        """``mean``, ``sum``, ``max``, ``min``, ``std``, ``count``, ``median``, ``first``,
-        ``last`` or ``pNN`` (``p99``, ``p99.9``).
-
-        >>> Statistic.parse("p99.9").quantile
-        0.999
-        """
-        name = text.strip().lower()
-        if name in BASIC_STATS or name in OFFLINE_STATS:
-            return cls(name)
-        match = _PERCENTILE.match(name)
-        if match:
-            q = float(match.group(1))
-            if q <= 100:
-                return cls(name, round(q / 100, 12))
-        allowed = ", ".join((*BASIC_STATS, *OFFLINE_STATS, "pNN (e.g. p99, p99.9)"))
-        raise PlanError(f"unknown statistic '{text}': use one of {allowed}")
-
-
-@dataclass(frozen=True)
-class ReducePlan:
-    """What to compute; see ``execute`` for how.
-
-    ``overrides`` are (glob, statistic) pairs; for a key matched by several, the last
-    one given wins. ``ranks`` are inclusive ranges; ``steps`` is a half-open
-    [start, stop) range, either end open when None.
-    """
-
-    mode: LoggingMode = LoggingMode.GLOBAL_REDUCE
-    by: str = "step"
-    every: float | None = None
-    overrides: tuple[tuple[str, Statistic], ...] = ()
-    keys: tuple[str, ...] = ()
-    ranks: tuple[tuple[int, int], ...] = ()
-    steps: tuple[int | None, int | None] | None = None
-
-    def __post_init__(self) -> None:
-        if self.by not in ("step", "time"):
-            raise PlanError(f"--by must be step or time, not '{self.by}'")
-        if self.by == "time" and (self.every is None or self.every <= 0):
-            raise PlanError("--by time needs a window length, e.g. --every 10s")
-        if self.by == "step" and self.every is not None:
-            raise PlanError("--every sets the window of --by time; add --by time")
-
-    @property
-    def bucket(self) -> str:
-        return "window_start" if self.by == "time" else "step"
-
-    @property
-    def group_columns(self) -> list[str]:
-        if self.mode is LoggingMode.PER_RANK_REDUCE:
-            return ["process", "rank", self.bucket]
-        return [self.bucket]
-
-    @property
-    def output_columns(self) -> list[str]:
-        if self.mode is LoggingMode.PER_RANK_NO_REDUCE:
-            return ["process", "rank", self.bucket, "timestamp", "key", "value", "reduction"]
-        return [*self.group_columns, "key", "value", "reduction", "count"]
-
-    @property
-    def sort_columns(self) -> list[str]:
-        if self.mode is LoggingMode.PER_RANK_NO_REDUCE:
-            return ["process", "rank", "timestamp"]
-        return [*self.group_columns, "key"]
-
-    @property
-    def input_columns(self) -> list[str]:
-        cols = {"key", "value", "reduction", "rank"}
-        if self.mode is not LoggingMode.GLOBAL_REDUCE:
-            cols |= {"process", "timestamp", "step"}
-        cols.add("timestamp" if self.by == "time" else "step")
-        if any(s.name in ("first", "last") for _, s in self.overrides) or self.by == "time":
-            cols.add("timestamp")
-        if self.steps is not None:
-            cols.add("step")
-        return sorted(cols)
 
 
 @dataclass
@@ -132,40 +37,6 @@ class ReduceResult:
     plan: ReducePlan
     scan: RunScan
     warnings: list[str] = field(default_factory=list)
-
-
-def glob_to_regex(pattern: str) -> str:
-    """A shell-style glob as an anchored regex (``*``, ``?``, ``[...]``, ``[!...]``).
-
-    >>> glob_to_regex("trainer/*")
-    '^trainer/.*$'
-    """
-    out, i = ["^"], 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "*":
-            out.append(".*")
-        elif ch == "?":
-            out.append(".")
-        elif ch == "[":
-            end = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("!", "]") else i + 1)
-            if end == -1:
-                out.append(re.escape(ch))
-            else:
-                body = pattern[i + 1 : end]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append("[" + body.replace("\\", "\\\\") + "]")
-                i = end
-        else:
-            out.append(re.escape(ch))
-        i += 1
-    out.append("$")
-    return "".join(out)
-
-
-def _matcher(patterns: Iterable[str]) -> re.Pattern[str]:
-    return re.compile("|".join(f"(?:{glob_to_regex(p)})" for p in patterns))
 
 
 def _filtered(
@@ -200,7 +71,7 @@ def _key_in(keys: Sequence[str], hashed: bool) -> pl.Expr:
 def _selected_keys(plan: ReducePlan, recorded: pl.DataFrame) -> list[str] | None:
     if not plan.keys:
         return None
-    match = _matcher(plan.keys).fullmatch
+    match = key_matcher(plan.keys).fullmatch
     return [key for key in recorded["key"].unique().sort() if match(key)]
 
 
@@ -254,7 +125,7 @@ def _key_statistics(
 ) -> dict[str, str]:
     """Each key's statistic: the last ``--reduce`` pattern that matches it, or its recorded
     reduction. A key recorded with several is checked against the filtered records."""
-    overrides = [(_matcher([pattern]).fullmatch, stat.name) for pattern, stat in plan.overrides]
+    overrides = [(key_matcher([pattern]).fullmatch, stat.name) for pattern, stat in plan.overrides]
     out: dict[str, str] = {}
     for key, reductions in recorded.group_by("key").agg("reduction").sort("key").iter_rows():
         chosen = [name for match, name in overrides if match(key)]
@@ -385,58 +256,6 @@ def _reduction_origins(
     return origins
 
 
-def parse_ranks(text: str) -> tuple[tuple[int, int], ...]:
-    """``0,2-5`` -> ((0, 0), (2, 5))."""
-    ranges = []
-    for part in text.split(","):
-        part = part.strip()
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not m:
-            raise PlanError(f"--ranks '{text}': '{part}' is not a rank or a range like 2-5")
-        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
-        if hi < lo:
-            raise PlanError(f"--ranks '{text}': range '{part}' runs backwards")
-        ranges.append((lo, hi))
-    return tuple(ranges)
-
-
-def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``100:200`` -> (100, 200), the steps 100 to 199; ``100:`` and ``:200`` leave an end open."""
-    m = re.fullmatch(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*", text)
-    if not m or ":" not in text:
-        raise PlanError(f"--steps '{text}' is not START:STOP, e.g. 100:200 (steps 100 to 199)")
-    start = int(m.group(1)) if m.group(1) else None
-    stop = int(m.group(2)) if m.group(2) else None
-    if start is not None and stop is not None and stop <= start:
-        raise PlanError(f"--steps '{text}': STOP must be greater than START")
-    return start, stop
-
-
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str) -> float:
-    """``10s``, ``500ms``, ``2m``, ``1.5h`` or plain seconds -> seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|min|m|h|d)?\s*", text)
-    if not m:
-        raise PlanError(f"--every '{text}' is not a duration like 10s, 500ms, 5m or 1h")
-    seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
-    if seconds <= 0:
-        raise PlanError(f"--every '{text}' must be longer than zero")
-    return seconds
-
-
-def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, Statistic], ...]:
-    """``['trainer/*=p99', 'loss=median']`` -> ((glob, Statistic), ...)."""
-    out = []
-    for item in items:
-        pattern, sep, stat = item.rpartition("=")
-        if not sep or not pattern:
-            raise PlanError(f"--reduce '{item}' is not PATTERN=STAT, e.g. 'trainer/*=p99'")
-        out.append((pattern, Statistic.parse(stat)))
-    return tuple(out)
-
-
 def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
     """Reduce a run directory in one of the three logging modes; a polars DataFrame.
 
@@ -447,34 +266,6 @@ def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
     ['step', 'key', 'value', 'reduction', 'count']
     """
     return execute(make_plan(**options), scan_run(run_dir)).frame
-
-
-def make_plan(
-    *,
-    mode: LoggingMode | str = LoggingMode.GLOBAL_REDUCE,
-    by: str = "step",
-    every: float | str | None = None,
-    reduce: Sequence[str] | dict[str, str] = (),
-    keys: Sequence[str] = (),
-    ranks: str | Sequence[tuple[int, int]] = (),
-    steps: str | tuple[int | None, int | None] | None = None,
-) -> ReducePlan:
-    """Build a plan from command-line style options (strings are parsed)."""
-    try:
-        mode = LoggingMode(mode)
-    except ValueError:
-        allowed = ", ".join(m.value for m in LoggingMode)
-        raise PlanError(f"--mode '{mode}' is not one of {allowed}") from None
-    items = [f"{k}={v}" for k, v in reduce.items()] if isinstance(reduce, dict) else list(reduce)
-    return ReducePlan(
-        mode=mode,
-        by=by,
-        every=parse_duration(every) if isinstance(every, str) else every,
-        overrides=parse_overrides(items),
-        keys=tuple(keys),
-        ranks=parse_ranks(ranks) if isinstance(ranks, str) else tuple(ranks),
-        steps=parse_steps(steps) if isinstance(steps, str) else steps,
-    )
 
 
 def pivot_wide(frame: pl.DataFrame, plan: ReducePlan) -> pl.DataFrame:

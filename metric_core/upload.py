@@ -31,15 +31,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import numpy as np
-import polars as pl
 
 from metric_core.errors import MetricLogError
 from metric_core.metric import LoggingMode
-from metric_core.reduce import ReducePlan, ReduceResult
+
+if TYPE_CHECKING:  # planning needs polars; sending (the ledger, upload_plan) does not
+    import polars as pl
+
+    from metric_core.plan import ReducePlan
+    from metric_core.reduce import ReduceResult
 
 # W&B's published limits (docs: "Limits & performance").
 MAX_METRICS = 10_000
@@ -172,6 +176,8 @@ def plan_upload(
     share_run: bool = False,
 ) -> UploadPlan:
     """Map a reduction to the W&B runs that hold it (nothing is sent)."""
+    import polars as pl
+
     plan: ReducePlan = result.plan
     frame = result.frame
     identity = run_identity(result)
@@ -222,6 +228,8 @@ def _raw_run(
     run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
 ) -> PlannedRun:
     """A history row per raw record."""
+    import polars as pl
+
     keys = sorted(part["key"].unique().to_list())
     frame = part.select(
         pl.col("key").replace_strict({k: i for i, k in enumerate(keys)}, return_dtype=pl.Int32),

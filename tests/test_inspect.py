@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 from cli.main import app
 from metric_core import Metric, MetricCollector, Reduce, scan_run
 from metric_core.inspect import inspect_run
+from metric_core.plan import make_plan
 from metric_core.plot import plot_run
-from metric_core.reduce import execute, make_plan
+from metric_core.reduce import execute
 
 runner = CliRunner()
 T0 = 1_760_000_000.0

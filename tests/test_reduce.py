@@ -10,15 +10,8 @@ import pytest
 
 from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
 from metric_core.errors import MetricLogError, MixedReductionError
-from metric_core.reduce import (
-    PlanError,
-    Statistic,
-    _fused_keys,
-    execute,
-    glob_to_regex,
-    make_plan,
-    reduce_run,
-)
+from metric_core.plan import PlanError, Statistic, glob_to_regex, make_plan
+from metric_core.reduce import _fused_keys, execute, reduce_run
 
 from .conftest import ONE_KEY_PER_REDUCTION, write_collector_run
 

@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from metric_core import Metric, MetricCollector, Reduce, scan_run, upload
-from metric_core.reduce import execute, make_plan
+from metric_core.plan import make_plan
+from metric_core.reduce import execute
 from metric_core.upload import Ledger, UploadError, plan_upload, safe_keys, upload_plan
 
 from .conftest import BASE_TIME, write_collector_run
