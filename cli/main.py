@@ -262,8 +262,10 @@ def upload(
         _print_upload_plan(prepare())
         typer.echo("dry run: nothing was uploaded", err=True)
         return
+    # wandb takes about half a second to import: this process does it while a child
+    # process reads and reduces the run (cli/background.py)
     pending = background.start(prepare)
-    import wandb  # noqa: F401  (half a second, while a child process reads and reduces the run)
+    import wandb  # noqa: F401
 
     upload_plan = pending()
     with errors_to_exit():
