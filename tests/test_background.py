@@ -68,3 +68,19 @@ def test_with_polars_loaded_the_work_runs_here_when_asked():
     pending = background.start(lambda: calls.append(1) or "done")
     assert calls == []
     assert pending() == "done" and calls == [1]
+
+
+def test_upload_forks_before_polars_loads():
+    """The options, the credentials check and the send path must not load polars: with
+    polars loaded, upload would read the run in this process instead of in a child."""
+    script = (
+        "import sys\n"
+        "from cli.main import _plan, Mode, By\n"
+        "from metric_core import upload\n"
+        "_plan(Mode.per_rank_reduce, By.time, '10s', ['loss=p99'], ['trainer/*'], '0-3', '5:9')\n"
+        "upload.has_credentials()\n"
+        "print('polars' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "False\n"
