@@ -426,20 +426,33 @@ def _print_sources(report: dict[str, Any]) -> None:
 
 @contextmanager
 def _progress() -> Iterator[Any]:
-    """A progress bar per W&B run (rows, rows/s, ETA) when stderr is a terminal."""
+    """A progress bar per W&B run (rows, rows/s, ETA) on stderr, when it is a terminal."""
     if not sys.stderr.isatty():
         yield None
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class RowRate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(f"{task.speed:,.0f} rows/s" if task.speed else "")
 
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
-        TextColumn("{task.speed} rows/s"),
+        RowRate(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, transient=False) as bars:
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bars:
 
         def start(run: Any, done: int) -> Callable[[int], None]:
             task = bars.add_task(run.name, total=run.rows, completed=done)

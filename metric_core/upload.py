@@ -51,6 +51,7 @@ MAX_POINTS_PER_METRIC = 100_000
 MAX_LOG_BYTES = 25 * 1024 * 1024
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0)
 LEDGER_EVERY_ROWS = 5_000
+PROGRESS_EVERY_ROWS = 500  # divides LEDGER_EVERY_ROWS
 HISTORY_CHUNK_ROWS = 10_000  # rows turned into Python objects at a time
 # A replayed run describes the training run, not the machine replaying it: without these,
 # W&B attaches this machine's system metrics, hardware, OS, git state, code and pip
@@ -454,9 +455,10 @@ def _upload_one(
         for row in run.history(start):
             _retry(functools.partial(wb.log, row), "logging to W&B", sleep)
             sent += 1
-            if sent % LEDGER_EVERY_ROWS == 0:
-                ledger.update(run_id, rows_sent=sent)
+            if sent % PROGRESS_EVERY_ROWS == 0:
                 tick(sent)
+                if sent % LEDGER_EVERY_ROWS == 0:
+                    ledger.update(run_id, rows_sent=sent)
         tick(sent)
         _retry(wb.finish, "finishing the W&B run", sleep)
     except BaseException:

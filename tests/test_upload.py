@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from .conftest import BASE_TIME, write_collector_run
 from .wandb_file import config_of, find_run_file, history_rows, metric_definitions, read_records, run_record
 
 runner = CliRunner()
+METRICLOG = str(Path(sys.executable).with_name("metriclog"))  # the installed command
 
 
 @pytest.fixture(autouse=True)
@@ -52,9 +54,7 @@ def upload_cli(run_dir: Path, *args: str, process: bool = False):
     argv = ["upload", str(run_dir), "--project", "proj", *args]
     if not process:
         return runner.invoke(app, argv)
-    done = subprocess.run(
-        [str(Path(sys.executable).with_name("metriclog")), *argv], capture_output=True, text=True, timeout=300
-    )
+    done = subprocess.run([METRICLOG, *argv], capture_output=True, text=True, timeout=300)
     return SimpleNamespace(
         exit_code=done.returncode, stdout=done.stdout, stderr=done.stderr, output=done.stdout + done.stderr
     )
@@ -228,6 +228,21 @@ def test_without_credentials_online_is_exit_1_and_dry_run_touches_nothing(tmp_pa
     assert not (run_dir / ".metriclog").exists()
 
 
+def test_the_api_key_is_never_printed_or_written(tmp_path, small_run, monkeypatch):
+    import shutil
+
+    secret = "5ec4e7" * 6 + "abcd"  # 40 characters, as a W&B API key
+    monkeypatch.setenv("WANDB_API_KEY", secret)
+    run_dir = tmp_path / "exp1"
+    shutil.copytree(small_run, run_dir)
+    result = upload_cli(run_dir, "--offline", "--mode", "per_rank_reduce", process=True)
+    assert result.exit_code == 0, result.output
+    assert secret not in result.output
+    written = [p for p in (run_dir / ".metriclog").rglob("*") if p.is_file()]
+    assert any(p.name == "uploads.json" for p in written) and any(p.suffix == ".wandb" for p in written)
+    assert not [p for p in written if secret.encode() in p.read_bytes()]
+
+
 def test_a_run_that_cannot_be_read_is_one_error_line_from_the_reducing_child(tmp_path):
     (tmp_path / "empty").mkdir()
     result = upload_cli(tmp_path / "empty", "--offline", process=True)
@@ -235,6 +250,37 @@ def test_a_run_that_cannot_be_read_is_one_error_line_from_the_reducing_child(tmp
     assert result.stderr.count("Error: no readable metric record") == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "empty" / ".metriclog").exists()
+
+
+def test_a_progress_bar_per_run_goes_to_stderr_when_it_is_a_terminal(tmp_path):
+    import pty
+
+    run_dir = tmp_path / "exp1"
+    write_collector_run(run_dir, [("TrainActor_r0", 0), ("GeneratorActor_r1", 1)], steps=1500)
+    screen, terminal = pty.openpty()
+    child = subprocess.Popen(
+        [METRICLOG, "upload", str(run_dir), "--project", "proj", "--offline", "--mode", "per_rank_reduce"],
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(screen, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(screen)
+    stdout = child.communicate(timeout=300)[0]
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace"))  # colours, cursor
+    assert child.returncode == 0, text
+    for name in ("exp1_TrainActor_r0", "exp1_GeneratorActor_r1"):
+        assert re.search(rf"{name} .*1500/1500 .*rows/s", text), text
+    assert stdout == b""  # nothing of the bars where a pipe would take them
 
 
 def test_unsafe_keys_are_renamed_and_reported():
