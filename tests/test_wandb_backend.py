@@ -74,8 +74,10 @@ def test_per_rank_no_reduce_streams_each_record_with_its_timestamp(tmp_path, off
         c.record("policy/latency_s", 0.1 * i)
     c.flush(3)
     c.shutdown()
-    rows = [r for r in history_rows(read_records(only_run_file(offline))) if "policy/latency_s" in r]
-    assert [r["policy/latency_s"] for r in rows] == [0.1 * i for i in range(5)]
+    records = read_records(only_run_file(offline))
+    rows = [r for r in history_rows(records) if "policy/latency_s" in r]
+    kinds = [r.WhichOneof("record_type") for r in records]
+    assert [r["policy/latency_s"] for r in rows] == [0.1 * i for i in range(5)], kinds
     assert {r["step"] for r in rows} == {3}
     assert all(r["_timestamp"] > 1.6e9 for r in rows)
 

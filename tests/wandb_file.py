@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
@@ -19,8 +20,18 @@ HEADER = 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
-def read_records(path: Path) -> list[pb.Record]:
-    data = Path(path).read_bytes()
+def read_records(path: Path, timeout: float = 30.0) -> list[pb.Record]:
+    """The records of a finished run. wandb's service process writes the file; this waits
+    (up to ``timeout``) for its exit record rather than read a file still being written."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = _parse(Path(path).read_bytes(), path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def _parse(data: bytes, path: Path) -> list[pb.Record]:
     assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
     pos, pending, records = HEADER, b"", []
     while pos + 7 <= len(data):
