@@ -4,10 +4,11 @@ A run of 4 sources x 2,000 steps (~56k raw records) is written by metric_core's 
 For each mode, side by side over --repeats rounds, each of the whole processes below
 going first in turn, in W&B offline mode:
 
-  metriclog   `metriclog upload RUN --offline --mode MODE --force-new` (scan, reduce,
-              plan, then wandb.init / log per row / finish for each run)
-  wandb.log   wandb.init / a plain loop of run.log over the very same rows (loaded from
-              a file before the clock starts) / finish, for each run: with W&B's default
+  metriclog   `metriclog upload RUN --offline --mode MODE --force-new` (scan, reduce and
+              plan in a child process while wandb loads, then wandb.init / log per row /
+              finish for each run)
+  wandb.log   wandb.init / a plain loop of run.log over the very same rows (unpickled
+              from a file: no reading or reducing) / finish, for each run: with W&B's default
               settings (the issue's peer), and with metriclog's REPLAY_SETTINGS (which
               leave out the uploading machine's metadata, system metrics and packages);
               the second isolates metriclog's own replay overhead
