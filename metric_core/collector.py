@@ -14,6 +14,19 @@ The hot path builds no object per record beyond a 3-tuple: the key and its reduc
 are interned to an integer code once, and the buffer is a flat ``array('d')``. One
 ``extend`` of a 3-tuple of floats is a single C call under the GIL, so recording from
 several threads never tears a record.
+
+Under errors (see ``metric_core.backends.files`` for the files):
+
+* A ``flush()`` that returns means every record recorded before it is durable.
+* A ``flush()`` that cannot make its records durable raises a ``WriteError`` subclass
+  (``DiskFullError``, ``RunDirGoneError``) after ending its step as usual; the records
+  stay in memory and the next flush writes them. With ``on_flush_error="warn"`` it
+  warns (``MetricLogWarning``) and returns instead, so a long job survives a full disk.
+* At most ``max_unwritten`` records wait in memory; past that the oldest are dropped,
+  the next flush raises (or warns) ``RecordsDroppedError``, and the journal records the
+  gap (how many, which steps) for ``inspect``.
+* The writer thread survives every error and retries with backoff (up to 30 s); it
+  never raises into the training thread. The next flush reports what it hit.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -36,7 +50,16 @@ import pyarrow as pa
 from metric_core import journal
 from metric_core.backends import LoggerBackend, make_backend
 from metric_core.backends.files import RawFileWriter
-from metric_core.errors import ConfigError, MetricLogError, NotInitializedError
+from metric_core.atomic import create_file
+from metric_core.backends.files import MAX_UNWRITTEN
+from metric_core.errors import (
+    ConfigError,
+    MetricLogError,
+    MetricLogWarning,
+    NotInitializedError,
+    RecordsDroppedError,
+    WriteError,
+)
 from metric_core.metric import (
     BackendRole,
     LoggingMode,
@@ -50,6 +73,9 @@ _now = time.time
 # Fold pending values into accumulators past this many, so memory stays bounded
 # when a script records for a long time without calling flush(step).
 _MAX_PENDING = 1_000_000
+# The writer thread's longest wait between retries while writing fails.
+_MAX_BACKOFF = 30.0
+ON_FLUSH_ERROR = ("raise", "warn")
 
 
 class MetricCollector:
@@ -72,9 +98,16 @@ class MetricCollector:
         segment_records: int = 1_000_000,
         seal_interval: float = 600.0,
         fsync: bool = False,
+        on_flush_error: str = "raise",
+        max_unwritten: int = MAX_UNWRITTEN,
     ) -> None:
         if flush_interval <= 0:
             raise ConfigError(f"flush_interval must be positive seconds, got {flush_interval}")
+        if on_flush_error not in ON_FLUSH_ERROR:
+            raise ConfigError(
+                f"on_flush_error must be one of {', '.join(ON_FLUSH_ERROR)}, got {on_flush_error!r}"
+            )
+        self.on_flush_error = on_flush_error
         self.run_dir = Path(run_dir)
         self.rank = int(rank)
         self.process_name = process_name or default_process_name(self.rank)
@@ -88,6 +121,7 @@ class MetricCollector:
             segment_records=segment_records,
             seal_interval=seal_interval,
             fsync=fsync,
+            max_unwritten=max_unwritten,
         )
         extra = [make_backend(name, cfg) for name, cfg in (backends or {}).items()]
         self._extra_stream_backends = [b for b in extra if b.logging_mode is LoggingMode.PER_RANK_NO_REDUCE]
@@ -104,7 +138,7 @@ class MetricCollector:
         self._pending: list[array.array[float]] = []
         self._pending_rows = 0
         self._accumulators: dict[int, MetricAccumulator] = {}
-        self._writer_error: BaseException | None = None
+        self._background_error: Exception | None = None
         self._closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -128,7 +162,7 @@ class MetricCollector:
         code = entry[1] if entry is not None and entry[0] is reduction else self._intern(key, reduction)
         try:
             self._extend((value, code, _now()))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             self._extend((_as_float(key, value), code, _now()))
 
     def push(self, metric: Metric) -> None:
@@ -157,14 +191,17 @@ class MetricCollector:
     # -- writing ---------------------------------------------------------------------
 
     def _drain(self) -> None:
-        """Hand everything recorded so far to the stream backends (durable on return)."""
+        """Move everything recorded so far to the writer's queue and the stream backends.
+
+        No file I/O: ``self._writer.write()`` makes the queue durable.
+        """
         with self._drain_lock:
             n = len(self._buffer)
             if n == 0:
                 return
             chunk = self._buffer[:n]
             del self._buffer[:n]
-            self._writer.append(self._step, chunk.tobytes(), n // 3, self._code_table)
+            self._writer.enqueue(self._step, chunk.tobytes(), n // 3, self._code_table)
             if self._extra_stream_backends:
                 rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
                 batch = self._record_table(rows).to_batches()[0]
@@ -209,31 +246,63 @@ class MetricCollector:
             acc.append_many(values[s:e])
 
     def _background_flush(self) -> None:
+        """Every ``flush_interval``: queue the buffer, write and seal; on errors, back off."""
+        failures, retry_at = 0, 0.0
         while not self._stop.wait(self.flush_interval):
             try:
-                self._drain()
+                self._drain()  # always: the queue, not the buffer, enforces the memory bound
+                if time.monotonic() < retry_at:
+                    continue
+                self._writer.write()
                 self._writer.seal_ready()
-            except BaseException as exc:
-                self._writer_error = exc
-                return
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - kept for the next flush() to report
+                self._background_error = exc
+                failures += 1
+                backoff = min(self.flush_interval * 2.0 ** min(failures, 16), _MAX_BACKOFF)
+                retry_at = time.monotonic() + max(backoff, self.flush_interval)
 
-    def _check_writer(self) -> None:
-        if self._writer_error is not None:
-            exc, self._writer_error = self._writer_error, None
-            raise MetricLogError(
-                f"writing metrics of {self.process_name} to {self.run_dir} failed: {exc}"
-            ) from exc
+    def _report(self, error: WriteError | None) -> None:
+        """Raise (or warn about) what writing hit since the previous flush."""
+        background, self._background_error = self._background_error, None
+        drops = self._writer.take_drops()
+        if error is None and drops is not None:
+            steps = drops["steps"]
+            error = RecordsDroppedError(
+                f"{drops['records']:,} record(s) of {self.process_name} from steps {steps[0]}-{steps[1]} "
+                f"were dropped: writing failed ({drops['reason']}) while more than "
+                f"{self._writer.max_unwritten:,} records waited in memory. The gap is recorded "
+                "in the run directory (metriclog inspect shows it); writing works again.",
+                path=str(self.run_dir),
+            )
+        if error is not None:
+            if self.on_flush_error == "raise":
+                raise error
+            warnings.warn(str(error), MetricLogWarning, stacklevel=3)
+        elif background is not None:
+            warnings.warn(
+                f"writing metrics of {self.process_name} failed in the background ({background}); "
+                "it works again and every record since is durable",
+                MetricLogWarning,
+                stacklevel=3,
+            )
 
     # -- steps -------------------------------------------------------------------------
 
-    def _flush_files(self, step: int, need_states: bool) -> tuple[list[Metric], dict[str, dict[str, Any]]]:
+    def _flush_files(
+        self, step: int, need_states: bool
+    ) -> tuple[list[Metric], dict[str, dict[str, Any]], WriteError | None]:
         if self._closed:
             raise MetricLogError(f"flush() after shutdown() of {self.process_name}")
-        self._check_writer()
         # Records keep the step that was current when they were recorded: the writer thread
         # may already have written some, so relabelling the rest under ``step`` would make a
         # record's step depend on timing.
         self._drain()
+        error = None
+        try:
+            self._writer.write()
+        except WriteError as exc:  # the records stay queued; the step still ends
+            error = exc
         with self._drain_lock:
             if need_states or self._accumulators:
                 self._fold_pending()
@@ -255,7 +324,7 @@ class MetricCollector:
                 )
             )
             states[key] = acc.get_state()
-        return metrics, states
+        return metrics, states, error
 
     def flush(
         self, step: int | None = None, *, return_state: bool = False
@@ -270,10 +339,11 @@ class MetricCollector:
         (see ``reduce_metrics_states``).
         """
         step = self._step if step is None else int(step)
-        metrics, states = self._flush_files(step, bool(self._reduce_backends) or return_state)
+        metrics, states, error = self._flush_files(step, bool(self._reduce_backends) or return_state)
         if self._reduce_backends and metrics:
             self._run_coroutine(self._log_reduced(metrics, step))
         self._step = step + 1
+        self._report(error)
         return states if return_state else None
 
     async def aflush(
@@ -282,10 +352,11 @@ class MetricCollector:
         """``flush`` for asyncio code: file I/O runs in a worker thread."""
         step = self._step if step is None else int(step)
         need = bool(self._reduce_backends) or return_state
-        metrics, states = await asyncio.to_thread(self._flush_files, step, need)
+        metrics, states, error = await asyncio.to_thread(self._flush_files, step, need)
         if self._reduce_backends and metrics:
             await self._log_reduced(metrics, step)
         self._step = step + 1
+        self._report(error)
         return states if return_state else None
 
     async def _log_reduced(self, metrics: list[Metric], step: int) -> None:
@@ -296,19 +367,30 @@ class MetricCollector:
             await b.init(BackendRole.LOCAL, None, self.process_name)
 
     def shutdown(self) -> None:
-        """Flush everything, close the backends and record a clean end of this source."""
+        """Flush everything, close the backends and record a clean end of this source.
+
+        When the records cannot be written, raises the flush's ``WriteError`` and stays
+        open, so ``shutdown()`` can be called again (with ``on_flush_error="warn"`` it
+        warns, and what could not be written is lost).
+        """
         if self._closed:
             return
         self._stop.set()
         self._thread.join()
         self.flush(self._step)
+        try:
+            self._writer.close(clean_shutdown=True)
+        except WriteError as exc:
+            if self.on_flush_error == "raise":
+                raise
+            warnings.warn(f"{exc}; they are lost at exit", MetricLogWarning, stacklevel=2)
         self._closed = True
         self._run_coroutine(self._finish_backends())
         if self._loop is not None:
             self._loop.close()
 
     async def _finish_backends(self) -> None:
-        for b in [self._writer, *self._extra_stream_backends, *self._reduce_backends]:
+        for b in [*self._extra_stream_backends, *self._reduce_backends]:
             await b.finish()
 
     def _close_unclean(self) -> None:
@@ -317,10 +399,10 @@ class MetricCollector:
             return
         self._stop.set()
         self._thread.join(timeout=5)
+        self._closed = True
         with contextlib.suppress(Exception):
             self._drain()
-        self._closed = True
-        self._writer.close(clean_shutdown=False)
+            self._writer.close(clean_shutdown=False)
 
     def _run_coroutine(self, coro: Coroutine[Any, Any, None]) -> None:
         try:
@@ -349,7 +431,14 @@ class MetricCollector:
 def _as_float(key: str, value: Any) -> float:
     """The slow path of record(): everything that is not already a float."""
     if isinstance(value, (bool, int, float)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            text = str(value)
+            shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+            raise ValueError(
+                f"metric '{key}': value {shown} is too large for a float64 (at most about 1.8e308)"
+            ) from None
     item = getattr(value, "item", None)
     if item is not None:  # numpy scalars and 0-d arrays, 0-d torch tensors
         try:
@@ -382,6 +471,8 @@ def init(
     config: dict[str, Any] | None = None,
     segment_records: int = 1_000_000,
     fsync: bool = False,
+    on_flush_error: str = "raise",
+    max_unwritten: int = MAX_UNWRITTEN,
 ) -> MetricCollector:
     """Start recording this process's metrics into ``run_dir``.
 
@@ -389,6 +480,11 @@ def init(
     to ``WORLD_SIZE``. Rank 0 writes ``run.json`` (name, world_size, config) unless it
     exists. ``backends`` maps ``console`` or ``wandb`` to their configs, each with a
     ``logging_mode``; the raw-stream files are always written.
+
+    ``on_flush_error`` says what a ``flush()`` does when its records cannot be made
+    durable (a full disk, a deleted run directory): ``"raise"`` a ``WriteError``, or
+    ``"warn"`` and go on; either way they stay in memory (at most ``max_unwritten``
+    records) and are written when writing works again.
 
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), rank=0, process_name="trainer")
@@ -415,6 +511,8 @@ def init(
         flush_interval=flush_interval,
         segment_records=segment_records,
         fsync=fsync,
+        on_flush_error=on_flush_error,
+        max_unwritten=max_unwritten,
     )
     if rank == 0:
         _write_run_json(Path(run_dir), world_size=world_size, config=config)
@@ -435,7 +533,7 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     code = entry[1] if entry is not None and entry[0] is reduction else _intern(key, reduction)
     try:
         _extend((value, code, _now()))  # the array converts int, bool and numpy scalars
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         _extend((_as_float(key, value), code, _now()))
 
 
@@ -502,15 +600,14 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 
 def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, Any] | None) -> None:
+    """Create run.json unless it exists: the first rank-0 process of any role wins."""
     path = run_dir / "run.json"
     if path.exists():
         return
     meta: dict[str, Any] = {"name": run_dir.resolve().name, "world_size": world_size, "created": time.time()}
     if config is not None:
         meta["config"] = config
-    tmp = run_dir / ".run.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    create_file(path, (json.dumps(meta, indent=2, default=str) + "\n").encode())
 
 
 __all__ = [

@@ -44,3 +44,31 @@ class MixedReductionError(MetricLogError):
 
 class StrictModeError(MetricLogError):
     """--strict was given and the reader skipped records or files."""
+
+
+class WriteError(MetricLogError):
+    """Records could not be made durable. They stay in memory and are written at the next try.
+
+    ``path`` is the file or directory that failed, ``kept`` how many records wait in memory.
+    """
+
+    def __init__(self, message: str, *, path: str, kept: int = 0) -> None:
+        self.path = path
+        self.kept = kept
+        super().__init__(message)
+
+
+class DiskFullError(WriteError):
+    """The file system of the run directory is full (or over quota)."""
+
+
+class RunDirGoneError(WriteError):
+    """The run directory (or the open segment in it) was deleted while the writer ran."""
+
+
+class RecordsDroppedError(WriteError):
+    """Writing failed for so long that records were dropped from memory; the gap is recorded."""
+
+
+class MetricLogWarning(UserWarning):
+    """A problem that metriclog handled and reports: a write that failed and recovered, ..."""

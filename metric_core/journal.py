@@ -1,23 +1,35 @@
 """The journal: the cheap, append-only binary tail of a source's open segment.
 
 ``flush()`` must make records durable without serializing them one by one on the
-training thread, so the open segment is a journal of the collector's own buffer:
+training thread, so the open segment is a journal of the collector's own buffer.
+Format 2 (``MLJ2``; the previous ``MLJ1`` is still read)::
 
-    header   b"MLJ1" u32:len JSON{"process", "rank", "created"}
-    frames   u8:type u32:len payload
+    header   b"MLJ2" u32:len u32:crc JSON{"format": 2, "process", "rank", "created"}
+    frames   u8:type u32:len u32:crc payload
              type K: JSON [[code, key, reduction], ...]     key codes used from here on
              type R: i64:step, then (f64 value, f64 code, f64 timestamp) per record
+             type D: JSON {"records", "steps", "timestamps", "reason"}   records the
+                     writer had to drop (its backlog was full while writing failed)
+             type S: JSON {"timestamp"}                     the source shut down cleanly
+
+``crc`` is the CRC-32 (``zlib.crc32``) of the frame's type and length bytes and its
+payload (of the header's JSON for the header). All integers are little-endian.
 
 A frame is written with one ``write`` of an unbuffered file, so after ``flush()``
-returns it is in the kernel and survives a SIGKILL. A kill mid-write leaves a short
-last frame, which ``decode`` reports and ignores: its records were not covered by a
-returned flush. Sealing turns a journal into a Parquet or JSONL segment.
+returns it is in the kernel and survives a SIGKILL. A failed write (a full disk) is
+cut back to the last whole frame by the writer before anything else is appended, so
+only the end of a journal can hold an incomplete frame: a kill mid-write. A frame
+whose checksum fails ends the readable part: nothing after it is returned, and the
+reader says how many bytes it left. Sealing turns a journal into a Parquet or JSONL
+segment.
 """
+
 
 from __future__ import annotations
 
 import json
 import struct
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,25 +50,44 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 
-MAGIC = b"MLJ1"
+MAGIC = b"MLJ2"
+FORMAT = 2
+_MAGIC_V1 = b"MLJ1"
 SUFFIX = ".journal"
 _LEN = struct.Struct("<I")
-_FRAME = struct.Struct("<cI")
+_HEAD = struct.Struct("<II")  # header: len, crc
+_FRAME = struct.Struct("<cII")  # frame: type, len, crc
+_FRAME_V1 = struct.Struct("<cI")
 _STEP = struct.Struct("<q")
+_RECORD_BYTES = 24
+
+KEYS, RECORDS, DROPPED, SHUTDOWN = b"K", b"R", b"D", b"S"
 
 
 def header(process: str, rank: int, created: float) -> bytes:
-    body = json.dumps({"process": process, "rank": rank, "created": created}).encode()
-    return MAGIC + _LEN.pack(len(body)) + body
+    body = json.dumps({"format": FORMAT, "process": process, "rank": rank, "created": created}).encode()
+    return MAGIC + _HEAD.pack(len(body), zlib.crc32(body)) + body
+
+
+def _frame(kind: bytes, *parts: bytes) -> bytes:
+    length = sum(len(p) for p in parts)
+    crc = zlib.crc32(kind + _LEN.pack(length))
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join((_FRAME.pack(kind, length, crc), *parts))
 
 
 def key_frame(defs: list[tuple[int, str, str]]) -> bytes:
-    body = json.dumps(defs).encode()
-    return _FRAME.pack(b"K", len(body)) + body
+    return _frame(KEYS, json.dumps(defs).encode())
 
 
 def record_frame(step: int, rows: bytes) -> bytes:
-    return _FRAME.pack(b"R", len(rows) + 8) + _STEP.pack(step) + rows
+    return _frame(RECORDS, _STEP.pack(step), rows)
+
+
+def event_frame(kind: bytes, body: dict[str, Any]) -> bytes:
+    """A ``D`` (dropped records) or ``S`` (clean shutdown) frame."""
+    return _frame(kind, json.dumps(body).encode())
 
 
 @dataclass
@@ -67,27 +98,50 @@ class Decoded:
     rank: int | None = None
     table: pa.Table | None = None
     truncated_records: int = 0
-    truncated: bool = False
+    truncated: bool = False  # ends inside a frame: the writer stopped mid-write
     unknown_codes: int = 0
-    problems: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # damage: bad checksum, bad header, ...
     pairs: list[tuple[str, str]] = field(default_factory=list)  # (key, reduction) present
+    dropped: list[dict[str, Any]] = field(default_factory=list)  # the writer's D frames
+    shutdown: float | None = None  # the timestamp of a clean shutdown (an S frame)
+    valid_bytes: int = 0  # the length of the readable part
 
 
 def decode(data: bytes) -> Decoded:
-    """Decode a journal; a short last frame is reported, not raised."""
+    """Decode a journal up to its last whole, intact frame; what is wrong is reported, not raised."""
     out = Decoded()
-    if len(data) < 8 or not data.startswith(MAGIC):
-        if MAGIC.startswith(data[:4]) and len(data) < 8:
+    if not data:
+        return out  # created, nothing written yet (or a failed first write, cut back)
+    magic = data[:4]
+    if magic not in (MAGIC, _MAGIC_V1):
+        if len(data) < 4 and MAGIC.startswith(data):
             out.truncated = True  # killed while writing the header
-            return out
-        out.problems.append("not a metriclog journal (bad magic)")
+        elif magic[:3] == MAGIC[:3]:
+            out.problems.append(
+                f"journal format {magic.decode(errors='replace')!r} is newer than this metriclog "
+                "reads: upgrade metriclog"
+            )
+        else:
+            out.problems.append("not a metriclog journal (bad magic)")
         return out
-    (hlen,) = _LEN.unpack_from(data, 4)
-    if 8 + hlen > len(data):
+    v1 = magic == _MAGIC_V1
+    head_size = 8 if v1 else 4 + _HEAD.size
+    if len(data) < head_size:
         out.truncated = True
         return out
+    if v1:
+        (hlen,) = _LEN.unpack_from(data, 4)
+    else:
+        hlen, hcrc = _HEAD.unpack_from(data, 4)
+    body = data[head_size : head_size + hlen]
+    if len(body) < hlen:
+        out.truncated = True
+        return out
+    if not v1 and zlib.crc32(body) != hcrc:
+        out.problems.append("journal header fails its checksum (the file is damaged)")
+        return out
     try:
-        head: dict[str, Any] = json.loads(data[8 : 8 + hlen])
+        head: dict[str, Any] = json.loads(body)
         out.process = str(head["process"])
         out.rank = int(head["rank"])
     except (ValueError, KeyError, TypeError):
@@ -98,29 +152,50 @@ def decode(data: bytes) -> Decoded:
     steps: list[int] = []
     counts: list[int] = []
     view = memoryview(data)
-    pos = 8 + hlen
+    frame = _FRAME_V1 if v1 else _FRAME
+    pos = out.valid_bytes = head_size + hlen
     while pos < len(data):
-        if pos + _FRAME.size > len(data):
+        if pos + frame.size > len(data):
             out.truncated = True
             break
-        kind, length = _FRAME.unpack_from(data, pos)
-        start, end = pos + _FRAME.size, pos + _FRAME.size + length
+        if v1:
+            kind, length = frame.unpack_from(data, pos)
+        else:
+            kind, length, crc = frame.unpack_from(data, pos)
+        start, end = pos + frame.size, pos + frame.size + length
         if end > len(data):
             out.truncated = True
-            if kind == b"R":
-                out.truncated_records = max(0, (len(data) - start - 8) // 24)
+            if kind == RECORDS:
+                out.truncated_records = max(0, (len(data) - start - 8) // _RECORD_BYTES)
             break
-        if kind == b"K":
-            for code, key, reduction in json.loads(data[start:end]):
-                keys[int(code)] = (key, reduction)
-        elif kind == b"R":
-            steps.append(_STEP.unpack_from(data, start)[0])
-            counts.append((length - 8) // 24)
-            blocks.append(view[start + 8 : start + 8 + counts[-1] * 24])
-        else:
-            out.problems.append(f"unknown frame type {kind!r} at byte {pos}; the rest is ignored")
+        payload = view[start:end]
+        if not v1 and zlib.crc32(payload, zlib.crc32(data[pos : pos + 5])) != crc:
+            out.problems.append(
+                f"frame at byte {pos} fails its checksum (the file is damaged); "
+                f"its {len(data) - pos} byte(s) to the end are not read"
+            )
+            break
+        try:
+            if kind == KEYS:
+                for code, key, reduction in json.loads(payload.tobytes()):
+                    keys[int(code)] = (str(key), str(reduction))
+            elif kind == RECORDS:
+                if length < 8 or (length - 8) % _RECORD_BYTES:
+                    raise ValueError(f"record frame of {length} bytes")
+                steps.append(_STEP.unpack_from(data, start)[0])
+                counts.append((length - 8) // _RECORD_BYTES)
+                blocks.append(view[start + 8 : end])
+            elif kind == DROPPED:
+                out.dropped.append(json.loads(payload.tobytes()))
+            elif kind == SHUTDOWN:
+                out.shutdown = float(json.loads(payload.tobytes())["timestamp"])
+            else:
+                raise ValueError(f"unknown frame type {kind!r}")
+        except (ValueError, TypeError, KeyError) as exc:
+            out.problems.append(f"frame at byte {pos} is not valid ({exc}); the rest is not read")
             break
         pos = end
+        out.valid_bytes = pos
     if blocks:
         rows = np.frombuffer(b"".join(blocks), dtype=np.float64).reshape(-1, 3)
         step_col = np.repeat(np.asarray(steps, dtype=np.int64), counts)

@@ -1,6 +1,7 @@
 """The raw record (SPEC section 2) and the names of the files the writer leaves.
 
-Files of one source (``stem`` is the sanitized process name):
+Files of one source (``stem`` is the sanitized process name and the rank, e.g.
+``TrainActor_r0.r0``, so two sources that share a process name never share a file):
 
 * ``{stem}.{seq:05d}.journal`` the open segment: an append-only binary journal of
   the collector's buffer (see ``metric_core.journal``), readable up to its last
@@ -9,7 +10,7 @@ Files of one source (``stem`` is the sanitized process name):
   it supersedes (Parquet key-value metadata ``metriclog``, or a first JSONL line
   ``{"event": "segment", "supersedes": ...}``), so a journal left behind by a kill
   between the atomic rename and the unlink is not read twice.
-* ``.{name}.tmp``              work in progress; names starting with "." are not data.
+* ``.{name}.{random}.tmp``     work in progress; names starting with "." are not data.
 """
 
 from __future__ import annotations
@@ -47,10 +48,29 @@ SEGMENT_EVENT = "segment"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
 
 
+_MAX_STEM = 100  # with the rank, sequence number and suffixes, far below any NAME_MAX
+
+
 def file_stem(process: str) -> str:
-    """A file-name-safe stem for a process name."""
-    stem = _UNSAFE.sub("_", process).strip(".")
-    return stem or "process"
+    """A file-name-safe stem for a process name; a long one is cut and keeps a hash of the whole.
+
+    >>> file_stem("TrainActor_r0"), len(file_stem("x" * 300))
+    ('TrainActor_r0', 100)
+    """
+    stem = _UNSAFE.sub("_", process).strip(".") or "process"
+    if len(stem) > _MAX_STEM:
+        digest = hashlib.blake2b(process.encode(), digest_size=6).hexdigest()
+        stem = f"{stem[: _MAX_STEM - 13]}-{digest}"
+    return stem
+
+
+def segment_stem(process: str, rank: int) -> str:
+    """The common start of a source's segment file names.
+
+    >>> segment_stem("TrainActor_r0", 0)
+    'TrainActor_r0.r0'
+    """
+    return f"{file_stem(process)}.r{rank}"
 
 
 def key_hash(key: str) -> int:

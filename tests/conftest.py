@@ -101,4 +101,4 @@ def abandon(c: MetricCollector) -> None:
     c._stop.set()
     c._thread.join(timeout=5)
     c._closed = True
-    c._writer._file.close()
+    os.close(c._writer._fd)

@@ -1,6 +1,6 @@
 """The raw-stream file writer: every record of one process, crash-safely, on local disk.
 
-A source writes numbered segments, ``{stem}.{seq:05d}.*`` (see ``metric_core.schema``):
+A source writes numbered segments, ``{stem}.r{rank}.{seq:05d}.*`` (see ``metric_core.schema``):
 
 1. The open segment is a journal (``.journal``, see ``metric_core.journal``): each
    flush appends the collector's raw buffer with one ``write`` to an unbuffered file,
@@ -12,22 +12,31 @@ A source writes numbered segments, ``{stem}.{seq:05d}.*`` (see ``metric_core.sch
    (Parquet footer metadata, or a first JSONL line ``{"event": "segment", ...}``), so
    a journal left behind by a kill between rename and unlink is never read twice.
 
+When a write fails (a full disk, a deleted directory), nothing is lost that can be
+kept: the records wait in a backlog in memory (at most ``max_unwritten``; past it the
+oldest are dropped, and a ``D`` frame records how many once writing works again), the
+journal is cut back to its last whole frame (or, if even that fails, left as it is and
+a new segment started), and nothing is counted as written before the write returned.
+A failed seal leaves the journal, which is read as it is, and is tried again later.
+
 A kill at any instant therefore leaves readable sealed segments plus at most one
 journal per source, whose last frame may be short (reported, and not covered by any
-returned flush). ``shutdown()`` seals everything and records a clean end in the last
-segment.
+returned flush). ``shutdown()`` records a clean end (an ``S`` frame) and seals everything.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import json
 import os
 import re
 import threading
 import time
+import warnings
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -36,15 +45,16 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from metric_core import journal
+from metric_core.atomic import create_exclusive, new_hidden_file
 from metric_core.backends import LoggerBackend
-from metric_core.errors import ConfigError
+from metric_core.errors import ConfigError, DiskFullError, MetricLogWarning, RunDirGoneError, WriteError
 from metric_core.metric import BackendRole, Metric
 from metric_core.schema import (
     KEY_HASH,
     PARQUET_META_KEY,
     SEGMENT_EVENT,
     SHUTDOWN_EVENT,
-    file_stem,
+    segment_stem,
     to_jsonl,
 )
 
@@ -56,13 +66,17 @@ _DICT_COLUMNS = ["key", "reduction", "process", "step", "rank", KEY_HASH]
 _STATS_COLUMNS = ["key", "reduction", "process", "step", "rank", "timestamp"]
 # Readers stream a row group at a time; DuckDB's default size, so they hold little at once.
 _ROW_GROUP_RECORDS = 122_880
+# Records kept in memory while writing fails (24 bytes each: about 100 MB); past it the
+# oldest are dropped and counted.
+MAX_UNWRITTEN = 4_000_000
 
 
 class RawFileWriter(LoggerBackend):
     """Writes one process's raw records (PER_RANK_NO_REDUCE) to segment files.
 
-    The collector calls ``append`` with its coded buffer; used on its own, the writer
-    takes Arrow batches in the record schema through ``log_stream_batch``.
+    The collector calls ``enqueue`` with its coded buffer and ``write`` to make it durable;
+    used on its own, the writer takes Arrow batches in the record schema through
+    ``log_stream_batch``.
     """
 
     def __init__(
@@ -75,6 +89,7 @@ class RawFileWriter(LoggerBackend):
         segment_records: int = 1_000_000,
         seal_interval: float = 600.0,
         fsync: bool = False,
+        max_unwritten: int = MAX_UNWRITTEN,
     ) -> None:
         super().__init__({"logging_mode": "per_rank_no_reduce"})
         if file_format not in FILE_FORMATS:
@@ -83,6 +98,8 @@ class RawFileWriter(LoggerBackend):
             )
         if segment_records < 1:
             raise ConfigError(f"segment_records must be at least 1, got {segment_records}")
+        if max_unwritten < 1:
+            raise ConfigError(f"max_unwritten must be at least 1 record, got {max_unwritten}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.process = process
@@ -91,13 +108,24 @@ class RawFileWriter(LoggerBackend):
         self.segment_records = segment_records
         self.seal_interval = seal_interval
         self.fsync = fsync
-        self.stem = file_stem(process)
+        self.max_unwritten = max_unwritten
+        self.stem = segment_stem(process, rank)
         self._seq = self._first_free_seq()
-        self._file: BinaryIO | None = None
+        self._fd: int | None = None
         self._path: Path | None = None
+        self._offset = 0  # bytes of whole frames in the open journal: nothing after is trusted
         self._opened_at = 0.0
         self._rows = 0
         self._defs_written = 0
+        self._code_table: list[tuple[str, str]] = []
+        self._backlog: collections.deque[tuple[int, bytes, int]] = collections.deque()
+        self._backlog_rows = 0
+        self._dropped: dict[str, Any] | None = None  # dropped, not yet recorded in a journal
+        self._new_drops: dict[str, Any] | None = None  # dropped, not yet told to the caller
+        self._last_error = "writing failed"
+        self._shutdown_at: float | None = None
+        self._closed = False
+        self._write_lock = threading.Lock()
         self._to_seal: collections.deque[Path] = collections.deque()
         self._seal_lock = threading.Lock()
         self._own_codes: dict[tuple[str, str], int] = {}
@@ -140,7 +168,8 @@ class RawFileWriter(LoggerBackend):
         coded = df.join(lookup, on=["key", "reduction"], how="left", maintain_order="left")
         for (step,), part in coded.group_by("step", maintain_order=True):
             rows = part.select("value", "code", "timestamp").to_numpy().astype(np.float64)
-            self.append(int(step), rows.tobytes(), len(rows), self._own_table)  # type: ignore[arg-type]
+            self.enqueue(int(step), rows.tobytes(), len(rows), self._own_table)  # type: ignore[arg-type]
+        self.write()
 
     def _own_code(self, key: str, reduction: str) -> int:
         code = self._own_codes.get((key, reduction))
@@ -155,45 +184,125 @@ class RawFileWriter(LoggerBackend):
     # -- journal -----------------------------------------------------------------------
 
     def append(self, step: int, rows: bytes, count: int, code_table: list[tuple[str, str]]) -> None:
-        """Append ``count`` records, 3 float64 each (value, key code, timestamp), under ``step``.
+        """``enqueue`` then ``write``: durable against SIGKILL on return."""
+        self.enqueue(step, rows, count, code_table)
+        self.write()
 
-        ``code_table[code]`` is (key, reduction). Durable against SIGKILL on return.
+    def enqueue(self, step: int, rows: bytes, count: int, code_table: list[tuple[str, str]]) -> None:
+        """Queue ``count`` records, 3 float64 each (value, key code, timestamp), under ``step``.
+
+        ``code_table[code]`` is (key, reduction). No I/O: ``write`` makes them durable.
         """
-        if count == 0:
-            return
-        if self._file is None:
-            self._open_journal()
-        frames = b""
-        if len(code_table) > self._defs_written:
-            defs = [(i, k, r) for i, (k, r) in enumerate(code_table) if i >= self._defs_written]
-            frames = journal.key_frame(defs)
-            self._defs_written = len(code_table)
-        _write_all(self._file, frames + journal.record_frame(step, rows))
-        if self.fsync:
-            os.fsync(self._file.fileno())  # type: ignore[union-attr]
-        self._rows += count
-        if self._rows >= self.segment_records or time.time() - self._opened_at >= self.seal_interval:
-            self._close_journal()
+        with self._write_lock:
+            self._code_table = code_table
+            if count:
+                self._backlog.append((step, rows, count))
+                self._backlog_rows += count
+            while self._backlog_rows > self.max_unwritten and len(self._backlog) > 1:
+                self._drop(*self._backlog.popleft())
+
+    @property
+    def unwritten(self) -> int:
+        """Records queued and not yet durable."""
+        return self._backlog_rows
+
+    def take_drops(self) -> dict[str, Any] | None:
+        """What was dropped since the last call: {"records", "steps", "timestamps", "reason"}."""
+        with self._write_lock:
+            drops, self._new_drops = self._new_drops, None
+        return drops
+
+    def write(self) -> None:
+        """Make everything queued durable, or raise a ``WriteError`` and keep it queued."""
+        with self._write_lock:
+            if not (self._backlog or self._dropped or self._shutdown_at is not None):
+                return
+            if self._fd is None:
+                self._open_journal()
+            assert self._fd is not None and self._path is not None
+            parts = []
+            if self._offset == 0:
+                parts.append(journal.header(self.process, self.rank, self._opened_at))
+            if self._dropped is not None:
+                parts.append(journal.event_frame(journal.DROPPED, self._dropped))
+            if len(self._code_table) > self._defs_written:
+                defs = [(i, *pair) for i, pair in enumerate(self._code_table) if i >= self._defs_written]
+                parts.append(journal.key_frame(defs))
+            parts.extend(journal.record_frame(step, rows) for step, rows, _ in self._backlog)
+            if self._shutdown_at is not None:
+                parts.append(journal.event_frame(journal.SHUTDOWN, {"timestamp": self._shutdown_at}))
+            data = b"".join(parts)
+            try:
+                if os.fstat(self._fd).st_nlink == 0:
+                    self._abandon_journal(seal=False)
+                    raise FileNotFoundError(errno.ENOENT, "the open segment was deleted", str(self._path))
+                _write_all(self._fd, data)
+                if self.fsync:
+                    os.fsync(self._fd)
+            except OSError as exc:
+                self._cut_back()
+                raise self._error(exc) from exc
+            self._offset += len(data)
+            self._defs_written = len(self._code_table)
+            self._rows += self._backlog_rows
+            self._backlog.clear()
+            self._backlog_rows = 0
+            self._dropped = None
+            if self._rows >= self.segment_records or time.time() - self._opened_at >= self.seal_interval:
+                self._close_journal()
 
     def seal_ready(self) -> None:
         """Seal every closed journal (the writer thread calls this outside the drain lock)."""
         with self._seal_lock:
             while self._to_seal:
-                self._seal(self._to_seal[0], clean_shutdown=False)
+                path = self._to_seal[0]
+                try:
+                    self._seal(path)
+                except FileNotFoundError as exc:
+                    self._to_seal.popleft()  # deleted under us: nothing left to seal
+                    raise self._error(exc) from exc
+                except OSError as exc:
+                    raise self._error(exc) from exc  # kept: the journal is read as it is meanwhile
                 self._to_seal.popleft()
 
     def close(self, *, clean_shutdown: bool) -> None:
-        """Seal everything; with ``clean_shutdown`` record that the source ended cleanly."""
-        if self._file is not None:
-            self._close_journal()
-        with self._seal_lock:
-            if clean_shutdown and not self._to_seal:
-                self._open_journal()  # an empty last segment that carries the marker
+        """Write what is queued and seal everything; with ``clean_shutdown`` record a clean end.
+
+        Raises ``WriteError`` (records kept, the writer still open) when the records cannot
+        be written. A journal that cannot be sealed is left as it is (it is read as it is)
+        and a ``MetricLogWarning`` says so.
+        """
+        if self._closed:
+            return
+        if clean_shutdown and self._shutdown_at is None:
+            self._shutdown_at = time.time()
+        self.write()
+        with self._write_lock:
+            if self._fd is not None:
                 self._close_journal()
-            while self._to_seal:
-                last = len(self._to_seal) == 1
-                self._seal(self._to_seal[0], clean_shutdown=clean_shutdown and last)
-                self._to_seal.popleft()
+            self._closed = True
+        try:
+            self.seal_ready()
+        except WriteError as exc:
+            warnings.warn(
+                f"{exc}; the unsealed journal(s) hold every record and are read as they are",
+                MetricLogWarning,
+                stacklevel=2,
+            )
+
+    # -- inside the write lock ---------------------------------------------------------
+
+    def _drop(self, step: int, rows: bytes, count: int) -> None:
+        self._backlog_rows -= count
+        times = np.frombuffer(rows, dtype=np.float64)[2::3]
+        drop = {
+            "records": count,
+            "steps": [step, step],
+            "timestamps": [float(times.min()), float(times.max())],
+            "reason": self._last_error,
+        }
+        self._dropped = _merge_drops(self._dropped, drop)
+        self._new_drops = _merge_drops(self._new_drops, drop)
 
     def _first_free_seq(self) -> int:
         pattern = re.compile(rf"^{re.escape(self.stem)}\.(\d{{5,}})\.[a-z]+$")
@@ -204,79 +313,154 @@ class RawFileWriter(LoggerBackend):
         while True:
             path = self.run_dir / f"{self.stem}.{self._seq:05d}{journal.SUFFIX}"
             sealed = path.with_suffix("." + self.file_format)
-            if sealed.exists():
-                self._seq += 1
-                continue
             try:
-                # Unbuffered: every write reaches the kernel. Exclusive: a second process
-                # with the same name never appends to this file.
-                self._file = open(path, "xb", buffering=0)  # noqa: SIM115
+                if sealed.exists():
+                    self._seq += 1
+                    continue
+                # Unbuffered writes straight to the kernel. Exclusive: a second process with
+                # the same name never appends to this file, and a planted symlink is refused.
+                self._fd = create_exclusive(path)
             except FileExistsError:
                 self._seq += 1
                 continue
+            except OSError as exc:
+                raise self._error(exc) from exc
             break
         self._path = path
+        self._offset = 0
         self._rows = 0
         self._defs_written = 0
         self._opened_at = time.time()
-        _write_all(self._file, journal.header(self.process, self.rank, self._opened_at))
+
+    def _cut_back(self) -> None:
+        """After a failed write: truncate to the last whole frame, or leave the journal for good."""
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, self._offset)
+            os.lseek(self._fd, self._offset, os.SEEK_SET)
+        except OSError:
+            # The tail may hold part of a frame: append nothing after it, start a new segment.
+            self._abandon_journal(seal=True)
+
+    def _abandon_journal(self, *, seal: bool) -> None:
+        assert self._fd is not None and self._path is not None
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd = None
+        if seal and self._offset:
+            self._to_seal.append(self._path)
+        elif seal:
+            with contextlib.suppress(OSError):
+                self._path.unlink()
+        self._seq += 1
 
     def _close_journal(self) -> None:
-        assert self._file is not None and self._path is not None
-        self._file.close()
-        self._file = None
+        assert self._fd is not None and self._path is not None
+        os.close(self._fd)
+        self._fd = None
         self._to_seal.append(self._path)
         self._seq += 1
 
-    def _seal(self, path: Path, *, clean_shutdown: bool) -> None:
+    def _error(self, exc: OSError) -> WriteError:
+        """The WriteError subclass for an OSError, with what to do and what was kept."""
+        where = exc.filename or self.run_dir
+        kept = f"{self._backlog_rows:,} record(s) are kept in memory for the next flush"
+        if self._backlog_rows >= self.max_unwritten:
+            kept += f" (at most {self.max_unwritten:,}: older ones are dropped and counted)"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            self._last_error = "disk full"
+            return DiskFullError(
+                f"disk full while writing {where} ({exc.strerror}): {kept}; free space on the "
+                f"file system of {self.run_dir}",
+                path=str(where),
+                kept=self._backlog_rows,
+            )
+        if exc.errno in (errno.ENOENT, errno.ESTALE) or not self.run_dir.is_dir():
+            self._last_error = "run directory deleted"
+            return RunDirGoneError(
+                f"{where} was deleted while {self.process} was writing to it "
+                f"(was the run directory {self.run_dir} removed?): {kept}; recreate the "
+                "directory to resume writing",
+                path=str(where),
+                kept=self._backlog_rows,
+            )
+        self._last_error = exc.strerror or type(exc).__name__
+        return WriteError(
+            f"could not write {where}: {exc.strerror or exc}: {kept}",
+            path=str(where),
+            kept=self._backlog_rows,
+        )
+
+    def _seal(self, path: Path) -> None:
         decoded = journal.decode(path.read_bytes())
         table = decoded.table if decoded.table is not None else journal.DECODED_SCHEMA.empty_table()
         final = path.with_suffix("." + self.file_format)
-        tmp = path.with_name(f".{final.name}.tmp")
-        now = time.time()
+        clean_shutdown = decoded.shutdown is not None
         meta = {
             "supersedes": path.name,
             "records": table.num_rows,
             "process": self.process,
             "rank": self.rank,
             "clean_shutdown": clean_shutdown,
-            "timestamp": now,
+            "timestamp": decoded.shutdown if clean_shutdown else time.time(),
             # Each key's reduction, the step and time ranges: a reader knows them without a pass.
             "keys": [list(pair) for pair in decoded.pairs],
             "steps": _bounds(table, "step"),
             "timestamps": _bounds(table, "timestamp"),
         }
+        if decoded.dropped:
+            meta["dropped"] = decoded.dropped
         if self.file_format == "jsonl":  # a reader may then parse values as plain numbers
             meta["nonfinite"] = (
                 table.num_rows - pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
             )
-        if self.file_format == "parquet":
-            with pq.ParquetWriter(
-                tmp,
-                table.schema,
-                store_schema=False,
-                compression="snappy",
-                use_dictionary=_DICT_COLUMNS,
-                write_statistics=_STATS_COLUMNS,
-            ) as w:
-                w.write_table(table, row_group_size=_ROW_GROUP_RECORDS)
-                w.add_key_value_metadata({PARQUET_META_KEY: json.dumps(meta)})
-        else:
-            frame = pl.from_arrow(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
-            assert isinstance(frame, pl.DataFrame)
-            body = to_jsonl(frame.with_columns(pl.col(pl.Categorical).cast(pl.String)))
-            if clean_shutdown:
-                end = {"process": self.process, "rank": self.rank, "timestamp": now}
-                body += _event_line(SHUTDOWN_EVENT, end)
-            meta["bytes"] = len(body)  # after the first line: a reader checks the size, not each line
-            with open(tmp, "wb") as f:
+        with new_hidden_file(final) as (f, tmp):
+            if self.file_format == "parquet":
+                with pq.ParquetWriter(
+                    f,
+                    table.schema,
+                    store_schema=False,
+                    compression="snappy",
+                    use_dictionary=_DICT_COLUMNS,
+                    write_statistics=_STATS_COLUMNS,
+                ) as w:
+                    w.write_table(table, row_group_size=_ROW_GROUP_RECORDS)
+                    w.add_key_value_metadata({PARQUET_META_KEY: json.dumps(meta)})
+            else:
+                frame = pl.from_arrow(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
+                assert isinstance(frame, pl.DataFrame)
+                body = to_jsonl(frame.with_columns(pl.col(pl.Categorical).cast(pl.String)))
+                if clean_shutdown:
+                    end = {"process": self.process, "rank": self.rank, "timestamp": decoded.shutdown}
+                    body += _event_line(SHUTDOWN_EVENT, end)
+                meta["bytes"] = len(body)  # after the first line: a reader checks the size, not each line
                 f.write(_event_line(SEGMENT_EVENT, meta))
                 f.write(body)
-        if self.fsync:
-            with open(tmp, "rb") as f:
+            f.flush()
+            if self.fsync:
                 os.fsync(f.fileno())
-        os.replace(tmp, final)
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
         path.unlink()
+
+
+def _merge_drops(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
+    if old is None:
+        return new
+    return {
+        "records": old["records"] + new["records"],
+        "steps": [min(old["steps"][0], new["steps"][0]), max(old["steps"][1], new["steps"][1])],
+        "timestamps": [
+            min(old["timestamps"][0], new["timestamps"][0]),
+            max(old["timestamps"][1], new["timestamps"][1]),
+        ],
+        "reason": new["reason"],
+    }
 
 
 def _bounds(table: pa.Table, column: str) -> list[Any] | None:
@@ -290,9 +474,7 @@ def _event_line(event: str, meta: dict[str, Any]) -> bytes:
     return (json.dumps({"event": event, **meta}) + "\n").encode()
 
 
-def _write_all(f: BinaryIO | None, data: bytes) -> None:
-    assert f is not None
+def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
-        written = f.write(view)
-        view = view[written or 0 :]
+        view = view[os.write(fd, view) :]

@@ -1,0 +1,75 @@
+"""Files created safely inside a directory someone else may also write to.
+
+metriclog never writes through a symlink it did not make: every file it writes under a
+run directory is first created exclusively under a hidden name unique to this call
+(``O_CREAT | O_EXCL | O_NOFOLLOW``: a planted file or symlink of that name makes the
+call fail, never redirects it), then moved into place with ``os.replace`` (which
+replaces a symlink at the target itself, not what it points to) or ``os.link`` (which
+fails when the target exists: the first writer wins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def create_exclusive(path: Path) -> int:
+    """Create ``path``, which must not exist (not even as a dangling symlink); its fd."""
+    return os.open(path, _FLAGS, 0o666)
+
+
+@contextlib.contextmanager
+def new_hidden_file(target: Path) -> Iterator[tuple[BinaryIO, Path]]:
+    """A new hidden file beside ``target`` (``.{name}.{random}.tmp``), removed on error."""
+    tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+    f = os.fdopen(create_exclusive(tmp), "wb")
+    try:
+        with f:
+            yield f, tmp
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def replace_file(target: Path, data: bytes, *, fsync: bool = False) -> None:
+    """Write ``target`` whole or not at all: a reader sees the old file or the new one."""
+    with new_hidden_file(target) as (f, tmp):
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def create_file(target: Path, data: bytes) -> bool:
+    """Write ``target`` whole unless it exists; False when another writer was first."""
+    with new_hidden_file(target) as (f, tmp):
+        f.write(data)
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links: exclusive create, then write
+        try:
+            fd = create_exclusive(target)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return True
