@@ -8,7 +8,16 @@ survived and reported, never silently dropped:
   a number is skipped and reported with its line number;
 * a half-written last JSONL line (a crash mid-write) is skipped and reported as such;
 * a Parquet file that cannot be read is skipped and named;
-* a journal cut short by a kill is read up to its last complete frame.
+* a journal cut short by a kill is read up to its last complete frame, and one whose
+  frame fails its checksum up to the frame before it (both said);
+* a record whose timestamp is not finite or lies outside 1970-2286 (``TIMESTAMP_RANGE``:
+  not Unix epoch seconds) is skipped and counted;
+* a file that is compressed or binary under a ``.jsonl`` name, or a Parquet file whose
+  columns have types no record can hold (a struct ``value``), is skipped and named;
+* a directory that cannot be listed, a broken ``run.json`` and values out of bounds in
+  it are reported, and the rest is read;
+* a symlink is followed only inside the run directory (unless ``follow_symlinks``),
+  and a file reached twice (links, loops) is read once; both are said.
 
 The happy path is vectorized: JSONL goes through polars' NDJSON parser with every
 field read as text and cast in bulk, Parquet is scanned lazily. Only a JSONL file that
@@ -39,6 +48,7 @@ from metric_core.schema import (
     REQUIRED_FIELDS,
     SEGMENT_EVENT,
     SHUTDOWN_EVENT,
+    TIMESTAMP_RANGE,
 )
 
 MAX_LINES_KEPT = 1000
@@ -46,6 +56,10 @@ _MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the se
 _TEXT_SCHEMA = {name: pl.String() for name in (*POLARS_SCHEMA, "event")}
 _TYPED_SCHEMA = {**POLARS_SCHEMA, "event": pl.String()}
 _TRUNCATED = "half-written last line (the writer was killed mid-write)"
+# run.json values past these are not a run's: ignored and said.
+MAX_WORLD_SIZE = 1 << 20
+_BINARY_MAGIC = {b"\x1f\x8b": "gzip-compressed", b"PK": "zip-compressed", b"\x28\xb5\x2f\xfd": "zstd-compressed",
+                 b"BZh": "bzip2-compressed", b"PAR1": "a Parquet file"}
 
 
 @dataclass
@@ -68,6 +82,12 @@ class FileReport:
     hashed: bool = False
     superseded_by: str | None = None
     source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
+    # What the writer could not write and dropped (its D frames): {"records", "steps", ...}.
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def dropped_records(self) -> int:
+        return sum(int(d.get("records", 0)) for d in self.dropped)
 
     def skip(self, reason: str, count: int = 1, lines: list[int] | None = None) -> None:
         self.skipped += count
@@ -93,6 +113,8 @@ class ReadReport:
     run_dir: Path
     files: list[FileReport] = field(default_factory=list)
     shutdowns: list[Shutdown] = field(default_factory=list)
+    skipped_paths: list[tuple[Path, str]] = field(default_factory=list)  # (path, why), not read
+    notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
 
     @property
     def skipped_records(self) -> int:
@@ -108,7 +130,12 @@ class ReadReport:
 
     @property
     def has_skips(self) -> bool:
-        return self.skipped_records > 0 or bool(self.unreadable_files)
+        return self.skipped_records > 0 or bool(self.unreadable_files) or bool(self.skipped_paths)
+
+    @property
+    def dropped_records(self) -> int:
+        """Records the writers recorded but could not write (counted in the files, see inspect)."""
+        return sum(f.dropped_records for f in self.files)
 
     def clean_shutdowns(self) -> set[tuple[str, int]]:
         return {(s.process, s.rank) for s in self.shutdowns}
@@ -116,13 +143,26 @@ class ReadReport:
     def summary(self, max_files: int = 8, max_lines: int = 3) -> str:
         """A short multi-line summary of every skip, for stderr; '' when nothing was skipped."""
         bad = [f for f in self.files if f.skipped or f.unreadable]
-        if not bad:
+        gaps = [f for f in self.files if f.dropped]
+        if not (bad or gaps or self.skipped_paths or self.notices):
             return ""
         head = (
             f"skipped {self.skipped_records} record(s) and "
             f"{len(self.unreadable_files)} unreadable file(s) in {self.run_dir}:"
         )
         out = [head]
+        for path, why in self.skipped_paths[:max_files]:
+            out.append(f"  {_rel(path, self.run_dir)}: {why}")
+        if len(self.skipped_paths) > max_files:
+            out.append(f"  ... and {len(self.skipped_paths) - max_files} more path(s) not read")
+        out.extend(f"  {notice}" for notice in self.notices)
+        for f in gaps:
+            for d in f.dropped:
+                steps = d.get("steps") or ["?", "?"]
+                out.append(
+                    f"  {_rel(f.path, self.run_dir)}: its writer dropped {d.get('records')} record(s) of "
+                    f"steps {steps[0]}-{steps[1]} that it could not write ({d.get('reason', 'write failed')})"
+                )
         for f in bad[:max_files]:
             name = _rel(f.path, self.run_dir)
             if f.unreadable is not None:
@@ -197,10 +237,12 @@ class RunScan:
         return found.sort("key", "reduction")
 
 
-def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
+def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) -> RunScan:
     """Read every metric file below ``run_dir`` into one LazyFrame and a health report.
 
-    Raises NoDataError when the directory has no readable record.
+    ``run_dir`` itself may be a symlink; below it, symlinks that lead out of it are
+    skipped (and said) unless ``follow_symlinks``. Raises NoDataError when the
+    directory has no readable record.
 
     >>> scan = scan_run("sample_logs/rl_run")  # doctest: +SKIP
     >>> scan.frame.select(pl.len()).collect().item()  # doctest: +SKIP
@@ -209,8 +251,8 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
     if not root.is_dir():
         raise NoDataError(str(root), "it is not a directory")
     report = ReadReport(run_dir=root)
-    meta = _read_run_json(root)
-    paths = sorted(_data_files(root))
+    meta = _read_run_json(root, report)
+    paths = sorted(_data_files(root, report, follow_symlinks=follow_symlinks))
     metas = {p: _writer_meta(p) for p in paths}  # each footer or first line read once
     superseded = _superseded_tails(metas)
     frames: list[pl.LazyFrame] = []
@@ -228,7 +270,7 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
         if suffix == ".parquet":
             frame, trusted, check = _scan_parquet(path, metas[path], rep, report)
         elif suffix == ".journal":
-            frame = _read_journal(path, rep)
+            frame = _read_journal(path, rep, report)
         else:
             frame = _read_jsonl(path, metas[path], rep, report)
         if frame is not None:
@@ -255,24 +297,97 @@ def scan_run(run_dir: str | os.PathLike[str]) -> RunScan:
 # -- discovery -----------------------------------------------------------------------------
 
 
-def _data_files(root: Path) -> Iterator[Path]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            if not name.startswith(".") and name.endswith(DATA_SUFFIXES):
-                yield Path(dirpath) / name
+def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Iterator[Path]:
+    """Every data file below ``root``, each real file once; what is not read goes in ``report``."""
+    real_root = root.resolve()
+    seen: dict[tuple[int, int], Path] = {}
+
+    def unlisted(exc: OSError) -> None:
+        where = Path(exc.filename) if exc.filename else root
+        report.skipped_paths.append((where, f"directory not read ({exc.strerror or exc})"))
+
+    def inside(path: Path) -> bool:
+        return path == real_root or real_root in path.parents
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted, followlinks=follow_symlinks):
+        here = Path(dirpath)
+        kept = []
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                continue
+            path = here / d
+            if path.is_symlink() and not follow_symlinks:
+                why = "inside" if inside(path.resolve()) else "outside"
+                report.skipped_paths.append(
+                    (path, f"symlink to a directory {why} the run directory, not followed "
+                     f"(--follow-symlinks follows it)")
+                )
+                continue
+            try:
+                st = path.stat()
+            except OSError as exc:
+                unlisted(exc)
+                continue
+            if (st.st_dev, st.st_ino) in seen:  # a loop, or a directory linked twice
+                report.notices.append(f"{_rel(path, root)} is {_rel(seen[(st.st_dev, st.st_ino)], root)} again: read once")
+                continue
+            seen[(st.st_dev, st.st_ino)] = path
+            kept.append(d)
+        dirnames[:] = kept
+        for name in sorted(filenames):
+            if name.startswith(".") or not name.endswith(DATA_SUFFIXES):
+                continue
+            path = here / name
+            try:
+                if path.is_symlink() and not follow_symlinks and not inside(path.resolve()):
+                    report.skipped_paths.append(
+                        (path, f"symlink to {os.readlink(path)}, outside the run directory: not read "
+                         "(--follow-symlinks reads it)")
+                    )
+                    continue
+                st = path.stat()
+            except OSError as exc:
+                report.skipped_paths.append((path, f"not read ({exc.strerror or exc})"))
+                continue
+            first = seen.get((st.st_dev, st.st_ino))
+            if first is not None:
+                report.notices.append(f"{_rel(path, root)} is the same file as {_rel(first, root)}: read once")
+                continue
+            seen[(st.st_dev, st.st_ino)] = path
+            yield path
 
 
-def _read_run_json(root: Path) -> dict[str, Any]:
+def _read_run_json(root: Path, report: ReadReport) -> dict[str, Any]:
+    """run.json's fields, each checked; a broken file or field is reported and left out."""
     path = root / "run.json"
     if not path.exists():
         return {}
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
-        raise MetricLogError(f"{path}: not valid JSON ({exc}); fix or remove run.json") from None
+        report.notices.append(f"run.json: not valid JSON ({exc}); its metadata is ignored: fix or remove it")
+        return {}
     if not isinstance(meta, dict):
-        raise MetricLogError(f'{path}: must hold a JSON object, e.g. {{"world_size": 8}}')
+        report.notices.append(
+            f'run.json: must hold a JSON object, e.g. {{"world_size": 8}}, not {type(meta).__name__}; ignored'
+        )
+        return {}
+    checks = {
+        "world_size": lambda v: type(v) is int and 1 <= v <= MAX_WORLD_SIZE,
+        "name": lambda v: isinstance(v, str) and 0 < len(v) <= 1024,
+        "config": lambda v: isinstance(v, dict),
+    }
+    wanted = {
+        "world_size": f"an integer from 1 to {MAX_WORLD_SIZE:,}",
+        "name": "a non-empty string",
+        "config": "a JSON object",
+    }
+    for key, ok in checks.items():
+        if meta.get(key) is not None and not ok(meta[key]):
+            shown = json.dumps(meta[key])
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            report.notices.append(f"run.json: '{key}' must be {wanted[key]}, not {shown}; ignored")
+            del meta[key]
     return meta
 
 
@@ -335,6 +450,9 @@ def _take_declared(rep: FileReport, meta: dict[str, Any]) -> None:
         rep.steps = (steps[0], steps[1])
     if isinstance(times, list) and len(times) == 2 and all(type(x) in (int, float) for x in times):
         rep.timestamps = (float(times[0]), float(times[1]))
+    dropped = meta.get("dropped")
+    if isinstance(dropped, list):
+        rep.dropped = [d for d in dropped if isinstance(d, dict) and type(d.get("records")) is int]
 
 
 def _superseded_tails(metas: dict[Path, dict[str, Any] | None]) -> dict[Path, str]:
@@ -387,7 +505,7 @@ def _typed_from_text(df: pl.DataFrame) -> pl.DataFrame:
 
 def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
     """Why each row of ``typed`` with a null required field is bad ('' when it is fine)."""
-    reason = pl.lit("")
+    reason = pl.when(~pl.lit(typed["timestamp"]).pipe(_plausible)).then(pl.lit(_BAD_TIME)).otherwise(pl.lit(""))
     for name in reversed(REQUIRED_FIELDS):
         missing = raw[name].is_null()
         invalid = typed[name].is_null() & ~missing
@@ -402,6 +520,27 @@ def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
             .otherwise(reason)
         )
     return pl.select(reason.alias("reason")).to_series()
+
+
+def _plausible(ts: pl.Expr) -> pl.Expr:
+    lo, hi = TIMESTAMP_RANGE
+    return ts.is_not_nan() & (ts >= lo) & (ts < hi)
+
+
+def _plausible_times(bounds: Any) -> bool:
+    """Whether a writer's declared [min, max] timestamps lie in TIMESTAMP_RANGE."""
+    lo, hi = TIMESTAMP_RANGE
+    return (
+        isinstance(bounds, list)
+        and len(bounds) == 2
+        and all(type(x) in (int, float) and math.isfinite(x) for x in bounds)
+        and lo <= bounds[0]
+        and bounds[1] < hi
+    )
+
+
+_BAD_TIME = "'timestamp' is not Unix epoch seconds from 1970 to 2286"
+_RECORD_OK = pl.all_horizontal(*[pl.col(f).is_not_null() for f in REQUIRED_FIELDS], _plausible(pl.col("timestamp")))
 
 
 def _finish(typed: pl.DataFrame) -> pl.DataFrame:
@@ -423,7 +562,8 @@ def _accept(
     """
     keep = None
     if "event" in raw.columns:
-        events = raw["event"].is_not_null()
+        # The writer's own lines; a record may carry an extra field named "event" (SPEC 2).
+        events = raw["event"].is_in([SEGMENT_EVENT, SHUTDOWN_EVENT]) & raw["key"].is_null()
         if events.any():
             for row in raw.filter(raw["event"] == SEGMENT_EVENT).iter_rows(named=True):
                 rank = _to_int(row.get("rank"))
@@ -450,7 +590,7 @@ def _accept(
         )
     else:
         typed = _typed_from_text(raw)
-    ok = typed.select(pl.all_horizontal(pl.col(REQUIRED_FIELDS).is_not_null())).to_series()
+    ok = typed.select(_RECORD_OK).to_series()
     if not ok.all():
         numbers = line_numbers()
         if keep is not None:
@@ -478,12 +618,23 @@ def _to_int(value: Any) -> int | None:
 def _read_jsonl(
     path: Path, sealed: dict[str, Any] | None, rep: FileReport, report: ReadReport
 ) -> pl.LazyFrame | None:
-    if sealed is not None and sealed.get("nonfinite") == 0 and _intact(path, sealed):
+    if (
+        sealed is not None
+        and sealed.get("nonfinite") == 0
+        and _plausible_times(sealed.get("timestamps"))
+        and _intact(path, sealed)
+    ):
         return _scan_sealed_jsonl(path, sealed, rep, report)
     try:
         data = path.read_bytes()
     except OSError as exc:
         rep.unreadable = str(exc)
+        return None
+    kind = _binary_kind(data)
+    if kind is not None:
+        rep.unreadable = f"{kind} data, not JSON lines" + (
+            ": decompress it first (e.g. gunzip)" if kind.endswith("compressed") else ""
+        )
         return None
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
@@ -544,7 +695,17 @@ def _scan_sealed_jsonl(
         report.shutdowns.append(Shutdown(rep.source[0], rep.source[1], meta.get("timestamp")))
     if meta["records"] == 0:
         return None
-    return pl.scan_ndjson(path, schema=_TYPED_SCHEMA).filter(pl.col("event").is_null()).select(*POLARS_SCHEMA)
+    return pl.scan_ndjson(path, schema=_TYPED_SCHEMA).filter(pl.col("key").is_not_null()).select(*POLARS_SCHEMA)
+
+
+def _binary_kind(data: bytes) -> str | None:
+    """What a file named .jsonl holds instead of text, if it is not text."""
+    for magic, kind in _BINARY_MAGIC.items():
+        if data.startswith(magic):
+            return kind
+    if b"\x00" in data[:4096]:
+        return "binary"
+    return None
 
 
 def _is_json_object(line: bytes) -> bool:
@@ -624,10 +785,16 @@ def _scan_parquet(
     if missing:
         rep.skip(f"lacks column(s) {', '.join(missing)}", rows)
         return None, True, None
+    nested = [f"'{f}' is {schema[f]}" for f in (*REQUIRED_FIELDS, "process") if f in schema and schema[f].is_nested()]
+    if nested:
+        rep.unreadable = f"column {', '.join(nested)}: a record field must be a number or a string"
+        return None, True, None
     if rows == 0:
         return None, True, None
     exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
-    ours = own is not None and own.get("records") == rows  # sealed by our writer, untouched
+    ours = (  # sealed by our writer, untouched, with clock timestamps
+        own is not None and own.get("records") == rows and _plausible_times(own.get("timestamps"))
+    )
     if ours:
         assert own is not None
         _take_declared(rep, own)
@@ -644,9 +811,9 @@ def _scan_parquet(
             key=pl.col("key").cast(pl.String),
             value=_parquet_value(schema["value"]),
             reduction=pl.col("reduction").cast(pl.String).str.to_lowercase(),
-            step=pl.col("step").cast(pl.Int64, strict=False),
+            step=_parquet_integer("step", schema["step"]),
             timestamp=_parquet_timestamp(schema["timestamp"]),
-            rank=pl.col("rank").cast(pl.Int64, strict=False),
+            rank=_parquet_integer("rank", schema["rank"]),
             process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
         )
     typed = typed.with_columns(process=pl.coalesce(pl.col("process"), pl.format("rank{}", pl.col("rank"))))
@@ -664,6 +831,16 @@ def _parquet_value(dtype: pl.DataType) -> pl.Expr:
     return pl.col("value").cast(pl.String).pipe(lambda _: _number("value"))
 
 
+def _parquet_integer(col: str, dtype: pl.DataType) -> pl.Expr:
+    """An integer column; a fractional or non-finite float is null (skipped), never truncated."""
+    if dtype.is_integer():
+        return pl.col(col).cast(pl.Int64, strict=False)
+    if dtype.is_float():
+        x = pl.col(col)
+        return pl.when(x.is_finite() & (x == x.floor())).then(x.cast(pl.Int64, strict=False))
+    return pl.col(col).cast(pl.String).pipe(lambda _: _integer(col))
+
+
 def _parquet_timestamp(dtype: pl.DataType) -> pl.Expr:
     if dtype.is_temporal():
         return pl.col("timestamp").cast(pl.Datetime("us")).dt.epoch("us").cast(pl.Float64) / 1e6
@@ -673,7 +850,7 @@ def _parquet_timestamp(dtype: pl.DataType) -> pl.Expr:
 def _run_parquet_checks(
     frames: list[pl.LazyFrame], checks: list[tuple[int, FileReport, pl.LazyFrame | None]]
 ) -> None:
-    """Find foreign Parquet files with bad rows, count those rows and drop them from the scan."""
+    """Find foreign Parquet files with bad rows, count those rows by reason and drop them."""
     exact = [(i, rep) for i, rep, check in checks if check is None]
     suspects = [
         (i, rep)
@@ -681,53 +858,104 @@ def _run_parquet_checks(
         if check is not None and sum(check.collect(engine="streaming").row(0))
     ]
     if exact:
-        totals = pl.scan_parquet([rep.path for _, rep in exact]).select(pl.col(REQUIRED_FIELDS).null_count())
-        if sum(totals.collect(engine="streaming").row(0)):
+        bad_rows = pl.scan_parquet([rep.path for _, rep in exact]).select(
+            *[pl.col(f).null_count() for f in REQUIRED_FIELDS], (~_plausible(pl.col("timestamp"))).sum().alias("bad_timestamps")
+        )
+        if sum(bad_rows.collect(engine="streaming").row(0)):
             suspects += exact
-    ok = pl.all_horizontal(pl.col(REQUIRED_FIELDS).is_not_null())
     for index, rep in suspects:
         try:
-            bad = frames[index].select((~ok).sum()).collect(engine="streaming").item()
+            counts = (
+                frames[index]
+                .filter(~_RECORD_OK)
+                .group_by(_PARQUET_REASON.alias("reason"))
+                .len()
+                .sort("reason")
+                .collect(engine="streaming")
+            )
         except pl.exceptions.PolarsError as exc:
             rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
             rep.records = 0
             frames[index] = frames[index].head(0)
             continue
-        if bad:
-            rep.records -= bad
-            rep.skip("a required field is null or not a number", bad)
-            frames[index] = frames[index].filter(ok)
+        for reason, n in counts.iter_rows():
+            rep.records -= n
+            rep.skip(reason, n)
+        if counts.height:
+            frames[index] = frames[index].filter(_RECORD_OK)
 
 
-def _read_journal(path: Path, rep: FileReport) -> pl.LazyFrame | None:
+def _parquet_reason() -> pl.Expr:
+    reason = pl.when(~_plausible(pl.col("timestamp"))).then(pl.lit(_BAD_TIME))
+    for name in reversed(REQUIRED_FIELDS):
+        what = "a number" if name in ("value", "timestamp") else "an integer" if name in ("step", "rank") else "valid"
+        reason = pl.when(pl.col(name).is_null()).then(pl.lit(f"'{name}' is null or not {what}")).otherwise(reason)
+    return reason
+
+
+_PARQUET_REASON = _parquet_reason()
+
+
+def _read_journal(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
     from metric_core import journal  # pyarrow: only for runs that hold a journal
 
     try:
-        decoded = journal.decode(path.read_bytes())
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return _read_sealed_replacement(path, rep, report)
     except OSError as exc:
         rep.unreadable = str(exc)
         return None
+    decoded = journal.decode(data)
     if decoded.problems and decoded.table is None:
         rep.unreadable = "; ".join(decoded.problems)
         return None
     if decoded.process is not None and decoded.rank is not None:
         rep.source = (decoded.process, decoded.rank)
+        if decoded.shutdown is not None:
+            report.shutdowns.append(Shutdown(decoded.process, decoded.rank, decoded.shutdown))
+    rep.dropped = decoded.dropped
     for problem in decoded.problems:
         rep.skip(problem, 0)
     if decoded.truncated:
         rep.truncated = True
-        rep.skip("unfinished write at the end (the writer was killed mid-write)", decoded.truncated_records)
+        rep.skip(
+            "unfinished write at the end (the writer was killed mid-write, or is writing now)",
+            decoded.truncated_records,
+        )
     if decoded.unknown_codes:
         rep.skip("key code without a key definition", decoded.unknown_codes)
     if decoded.table is None or decoded.table.num_rows == 0:
         return None
     df = pl.from_arrow(decoded.table)
     assert isinstance(df, pl.DataFrame)
+    ok = df.select(_plausible(pl.col("timestamp"))).to_series()
+    if not ok.all():
+        rep.skip(_BAD_TIME, int((~ok).sum()))
+        df = df.filter(ok)
+        if df.height == 0:
+            return None
     rep.records += df.height
     rep.keys, rep.hashed = decoded.pairs, True
     rep.steps = (int(df["step"].min()), int(df["step"].max()))  # type: ignore[arg-type]
     rep.timestamps = (float(df["timestamp"].min()), float(df["timestamp"].max()))  # type: ignore[arg-type]
     return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
+
+
+def _read_sealed_replacement(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+    """A journal that vanished after it was listed: its writer sealed it meanwhile, so read
+    the sealed segment that names it (which the listing, made before, did not hold)."""
+    for suffix in (".parquet", ".jsonl"):
+        sealed = path.with_suffix(suffix)
+        meta = _writer_meta(sealed)
+        if meta is not None and meta.get("supersedes") == path.name:
+            rep.path, rep.format = sealed, suffix.lstrip(".")
+            if suffix == ".parquet":
+                frame, trusted, _ = _scan_parquet(sealed, meta, rep, report)
+                return frame if trusted else None
+            return _read_jsonl(sealed, meta, rep, report)
+    rep.unreadable = "deleted while it was being read, and no sealed segment replaces it"
+    return None
 
 
 def _rel(path: Path, root: Path) -> str:

@@ -44,6 +44,9 @@ DATA_SUFFIXES = (".jsonl", ".parquet", ".journal")
 PARQUET_META_KEY = "metriclog"
 SHUTDOWN_EVENT = "shutdown"
 SEGMENT_EVENT = "segment"
+# Timestamps a reader accepts, in Unix epoch seconds: 1970-01-01 to 2286-11-20 (UTC).
+# Others (and NaN, infinities) are not a clock's and are skipped as bad records.
+TIMESTAMP_RANGE = (0.0, 1e10)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
 
