@@ -53,6 +53,13 @@ RunDir = Annotated[
         metavar="RUN_DIR", help="Run directory holding *.parquet / *.jsonl files.", show_default=False
     ),
 ]
+FollowOpt = Annotated[
+    bool,
+    typer.Option(
+        "--follow-symlinks",
+        help="Also read files and directories that symlinks in RUN_DIR lead to outside it.",
+    ),
+]
 ModeOpt = Annotated[Mode, typer.Option("--mode", help="Logging mode to compute.")]
 ByOpt = Annotated[By, typer.Option("--by", help="Group by training step or by wall-clock window.")]
 EveryOpt = Annotated[
@@ -154,6 +161,7 @@ def usage(call: Callable[[], T]) -> T:
 @app.command()
 def reduce(
     run_dir: RunDir,
+    follow_symlinks: FollowOpt = False,
     mode: ModeOpt = Mode.global_reduce,
     by: ByOpt = By.step,
     every: EveryOpt = None,
@@ -183,7 +191,7 @@ def reduce(
     if wide and plan.mode.value == "per_rank_no_reduce":
         raise typer.BadParameter("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
     with errors_to_exit():
-        scan = scan_run(run_dir)
+        scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
         report_skips(scan, strict)
         result = execute(plan, scan)
         for warning in result.warnings:
@@ -231,6 +239,7 @@ def upload(
     ranks: RanksOpt = None,
     steps: StepsOpt = None,
     strict: StrictOpt = False,
+    follow_symlinks: FollowOpt = False,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
 
@@ -254,6 +263,7 @@ def upload(
         run_dir,
         plan,
         strict,
+        follow_symlinks,
         name=name or run_dir.resolve().name,
         group=group,
         share_run=per_rank_share_run,
@@ -295,14 +305,14 @@ def upload(
             typer.echo("offline runs written; upload them with:\n  wandb sync " + " ".join(synced), err=True)
 
 
-def _plan_upload(run_dir: Path, plan: Any, strict: bool, **mapping: Any) -> Any:
+def _plan_upload(run_dir: Path, plan: Any, strict: bool, follow_symlinks: bool, **mapping: Any) -> Any:
     """Read and reduce the run, map it to W&B runs, and say what the user should know."""
     from metric_core import upload as up
     from metric_core.reader import scan_run
     from metric_core.reduce import execute
 
     with errors_to_exit():
-        scan = scan_run(run_dir)
+        scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
         report_skips(scan, strict)
         upload_plan = up.plan_upload(execute(plan, scan), **mapping)
     for original, safe in upload_plan.key_mapping.items():
@@ -332,6 +342,7 @@ def _print_upload_plan(upload_plan: Any) -> None:
 @app.command()
 def inspect(
     run_dir: RunDir,
+    follow_symlinks: FollowOpt = False,
     json_out: Annotated[
         bool, typer.Option("--json", help="Print one JSON object instead of the table.")
     ] = False,
@@ -342,17 +353,15 @@ def inspect(
 
         metriclog inspect runs/exp1 --json
     """
-    from metric_core.inspect import inspect_run, verdict
+    from metric_core.inspect import inspect_run, to_json, verdict
     from metric_core.reader import scan_run
 
     with errors_to_exit():
-        scan = scan_run(run_dir)
+        scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
         report_skips(scan, strict=False)
         report = inspect_run(scan)
     if json_out:
-        import json
-
-        typer.echo(json.dumps(report, indent=2))
+        typer.echo(to_json(report))
         return
     _print_sources(report)
     typer.echo("")
@@ -373,6 +382,7 @@ def plot(
     reduce: ReduceOpt = None,
     ranks: RanksOpt = None,
     steps: StepsOpt = None,
+    follow_symlinks: FollowOpt = False,
 ) -> None:
     """Plot keys of a run to a PNG, marking where sources stopped and values went non-finite.
 
@@ -387,7 +397,7 @@ def plot(
     if out.suffix.lower() != ".png":
         raise typer.BadParameter(f"--out {out}: the plot is a PNG; name it FILE.png")
     with errors_to_exit():
-        scan = scan_run(run_dir)
+        scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
         report_skips(scan, strict=False)
         plot_run(scan, plan, out)
     typer.echo(f"wrote {out}", err=True)

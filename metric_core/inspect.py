@@ -19,6 +19,7 @@ cadence; the worst such lag is reported.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from typing import Any
@@ -108,6 +109,25 @@ def inspect_run(scan: RunScan) -> dict[str, Any]:
         "skipped_records": scan.report.skipped_records,
         "unreadable_files": [str(f.path) for f in scan.report.unreadable_files],
     }
+
+
+def to_json(report: dict[str, Any]) -> str:
+    """The report as strict JSON: a number that is not finite (NaN, infinity) becomes null.
+
+    >>> to_json({"last_values": {"loss": float("nan")}})
+    '{\n  "last_values": {\n    "loss": null\n  }\n}'
+    """
+
+    def finite(obj: Any) -> Any:
+        if isinstance(obj, float) and not math.isfinite(obj):
+            return None
+        if isinstance(obj, dict):
+            return {k: finite(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return [finite(v) for v in obj]
+        return obj
+
+    return json.dumps(finite(report), indent=2, allow_nan=False)
 
 
 def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -226,6 +246,7 @@ def _file_health(scan: RunScan, file_ids: list[int]) -> dict[str, Any]:
         "files": len(files),
         "skipped": sum(f.skipped for f in files),
         "truncated": any(f.truncated for f in files),
+        "dropped": sum(f.dropped_records for f in files),  # recorded, but its writer could not write them
     }
 
 
@@ -294,6 +315,12 @@ def verdict(report: dict[str, Any]) -> list[str]:
             f"Ranks {', '.join(map(str, report['missing_ranks']))} of world_size {report['world_size']} "
             "never wrote a record."
         )
+    for src in report["sources"]:
+        if src.get("dropped"):
+            lines.append(
+                f"{src['process']} (rank {src['rank']}) recorded {src['dropped']} record(s) that its writer "
+                "could not write (its disk was full or its directory gone for too long): they are missing."
+            )
     first = report["first_to_stop"]
     if first:
         kind = "stopped early" if first["status"] == "stopped_early" else "stopped first"

@@ -36,6 +36,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from metric_core.atomic import new_hidden_file, replace_file
 from metric_core.errors import MetricLogError
 from metric_core.metric import LoggingMode
 
@@ -303,8 +304,9 @@ class Ledger:
         home = run_dir / ".metriclog"
         try:
             home.mkdir(exist_ok=True)
-            probe = home / ".write-test"
-            probe.write_text("")
+            _refuse_links(home, home / "wandb")
+            with new_hidden_file(home / "write-test") as (_, probe):
+                pass
             probe.unlink()
         except OSError:
             cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
@@ -321,9 +323,17 @@ class Ledger:
         self.save()
 
     def save(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, self.path)
+        replace_file(self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _refuse_links(*paths: Path) -> None:
+    """metriclog writes under RUN_DIR/.metriclog only through directories it made itself."""
+    for path in paths:
+        if path.is_symlink():
+            raise MetricLogError(
+                f"{path} is a symlink (to {os.readlink(path)}): metriclog does not write through "
+                "links it did not make; remove it and upload again"
+            )
 
 
 # -- the upload ----------------------------------------------------------------------------
