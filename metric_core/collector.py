@@ -25,7 +25,8 @@ Under errors (see ``metric_core.backends.files`` for the files):
 * At most ``max_unwritten`` records wait in memory; past that the oldest are dropped,
   the next flush raises (or warns) ``RecordsDroppedError``, and the journal records the
   gap (how many, which steps) for ``inspect``.
-* The writer thread survives every error and retries with backoff (up to 30 s); it
+* The writer thread survives every error and retries with backoff (at most 8
+  flush intervals, and 30 s, apart); it
   never raises into the training thread. The next flush reports what it hit.
 """
 
@@ -73,7 +74,9 @@ _now = time.time
 # Fold pending values into accumulators past this many, so memory stays bounded
 # when a script records for a long time without calling flush(step).
 _MAX_PENDING = 1_000_000
-# The writer thread's longest wait between retries while writing fails.
+# While writing fails, the writer thread retries at most this many flush intervals (and
+# 30 s) apart, so records are durable soon after the disk has room again.
+_MAX_BACKOFF_INTERVALS = 8
 _MAX_BACKOFF = 30.0
 ON_FLUSH_ERROR = ("raise", "warn")
 
@@ -259,14 +262,16 @@ class MetricCollector:
             except Exception as exc:  # noqa: BLE001 - kept for the next flush() to report
                 self._background_error = exc
                 failures += 1
-                backoff = min(self.flush_interval * 2.0 ** min(failures, 16), _MAX_BACKOFF)
+                cap = min(self.flush_interval * _MAX_BACKOFF_INTERVALS, _MAX_BACKOFF)
+                backoff = min(self.flush_interval * 2.0 ** min(failures, 16), cap)
                 retry_at = time.monotonic() + max(backoff, self.flush_interval)
 
     def _report(self, error: WriteError | None) -> None:
         """Raise (or warn about) what writing hit since the previous flush."""
         background, self._background_error = self._background_error, None
-        drops = self._writer.take_drops()
-        if error is None and drops is not None:
+        # Drops are said once writing works again: then the gap is recorded, and its size known.
+        drops = self._writer.take_drops() if error is None else None
+        if drops is not None:
             steps = drops["steps"]
             error = RecordsDroppedError(
                 f"{drops['records']:,} record(s) of {self.process_name} from steps {steps[0]}-{steps[1]} "
@@ -607,7 +612,15 @@ def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, 
     meta: dict[str, Any] = {"name": run_dir.resolve().name, "world_size": world_size, "created": time.time()}
     if config is not None:
         meta["config"] = config
-    create_file(path, (json.dumps(meta, indent=2, default=str) + "\n").encode())
+    try:
+        create_file(path, (json.dumps(meta, indent=2, default=str) + "\n").encode())
+    except OSError as exc:  # metadata only: the records are what must not be lost
+        warnings.warn(
+            f"could not write {path} ({exc.strerror or exc}): the run's name, world_size and config "
+            "are not recorded",
+            MetricLogWarning,
+            stacklevel=3,
+        )
 
 
 __all__ = [

@@ -252,7 +252,7 @@ def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) 
         raise NoDataError(str(root), "it is not a directory")
     report = ReadReport(run_dir=root)
     meta = _read_run_json(root, report)
-    paths = sorted(_data_files(root, report, follow_symlinks=follow_symlinks))
+    paths = _list_data_files(root, report, follow_symlinks=follow_symlinks)
     metas = {p: _writer_meta(p) for p in paths}  # each footer or first line read once
     superseded = _superseded_tails(metas)
     frames: list[pl.LazyFrame] = []
@@ -295,6 +295,16 @@ def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) 
 
 
 # -- discovery -----------------------------------------------------------------------------
+
+
+def _list_data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> list[Path]:
+    """The data files, listed twice: a directory listing is no snapshot, so a journal sealed
+    while it is listed can be missing from it under both its names. The second listing holds
+    the sealed segment of every journal that vanished during the first."""
+    first = set(_data_files(root, ReadReport(run_dir=root), follow_symlinks=follow_symlinks))
+    second = set(_data_files(root, report, follow_symlinks=follow_symlinks))
+    vanished = {p for p in first - second if p.suffix == ".journal"}
+    return sorted(second | vanished)
 
 
 def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Iterator[Path]:
@@ -346,6 +356,10 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
                     )
                     continue
                 st = path.stat()
+            except FileNotFoundError:
+                if name.endswith(".journal"):
+                    yield path  # sealed meanwhile: read from its sealed segment
+                continue
             except OSError as exc:
                 report.skipped_paths.append((path, f"not read ({exc.strerror or exc})"))
                 continue

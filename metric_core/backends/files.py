@@ -364,7 +364,7 @@ class RawFileWriter(LoggerBackend):
 
     def _error(self, exc: OSError) -> WriteError:
         """The WriteError subclass for an OSError, with what to do and what was kept."""
-        where = exc.filename or self.run_dir
+        where = exc.filename or self._path or self.run_dir
         kept = f"{self._backlog_rows:,} record(s) are kept in memory for the next flush"
         if self._backlog_rows >= self.max_unwritten:
             kept += f" (at most {self.max_unwritten:,}: older ones are dropped and counted)"
