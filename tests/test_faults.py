@@ -345,9 +345,11 @@ def test_rank_zero_processes_of_many_roles_start_together(tmp_path):
 SEALING_CHILD = """
 import os, sys, metric_core
 run_dir, progress = sys.argv[1], sys.argv[2]
-metric_core.init(run_dir, process_name="w", segment_records=400, flush_interval=0.01)
+import time
+metric_core.init(run_dir, process_name="w", segment_records=1000, flush_interval=0.01)
 i = step = 0
 while True:
+    time.sleep(0.003)
     for _ in range(97):
         metric_core.record_metric("k", float(i)); i += 1
     metric_core.flush(step); step += 1
@@ -364,7 +366,7 @@ def test_a_read_while_journals_are_being_sealed_misses_no_flushed_record(tmp_pat
     try:
         while not progress.exists():
             time.sleep(0.01)
-        for _ in range(25):
+        for _ in range(60):
             flushed = int(progress.read_text())
             values, scan = values_read(run_dir)
             got = values.astype(int)
