@@ -269,7 +269,7 @@ def _first_to_stop(per_key: pl.DataFrame, sources: list[dict[str, Any]]) -> dict
         "last_timestamp": first["last_timestamp"],
         "lag_s": first["lag_s"],
         "status": first["status"],
-        "last_values": {k: _json_number(v) for k, v in last_values.iter_rows()},
+        "last_values": dict(last_values.iter_rows()),  # NaN stays a float; to_json writes null
     }
 
 
@@ -291,15 +291,6 @@ def _stragglers(
         if typical and worst > STRAGGLER_FACTOR * typical:
             out.append({"process": process, "rank": rank, "worst_lag_s": worst, "at_step": at_step})
     return sorted(out, key=lambda s: -s["worst_lag_s"])
-
-
-def _json_number(value: float) -> float | str:
-    """JSON has no NaN or infinity: those are given as strings."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
-    return value
 
 
 def verdict(report: dict[str, Any]) -> list[str]:

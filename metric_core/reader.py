@@ -142,7 +142,7 @@ class ReadReport:
 
     def summary(self, max_files: int = 8, max_lines: int = 3) -> str:
         """A short multi-line summary of every skip, for stderr; '' when nothing was skipped."""
-        bad = [f for f in self.files if f.skipped or f.unreadable]
+        bad = [f for f in self.files if f.skipped or f.unreadable or f.skip_reasons]
         gaps = [f for f in self.files if f.dropped]
         if not (bad or gaps or self.skipped_paths or self.notices):
             return ""
@@ -310,7 +310,8 @@ def _list_data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -
 def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Iterator[Path]:
     """Every data file below ``root``, each real file once; what is not read goes in ``report``."""
     real_root = root.resolve()
-    seen: dict[tuple[int, int], Path] = {}
+    top = root.stat()
+    seen: dict[tuple[int, int], Path] = {(top.st_dev, top.st_ino): root}
 
     def unlisted(exc: OSError) -> None:
         where = Path(exc.filename) if exc.filename else root

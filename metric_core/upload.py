@@ -304,7 +304,7 @@ class Ledger:
         home = run_dir / ".metriclog"
         try:
             home.mkdir(exist_ok=True)
-            _refuse_links(home, home / "wandb")
+            _refuse_links(home, home / "wandb", home / "uploads.json")
             with new_hidden_file(home / "write-test") as (_, probe):
                 pass
             probe.unlink()

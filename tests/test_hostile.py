@@ -1,0 +1,287 @@
+"""Hostile and damaged input: each case gets a message naming the file, and loses nothing else.
+
+Also the journal's checksums and its format version, and symlinks below the run directory.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from metric_core import MetricCollector, scan_run
+from metric_core.inspect import inspect_run
+
+from .conftest import abandon
+from .test_reader import jsonl, rec, values
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def good_run(root: Path, n: int = 5) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    jsonl(root / "good.jsonl", [rec(i) for i in range(n)])
+    return root
+
+
+# -- run.json ------------------------------------------------------------------------------
+
+
+def test_an_absurd_world_size_is_ignored_and_said(tmp_path):
+    run = good_run(tmp_path / "run")
+    (run / "run.json").write_text(json.dumps({"world_size": 10**12}))
+    result = invoke("inspect", run, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["world_size"] is None and report["missing_ranks"] == []
+    assert "run.json: 'world_size' must be an integer from 1 to 1,048,576, not 1000000000000; ignored" in result.stderr
+
+
+@pytest.mark.parametrize("config", [[1, 2], "lr=0.1"])
+def test_a_config_that_is_not_an_object_is_ignored_and_said(tmp_path, config):
+    run = good_run(tmp_path / "run")
+    (run / "run.json").write_text(json.dumps({"config": config}))
+    result = invoke("upload", run, "--project", "p", "--dry-run")
+    assert result.exit_code == 0, result.output
+    shown = json.dumps(config)
+    assert f"run.json: 'config' must be a JSON object, not {shown}; ignored" in result.stderr
+
+
+def test_a_broken_run_json_does_not_block_the_data(tmp_path):
+    run = good_run(tmp_path / "run")
+    (run / "run.json").write_text("{not json")
+    scan = scan_run(run)
+    assert values(scan) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert scan.report.notices[0].startswith("run.json: not valid JSON (")
+    assert scan.report.notices[0].endswith("its metadata is ignored: fix or remove it")
+
+
+# -- records -------------------------------------------------------------------------------
+
+
+def test_timestamps_that_are_no_clock_are_skipped_and_inspect_stays_json(tmp_path):
+    run = good_run(tmp_path / "run")
+    jsonl(
+        run / "odd.jsonl",
+        [rec(10, timestamp=4.4e140), rec(11, timestamp=-1e20), '{"key": "loss", "value": 1, "reduction": "mean", '
+         '"step": 12, "timestamp": Infinity, "rank": 0}', rec(13, value=float("nan"))],
+    )
+    result = invoke("inspect", run, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
+    assert report["sources"][0]["records"] == 6
+    assert report["first_to_stop"] is None or report["first_to_stop"]["last_values"]["loss"] is None
+    assert (
+        "odd.jsonl: 3 record(s) skipped: line 1: 'timestamp' is not Unix epoch seconds from 1970 to 2286; "
+        "line 2: 'timestamp' is not Unix epoch seconds from 1970 to 2286; line 3:" in result.stderr
+    )
+    by_time = invoke("reduce", run, "--by", "time", "--every", "1s", "--out", tmp_path / "w.csv")
+    assert by_time.exit_code == 0, by_time.output
+    assert pl.read_csv(tmp_path / "w.csv").height == 6  # 5 one-second windows of good.jsonl, one of odd.jsonl
+
+
+def test_a_nan_last_value_is_null_in_inspect_json(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    jsonl(run / "a.jsonl", [rec(i, process="a") for i in range(40)])
+    jsonl(run / "b.jsonl", [rec(i, process="b", rank=1, value=float("nan") if i == 4 else 1.0) for i in range(5)])
+    result = invoke("inspect", run, "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
+    assert report["first_to_stop"]["process"] == "b"
+    assert report["first_to_stop"]["last_values"] == {"loss": None}
+
+
+def test_an_extra_field_named_event_is_an_extra_field(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    jsonl(run / "a.jsonl", [rec(0, event="click"), rec(1, event="shutdown"), rec(2)])
+    assert values(scan_run(run)) == [0.0, 1.0, 2.0]
+
+
+def test_fractional_steps_in_parquet_are_skipped_and_said(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    df = pl.DataFrame([rec(i) for i in range(4)]).with_columns(step=pl.Series([0.0, 1.5, 2.0, float("nan")]))
+    df.write_parquet(run / "a.parquet")
+    scan = scan_run(run)
+    assert scan.frame.select("step").collect()["step"].to_list() == [0, 2]
+    assert "a.parquet: 2 record(s) skipped: 2 x 'step' is null or not an integer" in scan.report.summary()
+
+
+def test_a_gzip_file_named_jsonl_is_named_and_the_rest_read(tmp_path):
+    run = good_run(tmp_path / "run")
+    (run / "packed.jsonl").write_bytes(gzip.compress(b'{"key": "loss"}\n'))
+    result = invoke("reduce", run, "--mode", "per_rank_no_reduce")
+    assert result.exit_code == 0, result.output
+    assert (
+        "packed.jsonl: unreadable, skipped (gzip-compressed data, not JSON lines: decompress it first "
+        "(e.g. gunzip))" in result.stderr
+    )
+    assert sorted(values(scan_run(run))) == [0.0, 1.0, 2.0, 3.0, 4.0]
+
+
+@pytest.mark.parametrize(
+    "column", [pa.array([{"a": 1.0}] * 2), pa.array([[1.0], [2.0]])], ids=["struct", "list"]
+)
+def test_a_parquet_value_of_a_nested_type_is_named_and_the_rest_read(tmp_path, column):
+    run = good_run(tmp_path / "run")
+    table = pa.table({
+        "key": ["k", "k"], "value": column, "reduction": ["mean"] * 2, "step": [0, 1],
+        "timestamp": [1.7e9, 1.7e9], "rank": [0, 0],
+    })
+    pq.write_table(table, run / "nested.parquet")
+    result = invoke("reduce", run)
+    assert result.exit_code == 0, result.output
+    kind = "Struct({'a': Float64})" if pa.types.is_struct(column.type) else "List(Float64)"
+    assert (
+        f"nested.parquet: unreadable, skipped (column 'value' is {kind}: a record field must be a number "
+        "or a string)" in result.stderr
+    )
+
+
+def test_a_directory_that_cannot_be_listed_is_said(tmp_path):
+    if os.geteuid() == 0 and not shutil.which("setpriv"):
+        pytest.skip("root reads every directory, and setpriv is missing to drop that")
+    run = good_run(tmp_path / "run")
+    locked = run / "locked"
+    locked.mkdir()
+    jsonl(locked / "x.jsonl", [rec(9)])
+    locked.chmod(0)
+    os.chmod(tmp_path, 0o755)
+    code = (
+        "from metric_core import scan_run; s = scan_run(%r); print(s.report.summary()); "
+        "print(s.frame.collect().height)" % str(run)
+    )
+    cmd = [sys.executable, "-c", code]
+    if os.geteuid() == 0:  # root ignores permissions: run without the capabilities for that
+        cmd = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+               "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    finally:
+        locked.chmod(0o755)
+    assert done.returncode == 0, done.stderr
+    assert "  locked: directory not read (Permission denied)" in done.stdout
+    assert done.stdout.strip().endswith("\n5")
+
+
+def test_a_journal_damaged_in_the_middle_is_read_up_to_the_damage_and_said(tmp_path):
+    c = MetricCollector(tmp_path, process_name="w", flush_interval=60)
+    for step in range(4):
+        for i in range(10):
+            c.record("k", float(step * 10 + i))
+        c.flush(step)
+    abandon(c)
+    (path,) = tmp_path.glob("*.journal")
+    data = bytearray(path.read_bytes())
+    # The third record frame: the header, one key frame and two record frames of 10 records
+    # (9 bytes of type, length and CRC, the step, 10 x 24 bytes) come before it.
+    hlen = int.from_bytes(data[4:8], "little")
+    klen = int.from_bytes(data[12 + hlen + 1 : 12 + hlen + 5], "little")
+    frame = 12 + hlen + (9 + klen) + 2 * (9 + 8 + 240)
+    data[frame + 9 + 8 + 5] ^= 0xFF  # a flipped bit in the first value of step 2
+    path.write_bytes(bytes(data))
+    scan = scan_run(tmp_path)
+    assert values(scan) == [float(i) for i in range(20)]
+    assert f"fails its checksum (the file is damaged); its {len(data) - frame} byte(s) to the end are not read" in (
+        scan.report.summary()
+    )
+
+
+def test_a_previous_format_journal_is_read_and_a_newer_one_refused(tmp_path):
+    import struct
+
+    head = json.dumps({"process": "old", "rank": 2, "created": 1.7e9}).encode()
+    keys = json.dumps([[0, "k", "sum"]]).encode()
+    rows = struct.pack("<q", 7) + struct.pack("<3d", 1.5, 0, 1.7e9) + struct.pack("<3d", 2.5, 0, 1.7e9 + 1)
+    v1 = b"MLJ1" + struct.pack("<I", len(head)) + head
+    v1 += b"K" + struct.pack("<I", len(keys)) + keys + b"R" + struct.pack("<I", len(rows)) + rows
+    (tmp_path / "old.00000.journal").write_bytes(v1)
+    scan = scan_run(tmp_path)
+    got = scan.frame.collect().select("process", "rank", "step", "key", "value", "reduction").rows()
+    assert got == [("old", 2, 7, "k", 1.5, "sum"), ("old", 2, 7, "k", 2.5, "sum")]
+    (tmp_path / "new.00000.journal").write_bytes(b"MLJ9" + v1[4:])
+    summary = scan_run(tmp_path).report.summary()
+    assert "new.00000.journal: unreadable, skipped (journal format 'MLJ9' is newer than this metriclog reads: upgrade metriclog)" in summary
+
+
+# -- symlinks and files reached twice --------------------------------------------------------
+
+
+def test_a_symlink_out_of_the_run_directory_is_not_read_unless_asked(tmp_path):
+    run = good_run(tmp_path / "run")
+    secret = jsonl(tmp_path / "elsewhere.jsonl", [rec(100)])
+    (run / "link.jsonl").symlink_to(secret)
+    result = invoke("reduce", run, "--mode", "per_rank_no_reduce", "--out", tmp_path / "a.csv")
+    assert result.exit_code == 0, result.output
+    assert (
+        f"link.jsonl: symlink to {secret}, outside the run directory: not read (--follow-symlinks reads it)"
+        in result.stderr
+    )
+    assert pl.read_csv(tmp_path / "a.csv")["value"].to_list() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    followed = invoke(
+        "reduce", run, "--mode", "per_rank_no_reduce", "--follow-symlinks", "--out", tmp_path / "b.csv"
+    )
+    assert followed.exit_code == 0, followed.output
+    assert sorted(pl.read_csv(tmp_path / "b.csv")["value"].to_list()) == [0.0, 1.0, 2.0, 3.0, 4.0, 100.0]
+
+
+def test_a_file_reached_twice_is_read_once_and_a_loop_ends(tmp_path):
+    run = good_run(tmp_path / "run")
+    (run / "again.jsonl").symlink_to(run / "good.jsonl")
+    os.link(run / "good.jsonl", run / "hard.jsonl")
+    (run / "sub").mkdir()
+    (run / "sub" / "loop").symlink_to(run, target_is_directory=True)
+    scan = scan_run(run, follow_symlinks=True)
+    assert values(scan) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    summary = scan.report.summary()
+    assert "good.jsonl is the same file as again.jsonl: read once" in summary
+    assert "hard.jsonl is the same file as again.jsonl: read once" in summary
+    assert "sub/loop is . again: read once" in summary
+    plain = scan_run(run).report.summary()
+    assert "sub/loop: symlink to a directory inside the run directory, not followed" in plain
+
+
+def test_upload_never_writes_through_planted_symlinks(tmp_path):
+    run = good_run(tmp_path / "run")
+    victims = []
+    (run / ".metriclog").mkdir()
+    for name in (".write-test", ".uploads.json.tmp"):
+        victim = tmp_path / f"victim{len(victims)}"
+        victim.write_text("precious")
+        (run / ".metriclog" / name).symlink_to(victim)
+        victims.append(victim)
+    result = invoke("upload", run, "--project", "p", "--offline")
+    assert result.exit_code == 0, result.output
+    assert [v.read_text() for v in victims] == ["precious"] * 2
+    assert json.loads((run / ".metriclog" / "uploads.json").read_text())["runs"]
+
+
+def test_upload_refuses_a_planted_metriclog_directory_link(tmp_path):
+    run = good_run(tmp_path / "run")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (run / ".metriclog").symlink_to(outside, target_is_directory=True)
+    result = invoke("upload", run, "--project", "p", "--offline")
+    assert result.exit_code == 1
+    assert result.stderr.strip().endswith(
+        f"Error: {run}/.metriclog is a symlink (to {outside}): metriclog does not write through links it "
+        "did not make; remove it and upload again"
+    )
+    assert list(outside.iterdir()) == []
