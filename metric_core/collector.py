@@ -49,10 +49,9 @@ import numpy as np
 import pyarrow as pa
 
 from metric_core import journal
-from metric_core.backends import LoggerBackend, make_backend
-from metric_core.backends.files import RawFileWriter
 from metric_core.atomic import create_file
-from metric_core.backends.files import MAX_UNWRITTEN
+from metric_core.backends import LoggerBackend, make_backend
+from metric_core.backends.files import MAX_UNWRITTEN, RawFileWriter
 from metric_core.errors import (
     ConfigError,
     MetricLogError,
@@ -259,7 +258,7 @@ class MetricCollector:
                 self._writer.write()
                 self._writer.seal_ready()
                 failures = 0
-            except Exception as exc:  # noqa: BLE001 - kept for the next flush() to report
+            except Exception as exc:
                 self._background_error = exc
                 failures += 1
                 cap = min(self.flush_interval * _MAX_BACKOFF_INTERVALS, _MAX_BACKOFF)

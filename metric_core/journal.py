@@ -24,7 +24,6 @@ reader says how many bytes it left. Sealing turns a journal into a Parquet or JS
 segment.
 """
 
-
 from __future__ import annotations
 
 import json

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 import polars as pl
 
-from metric_core.errors import MetricLogError, NoDataError
+from metric_core.errors import NoDataError
 from metric_core.schema import (
     DATA_SUFFIXES,
     KEY_HASH,
@@ -58,8 +58,13 @@ _TYPED_SCHEMA = {**POLARS_SCHEMA, "event": pl.String()}
 _TRUNCATED = "half-written last line (the writer was killed mid-write)"
 # run.json values past these are not a run's: ignored and said.
 MAX_WORLD_SIZE = 1 << 20
-_BINARY_MAGIC = {b"\x1f\x8b": "gzip-compressed", b"PK": "zip-compressed", b"\x28\xb5\x2f\xfd": "zstd-compressed",
-                 b"BZh": "bzip2-compressed", b"PAR1": "a Parquet file"}
+_BINARY_MAGIC = {
+    b"\x1f\x8b": "gzip-compressed",
+    b"PK": "zip-compressed",
+    b"\x28\xb5\x2f\xfd": "zstd-compressed",
+    b"BZh": "bzip2-compressed",
+    b"PAR1": "a Parquet file",
+}
 
 
 @dataclass
@@ -330,8 +335,11 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
             if path.is_symlink() and not follow_symlinks:
                 why = "inside" if inside(path.resolve()) else "outside"
                 report.skipped_paths.append(
-                    (path, f"symlink to a directory {why} the run directory, not followed "
-                     f"(--follow-symlinks follows it)")
+                    (
+                        path,
+                        f"symlink to a directory {why} the run directory, not followed "
+                        f"(--follow-symlinks follows it)",
+                    )
                 )
                 continue
             try:
@@ -340,7 +348,9 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
                 unlisted(exc)
                 continue
             if (st.st_dev, st.st_ino) in seen:  # a loop, or a directory linked twice
-                report.notices.append(f"{_rel(path, root)} is {_rel(seen[(st.st_dev, st.st_ino)], root)} again: read once")
+                report.notices.append(
+                    f"{_rel(path, root)} is {_rel(seen[(st.st_dev, st.st_ino)], root)} again: read once"
+                )
                 continue
             seen[(st.st_dev, st.st_ino)] = path
             kept.append(d)
@@ -352,8 +362,11 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
             try:
                 if path.is_symlink() and not follow_symlinks and not inside(path.resolve()):
                     report.skipped_paths.append(
-                        (path, f"symlink to {os.readlink(path)}, outside the run directory: not read "
-                         "(--follow-symlinks reads it)")
+                        (
+                            path,
+                            f"symlink to {os.readlink(path)}, outside the run directory: not read "
+                            "(--follow-symlinks reads it)",
+                        )
                     )
                     continue
                 st = path.stat()
@@ -366,7 +379,9 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
                 continue
             first = seen.get((st.st_dev, st.st_ino))
             if first is not None:
-                report.notices.append(f"{_rel(path, root)} is the same file as {_rel(first, root)}: read once")
+                report.notices.append(
+                    f"{_rel(path, root)} is the same file as {_rel(first, root)}: read once"
+                )
                 continue
             seen[(st.st_dev, st.st_ino)] = path
             yield path
@@ -520,7 +535,9 @@ def _typed_from_text(df: pl.DataFrame) -> pl.DataFrame:
 
 def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
     """Why each row of ``typed`` with a null required field is bad ('' when it is fine)."""
-    reason = pl.when(~pl.lit(typed["timestamp"]).pipe(_plausible)).then(pl.lit(_BAD_TIME)).otherwise(pl.lit(""))
+    reason = (
+        pl.when(~pl.lit(typed["timestamp"]).pipe(_plausible)).then(pl.lit(_BAD_TIME)).otherwise(pl.lit(""))
+    )
     for name in reversed(REQUIRED_FIELDS):
         missing = raw[name].is_null()
         invalid = typed[name].is_null() & ~missing
@@ -555,7 +572,9 @@ def _plausible_times(bounds: Any) -> bool:
 
 
 _BAD_TIME = "'timestamp' is not Unix epoch seconds from 1970 to 2286"
-_RECORD_OK = pl.all_horizontal(*[pl.col(f).is_not_null() for f in REQUIRED_FIELDS], _plausible(pl.col("timestamp")))
+_RECORD_OK = pl.all_horizontal(
+    *[pl.col(f).is_not_null() for f in REQUIRED_FIELDS], _plausible(pl.col("timestamp"))
+)
 
 
 def _finish(typed: pl.DataFrame) -> pl.DataFrame:
@@ -710,7 +729,9 @@ def _scan_sealed_jsonl(
         report.shutdowns.append(Shutdown(rep.source[0], rep.source[1], meta.get("timestamp")))
     if meta["records"] == 0:
         return None
-    return pl.scan_ndjson(path, schema=_TYPED_SCHEMA).filter(pl.col("key").is_not_null()).select(*POLARS_SCHEMA)
+    return (
+        pl.scan_ndjson(path, schema=_TYPED_SCHEMA).filter(pl.col("key").is_not_null()).select(*POLARS_SCHEMA)
+    )
 
 
 def _binary_kind(data: bytes) -> str | None:
@@ -800,7 +821,11 @@ def _scan_parquet(
     if missing:
         rep.skip(f"lacks column(s) {', '.join(missing)}", rows)
         return None, True, None
-    nested = [f"'{f}' is {schema[f]}" for f in (*REQUIRED_FIELDS, "process") if f in schema and schema[f].is_nested()]
+    nested = [
+        f"'{f}' is {schema[f]}"
+        for f in (*REQUIRED_FIELDS, "process")
+        if f in schema and schema[f].is_nested()
+    ]
     if nested:
         rep.unreadable = f"column {', '.join(nested)}: a record field must be a number or a string"
         return None, True, None
@@ -874,7 +899,8 @@ def _run_parquet_checks(
     ]
     if exact:
         bad_rows = pl.scan_parquet([rep.path for _, rep in exact]).select(
-            *[pl.col(f).null_count() for f in REQUIRED_FIELDS], (~_plausible(pl.col("timestamp"))).sum().alias("bad_timestamps")
+            *[pl.col(f).null_count() for f in REQUIRED_FIELDS],
+            (~_plausible(pl.col("timestamp"))).sum().alias("bad_timestamps"),
         )
         if sum(bad_rows.collect(engine="streaming").row(0)):
             suspects += exact
@@ -901,10 +927,18 @@ def _run_parquet_checks(
 
 
 def _parquet_reason() -> pl.Expr:
-    reason = pl.when(~_plausible(pl.col("timestamp"))).then(pl.lit(_BAD_TIME))
+    reason: pl.Expr = pl.when(~_plausible(pl.col("timestamp"))).then(pl.lit(_BAD_TIME))
     for name in reversed(REQUIRED_FIELDS):
-        what = "a number" if name in ("value", "timestamp") else "an integer" if name in ("step", "rank") else "valid"
-        reason = pl.when(pl.col(name).is_null()).then(pl.lit(f"'{name}' is null or not {what}")).otherwise(reason)
+        what = (
+            "a number"
+            if name in ("value", "timestamp")
+            else "an integer"
+            if name in ("step", "rank")
+            else "valid"
+        )
+        reason = (
+            pl.when(pl.col(name).is_null()).then(pl.lit(f"'{name}' is null or not {what}")).otherwise(reason)
+        )
     return reason
 
 

@@ -323,7 +323,9 @@ class Ledger:
         self.save()
 
     def save(self) -> None:
-        replace_file(self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode())
+        replace_file(
+            self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode()
+        )
 
 
 def _refuse_links(*paths: Path) -> None:

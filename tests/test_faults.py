@@ -20,7 +20,13 @@ import pytest
 
 import metric_core
 from metric_core import MetricCollector, scan_run
-from metric_core.errors import DiskFullError, MetricLogWarning, RecordsDroppedError, RunDirGoneError, WriteError
+from metric_core.errors import (
+    DiskFullError,
+    MetricLogWarning,
+    RecordsDroppedError,
+    RunDirGoneError,
+    WriteError,
+)
 
 FORMATS = ["parquet", "jsonl"]
 
@@ -31,7 +37,9 @@ def small_disk(path: Path, size: str = "16m"):
     path.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
     try:
@@ -157,7 +165,9 @@ def test_past_the_memory_bound_records_are_dropped_counted_and_shown(tmp_path, f
 
         report = inspect_run(scan_run(run_dir))
         assert report["sources"][0]["dropped"] == 3000
-        assert any("recorded 3000 record(s) that its writer could not write" in line for line in verdict(report))
+        assert any(
+            "recorded 3000 record(s) that its writer could not write" in line for line in verdict(report)
+        )
 
 
 def test_with_on_flush_error_warn_a_job_survives_a_full_disk(tmp_path):
@@ -166,8 +176,8 @@ def test_with_on_flush_error_warn_a_job_survives_a_full_disk(tmp_path):
         metric_core.init(run_dir, process_name="w", on_flush_error="warn", flush_interval=60)
         ledger = Ledger()
         filler = fill(disk)
+        ledger.record(500)
         with pytest.warns(MetricLogWarning, match="disk full while writing"):
-            ledger.record(500)
             metric_core.flush(0)
         filler.unlink()
         ledger.record(500)
@@ -235,7 +245,9 @@ def test_failed_and_half_writes_at_many_points_lose_and_invent_nothing(tmp_path,
         if rng.random() < 0.3:
             writes.plan[call] = "half" if rng.random() < 0.5 else "fail"
     run_dir = tmp_path / "run"
-    metric_core.init(run_dir, process_name="w", file_format=file_format, segment_records=700, flush_interval=0.02)
+    metric_core.init(
+        run_dir, process_name="w", file_format=file_format, segment_records=700, flush_interval=0.02
+    )
     ledger = Ledger()
     failures = 0
     for step in range(80):
@@ -291,7 +303,9 @@ while True:
 def test_the_writer_thread_outlives_a_full_disk_and_keeps_writing_in_the_background(tmp_path):
     with small_disk(tmp_path / "disk") as disk:
         run_dir = disk / "run"
-        proc = subprocess.Popen([sys.executable, "-c", WRITER_CHILD, str(run_dir)], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER_CHILD, str(run_dir)], stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout is not None
         time.sleep(1.0)
         filler = fill(disk)
@@ -401,7 +415,9 @@ def test_two_sources_that_share_a_process_name_never_share_a_file(tmp_path):
 
 def test_a_value_too_large_for_a_float_names_its_key(tmp_path):
     metric_core.init(tmp_path, process_name="w")
-    with pytest.raises(ValueError, match=r"^metric 'big': value 100000000000\.\.\.\(401 digits\) is too large"):
+    with pytest.raises(
+        ValueError, match=r"^metric 'big': value 100000000000\.\.\.\(401 digits\) is too large"
+    ):
         metric_core.record_metric("big", 10**400)
 
 

@@ -21,7 +21,6 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from metric_core import MetricCollector, scan_run
-from metric_core.inspect import inspect_run
 
 from .conftest import abandon
 from .test_reader import jsonl, rec, values
@@ -49,7 +48,10 @@ def test_an_absurd_world_size_is_ignored_and_said(tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["world_size"] is None and report["missing_ranks"] == []
-    assert "run.json: 'world_size' must be an integer from 1 to 1,048,576, not 1000000000000; ignored" in result.stderr
+    assert (
+        "run.json: 'world_size' must be an integer from 1 to 1,048,576, not 1000000000000; ignored"
+        in result.stderr
+    )
 
 
 @pytest.mark.parametrize("config", [[1, 2], "lr=0.1"])
@@ -78,8 +80,12 @@ def test_timestamps_that_are_no_clock_are_skipped_and_inspect_stays_json(tmp_pat
     run = good_run(tmp_path / "run")
     jsonl(
         run / "odd.jsonl",
-        [rec(10, timestamp=4.4e140), rec(11, timestamp=-1e20), '{"key": "loss", "value": 1, "reduction": "mean", '
-         '"step": 12, "timestamp": Infinity, "rank": 0}', rec(13, value=float("nan"))],
+        [
+            rec(10, timestamp=4.4e140),
+            rec(11, timestamp=-1e20),
+            '{"key": "loss", "value": 1, "reduction": "mean", "step": 12, "timestamp": Infinity, "rank": 0}',
+            rec(13, value=float("nan")),
+        ],
     )
     result = invoke("inspect", run, "--json")
     assert result.exit_code == 0, result.output
@@ -99,7 +105,10 @@ def test_a_nan_last_value_is_null_in_inspect_json(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     jsonl(run / "a.jsonl", [rec(i, process="a") for i in range(40)])
-    jsonl(run / "b.jsonl", [rec(i, process="b", rank=1, value=float("nan") if i == 4 else 1.0) for i in range(5)])
+    jsonl(
+        run / "b.jsonl",
+        [rec(i, process="b", rank=1, value=float("nan") if i == 4 else 1.0) for i in range(5)],
+    )
     result = invoke("inspect", run, "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout, parse_constant=lambda c: pytest.fail(f"{c} in strict JSON"))
@@ -141,10 +150,16 @@ def test_a_gzip_file_named_jsonl_is_named_and_the_rest_read(tmp_path):
 )
 def test_a_parquet_value_of_a_nested_type_is_named_and_the_rest_read(tmp_path, column):
     run = good_run(tmp_path / "run")
-    table = pa.table({
-        "key": ["k", "k"], "value": column, "reduction": ["mean"] * 2, "step": [0, 1],
-        "timestamp": [1.7e9, 1.7e9], "rank": [0, 0],
-    })
+    table = pa.table(
+        {
+            "key": ["k", "k"],
+            "value": column,
+            "reduction": ["mean"] * 2,
+            "step": [0, 1],
+            "timestamp": [1.7e9, 1.7e9],
+            "rank": [0, 0],
+        }
+    )
     pq.write_table(table, run / "nested.parquet")
     result = invoke("reduce", run)
     assert result.exit_code == 0, result.output
@@ -170,8 +185,12 @@ def test_a_directory_that_cannot_be_listed_is_said(tmp_path):
     )
     cmd = [sys.executable, "-c", code]
     if os.geteuid() == 0:  # root ignores permissions: run without the capabilities for that
-        cmd = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
-               "--bounding-set=-dac_override,-dac_read_search", *cmd]
+        cmd = [
+            "setpriv",
+            "--inh-caps=-dac_override,-dac_read_search",
+            "--bounding-set=-dac_override,-dac_read_search",
+            *cmd,
+        ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     finally:
@@ -199,8 +218,9 @@ def test_a_journal_damaged_in_the_middle_is_read_up_to_the_damage_and_said(tmp_p
     path.write_bytes(bytes(data))
     scan = scan_run(tmp_path)
     assert values(scan) == [float(i) for i in range(20)]
-    assert f"fails its checksum (the file is damaged); its {len(data) - frame} byte(s) to the end are not read" in (
-        scan.report.summary()
+    assert (
+        f"fails its checksum (the file is damaged); its {len(data) - frame} byte(s) to the end are not read"
+        in (scan.report.summary())
     )
 
 
@@ -218,7 +238,10 @@ def test_a_previous_format_journal_is_read_and_a_newer_one_refused(tmp_path):
     assert got == [("old", 2, 7, "k", 1.5, "sum"), ("old", 2, 7, "k", 2.5, "sum")]
     (tmp_path / "new.00000.journal").write_bytes(b"MLJ9" + v1[4:])
     summary = scan_run(tmp_path).report.summary()
-    assert "new.00000.journal: unreadable, skipped (journal format 'MLJ9' is newer than this metriclog reads: upgrade metriclog)" in summary
+    assert (
+        "new.00000.journal: unreadable, skipped (journal format 'MLJ9' is newer than this "
+        "metriclog reads: upgrade metriclog)" in summary
+    )
 
 
 # -- symlinks and files reached twice --------------------------------------------------------
