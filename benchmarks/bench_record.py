@@ -12,7 +12,11 @@ before the loop to just after shutdown, divided by N. Variants, side by side:
   wandb       every record streamed through wandb.log, offline mode (fewer records,
               since it is slow; the cost per record is what is compared)
 
-Usage: python benchmarks/bench_record.py [--records 2000000] [--repeats 5]
+  parquet@REV, jsonl@REV (with --baseline REV)
+              the same, with metric_core as it was at git revision REV, so a change
+              is measured against its base in the same run
+
+Usage: python benchmarks/bench_record.py [--records 2000000] [--repeats 5] [--baseline REV]
 """
 
 from __future__ import annotations
@@ -121,16 +125,32 @@ CHILD = textwrap.dedent(
 ) % {"keys": KEYS, "step_every": STEP_EVERY}
 
 
-def run_variant(variant: str, n: int) -> dict[str, float]:
+def run_variant(variant: str, n: int, baseline: Path | None = None) -> dict[str, float]:
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    if "@" in variant:
+        assert baseline is not None
+        variant = variant.split("@")[0]
+        env["PYTHONPATH"] = str(baseline)  # ahead of the editable install of this checkout
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             [sys.executable, "-c", CHILD, variant, str(n), tmp],
             check=True,
             capture_output=True,
             text=True,
-            env={**os.environ, "PYTHONHASHSEED": "0"},
+            env=env,
         )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def export_baseline(rev: str, into: Path) -> Path:
+    """metric_core as of git revision ``rev``, byte-compiled, in ``into``."""
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    archive = subprocess.run(["git", "archive", rev, "metric_core"], cwd=root, check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    compileall.compile_dir(into / "metric_core", quiet=1)
+    return into
 
 
 def main() -> None:
@@ -138,6 +158,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=2_000_000)
     parser.add_argument("--wandb-records", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--baseline", metavar="REV", help="also measure metric_core at this git revision")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_reduce import compile_sources
@@ -149,15 +170,20 @@ def main() -> None:
         "jsonl": args.records,
         "wandb": args.wandb_records,
     }
+    baseline = None
+    if args.baseline:
+        baseline = export_baseline(args.baseline, Path(tempfile.mkdtemp(prefix="metriclog-baseline-")))
+        variants.update({f"parquet@{args.baseline}": args.records, f"jsonl@{args.baseline}": args.records})
     results: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
         for variant, n in variants.items():
-            results[variant].append(run_variant(variant, n)["cpu_ns"])
+            results[variant].append(run_variant(variant, n, baseline)["cpu_ns"])
     med = {v: statistics.median(xs) for v, xs in results.items()}
     print(f"records: {args.records:,} (wandb: {args.wandb_records:,}); repeats: {args.repeats}; medians")
-    print(f"{'variant':<10}{'CPU ns/record':>15}{'vs seed':>10}{'vs wandb.log':>15}")
+    width = max(10, *(len(v) + 2 for v in variants))
+    print(f"{'variant':<{width}}{'CPU ns/record':>15}{'vs seed':>10}{'vs wandb.log':>15}")
     for v in variants:
-        print(f"{v:<10}{med[v]:>15.0f}{med[v] / med['seed']:>9.2f}x{med['wandb'] / med[v]:>14.0f}x cheaper")
+        print(f"{v:<{width}}{med[v]:>15.0f}{med[v] / med['seed']:>9.2f}x{med['wandb'] / med[v]:>14.0f}x cheaper")
     print()
     print(f"parquet / seed = {med['parquet'] / med['seed']:.2f}x (target <= 1.0x)")
     print(f"jsonl   / seed = {med['jsonl'] / med['seed']:.2f}x (target <= 2.0x)")
@@ -165,6 +191,14 @@ def main() -> None:
         f"wandb.log / parquet = {med['wandb'] / med['parquet']:.0f}x, wandb.log / jsonl = "
         f"{med['wandb'] / med['jsonl']:.0f}x (target >= 50x)"
     )
+    if args.baseline:
+        for fmt in ("parquet", "jsonl"):
+            ratios = [a / b for a, b in zip(results[fmt], results[f"{fmt}@{args.baseline}"], strict=True)]
+            print(
+                f"{fmt} now / at {args.baseline} = {med[fmt] / med[f'{fmt}@{args.baseline}']:.3f}x "
+                f"(median of paired rounds {statistics.median(ratios):.3f}x, range "
+                f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.05x)"
+            )
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ _EXPORTS = {
     "record_metric": "metric_core.collector",
     "shutdown": "metric_core.collector",
     "MetricLogError": "metric_core.errors",
+    "DiskFullError": "metric_core.errors",
+    "MetricLogWarning": "metric_core.errors",
+    "RecordsDroppedError": "metric_core.errors",
+    "RunDirGoneError": "metric_core.errors",
+    "WriteError": "metric_core.errors",
     "LoggingMode": "metric_core.metric",
     "Metric": "metric_core.metric",
     "Reduce": "metric_core.metric",
@@ -32,14 +37,19 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "DiskFullError",
     "LoggerBackend",
     "LoggingMode",
     "Metric",
     "MetricCollector",
     "MetricLogError",
+    "MetricLogWarning",
     "ReadReport",
+    "RecordsDroppedError",
     "Reduce",
+    "RunDirGoneError",
     "RunScan",
+    "WriteError",
     "aflush",
     "flush",
     "get_collector",
@@ -62,7 +72,14 @@ if TYPE_CHECKING:
         record_metric,
         shutdown,
     )
-    from metric_core.errors import MetricLogError
+    from metric_core.errors import (
+        DiskFullError,
+        MetricLogError,
+        MetricLogWarning,
+        RecordsDroppedError,
+        RunDirGoneError,
+        WriteError,
+    )
     from metric_core.metric import LoggingMode, Metric, Reduce, reduce_metrics_states
     from metric_core.reader import ReadReport, RunScan, scan_run
     from metric_core.reduce import reduce_run

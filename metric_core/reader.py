@@ -655,7 +655,7 @@ def _read_jsonl(
     if (
         sealed is not None
         and sealed.get("nonfinite") == 0
-        and _plausible_times(sealed.get("timestamps"))
+        and (sealed.get("records") == 0 or _plausible_times(sealed.get("timestamps")))
         and _intact(path, sealed)
     ):
         return _scan_sealed_jsonl(path, sealed, rep, report)

@@ -225,9 +225,12 @@ class RawFileWriter(LoggerBackend):
                 parts.append(journal.header(self.process, self.rank, self._opened_at))
             if self._dropped is not None:
                 parts.append(journal.event_frame(journal.DROPPED, self._dropped))
-            if len(self._code_table) > self._defs_written:
-                defs = [(i, *pair) for i, pair in enumerate(self._code_table) if i >= self._defs_written]
-                parts.append(journal.key_frame(defs))
+            defined = len(self._code_table)  # the training thread may intern more meanwhile
+            if defined > self._defs_written:
+                new = self._code_table[self._defs_written : defined]
+                parts.append(
+                    journal.key_frame([(self._defs_written + i, *pair) for i, pair in enumerate(new)])
+                )
             parts.extend(journal.record_frame(step, rows) for step, rows, _ in self._backlog)
             if self._shutdown_at is not None:
                 parts.append(journal.event_frame(journal.SHUTDOWN, {"timestamp": self._shutdown_at}))
@@ -243,7 +246,7 @@ class RawFileWriter(LoggerBackend):
                 self._cut_back()
                 raise self._error(exc) from exc
             self._offset += len(data)
-            self._defs_written = len(self._code_table)
+            self._defs_written = defined
             self._rows += self._backlog_rows
             self._backlog.clear()
             self._backlog_rows = 0
