@@ -46,6 +46,11 @@ def replace_file(target: Path, data: bytes, *, fsync: bool = False) -> None:
         if fsync:
             f.flush()
             os.fsync(f.fileno())
+    publish(tmp, target)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Move a finished hidden file into place atomically; on failure it is removed."""
     try:
         os.replace(tmp, target)
     except BaseException:

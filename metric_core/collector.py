@@ -25,9 +25,9 @@ Under errors (see ``metric_core.backends.files`` for the files):
 * At most ``max_unwritten`` records wait in memory; past that the oldest are dropped,
   the next flush raises (or warns) ``RecordsDroppedError``, and the journal records the
   gap (how many, which steps) for ``inspect``.
-* The writer thread survives every error and retries with backoff (at most 8
-  flush intervals, and 30 s, apart); it
-  never raises into the training thread. The next flush reports what it hit.
+* The writer thread survives every error and retries with backoff (at most 8 flush
+  intervals, and 30 s, apart); it never raises into the training thread. The next flush
+  reports what it hit.
 """
 
 from __future__ import annotations

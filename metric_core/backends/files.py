@@ -45,7 +45,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from metric_core import journal
-from metric_core.atomic import create_exclusive, new_hidden_file
+from metric_core.atomic import create_exclusive, new_hidden_file, publish
 from metric_core.backends import LoggerBackend
 from metric_core.errors import ConfigError, DiskFullError, MetricLogWarning, RunDirGoneError, WriteError
 from metric_core.metric import BackendRole, Metric
@@ -443,12 +443,7 @@ class RawFileWriter(LoggerBackend):
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
-        try:
-            os.replace(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            raise
+        publish(tmp, final)
         path.unlink()
 
 
