@@ -315,6 +315,7 @@ def test_the_writer_thread_outlives_a_full_disk_and_keeps_writing_in_the_backgro
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.time()
         lines = [line.split() for line in proc.stdout.read().splitlines()]
+        proc.stdout.close()
         proc.wait()
         old = max(int(n) for kind, n, t in (x for x in lines if len(x) == 3) if float(t) < killed - 1.0)
         values, scan = values_read(run_dir)
