@@ -151,9 +151,10 @@ class ReadReport:
         gaps = [f for f in self.files if f.dropped]
         if not (bad or gaps or self.skipped_paths or self.notices):
             return ""
+        not_read = f", {len(self.skipped_paths)} path(s) not read" if self.skipped_paths else ""
         head = (
             f"skipped {self.skipped_records} record(s) and "
-            f"{len(self.unreadable_files)} unreadable file(s) in {self.run_dir}:"
+            f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
         )
         out = [head]
         for path, why in self.skipped_paths[:max_files]:
