@@ -201,11 +201,6 @@ class RawFileWriter(LoggerBackend):
             while self._backlog_rows > self.max_unwritten and len(self._backlog) > 1:
                 self._drop(*self._backlog.popleft())
 
-    @property
-    def unwritten(self) -> int:
-        """Records queued and not yet durable."""
-        return self._backlog_rows
-
     def take_drops(self) -> dict[str, Any] | None:
         """What was dropped since the last call: {"records", "steps", "timestamps", "reason"}."""
         with self._write_lock:
@@ -251,6 +246,7 @@ class RawFileWriter(LoggerBackend):
             self._backlog.clear()
             self._backlog_rows = 0
             self._dropped = None
+            self._shutdown_at = None
             if self._rows >= self.segment_records or time.time() - self._opened_at >= self.seal_interval:
                 self._close_journal()
 
