@@ -147,7 +147,9 @@ def export_baseline(rev: str, into: Path) -> Path:
     import compileall
 
     root = Path(__file__).resolve().parent.parent
-    archive = subprocess.run(["git", "archive", rev, "metric_core"], cwd=root, check=True, capture_output=True)
+    archive = subprocess.run(
+        ["git", "archive", rev, "metric_core"], cwd=root, check=True, capture_output=True
+    )
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     compileall.compile_dir(into / "metric_core", quiet=1)
     return into
@@ -183,7 +185,9 @@ def main() -> None:
     width = max(10, *(len(v) + 2 for v in variants))
     print(f"{'variant':<{width}}{'CPU ns/record':>15}{'vs seed':>10}{'vs wandb.log':>15}")
     for v in variants:
-        print(f"{v:<{width}}{med[v]:>15.0f}{med[v] / med['seed']:>9.2f}x{med['wandb'] / med[v]:>14.0f}x cheaper")
+        print(
+            f"{v:<{width}}{med[v]:>15.0f}{med[v] / med['seed']:>9.2f}x{med['wandb'] / med[v]:>14.0f}x cheaper"
+        )
     print()
     print(f"parquet / seed = {med['parquet'] / med['seed']:.2f}x (target <= 1.0x)")
     print(f"jsonl   / seed = {med['jsonl'] / med['seed']:.2f}x (target <= 2.0x)")

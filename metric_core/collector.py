@@ -40,7 +40,6 @@ import json
 import os
 import threading
 import time
-import warnings
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -55,10 +54,10 @@ from metric_core.backends.files import MAX_UNWRITTEN, RawFileWriter
 from metric_core.errors import (
     ConfigError,
     MetricLogError,
-    MetricLogWarning,
     NotInitializedError,
     RecordsDroppedError,
     WriteError,
+    warn,
 )
 from metric_core.metric import (
     BackendRole,
@@ -282,13 +281,11 @@ class MetricCollector:
         if error is not None:
             if self.on_flush_error == "raise":
                 raise error
-            warnings.warn(str(error), MetricLogWarning, stacklevel=3)
+            warn(str(error))
         elif background is not None:
-            warnings.warn(
+            warn(
                 f"writing metrics of {self.process_name} failed in the background ({background}); "
-                "it works again and every record since is durable",
-                MetricLogWarning,
-                stacklevel=3,
+                "it works again and every record since is durable"
             )
 
     # -- steps -------------------------------------------------------------------------
@@ -387,7 +384,7 @@ class MetricCollector:
         except WriteError as exc:
             if self.on_flush_error == "raise":
                 raise
-            warnings.warn(f"{exc}; they are lost at exit", MetricLogWarning, stacklevel=2)
+            warn(f"{exc}; they are lost at exit")
         self._closed = True
         self._run_coroutine(self._finish_backends())
         if self._loop is not None:
@@ -614,11 +611,9 @@ def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, 
     try:
         create_file(path, (json.dumps(meta, indent=2, default=str) + "\n").encode())
     except OSError as exc:  # metadata only: the records are what must not be lost
-        warnings.warn(
+        warn(
             f"could not write {path} ({exc.strerror or exc}): the run's name, world_size and config "
-            "are not recorded",
-            MetricLogWarning,
-            stacklevel=3,
+            "are not recorded"
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MetricLogError(Exception):
     """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1."""
@@ -72,3 +74,16 @@ class RecordsDroppedError(WriteError):
 
 class MetricLogWarning(UserWarning):
     """A problem that metriclog handled and reports: a write that failed and recovered, ..."""
+
+
+def warn(message: str) -> None:
+    """Issue a MetricLogWarning attributed to the first caller outside metric_core."""
+    import sys
+    import warnings
+
+    level = 2  # warnings.warn counts from this function; 2 is its caller
+    frame: Any = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("metric_core"):
+        level += 1
+        frame = frame.f_back
+    warnings.warn(message, MetricLogWarning, stacklevel=level)

@@ -177,8 +177,9 @@ def test_with_on_flush_error_warn_a_job_survives_a_full_disk(tmp_path):
         ledger = Ledger()
         filler = fill(disk)
         ledger.record(500)
-        with pytest.warns(MetricLogWarning, match="disk full while writing"):
+        with pytest.warns(MetricLogWarning, match="disk full while writing") as caught:
             metric_core.flush(0)
+        assert caught[0].filename == __file__  # the warning points at the caller's line
         filler.unlink()
         ledger.record(500)
         with warnings.catch_warnings():

@@ -34,7 +34,6 @@ import os
 import re
 import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ import pyarrow.parquet as pq
 from metric_core import journal
 from metric_core.atomic import create_exclusive, new_hidden_file, publish
 from metric_core.backends import LoggerBackend
-from metric_core.errors import ConfigError, DiskFullError, MetricLogWarning, RunDirGoneError, WriteError
+from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, WriteError, warn
 from metric_core.metric import BackendRole, Metric
 from metric_core.schema import (
     KEY_HASH,
@@ -283,11 +282,7 @@ class RawFileWriter(LoggerBackend):
         try:
             self.seal_ready()
         except WriteError as exc:
-            warnings.warn(
-                f"{exc}; the unsealed journal(s) hold every record and are read as they are",
-                MetricLogWarning,
-                stacklevel=2,
-            )
+            warn(f"{exc}; the unsealed journal(s) hold every record and are read as they are")
 
     # -- inside the write lock ---------------------------------------------------------
 
