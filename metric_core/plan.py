@@ -7,8 +7,9 @@ on polars) and imports nothing heavy, so the command line checks its options, an
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from metric_core.errors import MetricLogError
@@ -110,38 +111,14 @@ class ReducePlan:
         return sorted(cols)
 
 
-def glob_to_regex(pattern: str) -> str:
-    """A shell-style glob as an anchored regex (``*``, ``?``, ``[...]``, ``[!...]``).
+def key_matcher(patterns: Iterable[str]) -> Callable[[str], bool]:
+    """Whether a key matches any of the shell-style globs (``fnmatch``, case-sensitive).
 
-    >>> glob_to_regex("trainer/*")
-    '^trainer/.*$'
+    >>> key_matcher(["trainer/*", "[!p]*"])("trainer/loss"), key_matcher(["[!]"])("x")
+    (True, False)
     """
-    out, i = ["^"], 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "*":
-            out.append(".*")
-        elif ch == "?":
-            out.append(".")
-        elif ch == "[":
-            end = pattern.find("]", i + 2 if pattern[i + 1 : i + 2] in ("!", "]") else i + 1)
-            if end == -1:
-                out.append(re.escape(ch))
-            else:
-                body = pattern[i + 1 : end]
-                if body.startswith("!"):
-                    body = "^" + body[1:]
-                out.append("[" + body.replace("\\", "\\\\") + "]")
-                i = end
-        else:
-            out.append(re.escape(ch))
-        i += 1
-    out.append("$")
-    return "".join(out)
-
-
-def key_matcher(patterns: Iterable[str]) -> re.Pattern[str]:
-    return re.compile("|".join(f"(?:{glob_to_regex(p)})" for p in patterns))
+    patterns = tuple(patterns)
+    return lambda key: any(fnmatch.fnmatchcase(key, p) for p in patterns)
 
 
 def parse_ranks(text: str) -> tuple[tuple[int, int], ...]:

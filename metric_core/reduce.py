@@ -71,7 +71,7 @@ def _key_in(keys: Sequence[str], hashed: bool) -> pl.Expr:
 def _selected_keys(plan: ReducePlan, recorded: pl.DataFrame) -> list[str] | None:
     if not plan.keys:
         return None
-    match = key_matcher(plan.keys).fullmatch
+    match = key_matcher(plan.keys)
     return [key for key in recorded["key"].unique().sort() if match(key)]
 
 
@@ -125,7 +125,7 @@ def _key_statistics(
 ) -> dict[str, str]:
     """Each key's statistic: the last ``--reduce`` pattern that matches it, or its recorded
     reduction. A key recorded with several is checked against the filtered records."""
-    overrides = [(key_matcher([pattern]).fullmatch, stat.name) for pattern, stat in plan.overrides]
+    overrides = [(key_matcher([pattern]), stat.name) for pattern, stat in plan.overrides]
     out: dict[str, str] = {}
     for key, reductions in recorded.group_by("key").agg("reduction").sort("key").iter_rows():
         chosen = [name for match, name in overrides if match(key)]
