@@ -130,7 +130,8 @@ def run_variant(variant: str, n: int, baseline: Path | None = None) -> dict[str,
     if "@" in variant:
         assert baseline is not None
         variant = variant.split("@")[0]
-        env["PYTHONPATH"] = str(baseline)  # ahead of the editable install of this checkout
+        env["PYTHONPATH"] = str(baseline)
+        # ahead of the editable install of this checkout
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
             [sys.executable, "-c", CHILD, variant, str(n), tmp],
@@ -138,6 +139,7 @@ def run_variant(variant: str, n: int, baseline: Path | None = None) -> dict[str,
             capture_output=True,
             text=True,
             env=env,
+            cwd=tmp,  # not the checkout: `python -c` puts the working directory first on sys.path
         )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -89,7 +89,7 @@ def generate(root: Path, name: str) -> Path:
     """Write a synthetic run through metric_core's own writer (journal, then sealed segments),
     so the files are exactly what a training job leaves: Parquet or JSONL with writer metadata."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from metric_core.backends.files import RawFileWriter
+    from metric_core.writer.segments import RawFileWriter
 
     fmt, ranks, rows, steps = RUNS[name]
     run = root / f"{fmt}_{name}"

@@ -94,9 +94,9 @@ def main() -> None:
     from bench_reduce import compile_sources
 
     from metric_core import scan_run
-    from metric_core.plan import make_plan
-    from metric_core.reduce import execute
-    from metric_core.upload import REPLAY_SETTINGS, plan_upload
+    from metric_core.offline.engine import execute
+    from metric_core.offline.plan import make_plan
+    from metric_core.offline.upload import REPLAY_SETTINGS, plan_upload
 
     compile_sources()
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}

@@ -1,21 +1,43 @@
-"""Turning a result frame into a table on stdout or a file."""
+"""Everything the commands show: tables, files, messages on stderr and progress bars."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import polars as pl
+import typer
 
 from metric_core.errors import MetricLogError
-from metric_core.schema import to_jsonl
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from metric_core.offline.inspect import InspectReport
+    from metric_core.offline.upload import UploadEvents, UploadResult
 
 OUT_SUFFIXES = (".parquet", ".csv", ".jsonl")
 MAX_TABLE_ROWS = 40
 
 
+def say(kind: str, text: str) -> None:
+    """A line on stderr: ``warning: ...`` and ``note: ...``, or plain information."""
+    typer.echo(text if kind == "info" else f"{kind}: {text}", err=True)
+
+
+def warn_skips(summary: str) -> None:
+    """What the reader skipped, if anything."""
+    if summary:
+        say("warning", summary)
+
+
 def write_frame(df: pl.DataFrame, out: Path) -> None:
     """Write by extension; JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
+    from metric_core.records import to_jsonl
+
     suffix = out.suffix.lower()
     if suffix not in OUT_SUFFIXES:
         raise MetricLogError(f"--out {out}: use a file ending in {', '.join(OUT_SUFFIXES)}")
@@ -25,11 +47,14 @@ def write_frame(df: pl.DataFrame, out: Path) -> None:
     elif suffix == ".csv":
         df.write_csv(out)
     else:
-        out.write_bytes(to_jsonl(df))
+        out.write_bytes(to_jsonl(df.to_arrow()))
+    say("info", f"wrote {df.height} row(s) to {out}")
 
 
 def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS) -> None:
     """A readable table; a long result is cut and the cut is said."""
+    import polars as pl
+
     shown = df if df.height <= max_rows else df.head(max_rows)
     times = [c for c in ("timestamp", "window_start") if c in shown.columns]
     floats = [c for c, t in shown.schema.items() if t == pl.Float64 and c not in times]
@@ -49,6 +74,105 @@ def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS) -> None:
     if df.height > max_rows:
         print(
             f"... {df.height - max_rows} more row(s) not shown ({df.height} in all); "
-            "write them all with --out FILE.parquet|.csv|.jsonl",
-            file=sys.stdout,
+            "write them all with --out FILE.parquet|.csv|.jsonl"
+        )
+
+
+def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS) -> None:
+    import polars as pl
+
+    print_table(pl.DataFrame(rows), max_rows=max_rows)
+
+
+def print_inspect(report: InspectReport) -> None:
+    """The per-source table, then the verdict."""
+
+    def local(ts: float) -> str:
+        return datetime.fromtimestamp(ts).strftime("%m-%d %H:%M:%S")
+
+    rows = [
+        {
+            "process": s.process,
+            "rank": s.rank,
+            "files": s.files,
+            "records": s.records,
+            "skipped": s.skipped,
+            "truncated": "yes" if s.truncated else "",
+            "keys": s.keys,
+            "steps": f"{s.first_step}-{s.last_step}",
+            "first": local(s.first_timestamp),
+            "last": local(s.last_timestamp),
+            "lag": f"{s.lag_s:.1f} s",
+            "status": s.status,
+        }
+        for s in report.sources
+    ]
+    typer.echo(f"run {report.name} ({report.run_dir}), world_size {report.world_size or 'unknown'}")
+    print_rows(rows, max_rows=1000)
+    typer.echo("")
+    for line in report.verdict():
+        typer.echo(line)
+
+
+def print_upload(result: UploadResult, *, dry_run: bool) -> None:
+    """A dry run's table of runs, or what happened to each run."""
+    if dry_run:
+        print_rows(
+            [
+                {"id": r.run_id, "name": r.name, "group": r.group, "rows": r.rows, "keys": len(r.keys)}
+                for r in result.plan.runs
+            ]
+        )
+        say("info", "dry run: nothing was uploaded")
+        return
+    for o in result.outcomes:
+        if o.message:
+            say("info", o.message)
+        if o.action != "skipped":
+            say("info", f"{o.action} {o.run.name} ({o.run_id}): {o.rows_sent} rows, {len(o.run.keys)} keys")
+    if result.sync_dirs:
+        say("info", "offline runs written; upload them with:\n  wandb sync " + " ".join(result.sync_dirs))
+
+
+@contextmanager
+def upload_events() -> Iterator[UploadEvents]:
+    """Messages on stderr and, when it is a terminal, a progress bar per W&B run (rows, rows/s, ETA)."""
+    from metric_core.offline.upload import UploadEvents
+
+    if not sys.stderr.isatty():
+        yield UploadEvents(message=say)
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+    from rich.text import Text
+
+    class RowRate(ProgressColumn):
+        def render(self, task: Any) -> Text:
+            return Text(f"{task.speed:,.0f} rows/s" if task.speed else "")
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        RowRate(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=False) as bars:
+
+        def start(run: Any, done: int) -> Callable[[int], None]:
+            task = bars.add_task(run.name, total=run.rows, completed=done)
+            return lambda n: bars.update(task, completed=n)
+
+        yield UploadEvents(
+            message=lambda kind, text: bars.console.print(
+                text if kind == "info" else f"{kind}: {text}", markup=False, highlight=False
+            ),
+            progress=start,
         )

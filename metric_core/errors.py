@@ -1,4 +1,8 @@
-"""The exceptions metric_core raises. Every one derives from MetricLogError."""
+"""The exceptions metric_core raises on purpose. Every one derives from MetricLogError.
+
+The command line maps them by type: ``PlanError`` is a usage error (exit 2), every other
+``MetricLogError`` means the data or the request could not be served (exit 1).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,18 @@ from typing import Any
 
 class MetricLogError(Exception):
     """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1."""
+
+    def __reduce__(self) -> Any:
+        # Picklable whatever the subclass's __init__ takes: the upload reads its run in a
+        # child process, and an error there is raised again in the parent.
+        return (_restore, (type(self), self.args, self.__dict__))
+
+
+def _restore(cls: type[MetricLogError], args: tuple[Any, ...], state: dict[str, Any]) -> MetricLogError:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
 
 
 class NotInitializedError(MetricLogError):
@@ -45,7 +61,33 @@ class MixedReductionError(MetricLogError):
 
 
 class StrictModeError(MetricLogError):
-    """--strict was given and the reader skipped records or files."""
+    """--strict was given and the reader skipped records or files; ``summary`` says which."""
+
+    def __init__(self, summary: str) -> None:
+        self.summary = summary
+        super().__init__("--strict: records or files were skipped (see above)")
+
+
+class PlanError(MetricLogError):
+    """A request that cannot be turned into a plan (bad statistic, pattern, range): a usage error."""
+
+
+class RunChangedError(MetricLogError):
+    """A file of the run changed (or vanished) between the check of it and the query over it."""
+
+
+class UploadError(MetricLogError):
+    """W&B could not be reached or refused the upload; the ledger says what was sent."""
+
+
+class NotLoggedInError(UploadError):
+    """An online upload without W&B credentials."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "not logged in to W&B: run `wandb login` (or set WANDB_API_KEY), "
+            "or write offline runs with --offline and `wandb sync` them later"
+        )
 
 
 class WriteError(MetricLogError):

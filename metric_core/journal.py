@@ -35,19 +35,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from metric_core.records import build_table, int64_array
 from metric_core.schema import KEY_HASH, key_hash
-
-ARROW_SCHEMA = pa.schema(
-    [
-        ("key", pa.string()),
-        ("value", pa.float64()),
-        ("reduction", pa.string()),
-        ("step", pa.int64()),
-        ("timestamp", pa.float64()),
-        ("rank", pa.int64()),
-        ("process", pa.string()),
-    ]
-)
 
 MAGIC = b"MLJ2"
 FORMAT = 2
@@ -229,64 +218,4 @@ def _to_table(
         process=out.process or "",
     )
     hashes = np.array([key_hash(k) for k in key_names], dtype=np.int64)
-    return table.append_column(KEY_HASH, pa.array(hashes[codes] if len(hashes) else np.zeros(0, np.int64)))
-
-
-def build_table(
-    *,
-    codes: np.ndarray,
-    values: np.ndarray,
-    timestamps: np.ndarray,
-    steps: np.ndarray,
-    key_names: list[str],
-    reductions: list[str],
-    rank: int,
-    process: str,
-) -> pa.Table:
-    """Records in the raw-record schema from coded arrays, vectorized.
-
-    The string columns stay dictionary-encoded (Parquet writes them as they are;
-    Parquet readers see plain strings), which saves materializing a string per record.
-    """
-    idx = pa.array(codes.astype(np.int32, copy=False))
-    n = len(idx)
-    return pa.Table.from_arrays(
-        [
-            pa.DictionaryArray.from_arrays(idx, pa.array(key_names, pa.string())),
-            pa.array(np.ascontiguousarray(values)),
-            pa.DictionaryArray.from_arrays(idx, pa.array(reductions, pa.string())),
-            pa.array(np.ascontiguousarray(steps, dtype=np.int64)),
-            pa.array(np.ascontiguousarray(timestamps)),
-            pa.array(np.full(n, rank, dtype=np.int64)),
-            pa.DictionaryArray.from_arrays(
-                pa.array(np.zeros(n, dtype=np.int32)), pa.array([process], pa.string())
-            ),
-        ],
-        schema=DICT_SCHEMA,
-    )
-
-
-DICT_SCHEMA = pa.schema(
-    [
-        pa.field(f.name, pa.dictionary(pa.int32(), pa.string())) if pa.types.is_string(f.type) else f
-        for f in ARROW_SCHEMA
-    ]
-)
-
-
-# What ``decode`` returns and the writer seals into Parquet: the record, then its key's hash.
-DECODED_SCHEMA = DICT_SCHEMA.append(pa.field(KEY_HASH, pa.int64()))
-
-
-def warm_up() -> None:
-    """Run the conversions once, so pyarrow's lazy imports happen at init, not mid-run."""
-    build_table(
-        codes=np.zeros(1, dtype=np.int64),
-        values=np.zeros(1),
-        timestamps=np.zeros(1),
-        steps=np.zeros(1, dtype=np.int64),
-        key_names=["k"],
-        reductions=["mean"],
-        rank=0,
-        process="p",
-    )
+    return table.append_column(KEY_HASH, int64_array(hashes[codes] if len(hashes) else np.zeros(0, np.int64)))

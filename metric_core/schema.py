@@ -1,4 +1,9 @@
-"""The raw record (SPEC section 2) and the names of the files the writer leaves.
+"""The raw record (SPEC section 2), its spellings, and the names of the files the writer leaves.
+
+This module is the one definition of the record: its fields and their types (from which
+``metric_core.records`` builds the Arrow schema and the reader the polars one), the
+process name a reader fills in, how JSON lines spell NaN and the infinities, and the
+timestamps a reader accepts. It imports nothing but the standard library.
 
 Files of one source (``stem`` is the sanitized process name and the rank, e.g.
 ``TrainActor_r0.r0``, so two sources that share a process name never share a file):
@@ -6,44 +11,41 @@ Files of one source (``stem`` is the sanitized process name and the rank, e.g.
 * ``{stem}.{seq:05d}.journal`` the open segment: an append-only binary journal of
   the collector's buffer (see ``metric_core.journal``), readable up to its last
   complete frame after a kill.
-* ``{stem}.{seq:05d}.parquet`` or ``.jsonl``: a sealed segment. It names the journal
-  it supersedes (Parquet key-value metadata ``metriclog``, or a first JSONL line
-  ``{"event": "segment", "supersedes": ...}``), so a journal left behind by a kill
-  between the atomic rename and the unlink is not read twice.
+* ``{stem}.{seq:05d}.parquet`` or ``.jsonl``: a sealed segment. Its metadata
+  (``metric_core.segment``) names the journal it supersedes, so a journal left behind
+  by a kill between the atomic rename and the unlink is not read twice.
 * ``.{name}.{random}.tmp``     work in progress; names starting with "." are not data.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import json
 import math
 import re
 from collections.abc import Iterable
 
-import polars as pl
-
-REQUIRED_FIELDS = ("key", "value", "reduction", "step", "timestamp", "rank")
-
-POLARS_SCHEMA: dict[str, pl.DataType] = {
-    "key": pl.String(),
-    "value": pl.Float64(),
-    "reduction": pl.String(),
-    "step": pl.Int64(),
-    "timestamp": pl.Float64(),
-    "rank": pl.Int64(),
-    "process": pl.String(),
+# Every field of a record, in order, with its type; all but ``process`` are required.
+FIELDS = {
+    "key": "string",
+    "value": "float64",
+    "reduction": "string",
+    "step": "int64",
+    "timestamp": "float64",
+    "rank": "int64",
+    "process": "string",
 }
+REQUIRED_FIELDS = tuple(name for name in FIELDS if name != "process")
+# A record without a process name belongs to the process "rank{rank}".
+DEFAULT_PROCESS_PREFIX = "rank"
+# JSON has no NaN or infinity: JSON lines spell them as these strings (and a reader also
+# takes the bare NaN / Infinity tokens that Python's json module writes).
+NONFINITE_SPELLING = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 # An extra column of the writer's Parquet segments: each record's key_hash(key). Readers
 # that know it group on one integer instead of a string; others ignore it (SPEC 2).
 KEY_HASH = "key_hash"
 
 DATA_SUFFIXES = (".jsonl", ".parquet", ".journal")
-PARQUET_META_KEY = "metriclog"
-SHUTDOWN_EVENT = "shutdown"
-SEGMENT_EVENT = "segment"
 # Timestamps a reader accepts, in Unix epoch seconds: 1970-01-01 to 2286-11-20 (UTC).
 # Others (and NaN, infinities) are not a clock's and are skipped as bad records.
 TIMESTAMP_RANGE = (0.0, 1e10)
@@ -93,30 +95,18 @@ def keys_by_hash(keys: Iterable[str], mask: int = -1) -> dict[int, str] | None:
 
 
 def default_process_name(rank: int) -> str:
-    """The process name a reader fills in when a record has none."""
-    return f"rank{rank}"
+    """The process name a reader fills in when a record has none.
 
-
-def to_jsonl(df: pl.DataFrame) -> bytes:
-    """JSONL of a frame, rows in order, vectorized unless a float is NaN or infinite.
-
-    JSON has no NaN or infinity and polars writes them as null, so a frame holding one is
-    written row by row with those floats as "NaN", "Infinity" or "-Infinity", which the
-    reader parses back exactly.
+    >>> default_process_name(3)
+    'rank3'
     """
-    floats = [c for c, t in df.schema.items() if t == pl.Float64]
-    finite = pl.all_horizontal(
-        [pl.col(c).is_finite() | pl.col(c).is_null() for c in floats] or [pl.lit(True)]
-    )
-    if df.height == 0 or df.select(finite.all()).item():
-        buf = io.BytesIO()
-        df.write_ndjson(buf)
-        return buf.getvalue()
-    lines = []
-    for row in df.iter_rows(named=True):
-        for c in floats:
-            v = row[c]
-            if v is not None and not math.isfinite(v):
-                row[c] = "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-        lines.append(json.dumps(row, separators=(",", ":")))
-    return ("\n".join(lines) + "\n").encode()
+    return f"{DEFAULT_PROCESS_PREFIX}{rank}"
+
+
+def spell_float(value: float) -> float | str:
+    """A float as JSON lines hold it: itself when finite, else its spelling.
+
+    >>> spell_float(1.5), spell_float(float("-inf"))
+    (1.5, '-Infinity')
+    """
+    return value if math.isfinite(value) else NONFINITE_SPELLING[repr(value)]

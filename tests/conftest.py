@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +48,9 @@ def write_collector_run(
 ) -> list[dict]:
     """Write a run with one MetricCollector per source; return every raw record written.
 
-    ``shutdown``: True ends cleanly, False uncleanly (sealed, no end marker), None not at
-    all (the last segment stays a journal, as after a kill).
+    ``shutdown``: True ends cleanly, False uncleanly (``abort()``: sealed, no end marker),
+    None not at all: the source is written by a forked child that is then SIGKILLed, so
+    its last segment stays a journal, as after any kill.
 
     Each source records keys with several values per step, some keys only on some steps,
     with known timestamps (about one step per second, sources slightly apart).
@@ -54,51 +58,73 @@ def write_collector_run(
     rng = np.random.default_rng(seed)
     truth: list[dict] = []
     for process, rank in sources:
-        c = MetricCollector(
-            run_dir,
-            rank=rank,
-            process_name=process,
-            file_format=file_format,
-            segment_records=segment_records,
-            step=first_step,
-        )
-        for step in range(first_step, first_step + steps):
-            for key, red, n in (
-                ("trainer/loss", Reduce.MEAN, 3),
-                ("trainer/grad_norm", Reduce.MAX, 2),
-                ("policy/tokens", Reduce.SUM, 4),
-                ("policy/latency_s", Reduce.STD, 5),
-            ):
-                if key == "policy/tokens" and step % 3 == rank % 3:
-                    continue  # missing on some steps
-                for _ in range(n):
-                    value = float(rng.normal(1e8 if red is Reduce.STD else 0.0, 1.0))
-                    ts = BASE_TIME + step * 1.0 + float(rng.uniform(0.0, 0.9)) + rank * 0.01
-                    c.push(Metric(key, value, red, ts))
-                    truth.append(
-                        {
-                            "process": process,
-                            "rank": rank,
-                            "step": step,
-                            "key": key,
-                            "value": value,
-                            "reduction": red.value,
-                            "timestamp": ts,
-                        }
-                    )
-            c.flush(step)
-        if shutdown:
-            c.shutdown()
-        elif shutdown is False:
-            c._close_unclean()
+        source = _source_records(rng, process, rank, range(first_step, first_step + steps))
+        truth += [r for step_records in source for r in step_records]
+
+        def write(source=source, process=process, rank=rank) -> MetricCollector:
+            c = MetricCollector(
+                run_dir,
+                rank=rank,
+                process_name=process,
+                file_format=file_format,
+                segment_records=segment_records,
+                step=first_step,
+            )
+            for step, step_records in enumerate(source, start=first_step):
+                for r in step_records:
+                    c.push(Metric(r["key"], r["value"], Reduce(r["reduction"]), r["timestamp"]))
+                c.flush(step)
+            return c
+
+        if shutdown is None:
+            killed_after(write)
+        elif shutdown:
+            write().shutdown()
         else:
-            abandon(c)
+            write().abort()
     return truth
 
 
-def abandon(c: MetricCollector) -> None:
-    """Leave a collector as a SIGKILL would after its last flush: its journal open, unsealed."""
-    c._stop.set()
-    c._thread.join(timeout=5)
-    c._closed = True
-    os.close(c._writer._fd)
+def _source_records(rng: np.random.Generator, process: str, rank: int, steps: range) -> list[list[dict]]:
+    out = []
+    for step in steps:
+        records = []
+        for key, red, n in (
+            ("trainer/loss", Reduce.MEAN, 3),
+            ("trainer/grad_norm", Reduce.MAX, 2),
+            ("policy/tokens", Reduce.SUM, 4),
+            ("policy/latency_s", Reduce.STD, 5),
+        ):
+            if key == "policy/tokens" and step % 3 == rank % 3:
+                continue  # missing on some steps
+            for _ in range(n):
+                value = float(rng.normal(1e8 if red is Reduce.STD else 0.0, 1.0))
+                ts = BASE_TIME + step * 1.0 + float(rng.uniform(0.0, 0.9)) + rank * 0.01
+                records.append(
+                    {
+                        "process": process,
+                        "rank": rank,
+                        "step": step,
+                        "key": key,
+                        "value": value,
+                        "reduction": red.value,
+                        "timestamp": ts,
+                    }
+                )
+        out.append(records)
+    return out
+
+
+def killed_after(work: Callable[[], object]) -> None:
+    """Run ``work`` in a forked child that then SIGKILLs itself: no shutdown, no exit handler,
+    nothing sealed; what is on disk is what a kill leaves."""
+    pid = os.fork()
+    if pid == 0:  # the child: never return into the test runner
+        try:
+            work()
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, "the writing child failed (see stderr)"

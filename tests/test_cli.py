@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 import pytest
+from metriclog.main import app
 from typer.testing import CliRunner
 
-from cli.main import app
 from metric_core import MetricCollector, Reduce
 
 from .conftest import write_collector_run

@@ -161,12 +161,12 @@ def test_past_the_memory_bound_records_are_dropped_counted_and_shown(tmp_path, f
         ledger.refused.clear()
         metric_core.shutdown()
         ledger.check(run_dir, dropped_allowed=True)
-        from metric_core.inspect import inspect_run, verdict
+        from metric_core.offline.inspect import inspect_run
 
         report = inspect_run(scan_run(run_dir))
-        assert report["sources"][0]["dropped"] == 3000
+        assert report.sources[0].dropped == 3000
         assert any(
-            "recorded 3000 record(s) that its writer could not write" in line for line in verdict(report)
+            "recorded 3000 record(s) that its writer could not write" in line for line in report.verdict()
         )
 
 

@@ -17,12 +17,12 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from metriclog.main import app
 from typer.testing import CliRunner
 
-from cli.main import app
 from metric_core import MetricCollector, scan_run
 
-from .conftest import abandon
+from .conftest import killed_after
 from .test_reader import jsonl, rec, values
 
 runner = CliRunner()
@@ -201,12 +201,15 @@ def test_a_directory_that_cannot_be_listed_is_said(tmp_path):
 
 
 def test_a_journal_damaged_in_the_middle_is_read_up_to_the_damage_and_said(tmp_path):
-    c = MetricCollector(tmp_path, process_name="w", flush_interval=60)
-    for step in range(4):
-        for i in range(10):
-            c.record("k", float(step * 10 + i))
-        c.flush(step)
-    abandon(c)
+
+    def write() -> None:
+        c = MetricCollector(tmp_path, process_name="w", flush_interval=60)
+        for step in range(4):
+            for i in range(10):
+                c.record("k", float(step * 10 + i))
+            c.flush(step)
+
+    killed_after(write)
     (path,) = tmp_path.glob("*.journal")
     data = bytearray(path.read_bytes())
     # The third record frame: the header, one key frame and two record frames of 10 records

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from metriclog.main import app
 from typer.testing import CliRunner
 
-from cli.main import app
 from metric_core import Metric, MetricCollector, Reduce, scan_run
-from metric_core.inspect import inspect_run
-from metric_core.plan import make_plan
-from metric_core.plot import plot_run
-from metric_core.reduce import execute
+from metric_core.offline.engine import execute
+from metric_core.offline.inspect import inspect_run
+from metric_core.offline.plan import make_plan
+from metric_core.offline.plot import plot_run
 
 runner = CliRunner()
 T0 = 1_760_000_000.0
@@ -50,8 +51,8 @@ def source(
         c.flush(step)
     if end == "shutdown":
         c.shutdown()
-    else:
-        c._stop.set()  # the writer thread stops too: what is on disk is what a kill leaves
+    # else: left as it is, with flush_interval=3600 its writer thread writes nothing more:
+    # what is on disk is what a kill leaves
 
 
 def write_meta(run_dir: Path, world_size: int) -> None:
@@ -79,25 +80,25 @@ def crashed(tmp_path, request):
 
 def test_inspect_reports_exactly_the_known_failures(crashed):
     report = inspect_run(scan_run(crashed))
-    by_rank = {s["rank"]: s for s in report["sources"]}
-    assert report["world_size"] == 6
-    assert report["missing_ranks"] == [5]
-    assert {r: s["status"] for r, s in by_rank.items()} == {
+    by_rank = {s.rank: s for s in report.sources}
+    assert report.world_size == 6
+    assert report.missing_ranks == [5]
+    assert {r: s.status for r, s in by_rank.items()} == {
         0: "finished",
         1: "stopped_early",
         2: "stopped_early",
         3: "finished",
         4: "finished",
     }
-    assert by_rank[1]["last_step"] == 40 and by_rank[2]["last_step"] == 70
-    assert by_rank[1]["clean_shutdown"] is False and by_rank[0]["clean_shutdown"] is True
+    assert by_rank[1].last_step == 40 and by_rank[2].last_step == 70
+    assert by_rank[1].clean_shutdown is False and by_rank[0].clean_shutdown is True
     newest = T0 + 99 * STEP_S + 9.0 + 0.2
-    assert by_rank[1]["lag_s"] == pytest.approx(newest - (T0 + 40 * STEP_S + 0.2))
-    assert by_rank[0]["records"] == 300 and by_rank[0]["keys"] == 2
-    first = report["first_to_stop"]
-    assert (first["process"], first["rank"], first["last_step"]) == ("TrainActor_r1", 1, 40)
-    assert first["last_values"] == {"trainer/grad_norm": float(40 % 7), "trainer/loss": 1.0 / 41}
-    assert report["nonfinite"] == [
+    assert by_rank[1].lag_s == pytest.approx(newest - (T0 + 40 * STEP_S + 0.2))
+    assert by_rank[0].records == 300 and by_rank[0].keys == 2
+    first = report.first_to_stop
+    assert (first.process, first.rank, first.last_step) == ("TrainActor_r1", 1, 40)
+    assert first.last_values == {"trainer/grad_norm": float(40 % 7), "trainer/loss": 1.0 / 41}
+    assert [dataclasses.asdict(n) for n in report.nonfinite] == [
         {
             "process": "TrainActor_r3",
             "rank": 3,
@@ -107,9 +108,7 @@ def test_inspect_reports_exactly_the_known_failures(crashed):
             "count": 2 * 45,
         }
     ]
-    assert [(s["process"], round(s["worst_lag_s"], 6)) for s in report["stragglers"]] == [
-        ("TrainActor_r4", 9.0)
-    ]
+    assert [(s.process, round(s.worst_lag_s, 6)) for s in report.stragglers] == [("TrainActor_r4", 9.0)]
 
 
 def test_a_clean_run_reports_nothing(tmp_path):
@@ -119,11 +118,11 @@ def test_a_clean_run_reports_nothing(tmp_path):
     source(run, "TrainActor_r0", 0, range(50))
     source(run, "TrainActor_r1", 1, range(50))
     report = inspect_run(scan_run(run))
-    assert report["missing_ranks"] == []
-    assert report["first_to_stop"] is None
-    assert report["nonfinite"] == []
-    assert report["stragglers"] == []
-    assert {s["status"] for s in report["sources"]} == {"finished"}
+    assert report.missing_ranks == []
+    assert report.first_to_stop is None
+    assert report.nonfinite == []
+    assert report.stragglers == []
+    assert {s.status for s in report.sources} == {"finished"}
 
 
 def test_a_job_that_died_together_is_unfinished_not_stopped_early(tmp_path):
@@ -132,7 +131,7 @@ def test_a_job_that_died_together_is_unfinished_not_stopped_early(tmp_path):
     for rank in range(3):
         source(run, f"TrainActor_r{rank}", rank, range(30), end="killed")
     report = inspect_run(scan_run(run))
-    assert {s["status"] for s in report["sources"]} == {"unfinished"}
+    assert {s.status for s in report.sources} == {"unfinished"}
 
 
 def test_the_quiet_threshold_follows_each_sources_own_cadence(tmp_path):
@@ -144,14 +143,12 @@ def test_the_quiet_threshold_follows_each_sources_own_cadence(tmp_path):
         for step in range(last + 1):
             c.push(Metric("x", 1.0, Reduce.MEAN, T0 + step * step_s))
             c.flush(step)
-        c._stop.set()
     # fast ends at T0+1000; slow at T0+1000 too. Add a third, fast source that ends 300 s early.
     c = MetricCollector(run, rank=2, process_name="fast_quiet", flush_interval=3600)
     for step in range(351):
         c.push(Metric("x", 1.0, Reduce.MEAN, T0 + step * 2.0))
         c.flush(step)
-    c._stop.set()
-    statuses = {s["process"]: s["status"] for s in inspect_run(scan_run(run))["sources"]}
+    statuses = {s.process: s.status for s in inspect_run(scan_run(run)).sources}
     assert statuses == {"fast": "unfinished", "slow": "unfinished", "fast_quiet": "stopped_early"}
 
 
@@ -190,10 +187,10 @@ def test_inspect_command_table_verdict_and_json(crashed):
 def test_sample_run_names_its_killed_generator_first_to_stop():
     sample = Path(__file__).resolve().parent.parent / "sample_logs" / "rl_run"
     report = inspect_run(scan_run(sample))
-    first = report["first_to_stop"]
-    assert (first["process"], first["status"]) == ("GeneratorActor_r1", "stopped_early")
-    gen = next(s for s in report["sources"] if s["process"] == "GeneratorActor_r1")
-    assert gen["truncated"] and gen["skipped"] > 0 and not gen["clean_shutdown"]
+    first = report.first_to_stop
+    assert (first.process, first.status) == ("GeneratorActor_r1", "stopped_early")
+    gen = next(s for s in report.sources if s.process == "GeneratorActor_r1")
+    assert gen.truncated and gen.skipped > 0 and not gen.clean_shutdown
 
 
 def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path):
@@ -201,7 +198,7 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
     out = tmp_path / "loss.png"
     fig = plot_run(scan, make_plan(keys=["trainer/*"]), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "crashed" in fig._suptitle.get_text()
+    assert "crashed" in fig.get_suptitle()
     ax_grad, ax_loss = fig.axes  # keys sorted
     assert ax_loss.get_ylabel() == "trainer/loss" and ax_loss.get_xlabel() == "step"
     truth = execute(make_plan(keys=["trainer/loss"]), scan).frame

@@ -11,8 +11,8 @@ import pytest
 
 from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
 from metric_core.errors import MetricLogError, MixedReductionError
-from metric_core.plan import PlanError, Statistic, key_matcher, make_plan
-from metric_core.reduce import _fused_keys, execute, reduce_run
+from metric_core.offline.engine import execute, reduce_run
+from metric_core.offline.plan import PlanError, Statistic, key_matcher, make_plan
 
 from .conftest import ONE_KEY_PER_REDUCTION, write_collector_run
 
@@ -280,16 +280,16 @@ def test_steps_that_do_not_fit_the_integer_grouping_fall_back_to_strings(tmp_pat
     truth = write_collector_run(tmp_path, SOURCES_PARQUET, steps=6, first_step=first_step)
     scan = scan_run(tmp_path)
     assert scan.hashed and scan.step_range == (first_step, first_step + 5)
-    assert _fused_keys(make_plan(), scan, ["trainer/loss"]) is None, why
-    check(execute(make_plan(), scan).frame, expected(truth))
+    result = execute(make_plan(), scan)
+    assert result.grouped_on == "key", why
+    check(result.frame, expected(truth))
 
 
 def test_global_reduce_by_step_groups_on_one_integer_when_every_file_is_hashed(run):
     root, _ = run
     scan = scan_run(root)
-    keys = scan.key_reductions()["key"]
-    assert (_fused_keys(make_plan(), scan, keys) is not None) == scan.hashed
-    assert _fused_keys(make_plan(mode="per_rank_reduce"), scan, keys) is None
+    assert execute(make_plan(), scan).grouped_on == ("key_hash" if scan.hashed else "key")
+    assert execute(make_plan(mode="per_rank_reduce"), scan).grouped_on == "key"
 
 
 def test_keys_whose_hashes_collide_fall_back_to_strings(tmp_path, monkeypatch):
@@ -297,8 +297,9 @@ def test_keys_whose_hashes_collide_fall_back_to_strings(tmp_path, monkeypatch):
 
     truth = write_collector_run(tmp_path, SOURCES_PARQUET, steps=4)
     monkeypatch.setattr(schema, "key_hash", lambda key: 1 << 40)  # every key alike
-    assert _fused_keys(make_plan(), scan_run(tmp_path), ["a", "b"]) is None
-    check(reduce_run(tmp_path), expected(truth))
+    result = execute(make_plan(), scan_run(tmp_path))
+    assert result.grouped_on == "key"
+    check(result.frame, expected(truth))
 
 
 def test_a_foreign_file_among_the_writers_files_is_grouped_by_key_strings(tmp_path):
@@ -340,9 +341,8 @@ def test_a_sealed_file_rewritten_with_its_metadata_kept_is_an_error_not_a_silent
 def test_odd_key_patterns_match_as_fnmatch_does(tmp_path, pattern):
     import fnmatch
 
+    from metriclog.main import app
     from typer.testing import CliRunner
-
-    from cli.main import app
 
     keys = ["[!]", "[a-", "[]", "]", "a", "!"]
     c = MetricCollector(tmp_path, process_name="p")

@@ -16,13 +16,17 @@ from types import SimpleNamespace
 import numpy as np
 import polars as pl
 import pytest
+from metriclog.main import app
 from typer.testing import CliRunner
 
-from cli.main import app
-from metric_core import Metric, MetricCollector, Reduce, scan_run, upload
-from metric_core.plan import make_plan
-from metric_core.reduce import execute
-from metric_core.upload import Ledger, UploadError, plan_upload, safe_keys, upload_plan
+from metric_core import Metric, MetricCollector, Reduce, scan_run
+from metric_core.errors import UploadError
+from metric_core.offline.engine import execute
+from metric_core.offline.plan import make_plan
+from metric_core.offline.upload import plan as upload_plan_module
+from metric_core.offline.upload.ledger import Ledger
+from metric_core.offline.upload.plan import plan_upload, safe_keys
+from metric_core.offline.upload.send import Destination, send_runs
 
 from .conftest import BASE_TIME, write_collector_run
 from .wandb_file import config_of, find_run_file, history_rows, metric_definitions, read_records, run_record
@@ -156,7 +160,7 @@ def test_every_mode_lands_in_wandb_as_the_spec_maps_it(tmp_path, small_run, mode
 def test_history_rows_are_exact_from_any_row_a_resume_starts_at(tmp_path, monkeypatch, mode):
     """Missing keys are left out, a NaN is sent as NaN, steps stay ints; rows are built a
     chunk at a time (4 here) and a resume may start anywhere, mid-chunk included."""
-    monkeypatch.setattr(upload, "HISTORY_CHUNK_ROWS", 4)
+    monkeypatch.setattr(upload_plan_module, "HISTORY_CHUNK_ROWS", 4)
     c = MetricCollector(tmp_path, rank=0, process_name="w")
     raw, wide = [], []
     for step in range(10):
@@ -339,12 +343,12 @@ def test_an_interrupted_online_upload_resumes_at_the_servers_next_row(tmp_path, 
     (run,) = planned.runs
     first = FakeRun(fail_logs_at=2)
     with pytest.raises(UploadError, match="logging to W&B failed 6 times: 429"):
-        upload_plan(planned, ledger, project="p", init=FakeInit(first), sleep=lambda s: None)
+        send_runs(planned, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
     assert ledger.get(run.run_id)["rows_sent"] == 2
     assert not ledger.get(run.run_id)["finished"]
     second = FakeRun(server_rows=2)
     fake = FakeInit(second)
-    (outcome,) = upload_plan(planned, ledger, project="p", init=fake, sleep=lambda s: None)
+    (outcome,) = send_runs(planned, ledger, Destination("p"), init=fake, sleep=lambda s: None)
     assert fake.calls[0]["resume"] == "must" and fake.calls[0]["id"] == run.run_id
     assert outcome.action == "resumed" and "at row 2" in outcome.message
     assert [r["step"] for r in first.logged + second.logged] == list(range(run.rows))  # no row twice
@@ -355,7 +359,7 @@ def test_init_failures_are_retried_with_backoff(tmp_path, planned):
     ledger = Ledger(tmp_path / "uploads.json")
     delays: list[float] = []
     fake = FakeInit(FakeRun(), failures=2)
-    (outcome,) = upload_plan(planned, ledger, project="p", init=fake, sleep=delays.append)
+    (outcome,) = send_runs(planned, ledger, Destination("p"), init=fake, sleep=delays.append)
     assert delays == [1.0, 2.0]
     assert outcome.rows_sent == planned.runs[0].rows
 
@@ -387,7 +391,7 @@ def test_a_read_only_run_directory_falls_back_even_as_root(tmp_path, monkeypatch
 
 KILL_CHILD = """
 import sys
-from cli.main import main
+from metriclog.main import main
 sys.argv = ["metriclog", "upload", sys.argv[1], "--project", "p", "--offline", "--mode", "per_rank_no_reduce",
             "--per-rank-share-run"]
 main()
@@ -428,23 +432,23 @@ def test_a_killed_offline_upload_is_redone_as_a_fresh_offline_run(tmp_path):
 
 
 def test_wandb_limits_are_checked_before_anything_is_sent():
-    from metric_core.upload import MAX_POINTS_PER_METRIC, PlannedRun, _limit_warnings
+    from metric_core.offline.upload.plan import MAX_POINTS_PER_METRIC, PlannedRun, limit_warnings
 
     rows = MAX_POINTS_PER_METRIC + 1
     columns = {"step": np.arange(rows), "loss": np.zeros(rows)}
     many = PlannedRun("id", "exp1", None, None, columns, "step", ["loss"])
-    (warning,) = _limit_warnings([many])
+    (warning,) = limit_warnings([many])
     assert f"up to {rows:,} points per metric" in warning
     assert "--by time --every" in warning
     # a raw run counts the points of its busiest key, not its rows
     n = 2 * MAX_POINTS_PER_METRIC
     raw = {"key": np.arange(n) % 2, "value": np.zeros(n), "step": np.arange(n), "timestamp": np.zeros(n)}
-    assert _limit_warnings([PlannedRun("id4", "raw", None, None, raw, None, ["a", "b"], raw=True)]) == []
+    assert limit_warnings([PlannedRun("id4", "raw", None, None, raw, None, ["a", "b"], raw=True)]) == []
     raw["key"] = np.zeros(n, dtype=int)
-    (warning,) = _limit_warnings([PlannedRun("id5", "raw", None, None, raw, None, ["a", "b"], raw=True)])
+    (warning,) = limit_warnings([PlannedRun("id5", "raw", None, None, raw, None, ["a", "b"], raw=True)])
     assert f"up to {n:,} points per metric" in warning
     keys = [f"k{i}" for i in range(10_000)]
     wide = PlannedRun("id2", "exp2", None, None, {"step": np.arange(1)}, "step", keys)
-    assert any("10,000 distinct metrics" in w for w in _limit_warnings([wide]))
+    assert any("10,000 distinct metrics" in w for w in limit_warnings([wide]))
     few = {name: column[:10] for name, column in columns.items()}
-    assert _limit_warnings([PlannedRun("id3", "ok", None, None, few, "step", ["loss"])]) == []
+    assert limit_warnings([PlannedRun("id3", "ok", None, None, few, "step", ["loss"])]) == []

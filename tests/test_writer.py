@@ -316,27 +316,17 @@ def test_background_flush_makes_records_durable_without_a_flush_call(tmp_path):
 
 
 def test_seal_interval_seals_an_open_segment(tmp_path):
-    c = MetricCollector(tmp_path, rank=0, seal_interval=0.0)
+    import time
+
+    c = MetricCollector(tmp_path, rank=0, seal_interval=0.0, flush_interval=0.05)
     c.record("k", 1.0)
     c.flush(0)
-    c._writer.seal_ready()
+    deadline = time.time() + 10
+    while time.time() < deadline and [p.suffix for p in tmp_path.iterdir()] != [".parquet"]:
+        time.sleep(0.02)  # the writer thread seals it
     assert [p.suffix for p in tmp_path.iterdir()] == [".parquet"]
     c.shutdown()
     assert read_back(tmp_path)["value"].to_list() == [1.0]
-
-
-def test_only_the_writer_imports_nothing_heavy(tmp_path):
-    import subprocess
-    import sys
-
-    code = (
-        "import sys, metric_core\n"
-        f"metric_core.init({str(tmp_path)!r})\n"
-        "metric_core.record_metric('a', 1.0); metric_core.flush(0); metric_core.shutdown()\n"
-        "print('wandb' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
 
 
 def test_logging_mode_enum_is_what_backends_take():

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import errno
 import json
 import os
@@ -38,24 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from metric_core import journal
+from metric_core import journal, records
 from metric_core.atomic import create_exclusive, new_hidden_file, publish
-from metric_core.backends import LoggerBackend
 from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, WriteError, warn
 from metric_core.metric import BackendRole, Metric
-from metric_core.schema import (
-    KEY_HASH,
-    PARQUET_META_KEY,
-    SEGMENT_EVENT,
-    SHUTDOWN_EVENT,
-    segment_stem,
-    to_jsonl,
-)
+from metric_core.schema import KEY_HASH, segment_stem
+from metric_core.segment import PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
+from metric_core.writer.backends import LoggerBackend
 
 FILE_FORMATS = ("parquet", "jsonl")
 # Dictionary-encode only where values repeat: hashing every float would cost more than it saves.
@@ -129,7 +123,7 @@ class RawFileWriter(LoggerBackend):
         self._seal_lock = threading.Lock()
         self._own_codes: dict[tuple[str, str], int] = {}
         self._own_table: list[tuple[str, str]] = []
-        journal.warm_up()
+        records.warm_up()
 
     # -- LoggerBackend -----------------------------------------------------------------
 
@@ -152,22 +146,21 @@ class RawFileWriter(LoggerBackend):
 
     def log_stream_batch(self, batch: pa.RecordBatch, global_step: int) -> None:
         """Append a batch in the record schema (its own step column is kept)."""
-        df = pl.from_arrow(batch)
-        assert isinstance(df, pl.DataFrame)
-        pairs = df.select("key", "reduction").unique().iter_rows()
-        for key, reduction in pairs:
-            self._own_code(key, reduction)
-        lookup = pl.DataFrame(
-            {
-                "key": [k for k, _ in self._own_table],
-                "reduction": [r for _, r in self._own_table],
-                "code": np.arange(len(self._own_table), dtype=np.float64),
-            }
+        pairs = pa.StructArray.from_arrays(
+            [batch.column("key").cast(pa.string()), batch.column("reduction").cast(pa.string())],
+            names=["key", "reduction"],
+        ).dictionary_encode()
+        own = np.array([self._own_code(p["key"], p["reduction"]) for p in pairs.dictionary.to_pylist()])
+        codes = own[pairs.indices.to_numpy(zero_copy_only=False)].astype(np.float64)
+        values = batch.column("value").to_numpy(zero_copy_only=False).astype(np.float64)
+        times = batch.column("timestamp").to_numpy(zero_copy_only=False).astype(np.float64)
+        steps = batch.column("step").to_numpy(zero_copy_only=False)
+        starts: list[int] = (
+            np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]]).tolist() if len(steps) else []
         )
-        coded = df.join(lookup, on=["key", "reduction"], how="left", maintain_order="left")
-        for (step,), part in coded.group_by("step", maintain_order=True):
-            rows = part.select("value", "code", "timestamp").to_numpy().astype(np.float64)
-            self.enqueue(int(step), rows.tobytes(), len(rows), self._own_table)  # type: ignore[arg-type]
+        for lo, hi in zip(starts, [*starts[1:], len(steps)], strict=True):  # runs of one step, in order
+            rows = np.column_stack([values[lo:hi], codes[lo:hi], times[lo:hi]])
+            self.enqueue(int(steps[lo]), rows.tobytes(), hi - lo, self._own_table)
         self.write()
 
     def _own_code(self, key: str, reduction: str) -> int:
@@ -388,27 +381,22 @@ class RawFileWriter(LoggerBackend):
 
     def _seal(self, path: Path) -> None:
         decoded = journal.decode(path.read_bytes())
-        table = decoded.table if decoded.table is not None else journal.DECODED_SCHEMA.empty_table()
+        table = decoded.table if decoded.table is not None else records.empty_decoded()
         final = path.with_suffix("." + self.file_format)
         clean_shutdown = decoded.shutdown is not None
-        meta = {
-            "supersedes": path.name,
-            "records": table.num_rows,
-            "process": self.process,
-            "rank": self.rank,
-            "clean_shutdown": clean_shutdown,
-            "timestamp": decoded.shutdown if clean_shutdown else time.time(),
+        meta = SegmentMeta(
+            supersedes=path.name,
+            records=table.num_rows,
+            process=self.process,
+            rank=self.rank,
+            clean_shutdown=clean_shutdown,
+            timestamp=decoded.shutdown if decoded.shutdown is not None else time.time(),
             # Each key's reduction, the step and time ranges: a reader knows them without a pass.
-            "keys": [list(pair) for pair in decoded.pairs],
-            "steps": _bounds(table, "step"),
-            "timestamps": _bounds(table, "timestamp"),
-        }
-        if decoded.dropped:
-            meta["dropped"] = decoded.dropped
-        if self.file_format == "jsonl":  # a reader may then parse values as plain numbers
-            meta["nonfinite"] = (
-                table.num_rows - pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
-            )
+            keys=tuple(decoded.pairs),
+            steps=_bounds(table, "step"),
+            timestamps=_bounds(table, "timestamp"),
+            dropped=tuple(decoded.dropped),
+        )
         with new_hidden_file(final) as (f, tmp):
             if self.file_format == "parquet":
                 with pq.ParquetWriter(
@@ -420,16 +408,16 @@ class RawFileWriter(LoggerBackend):
                     write_statistics=_STATS_COLUMNS,
                 ) as w:
                     w.write_table(table, row_group_size=_ROW_GROUP_RECORDS)
-                    w.add_key_value_metadata({PARQUET_META_KEY: json.dumps(meta)})
+                    w.add_key_value_metadata({PARQUET_KEY: meta.to_json()})
             else:
-                frame = pl.from_arrow(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
-                assert isinstance(frame, pl.DataFrame)
-                body = to_jsonl(frame.with_columns(pl.col(pl.Categorical).cast(pl.String)))
+                body = records.to_jsonl(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
                 if clean_shutdown:
-                    end = {"process": self.process, "rank": self.rank, "timestamp": decoded.shutdown}
-                    body += _event_line(SHUTDOWN_EVENT, end)
-                meta["bytes"] = len(body)  # after the first line: a reader checks the size, not each line
-                f.write(_event_line(SEGMENT_EVENT, meta))
+                    end = {"event": SHUTDOWN_EVENT, "process": self.process, "rank": self.rank}
+                    body += (json.dumps({**end, "timestamp": decoded.shutdown}) + "\n").encode()
+                finite = pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
+                # A reader then parses values as plain numbers, and checks the size, not each line.
+                meta = dataclasses.replace(meta, nonfinite=table.num_rows - finite, bytes=len(body))
+                f.write(meta.jsonl_line())
                 f.write(body)
             f.flush()
             if self.fsync:
@@ -452,15 +440,11 @@ def _merge_drops(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
     }
 
 
-def _bounds(table: pa.Table, column: str) -> list[Any] | None:
+def _bounds(table: pa.Table, column: str) -> Any:
     if table.num_rows == 0:
         return None
     bounds = pc.min_max(table[column]).as_py()
-    return [bounds["min"], bounds["max"]]
-
-
-def _event_line(event: str, meta: dict[str, Any]) -> bytes:
-    return (json.dumps({"event": event, **meta}) + "\n").encode()
+    return (bounds["min"], bounds["max"])
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -1,6 +1,6 @@
 """The three logging modes, computed offline from a run's raw records.
 
-A ``ReducePlan`` (``metric_core.plan``) says what to compute and knows nothing about
+A ``ReducePlan`` (``metric_core.offline.plan``) says what to compute and knows nothing about
 how; ``execute`` turns a plan into one lazy polars query and runs it
 on the streaming engine, reading only the columns the mode needs. Memory grows with
 the number of output groups (and, for median/pNN, with the values of one group), not
@@ -22,10 +22,10 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MetricLogError, MixedReductionError, NoDataError
+from metric_core.errors import MetricLogError, MixedReductionError, NoDataError, PlanError, StrictModeError
 from metric_core.metric import LoggingMode
-from metric_core.plan import PlanError, ReducePlan, Statistic, key_matcher, make_plan
-from metric_core.reader import RunScan, scan_run
+from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
+from metric_core.offline.read import RunScan, changed_files_said, scan_run
 from metric_core.schema import KEY_HASH, key_hash, keys_by_hash
 
 
@@ -37,6 +37,9 @@ class ReduceResult:
     plan: ReducePlan
     scan: RunScan
     warnings: list[str] = field(default_factory=list)
+    # What the groups were found by: "key" (the key strings), or "key_hash" (the writer's
+    # key hashes fused with the step into one integer: global_reduce by step, see _fused_keys).
+    grouped_on: str = "key"
 
 
 def _filtered(
@@ -75,6 +78,7 @@ def _selected_keys(plan: ReducePlan, recorded: pl.DataFrame) -> list[str] | None
     return [key for key in recorded["key"].unique().sort() if match(key)]
 
 
+@changed_files_said
 def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
     """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served."""
     recorded = scan.key_reductions()
@@ -98,7 +102,10 @@ def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
         out = _aggregate(plan, lf, _key_statistics(plan, scan, recorded, keys), fused, scan.hashed)
     if out.height == 0:
         raise NoDataError(str(scan.run_dir), "no record matches the filters")
-    return ReduceResult(frame=out, plan=plan, scan=scan, warnings=warnings)
+    grouped_on = (
+        "key_hash" if fused is not None and plan.mode is not LoggingMode.PER_RANK_NO_REDUCE else "key"
+    )
+    return ReduceResult(frame=out, plan=plan, scan=scan, warnings=warnings, grouped_on=grouped_on)
 
 
 _STEP_BITS = 24  # steps below 2**24 fit in the low bits of a key hash that has them cleared
@@ -261,11 +268,27 @@ def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
 
     ``options`` are those of ``make_plan``: mode, by, every, reduce, keys, ranks, steps.
 
-    >>> df = reduce_run("sample_logs/rl_run", mode="global_reduce", keys=["trainer/*"])  # doctest: +SKIP
-    >>> df.columns  # doctest: +SKIP
+    >>> df = reduce_run("sample_logs/rl_run", keys=["trainer/loss"], steps="0:2")
+    >>> df.columns
     ['step', 'key', 'value', 'reduction', 'count']
+    >>> df["count"].to_list()
+    [32, 32]
     """
-    return execute(make_plan(**options), scan_run(run_dir)).frame
+    return run_plan(run_dir, make_plan(**options)).frame
+
+
+def run_plan(
+    run_dir: str | os.PathLike[str], plan: ReducePlan, *, strict: bool = False, follow_symlinks: bool = False
+) -> ReduceResult:
+    """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
+
+    Raises ``StrictModeError`` when ``strict`` and the reader skipped anything.
+    """
+    scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
+    summary = scan.report.summary()
+    if strict and summary:
+        raise StrictModeError(summary)
+    return execute(plan, scan)
 
 
 def pivot_wide(frame: pl.DataFrame, plan: ReducePlan) -> pl.DataFrame:

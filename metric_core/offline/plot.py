@@ -11,23 +11,41 @@ first non-finite value of a source gets a dotted red line. One subplot per key.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MetricLogError
-from metric_core.inspect import inspect_run
+from metric_core.errors import MetricLogError, PlanError
 from metric_core.metric import LoggingMode
-from metric_core.plan import ReducePlan
-from metric_core.reader import RunScan
-from metric_core.reduce import execute
+from metric_core.offline.engine import execute
+from metric_core.offline.inspect import InspectReport, inspect_run
+from metric_core.offline.plan import ReducePlan
+from metric_core.offline.read import RunScan, changed_files_said, scan_run
 
 MAX_KEYS = 12
 
 
-def plot_run(scan: RunScan, plan: ReducePlan, out: Path | None = None) -> Any:
-    """Draw ``plan``'s keys of a run; save a PNG to ``out`` if given; return the Figure."""
+@changed_files_said
+def plot_run(
+    run: RunScan | str | os.PathLike[str],
+    plan: ReducePlan,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    follow_symlinks: bool = False,
+) -> Any:
+    """Draw ``plan``'s keys of a run (a directory, or a scan of one); save a PNG to ``out``
+    if given; return the matplotlib Figure.
+
+    >>> from metric_core import make_plan
+    >>> fig = plot_run("sample_logs/rl_run", make_plan(keys=["trainer/loss"]))
+    >>> fig.axes[0].get_ylabel()
+    'trainer/loss'
+    """
+    if out is not None and Path(out).suffix.lower() != ".png":
+        raise PlanError(f"--out {out}: the plot is a PNG; name it FILE.png")
+    scan = run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks)
     try:
         import matplotlib
 
@@ -95,27 +113,23 @@ def plot_run(scan: RunScan, plan: ReducePlan, out: Path | None = None) -> Any:
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
     fig.tight_layout()
     if out is not None:
-        fig.savefig(out, dpi=110)
+        fig.savefig(Path(out), dpi=110)
     return fig
 
 
-def _mark(ax: Any, health: dict[str, Any], key: str, x_col: str, recorders: set[tuple[str, int]]) -> None:
+def _mark(ax: Any, health: InspectReport, key: str, x_col: str, recorders: set[tuple[str, int]]) -> None:
     """Dashed line where a source of this key stopped; dotted red line at its first non-finite value."""
-    for source in health["sources"]:
-        if source["status"] == "finished" or (source["process"], source["rank"]) not in recorders:
+    for source in health.sources:
+        if source.status == "finished" or (source.process, source.rank) not in recorders:
             continue
-        x = source["last_timestamp"] if x_col != "step" else source["last_step"]
+        x = source.last_timestamp if x_col != "step" else source.last_step
         ax.axvline(
-            x,
-            color="grey",
-            linestyle="--",
-            linewidth=1,
-            label=f"{source['process']} stopped ({source['status']})",
+            x, color="grey", linestyle="--", linewidth=1, label=f"{source.process} stopped ({source.status})"
         )
-    for item in health["nonfinite"]:
-        if item["key"] != key:
+    for item in health.nonfinite:
+        if item.key != key:
             continue
-        x = item["first_timestamp"] if x_col != "step" else item["first_step"]
+        x = item.first_timestamp if x_col != "step" else item.first_step
         ax.axvline(
-            x, color="red", linestyle=":", linewidth=1.5, label=f"non-finite from here: {item['process']}"
+            x, color="red", linestyle=":", linewidth=1.5, label=f"non-finite from here: {item.process}"
         )

@@ -19,14 +19,17 @@ cadence; the worst such lag is reported.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
-from metric_core.reader import FileReport, RunScan
+from metric_core.offline.read import FileReport, RunScan, changed_files_said, scan_run
 from metric_core.schema import KEY_HASH, keys_by_hash
 
 QUIET_FACTOR = 10.0
@@ -35,13 +38,105 @@ STRAGGLER_FACTOR = 3.0
 _ROLE = re.compile(r"_r\d+$")
 
 
-def inspect_run(scan: RunScan) -> dict[str, Any]:
-    """The inspect object of SPEC section 6 for a scanned run.
+@dataclass
+class SourceHealth:
+    """One source (process, rank) of the run."""
 
-    >>> report = inspect_run(scan_run("sample_logs/rl_run"))  # doctest: +SKIP
-    >>> report["first_to_stop"]["process"]  # doctest: +SKIP
-    'GeneratorActor_r1'
+    process: str
+    rank: int
+    files: int
+    skipped: int
+    truncated: bool
+    dropped: int  # recorded, but its writer could not write them (its D frames)
+    records: int
+    keys: int
+    first_step: int
+    last_step: int
+    first_timestamp: float
+    last_timestamp: float
+    lag_s: float  # the newest record of any source minus this source's newest
+    cadence_s: float | None  # its median gap between consecutive steps
+    clean_shutdown: bool
+    status: str  # "finished", "stopped_early" or "unfinished"
+
+
+@dataclass
+class FirstToStop:
+    """The source that stopped first, and its last value of every key (NaN stays NaN)."""
+
+    process: str
+    rank: int
+    last_step: int
+    last_timestamp: float
+    lag_s: float
+    status: str
+    last_values: dict[str, float]
+
+
+@dataclass
+class NonFinite:
+    """Where a source's key first held NaN or an infinity, and how many it held."""
+
+    process: str
+    rank: int
+    key: str
+    first_step: int
+    first_timestamp: float
+    count: int
+
+
+@dataclass
+class Straggler:
+    """A source that reached a step far later than the fastest source of its role."""
+
+    process: str
+    rank: int
+    worst_lag_s: float
+    at_step: int
+
+
+@dataclass
+class InspectReport:
+    """What ``inspect_run`` found; ``to_json()`` is the object of SPEC section 6."""
+
+    run_dir: str
+    name: str
+    world_size: int | None
+    missing_ranks: list[int]
+    sources: list[SourceHealth]
+    first_to_stop: FirstToStop | None
+    nonfinite: list[NonFinite]
+    stragglers: list[Straggler]
+    skipped_records: int
+    unreadable_files: list[str]
+    # What the reader skipped, for stderr (not part of the JSON object).
+    read_summary: str = field(default="", repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        del out["read_summary"]
+        return out
+
+    def to_json(self) -> str:
+        """Strict JSON: a number that is not finite (NaN, infinity) becomes null."""
+        return _strict_json(self.to_dict())
+
+    def verdict(self) -> list[str]:
+        """The plain-words verdict that follows the table."""
+        return _verdict(self)
+
+
+@changed_files_said
+def inspect_run(run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool = False) -> InspectReport:
+    """Per-source health and what stopped first, for a run directory (or a scan of one).
+
+    >>> report = inspect_run("sample_logs/rl_run")
+    >>> report.first_to_stop.process, report.first_to_stop.last_step
+    ('GeneratorActor_r1', 150)
+    >>> [s.status for s in report.sources]
+    ['unfinished', 'stopped_early', 'unfinished', 'unfinished']
     """
+    scan = run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks)
     per_step, per_key = _aggregate(scan)
     steps = per_step.group_by("process", "rank", "step").agg(pl.col("reached").min(), pl.col("done").max())
     summary = (
@@ -75,46 +170,47 @@ def inspect_run(scan: RunScan) -> dict[str, Any]:
         typical, longest = cadence.get(source, (None, None))
         lag = float(newest - row["last_timestamp"])  # type: ignore[operator]
         sources.append(
-            {
-                "process": row["process"],
-                "rank": row["rank"],
+            SourceHealth(
+                process=row["process"],
+                rank=row["rank"],
                 **_file_health(scan, row["file_ids"]),
-                "records": row["records"],
-                "keys": row["keys"],
-                "first_step": row["first_step"],
-                "last_step": row["last_step"],
-                "first_timestamp": row["first_timestamp"],
-                "last_timestamp": row["last_timestamp"],
-                "lag_s": lag,
-                "cadence_s": typical,
-                "clean_shutdown": source in clean,
-                "status": _status(source in clean, lag, typical, longest),
-            }
+                records=row["records"],
+                keys=row["keys"],
+                first_step=row["first_step"],
+                last_step=row["last_step"],
+                first_timestamp=row["first_timestamp"],
+                last_timestamp=row["last_timestamp"],
+                lag_s=lag,
+                cadence_s=typical,
+                clean_shutdown=source in clean,
+                status=_status(source in clean, lag, typical, longest),
+            )
         )
     world_size = scan.meta.get("world_size")
     present = set(summary["rank"].to_list())
     missing = sorted(set(range(int(world_size))) - present) if isinstance(world_size, int) else []
-    return {
-        "run_dir": str(scan.run_dir),
-        "name": scan.name,
-        "world_size": world_size if isinstance(world_size, int) else None,
-        "missing_ranks": missing,
-        "sources": sources,
-        "first_to_stop": _first_to_stop(per_key, sources),
-        "nonfinite": [
-            {k: row[k] for k in ("process", "rank", "key", "first_step", "first_timestamp", "count")}
+    return InspectReport(
+        run_dir=str(scan.run_dir),
+        name=scan.name,
+        world_size=world_size if isinstance(world_size, int) else None,
+        missing_ranks=missing,
+        sources=sources,
+        first_to_stop=_first_to_stop(per_key, sources),
+        nonfinite=[
+            NonFinite(**row)
             for row in nonfinite.sort("first_timestamp", "process", "rank", "key").iter_rows(named=True)
         ],
-        "stragglers": _stragglers(steps, cadence),
-        "skipped_records": scan.report.skipped_records,
-        "unreadable_files": [str(f.path) for f in scan.report.unreadable_files],
-    }
+        stragglers=_stragglers(steps, cadence),
+        skipped_records=scan.report.skipped_records,
+        unreadable_files=[str(f.path) for f in scan.report.unreadable_files],
+        read_summary=scan.report.summary(),
+    )
 
 
-def to_json(report: dict[str, Any]) -> str:
-    """The report as strict JSON: a number that is not finite (NaN, infinity) becomes null.
+def _strict_json(report: dict[str, Any]) -> str:
+    """JSON with every non-finite number as null.
 
-    >>> to_json({"last_values": {"loss": float("nan")}})
+    >>> _strict_json({"last_values": {"loss": float("nan")}})
     '{\n  "last_values": {\n    "loss": null\n  }\n}'
     """
 
@@ -250,32 +346,32 @@ def _file_health(scan: RunScan, file_ids: list[int]) -> dict[str, Any]:
     }
 
 
-def _first_to_stop(per_key: pl.DataFrame, sources: list[dict[str, Any]]) -> dict[str, Any] | None:
-    candidates = [s for s in sources if s["status"] == "stopped_early"] or [
-        s for s in sources if s["status"] == "unfinished" and s["lag_s"] > 0
+def _first_to_stop(per_key: pl.DataFrame, sources: list[SourceHealth]) -> FirstToStop | None:
+    candidates = [s for s in sources if s.status == "stopped_early"] or [
+        s for s in sources if s.status == "unfinished" and s.lag_s > 0
     ]
     if not candidates:
         return None
-    first = min(candidates, key=lambda s: (s["last_timestamp"], s["process"], s["rank"]))
+    first = min(candidates, key=lambda s: (s.last_timestamp, s.process, s.rank))
     last_values = (
-        per_key.filter((pl.col("process") == first["process"]) & (pl.col("rank") == first["rank"]))
+        per_key.filter((pl.col("process") == first.process) & (pl.col("rank") == first.rank))
         .select("key", "last_value")
         .sort("key")
     )
-    return {
-        "process": first["process"],
-        "rank": first["rank"],
-        "last_step": first["last_step"],
-        "last_timestamp": first["last_timestamp"],
-        "lag_s": first["lag_s"],
-        "status": first["status"],
-        "last_values": dict(last_values.iter_rows()),  # NaN stays a float; to_json writes null
-    }
+    return FirstToStop(
+        process=first.process,
+        rank=first.rank,
+        last_step=first.last_step,
+        last_timestamp=first.last_timestamp,
+        lag_s=first.lag_s,
+        status=first.status,
+        last_values=dict(last_values.iter_rows()),  # NaN stays a float; to_json writes null
+    )
 
 
 def _stragglers(
     steps: pl.DataFrame, cadence: dict[tuple[str, int], tuple[float | None, float | None]]
-) -> list[dict]:
+) -> list[Straggler]:
     role = pl.col("process").str.replace(_ROLE.pattern, "")
     behind = (
         steps.with_columns(role=role)
@@ -289,50 +385,49 @@ def _stragglers(
     for process, rank, worst, at_step in behind.iter_rows():
         typical = cadence.get((process, rank), (None, None))[0]
         if typical and worst > STRAGGLER_FACTOR * typical:
-            out.append({"process": process, "rank": rank, "worst_lag_s": worst, "at_step": at_step})
-    return sorted(out, key=lambda s: -s["worst_lag_s"])
+            out.append(Straggler(process, rank, worst, at_step))
+    return sorted(out, key=lambda s: -s.worst_lag_s)
 
 
-def verdict(report: dict[str, Any]) -> list[str]:
-    """The plain-words verdict that follows the table."""
+def _verdict(report: InspectReport) -> list[str]:
     from datetime import datetime
 
     def when(ts: float) -> str:
         return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
 
     lines = []
-    if report["missing_ranks"]:
+    if report.missing_ranks:
         lines.append(
-            f"Ranks {', '.join(map(str, report['missing_ranks']))} of world_size {report['world_size']} "
+            f"Ranks {', '.join(map(str, report.missing_ranks))} of world_size {report.world_size} "
             "never wrote a record."
         )
-    for src in report["sources"]:
-        if src.get("dropped"):
+    for src in report.sources:
+        if src.dropped:
             lines.append(
-                f"{src['process']} (rank {src['rank']}) recorded {src['dropped']} record(s) that its writer "
+                f"{src.process} (rank {src.rank}) recorded {src.dropped} record(s) that its writer "
                 "could not write (its disk was full or its directory gone for too long): they are missing."
             )
-    first = report["first_to_stop"]
+    first = report.first_to_stop
     if first:
-        kind = "stopped early" if first["status"] == "stopped_early" else "stopped first"
+        kind = "stopped early" if first.status == "stopped_early" else "stopped first"
         lines.append(
-            f"{first['process']} (rank {first['rank']}) {kind}: last record at step {first['last_step']}, "
-            f"{when(first['last_timestamp'])}, {_duration(first['lag_s'])} before the newest record "
+            f"{first.process} (rank {first.rank}) {kind}: last record at step {first.last_step}, "
+            f"{when(first.last_timestamp)}, {_duration(first.lag_s)} before the newest record "
             "of the run."
         )
-        values = ", ".join(f"{k}={_fmt(v)}" for k, v in first["last_values"].items())
+        values = ", ".join(f"{k}={_fmt(v)}" for k, v in first.last_values.items())
         lines.append(f"  its last values: {values}")
-    for item in report["nonfinite"]:
+    for item in report.nonfinite:
         lines.append(
-            f"Non-finite values in {item['key']} on {item['process']} (rank {item['rank']}) from step "
-            f"{item['first_step']} ({when(item['first_timestamp'])}), {item['count']} in all."
+            f"Non-finite values in {item.key} on {item.process} (rank {item.rank}) from step "
+            f"{item.first_step} ({when(item.first_timestamp)}), {item.count} in all."
         )
-    for s in report["stragglers"]:
+    for s in report.stragglers:
         lines.append(
-            f"Straggler: {s['process']} (rank {s['rank']}) reached step {s['at_step']} "
-            f"{_duration(s['worst_lag_s'])} after the fastest of its role."
+            f"Straggler: {s.process} (rank {s.rank}) reached step {s.at_step} "
+            f"{_duration(s.worst_lag_s)} after the fastest of its role."
         )
-    statuses = [s["status"] for s in report["sources"]]
+    statuses = [s.status for s in report.sources]
     if not lines:
         if all(st == "finished" for st in statuses):
             lines.append("Every source finished cleanly; no non-finite values.")
@@ -342,9 +437,9 @@ def verdict(report: dict[str, Any]) -> list[str]:
             )
     elif all(st == "finished" for st in statuses):
         lines.append("Every source recorded a clean shutdown.")
-    if report["skipped_records"] or report["unreadable_files"]:
+    if report.skipped_records or report.unreadable_files:
         lines.append(
-            f"{report['skipped_records']} record(s) and {len(report['unreadable_files'])} file(s) "
+            f"{report.skipped_records} record(s) and {len(report.unreadable_files)} file(s) "
             "could not be read (see the warning above)."
         )
     return lines

@@ -1,6 +1,6 @@
-"""cli.background: work in a forked child, its result or its exit code back in the parent.
+"""upload's overlap: work in a forked child, its result or its error back in the parent.
 
-A fresh interpreter runs each case, as the CLI does: polars not yet loaded, so it forks.
+A fresh interpreter runs each case, as the command line does: polars not yet loaded, so it forks.
 """
 
 from __future__ import annotations
@@ -10,29 +10,29 @@ import sys
 
 import pytest
 
-from cli import background
+from metric_core.offline.upload import overlap
 
 SCRIPT = """
 import os, sys
-import typer
-from cli import background
+from metric_core.errors import MetricLogError, NoDataError
+from metric_core.offline.upload import overlap
 
 def work():
     case = sys.argv[1]
-    if case == "exit":
-        typer.echo("Error: told to stop", err=True)
-        raise typer.Exit(3)
+    if case == "error":
+        raise NoDataError("runs/x", "told to stop")
     if case == "crash":
         raise ValueError("boom")
     if case == "died":
         os._exit(9)
     return {"pid": os.getpid(), "data": list(range(3))}
 
-pending = background.start(work)
+pending = overlap.start(work)
 try:
     result = pending()
-except typer.Exit as exc:
-    sys.exit(exc.exit_code)
+except MetricLogError as exc:
+    print(type(exc).__name__, getattr(exc, "where", None), exc, file=sys.stderr)
+    sys.exit(3)
 print(result["pid"] != os.getpid(), result["data"])
 """
 
@@ -48,16 +48,17 @@ def test_the_result_comes_back_from_another_process():
 
 
 @pytest.mark.parametrize(
-    ("case", "code", "says"),
+    ("case", "says"),
     [
-        ("exit", 3, "Error: told to stop"),  # reported by the child, once
-        ("crash", 1, "ValueError: boom"),  # an unexpected error keeps its traceback
-        ("died", 1, "Error: the process reading the run ended early (exit code 9)"),
+        # raised again in the parent, with its type, message and fields
+        ("error", "NoDataError runs/x no readable metric record in runs/x: told to stop"),
+        ("crash", "ValueError: boom"),  # a bug keeps its traceback (printed by the child)
+        ("died", "the process reading the run ended early (exit code 9)"),
     ],
 )
-def test_a_failure_in_the_child_is_the_exit_code_of_the_parent(case, code, says):
+def test_a_failure_in_the_child_is_raised_in_the_parent(case, says):
     done = run(case)
-    assert done.returncode == code
+    assert done.returncode == 3
     assert done.stderr.count(says) == 1, done.stderr
 
 
@@ -65,7 +66,7 @@ def test_with_polars_loaded_the_work_runs_here_when_asked():
     import polars  # noqa: F401  (its thread pool would not survive a fork)
 
     calls = []
-    pending = background.start(lambda: calls.append(1) or "done")
+    pending = overlap.start(lambda: calls.append(1) or "done")
     assert calls == []
     assert pending() == "done" and calls == [1]
 
@@ -75,10 +76,12 @@ def test_upload_forks_before_polars_loads():
     polars loaded, upload would read the run in this process instead of in a child."""
     script = (
         "import sys\n"
-        "from cli.main import _plan, Mode, By\n"
-        "from metric_core import upload\n"
-        "_plan(Mode.per_rank_reduce, By.time, '10s', ['loss=p99'], ['trainer/*'], '0-3', '5:9')\n"
-        "upload.has_credentials()\n"
+        "from metric_core import LoggingMode\n"
+        "from metric_core.offline.plan import By\n"
+        "from metric_core.offline.upload import send\n"
+        "from metriclog import options\n"
+        "options.plan(LoggingMode.PER_RANK_REDUCE, By.TIME, '10s', ['p=p99'], ['t/*'], '0-3', '5:9')\n"
+        "send.has_credentials()\n"
         "print('polars' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

@@ -90,11 +90,11 @@ def make_backend(name: str, config: dict[str, Any] | LoggerBackend) -> LoggerBac
     if config.get("logging_mode") in (LoggingMode.GLOBAL_REDUCE, LoggingMode.GLOBAL_REDUCE.value):
         raise ConfigError(_global_reduce_message(name))
     if name == "console":
-        from metric_core.backends.console import ConsoleBackend
+        from metric_core.writer.backends.console import ConsoleBackend
 
         return ConsoleBackend(config)
     if name == "wandb":
-        from metric_core.backends.wandb import WandbBackend
+        from metric_core.writer.backends.wandb import WandbBackend
 
         return WandbBackend(config)
     if name in ("jsonl", "parquet"):

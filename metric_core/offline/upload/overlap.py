@@ -1,9 +1,8 @@
 """Work done in a forked child process while this process does something else.
 
-``metriclog upload`` reads and reduces the run (polars) in a child while it imports
-wandb itself, which takes about half a second: on two cores the two overlap. The child
-reports its own errors on the shared stderr, as the command would have; the parent
-only learns the exit code.
+``upload_run`` reads and reduces the run (polars) in a child while it imports wandb
+itself, which takes about half a second: on two cores the two overlap. The child sends
+back its result, or the ``MetricLogError`` it raised, which is raised again here.
 
 Where a fork is unsafe the work runs in this process instead, when its result is asked
 for: polars already loaded (its thread pool does not survive a fork; so under the test
@@ -19,8 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-import click
-import typer
+from metric_core.errors import MetricLogError
 
 T = TypeVar("T")
 
@@ -46,30 +44,31 @@ def start(work: Callable[[], T]) -> Callable[[], T]:
             try:
                 status, value = receive.recv()
             except EOFError:
-                child.join()
-                typer.echo(
-                    f"Error: the process reading the run ended early (exit code {child.exitcode}); "
-                    "run again, and report it if it happens again",
-                    err=True,
-                )
-                raise typer.Exit(1) from None
+                status, value = "died", None
         child.join()
-        if status == "exit":
-            raise typer.Exit(value)
-        return value  # type: ignore[no-any-return]
+        if status == "ok":
+            return value  # type: ignore[no-any-return]
+        if status == "error":
+            raise value
+        if status == "interrupted":
+            raise KeyboardInterrupt
+        raise MetricLogError(
+            f"the process reading the run ended early (exit code {child.exitcode}); "
+            "run again, and report it if it happens again"
+        )
 
     return result
 
 
 def _child(work: Callable[[], Any], send: Connection) -> None:
     try:
-        message = ("ok", work())
-    except (typer.Exit, click.exceptions.Exit) as exc:  # already reported on stderr
-        message = ("exit", exc.exit_code)
+        message: tuple[str, Any] = ("ok", work())
+    except MetricLogError as exc:
+        message = ("error", exc)
     except KeyboardInterrupt:
-        message = ("exit", 130)
+        message = ("interrupted", None)
     except BaseException:
-        traceback.print_exc()
-        message = ("exit", 1)
+        traceback.print_exc()  # a bug: its traceback is the report
+        message = ("died", None)
     with send:
         send.send(message)

@@ -1,6 +1,6 @@
 """What to compute: a ``ReducePlan`` (mode, grouping, statistics per key, filters).
 
-A plan knows nothing about how it is computed (``metric_core.reduce.execute`` runs it
+A plan knows nothing about how it is computed (``metric_core.offline.engine.execute`` runs it
 on polars) and imports nothing heavy, so the command line checks its options, and
 ``metriclog upload`` forks its reducing child, before polars loads.
 """
@@ -11,8 +11,9 @@ import fnmatch
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
-from metric_core.errors import MetricLogError
+from metric_core.errors import PlanError
 from metric_core.metric import LoggingMode
 
 BASIC_STATS = ("mean", "sum", "max", "min", "std")
@@ -20,8 +21,11 @@ OFFLINE_STATS = ("count", "median", "first", "last")
 _PERCENTILE = re.compile(r"^p(\d{1,2}(?:\.\d+)?|100)$")
 
 
-class PlanError(MetricLogError):
-    """A request that cannot be turned into a plan (bad statistic, pattern, range)."""
+class By(str, Enum):
+    """What a reducing mode groups records by, besides the key (and the source)."""
+
+    STEP = "step"
+    TIME = "time"
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class Statistic:
 
 @dataclass(frozen=True)
 class ReducePlan:
-    """What to compute; ``metric_core.reduce.execute`` computes it.
+    """What to compute; ``metric_core.offline.engine.execute`` computes it.
 
     ``overrides`` are (glob, statistic) pairs; for a key matched by several, the last
     one given wins. ``ranks`` are inclusive ranges; ``steps`` is a half-open
@@ -176,23 +180,31 @@ def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, Statistic], ...]:
 def make_plan(
     *,
     mode: LoggingMode | str = LoggingMode.GLOBAL_REDUCE,
-    by: str = "step",
+    by: By | str = By.STEP,
     every: float | str | None = None,
     reduce: Sequence[str] | dict[str, str] = (),
     keys: Sequence[str] = (),
     ranks: str | Sequence[tuple[int, int]] = (),
     steps: str | tuple[int | None, int | None] | None = None,
 ) -> ReducePlan:
-    """Build a plan from command-line style options (strings are parsed)."""
+    """Build a plan from command-line style options (strings are parsed).
+
+    >>> make_plan(mode="per_rank_reduce", by="time", every="30s", reduce=["loss=p99"]).overrides
+    (('loss', Statistic(name='p99', quantile=0.99)),)
+    """
     try:
         mode = LoggingMode(mode)
     except ValueError:
         allowed = ", ".join(m.value for m in LoggingMode)
         raise PlanError(f"--mode '{mode}' is not one of {allowed}") from None
+    try:
+        by = By(by)
+    except ValueError:
+        raise PlanError(f"--by must be step or time, not '{by}'") from None
     items = [f"{k}={v}" for k, v in reduce.items()] if isinstance(reduce, dict) else list(reduce)
     return ReducePlan(
         mode=mode,
-        by=by,
+        by=by.value,
         every=parse_duration(every) if isinstance(every, str) else every,
         overrides=parse_overrides(items),
         keys=tuple(keys),

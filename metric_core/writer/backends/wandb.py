@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from metric_core.backends import LoggerBackend
 from metric_core.errors import ConfigError
 from metric_core.metric import BackendRole, LoggingMode, Metric
+from metric_core.writer.backends import LoggerBackend
 
 
 class WandbBackend(LoggerBackend):

@@ -1,0 +1,5 @@
+"""``python -m metriclog``."""
+
+from .main import main
+
+main()

@@ -1,0 +1,94 @@
+"""The command line's option types, shared by the commands that take them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from metric_core.metric import LoggingMode
+from metric_core.offline.plan import By, ReducePlan, make_plan
+
+RunDir = Annotated[
+    Path,
+    typer.Argument(
+        metavar="RUN_DIR", help="Run directory holding *.parquet / *.jsonl files.", show_default=False
+    ),
+]
+FollowSymlinks = Annotated[
+    bool,
+    typer.Option(
+        "--follow-symlinks",
+        help="Also read files and directories that symlinks in RUN_DIR lead to outside it.",
+    ),
+]
+Mode = Annotated[LoggingMode, typer.Option("--mode", help="Logging mode to compute.")]
+ByOpt = Annotated[By, typer.Option("--by", help="Group by training step or by wall-clock window.")]
+Every = Annotated[
+    str | None,
+    typer.Option("--every", metavar="DURATION", help="Window length with --by time: 10s, 500ms, 5m, 1h."),
+]
+Reduce = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--reduce",
+        metavar="PATTERN=STAT",
+        help="PATTERN=STAT: reduce matching keys with STAT (mean, sum, max, min, std, "
+        "count, median, pNN, first, last). Repeatable; the last match wins.",
+    ),
+]
+Keys = Annotated[
+    list[str] | None,
+    typer.Option("--key", metavar="PATTERN", help="Only keys matching this glob. Repeatable."),
+]
+Ranks = Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Only these ranks, e.g. 0,2-5.")]
+Steps = Annotated[
+    str | None,
+    typer.Option(
+        "--steps", metavar="START:STOP", help="Only steps START:STOP (STOP excluded), e.g. 100:200."
+    ),
+]
+Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
+OutFile = Annotated[
+    Path | None, typer.Option("--out", metavar="FILE", help="Write to FILE.parquet, .csv or .jsonl.")
+]
+Wide = Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")]
+
+# upload
+Project = Annotated[str, typer.Option("--project", metavar="PROJECT", help="W&B project.")]
+Entity = Annotated[str | None, typer.Option("--entity", metavar="ENTITY", help="W&B entity (team or user).")]
+Group = Annotated[str | None, typer.Option("--group", metavar="GROUP", help="W&B group [default: --name].")]
+Name = Annotated[
+    str | None, typer.Option("--name", metavar="NAME", help="Run name [default: the run directory's name].")
+]
+ShareRun = Annotated[
+    bool, typer.Option("--per-rank-share-run", help="Per-rank modes: one shared run, keys {key}/{process}.")
+]
+Offline = Annotated[
+    bool, typer.Option("--offline", help="Write W&B offline runs, to sync later with `wandb sync`.")
+]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the runs, rows and keys; upload nothing.")]
+ForceNew = Annotated[bool, typer.Option("--force-new", help="Upload finished runs again under fresh ids.")]
+
+# inspect and plot
+Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]
+PlotKeys = Annotated[
+    list[str], typer.Option("--key", metavar="PATTERN", help="Keys to plot (glob). Repeatable.")
+]
+PngFile = Annotated[Path, typer.Option("--out", metavar="FILE.png", help="Where to write the PNG.")]
+
+
+def plan(
+    mode: LoggingMode,
+    by: By,
+    every: str | None,
+    reduce: list[str] | None,
+    keys: list[str] | None,
+    ranks: str | None,
+    steps: str | None,
+) -> ReducePlan:
+    """The plan the shared options ask for; bad syntax raises ``PlanError`` (a usage error)."""
+    return make_plan(
+        mode=mode, by=by, every=every, reduce=reduce or (), keys=keys or (), ranks=ranks or (), steps=steps
+    )

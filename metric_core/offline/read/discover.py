@@ -1,0 +1,189 @@
+"""Finding a run's files: the listing (symlinks, loops, a journal sealed meanwhile),
+run.json, and the writer's metadata of each sealed segment."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from metric_core.offline.read.report import FileReport, ReadReport, rel
+from metric_core.schema import DATA_SUFFIXES
+from metric_core.segment import PARQUET_KEY, SEGMENT_EVENT, SegmentMeta
+
+_MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the segment
+# run.json values past these are not a run's: ignored and said.
+MAX_WORLD_SIZE = 1 << 20
+
+
+def list_data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> list[Path]:
+    """The data files, listed twice: a directory listing is no snapshot, so a journal sealed
+    while it is listed can be missing from it under both its names. The second listing holds
+    the sealed segment of every journal that vanished during the first."""
+    first = set(_data_files(root, ReadReport(run_dir=root), follow_symlinks=follow_symlinks))
+    second = set(_data_files(root, report, follow_symlinks=follow_symlinks))
+    vanished = {p for p in first - second if p.suffix == ".journal"}
+    return sorted(second | vanished)
+
+
+def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Iterator[Path]:
+    """Every data file below ``root``, each real file once; what is not read goes in ``report``."""
+    real_root = root.resolve()
+    top = root.stat()
+    seen: dict[tuple[int, int], Path] = {(top.st_dev, top.st_ino): root}
+
+    def unlisted(exc: OSError) -> None:
+        where = Path(exc.filename) if exc.filename else root
+        report.skipped_paths.append((where, f"directory not read ({exc.strerror or exc})"))
+
+    def inside(path: Path) -> bool:
+        return path == real_root or real_root in path.parents
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unlisted, followlinks=follow_symlinks):
+        here = Path(dirpath)
+        kept = []
+        for d in sorted(dirnames):
+            if d.startswith("."):
+                continue
+            path = here / d
+            if path.is_symlink() and not follow_symlinks:
+                why = "inside" if inside(path.resolve()) else "outside"
+                report.skipped_paths.append(
+                    (
+                        path,
+                        f"symlink to a directory {why} the run directory, not followed "
+                        f"(--follow-symlinks follows it)",
+                    )
+                )
+                continue
+            try:
+                st = path.stat()
+            except OSError as exc:
+                unlisted(exc)
+                continue
+            if (st.st_dev, st.st_ino) in seen:  # a loop, or a directory linked twice
+                report.notices.append(
+                    f"{rel(path, root)} is {rel(seen[(st.st_dev, st.st_ino)], root)} again: read once"
+                )
+                continue
+            seen[(st.st_dev, st.st_ino)] = path
+            kept.append(d)
+        dirnames[:] = kept
+        for name in sorted(filenames):
+            if name.startswith(".") or not name.endswith(DATA_SUFFIXES):
+                continue
+            path = here / name
+            try:
+                if path.is_symlink() and not follow_symlinks and not inside(path.resolve()):
+                    report.skipped_paths.append(
+                        (
+                            path,
+                            f"symlink to {os.readlink(path)}, outside the run directory: not read "
+                            "(--follow-symlinks reads it)",
+                        )
+                    )
+                    continue
+                st = path.stat()
+            except FileNotFoundError:
+                if name.endswith(".journal"):
+                    yield path  # sealed meanwhile: read from its sealed segment
+                continue
+            except OSError as exc:
+                report.skipped_paths.append((path, f"not read ({exc.strerror or exc})"))
+                continue
+            first = seen.get((st.st_dev, st.st_ino))
+            if first is not None:
+                report.notices.append(f"{rel(path, root)} is the same file as {rel(first, root)}: read once")
+                continue
+            seen[(st.st_dev, st.st_ino)] = path
+            yield path
+
+
+def read_run_json(root: Path, report: ReadReport) -> dict[str, Any]:
+    """run.json's fields, each checked; a broken file or field is reported and left out."""
+    path = root / "run.json"
+    if not path.exists():
+        return {}
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        report.notices.append(f"run.json: not valid JSON ({exc}); its metadata is ignored: fix or remove it")
+        return {}
+    if not isinstance(meta, dict):
+        report.notices.append(
+            f'run.json: must hold a JSON object, e.g. {{"world_size": 8}}, not {type(meta).__name__}; ignored'
+        )
+        return {}
+    checks = {
+        "world_size": lambda v: type(v) is int and 1 <= v <= MAX_WORLD_SIZE,
+        "name": lambda v: isinstance(v, str) and 0 < len(v) <= 1024,
+        "config": lambda v: isinstance(v, dict),
+    }
+    wanted = {
+        "world_size": f"an integer from 1 to {MAX_WORLD_SIZE:,}",
+        "name": "a non-empty string",
+        "config": "a JSON object",
+    }
+    for key, ok in checks.items():
+        if meta.get(key) is not None and not ok(meta[key]):
+            shown = json.dumps(meta[key])
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            report.notices.append(f"run.json: '{key}' must be {wanted[key]}, not {shown}; ignored")
+            del meta[key]
+    return meta
+
+
+def _parquet_meta(path: Path) -> SegmentMeta | None:
+    try:
+        kv = pl.read_parquet_metadata(path)
+    except Exception:
+        return None
+    raw = kv.get(PARQUET_KEY)
+    return None if raw is None else SegmentMeta.parse(raw)
+
+
+def _jsonl_segment_meta(path: Path) -> SegmentMeta | None:
+    """The writer's first line of a sealed JSONL segment, if this file has one."""
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(_MAX_SEGMENT_LINE)
+        obj = json.loads(first)
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(obj, dict) and obj.get("event") == SEGMENT_EVENT):
+        return None
+    meta = SegmentMeta.parse(obj)
+    return None if meta is None else dataclasses.replace(meta, first_line_bytes=len(first))
+
+
+def writer_meta(path: Path) -> SegmentMeta | None:
+    """What our writer recorded about a sealed segment, if it is one."""
+    if path.suffix == ".parquet":
+        return _parquet_meta(path)
+    if path.suffix == ".jsonl":
+        return _jsonl_segment_meta(path)
+    return None
+
+
+def take_declared(rep: FileReport, meta: SegmentMeta) -> None:
+    """What a sealed segment's writer declared in its metadata."""
+    rep.keys = None if meta.keys is None else list(meta.keys)
+    rep.steps, rep.timestamps = meta.steps, meta.timestamps
+    rep.dropped = [d for d in meta.dropped if type(d.get("records")) is int]
+
+
+def superseded_tails(metas: dict[Path, SegmentMeta | None]) -> dict[Path, str]:
+    """Journals that a sealed segment already holds (a kill between rename and unlink)."""
+    present = set(metas)
+    out = {}
+    for path, meta in metas.items():
+        if meta is not None:
+            tail = path.parent / meta.supersedes
+            if tail in present:
+                out[tail] = path.name
+    return out

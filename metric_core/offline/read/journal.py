@@ -1,0 +1,75 @@
+"""Journals: the open tail of a source, read up to its last whole, intact frame."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from metric_core.offline.read.discover import writer_meta
+from metric_core.offline.read.jsonl import read_jsonl
+from metric_core.offline.read.parquet import scan_parquet
+from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
+from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
+
+
+def read_journal(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+    from metric_core import journal  # pyarrow: only for runs that hold a journal
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return _read_sealed_replacement(path, rep, report)
+    except OSError as exc:
+        rep.unreadable = str(exc)
+        return None
+    decoded = journal.decode(data)
+    if decoded.problems and decoded.table is None:
+        rep.unreadable = "; ".join(decoded.problems)
+        return None
+    if decoded.process is not None and decoded.rank is not None:
+        rep.source = (decoded.process, decoded.rank)
+        if decoded.shutdown is not None:
+            report.shutdowns.append(Shutdown(decoded.process, decoded.rank, decoded.shutdown))
+    rep.dropped = decoded.dropped
+    for problem in decoded.problems:
+        rep.skip(problem, 0)
+    if decoded.truncated:
+        rep.truncated = True
+        rep.skip(
+            "unfinished write at the end (the writer was killed mid-write, or is writing now)",
+            decoded.truncated_records,
+        )
+    if decoded.unknown_codes:
+        rep.skip("key code without a key definition", decoded.unknown_codes)
+    if decoded.table is None or decoded.table.num_rows == 0:
+        return None
+    df = pl.from_arrow(decoded.table)
+    assert isinstance(df, pl.DataFrame)
+    ok = df.select(plausible(pl.col("timestamp"))).to_series()
+    if not ok.all():
+        rep.skip(BAD_TIME, int((~ok).sum()))
+        df = df.filter(ok)
+        if df.height == 0:
+            return None
+    rep.records += df.height
+    rep.keys, rep.hashed = decoded.pairs, True
+    rep.steps = (int(df["step"].min()), int(df["step"].max()))  # type: ignore[arg-type]
+    rep.timestamps = (float(df["timestamp"].min()), float(df["timestamp"].max()))  # type: ignore[arg-type]
+    return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
+
+
+def _read_sealed_replacement(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+    """A journal that vanished after it was listed: its writer sealed it meanwhile, so read
+    the sealed segment that names it (which the listing, made before, did not hold)."""
+    for suffix in (".parquet", ".jsonl"):
+        sealed = path.with_suffix(suffix)
+        meta = writer_meta(sealed)
+        if meta is not None and meta.supersedes == path.name:
+            rep.path, rep.format = sealed, suffix.lstrip(".")
+            if suffix == ".parquet":
+                frame, trusted, _ = scan_parquet(sealed, meta, rep, report)
+                return frame if trusted else None
+            return read_jsonl(sealed, meta, rep, report)
+    rep.unreadable = "deleted while it was being read, and no sealed segment replaces it"
+    return None

@@ -1,0 +1,168 @@
+"""JSONL files: the writer's sealed segments (typed, scanned lazily) and any other tool's.
+
+Every field is read as text and cast in bulk with polars' NDJSON parser; only a file
+polars cannot parse at all falls back to a line-by-line pass that finds the bad lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+
+from metric_core.offline.read.discover import take_declared
+from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
+from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
+from metric_core.schema import spell_float
+from metric_core.segment import SegmentMeta
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_TRUNCATED = "half-written last line (the writer was killed mid-write)"
+_BINARY_MAGIC = {
+    b"\x1f\x8b": "gzip-compressed",
+    b"PK": "zip-compressed",
+    b"\x28\xb5\x2f\xfd": "zstd-compressed",
+    b"BZh": "bzip2-compressed",
+    b"PAR1": "a Parquet file",
+}
+
+
+def read_jsonl(
+    path: Path, sealed: SegmentMeta | None, rep: FileReport, report: ReadReport
+) -> pl.LazyFrame | None:
+    if (
+        sealed is not None
+        and sealed.nonfinite == 0
+        and (sealed.records == 0 or sealed.plausible_times)
+        and _intact(path, sealed)
+    ):
+        return _scan_sealed_jsonl(path, sealed, rep, report)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        rep.unreadable = str(exc)
+        return None
+    kind = _binary_kind(data)
+    if kind is not None:
+        rep.unreadable = f"{kind} data, not JSON lines" + (
+            ": decompress it first (e.g. gunzip)" if kind.endswith("compressed") else ""
+        )
+        return None
+    if data and not data.endswith(b"\n"):
+        cut = data.rfind(b"\n") + 1
+        last = data[cut:]
+        if _is_json_object(last):
+            data += b"\n"
+        else:
+            rep.truncated = True
+            rep.skip(_TRUNCATED, 1, [data.count(b"\n", 0, cut) + 1])
+            data = data[:cut]
+    newlines = data.count(b"\n")
+
+    def line_numbers() -> np.ndarray:
+        import numpy as np
+
+        ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+        starts = np.r_[0, ends[:-1] + 1]
+        return np.flatnonzero(ends > starts) + 1
+
+    for schema, typed_input in ((TYPED_SCHEMA, True), (TEXT_SCHEMA, False)):
+        try:
+            raw = pl.read_ndjson(data, schema=schema)
+        except (pl.exceptions.PolarsError, ValueError):
+            continue
+        # polars skips blank lines; any other difference means a line was lost: fall back.
+        if raw.height == newlines or raw.height == len(line_numbers()):
+            if raw.height == 0:
+                return None
+            return accept(raw, line_numbers, rep, report, typed_input=typed_input).lazy()
+    raw, numbers = _jsonl_line_by_line(data, rep)
+    return accept(raw, lambda: numbers, rep, report).lazy()
+
+
+def _intact(path: Path, meta: SegmentMeta) -> bool:
+    """Whether a sealed JSONL segment still has the size its writer gave it, ending in a newline."""
+    if meta.bytes is None or meta.first_line_bytes is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(size - 1)
+            last = f.read(1)
+    except OSError:
+        return False
+    return size == meta.first_line_bytes + meta.bytes and last == b"\n"
+
+
+def _scan_sealed_jsonl(
+    path: Path, meta: SegmentMeta, rep: FileReport, report: ReadReport
+) -> pl.LazyFrame | None:
+    """A JSONL segment sealed by our writer: typed, finite, whole (it was renamed into place
+    complete), so it is scanned lazily, streaming, without a validation pass."""
+    rep.source = (meta.process, meta.rank)
+    rep.records += meta.records
+    take_declared(rep, meta)
+    if meta.clean_shutdown:
+        report.shutdowns.append(Shutdown(meta.process, meta.rank, meta.timestamp))
+    if meta.records == 0:
+        return None
+    return (
+        pl.scan_ndjson(path, schema=TYPED_SCHEMA).filter(pl.col("key").is_not_null()).select(*POLARS_SCHEMA)
+    )
+
+
+def _binary_kind(data: bytes) -> str | None:
+    """What a file named .jsonl holds instead of text, if it is not text."""
+    for magic, kind in _BINARY_MAGIC.items():
+        if data.startswith(magic):
+            return kind
+    if b"\x00" in data[:4096]:
+        return "binary"
+    return None
+
+
+def _is_json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def _jsonl_line_by_line(data: bytes, rep: FileReport) -> tuple[pl.DataFrame, np.ndarray]:
+    """The fallback for files polars cannot parse: find the bad lines one by one."""
+    import numpy as np
+
+    columns: dict[str, list[str | None]] = {name: [] for name in TEXT_SCHEMA}
+    numbers = []
+    for number, line in enumerate(data.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            rep.skip("not valid JSON", 1, [number])
+            continue
+        if not isinstance(obj, dict):
+            rep.skip("not a JSON object", 1, [number])
+            continue
+        numbers.append(number)
+        for name, col in columns.items():
+            col.append(_as_text(obj.get(name)))
+    return pl.DataFrame(columns, schema=TEXT_SCHEMA), np.asarray(numbers, dtype=np.int64)
+
+
+def _as_text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):  # Python's json reads NaN and Infinity tokens
+        return str(spell_float(value))
+    if isinstance(value, (int, str)):
+        return str(value)
+    return json.dumps(value)

@@ -1,0 +1,165 @@
+"""Parquet files: the writer's sealed segments (trusted, typed) and any other tool's (cast, checked)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+from metric_core.offline.read.discover import take_declared
+from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
+from metric_core.offline.read.validate import (
+    BAD_TIME,
+    POLARS_SCHEMA,
+    RECORD_OK,
+    integer,
+    number,
+    plausible,
+    with_process,
+)
+from metric_core.schema import KEY_HASH, REQUIRED_FIELDS
+from metric_core.segment import SegmentMeta
+
+_EXACT_TYPES = {name: POLARS_SCHEMA[name] for name in REQUIRED_FIELDS}
+
+
+def scan_parquet(
+    path: Path, own: SegmentMeta | None, rep: FileReport, report: ReadReport
+) -> tuple[pl.LazyFrame | None, bool, pl.LazyFrame | None]:
+    """A lazy typed scan of one file; whether its rows need no check (sealed by our writer
+    from typed arrays, so no nulls by construction); for a file whose columns had to be
+    cast, the query of its null counts after the casts."""
+    try:
+        schema = pl.read_parquet_schema(path)
+        rows = pl.scan_parquet(path).select(pl.len()).collect().item()
+    except Exception as exc:
+        rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        return None, True, None
+    if own is not None:
+        rep.source = (own.process, own.rank)
+        if own.clean_shutdown:
+            report.shutdowns.append(Shutdown(own.process, own.rank, own.timestamp))
+    missing = [f for f in REQUIRED_FIELDS if f not in schema]
+    if missing:
+        rep.skip(f"lacks column(s) {', '.join(missing)}", rows)
+        return None, True, None
+    nested = [
+        f"'{f}' is {schema[f]}"
+        for f in (*REQUIRED_FIELDS, "process")
+        if f in schema and schema[f].is_nested()
+    ]
+    if nested:
+        rep.unreadable = f"column {', '.join(nested)}: a record field must be a number or a string"
+        return None, True, None
+    if rows == 0:
+        return None, True, None
+    exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
+    # sealed by our writer, untouched, with clock timestamps
+    ours = own is not None and own.records == rows and own.plausible_times
+    if own is not None and ours:
+        take_declared(rep, own)
+        rep.hashed = exact and rep.keys is not None and schema.get(KEY_HASH) == pl.Int64
+    scan = pl.scan_parquet(path)
+    if exact:
+        typed = scan.select(
+            *REQUIRED_FIELDS,
+            process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
+            **({KEY_HASH: pl.col(KEY_HASH)} if rep.hashed else {}),
+        )
+    else:
+        typed = scan.select(
+            key=pl.col("key").cast(pl.String),
+            value=_parquet_value(schema["value"]),
+            reduction=pl.col("reduction").cast(pl.String).str.to_lowercase(),
+            step=_parquet_integer("step", schema["step"]),
+            timestamp=_parquet_timestamp(schema["timestamp"]),
+            rank=_parquet_integer("rank", schema["rank"]),
+            process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
+        )
+    typed = with_process(typed)
+    rep.records += rows
+    if ours:
+        return typed, True, None
+    # Exact-typed files are checked together, from null counts (read from null bitmaps);
+    # others per file after casting. Rows are only counted where a null was found.
+    return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
+
+
+def _parquet_value(dtype: pl.DataType) -> pl.Expr:
+    if dtype.is_numeric() or dtype == pl.Boolean:
+        return pl.col("value").cast(pl.Float64)
+    return pl.col("value").cast(pl.String).pipe(lambda _: number("value"))
+
+
+def _parquet_integer(col: str, dtype: pl.DataType) -> pl.Expr:
+    """An integer column; a fractional or non-finite float is null (skipped), never truncated."""
+    if dtype.is_integer():
+        return pl.col(col).cast(pl.Int64, strict=False)
+    if dtype.is_float():
+        x = pl.col(col)
+        return pl.when(x.is_finite() & (x == x.floor())).then(x.cast(pl.Int64, strict=False))
+    return pl.col(col).cast(pl.String).pipe(lambda _: integer(col))
+
+
+def _parquet_timestamp(dtype: pl.DataType) -> pl.Expr:
+    if dtype.is_temporal():
+        return pl.col("timestamp").cast(pl.Datetime("us")).dt.epoch("us").cast(pl.Float64) / 1e6
+    return pl.col("timestamp").cast(pl.Float64, strict=False)
+
+
+def run_parquet_checks(
+    frames: list[pl.LazyFrame], checks: list[tuple[int, FileReport, pl.LazyFrame | None]]
+) -> None:
+    """Find foreign Parquet files with bad rows, count those rows by reason and drop them."""
+    exact = [(i, rep) for i, rep, check in checks if check is None]
+    suspects = [
+        (i, rep)
+        for i, rep, check in checks
+        if check is not None and sum(check.collect(engine="streaming").row(0))
+    ]
+    if exact:
+        bad_rows = pl.scan_parquet([rep.path for _, rep in exact]).select(
+            *[pl.col(f).null_count() for f in REQUIRED_FIELDS],
+            (~plausible(pl.col("timestamp"))).sum().alias("bad_timestamps"),
+        )
+        if sum(bad_rows.collect(engine="streaming").row(0)):
+            suspects += exact
+    for index, rep in suspects:
+        try:
+            counts = (
+                frames[index]
+                .filter(~RECORD_OK)
+                .group_by(_PARQUET_REASON.alias("reason"))
+                .len()
+                .sort("reason")
+                .collect(engine="streaming")
+            )
+        except pl.exceptions.PolarsError as exc:
+            rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            rep.records = 0
+            frames[index] = frames[index].head(0)
+            continue
+        for reason, n in counts.iter_rows():
+            rep.records -= n
+            rep.skip(reason, n)
+        if counts.height:
+            frames[index] = frames[index].filter(RECORD_OK)
+
+
+def _parquet_reason() -> pl.Expr:
+    reason: pl.Expr = pl.when(~plausible(pl.col("timestamp"))).then(pl.lit(BAD_TIME))
+    for name in reversed(REQUIRED_FIELDS):
+        what = (
+            "a number"
+            if name in ("value", "timestamp")
+            else "an integer"
+            if name in ("step", "rank")
+            else "valid"
+        )
+        reason = (
+            pl.when(pl.col(name).is_null()).then(pl.lit(f"'{name}' is null or not {what}")).otherwise(reason)
+        )
+    return reason
+
+
+_PARQUET_REASON = _parquet_reason()

@@ -1,0 +1,137 @@
+"""What reading a run directory found: per file, what was read, skipped and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MAX_LINES_KEPT = 1000
+
+
+@dataclass
+class FileReport:
+    """What reading one file gave."""
+
+    path: Path
+    format: str
+    records: int = 0
+    skipped: int = 0
+    skipped_lines: list[tuple[int, str]] = field(default_factory=list)
+    skip_reasons: dict[str, int] = field(default_factory=dict)
+    truncated: bool = False
+    unreadable: str | None = None
+    # What its writer declared: the (key, reduction) pairs of its records (a superset),
+    # their step and time ranges; ``hashed`` when its frame carries the key_hash column.
+    keys: list[tuple[str, str]] | None = None
+    steps: tuple[int, int] | None = None
+    timestamps: tuple[float, float] | None = None
+    hashed: bool = False
+    superseded_by: str | None = None
+    source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
+    # What the writer could not write and dropped (its D frames): {"records", "steps", ...}.
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def dropped_records(self) -> int:
+        return sum(int(d.get("records", 0)) for d in self.dropped)
+
+    def skip(self, reason: str, count: int = 1, lines: list[int] | None = None) -> None:
+        self.skipped += count
+        self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + count
+        for line in lines or []:
+            if len(self.skipped_lines) < MAX_LINES_KEPT:
+                self.skipped_lines.append((line, reason))
+
+
+@dataclass
+class Shutdown:
+    """A clean end recorded by a writer's shutdown()."""
+
+    process: str
+    rank: int
+    timestamp: float | None
+
+
+@dataclass
+class ReadReport:
+    """The health of a run directory: per file, what was read and what was skipped."""
+
+    run_dir: Path
+    files: list[FileReport] = field(default_factory=list)
+    shutdowns: list[Shutdown] = field(default_factory=list)
+    skipped_paths: list[tuple[Path, str]] = field(default_factory=list)  # (path, why), not read
+    notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
+
+    @property
+    def skipped_records(self) -> int:
+        return sum(f.skipped for f in self.files)
+
+    @property
+    def unreadable_files(self) -> list[FileReport]:
+        return [f for f in self.files if f.unreadable is not None]
+
+    @property
+    def records(self) -> int:
+        return sum(f.records for f in self.files)
+
+    @property
+    def has_skips(self) -> bool:
+        return self.skipped_records > 0 or bool(self.unreadable_files) or bool(self.skipped_paths)
+
+    @property
+    def dropped_records(self) -> int:
+        """Records the writers recorded but could not write (counted in the files, see inspect)."""
+        return sum(f.dropped_records for f in self.files)
+
+    def clean_shutdowns(self) -> set[tuple[str, int]]:
+        return {(s.process, s.rank) for s in self.shutdowns}
+
+    def summary(self, max_files: int = 8, max_lines: int = 3) -> str:
+        """A short multi-line summary of every skip, for stderr; '' when nothing was skipped."""
+        bad = [f for f in self.files if f.skipped or f.unreadable or f.skip_reasons]
+        gaps = [f for f in self.files if f.dropped]
+        if not (bad or gaps or self.skipped_paths or self.notices):
+            return ""
+        not_read = f", {len(self.skipped_paths)} path(s) not read" if self.skipped_paths else ""
+        head = (
+            f"skipped {self.skipped_records} record(s) and "
+            f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
+        )
+        out = [head]
+        for path, why in self.skipped_paths[:max_files]:
+            out.append(f"  {rel(path, self.run_dir)}: {why}")
+        if len(self.skipped_paths) > max_files:
+            out.append(f"  ... and {len(self.skipped_paths) - max_files} more path(s) not read")
+        out.extend(f"  {notice}" for notice in self.notices)
+        for f in gaps:
+            for d in f.dropped:
+                steps = d.get("steps") or ["?", "?"]
+                out.append(
+                    f"  {rel(f.path, self.run_dir)}: its writer dropped {d.get('records')} record(s) of "
+                    f"steps {steps[0]}-{steps[1]} that it could not write ({d.get('reason', 'write failed')})"
+                )
+        for f in bad[:max_files]:
+            name = rel(f.path, self.run_dir)
+            if f.unreadable is not None:
+                out.append(f"  {name}: unreadable, skipped ({f.unreadable})")
+                continue
+            if f.skipped_lines:
+                detail = "; ".join(f"line {line}: {reason}" for line, reason in f.skipped_lines[:max_lines])
+                if f.skipped > max_lines:
+                    detail += f" (+{f.skipped - max_lines} more)"
+            else:
+                detail = "; ".join(
+                    f"{n} x {reason}" if n > 1 else reason for reason, n in f.skip_reasons.items()
+                )
+            out.append(f"  {name}: {f.skipped} record(s) skipped: {detail}")
+        if len(bad) > max_files:
+            out.append(f"  ... and {len(bad) - max_files} more file(s)")
+        return "\n".join(out)
+
+
+def rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)

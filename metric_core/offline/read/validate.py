@@ -1,0 +1,160 @@
+"""Records checked and typed: text columns cast to the record schema, bad rows found and named.
+
+Every format's reader ends here: a row with a required field missing or of the wrong
+kind, or a timestamp that is not a clock's (``TIMESTAMP_RANGE``), is skipped and
+counted with its reason; a record without a process gets ``rank{rank}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import polars as pl
+
+from metric_core.offline.read.report import MAX_LINES_KEPT, FileReport, ReadReport, Shutdown
+from metric_core.schema import DEFAULT_PROCESS_PREFIX, FIELDS, REQUIRED_FIELDS, TIMESTAMP_RANGE
+from metric_core.segment import SEGMENT_EVENT, SHUTDOWN_EVENT
+
+if TYPE_CHECKING:
+    import numpy as np
+
+_POLARS_TYPES = {"string": pl.String(), "float64": pl.Float64(), "int64": pl.Int64()}
+POLARS_SCHEMA: dict[str, pl.DataType] = {name: _POLARS_TYPES[kind] for name, kind in FIELDS.items()}
+TEXT_SCHEMA = {name: pl.String() for name in (*POLARS_SCHEMA, "event")}
+TYPED_SCHEMA = {**POLARS_SCHEMA, "event": pl.String()}
+FrameT = TypeVar("FrameT", pl.DataFrame, pl.LazyFrame)
+
+
+def number(col: str) -> pl.Expr:
+    text = pl.col(col)
+    lowered = text.str.to_lowercase()
+    return (
+        pl.when(lowered == "true")
+        .then(pl.lit(1.0))
+        .when(lowered == "false")
+        .then(pl.lit(0.0))
+        .otherwise(text.cast(pl.Float64, strict=False))
+    )
+
+
+def integer(col: str) -> pl.Expr:
+    as_float = pl.col(col).cast(pl.Float64, strict=False)
+    integral = pl.when(as_float.is_finite() & (as_float == as_float.floor())).then(
+        as_float.cast(pl.Int64, strict=False)
+    )
+    return pl.coalesce(pl.col(col).cast(pl.Int64, strict=False), integral)
+
+
+def _typed_from_text(df: pl.DataFrame) -> pl.DataFrame:
+    """Cast a frame of text columns to the record schema; bad cells become null."""
+    return df.select(
+        key=pl.when(pl.col("key") != "").then(pl.col("key")),
+        value=number("value"),
+        reduction=pl.col("reduction").str.to_lowercase(),
+        step=integer("step"),
+        timestamp=pl.col("timestamp").cast(pl.Float64, strict=False),
+        rank=integer("rank"),
+        process=pl.col("process"),
+    )
+
+
+def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
+    """Why each row of ``typed`` with a null required field is bad ('' when it is fine)."""
+    reason = pl.when(~pl.lit(typed["timestamp"]).pipe(plausible)).then(pl.lit(BAD_TIME)).otherwise(pl.lit(""))
+    for name in reversed(REQUIRED_FIELDS):
+        missing = raw[name].is_null()
+        invalid = typed[name].is_null() & ~missing
+        what = "is not a number" if name in ("value", "timestamp") else "is not valid"
+        if name in ("step", "rank"):
+            what = "is not an integer"
+        reason = (
+            pl.when(pl.lit(missing))
+            .then(pl.lit(f"missing '{name}'"))
+            .when(pl.lit(invalid))
+            .then(pl.lit(f"'{name}' {what}"))
+            .otherwise(reason)
+        )
+    return pl.select(reason.alias("reason")).to_series()
+
+
+def plausible(ts: pl.Expr) -> pl.Expr:
+    lo, hi = TIMESTAMP_RANGE
+    return ts.is_not_nan() & (ts >= lo) & (ts < hi)
+
+
+BAD_TIME = "'timestamp' is not Unix epoch seconds from 1970 to 2286"
+RECORD_OK = pl.all_horizontal(
+    *[pl.col(f).is_not_null() for f in REQUIRED_FIELDS], plausible(pl.col("timestamp"))
+)
+
+
+def with_process(typed: FrameT) -> FrameT:
+    """Records without a process name get ``rank{rank}`` (``schema.default_process_name``)."""
+    default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank"))
+    return typed.with_columns(process=pl.coalesce(pl.col("process"), default))
+
+
+def accept(
+    raw: pl.DataFrame,
+    line_numbers: Callable[[], np.ndarray],
+    rep: FileReport,
+    report: ReadReport,
+    *,
+    typed_input: bool = False,
+) -> pl.DataFrame:
+    """Split a parsed frame into writer events, bad rows (reported) and good typed rows.
+
+    ``raw`` holds text columns, or already typed ones when ``typed_input``; line numbers
+    are only computed when a row has to be reported.
+    """
+    keep = None
+    if "event" in raw.columns:
+        # The writer's own lines; a record may carry an extra field named "event" (SPEC 2).
+        events = raw["event"].is_in([SEGMENT_EVENT, SHUTDOWN_EVENT]) & raw["key"].is_null()
+        if events.any():
+            for row in raw.filter(raw["event"] == SEGMENT_EVENT).iter_rows(named=True):
+                rank = _to_int(row.get("rank"))
+                if row.get("process") is not None and rank is not None:
+                    rep.source = (row["process"], rank)
+            for row in raw.filter(raw["event"] == SHUTDOWN_EVENT).iter_rows(named=True):
+                rank = _to_int(row.get("rank"))
+                if row.get("process") is not None and rank is not None:
+                    ts = row.get("timestamp")
+                    report.shutdowns.append(
+                        Shutdown(row["process"], rank, float(ts) if ts is not None else None)
+                    )
+            keep = ~events
+            raw = raw.filter(keep)
+    if typed_input:
+        typed = raw.select(
+            key=pl.when(pl.col("key") != "").then(pl.col("key")),
+            value=pl.col("value"),
+            reduction=pl.col("reduction").str.to_lowercase(),
+            step=pl.col("step"),
+            timestamp=pl.col("timestamp"),
+            rank=pl.col("rank"),
+            process=pl.col("process"),
+        )
+    else:
+        typed = _typed_from_text(raw)
+    ok = typed.select(RECORD_OK).to_series()
+    if not ok.all():
+        numbers = line_numbers()
+        if keep is not None:
+            numbers = numbers[keep.to_numpy()]
+        reasons = _skip_reason(raw, typed).filter(~ok)
+        bad_lines = numbers[~ok.to_numpy()]
+        for reason in reasons.unique(maintain_order=True):
+            mask = (reasons == reason).to_numpy()
+            rep.skip(reason, int(mask.sum()), bad_lines[mask][:MAX_LINES_KEPT].tolist())
+        typed = typed.filter(ok)
+    rep.records += typed.height
+    return with_process(typed)
+
+
+def _to_int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,70 @@
+"""The upload ledger: per W&B run, the rows planned, the rows handed over, and whether it finished.
+
+It lives in ``RUN_DIR/.metriclog/uploads.json``, or in the user cache when the run
+directory is not writable, and is replaced atomically on every update.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from metric_core.atomic import new_hidden_file, replace_file
+from metric_core.errors import MetricLogError
+
+
+class Ledger:
+    """Per W&B run: rows planned, rows handed over, finished; saved atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, dict[str, Any]] = {}
+        if path.exists():
+            try:
+                self.entries = json.loads(path.read_text()).get("runs", {})
+            except (OSError, ValueError) as exc:
+                raise MetricLogError(
+                    f"upload ledger {path} is damaged ({exc}); move it away to start over"
+                ) from None
+
+    @classmethod
+    def for_run_dir(cls, run_dir: Path, identity: str) -> Ledger:
+        """``RUN_DIR/.metriclog/uploads.json``, or the user cache when that is not writable."""
+        home = run_dir / ".metriclog"
+        try:
+            home.mkdir(exist_ok=True)
+            _refuse_links(home, home / "wandb", home / "uploads.json")
+            with new_hidden_file(home / "write-test") as (_, probe):
+                pass
+            probe.unlink()
+        except OSError:
+            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+            home = cache / "metriclog" / identity[:32]
+            home.mkdir(parents=True, exist_ok=True)
+        return cls(home / "uploads.json")
+
+    def get(self, run_id: str) -> dict[str, Any] | None:
+        return self.entries.get(run_id)
+
+    def update(self, run_id: str, **fields: Any) -> None:
+        entry = self.entries.setdefault(run_id, {})
+        entry.update(fields, updated=time.time())
+        self.save()
+
+    def save(self) -> None:
+        replace_file(
+            self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode()
+        )
+
+
+def _refuse_links(*paths: Path) -> None:
+    """metriclog writes under RUN_DIR/.metriclog only through directories it made itself."""
+    for path in paths:
+        if path.is_symlink():
+            raise MetricLogError(
+                f"{path} is a symlink (to {os.readlink(path)}): metriclog does not write through "
+                "links it did not make; remove it and upload again"
+            )

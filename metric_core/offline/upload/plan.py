@@ -1,0 +1,248 @@
+"""From a reduction to the W&B runs that hold it (SPEC 6, upload); nothing is sent here.
+
+* ``global_reduce``: one run named ``name``; a history row per step holding every key
+  of the step and ``step``, which ``define_metric`` makes every key's x-axis.
+* ``per_rank_reduce``: a run per source, ``{name}_{process}``, in group ``group``; or,
+  shared, one run whose keys are ``{key}/{process}``.
+* ``per_rank_no_reduce``: a history row per raw record, carrying its own ``step`` and
+  its original ``timestamp`` as ``_timestamp``.
+
+Run ids are deterministic: a hash of the run's identity (``run_id`` in run.json, else
+its sources and their first timestamps, which survive copying the directory), the mode
+and the source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from metric_core.metric import LoggingMode
+
+if TYPE_CHECKING:  # a plan is built with polars; it is read (and sent) without it
+    import polars as pl
+
+    from metric_core.offline.engine import ReduceResult
+    from metric_core.offline.plan import ReducePlan
+
+# W&B's published limits (docs: "Limits & performance").
+MAX_METRICS = 10_000
+MAX_POINTS_PER_METRIC = 100_000
+MAX_LOG_BYTES = 25 * 1024 * 1024
+HISTORY_CHUNK_ROWS = 10_000  # rows turned into Python objects at a time
+
+_SAFE_KEY = re.compile(r"[^A-Za-z0-9_\-./ ]")
+_RESERVED = {"step", "window_start", "timestamp"}
+
+
+@dataclass
+class PlannedRun:
+    """One W&B run to write: its identity and its history rows, in order.
+
+    The history is held as numpy columns, not a polars frame: compact, and readable by a
+    process that never loads polars (the CLI reduces in a child process while it loads
+    wandb). A wide run has the x-axis and a column per key, masked where a key has no
+    value at a row; a raw run has columns key (an index into ``keys``), value, the
+    bucket and timestamp.
+    """
+
+    run_id: str
+    name: str
+    group: str | None
+    source: str | None
+    columns: dict[str, np.ndarray]
+    x_axis: str | None
+    keys: list[str]
+    raw: bool = False
+    bucket: str = "step"
+
+    @property
+    def rows(self) -> int:
+        return len(next(iter(self.columns.values()))) if self.columns else 0
+
+    def history(self, start: int = 0) -> Iterator[dict[str, Any]]:
+        """The rows to pass to ``run.log``, from row ``start``; missing keys are left out."""
+        names = list(self.columns)
+        for low in range(start, self.rows, HISTORY_CHUNK_ROWS):
+            # masked entries become None; Python floats and ints, as W&B wants
+            chunk = [self.columns[n][low : low + HISTORY_CHUNK_ROWS].tolist() for n in names]
+            if self.raw:  # one raw record per row
+                keys, bucket = self.keys, self.bucket
+                for code, value, at, timestamp in zip(*chunk, strict=True):
+                    yield {keys[code]: value, bucket: at, "_timestamp": timestamp}
+                continue
+            for values in zip(*chunk, strict=True):
+                yield {n: v for n, v in zip(names, values, strict=True) if v is not None}
+
+
+def _columns(frame: pl.DataFrame) -> dict[str, np.ndarray]:
+    """A frame's columns as numpy arrays, masked where they hold nulls."""
+    columns = {}
+    for series in frame.iter_columns():
+        values = series.to_numpy()
+        if series.null_count():
+            values = np.ma.MaskedArray(values, mask=series.is_null().to_numpy())
+        columns[series.name] = values
+    return columns
+
+
+@dataclass
+class UploadPlan:
+    """Every run of one upload, plus what the user should know before it starts."""
+
+    runs: list[PlannedRun]
+    identity: str = ""  # of the run directory (see run_identity)
+    key_mapping: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+def run_identity(result: ReduceResult) -> str:
+    """A stable identity for the run directory: ``run_id`` from run.json, else its sources."""
+    given = result.scan.meta.get("run_id")
+    if given:
+        return str(given)
+    firsts = [[process, rank, ts] for (process, rank), ts in sorted(result.scan.first_timestamps().items())]
+    return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
+
+
+def run_id_for(identity: str, mode: LoggingMode, source: str | None) -> str:
+    digest = hashlib.sha256(f"{identity}|{mode.value}|{source or '*'}".encode()).hexdigest()
+    return f"ml-{digest[:16]}"
+
+
+def safe_keys(keys: list[str]) -> dict[str, str]:
+    """W&B names for metric keys: characters W&B rejects or mangles replaced, ``_`` prefix
+    (reserved for W&B's own keys) and the x-axis names avoided, collisions numbered."""
+    mapping: dict[str, str] = {}
+    taken: set[str] = set()
+    for key in sorted(keys):
+        name = _SAFE_KEY.sub("_", key).strip() or "metric"
+        if name.startswith("_"):
+            name = "m" + name
+        if name in _RESERVED:
+            name = f"metric/{name}"
+        base, n = name, 1
+        while name in taken:
+            n += 1
+            name = f"{base}_{n}"
+        taken.add(name)
+        mapping[key] = name
+    return mapping
+
+
+def plan_upload(
+    result: ReduceResult,
+    *,
+    name: str,
+    group: str | None = None,
+    share_run: bool = False,
+) -> UploadPlan:
+    """Map a reduction to the W&B runs that hold it (nothing is sent)."""
+    import polars as pl
+
+    plan: ReducePlan = result.plan
+    frame = result.frame
+    identity = run_identity(result)
+    mapping = safe_keys(frame["key"].unique().to_list())
+    frame = frame.with_columns(pl.col("key").replace_strict(mapping))
+    group = group or name
+    bucket = plan.bucket
+    runs: list[PlannedRun] = []
+    mode = plan.mode
+    if mode is LoggingMode.GLOBAL_REDUCE:
+        runs.append(_wide_run(run_id_for(identity, mode, None), name, None, None, frame, bucket))
+    elif share_run:
+        shared = frame.with_columns(key=pl.format("{}/{}", "key", "process"))
+        if mode is LoggingMode.PER_RANK_REDUCE:
+            runs.append(_wide_run(run_id_for(identity, mode, None), name, group, None, shared, bucket))
+        else:
+            runs.append(
+                _raw_run(
+                    run_id_for(identity, mode, None), name, group, None, shared.sort("timestamp"), bucket
+                )
+            )
+    else:
+        for (process,), part in frame.partition_by("process", as_dict=True, maintain_order=True).items():
+            run_id = run_id_for(identity, mode, str(process))
+            run_name = f"{name}_{process}"
+            if mode is LoggingMode.PER_RANK_REDUCE:
+                runs.append(_wide_run(run_id, run_name, group, str(process), part, bucket))
+            else:
+                runs.append(_raw_run(run_id, run_name, group, str(process), part, bucket))
+    upload = UploadPlan(
+        runs=runs, identity=identity, key_mapping={k: v for k, v in mapping.items() if k != v}
+    )
+    upload.warnings = limit_warnings(runs)
+    upload.config = _provenance(result)
+    return upload
+
+
+def _wide_run(
+    run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
+) -> PlannedRun:
+    """A history row per bucket, a column per key."""
+    wide = part.pivot(on="key", index=bucket, values="value", sort_columns=True).sort(bucket)
+    keys = [c for c in wide.columns if c != bucket]
+    return PlannedRun(run_id, name, group, source, _columns(wide), bucket, keys, bucket=bucket)
+
+
+def _raw_run(
+    run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
+) -> PlannedRun:
+    """A history row per raw record."""
+    import polars as pl
+
+    keys = sorted(part["key"].unique().to_list())
+    frame = part.select(
+        pl.col("key").replace_strict({k: i for i, k in enumerate(keys)}, return_dtype=pl.Int32),
+        "value",
+        bucket,
+        "timestamp",
+    )
+    return PlannedRun(run_id, name, group, source, _columns(frame), None, keys, raw=True, bucket=bucket)
+
+
+def limit_warnings(runs: list[PlannedRun]) -> list[str]:
+    warnings = []
+    distinct = {k for r in runs for k in r.keys}
+    if len(distinct) >= MAX_METRICS:
+        warnings.append(
+            f"{len(distinct):,} distinct metrics: W&B supports fewer than {MAX_METRICS:,} per project; "
+            "select keys with --key"
+        )
+    for r in runs:
+        points = int(np.bincount(r.columns["key"]).max(initial=0)) if r.raw else r.rows
+        if points and points > MAX_POINTS_PER_METRIC:
+            warnings.append(
+                f"run {r.name}: up to {points:,} points per metric; W&B shows at most "
+                f"{MAX_POINTS_PER_METRIC:,}: bucket with --by time --every 10s (or coarser)"
+            )
+        widest = 64 * (len(r.keys) + 2)
+        if widest > MAX_LOG_BYTES:
+            warnings.append(f"run {r.name}: a history row may exceed W&B's 25 MB per log call; use --key")
+    return warnings
+
+
+def _provenance(result: ReduceResult) -> dict[str, Any]:
+    plan = result.plan
+    config = dict(result.scan.meta.get("config") or {})
+    config["metriclog"] = {
+        "mode": plan.mode.value,
+        "by": plan.by,
+        "every": plan.every,
+        "reduce": {pattern: stat.name for pattern, stat in plan.overrides},
+        "keys": list(plan.keys),
+        "ranks": [list(r) for r in plan.ranks],
+        "steps": list(plan.steps) if plan.steps else None,
+        "source_run_dir": result.scan.run_dir.resolve().name,
+        "records": result.scan.report.records,
+        "skipped_records": result.scan.report.skipped_records,
+    }
+    return config

@@ -1,0 +1,215 @@
+"""Sending planned runs to W&B, idempotently and resumably, with the ledger.
+
+W&B's ``_step`` is never passed, so it counts the rows a run received; that count is
+what a resumed upload continues from.
+"""
+
+from __future__ import annotations
+
+import functools
+import netrc
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from metric_core.errors import MetricLogError, UploadError
+from metric_core.offline.upload.ledger import Ledger
+from metric_core.offline.upload.plan import PlannedRun, UploadPlan
+
+RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0)
+LEDGER_EVERY_ROWS = 5_000
+PROGRESS_EVERY_ROWS = 500  # divides LEDGER_EVERY_ROWS
+# A replayed run describes the training run, not the machine replaying it: without these,
+# W&B attaches this machine's system metrics, hardware, OS, git state, code and pip
+# packages to it. (Collecting them also cost each wandb.init about 50 ms.)
+REPLAY_SETTINGS = {
+    "x_disable_stats": True,
+    "x_disable_meta": True,
+    "x_save_requirements": False,
+    "disable_git": True,
+    "disable_code": True,
+    "save_code": False,
+}
+
+
+@dataclass
+class RunOutcome:
+    """What happened to one planned run."""
+
+    run: PlannedRun
+    action: str  # "uploaded", "resumed", "skipped", "restarted"
+    run_id: str
+    rows_sent: int
+    message: str = ""
+    sync_dir: str | None = None
+
+
+def has_credentials() -> bool:
+    """Whether wandb can authenticate without asking: an API key, token file, or netrc entry."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    base = os.environ.get("WANDB_BASE_URL")
+    try:
+        hosts = netrc.netrc(os.environ.get("NETRC")).hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
+    if base:
+        return urlparse(base).hostname in hosts
+    return any("wandb" in host for host in hosts)
+
+
+@dataclass
+class UploadEvents:
+    """How an upload reports while it works (it never prints); every callback is optional.
+
+    ``message(kind, text)``: ``kind`` is ``"warning"``, ``"note"`` or ``"info"``.
+    ``progress(run, rows_done)`` is called as a run starts and returns a function that
+    takes the rows handed over so far.
+    """
+
+    message: Callable[[str, str], None] = lambda kind, text: None
+    progress: Callable[[PlannedRun, int], Callable[[int], None]] | None = None
+
+
+@dataclass
+class Destination:
+    """Where runs go: W&B project and entity, online or offline, and the local wandb dir."""
+
+    project: str
+    entity: str | None = None
+    offline: bool = False
+    wandb_dir: Path | None = None
+
+
+def send_runs(
+    plan: UploadPlan,
+    ledger: Ledger,
+    to: Destination,
+    *,
+    force_new: bool = False,
+    events: UploadEvents | None = None,
+    init: Callable[..., Any] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> list[RunOutcome]:
+    """Send every planned run; ``init`` is ``wandb.init`` unless a test gives a fake."""
+    if init is None:
+        import wandb
+
+        init = wandb.init
+    sender = _Sender(plan, ledger, to, force_new, events or UploadEvents(), init, sleep)
+    return [sender.send(run) for run in plan.runs]
+
+
+@dataclass
+class _Sender:
+    plan: UploadPlan
+    ledger: Ledger
+    to: Destination
+    force_new: bool
+    events: UploadEvents
+    init: Callable[..., Any]
+    sleep: Callable[[float], None]
+
+    def send(self, run: PlannedRun) -> RunOutcome:
+        entry = self.ledger.get(run.run_id)
+        run_id, resume, start, action, message = run.run_id, None, 0, "uploaded", ""
+        if entry and self.force_new:
+            run_id = f"{run.run_id}-{secrets.token_hex(3)}"
+            message = f"uploading again under a fresh id {run_id} (--force-new)"
+        elif entry and entry.get("finished"):
+            return RunOutcome(
+                run,
+                "skipped",
+                run_id,
+                entry.get("rows_sent", 0),
+                f"already uploaded ({entry.get('rows_sent', 0)} rows, id {run_id}); "
+                "skipped. Use --force-new to upload again under fresh ids",
+            )
+        elif entry and self.to.offline:
+            run_id = f"{run.run_id}-{secrets.token_hex(3)}"
+            action = "restarted"
+            message = (
+                f"an earlier offline upload of {run.name} was interrupted after "
+                f"{entry.get('rows_sent', 0)} of {entry.get('rows_planned', run.rows)} rows; offline runs "
+                f"cannot be resumed, so a fresh offline run {run_id} holds all {run.rows} rows"
+            )
+        elif entry:
+            resume, action = "must", "resumed"
+        self.ledger.update(
+            run_id,
+            name=run.name,
+            group=run.group,
+            project=self.to.project,
+            entity=self.to.entity,
+            rows_planned=run.rows,
+            rows_sent=0 if resume is None else entry.get("rows_sent", 0),  # type: ignore[union-attr]
+            finished=False,
+            offline=self.to.offline,
+            base_id=run.run_id,
+        )
+        wb = self._retry(lambda: self.init(**self._init_args(run, run_id, resume)), "starting the W&B run")
+        if resume:
+            start = int(getattr(wb, "step", 0) or 0)  # rows the server already holds (_step counts them)
+            message = f"resuming {run.name} at row {start} of {run.rows}"
+        if run.x_axis is not None:
+            wb.define_metric(run.x_axis)
+            wb.define_metric("*", step_metric=run.x_axis)
+        sent = self._log(wb, run, run_id, start)
+        sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None
+        return RunOutcome(run, action, run_id, sent, message, sync_dir)
+
+    def _init_args(self, run: PlannedRun, run_id: str, resume: str | None) -> dict[str, Any]:
+        args = {
+            "project": self.to.project,
+            "entity": self.to.entity,
+            "id": run_id,
+            "name": run.name,
+            "group": run.group,
+            "config": self.plan.config,
+            "mode": "offline" if self.to.offline else "online",
+            "reinit": "create_new",
+            "dir": str(self.to.wandb_dir) if self.to.wandb_dir else None,
+            "settings": REPLAY_SETTINGS,
+        }
+        if resume:
+            args["resume"] = resume
+        return args
+
+    def _log(self, wb: Any, run: PlannedRun, run_id: str, start: int) -> int:
+        """Hand the rows from ``start`` on to W&B and finish the run; the rows sent."""
+        tick = self.events.progress(run, start) if self.events.progress else (lambda n: None)
+        sent = start
+        try:
+            for row in run.history(start):
+                self._retry(functools.partial(wb.log, row), "logging to W&B")
+                sent += 1
+                if sent % PROGRESS_EVERY_ROWS == 0:
+                    tick(sent)
+                    if sent % LEDGER_EVERY_ROWS == 0:
+                        self.ledger.update(run_id, rows_sent=sent)
+            tick(sent)
+            self._retry(wb.finish, "finishing the W&B run")
+        except BaseException:
+            self.ledger.update(run_id, rows_sent=sent)
+            raise
+        self.ledger.update(run_id, rows_sent=sent, finished=True)
+        return sent
+
+    def _retry(self, call: Callable[[], Any], what: str) -> Any:
+        """Retry W&B failures (network, 429, 5xx) with exponential backoff, then give up."""
+        for attempt, delay in enumerate((*RETRY_DELAYS, None)):
+            try:
+                return call()
+            except (KeyboardInterrupt, MetricLogError):
+                raise
+            except Exception as exc:
+                if delay is None:
+                    raise UploadError(f"{what} failed {attempt + 1} times: {exc}") from exc
+                self.events.message("warning", f"{what} failed ({exc}); retrying in {delay:.0f}s")
+                self.sleep(delay)
+        raise AssertionError("unreachable")

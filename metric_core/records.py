@@ -1,0 +1,168 @@
+"""Records in memory: Arrow tables in the record schema, and their JSON lines.
+
+The writer builds tables from its coded buffer (``build_table``) and seals them into
+Parquet or JSONL; the command line writes its results as JSON lines with the same
+``to_jsonl``. Arrays are built from numpy buffers directly: ``pa.array`` imports pandas
+when it is installed, which a training rank should not pay for.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from metric_core.schema import FIELDS, KEY_HASH, NONFINITE_SPELLING
+
+ARROW_SCHEMA = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in FIELDS.items()])
+# The writer's tables: string columns dictionary-encoded (Parquet writes them as they are;
+# Parquet readers see plain strings), which saves materializing a string per record.
+DICT_SCHEMA = pa.schema(
+    [
+        pa.field(f.name, pa.dictionary(pa.int32(), pa.string())) if pa.types.is_string(f.type) else f
+        for f in ARROW_SCHEMA
+    ]
+)
+# What ``journal.decode`` returns and the writer seals into Parquet: the record, then its key's hash.
+DECODED_SCHEMA = DICT_SCHEMA.append(pa.field(KEY_HASH, pa.int64()))
+_JSONL_BATCH_ROWS = 200_000
+
+
+def _numeric(values: np.ndarray, dtype: pa.DataType, np_dtype: type) -> pa.Array:
+    data: np.ndarray = np.ascontiguousarray(values, dtype=np_dtype)
+    return pa.Array.from_buffers(dtype, len(data), [None, pa.py_buffer(data)])
+
+
+def float64_array(values: np.ndarray) -> pa.Array:
+    return _numeric(values, pa.float64(), np.float64)
+
+
+def int64_array(values: np.ndarray) -> pa.Array:
+    return _numeric(values, pa.int64(), np.int64)
+
+
+def string_array(strings: list[str]) -> pa.Array:
+    """A string array of a few distinct values (a dictionary), without ``pa.array``."""
+    encoded = [s.encode() for s in strings]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int32)
+    np.cumsum([len(e) for e in encoded], out=offsets[1:])
+    data = b"".join(encoded)
+    return pa.Array.from_buffers(
+        pa.string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(data or b"\0")]
+    )
+
+
+def build_table(
+    *,
+    codes: np.ndarray,
+    values: np.ndarray,
+    timestamps: np.ndarray,
+    steps: np.ndarray,
+    key_names: list[str],
+    reductions: list[str],
+    rank: int,
+    process: str,
+) -> pa.Table:
+    """Records in the raw-record schema from coded arrays, vectorized.
+
+    ``key_names[code]`` and ``reductions[code]`` are the key and reduction of a code.
+    """
+    idx = _numeric(codes, pa.int32(), np.int32)
+    n = len(idx)
+    return pa.Table.from_arrays(
+        [
+            pa.DictionaryArray.from_arrays(idx, string_array(key_names)),
+            float64_array(values),
+            pa.DictionaryArray.from_arrays(idx, string_array(reductions)),
+            int64_array(steps),
+            float64_array(timestamps),
+            int64_array(np.full(n, rank, dtype=np.int64)),
+            pa.DictionaryArray.from_arrays(
+                _numeric(np.zeros(n, dtype=np.int32), pa.int32(), np.int32), string_array([process])
+            ),
+        ],
+        schema=DICT_SCHEMA,
+    )
+
+
+def empty_decoded() -> pa.Table:
+    """A table of no records in ``DECODED_SCHEMA``."""
+    none = np.zeros(0)
+    table = build_table(
+        codes=none, values=none, timestamps=none, steps=none, key_names=[], reductions=[], rank=0, process=""
+    )
+    return table.append_column(KEY_HASH, int64_array(none))
+
+
+def to_jsonl(table: pa.Table) -> bytes:
+    """JSON lines of a table, a line per row in order, built column by column (no row loop).
+
+    Strings, integers, floats, booleans and nulls are written; a float keeps every bit
+    (the shortest text that reads back to it) and a non-finite one is spelled as
+    ``schema.NONFINITE_SPELLING`` says.
+
+    >>> t = pa.table({"key": ["a", 'b"'], "value": [0.1, float("nan")], "step": [1, None]})
+    >>> to_jsonl(t).decode().splitlines()
+    ['{"key":"a","value":0.1,"step":1}', '{"key":"b\\\\"","value":"NaN","step":null}']
+    """
+    out = []
+    for batch in table.to_batches(max_chunksize=_JSONL_BATCH_ROWS):  # string offsets are 32-bit
+        parts: list[pa.Array | pa.Scalar] = []
+        for i, (name, column) in enumerate(zip(batch.schema.names, batch.columns, strict=True)):
+            parts.append(_text(("{" if i == 0 else ",") + json.dumps(name) + ":"))
+            parts.append(_json_values(column))
+        parts.append(_text("}\n"))
+        lines = pc.binary_join_element_wise(*parts, _text(""))
+        # The lines end in newlines, so the array's character data is the file's text.
+        offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[
+            lines.offset : lines.offset + len(lines) + 1
+        ]
+        out.append(lines.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0])).to_pybytes())
+    return b"".join(out)
+
+
+def _json_values(column: pa.Array) -> pa.Array:
+    kind = column.type
+    if pa.types.is_dictionary(kind):
+        column = column.cast(kind.value_type)
+        kind = column.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        encoded = column.dictionary_encode()
+        quoted = string_array([json.dumps(s) for s in encoded.dictionary.to_pylist()])
+        text = pc.take(quoted, encoded.indices)
+    elif pa.types.is_floating(kind):
+        text = pc.cast(column.cast(pa.float64()), pa.string())
+        whole = pc.match_substring_regex(text, r"^-?[0-9]+$")  # keep floats floats: "1" -> "1.0"
+        text = pc.if_else(whole, pc.binary_join_element_wise(text, _text(".0"), _text("")), text)
+        for arrow, spelled in NONFINITE_SPELLING.items():  # Arrow writes nan, inf, -inf
+            text = pc.if_else(pc.equal(text, _text(arrow)), _text(json.dumps(spelled)), text)
+    elif pa.types.is_boolean(kind):
+        text = pc.if_else(column, _text("true"), _text("false"))
+    elif pa.types.is_integer(kind):
+        text = pc.cast(column, pa.string())
+    elif pa.types.is_null(kind):
+        text = pa.nulls(len(column), pa.string())
+    else:
+        raise TypeError(f"column of type {kind} has no JSON lines form")
+    return pc.fill_null(text, _text("null"))
+
+
+def _text(s: str) -> pa.Scalar:
+    """A string scalar (a bare Python str would go through ``pa.scalar``, which loads pandas)."""
+    return string_array([s])[0]
+
+
+def warm_up() -> None:
+    """Run the conversions once, so pyarrow's lazy imports happen at init, not mid-run."""
+    build_table(
+        codes=np.zeros(1, dtype=np.int64),
+        values=np.zeros(1),
+        timestamps=np.zeros(1),
+        steps=np.zeros(1, dtype=np.int64),
+        key_names=["k"],
+        reductions=["mean"],
+        rank=0,
+        process="p",
+    )

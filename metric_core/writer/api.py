@@ -1,0 +1,182 @@
+"""The module-level API a training script uses: one MetricCollector per process.
+
+``init`` starts it, ``record_metric``/``flush``/``shutdown`` drive it. ``record_metric``
+is ``MetricCollector.record`` inlined over module globals that ``init`` binds: attribute
+lookups and a method call would be a third of its cost.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from metric_core.atomic import create_file
+from metric_core.errors import ConfigError, NotInitializedError, warn
+from metric_core.metric import Reduce
+from metric_core.writer.backends import LoggerBackend
+from metric_core.writer.collector import MetricCollector, _as_float, _now
+from metric_core.writer.segments import MAX_UNWRITTEN
+
+_active: MetricCollector | None = None
+
+
+def init(
+    run_dir: str | os.PathLike[str],
+    *,
+    rank: int | None = None,
+    process_name: str | None = None,
+    file_format: str = "parquet",
+    step: int = 0,
+    backends: dict[str, dict[str, Any] | LoggerBackend] | None = None,
+    flush_interval: float = 1.0,
+    world_size: int | None = None,
+    config: dict[str, Any] | None = None,
+    segment_records: int = 1_000_000,
+    fsync: bool = False,
+    on_flush_error: str = "raise",
+    max_unwritten: int = MAX_UNWRITTEN,
+) -> MetricCollector:
+    """Start recording this process's metrics into ``run_dir``.
+
+    ``rank`` defaults to the ``RANK`` environment variable (0 if unset), ``world_size``
+    to ``WORLD_SIZE``. Rank 0 writes ``run.json`` (name, world_size, config) unless it
+    exists. ``backends`` maps ``console`` or ``wandb`` to their configs, each with a
+    ``logging_mode``; the raw-stream files are always written.
+
+    ``on_flush_error`` says what a ``flush()`` does when its records cannot be made
+    durable (a full disk, a deleted run directory): ``"raise"`` a ``WriteError``, or
+    ``"warn"`` and go on; either way they stay in memory (at most ``max_unwritten``
+    records) and are written when writing works again.
+
+    >>> import metric_core, tempfile
+    >>> _ = metric_core.init(tempfile.mkdtemp(), rank=0, process_name="trainer")
+    >>> metric_core.record_metric("loss", 0.5, metric_core.Reduce.MEAN)
+    >>> metric_core.flush(0)
+    >>> metric_core.shutdown()
+    """
+    if _active is not None and not _active.closed:
+        raise ConfigError(
+            f"metric_core.init() was already called in this process (for {_active.run_dir}); "
+            "call metric_core.shutdown() before initializing again"
+        )
+    if rank is None:
+        rank = _env_int("RANK", 0) or 0
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE", None)
+    collector = MetricCollector(
+        run_dir,
+        rank=rank,
+        process_name=process_name,
+        file_format=file_format,
+        step=step,
+        backends=backends,
+        flush_interval=flush_interval,
+        segment_records=segment_records,
+        fsync=fsync,
+        on_flush_error=on_flush_error,
+        max_unwritten=max_unwritten,
+    )
+    if rank == 0:
+        _write_run_json(Path(run_dir), world_size=world_size, config=config)
+    _bind(collector)
+    return collector
+
+
+def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None:
+    """Record one value of ``key`` in the current step. Cheap enough for any loop.
+
+    ``value`` may be a Python number, a bool, a numpy scalar or a 0-d tensor.
+
+    >>> record_metric("trainer/loss", 0.31, Reduce.MEAN)  # doctest: +SKIP
+    """
+    # MetricCollector.record, inlined over module globals that init() binds: attribute
+    # lookups and a method call would be a third of this function's cost.
+    entry = _key_codes.get(key)
+    code = entry[1] if entry is not None and entry[0] is reduction else _intern(key, reduction)
+    try:
+        _extend((value, code, _now()))  # the array converts int, bool and numpy scalars
+    except (TypeError, ValueError, OverflowError):
+        _extend((_as_float(key, value), code, _now()))
+
+
+def _not_initialized(*_: Any) -> Any:
+    raise NotInitializedError("record_metric()")
+
+
+_key_codes: dict[str, tuple[Any, int]] = {}
+_intern: Any = _not_initialized
+_extend: Any = _not_initialized
+
+
+def _bind(collector: MetricCollector | None) -> None:
+    global _active, _key_codes, _intern, _extend
+    _active = collector
+    if collector is None:
+        _key_codes, _intern, _extend = {}, _not_initialized, _not_initialized
+    else:
+        _key_codes, _intern, _extend = collector._codes, collector._intern, collector._extend
+
+
+def flush(step: int | None = None, *, return_state: bool = False) -> Any:
+    """End step ``step`` of this process's collector (see ``MetricCollector.flush``)."""
+    if _active is None:
+        raise NotInitializedError("flush()")
+    return _active.flush(step, return_state=return_state)
+
+
+async def aflush(step: int | None = None, *, return_state: bool = False) -> Any:
+    """``flush`` without blocking the running event loop."""
+    if _active is None:
+        raise NotInitializedError("aflush()")
+    return await _active.aflush(step, return_state=return_state)
+
+
+def shutdown() -> None:
+    """Flush, close backends and mark this source as cleanly finished."""
+    if _active is not None:
+        _active.shutdown()
+        _bind(None)
+
+
+def get_collector() -> MetricCollector:
+    """The collector started by ``init``."""
+    if _active is None:
+        raise NotInitializedError("get_collector()")
+    return _active
+
+
+@atexit.register
+def _at_exit() -> None:
+    if _active is not None:
+        _active.abort()
+
+
+def _env_int(name: str, default: int | None) -> int | None:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, Any] | None) -> None:
+    """Create run.json unless it exists: the first rank-0 process of any role wins."""
+    path = run_dir / "run.json"
+    if path.exists():
+        return
+    meta: dict[str, Any] = {"name": run_dir.resolve().name, "world_size": world_size, "created": time.time()}
+    if config is not None:
+        meta["config"] = config
+    try:
+        create_file(path, (json.dumps(meta, indent=2, default=str) + "\n").encode())
+    except OSError as exc:  # metadata only: the records are what must not be lost
+        warn(
+            f"could not write {path} ({exc.strerror or exc}): the run's name, world_size and config "
+            "are not recorded"
+        )

@@ -1,0 +1,101 @@
+"""The house: what a training rank loads, thin commands, one list of public names."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import metric_core
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("polars", "wandb", "matplotlib", "typer", "pandas", "click", "rich")
+
+
+def loaded_by(code: str) -> set[str]:
+    """The top-level modules a fresh interpreter holds after running ``code``."""
+    script = f"import sys\n{code}\nprint(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return set(done.stdout.splitlines()[-1].split())
+
+
+def test_a_training_rank_loads_nothing_heavy(tmp_path):
+    for file_format in ("parquet", "jsonl"):
+        loaded = loaded_by(
+            "import metric_core\n"
+            f"metric_core.init({str(tmp_path / file_format)!r}, file_format={file_format!r}, "
+            "backends={'console': {'logging_mode': 'per_rank_reduce'}})\n"
+            "for step in range(3):\n"
+            "    metric_core.record_metric('loss', 0.5)\n"
+            "    metric_core.flush(step)\n"
+            "metric_core.shutdown()"
+        )
+        assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
+        assert (tmp_path / file_format / f"rank0.r0.00000.{file_format}").exists()  # it was sealed
+
+
+def test_the_writer_side_and_the_ground_floor_import_no_offline_module():
+    """Statically too: no module of the writer side or the ground floor names polars,
+    the offline side or the command line in an import, even a deferred one."""
+    offenders = []
+    ground = [p for p in (ROOT / "metric_core").glob("*.py") if p.name != "__init__.py"]
+    for path in [*ground, *(ROOT / "metric_core" / "writer").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name.split(".")[0] in ("polars", "matplotlib", "typer", "pandas") or name.startswith(
+                    ("metric_core.offline", "metriclog")
+                ):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert offenders == []
+
+
+def command_bodies() -> list[tuple[str, int]]:
+    """Each command of cli/main.py and the lines of its body after its docstring."""
+    tree = ast.parse((ROOT / "cli" / "main.py").read_text())
+    out = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and any(
+            isinstance(d, ast.Call) and getattr(d.func, "attr", "") == "command" for d in node.decorator_list
+        ):
+            body = node.body[1:] if isinstance(node.body[0], ast.Expr) else node.body
+            out.append((node.name, body[-1].end_lineno - body[0].lineno + 1))
+    return out
+
+
+def test_every_command_body_is_thin():
+    bodies = command_bodies()
+    assert {name for name, _ in bodies} == {"reduce", "upload", "inspect", "plot"}
+    assert [(name, n) for name, n in bodies if n > 30] == []
+
+
+def test_the_public_names_are_one_list_and_all_load():
+    assert metric_core.__all__ == sorted(metric_core._EXPORTS)
+    for name in metric_core.__all__:
+        assert getattr(metric_core, name) is not None, name
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"metric_core\.([A-Za-z_]+)\(", readme))
+    assert named <= set(metric_core.__all__), named - set(metric_core.__all__)
+
+
+def test_the_command_line_installs_as_metriclog(tmp_path):
+    import metriclog
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:  # outside the checkout
+        return subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+
+    version = run("-m", "metriclog", "--version")
+    assert version.returncode == 0, version.stderr
+    assert version.stdout.strip() == f"metriclog {metriclog.__version__}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+.*", metriclog.__version__)
+    no_cli = run("-c", "import cli")  # no top-level package of that name is installed
+    assert "No module named 'cli'" in no_cli.stderr
