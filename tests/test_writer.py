@@ -331,3 +331,21 @@ def test_seal_interval_seals_an_open_segment(tmp_path):
 
 def test_logging_mode_enum_is_what_backends_take():
     assert Recording("per_rank_no_reduce").logging_mode is LoggingMode.PER_RANK_NO_REDUCE
+
+
+def test_a_collector_left_open_is_written_at_exit_and_not_called_finished(tmp_path):
+    """Not shut down, not flushed: interpreter exit writes what it recorded, without a clean end."""
+    import subprocess
+    import sys
+
+    code = (
+        "from metric_core import MetricCollector\n"
+        f"c = MetricCollector({str(tmp_path)!r}, process_name='left', flush_interval=3600)\n"
+        "for i in range(5):\n"
+        "    c.record('k', float(i))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    scan = scan_run(tmp_path)
+    assert sorted(scan.frame.collect()["value"].to_list()) == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert scan.report.clean_shutdowns() == set()
+    assert [p.suffix for p in tmp_path.iterdir()] == [".parquet"]  # sealed

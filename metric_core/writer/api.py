@@ -7,7 +7,6 @@ lookups and a method call would be a third of its cost.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import time
@@ -147,12 +146,6 @@ def get_collector() -> MetricCollector:
     if _active is None:
         raise NotInitializedError("get_collector()")
     return _active
-
-
-@atexit.register
-def _at_exit() -> None:
-    if _active is not None:
-        _active.abort()
 
 
 def _env_int(name: str, default: int | None) -> int | None:

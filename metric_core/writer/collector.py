@@ -5,10 +5,10 @@ Data flow::
     record_metric(key, value)            training thread: one array append, no I/O
         -> MetricCollector._buffer       (value, key code, timestamp) as 3 doubles
         -> MetricCollector._drain()      writer thread every flush_interval, and flush()
-            -> RawFileWriter             raw records to {run_dir}/{process}.NNNNN.*
-            -> other PER_RANK_NO_REDUCE backends (log_stream_batch)
-            -> pending values            reduced at flush(step) for PER_RANK_REDUCE
-                                         backends and for return_state=True
+            -> RawFileWriter             raw records to segment files (writer.segments)
+            -> Backends.stream           PER_RANK_NO_REDUCE live backends (writer.backends)
+            -> StepReducer               reduced at flush(step) for PER_RANK_REDUCE
+                                         backends and return_state=True (writer.steps)
 
 The hot path builds no object per record beyond a 3-tuple: the key and its reduction
 are interned to an integer code once, and the buffer is a flat ``array('d')``. One
@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import array
 import asyncio
+import atexit
 import contextlib
 import os
 import threading
 import time
-from collections.abc import Coroutine
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -46,28 +47,14 @@ import numpy as np
 import pyarrow as pa
 
 from metric_core import records
-from metric_core.errors import (
-    ConfigError,
-    MetricLogError,
-    RecordsDroppedError,
-    WriteError,
-    warn,
-)
-from metric_core.metric import (
-    BackendRole,
-    LoggingMode,
-    Metric,
-    MetricAccumulator,
-    Reduce,
-)
+from metric_core.errors import ConfigError, MetricLogError, RecordsDroppedError, WriteError, warn
+from metric_core.metric import Metric, Reduce
 from metric_core.schema import default_process_name
-from metric_core.writer.backends import LoggerBackend, make_backend
+from metric_core.writer.backends import Backends, LoggerBackend
 from metric_core.writer.segments import MAX_UNWRITTEN, RawFileWriter
+from metric_core.writer.steps import StepReducer
 
 _now = time.time
-# Fold pending values into accumulators past this many, so memory stays bounded
-# when a script records for a long time without calling flush(step).
-_MAX_PENDING = 1_000_000
 # While writing fails, the writer thread retries at most this many flush intervals (and
 # 30 s) apart, so records are durable soon after the disk has room again.
 _MAX_BACKOFF_INTERVALS = 8
@@ -120,9 +107,7 @@ class MetricCollector:
             fsync=fsync,
             max_unwritten=max_unwritten,
         )
-        extra = [make_backend(name, cfg) for name, cfg in (backends or {}).items()]
-        self._extra_stream_backends = [b for b in extra if b.logging_mode is LoggingMode.PER_RANK_NO_REDUCE]
-        self._reduce_backends = [b for b in extra if b.logging_mode is LoggingMode.PER_RANK_REDUCE]
+        self._backends = Backends(backends or {}, self.process_name)
 
         self._buffer = array.array("d")
         self._extend = self._buffer.extend
@@ -132,19 +117,15 @@ class MetricCollector:
         self._intern_lock = threading.Lock()
 
         self._drain_lock = threading.Lock()
-        self._pending: list[array.array[float]] = []
-        self._pending_rows = 0
-        self._accumulators: dict[int, MetricAccumulator] = {}
+        self._steps = StepReducer(self._code_table, rank=self.rank, process=self.process_name)
         self._background_error: Exception | None = None
         self._closed = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-        self._run_coroutine(self._init_backends(extra))
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._background_flush, name=f"metriclog-writer-{self.process_name}", daemon=True
         )
         self._thread.start()
+        _open.add(self)
 
     @property
     def step(self) -> int:
@@ -199,15 +180,10 @@ class MetricCollector:
             chunk = self._buffer[:n]
             del self._buffer[:n]
             self._writer.enqueue(self._step, chunk.tobytes(), n // 3, self._code_table)
-            if self._extra_stream_backends:
+            if self._backends.stream:
                 rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
-                batch = self._record_table(rows).to_batches()[0]
-                for backend in self._extra_stream_backends:
-                    backend.log_stream_batch(batch, self._step)
-            self._pending.append(chunk)
-            self._pending_rows += n // 3
-            if self._pending_rows > _MAX_PENDING:
-                self._fold_pending()
+                self._backends.log_stream(self._record_table(rows).to_batches()[0], self._step)
+            self._steps.add(chunk)
 
     def _record_table(self, rows: np.ndarray) -> pa.Table:
         return records.build_table(
@@ -220,27 +196,6 @@ class MetricCollector:
             rank=self.rank,
             process=self.process_name,
         )
-
-    def _fold_pending(self) -> None:
-        """Reduce the pending raw values per key into the step's accumulators."""
-        if not self._pending:
-            return
-        rows = np.frombuffer(b"".join(c.tobytes() for c in self._pending), dtype=np.float64)
-        rows = rows.reshape(-1, 3)
-        self._pending.clear()
-        self._pending_rows = 0
-        codes = rows[:, 1].astype(np.int64)
-        order = np.argsort(codes, kind="stable")
-        codes, values = codes[order], rows[order, 0]
-        starts = np.flatnonzero(np.r_[True, codes[1:] != codes[:-1]])
-        ends = np.r_[starts[1:], len(codes)]
-        for s, e in zip(starts, ends, strict=True):
-            code = int(codes[s])
-            acc = self._accumulators.get(code)
-            if acc is None:
-                red = Reduce(self._code_table[code][1])
-                acc = self._accumulators[code] = red.accumulator_class(red)
-            acc.append_many(values[s:e])
 
     def _background_flush(self) -> None:
         """Every ``flush_interval``: queue the buffer, write and seal; on errors, back off."""
@@ -301,26 +256,11 @@ class MetricCollector:
         except WriteError as exc:  # the records stay queued; the step still ends
             error = exc
         with self._drain_lock:
-            if need_states or self._accumulators:
-                self._fold_pending()
+            if need_states or self._steps.folding:
+                metrics, states = self._steps.end(step)
             else:
-                self._pending.clear()
-                self._pending_rows = 0
-            accs, self._accumulators = self._accumulators, {}
-        metrics, states = [], {}
-        for code, acc in sorted(accs.items()):
-            key = self._code_table[code][0]
-            metrics.append(
-                Metric(
-                    key=key,
-                    value=acc.get_value(),
-                    reduction=acc.reduction,
-                    step=step,
-                    rank=self.rank,
-                    process=self.process_name,
-                )
-            )
-            states[key] = acc.get_state()
+                self._steps.discard()
+                metrics, states = [], {}
         return metrics, states, error
 
     def flush(
@@ -336,9 +276,9 @@ class MetricCollector:
         (see ``reduce_metrics_states``).
         """
         step = self._step if step is None else int(step)
-        metrics, states, error = self._flush_files(step, bool(self._reduce_backends) or return_state)
-        if self._reduce_backends and metrics:
-            self._run_coroutine(self._log_reduced(metrics, step))
+        metrics, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
+        if metrics:
+            self._backends.log_reduced(metrics, step)
         self._step = step + 1
         self._report(error)
         return states if return_state else None
@@ -348,20 +288,13 @@ class MetricCollector:
     ) -> dict[str, dict[str, Any]] | None:
         """``flush`` for asyncio code: file I/O runs in a worker thread."""
         step = self._step if step is None else int(step)
-        need = bool(self._reduce_backends) or return_state
+        need = bool(self._backends.reduce) or return_state
         metrics, states, error = await asyncio.to_thread(self._flush_files, step, need)
-        if self._reduce_backends and metrics:
-            await self._log_reduced(metrics, step)
+        if metrics:
+            await self._backends.alog_reduced(metrics, step)
         self._step = step + 1
         self._report(error)
         return states if return_state else None
-
-    async def _log_reduced(self, metrics: list[Metric], step: int) -> None:
-        await asyncio.gather(*(b.log_batch(metrics, step) for b in self._reduce_backends))
-
-    async def _init_backends(self, backends: list[LoggerBackend]) -> None:
-        for b in backends:
-            await b.init(BackendRole.LOCAL, None, self.process_name)
 
     def shutdown(self) -> None:
         """Flush everything, close the backends and record a clean end of this source.
@@ -382,13 +315,7 @@ class MetricCollector:
                 raise
             warn(f"{exc}; they are lost at exit")
         self._closed = True
-        self._run_coroutine(self._finish_backends())
-        if self._loop is not None:
-            self._loop.close()
-
-    async def _finish_backends(self) -> None:
-        for b in [*self._extra_stream_backends, *self._reduce_backends]:
-            await b.finish()
+        self._backends.finish()
 
     @property
     def closed(self) -> bool:
@@ -412,28 +339,16 @@ class MetricCollector:
             self._drain()
             self._writer.close(clean_shutdown=False)
 
-    def _run_coroutine(self, coro: Coroutine[Any, Any, None]) -> None:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            self._loop.run_until_complete(coro)
-            return
-        # Called from inside a running event loop: run on a helper thread's loop.
-        error: list[BaseException] = []
 
-        def run() -> None:
-            try:
-                asyncio.run(coro)
-            except BaseException as exc:
-                error.append(exc)
+# Collectors not yet ended: at interpreter exit each is aborted, so what it recorded since its
+# last flush is written (and marked as not cleanly ended), whoever created it.
+_open: weakref.WeakSet[MetricCollector] = weakref.WeakSet()
 
-        helper = threading.Thread(target=run)
-        helper.start()
-        helper.join()
-        if error:
-            raise error[0]
+
+@atexit.register
+def _abort_open_collectors() -> None:
+    for collector in list(_open):
+        collector.abort()
 
 
 def _as_float(key: str, value: Any) -> float:

@@ -20,7 +20,10 @@ avoids both.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Coroutine
 from typing import Any
 
 import pyarrow as pa
@@ -112,3 +115,67 @@ def _global_reduce_message(name: str) -> str:
         "`metriclog reduce RUN_DIR` (or upload it with `metriclog upload RUN_DIR`). "
         "Use per_rank_reduce or per_rank_no_reduce for a live backend."
     )
+
+
+class Backends:
+    """A collector's live backends, by what they take, and the event loop their calls run on.
+
+    ``stream``: PER_RANK_NO_REDUCE backends, given every drained batch (on the writer
+    thread). ``reduce``: PER_RANK_REDUCE backends, given each step's reduced metrics.
+    """
+
+    def __init__(self, configs: dict[str, dict[str, Any] | LoggerBackend], process: str) -> None:
+        built = [make_backend(name, cfg) for name, cfg in configs.items()]
+        self.stream = [b for b in built if b.logging_mode is LoggingMode.PER_RANK_NO_REDUCE]
+        self.reduce = [b for b in built if b.logging_mode is LoggingMode.PER_RANK_REDUCE]
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._run(self._init(built, process))
+
+    def log_stream(self, batch: pa.RecordBatch, step: int) -> None:
+        for backend in self.stream:
+            backend.log_stream_batch(batch, step)
+
+    def log_reduced(self, metrics: list[Metric], step: int) -> None:
+        if self.reduce:
+            self._run(self.alog_reduced(metrics, step))
+
+    async def alog_reduced(self, metrics: list[Metric], step: int) -> None:
+        await asyncio.gather(*(b.log_batch(metrics, step) for b in self.reduce))
+
+    def finish(self) -> None:
+        self._run(self._finish())
+        if self._loop is not None:
+            self._loop.close()
+
+    @staticmethod
+    async def _init(backends: list[LoggerBackend], process: str) -> None:
+        for b in backends:
+            await b.init(BackendRole.LOCAL, None, process)
+
+    async def _finish(self) -> None:
+        for b in [*self.stream, *self.reduce]:
+            await b.finish()
+
+    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run a backend coroutine to its end from synchronous code."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            self._loop.run_until_complete(coro)
+            return
+        # Called from inside a running event loop: run on a helper thread's loop.
+        error: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(coro)
+            except BaseException as exc:
+                error.append(exc)
+
+        helper = threading.Thread(target=run)
+        helper.start()
+        helper.join()
+        if error:
+            raise error[0]
