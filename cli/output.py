@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from metric_core.errors import MetricLogError
+from metric_core.errors import RequestError
 
 if TYPE_CHECKING:
     import polars as pl
@@ -40,7 +40,7 @@ def write_frame(df: pl.DataFrame, out: Path) -> None:
 
     suffix = out.suffix.lower()
     if suffix not in OUT_SUFFIXES:
-        raise MetricLogError(f"--out {out}: use a file ending in {', '.join(OUT_SUFFIXES)}")
+        raise RequestError(f"--out {out}: use a file ending in {', '.join(OUT_SUFFIXES)}")
     out.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".parquet":
         df.write_parquet(out)

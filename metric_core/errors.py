@@ -72,6 +72,22 @@ class PlanError(MetricLogError):
     """A request that cannot be turned into a plan (bad statistic, pattern, range): a usage error."""
 
 
+class RequestError(MetricLogError):
+    """A well-formed request this run cannot serve: too many keys to plot, an output of unknown type."""
+
+
+class MissingDependencyError(MetricLogError):
+    """An optional package a feature needs is not installed; the message names the install."""
+
+
+class CollectorClosedError(MetricLogError):
+    """A collector was used after ``shutdown()``."""
+
+
+class UnsafePathError(MetricLogError):
+    """metriclog would have to write through a symlink it did not make."""
+
+
 class RunChangedError(MetricLogError):
     """A file of the run changed (or vanished) between the check of it and the query over it."""
 

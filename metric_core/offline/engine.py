@@ -22,7 +22,7 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MetricLogError, MixedReductionError, NoDataError, PlanError, StrictModeError
+from metric_core.errors import MixedReductionError, NoDataError, PlanError, RunChangedError, StrictModeError
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import RunScan, changed_files_said, scan_run
@@ -227,7 +227,7 @@ def _aggregate(
     grouped = grouped.join(table, on="key", how="left")
     undeclared = grouped.filter(pl.col("reduction").is_null())
     if undeclared.height:  # only a sealed segment changed after its writer sealed it gets here
-        raise MetricLogError(
+        raise RunChangedError(
             f"key '{undeclared['key'][0]}' is in the records but not in the key list of their "
             "segments' metadata: a sealed file was rewritten with its metadata kept; "
             "rewrite it without the 'metriclog' metadata, or restore the original"

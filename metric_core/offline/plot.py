@@ -17,7 +17,7 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MetricLogError, PlanError
+from metric_core.errors import MissingDependencyError, PlanError, RequestError
 from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
@@ -52,13 +52,15 @@ def plot_run(
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise MetricLogError("metriclog plot needs matplotlib: pip install 'metriclog[plot]'") from None
+        raise MissingDependencyError(
+            "metriclog plot needs matplotlib: pip install 'metriclog[plot]'"
+        ) from None
     if not plan.keys:
-        raise MetricLogError("choose the keys to plot with --key PATTERN, e.g. --key 'trainer/*'")
+        raise PlanError("choose the keys to plot with --key PATTERN, e.g. --key 'trainer/*'")
     result = execute(plan, scan).frame
     keys = sorted(result["key"].unique().to_list())
     if len(keys) > MAX_KEYS:
-        raise MetricLogError(
+        raise RequestError(
             f"--key matches {len(keys)} keys; plot at most {MAX_KEYS} at once (narrow the pattern)"
         )
     health = inspect_run(scan)

@@ -47,7 +47,7 @@ import numpy as np
 import pyarrow as pa
 
 from metric_core import records
-from metric_core.errors import ConfigError, MetricLogError, RecordsDroppedError, WriteError, warn
+from metric_core.errors import CollectorClosedError, ConfigError, RecordsDroppedError, WriteError, warn
 from metric_core.metric import Metric, Reduce
 from metric_core.schema import default_process_name
 from metric_core.writer.backends import Backends, LoggerBackend
@@ -245,7 +245,7 @@ class MetricCollector:
         self, step: int, need_states: bool
     ) -> tuple[list[Metric], dict[str, dict[str, Any]], WriteError | None]:
         if self._closed:
-            raise MetricLogError(f"flush() after shutdown() of {self.process_name}")
+            raise CollectorClosedError(f"flush() after shutdown() of {self.process_name}")
         # Records keep the step that was current when they were recorded: the writer thread
         # may already have written some, so relabelling the rest under ``step`` would make a
         # record's step depend on timing.

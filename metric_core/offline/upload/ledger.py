@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from metric_core.atomic import new_hidden_file, replace_file
-from metric_core.errors import MetricLogError
+from metric_core.errors import UnsafePathError, UploadError
 
 
 class Ledger:
@@ -26,7 +26,7 @@ class Ledger:
             try:
                 self.entries = json.loads(path.read_text()).get("runs", {})
             except (OSError, ValueError) as exc:
-                raise MetricLogError(
+                raise UploadError(
                     f"upload ledger {path} is damaged ({exc}); move it away to start over"
                 ) from None
 
@@ -64,7 +64,7 @@ def _refuse_links(*paths: Path) -> None:
     """metriclog writes under RUN_DIR/.metriclog only through directories it made itself."""
     for path in paths:
         if path.is_symlink():
-            raise MetricLogError(
+            raise UnsafePathError(
                 f"{path} is a symlink (to {os.readlink(path)}): metriclog does not write through "
                 "links it did not make; remove it and upload again"
             )

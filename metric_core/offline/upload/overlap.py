@@ -18,7 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from metric_core.errors import MetricLogError
+from metric_core.errors import MetricLogError, UploadError
 
 T = TypeVar("T")
 
@@ -52,7 +52,7 @@ def start(work: Callable[[], T]) -> Callable[[], T]:
             raise value
         if status == "interrupted":
             raise KeyboardInterrupt
-        raise MetricLogError(
+        raise UploadError(
             f"the process reading the run ended early (exit code {child.exitcode}); "
             "run again, and report it if it happens again"
         )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from metric_core.errors import ConfigError
+from metric_core.errors import ConfigError, MissingDependencyError
 from metric_core.metric import BackendRole, LoggingMode, Metric
 from metric_core.writer.backends import LoggerBackend
 
@@ -39,7 +39,9 @@ class WandbBackend(LoggerBackend):
         try:
             import wandb
         except ImportError as exc:  # pragma: no cover - wandb is a dependency
-            raise ConfigError("the wandb backend needs the wandb package: pip install wandb") from exc
+            raise MissingDependencyError(
+                "the wandb backend needs the wandb package: pip install wandb"
+            ) from exc
         cfg = self.logger_backend_config
         self.process_name = process_name or self.process_name
         group = cfg.get("group") or cfg.get("name") or "metriclog"
