@@ -1,10 +1,9 @@
 """Write sample_logs/rl_run: a small RL-style run, through metric_core's own writer.
 
 Four sources over 300 steps: two trainers (Parquet) and two generators (JSONL).
-GeneratorActor_r1 dies at step 181: its collector stops without shutdown(), leaving
-its open journal as a SIGKILL would (tests/test_crash.py kills real processes to show
-that this is the state a kill leaves), and its last frame is cut short, as when the kill
-lands mid-write. Values and timestamps are seeded, so reruns give the same records.
+GeneratorActor_r1 dies at step 181: it is written by a child process that is then
+SIGKILLed, leaving its open journal as any kill does, and its last frame is cut short,
+as when the kill lands mid-write. Values and timestamps are seeded, so reruns give the same records.
 
 Usage: python scripts/make_sample_logs.py [OUT_DIR]   (default sample_logs/rl_run)
 """
@@ -12,8 +11,11 @@ Usage: python scripts/make_sample_logs.py [OUT_DIR]   (default sample_logs/rl_ru
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -75,24 +77,33 @@ def main(out: Path) -> None:
         ("GeneratorActor_r1", 1, "jsonl"),
     ):
         rng = np.random.default_rng(1000 + 10 * rank + len(process))
+        if process == KILLED[0]:
+            killed(out, process, rank, fmt, rng)
+            continue
         # Small segments, so the sample shows several sealed files per source.
-        c = MetricCollector(
-            out, rank=rank, process_name=process, file_format=fmt, segment_records=3000, flush_interval=3600
-        )
+        c = MetricCollector(out, rank=rank, process_name=process, file_format=fmt, segment_records=3000)
         if process.startswith("Train"):
             trainer(c, rank, rng)
         else:
-            killed = process == KILLED[0]
-            generator(c, rank, rng, KILLED[2] if killed else None)
-            if killed:
-                c._writer.seal_ready()  # what its writer thread had done before the kill
-                c._stop.set()  # the process is gone: no shutdown, no seal, no more flushes
-                (journal,) = out.glob(f"{process}.*.journal")
-                data = journal.read_bytes()
-                journal.write_bytes(data[: len(data) - 100])  # the kill cut the last write
-                continue
+            generator(c, rank, rng, None)
         c.shutdown()
     print(f"wrote {out}")
+
+
+def killed(out: Path, process: str, rank: int, fmt: str, rng: np.random.Generator) -> None:
+    """The source that dies: written by a child process, which is SIGKILLed at step 181."""
+    pid = os.fork()
+    if pid == 0:
+        c = MetricCollector(
+            out, rank=rank, process_name=process, file_format=fmt, segment_records=3000, flush_interval=0.1
+        )
+        generator(c, rank, rng, KILLED[2])
+        time.sleep(1.0)  # its writer thread seals the full segments, as it would have by then
+        os.kill(os.getpid(), signal.SIGKILL)
+    os.waitpid(pid, 0)
+    (journal,) = out.glob(f"{process}.*.journal")
+    data = journal.read_bytes()
+    journal.write_bytes(data[: len(data) - 100])  # the kill cut the last write short
 
 
 if __name__ == "__main__":

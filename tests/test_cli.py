@@ -173,6 +173,6 @@ def test_long_results_are_cut_and_the_cut_is_said(run):
 def test_sample_run_reduces_and_reports_its_killed_generator():
     result = invoke("reduce", SAMPLE, "--key", "policy/*", "--steps", "179:182", "--mode", "per_rank_reduce")
     assert result.exit_code == 0, result.output
-    assert "GeneratorActor_r1.00001.journal" in result.stderr
+    assert "GeneratorActor_r1.r1.00001.journal" in result.stderr
     assert "unfinished write at the end" in result.stderr
     assert "GeneratorActor_r1" in result.stdout
