@@ -97,7 +97,7 @@ def empty_decoded() -> pa.Table:
 
 
 def to_jsonl(table: pa.Table) -> bytes:
-    """JSON lines of a table, a line per row in order, built column by column (no row loop).
+    r"""JSON lines of a table, a line per row in order, built column by column (no row loop).
 
     Strings, integers, floats, booleans and nulls are written; a float keeps every bit
     (the shortest text that reads back to it) and a non-finite one is spelled as
@@ -105,7 +105,7 @@ def to_jsonl(table: pa.Table) -> bytes:
 
     >>> t = pa.table({"key": ["a", 'b"'], "value": [0.1, float("nan")], "step": [1, None]})
     >>> to_jsonl(t).decode().splitlines()
-    ['{"key":"a","value":0.1,"step":1}', '{"key":"b\\\\"","value":"NaN","step":null}']
+    ['{"key":"a","value":0.1,"step":1}', '{"key":"b\\"","value":"NaN","step":null}']
     """
     out = []
     for batch in table.to_batches(max_chunksize=_JSONL_BATCH_ROWS):  # string offsets are 32-bit

@@ -272,7 +272,7 @@ def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
     >>> df.columns
     ['step', 'key', 'value', 'reduction', 'count']
     >>> df["count"].to_list()
-    [32, 32]
+    [8, 8]
     """
     return run_plan(run_dir, make_plan(**options)).frame
 
@@ -283,6 +283,12 @@ def run_plan(
     """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
 
     Raises ``StrictModeError`` when ``strict`` and the reader skipped anything.
+
+    >>> result = run_plan("sample_logs/rl_run", make_plan(mode="per_rank_reduce", keys=["policy/reward"]))
+    >>> result.frame.select("process", "step", "count").head(2).rows()
+    [('GeneratorActor_r0', 0, 8), ('GeneratorActor_r0', 1, 8)]
+    >>> result.scan.report.skipped_records  # the killed generator's last, half-written frame
+    20
     """
     scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
     summary = scan.report.summary()

@@ -132,9 +132,9 @@ def inspect_run(run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool 
 
     >>> report = inspect_run("sample_logs/rl_run")
     >>> report.first_to_stop.process, report.first_to_stop.last_step
-    ('GeneratorActor_r1', 150)
+    ('GeneratorActor_r1', 179)
     >>> [s.status for s in report.sources]
-    ['unfinished', 'stopped_early', 'unfinished', 'unfinished']
+    ['finished', 'stopped_early', 'finished', 'finished']
     """
     scan = run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks)
     per_step, per_key = _aggregate(scan)
@@ -210,8 +210,8 @@ def inspect_run(run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool 
 def _strict_json(report: dict[str, Any]) -> str:
     """JSON with every non-finite number as null.
 
-    >>> _strict_json({"last_values": {"loss": float("nan")}})
-    '{\n  "last_values": {\n    "loss": null\n  }\n}'
+    >>> json.loads(_strict_json({"last_values": {"loss": float("nan"), "lr": 0.1}}))
+    {'last_values': {'loss': None, 'lr': 0.1}}
     """
 
     def finite(obj: Any) -> Any:

@@ -90,7 +90,10 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
 
     ``value`` may be a Python number, a bool, a numpy scalar or a 0-d tensor.
 
-    >>> record_metric("trainer/loss", 0.31, Reduce.MEAN)  # doctest: +SKIP
+    >>> import metric_core, tempfile
+    >>> _ = metric_core.init(tempfile.mkdtemp(), process_name="trainer")
+    >>> record_metric("trainer/loss", 0.31, Reduce.MEAN)
+    >>> metric_core.flush(0); metric_core.shutdown()
     """
     # MetricCollector.record, inlined over module globals that init() binds: attribute
     # lookups and a method call would be a third of this function's cost.

@@ -67,6 +67,15 @@ class MetricCollector:
 
     Most scripts use the module-level ``init``/``record_metric``/``flush``/``shutdown``,
     which drive the one collector of the process.
+
+    >>> import tempfile
+    >>> c = MetricCollector(tempfile.mkdtemp(), rank=1, process_name="TrainActor_r1")
+    >>> c.record("loss", 0.5); c.record("loss", 1.5)
+    >>> c.flush(0, return_state=True)
+    {'loss': {'reduction_type': 'mean', 'sum': 2.0, 'count': 2}}
+    >>> c.step
+    1
+    >>> c.shutdown()
     """
 
     def __init__(

@@ -135,8 +135,9 @@ def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) 
     skipped (and said) unless ``follow_symlinks``. Raises NoDataError when the
     directory has no readable record.
 
-    >>> scan = scan_run("sample_logs/rl_run")  # doctest: +SKIP
-    >>> scan.frame.select(pl.len()).collect().item()  # doctest: +SKIP
+    >>> scan = scan_run("sample_logs/rl_run")
+    >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
+    (16200, 20)
     """
     root = Path(run_dir)
     if not root.is_dir():

@@ -63,7 +63,7 @@ def upload_run(
     >>> from metric_core import make_plan
     >>> result = upload_run("sample_logs/rl_run", make_plan(), Destination("demo"), dry_run=True)
     >>> [(r.name, r.rows) for r in result.plan.runs]
-    [('rl_run', 180)]
+    [('rl_run', 300)]
     """
     events = events or UploadEvents()
     if not dry_run and not to.offline and not has_credentials():
