@@ -9,6 +9,7 @@ when it is installed, which a training rank should not pay for.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -107,37 +108,62 @@ def to_jsonl(table: pa.Table) -> bytes:
     >>> to_jsonl(t).decode().splitlines()
     ['{"key":"a","value":0.1,"step":1}', '{"key":"b\\"","value":"NaN","step":null}']
     """
-    out = []
+    return b"".join(jsonl_chunks(table))
+
+
+def jsonl_chunks(table: pa.Table) -> Iterator[pa.Buffer]:
+    """``to_jsonl`` in pieces, to write one after the other without joining them."""
     for batch in table.to_batches(max_chunksize=_JSONL_BATCH_ROWS):  # string offsets are 32-bit
-        parts: list[pa.Array | pa.Scalar] = []
+        parts: list[pa.Array | str] = []
         for i, (name, column) in enumerate(zip(batch.schema.names, batch.columns, strict=True)):
-            parts.append(_text(("{" if i == 0 else ",") + json.dumps(name) + ":"))
-            parts.append(_json_values(column))
-        parts.append(_text("}\n"))
-        lines = pc.binary_join_element_wise(*parts, _text(""))
+            prefix = ("{" if i == 0 else ",") + json.dumps(name) + ":"
+            if pa.types.is_dictionary(column.type) and not column.null_count:
+                # few distinct strings: the separator and name go into the dictionary
+                parts.append(pc.take(_quoted(column.dictionary, prefix), column.indices))
+            else:
+                parts += [prefix, _json_values(column)]
+        parts.append("}\n")
+        merged: list[pa.Array | pa.Scalar] = []  # adjacent texts joined: fewer, longer parts
+        for part in parts:
+            if isinstance(part, str) and merged and isinstance(merged[-1], str):
+                merged[-1] += part
+            else:
+                merged.append(part)
+        lines = pc.binary_join_element_wise(
+            *(_text(p) if isinstance(p, str) else p for p in merged), _text("")
+        )
         # The lines end in newlines, so the array's character data is the file's text.
         offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[
             lines.offset : lines.offset + len(lines) + 1
         ]
-        out.append(lines.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0])).to_pybytes())
-    return b"".join(out)
+        yield lines.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+
+
+def _quoted(values: pa.Array, prefix: str = "") -> pa.Array:
+    """``prefix`` and each value as JSON, for the few distinct values of a dictionary."""
+    return string_array([prefix + json.dumps(v) for v in values.to_pylist()])
 
 
 def _json_values(column: pa.Array) -> pa.Array:
+    """Each value as JSON text."""
     kind = column.type
     if pa.types.is_dictionary(kind):
         column = column.cast(kind.value_type)
         kind = column.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         encoded = column.dictionary_encode()
-        quoted = string_array([json.dumps(s) for s in encoded.dictionary.to_pylist()])
-        text = pc.take(quoted, encoded.indices)
+        text = pc.take(_quoted(encoded.dictionary), encoded.indices)
     elif pa.types.is_floating(kind):
-        text = pc.cast(column.cast(pa.float64()), pa.string())
-        whole = pc.match_substring_regex(text, r"^-?[0-9]+$")  # keep floats floats: "1" -> "1.0"
-        text = pc.if_else(whole, pc.binary_join_element_wise(text, _text(".0"), _text("")), text)
-        for arrow, spelled in NONFINITE_SPELLING.items():  # Arrow writes nan, inf, -inf
-            text = pc.if_else(pc.equal(text, _text(arrow)), _text(json.dumps(spelled)), text)
+        column = column.cast(pa.float64())
+        text = pc.cast(column, pa.string())
+        # Keep floats floats ("1" -> "1.0"), and spell NaN and infinities: each pass only when
+        # a value needs it, checked on the numbers, which is cheap.
+        if pc.any(pc.equal(pc.floor(column), column)).as_py():
+            whole = pc.match_substring_regex(text, r"^-?[0-9]+$")
+            text = pc.if_else(whole, pc.binary_join_element_wise(text, _text(".0"), _text("")), text)
+        if not pc.all(pc.is_finite(column)).as_py():
+            for arrow, spelled in NONFINITE_SPELLING.items():  # Arrow writes nan, inf, -inf
+                text = pc.if_else(pc.equal(text, _text(arrow)), _text(json.dumps(spelled)), text)
     elif pa.types.is_boolean(kind):
         text = pc.if_else(column, _text("true"), _text("false"))
     elif pa.types.is_integer(kind):
@@ -146,7 +172,7 @@ def _json_values(column: pa.Array) -> pa.Array:
         text = pa.nulls(len(column), pa.string())
     else:
         raise TypeError(f"column of type {kind} has no JSON lines form")
-    return pc.fill_null(text, _text("null"))
+    return pc.fill_null(text, _text("null")) if text.null_count else text
 
 
 def _text(s: str) -> pa.Scalar:

@@ -410,15 +410,17 @@ class RawFileWriter(LoggerBackend):
                     w.write_table(table, row_group_size=_ROW_GROUP_RECORDS)
                     w.add_key_value_metadata({PARQUET_KEY: meta.to_json()})
             else:
-                body = records.to_jsonl(table.drop_columns(KEY_HASH))  # JSONL readers parse every field
+                body: list[Any] = list(records.jsonl_chunks(table.drop_columns(KEY_HASH)))
                 if clean_shutdown:
                     end = {"event": SHUTDOWN_EVENT, "process": self.process, "rank": self.rank}
-                    body += (json.dumps({**end, "timestamp": decoded.shutdown}) + "\n").encode()
+                    body.append((json.dumps({**end, "timestamp": decoded.shutdown}) + "\n").encode())
                 finite = pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
                 # A reader then parses values as plain numbers, and checks the size, not each line.
-                meta = dataclasses.replace(meta, nonfinite=table.num_rows - finite, bytes=len(body))
+                size = sum(len(b) if isinstance(b, bytes) else b.size for b in body)
+                meta = dataclasses.replace(meta, nonfinite=table.num_rows - finite, bytes=size)
                 f.write(meta.jsonl_line())
-                f.write(body)
+                for chunk in body:
+                    f.write(chunk)
             f.flush()
             if self.fsync:
                 os.fsync(f.fileno())
