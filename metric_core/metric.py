@@ -4,7 +4,7 @@ Names follow torchforge's observability module ('Metric Logging updates 5/N'). T
 things differ from it on purpose:
 
 * ``StdAccumulator`` keeps (count, mean, M2) and merges with Chan et al.'s parallel
-  formula. The seed's sqrt(E[x^2] - E[x]^2) cancels catastrophically: for values
+  formula. torchforge's sqrt(E[x^2] - E[x]^2) cancels catastrophically: for values
   1e8 + N(0, 1) it returns 1.41 where the true std is ~1.
 * Accumulators also take whole numpy arrays (``append_many``), so the collector can
   reduce a drained batch without a Python loop per value.

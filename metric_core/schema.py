@@ -1,4 +1,4 @@
-"""The raw record (SPEC section 2), its spellings, and the names of the files the writer leaves.
+"""The raw record (docs/format.md), its spellings, and the names of the files the writer leaves.
 
 This module is the one definition of the record: its fields and their types (from which
 ``metric_core.records`` builds the Arrow schema and the reader the polars one), the
@@ -42,7 +42,7 @@ DEFAULT_PROCESS_PREFIX = "rank"
 NONFINITE_SPELLING = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
 
 # An extra column of the writer's Parquet segments: each record's key_hash(key). Readers
-# that know it group on one integer instead of a string; others ignore it (SPEC 2).
+# that know it group on one integer instead of a string; others ignore it (docs/format.md).
 KEY_HASH = "key_hash"
 
 DATA_SUFFIXES = (".jsonl", ".parquet", ".journal")

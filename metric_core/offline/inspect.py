@@ -1,4 +1,4 @@
-"""What happened in a crashed or hung run: per-source health and a verdict (SPEC 6, inspect).
+"""What happened in a crashed or hung run: per-source health and a verdict (docs/commands.md).
 
 Status of a source:
 
@@ -97,7 +97,7 @@ class Straggler:
 
 @dataclass
 class InspectReport:
-    """What ``inspect_run`` found; ``to_json()`` is the object of SPEC section 6."""
+    """What ``inspect_run`` found; ``to_json()`` is the object docs/commands.md describes."""
 
     run_dir: str
     name: str

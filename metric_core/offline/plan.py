@@ -30,7 +30,7 @@ class By(str, Enum):
 
 @dataclass(frozen=True)
 class Statistic:
-    """One statistic of SPEC section 3: a name, and for ``pNN`` its quantile in [0, 1]."""
+    """One statistic of docs/modes.md: a name, and for ``pNN`` its quantile in [0, 1]."""
 
     name: str
     quantile: float | None = None

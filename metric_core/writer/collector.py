@@ -153,7 +153,7 @@ class MetricCollector:
             self._extend((_as_float(key, value), code, _now()))
 
     def push(self, metric: Metric) -> None:
-        """Record a Metric (the seed's API); its own timestamp is kept."""
+        """Record a Metric (torchforge's push); its own timestamp is kept."""
         value = metric.value if type(metric.value) is float else _as_float(metric.key, metric.value)
         code = self._intern(metric.key, metric.reduction)
         self._extend((value, code, metric.timestamp))
@@ -275,7 +275,7 @@ class MetricCollector:
     def flush(
         self, step: int | None = None, *, return_state: bool = False
     ) -> dict[str, dict[str, Any]] | None:
-        """End step ``step`` (default: the current one), as in SPEC section 4.
+        """End step ``step`` (default: the current one), as docs/durability.md says.
 
         Everything recorded since the previous flush is made durable, reduced per key
         for PER_RANK_REDUCE backends under ``step``, and the current step becomes

@@ -1,6 +1,6 @@
 """Read a run directory into one polars LazyFrame in the record schema, with a health report.
 
-Every file of SPEC section 2 is read (recursively: ``*.jsonl``, ``*.parquet`` and the
+Every file docs/format.md describes is read (recursively: ``*.jsonl``, ``*.parquet`` and the
 writer's ``*.journal`` tails; names starting with "." are not data). Bad input is
 survived and reported, never silently dropped:
 

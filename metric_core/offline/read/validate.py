@@ -110,7 +110,7 @@ def accept(
     """
     keep = None
     if "event" in raw.columns:
-        # The writer's own lines; a record may carry an extra field named "event" (SPEC 2).
+        # The writer's own lines; a record may carry an extra field named "event" (docs/format.md).
         events = raw["event"].is_in([SEGMENT_EVENT, SHUTDOWN_EVENT]) & raw["key"].is_null()
         if events.any():
             for row in raw.filter(raw["event"] == SEGMENT_EVENT).iter_rows(named=True):

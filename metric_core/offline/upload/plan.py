@@ -1,4 +1,4 @@
-"""From a reduction to the W&B runs that hold it (SPEC 6, upload); nothing is sent here.
+"""From a reduction to the W&B runs that hold it (docs/commands.md); nothing is sent here.
 
 * ``global_reduce``: one run named ``name``; a history row per step holding every key
   of the step and ``step``, which ``define_metric`` makes every key's x-axis.

@@ -1,6 +1,6 @@
 """Logger backends: where a process's metrics go.
 
-The seed left open whether ``log_batch`` and ``log_stream`` should both be async or
+torchforge's design leaves open whether ``log_batch`` and ``log_stream`` should both be async or
 be unified. The answer here:
 
 * ``log_batch`` stays ``async``. It runs once per step with reduced values and may

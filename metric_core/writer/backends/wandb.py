@@ -1,4 +1,4 @@
-"""Live Weights & Biases backend, as in the seed (wandb is imported only here).
+"""Live Weights & Biases backend, as in torchforge (wandb is imported only here).
 
 * PER_RANK_REDUCE: one W&B run per process, ``{group}_{process}``, in group ``group``;
   each flush logs the reduced values with ``step`` as the x-axis.
