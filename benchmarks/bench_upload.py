@@ -96,7 +96,8 @@ def main() -> None:
     from metric_core import scan_run
     from metric_core.offline.engine import execute
     from metric_core.offline.plan import make_plan
-    from metric_core.offline.upload import REPLAY_SETTINGS, plan_upload
+    from metric_core.offline.upload.plan import plan_upload
+    from metric_core.offline.upload.send import REPLAY_SETTINGS
 
     compile_sources()
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}

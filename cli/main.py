@@ -61,9 +61,8 @@ def errors_to_exit() -> Iterator[None]:
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(code=1) from None
     except OSError as exc:
-        typer.echo(
-            f"Error: {exc.filename or ''}: {exc.strerror or exc}".replace("Error: : ", "Error: "), err=True
-        )
+        where = f"{exc.filename}: " if exc.filename else ""
+        typer.echo(f"Error: {where}{exc.strerror or exc}", err=True)
         raise typer.Exit(code=1) from None
 
 

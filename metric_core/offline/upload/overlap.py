@@ -2,7 +2,8 @@
 
 ``upload_run`` reads and reduces the run (polars) in a child while it imports wandb
 itself, which takes about half a second: on two cores the two overlap. The child sends
-back its result, or the ``MetricLogError`` it raised, which is raised again here.
+back its result, or the ``MetricLogError`` (or ``OSError``) it raised, which is raised
+again here.
 
 Where a fork is unsafe the work runs in this process instead, when its result is asked
 for: polars already loaded (its thread pool does not survive a fork; so under the test
@@ -63,7 +64,7 @@ def start(work: Callable[[], T]) -> Callable[[], T]:
 def _child(work: Callable[[], Any], send: Connection) -> None:
     try:
         message: tuple[str, Any] = ("ok", work())
-    except MetricLogError as exc:
+    except (MetricLogError, OSError) as exc:  # expected failures: raised again in the parent
         message = ("error", exc)
     except KeyboardInterrupt:
         message = ("interrupted", None)
