@@ -60,6 +60,20 @@ class MixedReductionError(MetricLogError):
         )
 
 
+class UnknownReductionError(MetricLogError):
+    """Records carry a reduction metriclog does not know; ``keys`` maps each such key to it."""
+
+    def __init__(self, keys: dict[str, str]) -> None:
+        self.keys = keys
+        shown = ", ".join(f"'{k}' ({r!r})" for k, r in list(keys.items())[:5])
+        more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+        first = next(iter(keys))
+        super().__init__(
+            f"key(s) recorded with a reduction metriclog does not know: {shown}{more}; choose a "
+            f"statistic for each with --reduce, e.g. --reduce '{first}=mean'"
+        )
+
+
 class StrictModeError(MetricLogError):
     """--strict was given and the reader skipped records or files; ``summary`` says which."""
 

@@ -176,3 +176,17 @@ def test_sample_run_reduces_and_reports_its_killed_generator():
     assert "GeneratorActor_r1.r1.00001.journal" in result.stderr
     assert "unfinished write at the end" in result.stderr
     assert "GeneratorActor_r1" in result.stdout
+
+
+def test_a_reduction_no_statistic_names_is_a_data_error_naming_every_such_key(tmp_path):
+    lines = [
+        {"key": key, "value": 1.0, "reduction": red, "step": 0, "timestamp": 1.7e9, "rank": 0}
+        for key, red in (("a", "banana"), ("b", ""), ("c", "mean"))
+    ]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = invoke("reduce", tmp_path)
+    assert result.exit_code == 1, result.output
+    assert "Usage:" not in result.output
+    assert "'a' ('banana'), 'b' ('')" in result.stderr and "--reduce 'a=mean'" in result.stderr
+    fixed = invoke("reduce", tmp_path, "--reduce", "a=max", "--reduce", "b=sum")
+    assert fixed.exit_code == 0, fixed.output

@@ -452,3 +452,9 @@ def test_wandb_limits_are_checked_before_anything_is_sent():
     assert any("10,000 distinct metrics" in w for w in limit_warnings([wide]))
     few = {name: column[:10] for name, column in columns.items()}
     assert limit_warnings([PlannedRun("id3", "ok", None, None, few, "step", ["loss"])]) == []
+
+
+def test_an_empty_project_name_is_a_usage_error(small_run):
+    result = runner.invoke(app, ["upload", str(small_run), "--project", " ", "--dry-run"])
+    assert result.exit_code == 2
+    assert "--project must name a W&B project" in result.output

@@ -22,7 +22,14 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MixedReductionError, NoDataError, PlanError, RunChangedError, StrictModeError
+from metric_core.errors import (
+    MixedReductionError,
+    NoDataError,
+    PlanError,
+    RunChangedError,
+    StrictModeError,
+    UnknownReductionError,
+)
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import RunScan, changed_files_said, scan_run
@@ -234,11 +241,7 @@ def _aggregate(
         )
     unknown = grouped.filter(~pl.col("reduction").is_in(list(known))).sort("key")
     if unknown.height:
-        key, stat = unknown["key"][0], unknown["reduction"][0]
-        raise PlanError(
-            f"key '{key}' is recorded with reduction '{stat}', which metriclog does not know; "
-            f"choose one with --reduce '{key}=STAT'"
-        )
+        raise UnknownReductionError(dict(unknown.select("key", "reduction").unique().sort("key").iter_rows()))
     value = pl.lit(None, pl.Float64)
     for name, stat in known.items():
         value = pl.when(pl.col("reduction") == name).then(_final(stat)).otherwise(value)

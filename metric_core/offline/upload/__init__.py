@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import NotLoggedInError
+from metric_core.errors import NotLoggedInError, PlanError
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -66,6 +66,8 @@ def upload_run(
     [('rl_run', 300)]
     """
     events = events or UploadEvents()
+    if not to.project.strip():
+        raise PlanError("--project must name a W&B project")
     if not dry_run and not to.offline and not has_credentials():
         raise NotLoggedInError()
     root = Path(run_dir)

@@ -117,7 +117,8 @@ class _Sender:
 
     def send(self, run: PlannedRun) -> RunOutcome:
         entry = self.ledger.get(run.run_id)
-        run_id, resume, start, action, message = run.run_id, None, 0, "uploaded", ""
+        action = "wrote offline" if self.to.offline else "uploaded"
+        run_id, resume, start, message = run.run_id, None, 0, ""
         if entry and self.force_new:
             run_id = f"{run.run_id}-{secrets.token_hex(3)}"
             message = f"uploading again under a fresh id {run_id} (--force-new)"
