@@ -10,6 +10,7 @@ none. docs/format.md describes every field.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -24,31 +25,47 @@ SHUTDOWN_EVENT = "shutdown"
 
 @dataclass(frozen=True)
 class SegmentMeta:
-    """What the writer declares about one sealed segment of one source."""
+    """What the writer declares about one sealed segment of one source.
+
+    Only ``supersedes`` is required of metadata a reader parses: a field that is missing
+    or malformed is None (and named in ``ignored``), so a damaged field never makes the
+    reader forget which journal the file replaces.
+    """
 
     supersedes: str  # the journal this file replaces (a reader skips it if both are present)
-    records: int
-    process: str
-    rank: int
-    clean_shutdown: bool  # the source shut down cleanly at the end of this segment
-    timestamp: float  # of the clean shutdown, else of the sealing
+    records: int | None
+    process: str | None
+    rank: int | None
+    clean_shutdown: bool = False  # the source shut down cleanly at the end of this segment
+    timestamp: float | None = None  # of the clean shutdown, else of the sealing
     keys: tuple[tuple[str, str], ...] | None = None  # every (key, reduction) of its records
     steps: tuple[int, int] | None = None  # lowest and highest step
     timestamps: tuple[float, float] | None = None  # earliest and latest record time
     dropped: tuple[dict[str, Any], ...] = ()  # records the writer dropped (see the journal's D frames)
     nonfinite: int | None = None  # JSONL: how many values are NaN or infinite
     bytes: int | None = None  # JSONL: the size of the file after this first line
-    first_line_bytes: int | None = field(default=None, compare=False)  # JSONL: set by the reader
+    # Set by a reader, never written: the fields it found malformed, and the length of the
+    # JSONL line the metadata was parsed from.
+    ignored: tuple[str, ...] = field(default=(), compare=False)
+    line_bytes: int | None = field(default=None, compare=False)
 
-    def to_json(self) -> str:
-        out = {k: v for k, v in asdict(self).items() if v is not None and k != "first_line_bytes"}
+    def _fields(self) -> dict[str, Any]:
+        out = {k: v for k, v in asdict(self).items() if v is not None and k not in ("ignored", "line_bytes")}
         if not self.dropped:
             del out["dropped"]
-        return json.dumps(out)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self._fields())
 
     def jsonl_line(self) -> builtins.bytes:
         """The first line of a sealed JSONL segment."""
-        return (json.dumps({"event": SEGMENT_EVENT, **json.loads(self.to_json())}) + "\n").encode()
+        return (json.dumps({"event": SEGMENT_EVENT, **self._fields()}) + "\n").encode()
+
+    @property
+    def source(self) -> tuple[str, int] | None:
+        """The one source of every record in the file, when declared."""
+        return None if self.process is None or self.rank is None else (self.process, self.rank)
 
     @property
     def plausible_times(self) -> bool:
@@ -56,38 +73,53 @@ class SegmentMeta:
         if self.timestamps is None:
             return False
         lo, hi = TIMESTAMP_RANGE
-        return (
-            all(math.isfinite(t) for t in self.timestamps)
-            and lo <= self.timestamps[0]
-            and self.timestamps[1] < hi
-        )
+        first, last = self.timestamps
+        return math.isfinite(first) and math.isfinite(last) and lo <= first and last < hi
 
     @classmethod
     def parse(cls, raw: str | builtins.bytes | dict[str, Any]) -> SegmentMeta | None:
-        """The metadata from its JSON (or the decoded object), or None when it is not well formed.
+        """The metadata from its JSON (or the decoded object); None without a ``supersedes``.
 
-        >>> meta = SegmentMeta("a.r0.00000.journal", 2, "a", 0, False, 1.7e9, keys=(("loss", "mean"),))
-        >>> SegmentMeta.parse(meta.to_json()) == meta, SegmentMeta.parse('{"records": "x"}')
-        (True, None)
+        >>> meta = SegmentMeta("a.r0.00000.journal", 2, "a", 0, keys=(("loss", "mean"),))
+        >>> SegmentMeta.parse(meta.to_json()) == meta
+        True
+        >>> SegmentMeta.parse('{"supersedes": "a.journal", "records": "x", "rank": 0}').ignored
+        ('records', 'process')
         """
         try:
             obj = json.loads(raw) if isinstance(raw, (str, builtins.bytes)) else raw
-            return cls(
-                supersedes=_typed(obj["supersedes"], str),
-                records=_typed(obj["records"], int),
-                process=_typed(obj["process"], str),
-                rank=_typed(obj["rank"], int),
-                clean_shutdown=_typed(obj.get("clean_shutdown", False), bool),
-                timestamp=float(_typed(obj.get("timestamp", 0.0), (int, float))),
-                keys=_pairs(obj.get("keys")),
-                steps=_range(obj.get("steps"), (int,), int),
-                timestamps=_range(obj.get("timestamps"), (int, float), float),
-                dropped=tuple(d for d in obj.get("dropped") or () if isinstance(d, dict)),
-                nonfinite=_optional(obj.get("nonfinite"), int),
-                bytes=_optional(obj.get("bytes"), int),
-            )
-        except (ValueError, TypeError, KeyError, AttributeError):
+        except ValueError:
             return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("supersedes"), str):
+            return None
+        ignored: list[str] = []
+
+        def field_of(name: str, read: Any, default: Any = None) -> Any:
+            if obj.get(name) is None:
+                if name in ("records", "process", "rank"):
+                    ignored.append(name)
+                return default
+            try:
+                return read(obj[name])
+            except (ValueError, TypeError, KeyError, AttributeError):
+                ignored.append(name)
+                return default
+
+        meta = cls(
+            supersedes=obj["supersedes"],
+            records=field_of("records", lambda v: _typed(v, int)),
+            process=field_of("process", lambda v: _typed(v, str)),
+            rank=field_of("rank", lambda v: _typed(v, int)),
+            clean_shutdown=field_of("clean_shutdown", lambda v: _typed(v, bool), False),
+            timestamp=field_of("timestamp", lambda v: float(_typed(v, (int, float)))),
+            keys=field_of("keys", _pairs),
+            steps=field_of("steps", lambda v: _range(v, (int,), int)),
+            timestamps=field_of("timestamps", lambda v: _range(v, (int, float), float)),
+            dropped=field_of("dropped", _drops, ()),
+            nonfinite=field_of("nonfinite", lambda v: _typed(v, int)),
+            bytes=field_of("bytes", lambda v: _typed(v, int)),
+        )
+        return dataclasses.replace(meta, ignored=tuple(ignored)) if ignored else meta
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
@@ -97,18 +129,14 @@ def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
     return value
 
 
-def _optional(value: Any, kind: type) -> Any:
-    return None if value is None else _typed(value, kind)
-
-
-def _pairs(value: Any) -> tuple[tuple[str, str], ...] | None:
-    if value is None:
-        return None
+def _pairs(value: Any) -> tuple[tuple[str, str], ...]:
     return tuple((_typed(k, str), _typed(r, str)) for k, r in value)
 
 
+def _drops(value: Any) -> tuple[dict[str, Any], ...]:
+    return tuple(d for d in value if isinstance(d, dict) and type(d.get("records")) is int)
+
+
 def _range(value: Any, kinds: tuple[type, ...], cast: type) -> Any:
-    if value is None:
-        return None
     lo, hi = value
     return (cast(_typed(lo, kinds)), cast(_typed(hi, kinds)))

@@ -311,3 +311,27 @@ def test_upload_refuses_a_planted_metriclog_directory_link(tmp_path):
         "did not make; remove it and upload again"
     )
     assert list(outside.iterdir()) == []
+
+
+def test_a_malformed_metadata_field_never_makes_a_superseded_journal_count_twice(tmp_path):
+    """One bad field (keys) in a sealed segment's metadata, and the journal it replaced left
+    beside it by a kill between rename and unlink: every record is read once, it is said."""
+    import pyarrow.parquet as pq
+
+    c = MetricCollector(tmp_path, process_name="w", flush_interval=3600)
+    for step in range(3):
+        c.record("loss", float(step))
+        c.flush(step)
+    (journal,) = tmp_path.glob("*.journal")
+    saved = journal.read_bytes()
+    c.shutdown()
+    (sealed,) = tmp_path.glob("*.parquet")
+    table = pq.read_table(sealed)
+    meta = json.loads(pq.read_metadata(sealed).metadata[b"metriclog"])
+    meta["keys"] = [["loss", 1]]  # not a reduction name
+    pq.write_table(table.replace_schema_metadata({"metriclog": json.dumps(meta)}), sealed)
+    journal.write_bytes(saved)
+    scan = scan_run(tmp_path)
+    assert sorted(scan.frame.collect()["value"].to_list()) == [0.0, 1.0, 2.0]
+    assert scan.report.clean_shutdowns() == {("w", 0)}
+    assert "malformed field(s) keys: ignored" in scan.report.summary()

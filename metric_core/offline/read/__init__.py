@@ -45,7 +45,7 @@ from metric_core.offline.read.discover import list_data_files, read_run_json, su
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import run_parquet_checks, scan_parquet
-from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
+from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.schema import KEY_HASH
 
 __all__ = ["FileReport", "ReadReport", "RunScan", "Shutdown", "changed_files_said", "scan_run"]
@@ -146,6 +146,12 @@ def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) 
     meta = read_run_json(root, report)
     paths = list_data_files(root, report, follow_symlinks=follow_symlinks)
     metas = {p: writer_meta(p) for p in paths}  # each footer or first line read once
+    for path, declared in metas.items():
+        if declared is not None and declared.ignored:
+            report.notices.append(
+                f"{rel(path, root)}: its metriclog metadata has malformed field(s) "
+                f"{', '.join(declared.ignored)}: ignored; its records are read and checked"
+            )
     superseded = superseded_tails(metas)
     frames: list[pl.LazyFrame] = []
     checks: list[tuple[int, FileReport, pl.LazyFrame | None]] = []

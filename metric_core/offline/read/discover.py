@@ -158,7 +158,7 @@ def _jsonl_segment_meta(path: Path) -> SegmentMeta | None:
     if not (isinstance(obj, dict) and obj.get("event") == SEGMENT_EVENT):
         return None
     meta = SegmentMeta.parse(obj)
-    return None if meta is None else dataclasses.replace(meta, first_line_bytes=len(first))
+    return None if meta is None else dataclasses.replace(meta, line_bytes=len(first))
 
 
 def writer_meta(path: Path) -> SegmentMeta | None:
@@ -174,7 +174,7 @@ def take_declared(rep: FileReport, meta: SegmentMeta) -> None:
     """What a sealed segment's writer declared in its metadata."""
     rep.keys = None if meta.keys is None else list(meta.keys)
     rep.steps, rep.timestamps = meta.steps, meta.timestamps
-    rep.dropped = [d for d in meta.dropped if type(d.get("records")) is int]
+    rep.dropped = list(meta.dropped)
 
 
 def superseded_tails(metas: dict[Path, SegmentMeta | None]) -> dict[Path, str]:

@@ -37,6 +37,7 @@ def read_jsonl(
 ) -> pl.LazyFrame | None:
     if (
         sealed is not None
+        and sealed.source is not None
         and sealed.nonfinite == 0
         and (sealed.records == 0 or sealed.plausible_times)
         and _intact(path, sealed)
@@ -87,7 +88,7 @@ def read_jsonl(
 
 def _intact(path: Path, meta: SegmentMeta) -> bool:
     """Whether a sealed JSONL segment still has the size its writer gave it, ending in a newline."""
-    if meta.bytes is None or meta.first_line_bytes is None:
+    if meta.bytes is None or meta.line_bytes is None:
         return False
     try:
         with open(path, "rb") as f:
@@ -96,7 +97,7 @@ def _intact(path: Path, meta: SegmentMeta) -> bool:
             last = f.read(1)
     except OSError:
         return False
-    return size == meta.first_line_bytes + meta.bytes and last == b"\n"
+    return size == meta.line_bytes + meta.bytes and last == b"\n"
 
 
 def _scan_sealed_jsonl(
@@ -104,11 +105,12 @@ def _scan_sealed_jsonl(
 ) -> pl.LazyFrame | None:
     """A JSONL segment sealed by our writer: typed, finite, whole (it was renamed into place
     complete), so it is scanned lazily, streaming, without a validation pass."""
-    rep.source = (meta.process, meta.rank)
+    assert meta.source is not None and meta.records is not None  # checked by read_jsonl
+    rep.source = meta.source
     rep.records += meta.records
     take_declared(rep, meta)
     if meta.clean_shutdown:
-        report.shutdowns.append(Shutdown(meta.process, meta.rank, meta.timestamp))
+        report.shutdowns.append(Shutdown(*meta.source, meta.timestamp))
     if meta.records == 0:
         return None
     return (

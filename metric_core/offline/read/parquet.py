@@ -35,10 +35,10 @@ def scan_parquet(
     except Exception as exc:
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None, True, None
-    if own is not None:
-        rep.source = (own.process, own.rank)
+    if own is not None and own.source is not None:
+        rep.source = own.source
         if own.clean_shutdown:
-            report.shutdowns.append(Shutdown(own.process, own.rank, own.timestamp))
+            report.shutdowns.append(Shutdown(*own.source, own.timestamp))
     missing = [f for f in REQUIRED_FIELDS if f not in schema]
     if missing:
         rep.skip(f"lacks column(s) {', '.join(missing)}", rows)
