@@ -44,6 +44,17 @@ def int64_array(values: np.ndarray) -> pa.Array:
     return _numeric(values, pa.int64(), np.int64)
 
 
+def as_numpy(array: pa.Array | pa.ChunkedArray, dtype: type) -> np.ndarray:
+    """The values of a primitive array without nulls as numpy, cast to ``dtype`` first if needed
+    (pyarrow's own ``to_numpy`` loads pandas when it is installed)."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    array = array.cast(pa.from_numpy_dtype(dtype))
+    if array.null_count:
+        raise ValueError("a column of the record schema holds nulls")
+    return np.frombuffer(array.buffers()[1], dtype=dtype)[array.offset : array.offset + len(array)]
+
+
 def string_array(strings: list[str]) -> pa.Array:
     """A string array of a few distinct values (a dictionary), without ``pa.array``."""
     encoded = [s.encode() for s in strings]

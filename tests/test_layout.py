@@ -23,14 +23,20 @@ def loaded_by(code: str) -> set[str]:
 
 
 def test_a_training_rank_loads_nothing_heavy(tmp_path):
+    """Every path of the writer: both formats, NaN, push(), a per-rank reduce backend and
+    a raw-stream backend (a second file writer, fed Arrow batches), return_state."""
     for file_format in ("parquet", "jsonl"):
         loaded = loaded_by(
             "import metric_core\n"
+            "from metric_core.writer.segments import RawFileWriter\n"
+            f"mirror = RawFileWriter({str(tmp_path / 'mirror' / file_format)!r}, process='m', rank=0)\n"
             f"metric_core.init({str(tmp_path / file_format)!r}, file_format={file_format!r}, "
-            "backends={'console': {'logging_mode': 'per_rank_reduce'}})\n"
+            "backends={'console': {'logging_mode': 'per_rank_reduce'}, 'mirror': mirror})\n"
             "for step in range(3):\n"
             "    metric_core.record_metric('loss', 0.5)\n"
-            "    metric_core.flush(step)\n"
+            "    metric_core.record_metric('gn', float('nan'), metric_core.Reduce.MAX)\n"
+            "    metric_core.get_collector().push(metric_core.Metric('lr', 1e-4))\n"
+            "    metric_core.flush(step, return_state=True)\n"
             "metric_core.shutdown()"
         )
         assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))

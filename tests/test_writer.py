@@ -349,3 +349,24 @@ def test_a_collector_left_open_is_written_at_exit_and_not_called_finished(tmp_pa
     assert sorted(scan.frame.collect()["value"].to_list()) == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert scan.report.clean_shutdowns() == set()
     assert [p.suffix for p in tmp_path.iterdir()] == [".parquet"]  # sealed
+
+
+def test_a_per_rank_no_reduce_backend_gets_every_raw_record_as_batches(tmp_path):
+    """A second RawFileWriter as a live stream backend: its files hold the same records."""
+    from metric_core.writer.segments import RawFileWriter
+
+    mirror = RawFileWriter(tmp_path / "mirror", process="copy", rank=5, file_format="jsonl")
+    c = MetricCollector(tmp_path / "run", rank=1, process_name="w", backends={"mirror": mirror})
+    truth = []
+    for step in range(4):
+        for i, (key, red) in enumerate(ONE_KEY_PER_REDUCTION):
+            value = float("nan") if (step, i) == (2, 3) else step * 10.0 + i
+            c.record(key, value, red)
+            truth.append((step, key, red.value, value))
+        c.flush(step)
+    c.shutdown()
+    got = read_back(tmp_path / "mirror").sort("step", "key")
+    expected = sorted(truth, key=lambda t: (t[0], t[1]))
+    assert got.select("step", "key", "reduction").rows() == [t[:3] for t in expected]
+    np.testing.assert_array_equal(got["value"].to_numpy(), [t[3] for t in expected])
+    assert set(got["process"]) == {"copy"} and set(got["rank"]) == {5}

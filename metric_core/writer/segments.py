@@ -146,15 +146,16 @@ class RawFileWriter(LoggerBackend):
 
     def log_stream_batch(self, batch: pa.RecordBatch, global_step: int) -> None:
         """Append a batch in the record schema (its own step column is kept)."""
-        pairs = pa.StructArray.from_arrays(
-            [batch.column("key").cast(pa.string()), batch.column("reduction").cast(pa.string())],
-            names=["key", "reduction"],
-        ).dictionary_encode()
-        own = np.array([self._own_code(p["key"], p["reduction"]) for p in pairs.dictionary.to_pylist()])
-        codes = own[pairs.indices.to_numpy(zero_copy_only=False)].astype(np.float64)
-        values = batch.column("value").to_numpy(zero_copy_only=False).astype(np.float64)
-        times = batch.column("timestamp").to_numpy(zero_copy_only=False).astype(np.float64)
-        steps = batch.column("step").to_numpy(zero_copy_only=False)
+        key = batch.column("key").cast(pa.string()).dictionary_encode()
+        red = batch.column("reduction").cast(pa.string()).dictionary_encode()
+        keys, reds = key.dictionary.to_pylist(), red.dictionary.to_pylist()
+        pairs = records.as_numpy(key.indices, np.int64) * len(reds) + records.as_numpy(red.indices, np.int64)
+        present, where = np.unique(pairs, return_inverse=True)
+        own = [self._own_code(keys[p // len(reds)], reds[p % len(reds)]) for p in present.tolist()]
+        codes = np.asarray(own, dtype=np.float64)[where]
+        values = records.as_numpy(batch.column("value"), np.float64)
+        times = records.as_numpy(batch.column("timestamp"), np.float64)
+        steps = records.as_numpy(batch.column("step"), np.int64)
         starts: list[int] = (
             np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]]).tolist() if len(steps) else []
         )
