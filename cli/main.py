@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from metric_core.errors import MetricLogError, PlanError, StrictModeError
+from metric_core.errors import MetricLogError, PlanError
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By
 
@@ -56,8 +56,6 @@ def errors_to_exit() -> Iterator[None]:
     except PlanError as exc:
         raise typer.BadParameter(str(exc)) from None
     except MetricLogError as exc:
-        if isinstance(exc, StrictModeError):
-            output.warn_skips(exc.summary)
         typer.echo(f"Error: {exc}", err=True)
         raise typer.Exit(code=1) from None
     except OSError as exc:
@@ -93,8 +91,9 @@ def reduce(
         plan = o.plan(mode, by, every, reduce, key, ranks, steps)
         if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
-        result = run_plan(run_dir, plan, strict=strict, follow_symlinks=follow_symlinks)
-        output.warn_skips(result.scan.report.summary())
+        result = run_plan(
+            run_dir, plan, strict=strict, follow_symlinks=follow_symlinks, on_read=output.said_skips
+        )
         for warning in result.warnings:
             output.say("warning", warning)
         frame = pivot_wide(result.frame, plan) if wide else result.frame
@@ -160,8 +159,7 @@ def inspect(run_dir: o.RunDir, follow_symlinks: o.FollowSymlinks = False, json_o
     from metric_core.offline.inspect import inspect_run
 
     with errors_to_exit():
-        report = inspect_run(run_dir, follow_symlinks=follow_symlinks)
-    output.warn_skips(report.read_summary)
+        report = inspect_run(run_dir, follow_symlinks=follow_symlinks, on_read=output.said_skips)
     typer.echo(report.to_json()) if json_out else output.print_inspect(report)
 
 
@@ -185,13 +183,10 @@ def plot(
         metriclog plot runs/exp1 --key 'trainer/*' --mode per_rank_reduce --out trainer.png
     """
     from metric_core.offline.plot import plot_run
-    from metric_core.offline.read import scan_run
 
     with errors_to_exit():
         plan = o.plan(mode, by, every, reduce, key, ranks, steps)
-        scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
-        output.warn_skips(scan.report.summary())
-        plot_run(scan, plan, out)
+        plot_run(run_dir, plan, out, follow_symlinks=follow_symlinks, on_read=output.said_skips)
     output.say("info", f"wrote {out}")
 
 

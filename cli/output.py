@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import polars as pl
 
     from metric_core.offline.inspect import InspectReport
+    from metric_core.offline.read import ReadReport
     from metric_core.offline.upload import UploadEvents, UploadResult
 
 OUT_SUFFIXES = (".parquet", ".csv", ".jsonl")
@@ -28,8 +29,9 @@ def say(kind: str, text: str) -> None:
     typer.echo(text if kind == "info" else f"{kind}: {text}", err=True)
 
 
-def warn_skips(summary: str) -> None:
-    """What the reader skipped, if anything."""
+def said_skips(report: ReadReport) -> None:
+    """What the reader skipped, if anything (the ``on_read`` of the library's calls)."""
+    summary = report.summary()
     if summary:
         say("warning", summary)
 
@@ -136,12 +138,41 @@ def print_upload(result: UploadResult, *, dry_run: bool) -> None:
 
 @contextmanager
 def upload_events() -> Iterator[UploadEvents]:
-    """Messages on stderr and, when it is a terminal, a progress bar per W&B run (rows, rows/s, ETA)."""
+    """Messages on stderr and, when it is a terminal, a progress bar per W&B run (rows, rows/s, ETA).
+
+    The bars start with the first run sent: a live display runs a thread, and upload reads
+    the run in a forked child only while this process has no other thread.
+    """
     from metric_core.offline.upload import UploadEvents
 
     if not sys.stderr.isatty():
         yield UploadEvents(message=say)
         return
+    bars: list[Any] = []
+
+    def message(kind: str, text: str) -> None:
+        if bars:
+            bars[0].console.print(
+                text if kind == "info" else f"{kind}: {text}", markup=False, highlight=False
+            )
+        else:
+            say(kind, text)
+
+    def start(run: Any, done: int) -> Callable[[int], None]:
+        if not bars:
+            bars.append(_progress())
+            bars[0].start()
+        task = bars[0].add_task(run.name, total=run.rows, completed=done)
+        return lambda n: bars[0].update(task, completed=n)
+
+    try:
+        yield UploadEvents(message=message, progress=start)
+    finally:
+        if bars:
+            bars[0].stop()
+
+
+def _progress() -> Any:
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -164,15 +195,4 @@ def upload_events() -> Iterator[UploadEvents]:
         RowRate(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=False) as bars:
-
-        def start(run: Any, done: int) -> Callable[[int], None]:
-            task = bars.add_task(run.name, total=run.rows, completed=done)
-            return lambda n: bars.update(task, completed=n)
-
-        yield UploadEvents(
-            message=lambda kind, text: bars.console.print(
-                text if kind == "info" else f"{kind}: {text}", markup=False, highlight=False
-            ),
-            progress=start,
-        )
+    return Progress(*columns, console=Console(stderr=True), transient=False)

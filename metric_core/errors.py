@@ -12,6 +12,10 @@ from typing import Any
 class MetricLogError(Exception):
     """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1."""
 
+    # What the reader skipped before this error, when it came after a run was read in
+    # another process (upload's reading child): the caller says it before the error.
+    read_summary: str = ""
+
     def __reduce__(self) -> Any:
         # Picklable whatever the subclass's __init__ takes: the upload reads its run in a
         # child process, and an error there is raised again in the parent.

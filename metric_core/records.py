@@ -26,8 +26,6 @@ DICT_SCHEMA = pa.schema(
         for f in ARROW_SCHEMA
     ]
 )
-# What ``journal.decode`` returns and the writer seals into Parquet: the record, then its key's hash.
-DECODED_SCHEMA = DICT_SCHEMA.append(pa.field(KEY_HASH, pa.int64()))
 _JSONL_BATCH_ROWS = 200_000
 
 
@@ -100,7 +98,7 @@ def build_table(
 
 
 def empty_decoded() -> pa.Table:
-    """A table of no records in ``DECODED_SCHEMA``."""
+    """A table of no records, as ``journal.decode`` returns them: the record, then its key's hash."""
     none = np.zeros(0)
     table = build_table(
         codes=none, values=none, timestamps=none, steps=none, key_names=[], reductions=[], rank=0, process=""
@@ -189,17 +187,3 @@ def _json_values(column: pa.Array) -> pa.Array:
 def _text(s: str) -> pa.Scalar:
     """A string scalar (a bare Python str would go through ``pa.scalar``, which loads pandas)."""
     return string_array([s])[0]
-
-
-def warm_up() -> None:
-    """Run the conversions once, so pyarrow's lazy imports happen at init, not mid-run."""
-    build_table(
-        codes=np.zeros(1, dtype=np.int64),
-        values=np.zeros(1),
-        timestamps=np.zeros(1),
-        steps=np.zeros(1, dtype=np.int64),
-        key_names=["k"],
-        reductions=["mean"],
-        rank=0,
-        process="p",
-    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -126,5 +127,13 @@ def killed_after(work: Callable[[], object]) -> None:
             traceback.print_exc()
             os._exit(1)
         os.kill(os.getpid(), signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
+    for _ in range(600):  # a minute at most: a child stuck on a lock it inherited is killed
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise AssertionError("the writing child hung")
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, "the writing child failed (see stderr)"

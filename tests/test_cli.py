@@ -190,3 +190,12 @@ def test_a_reduction_no_statistic_names_is_a_data_error_naming_every_such_key(tm
     assert "'a' ('banana'), 'b' ('')" in result.stderr and "--reduce 'a=mean'" in result.stderr
     fixed = invoke("reduce", tmp_path, "--reduce", "a=max", "--reduce", "b=sum")
     assert fixed.exit_code == 0, fixed.output
+
+
+def test_what_was_skipped_is_said_before_a_failure_too(tmp_path):
+    good = {"key": "a", "value": 1.0, "reduction": "mean", "step": 0, "timestamp": 1.7e9, "rank": 0}
+    (tmp_path / "x.jsonl").write_text(json.dumps(good) + "\nnot json\n" + json.dumps(good) + "\n")
+    result = invoke("reduce", tmp_path, "--key", "nomatch*")
+    assert result.exit_code == 1
+    warning, error = result.stderr.index("x.jsonl: 1 record(s) skipped"), result.stderr.index("Error:")
+    assert warning < error, result.stderr

@@ -18,6 +18,8 @@ from metric_core.offline.inspect import inspect_run
 from metric_core.offline.plan import make_plan
 from metric_core.offline.plot import plot_run
 
+from .conftest import killed_after
+
 runner = CliRunner()
 T0 = 1_760_000_000.0
 STEP_S = 2.0
@@ -39,20 +41,24 @@ def source(
     end: "shutdown" (clean), "killed" (the process died: no shutdown, no seal), or "hung" (alive
     but silent: its last records were flushed, nothing more comes, no shutdown).
     """
-    c = MetricCollector(
-        run_dir, rank=rank, process_name=process, flush_interval=3600, file_format=file_format
-    )
-    for step in steps:
-        t = T0 + step * STEP_S + delay
-        loss = math.nan if nan_from is not None and step >= nan_from else 1.0 / (step + 1)
-        c.push(Metric("trainer/loss", loss, Reduce.MEAN, t))
-        c.push(Metric("trainer/loss", loss, Reduce.MEAN, t + 0.1))
-        c.push(Metric("trainer/grad_norm", float(step % 7), Reduce.MAX, t + 0.2))
-        c.flush(step)
+
+    def write() -> MetricCollector:
+        c = MetricCollector(
+            run_dir, rank=rank, process_name=process, flush_interval=3600, file_format=file_format
+        )
+        for step in steps:
+            t = T0 + step * STEP_S + delay
+            loss = math.nan if nan_from is not None and step >= nan_from else 1.0 / (step + 1)
+            c.push(Metric("trainer/loss", loss, Reduce.MEAN, t))
+            c.push(Metric("trainer/loss", loss, Reduce.MEAN, t + 0.1))
+            c.push(Metric("trainer/grad_norm", float(step % 7), Reduce.MAX, t + 0.2))
+            c.flush(step)
+        return c
+
     if end == "shutdown":
-        c.shutdown()
-    # else: left as it is, with flush_interval=3600 its writer thread writes nothing more:
-    # what is on disk is what a kill leaves
+        write().shutdown()
+    else:  # killed or hung: on disk, both leave what was flushed, unsealed, with no end
+        killed_after(write)
 
 
 def write_meta(run_dir: Path, world_size: int) -> None:
@@ -143,11 +149,13 @@ def test_the_quiet_threshold_follows_each_sources_own_cadence(tmp_path):
         for step in range(last + 1):
             c.push(Metric("x", 1.0, Reduce.MEAN, T0 + step * step_s))
             c.flush(step)
+        c.abort()  # no clean end
     # fast ends at T0+1000; slow at T0+1000 too. Add a third, fast source that ends 300 s early.
     c = MetricCollector(run, rank=2, process_name="fast_quiet", flush_interval=3600)
     for step in range(351):
         c.push(Metric("x", 1.0, Reduce.MEAN, T0 + step * 2.0))
         c.flush(step)
+    c.abort()
     statuses = {s.process: s.status for s in inspect_run(scan_run(run)).sources}
     assert statuses == {"fast": "unfinished", "slow": "unfinished", "fast_quiet": "stopped_early"}
 

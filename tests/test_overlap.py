@@ -53,6 +53,7 @@ def test_the_result_comes_back_from_another_process():
         # raised again in the parent, with its type, message and fields
         ("error", "NoDataError runs/x no readable metric record in runs/x: told to stop"),
         ("crash", "ValueError: boom"),  # a bug keeps its traceback (printed by the child)
+        ("crash", "reading the run failed (the traceback above says where)"),
         ("died", "the process reading the run ended early (exit code 9)"),
     ],
 )

@@ -1,4 +1,4 @@
-"""The reader survives and reports every bad input of SPEC section 6, and loses nothing else."""
+"""The reader survives and reports every bad input of docs/reading.md, and loses nothing else."""
 
 from __future__ import annotations
 

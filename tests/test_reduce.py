@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 
 from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
-from metric_core.errors import MetricLogError, MixedReductionError
+from metric_core.errors import MetricLogError, MixedReductionError, PlanError
 from metric_core.offline.engine import execute, reduce_run
-from metric_core.offline.plan import PlanError, Statistic, key_matcher, make_plan
+from metric_core.offline.plan import Statistic, key_matcher, make_plan
 
 from .conftest import ONE_KEY_PER_REDUCTION, write_collector_run
 

@@ -458,3 +458,13 @@ def test_an_empty_project_name_is_a_usage_error(small_run):
     result = runner.invoke(app, ["upload", str(small_run), "--project", " ", "--dry-run"])
     assert result.exit_code == 2
     assert "--project must name a W&B project" in result.output
+
+
+def test_upload_says_what_was_skipped_before_its_error_from_the_reading_child(tmp_path):
+    good = {"key": "a", "value": 1.0, "reduction": "mean", "step": 0, "timestamp": 1.7e9, "rank": 0}
+    (tmp_path / "x.jsonl").write_text(json.dumps(good) + "\nnot json\n")
+    result = upload_cli(tmp_path, "--offline", "--key", "nomatch*", process=True)
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.stderr
+    warning, error = result.stderr.index("x.jsonl: 1 record(s) skipped"), result.stderr.index("Error:")
+    assert warning < error, result.stderr

@@ -161,7 +161,7 @@ def test_sealed_files_are_plain_files_other_tools_read(tmp_path, file_format):
             "timestamp",
             "rank",
             "process",
-            "key_hash",  # an extra column (SPEC 2 allows them): blake2b-64 of the key
+            "key_hash",  # an extra column (docs/format.md allows them): blake2b-64 of the key
         ]
         for key, value in frame.groupby("key")["key_hash"].unique().items():
             digest = hashlib.blake2b(key.encode(), digest_size=8).digest()

@@ -32,7 +32,7 @@ from metric_core.errors import (
 )
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
-from metric_core.offline.read import RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnRead, RunScan, changed_files_said, scan_run
 from metric_core.schema import KEY_HASH, key_hash, keys_by_hash
 
 
@@ -281,11 +281,17 @@ def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
 
 
 def run_plan(
-    run_dir: str | os.PathLike[str], plan: ReducePlan, *, strict: bool = False, follow_symlinks: bool = False
+    run_dir: str | os.PathLike[str],
+    plan: ReducePlan,
+    *,
+    strict: bool = False,
+    follow_symlinks: bool = False,
+    on_read: OnRead | None = None,
 ) -> ReduceResult:
     """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
 
-    Raises ``StrictModeError`` when ``strict`` and the reader skipped anything.
+    ``on_read`` gets the health report once the run is read. Raises ``StrictModeError``
+    when ``strict`` and the reader skipped anything.
 
     >>> result = run_plan("sample_logs/rl_run", make_plan(mode="per_rank_reduce", keys=["policy/reward"]))
     >>> result.frame.select("process", "step", "count").head(2).rows()
@@ -294,6 +300,8 @@ def run_plan(
     20
     """
     scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
+    if on_read is not None:
+        on_read(scan.report)
     summary = scan.report.summary()
     if strict and summary:
         raise StrictModeError(summary)

@@ -24,12 +24,12 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 
-from metric_core.offline.read import FileReport, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import FileReport, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.schema import KEY_HASH, keys_by_hash
 
 QUIET_FACTOR = 10.0
@@ -109,13 +109,9 @@ class InspectReport:
     stragglers: list[Straggler]
     skipped_records: int
     unreadable_files: list[str]
-    # What the reader skipped, for stderr (not part of the JSON object).
-    read_summary: str = field(default="", repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        del out["read_summary"]
-        return out
+        return dataclasses.asdict(self)
 
     def to_json(self) -> str:
         """Strict JSON: a number that is not finite (NaN, infinity) becomes null."""
@@ -127,7 +123,9 @@ class InspectReport:
 
 
 @changed_files_said
-def inspect_run(run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool = False) -> InspectReport:
+def inspect_run(
+    run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool = False, on_read: OnRead | None = None
+) -> InspectReport:
     """Per-source health and what stopped first, for a run directory (or a scan of one).
 
     >>> report = inspect_run("sample_logs/rl_run")
@@ -137,6 +135,8 @@ def inspect_run(run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool 
     ['finished', 'stopped_early', 'finished', 'finished']
     """
     scan = run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks)
+    if on_read is not None:
+        on_read(scan.report)
     per_step, per_key = _aggregate(scan)
     steps = per_step.group_by("process", "rank", "step").agg(pl.col("reached").min(), pl.col("done").max())
     summary = (
@@ -203,7 +203,6 @@ def inspect_run(run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool 
         stragglers=_stragglers(steps, cadence),
         skipped_records=scan.report.skipped_records,
         unreadable_files=[str(f.path) for f in scan.report.unreadable_files],
-        read_summary=scan.report.summary(),
     )
 
 

@@ -2,7 +2,7 @@
 
 A plan knows nothing about how it is computed (``metric_core.offline.engine.execute`` runs it
 on polars) and imports nothing heavy, so the command line checks its options, and
-``metriclog upload`` forks its reducing child, before polars loads.
+``upload_run`` forks its reducing child, before polars loads.
 """
 
 from __future__ import annotations

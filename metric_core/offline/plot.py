@@ -22,7 +22,7 @@ from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
 from metric_core.offline.plan import ReducePlan
-from metric_core.offline.read import RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnRead, RunScan, changed_files_said, scan_run
 
 MAX_KEYS = 12
 
@@ -34,6 +34,7 @@ def plot_run(
     out: str | os.PathLike[str] | None = None,
     *,
     follow_symlinks: bool = False,
+    on_read: OnRead | None = None,
 ) -> Any:
     """Draw ``plan``'s keys of a run (a directory, or a scan of one); save a PNG to ``out``
     if given; return the matplotlib Figure.
@@ -46,6 +47,8 @@ def plot_run(
     if out is not None and Path(out).suffix.lower() != ".png":
         raise PlanError(f"--out {out}: the plot is a PNG; name it FILE.png")
     scan = run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks)
+    if on_read is not None:
+        on_read(scan.report)
     try:
         import matplotlib
 

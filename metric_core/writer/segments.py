@@ -123,7 +123,6 @@ class RawFileWriter(LoggerBackend):
         self._seal_lock = threading.Lock()
         self._own_codes: dict[tuple[str, str], int] = {}
         self._own_table: list[tuple[str, str]] = []
-        records.warm_up()
 
     # -- LoggerBackend -----------------------------------------------------------------
 

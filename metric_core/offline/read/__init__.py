@@ -51,6 +51,9 @@ from metric_core.schema import KEY_HASH
 __all__ = ["FileReport", "ReadReport", "RunScan", "Shutdown", "changed_files_said", "scan_run"]
 
 T = TypeVar("T")
+# Called with the health report as soon as a run is read, before anything can fail on it,
+# so a caller can say what was skipped even when the command then fails.
+OnRead = Callable[[ReadReport], None]
 
 
 @dataclass

@@ -8,13 +8,15 @@ reports through ``UploadEvents`` callbacks, which the command line turns into li
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import NotLoggedInError, PlanError
+from metric_core.errors import MetricLogError, NotLoggedInError, PlanError
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -82,38 +84,56 @@ def upload_run(
         share_run=share_run,
     )
     if dry_run:
-        return UploadResult(_said(prepare(), events))
+        return UploadResult(_said(_received(prepare, events), events))
     # wandb takes about half a second to import: this process does it while a child
     # process reads and reduces the run (see overlap)
     pending = overlap.start(prepare)
     import wandb  # noqa: F401
 
-    upload = _said(pending(), events)
+    upload = _said(_received(pending, events), events)
     ledger = Ledger.for_run_dir(root, upload.identity)
     if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
-        to = Destination(to.project, to.entity, to.offline, ledger.path.parent)
+        to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
     return UploadResult(upload, send_runs(upload, ledger, to, force_new=force_new, events=events))
 
 
 def _prepare(
     root: Path, plan: ReducePlan, *, strict: bool, follow_symlinks: bool, **mapping: object
 ) -> UploadPlan:
-    """Read and reduce the run, and map it to W&B runs."""
-    from metric_core.errors import StrictModeError
-    from metric_core.offline.engine import execute
-    from metric_core.offline.read import scan_run
+    """Read and reduce the run, and map it to W&B runs (in the reading child, see overlap)."""
+    from metric_core.offline.engine import run_plan
+    from metric_core.offline.read import changed_files_said
 
-    scan = scan_run(root, follow_symlinks=follow_symlinks)
-    summary = scan.report.summary()
-    if summary and strict:
-        raise StrictModeError(summary)
-    upload = plan_upload(execute(plan, scan), **mapping)  # type: ignore[arg-type]
-    if summary:
-        upload.warnings.insert(0, summary)
+    read: list[str] = []
+    try:
+        result = run_plan(
+            root,
+            plan,
+            strict=strict,
+            follow_symlinks=follow_symlinks,
+            on_read=lambda r: read.append(r.summary()),
+        )
+        upload = changed_files_said(plan_upload)(result, **mapping)
+    except MetricLogError as exc:
+        exc.read_summary = "".join(read)  # said before the error, by the parent
+        raise
+    upload.read_summary = "".join(read)
     return upload
 
 
+def _received(work: Callable[[], UploadPlan], events: UploadEvents) -> UploadPlan:
+    try:
+        return work()
+    except MetricLogError as exc:
+        if exc.read_summary:
+            events.message("warning", exc.read_summary)
+        raise
+
+
 def _said(upload: UploadPlan, events: UploadEvents) -> UploadPlan:
+    """What the user should know before anything is sent: skips, renamed keys, W&B's limits."""
+    if upload.read_summary:
+        events.message("warning", upload.read_summary)
     for original, safe in upload.key_mapping.items():
         events.message("note", f"key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)")
     for warning in upload.warnings:

@@ -44,8 +44,8 @@ def start(work: Callable[[], T]) -> Callable[[], T]:
         with receive:
             try:
                 status, value = receive.recv()
-            except EOFError:
-                status, value = "died", None
+            except EOFError:  # killed, or it exited without a word
+                status, value = "gone", None
         child.join()
         if status == "ok":
             return value  # type: ignore[no-any-return]
@@ -53,6 +53,8 @@ def start(work: Callable[[], T]) -> Callable[[], T]:
             raise value
         if status == "interrupted":
             raise KeyboardInterrupt
+        if status == "crashed":
+            raise UploadError("reading the run failed (the traceback above says where): please report it")
         raise UploadError(
             f"the process reading the run ended early (exit code {child.exitcode}); "
             "run again, and report it if it happens again"
@@ -70,6 +72,6 @@ def _child(work: Callable[[], Any], send: Connection) -> None:
         message = ("interrupted", None)
     except BaseException:
         traceback.print_exc()  # a bug: its traceback is the report
-        message = ("died", None)
+        message = ("crashed", None)
     with send:
         send.send(message)

@@ -46,8 +46,8 @@ class PlannedRun:
     """One W&B run to write: its identity and its history rows, in order.
 
     The history is held as numpy columns, not a polars frame: compact, and readable by a
-    process that never loads polars (the CLI reduces in a child process while it loads
-    wandb). A wide run has the x-axis and a column per key, masked where a key has no
+    process that never loads polars (``upload_run`` reduces in a child process while it
+    loads wandb). A wide run has the x-axis and a column per key, masked where a key has no
     value at a row; a raw run has columns key (an index into ``keys``), value, the
     bucket and timestamp.
     """
@@ -99,8 +99,9 @@ class UploadPlan:
     runs: list[PlannedRun]
     identity: str = ""  # of the run directory (see run_identity)
     key_mapping: dict[str, str] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # W&B's limits the runs come near
     config: dict[str, Any] = field(default_factory=dict)
+    read_summary: str = ""  # what the reader skipped
 
 
 def run_identity(result: ReduceResult) -> str:

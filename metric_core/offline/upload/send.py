@@ -42,7 +42,7 @@ class RunOutcome:
     """What happened to one planned run."""
 
     run: PlannedRun
-    action: str  # "uploaded", "resumed", "skipped", "restarted"
+    action: str  # "uploaded", "wrote offline", "resumed", "skipped", "restarted"
     run_id: str
     rows_sent: int
     message: str = ""
