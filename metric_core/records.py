@@ -26,7 +26,9 @@ DICT_SCHEMA = pa.schema(
         for f in ARROW_SCHEMA
     ]
 )
-_JSONL_BATCH_ROWS = 200_000
+# Small batches: their intermediate arrays stay in cache and their memory is reused, where
+# large ones cost page faults for fresh memory on every segment (twice the time, measured).
+_JSONL_BATCH_ROWS = 16_384
 
 
 def _numeric(values: np.ndarray, dtype: pa.DataType, np_dtype: type) -> pa.Array:
