@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-try:
-    __version__ = version("metriclog")
-except PackageNotFoundError:  # run from a checkout that was not installed
-    __version__ = "unknown"
+
+def __getattr__(name: str) -> Any:
+    if name == "__version__":  # importlib.metadata costs a start-up; only --version needs it
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return version("metriclog")
+        except PackageNotFoundError:  # run from a checkout that was not installed
+            return "unknown"
+    raise AttributeError(f"module 'metriclog' has no attribute '{name}'")

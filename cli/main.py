@@ -19,8 +19,8 @@ from metric_core.errors import MetricLogError, PlanError
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By
 
-from . import __version__, output, tuning
 from . import options as o
+from . import output, tuning
 
 app = typer.Typer(
     name="metriclog",
@@ -34,6 +34,8 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
+        from . import __version__
+
         typer.echo(f"metriclog {__version__}")
         raise typer.Exit()
 

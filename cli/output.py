@@ -38,8 +38,6 @@ def said_skips(report: ReadReport) -> None:
 
 def write_frame(df: pl.DataFrame, out: Path) -> None:
     """Write by extension; JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
-    from metric_core.records import to_jsonl
-
     suffix = out.suffix.lower()
     if suffix not in OUT_SUFFIXES:
         raise RequestError(f"--out {out}: use a file ending in {', '.join(OUT_SUFFIXES)}")
@@ -49,6 +47,8 @@ def write_frame(df: pl.DataFrame, out: Path) -> None:
     elif suffix == ".csv":
         df.write_csv(out)
     else:
+        from metric_core.records import to_jsonl  # pyarrow: only for JSONL
+
         out.write_bytes(to_jsonl(df.to_arrow()))
     say("info", f"wrote {df.height} row(s) to {out}")
 

@@ -105,3 +105,19 @@ def test_the_command_line_installs_as_metriclog(tmp_path):
     assert re.fullmatch(r"\d+\.\d+\.\d+.*", metriclog.__version__)
     no_cli = run("-c", "import cli")  # no top-level package of that name is installed
     assert "No module named 'cli'" in no_cli.stderr
+
+
+def test_the_command_line_loads_only_what_a_command_needs(tmp_path):
+    """Start-up is most of a small command's time: no polars, numpy or pyarrow to parse
+    options, and no pyarrow (nor wandb) to reduce sealed Parquet into Parquet."""
+    assert not loaded_by("import metriclog.main") & {"polars", "numpy", "pyarrow", "wandb"}
+    run = tmp_path / "run"
+    loaded_by(  # a run of sealed segments only
+        "import metric_core\n"
+        f"metric_core.init({str(run)!r}); metric_core.record_metric('a', 1.0); metric_core.shutdown()"
+    )
+    loaded = loaded_by(
+        "from metriclog.main import app\n"
+        f"app(['reduce', {str(run)!r}, '--out', {str(tmp_path / 'x.parquet')!r}], standalone_mode=False)"
+    )
+    assert "polars" in loaded and not loaded & {"pyarrow", "wandb", "pandas"}
