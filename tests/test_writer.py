@@ -322,9 +322,13 @@ def test_seal_interval_seals_an_open_segment(tmp_path):
     c.record("k", 1.0)
     c.flush(0)
     deadline = time.time() + 10
-    while time.time() < deadline and [p.suffix for p in tmp_path.iterdir()] != [".parquet"]:
+
+    def data() -> list[str]:  # names starting with "." are not data (the writer's lock)
+        return [p.suffix for p in tmp_path.iterdir() if not p.name.startswith(".")]
+
+    while time.time() < deadline and data() != [".parquet"]:
         time.sleep(0.02)  # the writer thread seals it
-    assert [p.suffix for p in tmp_path.iterdir()] == [".parquet"]
+    assert data() == [".parquet"]
     c.shutdown()
     assert read_back(tmp_path)["value"].to_list() == [1.0]
 
@@ -370,3 +374,43 @@ def test_a_per_rank_no_reduce_backend_gets_every_raw_record_as_batches(tmp_path)
     assert got.select("step", "key", "reduction").rows() == [t[:3] for t in expected]
     np.testing.assert_array_equal(got["value"].to_numpy(), [t[3] for t in expected])
     assert set(got["process"]) == {"copy"} and set(got["rank"]) == {5}
+
+
+def test_a_second_live_writer_of_a_source_is_refused_and_a_restart_after_a_kill_is_not(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from .conftest import killed_after
+
+    first = MetricCollector(tmp_path, process_name="trainer", rank=3)
+    other_process = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from metric_core import MetricCollector; MetricCollector({str(tmp_path)!r}, process_name='trainer', rank=3)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert other_process.returncode != 0
+    assert "trainer (rank 3) is already being written into" in other_process.stderr
+    assert f"pid {os.getpid()}" in other_process.stderr
+    with pytest.raises(ConfigError, match="already being written"):
+        MetricCollector(tmp_path, process_name="trainer", rank=3)  # in this process too
+    MetricCollector(tmp_path, process_name="trainer", rank=4).shutdown()  # another source is fine
+    first.record("k", 1.0)
+    first.shutdown()
+
+    def killed() -> None:
+        c = MetricCollector(tmp_path, process_name="trainer", rank=3)
+        c.record("k", 2.0)
+        c.flush(0)
+
+    killed_after(killed)  # dies holding the lock: the kernel drops it
+    restarted = MetricCollector(tmp_path, process_name="trainer", rank=3)
+    restarted.record("k", 3.0)
+    restarted.shutdown()
+    assert sorted(scan_run(tmp_path).frame.collect()["value"].to_list()) == [1.0, 2.0, 3.0]
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".lock"], "a clean end leaves no lock file"

@@ -116,7 +116,11 @@ class MetricCollector:
             fsync=fsync,
             max_unwritten=max_unwritten,
         )
-        self._backends = Backends(backends or {}, self.process_name)
+        try:
+            self._backends = Backends(backends or {}, self.process_name)
+        except BaseException:
+            self._writer.close(clean_shutdown=False)  # nothing written yet: frees the source's lock
+            raise
 
         self._buffer = array.array("d")
         self._extend = self._buffer.extend

@@ -50,6 +50,7 @@ from metric_core.metric import BackendRole, Metric
 from metric_core.schema import KEY_HASH, segment_stem
 from metric_core.segment import PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
 from metric_core.writer.backends import LoggerBackend
+from metric_core.writer.lock import SourceLock
 
 FILE_FORMATS = ("parquet", "jsonl")
 # Dictionary-encode only where values repeat: hashing every float would cost more than it saves.
@@ -103,6 +104,8 @@ class RawFileWriter(LoggerBackend):
         self.fsync = fsync
         self.max_unwritten = max_unwritten
         self.stem = segment_stem(process, rank)
+        self._lock = SourceLock(self.run_dir, self.stem, process, rank)
+        self._lock.acquire()
         self._seq = self._first_free_seq()
         self._fd: int | None = None
         self._path: Path | None = None
@@ -276,6 +279,7 @@ class RawFileWriter(LoggerBackend):
             self.seal_ready()
         except WriteError as exc:
             warn(f"{exc}; the unsealed journal(s) hold every record and are read as they are")
+        self._lock.release()
 
     # -- inside the write lock ---------------------------------------------------------
 
