@@ -99,7 +99,10 @@ def reduce(
         for warning in result.warnings:
             output.say("warning", warning)
         frame = pivot_wide(result.frame, plan) if wide else result.frame
-        output.print_table(frame) if out is None else output.write_frame(frame, out)
+        if out is None:
+            output.print_table(frame)
+        else:
+            output.write_frame(frame, out, derived=f"reduce --mode {mode.value}", run_dir=run_dir)
 
 
 @app.command()

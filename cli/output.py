@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -36,20 +37,31 @@ def said_skips(report: ReadReport) -> None:
         say("warning", summary)
 
 
-def write_frame(df: pl.DataFrame, out: Path) -> None:
-    """Write by extension; JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
+def write_frame(df: pl.DataFrame, out: Path, *, derived: str, run_dir: Path | None = None) -> None:
+    """Write by extension, marked as ``derived`` (see ``segment.DERIVED_KEY``: a reader does
+    not take it for data); JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
+    from metric_core.segment import DERIVED_KEY, derived_marker
+
     suffix = out.suffix.lower()
     if suffix not in OUT_SUFFIXES:
         raise RequestError(f"--out {out}: use a file ending in {', '.join(OUT_SUFFIXES)}")
+    if run_dir is not None and out.resolve().is_relative_to(run_dir.resolve()):
+        say(
+            "warning",
+            f"--out {out} is inside the run directory {run_dir}: metriclog marks it as a result and "
+            "does not read it as data, but other tools reading the directory may",
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     if suffix == ".parquet":
-        df.write_parquet(out)
+        df.write_parquet(out, metadata={DERIVED_KEY: derived})
     elif suffix == ".csv":
         df.write_csv(out)
     else:
+        from metric_core.atomic import replace_file
         from metric_core.records import to_jsonl  # pyarrow: only for JSONL
 
         out.write_bytes(to_jsonl(df.to_arrow()))
+        replace_file(derived_marker(out), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
     say("info", f"wrote {df.height} row(s) to {out}")
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from metric_core.schema import TIMESTAMP_RANGE
@@ -21,6 +22,16 @@ from metric_core.schema import TIMESTAMP_RANGE
 PARQUET_KEY = "metriclog"
 SEGMENT_EVENT = "segment"
 SHUTDOWN_EVENT = "shutdown"
+# What marks a file metriclog wrote as a result (``reduce --out``), not as data: a Parquet
+# key-value entry, or for JSON lines (which have no place for metadata that other readers
+# skip) a hidden file beside it, ``.{name}.metriclog``, holding the same entry. Its value
+# names the command; no time, host or path, so the same result is the same file.
+DERIVED_KEY = "metriclog_derived"
+
+
+def derived_marker(path: Path) -> Path:
+    """The hidden file that marks a JSON-lines file as a result metriclog wrote."""
+    return path.with_name(f".{path.name}.metriclog")
 
 
 @dataclass(frozen=True)

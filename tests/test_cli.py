@@ -199,3 +199,39 @@ def test_what_was_skipped_is_said_before_a_failure_too(tmp_path):
     assert result.exit_code == 1
     warning, error = result.stderr.index("x.jsonl: 1 record(s) skipped"), result.stderr.index("Error:")
     assert warning < error, result.stderr
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_result_written_into_the_run_directory_is_not_read_as_data(tmp_path, suffix):
+    truth = write_collector_run(tmp_path, [("TrainActor_r0", 0), ("TrainActor_r1", 1)], steps=5)
+    before = invoke("reduce", tmp_path, "--out", tmp_path.parent / "before.csv")
+    export = invoke("reduce", tmp_path, "--mode", "per_rank_no_reduce", "--out", tmp_path / f"raw{suffix}")
+    assert export.exit_code == 0, export.output
+    assert "is inside the run directory" in export.stderr
+    after = invoke("reduce", tmp_path, "--out", tmp_path.parent / "after.csv")
+    assert after.exit_code == 0, after.output
+    assert (
+        f"raw{suffix}: a result metriclog wrote (reduce --mode per_rank_no_reduce), not data" in after.stderr
+    )
+    counts = pl.read_csv(tmp_path.parent / "after.csv")["count"]
+    assert (
+        counts.sum() == len(truth)
+        and counts.to_list() == pl.read_csv(tmp_path.parent / "before.csv")["count"].to_list()
+    )
+    assert before.exit_code == 0
+
+
+def test_a_copied_segment_is_read_once_and_the_copy_named(tmp_path):
+    import shutil
+
+    truth = write_collector_run(tmp_path, [("TrainActor_r0", 0)], steps=4)
+    (segment,) = tmp_path.glob("*.parquet")
+    (tmp_path / "Backup").mkdir()  # sorts before the original: the shallower one is still read
+    shutil.copy(segment, tmp_path / "Backup" / segment.name)
+    result = invoke("reduce", tmp_path, "--out", tmp_path.parent / "x.csv")
+    assert result.exit_code == 0, result.output
+    assert (
+        f"Backup/{segment.name} is a copy of {segment.name} (the same sealed segment): read once"
+        in result.stderr
+    )
+    assert pl.read_csv(tmp_path.parent / "x.csv")["count"].sum() == len(truth)

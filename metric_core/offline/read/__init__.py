@@ -41,7 +41,14 @@ from typing import Any, TypeVar
 import polars as pl
 
 from metric_core.errors import NoDataError, RunChangedError
-from metric_core.offline.read.discover import list_data_files, read_run_json, superseded_tails, writer_meta
+from metric_core.offline.read.discover import (
+    Derived,
+    copies,
+    list_data_files,
+    read_run_json,
+    superseded_tails,
+    writer_meta,
+)
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import run_parquet_checks, scan_parquet
@@ -148,7 +155,21 @@ def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) 
     report = ReadReport(run_dir=root)
     meta = read_run_json(root, report)
     paths = list_data_files(root, report, follow_symlinks=follow_symlinks)
-    metas = {p: writer_meta(p) for p in paths}  # each footer or first line read once
+    found = {p: writer_meta(p) for p in paths}  # each footer or first line read once
+    for path, what in found.items():
+        if isinstance(what, Derived):
+            report.notices.append(
+                f"{rel(path, root)}: a result metriclog wrote ({what.command}), not data: not read"
+            )
+    metas = {p: m for p, m in found.items() if not isinstance(m, Derived)}
+    paths = list(metas)
+    copied = copies(metas)
+    for copy, original in copied.items():
+        report.notices.append(
+            f"{rel(copy, root)} is a copy of {rel(original, root)} (the same sealed segment): read once"
+        )
+        del metas[copy]
+    paths = [p for p in paths if p not in copied]
     for path, declared in metas.items():
         if declared is not None and declared.ignored:
             report.notices.append(

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import polars as pl
 
 from metric_core.offline.read.report import FileReport, ReadReport, rel
 from metric_core.schema import DATA_SUFFIXES
-from metric_core.segment import PARQUET_KEY, SEGMENT_EVENT, SegmentMeta
+from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, SegmentMeta, derived_marker
 
 _MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the segment
 # run.json values past these are not a run's: ignored and said.
@@ -138,16 +139,25 @@ def read_run_json(root: Path, report: ReadReport) -> dict[str, Any]:
     return meta
 
 
-def _parquet_meta(path: Path) -> SegmentMeta | None:
+@dataclass(frozen=True)
+class Derived:
+    """A file metriclog wrote as a result (``reduce --out``), marked as such: not data."""
+
+    command: str
+
+
+def _parquet_meta(path: Path) -> SegmentMeta | Derived | None:
     try:
         kv = pl.read_parquet_metadata(path)
     except Exception:
         return None
+    if DERIVED_KEY in kv:
+        return Derived(kv[DERIVED_KEY])
     raw = kv.get(PARQUET_KEY)
     return None if raw is None else SegmentMeta.parse(raw)
 
 
-def _jsonl_segment_meta(path: Path) -> SegmentMeta | None:
+def _jsonl_segment_meta(path: Path) -> SegmentMeta | Derived | None:
     """The writer's first line of a sealed JSONL segment, if this file has one."""
     try:
         with open(path, "rb") as f:
@@ -161,11 +171,17 @@ def _jsonl_segment_meta(path: Path) -> SegmentMeta | None:
     return None if meta is None else dataclasses.replace(meta, line_bytes=len(first))
 
 
-def writer_meta(path: Path) -> SegmentMeta | None:
-    """What our writer recorded about a sealed segment, if it is one."""
+def writer_meta(path: Path) -> SegmentMeta | Derived | None:
+    """What metriclog recorded about a file: a sealed segment's metadata, or that it is a result."""
     if path.suffix == ".parquet":
         return _parquet_meta(path)
     if path.suffix == ".jsonl":
+        marker = derived_marker(path)
+        if marker.is_file():
+            try:
+                return Derived(str(json.loads(marker.read_bytes())[DERIVED_KEY]))
+            except (OSError, ValueError, KeyError, TypeError):
+                return Derived("reduce --out")
         return _jsonl_segment_meta(path)
     return None
 
@@ -175,6 +191,24 @@ def take_declared(rep: FileReport, meta: SegmentMeta) -> None:
     rep.keys = None if meta.keys is None else list(meta.keys)
     rep.steps, rep.timestamps = meta.steps, meta.timestamps
     rep.dropped = list(meta.dropped)
+
+
+def copies(metas: dict[Path, SegmentMeta | None]) -> dict[Path, Path]:
+    """Sealed segments found twice (the same source's same segment, e.g. a copy in a
+    subfolder): each copy -> the one read, the shallowest (the writer writes at the top)."""
+    first: dict[tuple[str | None, int | None, str], Path] = {}
+    out = {}
+    for path, meta in sorted(
+        metas.items(), key=lambda item: (len(item[0].parts), item[0])
+    ):  # shallowest first
+        if meta is None:
+            continue
+        identity = (meta.process, meta.rank, meta.supersedes)
+        if identity in first:
+            out[path] = first[identity]
+        else:
+            first[identity] = path
+    return out
 
 
 def superseded_tails(metas: dict[Path, SegmentMeta | None]) -> dict[Path, str]:

@@ -11,6 +11,7 @@ from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
+from metric_core.segment import SegmentMeta
 
 
 def read_journal(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
@@ -65,7 +66,7 @@ def _read_sealed_replacement(path: Path, rep: FileReport, report: ReadReport) ->
     for suffix in (".parquet", ".jsonl"):
         sealed = path.with_suffix(suffix)
         meta = writer_meta(sealed)
-        if meta is not None and meta.supersedes == path.name:
+        if isinstance(meta, SegmentMeta) and meta.supersedes == path.name:
             rep.path, rep.format = sealed, suffix.lstrip(".")
             if suffix == ".parquet":
                 frame, trusted, _ = scan_parquet(sealed, meta, rep, report)
