@@ -11,6 +11,9 @@ Format 2 (``MLJ2``; the previous ``MLJ1`` is still read)::
              type D: JSON {"records", "steps", "timestamps", "reason"}   records the
                      writer had to drop (its backlog was full while writing failed)
              type S: JSON {"timestamp"}                     the source shut down cleanly
+             type F: i64:step    flush(step): the records since the previous F frame
+                     (of this journal) belong to ``step``, whatever step they were
+                     stamped with (the writer thread may write them before the flush)
 
 ``crc`` is the CRC-32 (``zlib.crc32``) of the frame's type and length bytes and its
 payload (of the header's JSON for the header). All integers are little-endian.
@@ -49,11 +52,13 @@ _FRAME_V1 = struct.Struct("<cI")
 _STEP = struct.Struct("<q")
 _RECORD_BYTES = 24
 
-KEYS, RECORDS, DROPPED, SHUTDOWN = b"K", b"R", b"D", b"S"
+KEYS, RECORDS, DROPPED, SHUTDOWN, FLUSH = b"K", b"R", b"D", b"S", b"F"
 
 
-def header(process: str, rank: int, created: float) -> bytes:
-    body = json.dumps({"format": FORMAT, "process": process, "rank": rank, "created": created}).encode()
+def header(process: str, rank: int, created: float, attempt: dict[str, Any] | None = None) -> bytes:
+    """The header; ``attempt`` is the writer's {"attempt", "attempt_started", "attempt_first_step"}."""
+    fields = {"format": FORMAT, "process": process, "rank": rank, "created": created, **(attempt or {})}
+    body = json.dumps(fields).encode()
     return MAGIC + _HEAD.pack(len(body), zlib.crc32(body)) + body
 
 
@@ -71,6 +76,10 @@ def key_frame(defs: list[tuple[int, str, str]]) -> bytes:
 
 def record_frame(step: int, rows: bytes) -> bytes:
     return _frame(RECORDS, _STEP.pack(step), rows)
+
+
+def flush_frame(step: int) -> bytes:
+    return _frame(FLUSH, _STEP.pack(step))
 
 
 def event_frame(kind: bytes, body: dict[str, Any]) -> bytes:
@@ -93,6 +102,8 @@ class Decoded:
     dropped: list[dict[str, Any]] = field(default_factory=list)  # the writer's D frames
     shutdown: float | None = None  # the timestamp of a clean shutdown (an S frame)
     valid_bytes: int = 0  # the length of the readable part
+    attempt: dict[str, Any] = field(default_factory=dict)  # the header's attempt fields
+    first_flush: int | None = None  # the step of the first F frame
 
 
 def decode(data: bytes) -> Decoded:
@@ -132,6 +143,7 @@ def decode(data: bytes) -> Decoded:
         head: dict[str, Any] = json.loads(body)
         out.process = str(head["process"])
         out.rank = int(head["rank"])
+        out.attempt = {k: head[k] for k in ("attempt", "attempt_started", "attempt_first_step") if k in head}
     except (ValueError, KeyError, TypeError):
         out.problems.append("journal header is not valid")
         return out
@@ -139,6 +151,7 @@ def decode(data: bytes) -> Decoded:
     blocks: list[memoryview] = []
     steps: list[int] = []
     counts: list[int] = []
+    covered = 0  # record frames before this index are labelled by an F frame already
     view = memoryview(data)
     frame = _FRAME_V1 if v1 else _FRAME
     pos = out.valid_bytes = head_size + hlen
@@ -175,6 +188,14 @@ def decode(data: bytes) -> Decoded:
                 blocks.append(view[start + 8 : end])
             elif kind == DROPPED:
                 out.dropped.append(json.loads(payload.tobytes()))
+            elif kind == FLUSH:
+                if length != 8:
+                    raise ValueError(f"flush frame of {length} bytes")
+                (flushed,) = _STEP.unpack_from(data, start)
+                steps[covered:] = [flushed] * (len(steps) - covered)
+                covered = len(steps)
+                if out.first_flush is None:
+                    out.first_flush = flushed
             elif kind == SHUTDOWN:
                 out.shutdown = float(json.loads(payload.tobytes())["timestamp"])
             else:

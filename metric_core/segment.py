@@ -55,6 +55,9 @@ class SegmentMeta:
     dropped: tuple[dict[str, Any], ...] = ()  # records the writer dropped (see the journal's D frames)
     nonfinite: int | None = None  # JSONL: how many values are NaN or infinite
     bytes: int | None = None  # JSONL: the size of the file after this first line
+    attempt: str | None = None  # the writer's attempt id: one per init() of the source
+    attempt_started: float | None = None  # when that attempt started
+    attempt_first_step: int | None = None  # the step of its first flush(step), once there was one
     # Set by a reader, never written: the fields it found malformed, and the length of the
     # JSONL line the metadata was parsed from.
     ignored: tuple[str, ...] = field(default=(), compare=False)
@@ -129,6 +132,9 @@ class SegmentMeta:
             dropped=field_of("dropped", _drops, ()),
             nonfinite=field_of("nonfinite", lambda v: _typed(v, int)),
             bytes=field_of("bytes", lambda v: _typed(v, int)),
+            attempt=field_of("attempt", lambda v: _typed(v, str)),
+            attempt_started=field_of("attempt_started", lambda v: float(_typed(v, (int, float)))),
+            attempt_first_step=field_of("attempt_first_step", lambda v: _typed(v, int)),
         )
         return dataclasses.replace(meta, ignored=tuple(ignored)) if ignored else meta
 

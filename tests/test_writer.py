@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import metric_core
-from metric_core import LoggerBackend, LoggingMode, MetricCollector, Reduce, scan_run
+from metric_core import LoggerBackend, LoggingMode, MetricCollector, Reduce, reduce_run, scan_run
 from metric_core.errors import ConfigError, NotInitializedError
 from metric_core.metric import BackendRole
 
@@ -414,3 +414,33 @@ def test_a_second_live_writer_of_a_source_is_refused_and_a_restart_after_a_kill_
     restarted.shutdown()
     assert sorted(scan_run(tmp_path).frame.collect()["value"].to_list()) == [1.0, 2.0, 3.0]
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".lock"], "a clean end leaves no lock file"
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_offline_steps_are_the_steps_the_live_logger_logged_even_when_written_before_the_flush(
+    tmp_path, file_format
+):
+    """flush(k) every 10 iterations, with a writer thread that writes each record long before
+    its flush: offline, every record carries the k of the flush that covered it, as the live
+    per-rank logger labelled it; records no flush covered keep the current step."""
+    import time
+
+    live = Recording()
+    c = MetricCollector(
+        tmp_path, process_name="w", flush_interval=0.005, file_format=file_format, backends={"live": live}
+    )
+    truth = []
+    for i in range(30):
+        c.record("loss", float(i))
+        truth.append(float(i))
+        time.sleep(0.002)  # the writer thread writes some of them before their flush
+        if i % 10 == 9:
+            c.flush(i)  # the live logger logs step i: the mean of the last ten values
+    c.record("loss", 99.0)  # no flush covers it: it keeps the current step, 30
+    c.shutdown()
+    assert [step for step, _ in live.batches[:3]] == [9, 19, 29]
+    offline = reduce_run(tmp_path, mode="per_rank_reduce")
+    got = dict(zip(offline["step"].to_list(), offline["value"].to_list(), strict=True))
+    for step, values in live.batches[:3]:
+        assert got[step] == values["loss"] == pytest.approx(np.mean(truth[step - 9 : step + 1]), rel=1e-15)
+    assert got[30] == 99.0 and set(got) == {9, 19, 29, 30}

@@ -181,22 +181,25 @@ class MetricCollector:
 
     # -- writing ---------------------------------------------------------------------
 
-    def _drain(self) -> None:
-        """Move everything recorded so far to the writer's queue and the stream backends.
+    def _drain(self, flush: int | None = None) -> None:
+        """Move everything recorded so far to the writer's queue and the stream backends;
+        with ``flush``, then queue the end of ``flush(flush)`` (in the same lock, so the
+        writer thread cannot slip records in between).
 
         No file I/O: ``self._writer.write()`` makes the queue durable.
         """
         with self._drain_lock:
             n = len(self._buffer)
-            if n == 0:
-                return
-            chunk = self._buffer[:n]
-            del self._buffer[:n]
-            self._writer.enqueue(self._step, chunk.tobytes(), n // 3, self._code_table)
-            if self._backends.stream:
-                rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
-                self._backends.log_stream(self._record_table(rows).to_batches()[0], self._step)
-            self._steps.add(chunk)
+            if n:
+                chunk = self._buffer[:n]
+                del self._buffer[:n]
+                self._writer.enqueue(self._step, chunk.tobytes(), n // 3, self._code_table)
+                if self._backends.stream:
+                    rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
+                    self._backends.log_stream(self._record_table(rows).to_batches()[0], self._step)
+                self._steps.add(chunk)
+            if flush is not None:
+                self._writer.mark_flush(flush)
 
     def _record_table(self, rows: np.ndarray) -> pa.Table:
         return records.build_table(
@@ -259,10 +262,9 @@ class MetricCollector:
     ) -> tuple[list[Metric], dict[str, dict[str, Any]], WriteError | None]:
         if self._closed:
             raise CollectorClosedError(f"flush() after shutdown() of {self.process_name}")
-        # Records keep the step that was current when they were recorded: the writer thread
-        # may already have written some, so relabelling the rest under ``step`` would make a
-        # record's step depend on timing.
-        self._drain()
+        # Every record since the previous flush belongs to ``step``, as the live logger labels
+        # it, also those the writer thread wrote already: the flush frame relabels them.
+        self._drain(flush=step)
         error = None
         try:
             self._writer.write()
@@ -283,8 +285,8 @@ class MetricCollector:
 
         Everything recorded since the previous flush is made durable, reduced per key
         for PER_RANK_REDUCE backends under ``step``, and the current step becomes
-        ``step + 1``. Records keep the step that was current when they were recorded, so
-        in the usual loop (``flush(step)`` once per step) both agree. With
+        ``step + 1``. Every record since the previous flush is stamped ``step`` on disk
+        too (records no flush covers keep the step current when they were recorded). With
         ``return_state`` the accumulator states are returned for a global reduction
         (see ``reduce_metrics_states``).
         """

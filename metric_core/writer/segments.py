@@ -33,6 +33,7 @@ import errno
 import json
 import os
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -104,6 +105,11 @@ class RawFileWriter(LoggerBackend):
         self.fsync = fsync
         self.max_unwritten = max_unwritten
         self.stem = segment_stem(process, rank)
+        # This writer is one attempt of its source: a job restarted from a checkpoint writes
+        # a new attempt, which replaces the earlier ones' records from its first step on.
+        self.attempt = secrets.token_hex(8)
+        self.attempt_started = time.time()
+        self.first_step: int | None = None  # the step of its first flush(step)
         self._lock = SourceLock(self.run_dir, self.stem, process, rank)
         self._lock.acquire()
         self._seq = self._first_free_seq()
@@ -114,7 +120,8 @@ class RawFileWriter(LoggerBackend):
         self._rows = 0
         self._defs_written = 0
         self._code_table: list[tuple[str, str]] = []
-        self._backlog: collections.deque[tuple[int, bytes, int]] = collections.deque()
+        # (step, rows, count) to write; rows None: a flush(step) that labels what came before
+        self._backlog: collections.deque[tuple[int, bytes | None, int]] = collections.deque()
         self._backlog_rows = 0
         self._dropped: dict[str, Any] | None = None  # dropped, not yet recorded in a journal
         self._new_drops: dict[str, Any] | None = None  # dropped, not yet told to the caller
@@ -194,7 +201,16 @@ class RawFileWriter(LoggerBackend):
                 self._backlog.append((step, rows, count))
                 self._backlog_rows += count
             while self._backlog_rows > self.max_unwritten and len(self._backlog) > 1:
-                self._drop(*self._backlog.popleft())
+                step, dropped, n = self._backlog.popleft()
+                if dropped is not None:  # a flush marker only labels records, gone with them
+                    self._drop(step, dropped, n)
+
+    def mark_flush(self, step: int) -> None:
+        """Queue the end of ``flush(step)``: the records queued since the previous one belong to ``step``."""
+        with self._write_lock:
+            if self.first_step is None:
+                self.first_step = step
+            self._backlog.append((step, None, 0))
 
     def take_drops(self) -> dict[str, Any] | None:
         """What was dropped since the last call: {"records", "steps", "timestamps", "reason"}."""
@@ -212,7 +228,7 @@ class RawFileWriter(LoggerBackend):
             assert self._fd is not None and self._path is not None
             parts = []
             if self._offset == 0:
-                parts.append(journal.header(self.process, self.rank, self._opened_at))
+                parts.append(journal.header(self.process, self.rank, self._opened_at, self._attempt_fields()))
             if self._dropped is not None:
                 parts.append(journal.event_frame(journal.DROPPED, self._dropped))
             defined = len(self._code_table)  # the training thread may intern more meanwhile
@@ -221,7 +237,11 @@ class RawFileWriter(LoggerBackend):
                 parts.append(
                     journal.key_frame([(self._defs_written + i, *pair) for i, pair in enumerate(new)])
                 )
-            parts.extend(journal.record_frame(step, rows) for step, rows, _ in self._backlog)
+            parts.extend(
+                journal.flush_frame(step) if rows is None else journal.record_frame(step, rows)
+                for step, rows, _ in self._backlog
+            )
+            at_flush = bool(self._backlog) and self._backlog[-1][1] is None
             if self._shutdown_at is not None:
                 parts.append(journal.event_frame(journal.SHUTDOWN, {"timestamp": self._shutdown_at}))
             data = b"".join(parts)
@@ -242,7 +262,10 @@ class RawFileWriter(LoggerBackend):
             self._backlog_rows = 0
             self._dropped = None
             self._shutdown_at = None
-            if self._rows >= self.segment_records or time.time() - self._opened_at >= self.seal_interval:
+            # A segment ends at a flush, so a flush frame never has to relabel records sealed
+            # into an earlier segment (unless flushes stay away for twice a segment's records).
+            full = self._rows >= self.segment_records or time.time() - self._opened_at >= self.seal_interval
+            if (full and at_flush) or self._rows >= 2 * self.segment_records:
                 self._close_journal()
 
     def seal_ready(self) -> None:
@@ -294,6 +317,12 @@ class RawFileWriter(LoggerBackend):
         }
         self._dropped = _merge_drops(self._dropped, drop)
         self._new_drops = _merge_drops(self._new_drops, drop)
+
+    def _attempt_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"attempt": self.attempt, "attempt_started": self.attempt_started}
+        if self.first_step is not None:
+            fields["attempt_first_step"] = self.first_step
+        return fields
 
     def _first_free_seq(self) -> int:
         pattern = re.compile(rf"^{re.escape(self.stem)}\.(\d{{5,}})\.[a-z]+$")
@@ -400,6 +429,9 @@ class RawFileWriter(LoggerBackend):
             steps=_bounds(table, "step"),
             timestamps=_bounds(table, "timestamp"),
             dropped=tuple(decoded.dropped),
+            attempt=self.attempt,
+            attempt_started=self.attempt_started,
+            attempt_first_step=decoded.attempt.get("attempt_first_step", decoded.first_flush),
         )
         with new_hidden_file(final) as (f, tmp):
             if self.file_format == "parquet":
