@@ -388,7 +388,8 @@ def test_a_second_live_writer_of_a_source_is_refused_and_a_restart_after_a_kill_
         [
             sys.executable,
             "-c",
-            f"from metric_core import MetricCollector; MetricCollector({str(tmp_path)!r}, process_name='trainer', rank=3)",
+            "from metric_core import MetricCollector\n"
+            f"MetricCollector({str(tmp_path)!r}, process_name='trainer', rank=3)",
         ],
         capture_output=True,
         text=True,
