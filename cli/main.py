@@ -77,6 +77,7 @@ def reduce(
     key: o.Keys = None,
     ranks: o.Ranks = None,
     steps: o.Steps = None,
+    attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
     wide: o.Wide = False,
     strict: o.Strict = False,
@@ -90,7 +91,7 @@ def reduce(
     from metric_core.offline.engine import pivot_wide, run_plan
 
     with errors_to_exit():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps)
+        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
         if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
         result = run_plan(
@@ -123,6 +124,7 @@ def upload(
     key: o.Keys = None,
     ranks: o.Ranks = None,
     steps: o.Steps = None,
+    attempts: o.Attempts = "rewind",
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
 ) -> None:
@@ -139,7 +141,7 @@ def upload(
     with errors_to_exit(), output.upload_events() as events:
         result = upload_run(
             run_dir,
-            o.plan(mode, by, every, reduce, key, ranks, steps),
+            o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
             Destination(project, entity, offline),
             name=name,
             group=group,
@@ -154,7 +156,12 @@ def upload(
 
 
 @app.command()
-def inspect(run_dir: o.RunDir, follow_symlinks: o.FollowSymlinks = False, json_out: o.Json = False) -> None:
+def inspect(
+    run_dir: o.RunDir,
+    follow_symlinks: o.FollowSymlinks = False,
+    attempts: o.Attempts = "rewind",
+    json_out: o.Json = False,
+) -> None:
     """Tell what happened in a crashed or hung run: per-source health, then a verdict.
 
     Example:
@@ -164,7 +171,9 @@ def inspect(run_dir: o.RunDir, follow_symlinks: o.FollowSymlinks = False, json_o
     from metric_core.offline.inspect import inspect_run
 
     with errors_to_exit():
-        report = inspect_run(run_dir, follow_symlinks=follow_symlinks, on_read=output.said_skips)
+        report = inspect_run(
+            run_dir, follow_symlinks=follow_symlinks, attempts=attempts, on_read=output.said_skips
+        )
     typer.echo(report.to_json()) if json_out else output.print_inspect(report)
 
 
@@ -179,6 +188,7 @@ def plot(
     reduce: o.Reduce = None,
     ranks: o.Ranks = None,
     steps: o.Steps = None,
+    attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
 ) -> None:
     """Plot keys of a run to a PNG, marking where sources stopped and values went non-finite.
@@ -190,7 +200,7 @@ def plot(
     from metric_core.offline.plot import plot_run
 
     with errors_to_exit():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps)
+        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
         plot_run(run_dir, plan, out, follow_symlinks=follow_symlinks, on_read=output.said_skips)
     output.say("info", f"wrote {out}")
 

@@ -53,6 +53,15 @@ Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or 
 OutFile = Annotated[
     Path | None, typer.Option("--out", metavar="FILE", help="Write to FILE.parquet, .csv or .jsonl.")
 ]
+Attempts = Annotated[
+    str,
+    typer.Option(
+        "--attempts",
+        metavar="rewind|all|ID",
+        help="A restarted source's attempts: rewind (a restart replaces the records from its first "
+        "step on), all (keep every attempt), or an attempt id (only it).",
+    ),
+]
 Wide = Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")]
 
 # upload
@@ -87,8 +96,16 @@ def plan(
     keys: list[str] | None,
     ranks: str | None,
     steps: str | None,
+    attempts: str,
 ) -> ReducePlan:
     """The plan the shared options ask for; bad syntax raises ``PlanError`` (a usage error)."""
     return make_plan(
-        mode=mode, by=by, every=every, reduce=reduce or (), keys=keys or (), ranks=ranks or (), steps=steps
+        mode=mode,
+        by=by,
+        every=every,
+        reduce=reduce or (),
+        keys=keys or (),
+        ranks=ranks or (),
+        steps=steps,
+        attempts=attempts,
     )

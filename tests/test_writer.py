@@ -139,9 +139,15 @@ def test_shutdown_is_recorded_and_an_unclean_end_is_not(tmp_path):
 
 @pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
 def test_a_restarted_process_appends_new_segments_and_loses_nothing(tmp_path, file_format):
+    """A restart from step 0 writes new segments beside the old ones; by default it replaces
+    the first attempt (it restarted at its first step), and --attempts all keeps both."""
     first = write_collector_run(tmp_path, [("trainer", 0)], steps=3, file_format=file_format, shutdown=False)
     second = write_collector_run(tmp_path, [("trainer", 0)], steps=3, file_format=file_format, seed=9)
-    assert read_back(tmp_path).height == len(first) + len(second)
+    everything = scan_run(tmp_path, attempts="all").frame.collect()
+    assert everything.height == len(first) + len(second)
+    rewound = scan_run(tmp_path)
+    assert sorted(rewound.frame.collect()["value"].to_list()) == sorted(r["value"] for r in second)
+    assert f"{len(first)} record(s) of steps 0-2 of attempt" in rewound.report.summary()
 
 
 @pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
@@ -413,7 +419,9 @@ def test_a_second_live_writer_of_a_source_is_refused_and_a_restart_after_a_kill_
     restarted = MetricCollector(tmp_path, process_name="trainer", rank=3)
     restarted.record("k", 3.0)
     restarted.shutdown()
-    assert sorted(scan_run(tmp_path).frame.collect()["value"].to_list()) == [1.0, 2.0, 3.0]
+    # three attempts of one source, each from step 0: each restart replaces the one before
+    assert sorted(scan_run(tmp_path, attempts="all").frame.collect()["value"].to_list()) == [1.0, 2.0, 3.0]
+    assert scan_run(tmp_path).frame.collect()["value"].to_list() == [3.0]
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".lock"], "a clean end leaves no lock file"
 
 

@@ -299,7 +299,7 @@ def run_plan(
     >>> result.scan.report.skipped_records  # the killed generator's last, half-written frame
     20
     """
-    scan = scan_run(run_dir, follow_symlinks=follow_symlinks)
+    scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts)
     if on_read is not None:
         on_read(scan.report)
     summary = scan.report.summary()

@@ -24,12 +24,13 @@ import json
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
 from metric_core.offline.read import FileReport, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read.attempts import Attempt
 from metric_core.schema import KEY_HASH, keys_by_hash
 
 QUIET_FACTOR = 10.0
@@ -58,6 +59,8 @@ class SourceHealth:
     cadence_s: float | None  # its median gap between consecutive steps
     clean_shutdown: bool
     status: str  # "finished", "stopped_early" or "unfinished"
+    # Each init() of the source that wrote into the run (a restart is a new one), oldest first.
+    attempts: list[Attempt] = field(default_factory=list)
 
 
 @dataclass
@@ -124,7 +127,11 @@ class InspectReport:
 
 @changed_files_said
 def inspect_run(
-    run: RunScan | str | os.PathLike[str], *, follow_symlinks: bool = False, on_read: OnRead | None = None
+    run: RunScan | str | os.PathLike[str],
+    *,
+    follow_symlinks: bool = False,
+    attempts: str = "rewind",
+    on_read: OnRead | None = None,
 ) -> InspectReport:
     """Per-source health and what stopped first, for a run directory (or a scan of one).
 
@@ -134,7 +141,9 @@ def inspect_run(
     >>> [s.status for s in report.sources]
     ['finished', 'stopped_early', 'finished', 'finished']
     """
-    scan = run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks)
+    scan = (
+        run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts)
+    )
     if on_read is not None:
         on_read(scan.report)
     per_step, per_key = _aggregate(scan)
@@ -184,6 +193,7 @@ def inspect_run(
                 cadence_s=typical,
                 clean_shutdown=source in clean,
                 status=_status(source in clean, lag, typical, longest),
+                attempts=[a for a in scan.report.attempts if (a.process, a.rank) == source],
             )
         )
     world_size = scan.meta.get("world_size")

@@ -71,6 +71,9 @@ class ReducePlan:
     keys: tuple[str, ...] = ()
     ranks: tuple[tuple[int, int], ...] = ()
     steps: tuple[int | None, int | None] | None = None
+    # How a restarted source's attempts are read: "rewind", "all" or an attempt id (see
+    # offline.read.attempts); a read option, but it shapes the data like the filters.
+    attempts: str = "rewind"
 
     def __post_init__(self) -> None:
         if self.by not in ("step", "time"):
@@ -186,6 +189,7 @@ def make_plan(
     keys: Sequence[str] = (),
     ranks: str | Sequence[tuple[int, int]] = (),
     steps: str | tuple[int | None, int | None] | None = None,
+    attempts: str = "rewind",
 ) -> ReducePlan:
     """Build a plan from command-line style options (strings are parsed).
 
@@ -210,4 +214,5 @@ def make_plan(
         keys=tuple(keys),
         ranks=parse_ranks(ranks) if isinstance(ranks, str) else tuple(ranks),
         steps=parse_steps(steps) if isinstance(steps, str) else steps,
+        attempts=attempts.strip() or "rewind",
     )

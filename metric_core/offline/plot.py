@@ -46,7 +46,11 @@ def plot_run(
     """
     if out is not None and Path(out).suffix.lower() != ".png":
         raise PlanError(f"--out {out}: the plot is a PNG; name it FILE.png")
-    scan = run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks)
+    scan = (
+        run
+        if isinstance(run, RunScan)
+        else scan_run(run, follow_symlinks=follow_symlinks, attempts=plan.attempts)
+    )
     if on_read is not None:
         on_read(scan.report)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,12 @@ def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, 
     path = run_dir / "run.json"
     if path.exists():
         return
-    meta: dict[str, Any] = {"name": run_dir.resolve().name, "world_size": world_size, "created": time.time()}
+    meta: dict[str, Any] = {
+        "name": run_dir.resolve().name,
+        "run_id": secrets.token_hex(16),  # the run's identity: uploads derive their ids from it
+        "world_size": world_size,
+        "created": time.time(),
+    }
     if config is not None:
         meta["config"] = config
     try:

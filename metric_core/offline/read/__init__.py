@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import polars as pl
 
 from metric_core.errors import NoDataError, RunChangedError
+from metric_core.offline.read.attempts import REWIND, resolve
 from metric_core.offline.read.discover import (
     Derived,
     copies,
@@ -138,12 +139,16 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
-def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) -> RunScan:
+def scan_run(
+    run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False, attempts: str = REWIND
+) -> RunScan:
     """Read every metric file below ``run_dir`` into one LazyFrame and a health report.
 
     ``run_dir`` itself may be a symlink; below it, symlinks that lead out of it are
-    skipped (and said) unless ``follow_symlinks``. Raises NoDataError when the
-    directory has no readable record.
+    skipped (and said) unless ``follow_symlinks``. ``attempts`` says how a source's
+    restarts are read (``offline.read.attempts``): ``"rewind"`` (a restart replaces the
+    earlier attempts' records from its first step on), ``"all"``, or an attempt id.
+    Raises NoDataError when the directory has no readable record.
 
     >>> scan = scan_run("sample_logs/rl_run")
     >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
@@ -187,6 +192,10 @@ def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) 
         if path in superseded:
             rep.superseded_by = superseded[path]
             continue
+        declared = metas[path]
+        if declared is not None and declared.attempt is not None:
+            rep.attempt, rep.attempt_started = declared.attempt, declared.attempt_started
+            rep.attempt_first_step = declared.attempt_first_step
         check: pl.LazyFrame | None = None
         trusted = True
         if suffix == ".parquet":
@@ -203,6 +212,8 @@ def scan_run(run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False) 
             frames.append(frame.with_columns(file_id=pl.lit(len(report.files) - 1, pl.Int32)))
             file_ids.append(len(report.files) - 1)
     run_parquet_checks(frames, checks)
+    kept = resolve(report, dict(zip(file_ids, frames, strict=True)), attempts)
+    frames = [kept[fid] for fid in file_ids]
     if not frames or report.records == 0:
         why = "no *.jsonl or *.parquet file was found" if not paths else "every record was skipped"
         extra = report.summary()

@@ -33,6 +33,9 @@ def read_journal(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFram
         if decoded.shutdown is not None:
             report.shutdowns.append(Shutdown(decoded.process, decoded.rank, decoded.shutdown))
     rep.dropped = decoded.dropped
+    rep.attempt = decoded.attempt.get("attempt")
+    rep.attempt_started = decoded.attempt.get("attempt_started")
+    rep.attempt_first_step = decoded.attempt.get("attempt_first_step", decoded.first_flush)
     for problem in decoded.problems:
         rep.skip(problem, 0)
     if decoded.truncated:

@@ -31,6 +31,10 @@ class FileReport:
     source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
     # What the writer could not write and dropped (its D frames): {"records", "steps", ...}.
     dropped: list[dict[str, Any]] = field(default_factory=list)
+    # The writer's attempt (see ``offline.read.attempts``), when the file records it.
+    attempt: str | None = None
+    attempt_started: float | None = None
+    attempt_first_step: int | None = None
 
     @property
     def dropped_records(self) -> int:
@@ -62,6 +66,7 @@ class ReadReport:
     shutdowns: list[Shutdown] = field(default_factory=list)
     skipped_paths: list[tuple[Path, str]] = field(default_factory=list)  # (path, why), not read
     notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
+    attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
 
     @property
     def skipped_records(self) -> int:

@@ -242,6 +242,7 @@ def _provenance(result: ReduceResult) -> dict[str, Any]:
         "keys": list(plan.keys),
         "ranks": [list(r) for r in plan.ranks],
         "steps": list(plan.steps) if plan.steps else None,
+        "attempts": plan.attempts,
         "source_run_dir": result.scan.run_dir.resolve().name,
         "records": result.scan.report.records,
         "skipped_records": result.scan.report.skipped_records,

@@ -1,0 +1,121 @@
+"""Attempts: a source restarted from a checkpoint into the same run directory.
+
+Every ``init()`` of a source is an attempt (a random id, a start time, and the step of
+its first ``flush(step)``, in the journal header and the sealed segments' metadata). A
+job that dies and is restarted from its checkpoint at step ``j`` writes the steps from
+``j`` on again. The default reading is W&B's "rewind": for each source, an attempt
+replaces the records of its earlier attempts from its own first step on; an attempt
+that never flushed a step replaces nothing. What was replaced is said. ``"all"`` keeps
+every attempt's records; an attempt id keeps only that attempt of its source.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import polars as pl
+
+from metric_core.errors import PlanError
+from metric_core.offline.read.report import ReadReport
+
+REWIND, ALL = "rewind", "all"
+
+
+@dataclass
+class Attempt:
+    """One attempt of one source, as read."""
+
+    process: str
+    rank: int
+    attempt: str
+    started: float | None
+    first_step: int | None  # of its first flush; None if it never flushed
+    records: int = 0  # records read and kept
+    replaced: int = 0  # its records a later attempt replaced (or another --attempts chose)
+    replaced_steps: tuple[int, int] | None = None
+    replaced_by: str | None = None  # the attempt that replaced them
+    restarted_at: int | None = None  # that attempt's first step
+
+
+def resolve(
+    report: ReadReport, frames: dict[int, pl.LazyFrame], how: str = REWIND
+) -> dict[int, pl.LazyFrame]:
+    """Apply ``how`` to the frames of the files (file id -> frame); record it in ``report``."""
+    by_source: dict[tuple[str, int], dict[str, Attempt]] = {}
+    files: dict[tuple[tuple[str, int], str], list[int]] = {}
+    for fid in frames:
+        rep = report.files[fid]
+        if rep.source is None or rep.attempt is None:
+            continue
+        attempts = by_source.setdefault(rep.source, {})
+        a = attempts.get(rep.attempt)
+        if a is None:
+            a = attempts[rep.attempt] = Attempt(*rep.source, rep.attempt, rep.attempt_started, None)
+        if rep.attempt_first_step is not None:
+            a.first_step = (
+                rep.attempt_first_step if a.first_step is None else min(a.first_step, rep.attempt_first_step)
+            )
+        files.setdefault((rep.source, rep.attempt), []).append(fid)
+    if how not in (REWIND, ALL):
+        _check_chosen(by_source, how)
+    out = dict(frames)
+    for source, attempts in sorted(by_source.items()):
+        ordered = sorted(attempts.values(), key=lambda a: (a.started is None, a.started or 0.0, a.attempt))
+        for i, a in enumerate(ordered):
+            cutoff: int | None = None
+            if how == REWIND:
+                later = [(b.first_step, b.attempt) for b in ordered[i + 1 :] if b.first_step is not None]
+                if later:
+                    cutoff, a.replaced_by = min(later)
+                    a.restarted_at = cutoff
+            elif how != ALL and not a.attempt.startswith(how):
+                cutoff = -(2**63)  # not the chosen attempt: every record goes
+            for fid in files[(source, a.attempt)]:
+                if cutoff is not None:
+                    out[fid] = _replace(report, fid, out[fid], cutoff, a)
+                a.records += report.files[fid].records
+            report.attempts.append(a)
+            if a.replaced and a.replaced_steps is not None:
+                report.notices.append(_said(a))
+    return out
+
+
+def _said(a: Attempt) -> str:
+    lo, hi = a.replaced_steps or (None, None)
+    why = (
+        f"replaced by attempt {a.replaced_by}, which restarted at step {a.restarted_at}"
+        if a.replaced_by is not None
+        else "not of the attempt --attempts chose"
+    )
+    return (
+        f"{a.process} (rank {a.rank}): {a.replaced} record(s) of steps {lo}-{hi} of attempt {a.attempt} "
+        f"(started {_when(a.started)}) {why}; --attempts all keeps them"
+    )
+
+
+def _replace(report: ReadReport, fid: int, frame: pl.LazyFrame, cutoff: int, a: Attempt) -> pl.LazyFrame:
+    gone = pl.col("step") >= cutoff
+    n, lo, hi = (
+        frame.filter(gone)
+        .select(pl.len(), pl.col("step").min().alias("lo"), pl.col("step").max().alias("hi"))
+        .collect()
+        .row(0)
+    )
+    if n:
+        report.files[fid].records -= n
+        a.replaced += n
+        old = a.replaced_steps
+        a.replaced_steps = (lo, hi) if old is None else (min(old[0], lo), max(old[1], hi))
+    return frame.filter(~gone)
+
+
+def _check_chosen(by_source: dict[tuple[str, int], dict[str, Attempt]], chosen: str) -> None:
+    known = sorted({a for attempts in by_source.values() for a in attempts})
+    if not any(a.startswith(chosen) for a in known):
+        listed = ", ".join(known) or "none: no file of this run records its attempt"
+        raise PlanError(f"--attempts {chosen}: no such attempt in this run; its attempts: {listed}")
+
+
+def _when(ts: float | None) -> str:
+    return "at an unknown time" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
