@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -453,3 +454,31 @@ def test_offline_steps_are_the_steps_the_live_logger_logged_even_when_written_be
     for step, values in live.batches[:3]:
         assert got[step] == values["loss"] == pytest.approx(np.mean(truth[step - 9 : step + 1]), rel=1e-15)
     assert got[30] == 99.0 and set(got) == {9, 19, 29, 30}
+
+
+def test_a_restart_that_does_not_give_its_step_is_placed_by_its_first_flush_and_warned(tmp_path):
+    first = MetricCollector(tmp_path, process_name="w", step=0)
+    for step in range(300):
+        first.record("k", 1.0)
+        first.flush(step)
+    first.abort()  # the job died
+    restarted = MetricCollector(tmp_path, process_name="w")  # from the checkpoint of step 250
+    restarted.record("k", 2.0)  # stamped 0, the initial step, until the flush says where it is
+    with pytest.warns(
+        metric_core.MetricLogWarning, match=r"the first flush is flush\(250\), but init\(\) was"
+    ):
+        restarted.flush(250)
+    for step in range(251, 260):
+        restarted.record("k", 2.0)
+        restarted.flush(step)
+    restarted.shutdown()
+    got = reduce_run(tmp_path, mode="per_rank_reduce")
+    assert got.filter(pl.col("step") < 250)["value"].unique().to_list() == [1.0]
+    assert got.filter(pl.col("step") >= 250)["value"].unique().to_list() == [2.0]
+    assert got["step"].to_list() == list(range(260))  # steps 250-299 of the first attempt replaced
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a restart that says its step, or a usual loop: no warning
+        c = MetricCollector(tmp_path / "other", process_name="w", step=250)
+        c.record("k", 1.0)
+        c.flush(250)
+        c.shutdown()

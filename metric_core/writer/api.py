@@ -30,7 +30,7 @@ def init(
     rank: int | None = None,
     process_name: str | None = None,
     file_format: str = "parquet",
-    step: int = 0,
+    step: int | None = None,
     backends: dict[str, dict[str, Any] | LoggerBackend] | None = None,
     flush_interval: float = 1.0,
     world_size: int | None = None,
@@ -46,6 +46,14 @@ def init(
     to ``WORLD_SIZE``. Rank 0 writes ``run.json`` (name, world_size, config) unless it
     exists. ``backends`` maps ``console`` or ``wandb`` to their configs, each with a
     ``logging_mode``; the raw-stream files are always written.
+
+    Every ``init()`` starts a new attempt of its source (process name and rank). A job
+    restarted from a checkpoint into the same run directory is one: from the step of its
+    first ``flush(step)`` on, it replaces the records of the source's earlier attempts
+    when the run is read (``--attempts all`` keeps them). Pass ``step`` (the step to
+    resume from) when restarting; without it, the records before the first flush are
+    stamped with that first flush's step all the same, and a first flush far beyond 0
+    warns.
 
     ``on_flush_error`` says what a ``flush()`` does when its records cannot be made
     durable (a full disk, a deleted run directory): ``"raise"`` a ``WriteError``, or

@@ -60,6 +60,8 @@ _now = time.time
 _MAX_BACKOFF_INTERVALS = 8
 _MAX_BACKOFF = 30.0
 ON_FLUSH_ERROR = ("raise", "warn")
+# A first flush(k) this far beyond the initial step, without init(step=...): a restart.
+_RESTART_JUMP = 100
 
 
 class MetricCollector:
@@ -85,7 +87,7 @@ class MetricCollector:
         rank: int = 0,
         process_name: str | None = None,
         file_format: str = "parquet",
-        step: int = 0,
+        step: int | None = None,
         backends: dict[str, dict[str, Any] | LoggerBackend] | None = None,
         flush_interval: float = 1.0,
         segment_records: int = 1_000_000,
@@ -105,7 +107,9 @@ class MetricCollector:
         self.rank = int(rank)
         self.process_name = process_name or default_process_name(self.rank)
         self.flush_interval = flush_interval
-        self._step = int(step)
+        self._step = 0 if step is None else int(step)
+        self._step_given = step is not None
+        self._flushed = False
         self._writer = RawFileWriter(
             run_dir,
             process=self.process_name,
@@ -291,6 +295,7 @@ class MetricCollector:
         (see ``reduce_metrics_states``).
         """
         step = self._step if step is None else int(step)
+        self._first_flush_check(step)
         metrics, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
         if metrics:
             self._backends.log_reduced(metrics, step)
@@ -298,11 +303,24 @@ class MetricCollector:
         self._report(error)
         return states if return_state else None
 
+    def _first_flush_check(self, step: int) -> None:
+        """A restart that did not give init() its step: say that its first records were labelled late."""
+        if not self._flushed and not self._step_given and step - self._step >= _RESTART_JUMP:
+            warn(
+                f"{self.process_name}: the first flush is flush({step}), but init() was not given a step, "
+                f"so this looks like a restart from a checkpoint: the records so far were stamped step "
+                f"{self._step} and are labelled {step}, and this attempt replaces the run's earlier "
+                f"records of {self.process_name} from step {step} on. Pass init(..., step={step}) when "
+                "restarting, to say so"
+            )
+        self._flushed = True
+
     async def aflush(
         self, step: int | None = None, *, return_state: bool = False
     ) -> dict[str, dict[str, Any]] | None:
         """``flush`` for asyncio code: file I/O runs in a worker thread."""
         step = self._step if step is None else int(step)
+        self._first_flush_check(step)
         need = bool(self._backends.reduce) or return_state
         metrics, states, error = await asyncio.to_thread(self._flush_files, step, need)
         if metrics:

@@ -57,20 +57,20 @@ def resolve(
                 rep.attempt_first_step if a.first_step is None else min(a.first_step, rep.attempt_first_step)
             )
         files.setdefault((rep.source, rep.attempt), []).append(fid)
-    if how not in (REWIND, ALL):
-        _check_chosen(by_source, how)
+    chosen = None if how in (REWIND, ALL) else _chosen(by_source, how)
     out = dict(frames)
     for source, attempts in sorted(by_source.items()):
         ordered = sorted(attempts.values(), key=lambda a: (a.started is None, a.started or 0.0, a.attempt))
         for i, a in enumerate(ordered):
             cutoff: int | None = None
-            if how == REWIND:
+            if chosen is not None and source == (chosen.process, chosen.rank):
+                if a is not chosen:
+                    cutoff = -(2**63)  # not the chosen attempt of its source: every record goes
+            elif how != ALL:  # rewind (also every other source when one attempt is chosen)
                 later = [(b.first_step, b.attempt) for b in ordered[i + 1 :] if b.first_step is not None]
                 if later:
                     cutoff, a.replaced_by = min(later)
                     a.restarted_at = cutoff
-            elif how != ALL and not a.attempt.startswith(how):
-                cutoff = -(2**63)  # not the chosen attempt: every record goes
             for fid in files[(source, a.attempt)]:
                 if cutoff is not None:
                     out[fid] = _replace(report, fid, out[fid], cutoff, a)
@@ -110,11 +110,15 @@ def _replace(report: ReadReport, fid: int, frame: pl.LazyFrame, cutoff: int, a: 
     return frame.filter(~gone)
 
 
-def _check_chosen(by_source: dict[tuple[str, int], dict[str, Attempt]], chosen: str) -> None:
-    known = sorted({a for attempts in by_source.values() for a in attempts})
-    if not any(a.startswith(chosen) for a in known):
-        listed = ", ".join(known) or "none: no file of this run records its attempt"
-        raise PlanError(f"--attempts {chosen}: no such attempt in this run; its attempts: {listed}")
+def _chosen(by_source: dict[tuple[str, int], dict[str, Attempt]], wanted: str) -> Attempt:
+    """The one attempt whose id starts with ``wanted``."""
+    known = [a for attempts in by_source.values() for a in attempts.values()]
+    matches = [a for a in known if a.attempt.startswith(wanted)]
+    if len(matches) == 1:
+        return matches[0]
+    listed = ", ".join(sorted(f"{a.attempt} ({a.process}, rank {a.rank})" for a in known)) or "none recorded"
+    why = "no such attempt in this run" if not matches else "more than one attempt starts so"
+    raise PlanError(f"--attempts {wanted}: {why}; its attempts: {listed}")
 
 
 def _when(ts: float | None) -> str:
