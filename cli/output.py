@@ -133,10 +133,21 @@ def print_upload(result: UploadResult, *, dry_run: bool) -> None:
     if dry_run:
         print_rows(
             [
-                {"id": r.run_id, "name": r.name, "group": r.group, "rows": r.rows, "keys": len(r.keys)}
-                for r in result.plan.runs
+                {
+                    "id": o.run_id,
+                    "name": o.run.name,
+                    "group": o.run.group or "",
+                    "rows": o.run.rows,
+                    "keys": len(o.run.keys),
+                    "would be": o.action,
+                }
+                for o in result.outcomes
             ]
         )
+        for o in result.outcomes:
+            print(f"keys of {o.run.name}: {', '.join(o.run.keys)}")
+            if o.message:
+                say("info", o.message)
         say("info", "dry run: nothing was uploaded")
         return
     for o in result.outcomes:

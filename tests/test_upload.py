@@ -392,8 +392,8 @@ def test_a_read_only_run_directory_falls_back_even_as_root(tmp_path, monkeypatch
 KILL_CHILD = """
 import sys
 from metriclog.main import main
-sys.argv = ["metriclog", "upload", sys.argv[1], "--project", "p", "--offline", "--mode", "per_rank_no_reduce",
-            "--per-rank-share-run"]
+sys.argv = ["metriclog", "upload", sys.argv[1], "--project", "proj", "--offline",
+            "--mode", "per_rank_no_reduce", "--per-rank-share-run"]
 main()
 """
 
@@ -468,3 +468,58 @@ def test_upload_says_what_was_skipped_before_its_error_from_the_reading_child(tm
     assert "Traceback" not in result.stderr
     warning, error = result.stderr.index("x.jsonl: 1 record(s) skipped"), result.stderr.index("Error:")
     assert warning < error, result.stderr
+
+
+def test_what_makes_an_upload_the_same(tmp_path, small_run):
+    """Another project, entity or data-shaping option is another upload under its own ids;
+    the same request again is skipped, and a dry run says so, listing the keys."""
+    import shutil
+
+    run_dir = tmp_path / "exp1"
+    shutil.copytree(small_run, run_dir)
+
+    def ids(*args: str) -> set[str]:
+        result = runner.invoke(app, ["upload", str(run_dir), "--offline", *args])
+        assert result.exit_code == 0, result.output
+        return set(json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"])
+
+    a = ids("--project", "A")
+    b = ids("--project", "B")
+    assert len(a) == 1 and len(b) == 2  # a second run, not "already uploaded"
+    seen = set(b)
+    for extra in (
+        ["--entity", "team"],
+        ["--by", "time", "--every", "1s"],
+        ["--reduce", "trainer/loss=p99"],
+        ["--key", "trainer/*"],
+        ["--steps", "0:2"],
+        ["--name", "renamed"],
+        ["--attempts", "all"],
+    ):
+        now = ids("--project", "B", *extra)
+        assert len(now - seen) == 1, extra  # each a new upload
+        seen = now
+    again = runner.invoke(app, ["upload", str(run_dir), "--offline", "--project", "A"])
+    assert "already uploaded" in again.stderr and ids("--project", "A") == seen
+    dry = runner.invoke(app, ["upload", str(run_dir), "--project", "A", "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "skipped" in dry.stdout and "keys of exp1: " in dry.stdout and "trainer/loss" in dry.stdout
+    fresh = runner.invoke(app, ["upload", str(run_dir), "--project", "C", "--dry-run"])
+    assert "uploaded" in fresh.stdout or "wrote offline" in fresh.stdout
+
+
+def test_after_a_restart_the_same_upload_sends_the_new_history(tmp_path):
+    from .conftest import write_collector_run as write
+
+    run_dir = tmp_path / "exp"
+    write(run_dir, [("w", 0)], steps=6)
+    first = runner.invoke(app, ["upload", str(run_dir), "--project", "p", "--offline"])
+    assert first.exit_code == 0, first.output
+    write(run_dir, [("w", 0)], steps=3, first_step=4, seed=5)  # restarted from step 4
+    second = runner.invoke(app, ["upload", str(run_dir), "--project", "p", "--offline"])
+    assert second.exit_code == 0, second.output
+    assert "the run was restarted since it was uploaded" in second.stderr
+    runs = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"]
+    assert len(runs) == 2 and all(e["finished"] for e in runs.values())
+    third = runner.invoke(app, ["upload", str(run_dir), "--project", "p", "--offline"])
+    assert "already uploaded" in third.stderr  # the restart's history, sent once

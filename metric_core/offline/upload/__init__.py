@@ -20,7 +20,14 @@ from metric_core.errors import MetricLogError, NotLoggedInError, PlanError
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
-from metric_core.offline.upload.send import Destination, RunOutcome, UploadEvents, has_credentials, send_runs
+from metric_core.offline.upload.send import (
+    Destination,
+    RunOutcome,
+    UploadEvents,
+    decide,
+    has_credentials,
+    send_runs,
+)
 
 if TYPE_CHECKING:
     from metric_core.offline.plan import ReducePlan
@@ -30,7 +37,7 @@ __all__ = ["Destination", "PlannedRun", "RunOutcome", "UploadEvents", "UploadRes
 
 @dataclass
 class UploadResult:
-    """The runs planned and, unless it was a dry run, what happened to each."""
+    """The runs planned, and what happened to each (in a dry run: what would happen)."""
 
     plan: UploadPlan
     outcomes: list[RunOutcome] = field(default_factory=list)
@@ -82,9 +89,18 @@ def upload_run(
         name=name or root.resolve().name,
         group=group,
         share_run=share_run,
+        request={"entity": to.entity, "project": to.project, "name": name, "group": group},
     )
     if dry_run:
-        return UploadResult(_said(_received(prepare, events), events))
+        upload = _said(_received(prepare, events), events)
+        ledger = Ledger.existing(root, upload.identity)
+        entries = [ledger.latest(r.run_id) if ledger else None for r in upload.runs]
+        would = [
+            decide(r, e, upload, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)
+        ]
+        return UploadResult(
+            upload, [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(upload.runs, would, strict=True)]
+        )
     # wandb takes about half a second to import: this process does it while a child
     # process reads and reduces the run (see overlap)
     pending = overlap.start(prepare)
@@ -134,6 +150,12 @@ def _said(upload: UploadPlan, events: UploadEvents) -> UploadPlan:
     """What the user should know before anything is sent: skips, renamed keys, W&B's limits."""
     if upload.read_summary:
         events.message("warning", upload.read_summary)
+    if upload.identity_from == "content":
+        events.message(
+            "note",
+            "run.json holds no run_id (files another tool wrote?): the upload ids derive from the run's "
+            "content (its sources and their first record times)",
+        )
     for original, safe in upload.key_mapping.items():
         events.message("note", f"key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)")
     for warning in upload.warnings:

@@ -46,6 +46,27 @@ class Ledger:
             home.mkdir(parents=True, exist_ok=True)
         return cls(home / "uploads.json")
 
+    @classmethod
+    def existing(cls, run_dir: Path, identity: str) -> Ledger | None:
+        """The run's ledger if there is one, without creating anything (for a dry run)."""
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        for path in (
+            run_dir / ".metriclog" / "uploads.json",
+            cache / "metriclog" / identity[:32] / "uploads.json",
+        ):
+            if path.is_file() and not path.is_symlink():
+                return cls(path)
+        return None
+
+    def latest(self, base_id: str) -> dict[str, Any] | None:
+        """The newest entry for a planned run: its own, or that of a fresh id it was sent under."""
+        entries = [
+            {**e, "id": run_id}
+            for run_id, e in self.entries.items()
+            if run_id == base_id or e.get("base_id") == base_id
+        ]
+        return max(entries, key=lambda e: e.get("updated", 0.0)) if entries else None
+
     def get(self, run_id: str) -> dict[str, Any] | None:
         return self.entries.get(run_id)
 

@@ -102,6 +102,8 @@ class UploadPlan:
     warnings: list[str] = field(default_factory=list)  # W&B's limits the runs come near
     config: dict[str, Any] = field(default_factory=dict)
     read_summary: str = ""  # what the reader skipped
+    identity_from: str = "run.json"  # or "content": no run_id in run.json (another tool's files)
+    attempts: list[str] = field(default_factory=list)  # the writers' attempts whose records are in it
 
 
 def run_identity(result: ReduceResult) -> str:
@@ -113,8 +115,26 @@ def run_identity(result: ReduceResult) -> str:
     return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
 
 
-def run_id_for(identity: str, mode: LoggingMode, source: str | None) -> str:
-    digest = hashlib.sha256(f"{identity}|{mode.value}|{source or '*'}".encode()).hexdigest()
+def request_key(plan: ReducePlan, request: dict[str, Any], share_run: bool) -> str:
+    """What makes two uploads of one run the same: the destination, the names given, and
+    everything that shapes the data."""
+    shape = {
+        **request,  # entity, project, and the name and group the user gave (None: defaults)
+        "mode": plan.mode.value,
+        "by": plan.by,
+        "every": plan.every,
+        "reduce": [[pattern, stat.name] for pattern, stat in plan.overrides],
+        "keys": list(plan.keys),
+        "ranks": [list(r) for r in plan.ranks],
+        "steps": list(plan.steps) if plan.steps else None,
+        "attempts": plan.attempts,
+        "share_run": share_run,
+    }
+    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
+
+
+def run_id_for(identity: str, request: str, source: str | None) -> str:
+    digest = hashlib.sha256(f"{identity}|{request}|{source or '*'}".encode()).hexdigest()
     return f"ml-{digest[:16]}"
 
 
@@ -144,13 +164,20 @@ def plan_upload(
     name: str,
     group: str | None = None,
     share_run: bool = False,
+    request: dict[str, Any] | None = None,
 ) -> UploadPlan:
-    """Map a reduction to the W&B runs that hold it (nothing is sent)."""
+    """Map a reduction to the W&B runs that hold it (nothing is sent).
+
+    ``request`` (the destination and the names the user gave) enters the run ids with
+    everything of the plan that shapes the data: another project, another window or
+    filter is another upload, under its own ids.
+    """
     import polars as pl
 
     plan: ReducePlan = result.plan
     frame = result.frame
     identity = run_identity(result)
+    key = request_key(plan, request or {}, share_run)
     mapping = safe_keys(frame["key"].unique().to_list())
     frame = frame.with_columns(pl.col("key").replace_strict(mapping))
     group = group or name
@@ -158,27 +185,29 @@ def plan_upload(
     runs: list[PlannedRun] = []
     mode = plan.mode
     if mode is LoggingMode.GLOBAL_REDUCE:
-        runs.append(_wide_run(run_id_for(identity, mode, None), name, None, None, frame, bucket))
+        runs.append(_wide_run(run_id_for(identity, key, None), name, None, None, frame, bucket))
     elif share_run:
         shared = frame.with_columns(key=pl.format("{}/{}", "key", "process"))
         if mode is LoggingMode.PER_RANK_REDUCE:
-            runs.append(_wide_run(run_id_for(identity, mode, None), name, group, None, shared, bucket))
+            runs.append(_wide_run(run_id_for(identity, key, None), name, group, None, shared, bucket))
         else:
             runs.append(
-                _raw_run(
-                    run_id_for(identity, mode, None), name, group, None, shared.sort("timestamp"), bucket
-                )
+                _raw_run(run_id_for(identity, key, None), name, group, None, shared.sort("timestamp"), bucket)
             )
     else:
         for (process,), part in frame.partition_by("process", as_dict=True, maintain_order=True).items():
-            run_id = run_id_for(identity, mode, str(process))
+            run_id = run_id_for(identity, key, str(process))
             run_name = f"{name}_{process}"
             if mode is LoggingMode.PER_RANK_REDUCE:
                 runs.append(_wide_run(run_id, run_name, group, str(process), part, bucket))
             else:
                 runs.append(_raw_run(run_id, run_name, group, str(process), part, bucket))
     upload = UploadPlan(
-        runs=runs, identity=identity, key_mapping={k: v for k, v in mapping.items() if k != v}
+        runs=runs,
+        identity=identity,
+        key_mapping={k: v for k, v in mapping.items() if k != v},
+        identity_from="run.json" if result.scan.meta.get("run_id") else "content",
+        attempts=sorted(a.attempt for a in result.scan.report.attempts if a.records),
     )
     upload.warnings = limit_warnings(runs)
     upload.config = _provenance(result)

@@ -105,6 +105,49 @@ def send_runs(
     return [sender.send(run) for run in plan.runs]
 
 
+def decide(
+    run: PlannedRun, entry: dict[str, Any] | None, plan: UploadPlan, offline: bool, force_new: bool
+) -> tuple[str, str, str | None, str]:
+    """What to do with a planned run, given its ledger entry: (action, W&B run id, resume, why).
+
+    ``action`` is "uploaded" (or "wrote offline"), "resumed", "restarted" or "skipped".
+    """
+    fresh = f"{run.run_id}-{secrets.token_hex(3)}"
+    first = "wrote offline" if offline else "uploaded"
+    if entry is None:
+        return first, run.run_id, None, ""
+    if force_new:
+        return first, fresh, None, f"uploading again under a fresh id {fresh} (--force-new)"
+    if entry.get("finished") and entry.get("attempts", plan.attempts) == plan.attempts:
+        sent = entry.get("rows_sent", 0)
+        return (
+            "skipped",
+            run.run_id,
+            None,
+            f"already uploaded ({sent} rows, id {entry.get('id', run.run_id)}); skipped. "
+            "Use --force-new to upload again under fresh ids",
+        )
+    if entry.get("finished"):
+        return (
+            "restarted",
+            fresh,
+            None,
+            f"{run.name}: the run was restarted since it was uploaded (new attempts of its sources); "
+            f"a fresh {'offline ' if offline else ''}run {fresh} holds its whole history, "
+            f"{run.rows} rows (W&B's rewind of the uploaded run is not done yet)",
+        )
+    if offline:
+        return (
+            "restarted",
+            fresh,
+            None,
+            f"an earlier offline upload of {run.name} was interrupted after {entry.get('rows_sent', 0)} of "
+            f"{entry.get('rows_planned', run.rows)} rows; offline runs cannot be resumed, so a fresh "
+            f"offline run {fresh} holds all {run.rows} rows",
+        )
+    return "resumed", entry.get("id", run.run_id), "must", ""
+
+
 @dataclass
 class _Sender:
     plan: UploadPlan
@@ -116,31 +159,11 @@ class _Sender:
     sleep: Callable[[float], None]
 
     def send(self, run: PlannedRun) -> RunOutcome:
-        entry = self.ledger.get(run.run_id)
-        action = "wrote offline" if self.to.offline else "uploaded"
-        run_id, resume, start, message = run.run_id, None, 0, ""
-        if entry and self.force_new:
-            run_id = f"{run.run_id}-{secrets.token_hex(3)}"
-            message = f"uploading again under a fresh id {run_id} (--force-new)"
-        elif entry and entry.get("finished"):
-            return RunOutcome(
-                run,
-                "skipped",
-                run_id,
-                entry.get("rows_sent", 0),
-                f"already uploaded ({entry.get('rows_sent', 0)} rows, id {run_id}); "
-                "skipped. Use --force-new to upload again under fresh ids",
-            )
-        elif entry and self.to.offline:
-            run_id = f"{run.run_id}-{secrets.token_hex(3)}"
-            action = "restarted"
-            message = (
-                f"an earlier offline upload of {run.name} was interrupted after "
-                f"{entry.get('rows_sent', 0)} of {entry.get('rows_planned', run.rows)} rows; offline runs "
-                f"cannot be resumed, so a fresh offline run {run_id} holds all {run.rows} rows"
-            )
-        elif entry:
-            resume, action = "must", "resumed"
+        entry = self.ledger.latest(run.run_id)
+        action, run_id, resume, message = decide(run, entry, self.plan, self.to.offline, self.force_new)
+        if action == "skipped":
+            return RunOutcome(run, action, run_id, (entry or {}).get("rows_sent", 0), message)
+        start = 0
         self.ledger.update(
             run_id,
             name=run.name,
@@ -152,6 +175,7 @@ class _Sender:
             finished=False,
             offline=self.to.offline,
             base_id=run.run_id,
+            attempts=self.plan.attempts,
         )
         wb = self._retry(lambda: self.init(**self._init_args(run, run_id, resume)), "starting the W&B run")
         if resume:
