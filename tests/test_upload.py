@@ -217,13 +217,15 @@ def test_rerun_of_a_finished_upload_is_skipped_and_force_new_uploads_again(tmp_p
     assert len(ledger) == 2 and all(e["finished"] for e in ledger.values())
 
 
-def test_without_credentials_online_is_exit_1_and_dry_run_touches_nothing(tmp_path, small_run):
+def test_without_credentials_online_is_exit_1_and_dry_run_touches_nothing(tmp_path, small_run, monkeypatch):
     import shutil
+
+    monkeypatch.delenv("WANDB_MODE")  # online asked for: WANDB_MODE=offline would be honoured
 
     run_dir = tmp_path / "exp1"
     shutil.copytree(small_run, run_dir)
     result = upload_cli(run_dir)
-    assert result.exit_code == 1
+    assert result.exit_code == 1, result.output
     assert "Error: not logged in to W&B: run `wandb login`" in result.stderr
     assert "--offline" in result.stderr
     dry = upload_cli(run_dir, "--dry-run", "--mode", "per_rank_reduce")
@@ -429,6 +431,9 @@ def test_a_killed_offline_upload_is_redone_as_a_fresh_offline_run(tmp_path):
     fresh = [e for e in runs.values() if e["finished"]]
     assert len(runs) == 2 and len(fresh) == 1
     assert fresh[0]["rows_sent"] == fresh[0]["rows_planned"] == records
+    (killed,) = [e for e in runs.values() if not e["finished"]]
+    assert not Path(killed["sync_dir"]).exists()  # wandb sync would have sent it beside the redo
+    assert "the interrupted run's files" in again.stderr
 
 
 def test_wandb_limits_are_checked_before_anything_is_sent():
@@ -523,3 +528,52 @@ def test_after_a_restart_the_same_upload_sends_the_new_history(tmp_path):
     assert len(runs) == 2 and all(e["finished"] for e in runs.values())
     third = runner.invoke(app, ["upload", str(run_dir), "--project", "p", "--offline"])
     assert "already uploaded" in third.stderr  # the restart's history, sent once
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--project", "bad/project name"], "--project 'bad/project name': W&B does not allow / in it"),
+        (["--project", ""], "--project must name a W&B project"),
+        (["--project", "p", "--entity", "a:b"], "--entity 'a:b': W&B does not allow : in it"),
+        (["--project", "p", "--name", "x" * 200], "W&B takes at most 128 characters"),
+    ],
+)
+def test_a_name_wandb_rejects_fails_at_once_before_anything_is_read(tmp_path, args, says):
+    start = time.monotonic()
+    result = runner.invoke(app, ["upload", str(tmp_path / "not-even-read"), *args])
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert time.monotonic() - start < 5
+
+
+def test_wandb_mode_offline_in_the_environment_is_honoured(tmp_path, small_run, monkeypatch):
+    import shutil
+
+    run_dir = tmp_path / "exp1"
+    shutil.copytree(small_run, run_dir)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    result = runner.invoke(app, ["upload", str(run_dir), "--project", "p"])  # no --offline, no login
+    assert result.exit_code == 0, result.output
+    assert (
+        "WANDB_MODE=offline is set: writing offline runs" in result.stderr and "wandb sync" in result.stderr
+    )
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    disabled = runner.invoke(app, ["upload", str(run_dir), "--project", "q"])
+    assert disabled.exit_code == 0 and "nothing is uploaded" in disabled.stderr
+    ledger = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"]
+    assert len(ledger) == 1  # the disabled upload marked nothing
+
+
+def test_an_error_no_retry_heals_is_not_retried(tmp_path, planned):
+    from wandb.errors import UsageError
+
+    ledger = Ledger(tmp_path / "uploads.json")
+    delays: list[float] = []
+
+    def rejected(**kwargs):
+        raise UsageError("invalid project name")
+
+    with pytest.raises(UploadError, match="starting the W&B run failed: invalid project name"):
+        send_runs(planned, ledger, Destination("p"), init=rejected, sleep=delays.append)
+    assert delays == []

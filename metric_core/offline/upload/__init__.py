@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import MetricLogError, NotLoggedInError, PlanError
+from metric_core.errors import MetricLogError, NotLoggedInError
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -24,6 +24,7 @@ from metric_core.offline.upload.send import (
     Destination,
     RunOutcome,
     UploadEvents,
+    check_names,
     decide,
     has_credentials,
     send_runs,
@@ -75,8 +76,14 @@ def upload_run(
     [('rl_run', 300)]
     """
     events = events or UploadEvents()
-    if not to.project.strip():
-        raise PlanError("--project must name a W&B project")
+    check_names(project=to.project, entity=to.entity, group=group, name=name)
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    if mode in ("offline", "dryrun") and not to.offline:
+        events.message("note", f"WANDB_MODE={mode} is set: writing offline runs, as with --offline")
+        to = dataclasses.replace(to, offline=True)
+    if mode == "disabled" and not dry_run:
+        events.message("note", "WANDB_MODE=disabled is set: nothing is uploaded, as in a dry run")
+        dry_run = True
     if not dry_run and not to.offline and not has_credentials():
         raise NotLoggedInError()
     root = Path(run_dir)

@@ -10,6 +10,7 @@ import functools
 import netrc
 import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from metric_core.errors import MetricLogError, UploadError
+from metric_core.errors import MetricLogError, PlanError, UploadError
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan
 
@@ -34,6 +35,7 @@ REPLAY_SETTINGS = {
     "disable_git": True,
     "disable_code": True,
     "save_code": False,
+    "init_timeout": 30.0,  # an unreachable server is said within 30 s, not after 90
 }
 
 
@@ -84,6 +86,40 @@ class Destination:
     entity: str | None = None
     offline: bool = False
     wandb_dir: Path | None = None
+
+
+# W&B's rules for project, entity and run names, checked before anything is read or sent
+# (W&B rejects these with a 4xx that no retry heals).
+_FORBIDDEN = set("/\\#?%:")
+MAX_NAME = 128
+
+
+def check_names(**names: str | None) -> None:
+    """Raise ``PlanError`` for a name W&B would reject: e.g. ``check_names(project="a/b")``."""
+    for option, value in names.items():
+        if value is None:
+            continue
+        flag = f"--{option.replace('_', '-')}"
+        if not value.strip():
+            raise PlanError(f"{flag} must name a W&B {option}")
+        if len(value) > MAX_NAME:
+            raise PlanError(f"{flag} {value[:20]!r}...: W&B takes at most {MAX_NAME} characters")
+        bad = sorted(_FORBIDDEN & set(value)) if option in ("project", "entity") else []
+        if bad:
+            raise PlanError(f"{flag} {value!r}: W&B does not allow {' '.join(bad)} in it")
+
+
+def cannot_heal(exc: BaseException) -> bool:
+    """W&B errors that a retry does not fix: authentication, permission, a rejected request."""
+    try:
+        from wandb.errors import AuthenticationError, UsageError
+    except ImportError:  # pragma: no cover - wandb is a dependency
+        return False
+    if isinstance(exc, (AuthenticationError, UsageError)):
+        return True
+    status = getattr(getattr(exc, "exc", None), "response", None)
+    code = getattr(status, "status_code", None) or getattr(exc, "status_code", None)
+    return isinstance(code, int) and 400 <= code < 500 and code not in (408, 429)
 
 
 def send_runs(
@@ -177,7 +213,12 @@ class _Sender:
             base_id=run.run_id,
             attempts=self.plan.attempts,
         )
-        wb = self._retry(lambda: self.init(**self._init_args(run, run_id, resume)), "starting the W&B run")
+        if action == "restarted" and entry is not None and not entry.get("finished"):
+            message += self._remove_partial(entry)
+        wb = self._start(run, run_id, resume)
+        sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None
+        if sync_dir:  # so that a kill before the end leaves a ledger that knows what to remove
+            self.ledger.update(run_id, sync_dir=str(sync_dir))
         if resume:
             start = int(getattr(wb, "step", 0) or 0)  # rows the server already holds (_step counts them)
             message = f"resuming {run.name} at row {start} of {run.rows}"
@@ -185,8 +226,34 @@ class _Sender:
             wb.define_metric(run.x_axis)
             wb.define_metric("*", step_metric=run.x_axis)
         sent = self._log(wb, run, run_id, start)
-        sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None
         return RunOutcome(run, action, run_id, sent, message, sync_dir)
+
+    def _start(self, run: PlannedRun, run_id: str, resume: str | None) -> Any:
+        timeout = 0.9 * float(REPLAY_SETTINGS["init_timeout"])
+        began = time.monotonic()
+        try:
+            return self._retry(
+                lambda: self.init(**self._init_args(run, run_id, resume)), "starting the W&B run", timeout
+            )
+        except UploadError as exc:
+            if self.to.offline or time.monotonic() - began < timeout:
+                raise
+            host = os.environ.get("WANDB_BASE_URL") or "W&B's default server"
+            raise UploadError(
+                f"could not reach W&B ({host}): {exc.__cause__ or exc}. Check the network, or write "
+                "offline runs with --offline and `wandb sync` them later"
+            ) from None
+
+    def _remove_partial(self, entry: dict[str, Any]) -> str:
+        """The files of an interrupted offline run: `wandb sync` would send them beside the redo."""
+        partial = Path(entry.get("sync_dir") or "")
+        home = self.to.wandb_dir
+        if not entry.get("sync_dir") or home is None or not partial.is_dir():
+            return ""
+        if not partial.resolve().is_relative_to(Path(home).resolve()):
+            return f" (remove {partial}, the interrupted run's files, before `wandb sync`)"
+        shutil.rmtree(partial, ignore_errors=True)
+        return f"; the interrupted run's files {partial.name} were removed (`wandb sync` would send them too)"
 
     def _init_args(self, run: PlannedRun, run_id: str, resume: str | None) -> dict[str, Any]:
         args = {
@@ -225,14 +292,19 @@ class _Sender:
         self.ledger.update(run_id, rows_sent=sent, finished=True)
         return sent
 
-    def _retry(self, call: Callable[[], Any], what: str) -> Any:
-        """Retry W&B failures (network, 429, 5xx) with exponential backoff, then give up."""
+    def _retry(self, call: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
+        """Retry W&B failures (network, 429, 5xx) with exponential backoff, then give up; a call
+        that failed only after ``timeout`` seconds timed out, and is not retried."""
         for attempt, delay in enumerate((*RETRY_DELAYS, None)):
+            began = time.monotonic()
             try:
                 return call()
             except (KeyboardInterrupt, MetricLogError):
                 raise
             except Exception as exc:
+                timed_out = timeout is not None and time.monotonic() - began >= timeout
+                if cannot_heal(exc) or timed_out:
+                    raise UploadError(f"{what} failed: {exc}") from exc
                 if delay is None:
                     raise UploadError(f"{what} failed {attempt + 1} times: {exc}") from exc
                 self.events.message("warning", f"{what} failed ({exc}); retrying in {delay:.0f}s")
