@@ -118,9 +118,13 @@ def print_inspect(report: InspectReport) -> None:
             "last": local(s.last_timestamp),
             "lag": f"{s.lag_s:.1f} s",
             "status": s.status,
+            "attempts": len(s.attempts) if len(s.attempts) > 1 else "",
         }
         for s in report.sources
     ]
+    if not any(row["attempts"] for row in rows):  # no restart: no column
+        for row in rows:
+            del row["attempts"]
     typer.echo(f"run {report.name} ({report.run_dir}), world_size {report.world_size or 'unknown'}")
     print_rows(rows, max_rows=1000)
     typer.echo("")

@@ -63,6 +63,7 @@ def main(out: Path) -> None:
         json.dumps(
             {
                 "name": out.name,
+                "run_id": "5a3c0e6b9f2d4a18b7e1c0d2f4a6b8c9",  # fixed: the sample is regenerated alike
                 "world_size": 2,
                 "config": {"model": "toy-policy-1b", "lr": 3e-4, "batch_size": 64, "algorithm": "grpo"},
             },
@@ -104,6 +105,7 @@ def killed(out: Path, process: str, rank: int, fmt: str, rng: np.random.Generato
     (journal,) = out.glob(f"{process}.*.journal")
     data = journal.read_bytes()
     journal.write_bytes(data[: len(data) - 100])  # the kill cut the last write short
+    (out / f".{process}.r{rank}.lock").unlink()  # a kill leaves its lock file: not data, not kept here
 
 
 if __name__ == "__main__":

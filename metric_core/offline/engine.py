@@ -297,7 +297,7 @@ def run_plan(
     >>> result.frame.select("process", "step", "count").head(2).rows()
     [('GeneratorActor_r0', 0, 8), ('GeneratorActor_r0', 1, 8)]
     >>> result.scan.report.skipped_records  # the killed generator's last, half-written frame
-    20
+    21
     """
     scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts)
     if on_read is not None:

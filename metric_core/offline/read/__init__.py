@@ -152,7 +152,7 @@ def scan_run(
 
     >>> scan = scan_run("sample_logs/rl_run")
     >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
-    (16200, 20)
+    (16200, 21)
     """
     root = Path(run_dir)
     if not root.is_dir():
