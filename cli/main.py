@@ -152,7 +152,7 @@ def upload(
             follow_symlinks=follow_symlinks,
             events=events,
         )
-    output.print_upload(result, dry_run=dry_run)
+    output.print_upload(result)
 
 
 @app.command()

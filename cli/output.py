@@ -132,9 +132,9 @@ def print_inspect(report: InspectReport) -> None:
         typer.echo(line)
 
 
-def print_upload(result: UploadResult, *, dry_run: bool) -> None:
+def print_upload(result: UploadResult) -> None:
     """A dry run's table of runs, or what happened to each run."""
-    if dry_run:
+    if result.dry_run:
         print_rows(
             [
                 {

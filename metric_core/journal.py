@@ -2,9 +2,10 @@
 
 ``flush()`` must make records durable without serializing them one by one on the
 training thread, so the open segment is a journal of the collector's own buffer.
-Format 2 (``MLJ2``; the previous ``MLJ1`` is still read)::
+Format 3 (``MLJ3``; ``MLJ2``, the same without F frames, and ``MLJ1`` are still read)::
 
-    header   b"MLJ2" u32:len u32:crc JSON{"format": 2, "process", "rank", "created"}
+    header   b"MLJ3" u32:len u32:crc JSON{"format": 3, "process", "rank", "created",
+                                           "attempt", "attempt_started", "attempt_first_step"}
     frames   u8:type u32:len u32:crc payload
              type K: JSON [[code, key, reduction], ...]     key codes used from here on
              type R: i64:step, then (f64 value, f64 code, f64 timestamp) per record
@@ -41,8 +42,9 @@ import pyarrow as pa
 from metric_core.records import build_table, int64_array
 from metric_core.schema import KEY_HASH, key_hash
 
-MAGIC = b"MLJ2"
-FORMAT = 2
+MAGIC = b"MLJ3"  # 3: flush (F) frames and the attempt in the header; 2 is read too
+FORMAT = 3
+_MAGIC_V2 = b"MLJ2"
 _MAGIC_V1 = b"MLJ1"
 SUFFIX = ".journal"
 _LEN = struct.Struct("<I")
@@ -112,7 +114,7 @@ def decode(data: bytes) -> Decoded:
     if not data:
         return out  # created, nothing written yet (or a failed first write, cut back)
     magic = data[:4]
-    if magic not in (MAGIC, _MAGIC_V1):
+    if magic not in (MAGIC, _MAGIC_V2, _MAGIC_V1):
         if len(data) < 4 and MAGIC.startswith(data):
             out.truncated = True  # killed while writing the header
         elif magic[:3] == MAGIC[:3]:

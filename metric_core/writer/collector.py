@@ -347,6 +347,7 @@ class MetricCollector:
             if self.on_flush_error == "raise":
                 raise
             warn(f"{exc}; they are lost at exit")
+            self._writer.release()
         self._closed = True
         self._backends.finish()
 
@@ -371,6 +372,7 @@ class MetricCollector:
         with contextlib.suppress(Exception):
             self._drain()
             self._writer.close(clean_shutdown=False)
+        self._writer.release()
 
 
 # Collectors not yet ended: at interpreter exit each is aborted, so what it recorded since its

@@ -17,6 +17,7 @@ import json
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 
 from metric_core.errors import ConfigError, UnsafePathError, warn
@@ -38,6 +39,7 @@ class SourceLock:
         self.process = process
         self.rank = rank
         self._fd: int | None = None
+        self._owner = 0  # the pid that took it: a forked child neither holds nor removes it
 
     def acquire(self) -> None:
         """Take the lock, or raise ``ConfigError`` naming the live writer that holds it."""
@@ -80,7 +82,8 @@ class SourceLock:
         if not same:
             os.close(fd)
             return False
-        self._fd = fd
+        self._fd, self._owner = fd, os.getpid()
+        _held.add(self)
         holder_info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         with contextlib.suppress(OSError):  # who holds it: for the message only
             os.ftruncate(fd, 0)
@@ -90,11 +93,32 @@ class SourceLock:
     def release(self) -> None:
         """Remove the lock file (a clean run directory keeps no trace of it) and drop the lock."""
         if self._fd is not None:
+            if self._owner == os.getpid():
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
             with contextlib.suppress(OSError):
-                self.path.unlink()
-            with contextlib.suppress(OSError):
-                os.close(self._fd)  # closing drops the flock
+                os.close(self._fd)  # the last descriptor of it closed drops the flock
             self._fd = None
+
+    def _forget(self) -> None:
+        """In a forked child: close the inherited descriptor, so a child that outlives its
+        parent does not keep the source locked, and never remove the parent's file."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+
+_held: weakref.WeakSet[SourceLock] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lock in list(_held):
+        lock._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _read_holder(fd: int) -> str:

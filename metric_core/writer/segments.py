@@ -110,9 +110,14 @@ class RawFileWriter(LoggerBackend):
         self.attempt = secrets.token_hex(8)
         self.attempt_started = time.time()
         self.first_step: int | None = None  # the step of its first flush(step)
+        self._flushed = False
         self._lock = SourceLock(self.run_dir, self.stem, process, rank)
         self._lock.acquire()
-        self._seq = self._first_free_seq()
+        try:
+            self._seq = self._first_free_seq()
+        except BaseException:
+            self._lock.release()
+            raise
         self._fd: int | None = None
         self._path: Path | None = None
         self._offset = 0  # bytes of whole frames in the open journal: nothing after is trusted
@@ -200,16 +205,24 @@ class RawFileWriter(LoggerBackend):
             if count:
                 self._backlog.append((step, rows, count))
                 self._backlog_rows += count
-            while self._backlog_rows > self.max_unwritten and len(self._backlog) > 1:
-                step, dropped, n = self._backlog.popleft()
-                if dropped is not None:  # a flush marker only labels records, gone with them
-                    self._drop(step, dropped, n)
+            while self._backlog_rows > self.max_unwritten:
+                # Drop the oldest records, never a flush marker: it labels records written
+                # before it, which would otherwise take the next marker's step.
+                oldest = next((i for i, e in enumerate(self._backlog) if e[1] is not None), None)
+                if oldest is None or oldest == len(self._backlog) - 1:
+                    break  # keep the newest records
+                step, dropped, n = self._backlog[oldest]
+                del self._backlog[oldest]
+                self._drop(step, dropped, n)  # type: ignore[arg-type]
 
     def mark_flush(self, step: int) -> None:
         """Queue the end of ``flush(step)``: the records queued since the previous one belong to ``step``."""
         with self._write_lock:
             if self.first_step is None:
                 self.first_step = step
+            self._flushed = True
+            if self._backlog and self._backlog[-1][1] is None:
+                return  # no record since the previous marker: this one would label nothing
             self._backlog.append((step, None, 0))
 
     def take_drops(self) -> dict[str, Any] | None:
@@ -264,8 +277,9 @@ class RawFileWriter(LoggerBackend):
             self._shutdown_at = None
             # A segment ends at a flush, so a flush frame never has to relabel records sealed
             # into an earlier segment (unless flushes stay away for twice a segment's records).
+            # A writer that is never flushed (used on its own) rotates as soon as a segment is full.
             full = self._rows >= self.segment_records or time.time() - self._opened_at >= self.seal_interval
-            if (full and at_flush) or self._rows >= 2 * self.segment_records:
+            if (full and (at_flush or not self._flushed)) or self._rows >= 2 * self.segment_records:
                 self._close_journal()
 
     def seal_ready(self) -> None:
@@ -302,6 +316,11 @@ class RawFileWriter(LoggerBackend):
             self.seal_ready()
         except WriteError as exc:
             warn(f"{exc}; the unsealed journal(s) hold every record and are read as they are")
+        finally:
+            self._lock.release()
+
+    def release(self) -> None:
+        """Give up the source's lock (after ``close``, or when what is queued cannot be written)."""
         self._lock.release()
 
     # -- inside the write lock ---------------------------------------------------------

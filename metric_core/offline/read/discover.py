@@ -196,14 +196,14 @@ def take_declared(rep: FileReport, meta: SegmentMeta) -> None:
 def copies(metas: dict[Path, SegmentMeta | None]) -> dict[Path, Path]:
     """Sealed segments found twice (the same source's same segment, e.g. a copy in a
     subfolder): each copy -> the one read, the shallowest (the writer writes at the top)."""
-    first: dict[tuple[str | None, int | None, str], Path] = {}
+    first: dict[tuple[str | None, int | None, str | None, str], Path] = {}
     out = {}
     for path, meta in sorted(
         metas.items(), key=lambda item: (len(item[0].parts), item[0])
     ):  # shallowest first
         if meta is None:
             continue
-        identity = (meta.process, meta.rank, meta.supersedes)
+        identity = (meta.process, meta.rank, meta.attempt, meta.supersedes)
         if identity in first:
             out[path] = first[identity]
         else:

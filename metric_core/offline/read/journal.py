@@ -71,6 +71,8 @@ def _read_sealed_replacement(path: Path, rep: FileReport, report: ReadReport) ->
         meta = writer_meta(sealed)
         if isinstance(meta, SegmentMeta) and meta.supersedes == path.name:
             rep.path, rep.format = sealed, suffix.lstrip(".")
+            rep.attempt, rep.attempt_started = meta.attempt, meta.attempt_started
+            rep.attempt_first_step = meta.attempt_first_step
             if suffix == ".parquet":
                 frame, trusted, _ = scan_parquet(sealed, meta, rep, report)
                 return frame if trusted else None

@@ -82,7 +82,15 @@ class ReadReport:
 
     @property
     def has_skips(self) -> bool:
-        return self.skipped_records > 0 or bool(self.unreadable_files) or bool(self.skipped_paths)
+        """Whether anything written was not read: skipped records or files, damage, records the
+        writers dropped. (Notices, such as a restart's replaced records, are not skips.)"""
+        return (
+            self.skipped_records > 0
+            or bool(self.unreadable_files)
+            or bool(self.skipped_paths)
+            or any(f.skip_reasons for f in self.files)
+            or self.dropped_records > 0
+        )
 
     @property
     def dropped_records(self) -> int:

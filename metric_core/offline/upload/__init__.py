@@ -42,6 +42,7 @@ class UploadResult:
 
     plan: UploadPlan
     outcomes: list[RunOutcome] = field(default_factory=list)
+    dry_run: bool = False  # asked for, or WANDB_MODE=disabled
 
     @property
     def sync_dirs(self) -> list[str]:
@@ -105,9 +106,8 @@ def upload_run(
         would = [
             decide(r, e, upload, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)
         ]
-        return UploadResult(
-            upload, [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(upload.runs, would, strict=True)]
-        )
+        outcomes = [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(upload.runs, would, strict=True)]
+        return UploadResult(upload, outcomes, dry_run=True)
     # wandb takes about half a second to import: this process does it while a child
     # process reads and reduces the run (see overlap)
     pending = overlap.start(prepare)

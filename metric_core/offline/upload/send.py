@@ -247,7 +247,7 @@ class _Sender:
     def _remove_partial(self, entry: dict[str, Any]) -> str:
         """The files of an interrupted offline run: `wandb sync` would send them beside the redo."""
         partial = Path(entry.get("sync_dir") or "")
-        home = self.to.wandb_dir
+        home = self.to.wandb_dir or os.environ.get("WANDB_DIR")
         if not entry.get("sync_dir") or home is None or not partial.is_dir():
             return ""
         if not partial.resolve().is_relative_to(Path(home).resolve()):
