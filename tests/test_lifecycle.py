@@ -164,3 +164,26 @@ def test_choosing_one_attempt_and_an_unknown_one(restarted):
     assert set(got.filter(pl.col("rank") == 1)["step"]) == set(range(STEPS))  # other sources: rewound
     bad = CliRunner().invoke(app, ["reduce", str(restarted), "--attempts", "nope"])
     assert bad.exit_code == 2 and "--attempts nope: no such attempt in this run" in bad.output
+
+
+def test_a_restart_that_died_is_not_finished_because_the_attempt_before_was(tmp_path):
+    from metric_core import MetricCollector, inspect_run
+
+    from .conftest import killed_after
+
+    first = MetricCollector(tmp_path, process_name="w")
+    for step in range(5):
+        first.record("loss", 1.0)
+        first.flush(step)
+    first.shutdown()  # a clean end, then the run is extended from a checkpoint
+
+    def extended() -> None:
+        c = MetricCollector(tmp_path, process_name="w", step=3)
+        for step in range(3, 8):
+            c.record("loss", 2.0)
+            c.flush(step)
+
+    killed_after(extended)
+    (source,) = inspect_run(tmp_path).sources
+    assert not source.clean_shutdown and source.status != "finished"
+    assert [a.first_step for a in source.attempts] == [0, 3]

@@ -523,7 +523,7 @@ def test_after_a_restart_the_same_upload_sends_the_new_history(tmp_path):
     write(run_dir, [("w", 0)], steps=3, first_step=4, seed=5)  # restarted from step 4
     second = runner.invoke(app, ["upload", str(run_dir), "--project", "p", "--offline"])
     assert second.exit_code == 0, second.output
-    assert "the run was restarted since it was uploaded" in second.stderr
+    assert "the job was restarted since it was uploaded" in second.stderr
     runs = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"]
     assert len(runs) == 2 and all(e["finished"] for e in runs.values())
     third = runner.invoke(app, ["upload", str(run_dir), "--project", "p", "--offline"])
@@ -577,3 +577,43 @@ def test_an_error_no_retry_heals_is_not_retried(tmp_path, planned):
     with pytest.raises(UploadError, match="starting the W&B run failed: invalid project name"):
         send_runs(planned, ledger, Destination("p"), init=rejected, sleep=delays.append)
     assert delays == []
+
+
+def test_a_restart_of_one_source_redoes_only_the_runs_that_hold_its_records(tmp_path):
+    from .conftest import write_collector_run as write
+
+    run_dir = tmp_path / "exp"
+    write(run_dir, [("a", 0), ("b", 1)], steps=6)
+    args = ["upload", str(run_dir), "--project", "p", "--offline", "--mode", "per_rank_reduce"]
+    assert runner.invoke(app, args).exit_code == 0
+    write(run_dir, [("a", 0)], steps=3, first_step=4, seed=5)  # only a restarts
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert again.stderr.count("the job was restarted since it was uploaded") == 1
+    assert "exp_a: the job was restarted" in again.stderr
+    assert again.stderr.count("already uploaded") == 1  # b's run is the same
+
+
+def test_an_upload_an_earlier_version_made_is_still_recognized(tmp_path):
+    import hashlib
+
+    from .conftest import write_collector_run as write
+
+    run_dir = tmp_path / "exp"
+    write(run_dir, [("a", 0)], steps=3)
+    (run_dir / "run.json").write_text(json.dumps({"name": "exp", "run_id": "abc"}))
+    legacy = "ml-" + hashlib.sha256(b"abc|global_reduce|*").hexdigest()[:16]  # metriclog 0.1's id
+    (run_dir / ".metriclog").mkdir()
+    entry = {
+        "finished": True,
+        "rows_sent": 3,
+        "rows_planned": 3,
+        "project": "p",
+        "entity": None,
+        "updated": 1.0,
+    }
+    (run_dir / ".metriclog" / "uploads.json").write_text(json.dumps({"runs": {legacy: entry}}))
+    same = runner.invoke(app, ["upload", str(run_dir), "--project", "p", "--offline"])
+    assert same.exit_code == 0 and f"already uploaded (3 rows, id {legacy})" in same.stderr
+    other = runner.invoke(app, ["upload", str(run_dir), "--project", "q", "--offline"])
+    assert other.exit_code == 0 and "already uploaded" not in other.stderr  # another destination

@@ -482,3 +482,55 @@ def test_a_restart_that_does_not_give_its_step_is_placed_by_its_first_flush_and_
         c.record("k", 1.0)
         c.flush(250)
         c.shutdown()
+
+
+def test_a_flush_marker_survives_the_memory_bound_and_labels_only_its_records(tmp_path):
+    """While writing fails, the oldest waiting records are dropped past max_unwritten, but a
+    flush marker never is: records written before it keep its step, not the next one's."""
+    from metric_core import journal
+    from metric_core.writer.segments import RawFileWriter
+
+    w = RawFileWriter(tmp_path, process="w", rank=0, max_unwritten=5)
+    codes = [("k", "mean")]
+
+    def rows(*values: float) -> bytes:
+        return np.array([[v, 0.0, 1.7e9] for v in values]).tobytes()
+
+    w.enqueue(10, rows(1, 2, 3), 3, codes)
+    w.write()  # the writer thread wrote them, stamped 10
+    w.mark_flush(19)  # then flush(19) could not write (a full disk, say)
+    w.enqueue(20, rows(4, 5, 6), 3, codes)
+    w.enqueue(20, rows(7, 8, 9), 3, codes)  # past the bound: 4, 5, 6 are dropped, the marker kept
+    w.mark_flush(29)
+    w.write()
+    (path,) = tmp_path.glob("*.journal")
+    table = journal.decode(path.read_bytes()).table
+    got = dict(zip(table["value"].to_pylist(), table["step"].to_pylist(), strict=True))
+    assert got == {1.0: 19, 2.0: 19, 3.0: 19, 7.0: 29, 8.0: 29, 9.0: 29}
+    assert w.take_drops()["records"] == 3
+    w.close(clean_shutdown=True)
+
+
+def test_a_forked_child_neither_holds_nor_removes_its_parents_lock(tmp_path):
+    import subprocess
+    import sys
+
+    script = f"""
+import os, sys
+from metric_core import MetricCollector
+from metric_core.errors import ConfigError
+c = MetricCollector({str(tmp_path)!r}, process_name="w")
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a child that exits normally: its exit handlers run
+os.waitpid(pid, 0)
+assert (c.run_dir / ".w.r0.lock").exists(), "the child removed the parent's lock file"
+try:
+    MetricCollector({str(tmp_path)!r}, process_name="w")
+except ConfigError:
+    print("still locked")
+c.shutdown()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "still locked"

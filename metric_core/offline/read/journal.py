@@ -31,7 +31,8 @@ def read_journal(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFram
     if decoded.process is not None and decoded.rank is not None:
         rep.source = (decoded.process, decoded.rank)
         if decoded.shutdown is not None:
-            report.shutdowns.append(Shutdown(decoded.process, decoded.rank, decoded.shutdown))
+            attempt = decoded.attempt.get("attempt")
+            report.shutdowns.append(Shutdown(decoded.process, decoded.rank, decoded.shutdown, attempt))
     rep.dropped = decoded.dropped
     rep.attempt = decoded.attempt.get("attempt")
     rep.attempt_started = decoded.attempt.get("attempt_started")

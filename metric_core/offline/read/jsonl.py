@@ -110,7 +110,7 @@ def _scan_sealed_jsonl(
     rep.records += meta.records
     take_declared(rep, meta)
     if meta.clean_shutdown:
-        report.shutdowns.append(Shutdown(*meta.source, meta.timestamp))
+        report.shutdowns.append(Shutdown(*meta.source, meta.timestamp, meta.attempt))
     if meta.records == 0:
         return None
     return (

@@ -38,7 +38,7 @@ def scan_parquet(
     if own is not None and own.source is not None:
         rep.source = own.source
         if own.clean_shutdown:
-            report.shutdowns.append(Shutdown(*own.source, own.timestamp))
+            report.shutdowns.append(Shutdown(*own.source, own.timestamp, own.attempt))
     missing = [f for f in REQUIRED_FIELDS if f not in schema]
     if missing:
         rep.skip(f"lacks column(s) {', '.join(missing)}", rows)

@@ -55,6 +55,7 @@ class Shutdown:
     process: str
     rank: int
     timestamp: float | None
+    attempt: str | None = None  # of the writer that shut down, when its file says
 
 
 @dataclass
@@ -98,7 +99,13 @@ class ReadReport:
         return sum(f.dropped_records for f in self.files)
 
     def clean_shutdowns(self) -> set[tuple[str, int]]:
-        return {(s.process, s.rank) for s in self.shutdowns}
+        """The sources whose latest attempt shut down cleanly (a restart that then died did not)."""
+        latest = {(a.process, a.rank): a.attempt for a in self.attempts}  # attempts are oldest first
+        return {
+            (s.process, s.rank)
+            for s in self.shutdowns
+            if s.attempt is None or latest.get((s.process, s.rank), s.attempt) == s.attempt
+        }
 
     def summary(self, max_files: int = 8, max_lines: int = 3) -> str:
         """A short multi-line summary of every skip, for stderr; '' when nothing was skipped."""

@@ -122,7 +122,7 @@ def accept(
                 if row.get("process") is not None and rank is not None:
                     ts = row.get("timestamp")
                     report.shutdowns.append(
-                        Shutdown(row["process"], rank, float(ts) if ts is not None else None)
+                        Shutdown(row["process"], rank, float(ts) if ts is not None else None, rep.attempt)
                     )
             keep = ~events
             raw = raw.filter(keep)

@@ -26,6 +26,7 @@ from metric_core.offline.upload.send import (
     UploadEvents,
     check_names,
     decide,
+    find_entry,
     has_credentials,
     send_runs,
 )
@@ -102,7 +103,7 @@ def upload_run(
     if dry_run:
         upload = _said(_received(prepare, events), events)
         ledger = Ledger.existing(root, upload.identity)
-        entries = [ledger.latest(r.run_id) if ledger else None for r in upload.runs]
+        entries = [find_entry(ledger, r, to) for r in upload.runs]
         would = [
             decide(r, e, upload, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)
         ]

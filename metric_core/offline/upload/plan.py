@@ -61,6 +61,8 @@ class PlannedRun:
     keys: list[str]
     raw: bool = False
     bucket: str = "step"
+    attempts: list[str] = field(default_factory=list)  # the writers' attempts whose records it holds
+    legacy_id: str | None = None  # its id as metriclog 0.1 made it (run, mode, source only)
 
     @property
     def rows(self) -> int:
@@ -103,7 +105,6 @@ class UploadPlan:
     config: dict[str, Any] = field(default_factory=dict)
     read_summary: str = ""  # what the reader skipped
     identity_from: str = "run.json"  # or "content": no run_id in run.json (another tool's files)
-    attempts: list[str] = field(default_factory=list)  # the writers' attempts whose records are in it
 
 
 def run_identity(result: ReduceResult) -> str:
@@ -202,12 +203,36 @@ def plan_upload(
                 runs.append(_wide_run(run_id, run_name, group, str(process), part, bucket))
             else:
                 runs.append(_raw_run(run_id, run_name, group, str(process), part, bucket))
+    default_shape = (
+        plan.by,
+        plan.every,
+        plan.overrides,
+        plan.keys,
+        plan.ranks,
+        plan.steps,
+        plan.attempts,
+    ) == (
+        "step",
+        None,
+        (),
+        (),
+        (),
+        None,
+        "rewind",
+    )
+    for run in runs:
+        if default_shape:  # what earlier versions uploaded is recognized, not sent twice
+            legacy = f"{identity}|{mode.value}|{run.source or '*'}"
+            run.legacy_id = f"ml-{hashlib.sha256(legacy.encode()).hexdigest()[:16]}"
+    for run in runs:  # a restart of one source changes only the runs that hold its records
+        run.attempts = sorted(
+            a.attempt for a in result.scan.report.attempts if a.records and run.source in (None, a.process)
+        )
     upload = UploadPlan(
         runs=runs,
         identity=identity,
         key_mapping={k: v for k, v in mapping.items() if k != v},
         identity_from="run.json" if result.scan.meta.get("run_id") else "content",
-        attempts=sorted(a.attempt for a in result.scan.report.attempts if a.records),
     )
     upload.warnings = limit_warnings(runs)
     upload.config = _provenance(result)

@@ -141,6 +141,19 @@ def send_runs(
     return [sender.send(run) for run in plan.runs]
 
 
+def find_entry(ledger: Ledger | None, run: PlannedRun, to: Destination) -> dict[str, Any] | None:
+    """The ledger's newest entry for a planned run; one an earlier version wrote under its
+    own id counts when it went to the same destination."""
+    if ledger is None:
+        return None
+    entry = ledger.latest(run.run_id)
+    if entry is None and run.legacy_id is not None:
+        old = ledger.latest(run.legacy_id)
+        if old is not None and (old.get("project"), old.get("entity")) == (to.project, to.entity):
+            return old
+    return entry
+
+
 def decide(
     run: PlannedRun, entry: dict[str, Any] | None, plan: UploadPlan, offline: bool, force_new: bool
 ) -> tuple[str, str, str | None, str]:
@@ -154,7 +167,8 @@ def decide(
         return first, run.run_id, None, ""
     if force_new:
         return first, fresh, None, f"uploading again under a fresh id {fresh} (--force-new)"
-    if entry.get("finished") and entry.get("attempts", plan.attempts) == plan.attempts:
+    restarted = entry.get("attempts", run.attempts) != run.attempts  # the job restarted since
+    if entry.get("finished") and not restarted:
         sent = entry.get("rows_sent", 0)
         return (
             "skipped",
@@ -163,12 +177,12 @@ def decide(
             f"already uploaded ({sent} rows, id {entry.get('id', run.run_id)}); skipped. "
             "Use --force-new to upload again under fresh ids",
         )
-    if entry.get("finished"):
+    if entry.get("finished") or (restarted and not offline):
         return (
             "restarted",
             fresh,
             None,
-            f"{run.name}: the run was restarted since it was uploaded (new attempts of its sources); "
+            f"{run.name}: the job was restarted since it was uploaded (new attempts of its sources); "
             f"a fresh {'offline ' if offline else ''}run {fresh} holds its whole history, "
             f"{run.rows} rows (W&B's rewind of the uploaded run is not done yet)",
         )
@@ -195,7 +209,7 @@ class _Sender:
     sleep: Callable[[float], None]
 
     def send(self, run: PlannedRun) -> RunOutcome:
-        entry = self.ledger.latest(run.run_id)
+        entry = find_entry(self.ledger, run, self.to)
         action, run_id, resume, message = decide(run, entry, self.plan, self.to.offline, self.force_new)
         if action == "skipped":
             return RunOutcome(run, action, run_id, (entry or {}).get("rows_sent", 0), message)
@@ -211,7 +225,7 @@ class _Sender:
             finished=False,
             offline=self.to.offline,
             base_id=run.run_id,
-            attempts=self.plan.attempts,
+            attempts=run.attempts,
         )
         if action == "restarted" and entry is not None and not entry.get("finished"):
             message += self._remove_partial(entry)
