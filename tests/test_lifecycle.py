@@ -187,3 +187,31 @@ def test_a_restart_that_died_is_not_finished_because_the_attempt_before_was(tmp_
     (source,) = inspect_run(tmp_path).sources
     assert not source.clean_shutdown and source.status != "finished"
     assert [a.first_step for a in source.attempts] == [0, 3]
+
+
+def test_files_written_before_attempts_existed_are_the_oldest_attempt(tmp_path):
+    """A run that spans an upgrade: the earlier version's segments carry no attempt; a restart
+    written by this version still replaces their records from its first step on."""
+    import pyarrow.parquet as pq
+
+    from metric_core import MetricCollector, scan_run
+
+    old = MetricCollector(tmp_path, process_name="w")
+    for step in range(6):
+        old.record("loss", 1.0)
+        old.flush(step)
+    old.shutdown()
+    (sealed,) = tmp_path.glob("*.parquet")
+    meta = json.loads(pq.read_metadata(sealed).metadata[b"metriclog"])
+    for field in ("attempt", "attempt_started", "attempt_first_step"):
+        del meta[field]  # as metriclog 0.1 wrote it
+    pq.write_table(pq.read_table(sealed).replace_schema_metadata({"metriclog": json.dumps(meta)}), sealed)
+    new = MetricCollector(tmp_path, process_name="w", step=4)
+    for step in range(4, 8):
+        new.record("loss", 2.0)
+        new.flush(step)
+    new.shutdown()
+    rows = scan_run(tmp_path).frame.collect().sort("step")
+    assert rows.select("step", "value").rows() == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0)] + [
+        (s, 2.0) for s in range(4, 8)
+    ]

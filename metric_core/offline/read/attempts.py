@@ -11,6 +11,7 @@ every attempt's records; an attempt id keeps only that attempt of its source.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from metric_core.errors import PlanError
 from metric_core.offline.read.report import ReadReport
 
 REWIND, ALL = "rewind", "all"
+LEGACY = "legacy"  # the attempt of files written before attempts were recorded
 
 
 @dataclass
@@ -46,20 +48,25 @@ def resolve(
     files: dict[tuple[tuple[str, int], str], list[int]] = {}
     for fid in frames:
         rep = report.files[fid]
-        if rep.source is None or rep.attempt is None:
-            continue
+        if rep.source is None:
+            continue  # another tool's file of several sources: no attempts
+        # Files of metriclog before attempts existed: one attempt, older than every other.
+        attempt = rep.attempt or LEGACY
         attempts = by_source.setdefault(rep.source, {})
-        a = attempts.get(rep.attempt)
+        a = attempts.get(attempt)
         if a is None:
-            a = attempts[rep.attempt] = Attempt(*rep.source, rep.attempt, rep.attempt_started, None)
+            started = rep.attempt_started if rep.attempt else -math.inf
+            a = attempts[attempt] = Attempt(*rep.source, attempt, started, None)
         if rep.attempt_first_step is not None:
             a.first_step = (
                 rep.attempt_first_step if a.first_step is None else min(a.first_step, rep.attempt_first_step)
             )
-        files.setdefault((rep.source, rep.attempt), []).append(fid)
+        files.setdefault((rep.source, attempt), []).append(fid)
     chosen = None if how in (REWIND, ALL) else _chosen(by_source, how)
     out = dict(frames)
     for source, attempts in sorted(by_source.items()):
+        if set(attempts) == {LEGACY}:
+            continue  # a source written before attempts existed, once: nothing to resolve
         ordered = sorted(attempts.values(), key=lambda a: (a.started is None, a.started or 0.0, a.attempt))
         for i, a in enumerate(ordered):
             cutoff: int | None = None
@@ -122,4 +129,8 @@ def _chosen(by_source: dict[tuple[str, int], dict[str, Attempt]], wanted: str) -
 
 
 def _when(ts: float | None) -> str:
-    return "at an unknown time" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    return (
+        "at an unknown time"
+        if ts is None or not math.isfinite(ts)
+        else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    )
