@@ -617,3 +617,33 @@ def test_an_upload_an_earlier_version_made_is_still_recognized(tmp_path):
     assert same.exit_code == 0 and f"already uploaded (3 rows, id {legacy})" in same.stderr
     other = runner.invoke(app, ["upload", str(run_dir), "--project", "q", "--offline"])
     assert other.exit_code == 0 and "already uploaded" not in other.stderr  # another destination
+
+
+def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(tmp_path):
+    """Online, W&B rewinds a run (resume_from): the run uploaded before the restart is cut at
+    the restart's first step and continued with the restart's history (a fake W&B server)."""
+    from .conftest import write_collector_run as write
+
+    run_dir = tmp_path / "exp"
+    write(run_dir, [("w", 0)], steps=6)
+    before = plan_upload(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"})
+    ledger = Ledger(tmp_path / "uploads.json")
+    first = FakeRun()
+    send_runs(before, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
+    assert [r["step"] for r in first.logged] == list(range(6))
+    truth = write(run_dir, [("w", 0)], steps=4, first_step=3, seed=5)  # restarted from step 3
+    after = plan_upload(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"})
+    (run,) = after.runs
+    assert run.run_id == before.runs[0].run_id  # the same upload, continued
+    second, init = FakeRun(server_rows=3), FakeInit(FakeRun())
+    init.run = second
+    (outcome,) = send_runs(after, ledger, Destination("p"), init=init, sleep=lambda s: None)
+    assert outcome.action == "rewound" and "restarted from step 3" in outcome.message
+    assert init.calls[0]["resume_from"] == f"{run.run_id}?_step=3" and "resume" not in init.calls[0]
+    assert [r["step"] for r in second.logged] == [3, 4, 5, 6]
+    losses = {r["step"]: r["trainer/loss"] for r in second.logged}
+    for step in range(3, 7):
+        values = [t["value"] for t in truth if t["step"] == step and t["key"] == "trainer/loss"]
+        assert losses[step] == pytest.approx(np.mean(values), rel=1e-15)
+    again = send_runs(after, ledger, Destination("p"), init=FakeInit(FakeRun()), sleep=lambda s: None)
+    assert again[0].action == "skipped"

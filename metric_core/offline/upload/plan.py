@@ -63,6 +63,15 @@ class PlannedRun:
     bucket: str = "step"
     attempts: list[str] = field(default_factory=list)  # the writers' attempts whose records it holds
     legacy_id: str | None = None  # its id as metriclog 0.1 made it (run, mode, source only)
+    first_steps: dict[str, int] = field(default_factory=dict)  # attempt -> its first step
+
+    def first_row_from(self, step: int) -> int | None:
+        """How many history rows come before ``step``: where a rewind to a restart at ``step``
+        starts. None where rows before it are not a prefix: windows of time, or raw records
+        of several sources ordered by time."""
+        if self.bucket != "step" or (self.raw and self.source is None):
+            return None
+        return int((np.asarray(self.columns["step"]) < step).sum())
 
     @property
     def rows(self) -> int:
@@ -225,9 +234,9 @@ def plan_upload(
             legacy = f"{identity}|{mode.value}|{run.source or '*'}"
             run.legacy_id = f"ml-{hashlib.sha256(legacy.encode()).hexdigest()[:16]}"
     for run in runs:  # a restart of one source changes only the runs that hold its records
-        run.attempts = sorted(
-            a.attempt for a in result.scan.report.attempts if a.records and run.source in (None, a.process)
-        )
+        held = [a for a in result.scan.report.attempts if a.records and run.source in (None, a.process)]
+        run.attempts = sorted(a.attempt for a in held)
+        run.first_steps = {a.attempt: a.first_step for a in held if a.first_step is not None}
     upload = UploadPlan(
         runs=runs,
         identity=identity,

@@ -44,7 +44,7 @@ class RunOutcome:
     """What happened to one planned run."""
 
     run: PlannedRun
-    action: str  # "uploaded", "wrote offline", "resumed", "skipped", "restarted"
+    action: str  # "uploaded", "wrote offline", "resumed", "rewound", "skipped", "restarted"
     run_id: str
     rows_sent: int
     message: str = ""
@@ -159,7 +159,9 @@ def decide(
 ) -> tuple[str, str, str | None, str]:
     """What to do with a planned run, given its ledger entry: (action, W&B run id, resume, why).
 
-    ``action`` is "uploaded" (or "wrote offline"), "resumed", "restarted" or "skipped".
+    ``action`` is "uploaded" (or "wrote offline"), "resumed", "rewound", "restarted" or
+    "skipped"; ``resume`` is "must" (continue where the server stopped), "from:ROW" (rewind
+    the run to that row) or None.
     """
     fresh = f"{run.run_id}-{secrets.token_hex(3)}"
     first = "wrote offline" if offline else "uploaded"
@@ -177,14 +179,32 @@ def decide(
             f"already uploaded ({sent} rows, id {entry.get('id', run.run_id)}); skipped. "
             "Use --force-new to upload again under fresh ids",
         )
+    new = [
+        run.first_steps[a]
+        for a in run.attempts
+        if a not in entry.get("attempts", []) and a in run.first_steps
+    ]
+    row = run.first_row_from(min(new)) if restarted and new and not offline else None
+    if restarted and row is not None:  # online: W&B rewinds the uploaded run to the restart
+        return (
+            "rewound",
+            entry.get("id", run.run_id),
+            f"from:{row}",
+            f"{run.name}: the job was restarted from step {min(new)} since it was uploaded; the W&B run "
+            f"is rewound to its row {row} (resume_from) and the restart's history sent from there",
+        )
     if entry.get("finished") or (restarted and not offline):
         return (
             "restarted",
             fresh,
             None,
             f"{run.name}: the job was restarted since it was uploaded (new attempts of its sources); "
-            f"a fresh {'offline ' if offline else ''}run {fresh} holds its whole history, "
-            f"{run.rows} rows (W&B's rewind of the uploaded run is not done yet)",
+            f"a fresh {'offline ' if offline else ''}run {fresh} holds its whole history, {run.rows} rows "
+            + (
+                "(W&B cannot rewind an offline run)"
+                if offline
+                else "(a run of time windows, or of several sources' raw records, is not rewound)"
+            ),
         )
     if offline:
         return (
@@ -233,7 +253,9 @@ class _Sender:
         sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None
         if sync_dir:  # so that a kill before the end leaves a ledger that knows what to remove
             self.ledger.update(run_id, sync_dir=str(sync_dir))
-        if resume:
+        if resume and resume.startswith("from:"):
+            start = int(resume.removeprefix("from:"))
+        elif resume:
             start = int(getattr(wb, "step", 0) or 0)  # rows the server already holds (_step counts them)
             message = f"resuming {run.name} at row {start} of {run.rows}"
         if run.x_axis is not None:
@@ -282,7 +304,9 @@ class _Sender:
             "dir": str(self.to.wandb_dir) if self.to.wandb_dir else None,
             "settings": REPLAY_SETTINGS,
         }
-        if resume:
+        if resume and resume.startswith("from:"):  # W&B's rewind: drop the rows from there on
+            args["resume_from"] = f"{run_id}?_step={resume.removeprefix('from:')}"
+        elif resume:
             args["resume"] = resume
         return args
 
