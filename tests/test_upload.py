@@ -647,3 +647,21 @@ def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(t
         assert losses[step] == pytest.approx(np.mean(values), rel=1e-15)
     again = send_runs(after, ledger, Destination("p"), init=FakeInit(FakeRun()), sleep=lambda s: None)
     assert again[0].action == "skipped"
+
+
+def test_a_server_that_cannot_be_reached_is_said_at_once_naming_it(tmp_path, planned, monkeypatch):
+    """A wandb.init that times out is not retried: one error, naming the server and --offline."""
+    from metric_core.offline.upload import send
+
+    monkeypatch.setitem(send.REPLAY_SETTINGS, "init_timeout", 0.2)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    calls = []
+
+    def unreachable(**kwargs):
+        calls.append(kwargs)
+        time.sleep(0.25)  # as long as the timeout: the server did not answer
+        raise ConnectionError("timed out")
+
+    with pytest.raises(UploadError, match=r"could not reach W&B \(http://127.0.0.1:9\).*--offline"):
+        send_runs(planned, Ledger(tmp_path / "uploads.json"), Destination("p"), init=unreachable)
+    assert len(calls) == 1
