@@ -27,7 +27,11 @@ MAX_TABLE_ROWS = 40
 
 def say(kind: str, text: str) -> None:
     """A line on stderr: ``warning: ...`` and ``note: ...``, or plain information."""
-    typer.echo(text if kind == "info" else f"{kind}: {text}", err=True)
+    typer.echo(_line(kind, text), err=True)
+
+
+def _line(kind: str, text: str) -> str:
+    return text if kind == "info" else f"{kind}: {text}"
 
 
 def said_skips(report: ReadReport) -> None:
@@ -179,9 +183,7 @@ def upload_events() -> Iterator[UploadEvents]:
 
     def message(kind: str, text: str) -> None:
         if bars:
-            bars[0].console.print(
-                text if kind == "info" else f"{kind}: {text}", markup=False, highlight=False
-            )
+            bars[0].console.print(_line(kind, text), markup=False, highlight=False)
         else:
             say(kind, text)
 

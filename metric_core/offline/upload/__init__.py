@@ -104,9 +104,7 @@ def upload_run(
         upload = _said(_received(prepare, events), events)
         ledger = Ledger.existing(root, upload.identity)
         entries = [find_entry(ledger, r, to) for r in upload.runs]
-        would = [
-            decide(r, e, upload, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)
-        ]
+        would = [decide(r, e, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)]
         outcomes = [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(upload.runs, would, strict=True)]
         return UploadResult(upload, outcomes, dry_run=True)
     # wandb takes about half a second to import: this process does it while a child

@@ -155,7 +155,7 @@ def find_entry(ledger: Ledger | None, run: PlannedRun, to: Destination) -> dict[
 
 
 def decide(
-    run: PlannedRun, entry: dict[str, Any] | None, plan: UploadPlan, offline: bool, force_new: bool
+    run: PlannedRun, entry: dict[str, Any] | None, offline: bool, force_new: bool
 ) -> tuple[str, str, str | None, str]:
     """What to do with a planned run, given its ledger entry: (action, W&B run id, resume, why).
 
@@ -230,7 +230,7 @@ class _Sender:
 
     def send(self, run: PlannedRun) -> RunOutcome:
         entry = find_entry(self.ledger, run, self.to)
-        action, run_id, resume, message = decide(run, entry, self.plan, self.to.offline, self.force_new)
+        action, run_id, resume, message = decide(run, entry, self.to.offline, self.force_new)
         if action == "skipped":
             return RunOutcome(run, action, run_id, (entry or {}).get("rows_sent", 0), message)
         start = 0
