@@ -16,24 +16,28 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
+import numpy as np
 import polars as pl
 
 from metric_core.errors import (
     MixedReductionError,
     NoDataError,
     PlanError,
-    RunChangedError,
     StrictModeError,
     UnknownReductionError,
 )
 from metric_core.metric import LoggingMode
+from metric_core.offline import partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnRead, RunScan, changed_files_said, scan_run
-from metric_core.schema import KEY_HASH, key_hash, keys_by_hash
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,19 +48,17 @@ class ReduceResult:
     plan: ReducePlan
     scan: RunScan
     warnings: list[str] = field(default_factory=list)
-    # What the groups were found by: "key" (the key strings), or "key_hash" (the writer's
-    # key hashes fused with the step into one integer: global_reduce by step, see _fused_keys).
-    grouped_on: str = "key"
 
 
-def _filtered(
-    plan: ReducePlan, frame: pl.LazyFrame, keys: Sequence[str] | None, hashed: bool = False
-) -> pl.LazyFrame:
-    """The plan's filters; ``keys`` are the run's keys that ``--key`` selects (None: all).
-    ``hashed``: every record has its key_hash, which is selected and filtered on."""
-    lf = frame.select(*plan.input_columns, *([KEY_HASH] if hashed else []))
+# Called after each partition with (partitions done, partitions, bytes done, bytes).
+OnProgress = Callable[[int, int, int, int], None]
+
+
+def _filtered(plan: ReducePlan, frame: pl.LazyFrame, keys: Sequence[str] | None = None) -> pl.LazyFrame:
+    """The plan's rank and step filters (and ``keys``, the run's keys ``--key`` selects)."""
+    lf = frame.select(plan.input_columns)
     if keys is not None:
-        lf = lf.filter(_key_in(keys, hashed))
+        lf = lf.filter(pl.col("key").is_in(list(keys)))
     if plan.ranks:
         rank = pl.col("rank")
         cond = pl.lit(False)
@@ -72,188 +74,161 @@ def _filtered(
     return lf
 
 
-def _key_in(keys: Sequence[str], hashed: bool) -> pl.Expr:
-    if hashed:  # an integer per record instead of a string
-        return pl.col(KEY_HASH).is_in([key_hash(key) for key in keys])
-    return pl.col("key").is_in(list(keys))
-
-
-def _selected_keys(plan: ReducePlan, recorded: pl.DataFrame) -> list[str] | None:
+def _selected_keys(plan: ReducePlan, frame: pl.LazyFrame) -> list[str] | None:
     if not plan.keys:
         return None
     match = key_matcher(plan.keys)
-    return [key for key in recorded["key"].unique().sort() if match(key)]
+    found = frame.select(pl.col("key").unique()).collect(engine="streaming")["key"]
+    return sorted(key for key in found if match(key))
 
 
 @changed_files_said
-def execute(plan: ReducePlan, scan: RunScan) -> ReduceResult:
-    """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served."""
-    recorded = scan.key_reductions()
-    keys = _selected_keys(plan, recorded)
-    if keys is not None:
-        recorded = recorded.filter(pl.col("key").is_in(keys))
-    fused = _fused_keys(plan, scan, recorded["key"].unique())
-    lf = _filtered(plan, scan.frame, keys, scan.hashed)
-    warnings: list[str] = []
-    if plan.by == "time":
-        t0 = lf.select(pl.col("timestamp").min()).collect().item()
-        if t0 is None:
-            raise NoDataError(str(scan.run_dir), "no record matches the filters")
-        every = float(plan.every or 0)
-        lf = lf.with_columns(window_start=pl.lit(t0) + ((pl.col("timestamp") - t0) / every).floor() * every)
-    if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
-        if plan.overrides:
-            warnings.append("--reduce has no effect with --mode per_rank_no_reduce: raw values are kept")
-        out = lf.select(plan.output_columns).sort(plan.sort_columns).collect(engine="streaming")
-    else:
-        out = _aggregate(plan, lf, _key_statistics(plan, scan, recorded, keys), fused, scan.hashed)
-    if out.height == 0:
-        raise NoDataError(str(scan.run_dir), "no record matches the filters")
-    grouped_on = (
-        "key_hash" if fused is not None and plan.mode is not LoggingMode.PER_RANK_NO_REDUCE else "key"
-    )
-    return ReduceResult(frame=out, plan=plan, scan=scan, warnings=warnings, grouped_on=grouped_on)
+def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None = None) -> ReduceResult:
+    """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served.
 
-
-_STEP_BITS = 24  # steps below 2**24 fit in the low bits of a key hash that has them cleared
-_STEP_MASK = (1 << _STEP_BITS) - 1
-
-
-def _fused_keys(plan: ReducePlan, scan: RunScan, keys: Iterable[str]) -> dict[int, str] | None:
-    """For global_reduce by step: each key by its hash with the low bits cleared, when
-    (hash | step) identifies a (step, key) group, so grouping is on one integer column.
-
-    That needs every file to carry the writer's key_hash column, steps in [0, 2**24),
-    and no two keys of the run sharing the 40 bits kept (else None: group on strings).
+    A reducing mode runs as partial states (``metric_core.offline.partials``): one per
+    file, computed on a pool of threads and merged in a fixed order, so the output is the
+    same bits whatever the thread count or the order the files were listed in.
     """
-    if plan.mode is not LoggingMode.GLOBAL_REDUCE or plan.by != "step" or not scan.hashed:
-        return None
-    steps = scan.step_range
-    if steps is None or steps[0] < 0 or steps[1] > _STEP_MASK:
-        return None
-    return keys_by_hash(keys, ~_STEP_MASK)
+    if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+        return _raw(plan, scan)
+    match = key_matcher(plan.keys) if plan.keys else None
+    t0 = None
+    if plan.by == "time":
+        t0 = _first_time(plan, scan)
+    statistic_of = _statistic_chooser(plan)
+    parts = list(scan.parts.items())
+    sizes = [_size(scan.report.files[fid].path) for fid, _ in parts]
+
+    def reduce_part(item: tuple[int, pl.LazyFrame]) -> partials.Partial:
+        df = _filtered(plan, item[1]).collect()
+        if match is not None and df.height:
+            keys = df["key"].unique()
+            df = df.filter(pl.col("key").is_in([k for k in keys if match(k)]))
+        return partials.partition_states(df, plan, statistic_of, t0)
+
+    states = _run_in_order(reduce_part, parts, sizes, on_progress)
+    merged, value_group, values = partials.merge(states, plan)
+    if merged.height == 0:
+        raise NoDataError(str(scan.run_dir), "no record matches the filters")
+    _check_reductions(plan, scan, merged)
+    out = _finish(merged, value_group, values)
+    return ReduceResult(frame=out.select(plan.output_columns).sort(plan.sort_columns), plan=plan, scan=scan)
 
 
-def _key_statistics(
-    plan: ReducePlan, scan: RunScan, recorded: pl.DataFrame, keys: Sequence[str] | None
-) -> dict[str, str]:
-    """Each key's statistic: the last ``--reduce`` pattern that matches it, or its recorded
-    reduction. A key recorded with several is checked against the filtered records."""
-    overrides = [(key_matcher([pattern]), stat.name) for pattern, stat in plan.overrides]
-    out: dict[str, str] = {}
-    for key, reductions in recorded.group_by("key").agg("reduction").sort("key").iter_rows():
-        chosen = [name for match, name in overrides if match(key)]
-        if chosen:
-            out[key] = chosen[-1]
-            continue
-        if len(reductions) > 1:
-            origins = _reduction_origins(plan, scan, key, keys)
-            if len(origins) > 1:
-                raise MixedReductionError(key, origins)
-            reductions = list(origins)
-        if reductions:
-            out[key] = reductions[0]
+def _run_in_order(
+    work: Callable[[T], partials.Partial], items: list[T], sizes: list[int], on_progress: OnProgress | None
+) -> list[partials.Partial]:
+    """``work`` over ``items`` on a pool of threads; the results in the items' order."""
+    threads = max(1, min(len(items), pl.thread_pool_size()))
+    done_bytes, total = 0, sum(sizes)
+    out: list[partials.Partial] = []
+    with ThreadPoolExecutor(threads) as pool:
+        for i, result in enumerate(pool.map(work, items)):
+            out.append(result)
+            done_bytes += sizes[i]
+            if on_progress is not None:
+                on_progress(i + 1, len(items), done_bytes, total)
     return out
 
 
-def _aggregations(stat: Statistic, mask: pl.Expr | None) -> dict[str, pl.Expr]:
-    """The group aggregations a statistic is computed from (named so they are shared).
-
-    min/max propagate NaN as numpy does, and so do sum and std. Quantiles hold a
-    group's values; ``mask`` restricts them to the keys that need them.
-    """
-    v = pl.col("value")
-    name = stat.name
-    if name in ("mean", "sum"):
-        return {"_sum": v.sum()}
-    if name in ("max", "min"):
-        return {f"_{name}": v.nan_max() if name == "max" else v.nan_min()}
-    if name == "std":
-        return {"_std": v.std(ddof=0)}
-    if name in ("first", "last"):
-        return {f"_{name}": v.min_by("timestamp") if name == "first" else v.max_by("timestamp")}
-    if name == "count":
-        return {}
-    values = v if mask is None else v.filter(mask)
-    q = 0.5 if name == "median" else stat.quantile or 0.0
-    return {f"_{name}": values.quantile(q, interpolation="linear"), "_nan": v.is_nan().sum()}
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
-def _final(stat: Statistic) -> pl.Expr:
-    """A statistic from its group aggregations (see ``_aggregations``)."""
-    name = stat.name
-    if name == "mean":
-        return pl.col("_sum") / pl.col("count")
-    if name == "sum":
-        return pl.col("_sum")
-    if name == "count":
-        return pl.col("count").cast(pl.Float64)
-    if name == "median" or stat.quantile is not None:
-        return pl.when(pl.col("_nan") > 0).then(float("nan")).otherwise(pl.col(f"_{name}"))
-    return pl.col(f"_{name}")
+def _statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
+    """The statistic of a key: the last ``--reduce`` pattern that matches it, or its recorded reduction."""
+    overrides = [(key_matcher([pattern]), stat.name) for pattern, stat in plan.overrides]
+
+    def statistic_of(key: str, recorded: str) -> str:
+        chosen = [name for match, name in overrides if match(key)]
+        return chosen[-1] if chosen else recorded
+
+    return statistic_of
 
 
-def _aggregate(
-    plan: ReducePlan,
-    lf: pl.LazyFrame,
-    statistics: dict[str, str],
-    fused: dict[int, str] | None,
-    hashed: bool,
-) -> pl.DataFrame:
-    # One streaming group-by computes the aggregations every statistic in use is built
-    # from; each row then takes its key's statistic.
-    by_name: dict[str, list[str]] = {}
-    for key, name in statistics.items():
-        by_name.setdefault(name, []).append(key)
-    known: dict[str, Statistic] = {}
-    aggs: dict[str, pl.Expr] = {"count": pl.len().cast(pl.Int64)}
-    for name, keys in by_name.items():
-        try:
-            known[name] = stat = Statistic.parse(name)
-        except PlanError:
-            continue
-        mask = None if len(by_name) == 1 else _key_in(keys, hashed)
-        aggs.update(_aggregations(stat, mask))
-    aggs = {name: expr.cast(pl.Float64) if name != "count" else expr for name, expr in aggs.items()}
-    if fused is None:
-        grouped = lf.group_by([*plan.group_columns, "key"]).agg(**aggs).collect(engine="streaming")
-    else:
-        group = (pl.col(KEY_HASH) & ~_STEP_MASK) | pl.col("step")
-        hashes = pl.DataFrame({"_hash": list(fused), "key": list(fused.values())})
-        grouped = (
-            lf.group_by(group.alias("_group"))
-            .agg(**aggs)
-            .collect(engine="streaming")
-            .with_columns(step=pl.col("_group") & _STEP_MASK, _hash=pl.col("_group") & ~_STEP_MASK)
-            .join(hashes, on="_hash", how="left")
-        )
-    table = pl.DataFrame(
-        {"key": list(statistics), "reduction": list(statistics.values())},
-        schema={"key": pl.String, "reduction": pl.String},
-    )
-    grouped = grouped.join(table, on="key", how="left")
-    undeclared = grouped.filter(pl.col("reduction").is_null())
-    if undeclared.height:  # only a sealed segment changed after its writer sealed it gets here
-        raise RunChangedError(
-            f"key '{undeclared['key'][0]}' is in the records but not in the key list of their "
-            "segments' metadata: a sealed file was rewritten with its metadata kept; "
-            "rewrite it without the 'metriclog' metadata, or restore the original"
-        )
-    unknown = grouped.filter(~pl.col("reduction").is_in(list(known))).sort("key")
-    if unknown.height:
-        raise UnknownReductionError(dict(unknown.select("key", "reduction").unique().sort("key").iter_rows()))
-    value = pl.lit(None, pl.Float64)
-    for name, stat in known.items():
-        value = pl.when(pl.col("reduction") == name).then(_final(stat)).otherwise(value)
-    return grouped.with_columns(value=value).select(plan.output_columns).sort(plan.sort_columns)
+def _first_time(plan: ReducePlan, scan: RunScan) -> float:
+    """The earliest timestamp among the records the filters keep: where ``--by time`` windows start."""
+    lf = _filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
+    per_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
+    if plan.keys:
+        match = key_matcher(plan.keys)
+        per_key = per_key.filter(pl.col("key").map_elements(match, return_dtype=pl.Boolean))
+    t0 = per_key["timestamp"].min()
+    if t0 is None:
+        raise NoDataError(str(scan.run_dir), "no record matches the filters")
+    return float(t0)  # type: ignore[arg-type]
 
 
-def _reduction_origins(
-    plan: ReducePlan, scan: RunScan, key: str, keys: Sequence[str] | None
-) -> dict[str, list[str]]:
+def _check_reductions(plan: ReducePlan, scan: RunScan, merged: pl.DataFrame) -> None:
+    """A key recorded with two reductions (and no override) is an error, as is a reduction
+    that is not a statistic."""
+    per_key = merged.group_by("key").agg(pl.col("reduction").unique().sort()).sort("key")
+    for key, reductions in per_key.iter_rows():
+        if len(reductions) > 1:
+            origins = _reduction_origins(plan, scan, key)
+            raise MixedReductionError(key, origins if len(origins) > 1 else {r: [] for r in reductions})
+    unknown = {key: r[0] for key, r in per_key.iter_rows() if not _is_statistic(r[0])}
+    if unknown:
+        raise UnknownReductionError(unknown)
+
+
+def _is_statistic(name: str) -> bool:
+    try:
+        Statistic.parse(name)
+    except PlanError:
+        return False
+    return True
+
+
+def _finish(merged: pl.DataFrame, value_group: np.ndarray, values: np.ndarray) -> pl.DataFrame:
+    """Each group's value: the statistic its reduction names, from the merged states."""
+    names = merged["reduction"].to_numpy()
+    value = np.full(merged.height, np.nan)
+    quantiles = np.full(merged.height, np.nan)
+    medians = np.zeros(merged.height, dtype=bool)
+    for name in np.unique(names):
+        stat = Statistic.parse(name)
+        rows = names == name
+        if stat.name == "count":
+            value[rows] = merged["n"].to_numpy()[rows]
+        elif stat.name == "median":
+            medians |= rows
+        elif stat.quantile is not None:
+            quantiles[rows] = stat.quantile
+        else:
+            value[rows] = merged[stat.name].to_numpy()[rows]
+    if medians.any():
+        value[medians] = partials.median(value_group, values, merged.height)[medians]
+    if not np.isnan(quantiles).all():
+        picked = ~np.isnan(quantiles)
+        value[picked] = partials.percentile(value_group, values, merged.height, quantiles)[picked]
+    return merged.with_columns(value=pl.Series(value), count=pl.col("n"))
+
+
+def _raw(plan: ReducePlan, scan: RunScan) -> ReduceResult:
+    warnings: list[str] = []
+    if plan.overrides:
+        warnings.append("--reduce has no effect with --mode per_rank_no_reduce: raw values are kept")
+    keys = _selected_keys(plan, scan.frame)
+    lf = _filtered(plan, scan.frame, keys)
+    if plan.by == "time":
+        t0 = _first_time(plan, scan)
+        every = float(plan.every or 0)
+        lf = lf.with_columns(window_start=pl.lit(t0) + ((pl.col("timestamp") - t0) / every).floor() * every)
+    out = lf.select(plan.output_columns).sort(plan.sort_columns).collect(engine="streaming")
+    if out.height == 0:
+        raise NoDataError(str(scan.run_dir), "no record matches the filters")
+    return ReduceResult(frame=out, plan=plan, scan=scan, warnings=warnings)
+
+
+def _reduction_origins(plan: ReducePlan, scan: RunScan, key: str) -> dict[str, list[str]]:
     with_sources = dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE)
     rows = (
-        _filtered(with_sources, scan.frame, keys, scan.hashed)
+        _filtered(with_sources, scan.frame)
         .filter(pl.col("key") == key)
         .select("reduction", "process", "rank")
         .unique()
