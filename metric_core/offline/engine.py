@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,7 +30,6 @@ import polars as pl
 from metric_core.errors import (
     MixedReductionError,
     NoDataError,
-    PlanError,
     StrictModeError,
     UnknownReductionError,
 )
@@ -36,6 +37,7 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnRead, RunScan, changed_files_said, scan_run
+from metric_core.schema import REQUIRED_FIELDS
 
 T = TypeVar("T")
 
@@ -91,45 +93,88 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     same bits whatever the thread count or the order the files were listed in.
     """
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+        scan.check_all()
         return _raw(plan, scan)
     match = key_matcher(plan.keys) if plan.keys else None
     t0 = None
     if plan.by == "time":
+        scan.check_all()  # the windows start at the first record kept: a query over all files first
         t0 = _first_time(plan, scan)
     statistic_of = _statistic_chooser(plan)
-    parts = list(scan.parts.items())
-    sizes = [_size(scan.report.files[fid].path) for fid, _ in parts]
+    parts = partitions(scan)
+    sizes = [sum(_size(scan.report.files[fid].path) for fid in part) for part in parts]
 
-    def reduce_part(item: tuple[int, pl.LazyFrame]) -> partials.Partial:
-        df = _filtered(plan, item[1]).collect()
+    def reduce_part(part: list[int]) -> partials.Partial:
+        df = pl.concat([_read_part(plan, scan, fid) for fid in part])
         if match is not None and df.height:
             keys = df["key"].unique()
             df = df.filter(pl.col("key").is_in([k for k in keys if match(k)]))
         return partials.partition_states(df, plan, statistic_of, t0)
 
-    states = _run_in_order(reduce_part, parts, sizes, on_progress)
-    merged, value_group, values = partials.merge(states, plan)
+    acc = partials.Accumulator()
+    for state in _in_order(reduce_part, parts, sizes, on_progress):
+        acc.add(state)
+    merged, stats, row_of = acc.result()
     if merged.height == 0:
         raise NoDataError(str(scan.run_dir), "no record matches the filters")
     _check_reductions(plan, scan, merged)
-    out = _finish(merged, value_group, values)
+    value = _values(merged, stats, acc.group_values(row_of))
+    if plan.by == "time":
+        bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
+    else:
+        bucket = pl.col("bucket")
+    out = merged.with_columns(
+        bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
+    )
     return ReduceResult(frame=out.select(plan.output_columns).sort(plan.sort_columns), plan=plan, scan=scan)
 
 
-def _run_in_order(
+def _read_part(plan: ReducePlan, scan: RunScan, fid: int) -> pl.DataFrame:
+    """One file's records the plan needs, read once (a file not checked yet is checked whole)."""
+    if fid not in scan.unchecked:
+        return _filtered(plan, scan.parts[fid]).collect()
+    df = scan.parts[fid].select(sorted({*plan.input_columns, *REQUIRED_FIELDS})).collect()
+    return _filtered(plan, scan.checked(fid, df).lazy()).collect()
+
+
+PARTITION_ROWS = 2_000_000
+
+
+def partitions(scan: RunScan, rows: int = PARTITION_ROWS) -> list[list[int]]:
+    """The run's files (ids, in path order) in consecutive groups of about ``rows`` records:
+    what one task reduces. It depends on the files alone, never on the thread count."""
+    out: list[list[int]] = []
+    held = 0
+    for fid in scan.parts:
+        records = scan.report.files[fid].records
+        if not out or (held and held + records > rows):
+            out.append([])
+            held = 0
+        out[-1].append(fid)
+        held += records
+    return out
+
+
+def _in_order(
     work: Callable[[T], partials.Partial], items: list[T], sizes: list[int], on_progress: OnProgress | None
-) -> list[partials.Partial]:
-    """``work`` over ``items`` on a pool of threads; the results in the items' order."""
+) -> Iterator[partials.Partial]:
+    """``work`` over ``items`` on a pool of threads, yielded in the items' order; at most
+    two results per thread wait to be taken, so memory stays bounded."""
     threads = max(1, min(len(items), pl.thread_pool_size()))
     done_bytes, total = 0, sum(sizes)
-    out: list[partials.Partial] = []
     with ThreadPoolExecutor(threads) as pool:
-        for i, result in enumerate(pool.map(work, items)):
-            out.append(result)
+        pending: deque[Future[partials.Partial]] = deque()
+        upcoming = iter(items)
+        for item in islice(upcoming, 2 * threads):
+            pending.append(pool.submit(work, item))
+        for i in range(len(items)):
+            result = pending.popleft().result()
+            for item in islice(upcoming, 1):
+                pending.append(pool.submit(work, item))
             done_bytes += sizes[i]
             if on_progress is not None:
                 on_progress(i + 1, len(items), done_bytes, total)
-    return out
+            yield result
 
 
 def _size(path: Path) -> int:
@@ -171,42 +216,27 @@ def _check_reductions(plan: ReducePlan, scan: RunScan, merged: pl.DataFrame) -> 
         if len(reductions) > 1:
             origins = _reduction_origins(plan, scan, key)
             raise MixedReductionError(key, origins if len(origins) > 1 else {r: [] for r in reductions})
-    unknown = {key: r[0] for key, r in per_key.iter_rows() if not _is_statistic(r[0])}
+    unknown = {key: r[0] for key, r in per_key.iter_rows() if not partials.is_statistic(r[0])}
     if unknown:
         raise UnknownReductionError(unknown)
 
 
-def _is_statistic(name: str) -> bool:
-    try:
-        Statistic.parse(name)
-    except PlanError:
-        return False
-    return True
-
-
-def _finish(merged: pl.DataFrame, value_group: np.ndarray, values: np.ndarray) -> pl.DataFrame:
+def _values(
+    merged: pl.DataFrame, stats: dict[str, np.ndarray], grouped: tuple[np.ndarray, np.ndarray]
+) -> np.ndarray:
     """Each group's value: the statistic its reduction names, from the merged states."""
-    names = merged["reduction"].to_numpy()
     value = np.full(merged.height, np.nan)
-    quantiles = np.full(merged.height, np.nan)
-    medians = np.zeros(merged.height, dtype=bool)
-    for name in np.unique(names):
+    for name in merged["reduction"].unique().sort():
         stat = Statistic.parse(name)
-        rows = names == name
-        if stat.name == "count":
-            value[rows] = merged["n"].to_numpy()[rows]
-        elif stat.name == "median":
-            medians |= rows
+        rows = (merged["reduction"] == name).to_numpy()
+        if stat.name == "median":
+            value[rows] = partials.median(*grouped, merged.height)[rows]
         elif stat.quantile is not None:
-            quantiles[rows] = stat.quantile
+            q = np.where(rows, stat.quantile, np.nan)
+            value[rows] = partials.percentile(*grouped, merged.height, q)[rows]
         else:
-            value[rows] = merged[stat.name].to_numpy()[rows]
-    if medians.any():
-        value[medians] = partials.median(value_group, values, merged.height)[medians]
-    if not np.isnan(quantiles).all():
-        picked = ~np.isnan(quantiles)
-        value[picked] = partials.percentile(value_group, values, merged.height, quantiles)[picked]
-    return merged.with_columns(value=pl.Series(value), count=pl.col("n"))
+            value[rows] = stats[stat.name][rows]
+    return value
 
 
 def _raw(plan: ReducePlan, scan: RunScan) -> ReduceResult:
@@ -226,6 +256,7 @@ def _raw(plan: ReducePlan, scan: RunScan) -> ReduceResult:
 
 
 def _reduction_origins(plan: ReducePlan, scan: RunScan, key: str) -> dict[str, list[str]]:
+    scan.check_all()
     with_sources = dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE)
     rows = (
         _filtered(with_sources, scan.frame)
@@ -274,12 +305,17 @@ def run_plan(
     >>> result.scan.report.skipped_records  # the killed generator's last, half-written frame
     21
     """
-    scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts)
-    if on_read is not None:
-        on_read(scan.report)
+    # Another tool's files are checked as the engine reads them (one pass), so the report
+    # is whole once the plan ran; it is handed over even when the plan fails.
+    scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts, defer_checks=True)
+    try:
+        result = execute(plan, scan)
+    finally:
+        if on_read is not None:
+            on_read(scan.report)
     if strict and scan.report.has_skips:  # notices (a restart rewound, a copy read once) are not skips
         raise StrictModeError(scan.report.summary())
-    return execute(plan, scan)
+    return result
 
 
 def pivot_wide(frame: pl.DataFrame, plan: ReducePlan) -> pl.DataFrame:

@@ -52,7 +52,7 @@ from metric_core.offline.read.discover import (
 )
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
-from metric_core.offline.read.parquet import run_parquet_checks, scan_parquet
+from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.schema import KEY_HASH
 
@@ -73,6 +73,32 @@ class RunScan:
     report: ReadReport
     meta: dict[str, Any]
     parts: dict[int, pl.LazyFrame] = field(default_factory=dict)  # file_id -> that file's frame
+    # With ``defer_checks``: the files whose rows are not checked yet (the reader of their
+    # frame calls ``checked``, once, on all of a file's rows).
+    pending: dict[int, pl.LazyFrame | None] = field(default_factory=dict)  # fid -> its check query
+
+    @property
+    def unchecked(self) -> frozenset[int]:
+        return frozenset(self.pending)
+
+    def checked(self, fid: int, df: pl.DataFrame) -> pl.DataFrame:
+        """All of an unchecked file's records, read: its bad rows counted in the report and dropped."""
+        if fid not in self.pending:
+            return df
+        return drop_bad_rows(df, self.report.files[fid])
+
+    def check_all(self) -> None:
+        """Check every unchecked file now (for a query over ``frame`` rather than per file)."""
+        if not self.pending:
+            return
+        fids = list(self.parts)
+        frames = list(self.parts.values())
+        run_parquet_checks(
+            frames, [(fids.index(f), self.report.files[f], q) for f, q in self.pending.items()]
+        )
+        self.parts = dict(zip(fids, frames, strict=True))
+        self.frame = pl.concat(frames, how="vertical")
+        self.pending = {}
 
     @property
     def name(self) -> str:
@@ -140,7 +166,11 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
 
 
 def scan_run(
-    run_dir: str | os.PathLike[str], *, follow_symlinks: bool = False, attempts: str = REWIND
+    run_dir: str | os.PathLike[str],
+    *,
+    follow_symlinks: bool = False,
+    attempts: str = REWIND,
+    defer_checks: bool = False,
 ) -> RunScan:
     """Read every metric file below ``run_dir`` into one LazyFrame and a health report.
 
@@ -149,6 +179,12 @@ def scan_run(
     restarts are read (``offline.read.attempts``): ``"rewind"`` (a restart replaces the
     earlier attempts' records from its first step on), ``"all"``, or an attempt id.
     Raises NoDataError when the directory has no readable record.
+
+    Another tool's Parquet files are checked row by row (nulls, values that are not
+    numbers, timestamps that are not a clock's) before the scan returns, which reads them
+    once more. With ``defer_checks`` they are not: their ids are in ``unchecked``, and the
+    caller, which then reads each such file's rows once and whole, passes them through
+    ``RunScan.checked`` (the report is complete once every unchecked file was).
 
     >>> scan = scan_run("sample_logs/rl_run")
     >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
@@ -211,7 +247,9 @@ def scan_run(
                 frame = frame.with_columns(pl.lit(None, pl.Int64).alias(KEY_HASH))
             frames.append(frame.with_columns(file_id=pl.lit(len(report.files) - 1, pl.Int32)))
             file_ids.append(len(report.files) - 1)
-    run_parquet_checks(frames, checks)
+    pending = {file_ids[i]: query for i, _, query in checks} if defer_checks else {}
+    if not defer_checks:
+        run_parquet_checks(frames, checks)
     kept = resolve(report, dict(zip(file_ids, frames, strict=True)), attempts)
     frames = [kept[fid] for fid in file_ids]
     if not frames or report.records == 0:
@@ -224,4 +262,5 @@ def scan_run(
         report=report,
         meta=meta,
         parts=dict(zip(file_ids, frames, strict=True)),
+        pending=pending,
     )

@@ -146,6 +146,19 @@ def run_parquet_checks(
             frames[index] = frames[index].filter(RECORD_OK)
 
 
+def drop_bad_rows(df: pl.DataFrame, rep: FileReport) -> pl.DataFrame:
+    """A foreign file's records read once, in full (``scan_run(..., defer_checks=True)``):
+    its bad rows counted by reason into ``rep`` and dropped."""
+    ok = df.select(RECORD_OK).to_series()
+    if ok.all():
+        return df
+    bad = df.filter(~ok)
+    for reason, n in bad.group_by(_PARQUET_REASON.alias("reason")).len().sort("reason").iter_rows():
+        rep.records -= n
+        rep.skip(reason, n)
+    return df.filter(ok)
+
+
 def _parquet_reason() -> pl.Expr:
     reason: pl.Expr = pl.when(~plausible(pl.col("timestamp"))).then(pl.lit(BAD_TIME))
     for name in reversed(REQUIRED_FIELDS):
