@@ -62,7 +62,7 @@ class Partial:
     bucket: np.ndarray
     combo: np.ndarray
     combos: list[tuple[Any, ...]]
-    state: np.ndarray  # groups x FIELDS
+    state: np.ndarray  # FIELDS x groups
     value_group: np.ndarray
     values: np.ndarray
 
@@ -88,7 +88,7 @@ def partition_states(
     rows = df.height
     if rows == 0:
         none = np.empty(0, dtype=np.int64)
-        return Partial(none, none, [], np.empty((0, len(FIELDS))), none, np.empty(0))
+        return Partial(none, none, [], np.empty((len(FIELDS), 0)), none, np.empty(0))
     value = df["value"].to_numpy()
     if plan.by == "time":
         assert t0 is not None and plan.every is not None
@@ -105,7 +105,7 @@ def partition_states(
         statistic_of(k, r)
         for k, r in zip(
             df["key"].gather(pair_rows[present]).to_list(),
-            df["reduction"].gather(pair_rows[present]).to_list(),
+            df["reduction"].gather(pair_rows[present]).cast(pl.String).str.to_lowercase().to_list(),
             strict=True,
         )
     ]
@@ -135,8 +135,7 @@ def partition_states(
     # bucket first, so the groups come in bucket order (the accumulator takes them in runs)
     ids, n_groups = _combine([_dense(bucket), (combo, n_combos)], rows)
     group_rows = _representatives(ids, n_groups)
-    state = np.empty((n_groups, len(FIELDS)))
-    state[:] = _EMPTY
+    state = _empty_cells(n_groups)
     _sums(state, ids, value, need_sq="std" in names)
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
     for family in _FAMILIES:
@@ -193,17 +192,17 @@ def _representatives(ids: np.ndarray, n: int) -> np.ndarray:
 
 
 def _sums(state: np.ndarray, ids: np.ndarray, value: np.ndarray, need_sq: bool) -> None:
-    n = len(state)
+    n = state.shape[1]
     count = np.bincount(ids, minlength=n)
     raw = np.bincount(ids, weights=value, minlength=n)
     with np.errstate(invalid="ignore", divide="ignore"):
         shift = raw / count
     shift[~np.isfinite(shift)] = 0.0  # raw keeps what a non-finite value did
     dev_each = value - shift[ids]
-    state[:, N], state[:, RAW], state[:, SHIFT] = count, raw, shift
-    state[:, DEV] = np.bincount(ids, weights=dev_each, minlength=n)
+    state[N], state[RAW], state[SHIFT] = count, raw, shift
+    state[DEV] = np.bincount(ids, weights=dev_each, minlength=n)
     if need_sq:
-        state[:, SQ] = np.bincount(ids, weights=dev_each * dev_each, minlength=n)
+        state[SQ] = np.bincount(ids, weights=dev_each * dev_each, minlength=n)
 
 
 def _extreme(
@@ -219,19 +218,19 @@ def _extreme(
     lowest = family in ("min", "first")
     pick = np.minimum if lowest else np.maximum
     if family in ("min", "max"):
-        out = state[:, MIN if lowest else MAX].copy()
+        out = state[MIN if lowest else MAX].copy()
         with np.errstate(invalid="ignore"):
             pick.at(out, g, v)
-        state[:, MIN if lowest else MAX] = out
+        state[MIN if lowest else MAX] = out
         return
     ts = df["timestamp"].to_numpy()
     ts = ts if subset is None else ts[subset]
-    best = state[:, FIRST_TS if lowest else LAST_TS].copy()
+    best = state[FIRST_TS if lowest else LAST_TS].copy()
     pick.at(best, g, ts)
     candidates = np.flatnonzero(ts == best[g])
     uniq, index = np.unique(g[candidates], return_index=True)  # the earliest row of each
-    state[:, FIRST_TS if lowest else LAST_TS] = best
-    state[uniq, FIRST if lowest else LAST] = v[candidates[index]]
+    state[FIRST_TS if lowest else LAST_TS] = best
+    state[FIRST if lowest else LAST, uniq] = v[candidates[index]]
 
 
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
@@ -268,18 +267,18 @@ class Accumulator:
         for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
             cells = (p.bucket[lo:hi] & ((1 << _BLOCK_BITS) - 1)) * width + combo[lo:hi]
             block = self._block(int(block_of[lo]), width)
-            block.state[cells] = _fold(block.state[cells], p.state[lo:hi])
+            block.state[:, cells] = _fold(block.state[:, cells], p.state[:, lo:hi])
         if len(p.values):
             self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
 
     def _block(self, b: int, width: int) -> _Block:
         block = self.blocks.get(b)
         if block is None:
-            block = self.blocks[b] = _Block(np.tile(_EMPTY, (width << _BLOCK_BITS, 1)), width)
+            block = self.blocks[b] = _Block(_empty_cells(width << _BLOCK_BITS), width)
         elif block.width < width:
-            grown = np.tile(_EMPTY, (width << _BLOCK_BITS, 1))
+            grown = _empty_cells(width << _BLOCK_BITS)
             old = np.arange(block.width << _BLOCK_BITS)
-            grown[(old // block.width) * width + old % block.width] = block.state
+            grown[:, (old // block.width) * width + old % block.width] = block.state
             block.state, block.width = grown, width
         return block
 
@@ -289,13 +288,13 @@ class Accumulator:
         buckets, combos, parts = [], [], []
         for b in sorted(self.blocks):
             block = self.blocks[b]
-            cells = np.flatnonzero(block.state[:, N] > 0)
+            cells = np.flatnonzero(block.state[N] > 0)
             buckets.append((b << _BLOCK_BITS) + cells // block.width)
             combos.append(cells % block.width)
-            parts.append(block.state[cells])
+            parts.append(block.state[:, cells])
         if not parts:
             return pl.DataFrame(), {}, np.empty(0)
-        bucket, combo, s = np.concatenate(buckets), np.concatenate(combos), np.concatenate(parts)
+        bucket, combo, s = np.concatenate(buckets), np.concatenate(combos), np.concatenate(parts, axis=1)
         labels = list(self.combos)
         process, rank, key, reduction = (list(col) for col in zip(*labels, strict=True))
         table = pl.DataFrame(
@@ -317,7 +316,7 @@ class Accumulator:
         frame = pl.DataFrame({"bucket": bucket, "_combo": combo}).join(
             table, on="_combo", how="left", maintain_order="left"
         )
-        n, dev, sq, base, raw = s[:, N], s[:, DEV], s[:, SQ], s[:, SHIFT], s[:, RAW]
+        n, dev, sq, base, raw = s[N], s[DEV], s[SQ], s[SHIFT], s[RAW]
         finite = np.isfinite(raw)
         with np.errstate(invalid="ignore"):
             stats = {
@@ -325,10 +324,10 @@ class Accumulator:
                 "sum": np.where(finite, n * base + dev, raw),
                 "mean": np.where(finite, base + dev / n, raw / n),
                 "std": np.where(finite, np.sqrt(np.maximum((sq - dev * dev / n) / n, 0.0)), np.nan),
-                "min": s[:, MIN],
-                "max": s[:, MAX],
-                "first": s[:, FIRST],
-                "last": s[:, LAST],
+                "min": s[MIN],
+                "max": s[MAX],
+                "first": s[FIRST],
+                "last": s[LAST],
             }
         row_of = np.empty(0, dtype=np.int64)
         if self.value_cells:
@@ -353,23 +352,29 @@ class Accumulator:
 
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     """Accumulated states ``a`` with one partition's states ``p`` of the same groups folded in."""
-    fresh = a[:, N] == 0
-    k = np.where(fresh, p[:, SHIFT], a[:, SHIFT])
-    n_p, dev_p = p[:, N], p[:, DEV]
-    a[:, SHIFT] = k
-    a[:, N] += n_p
-    a[:, RAW] += p[:, RAW]
+    fresh = a[N] == 0
+    k = np.where(fresh, p[SHIFT], a[SHIFT])
+    n_p, dev_p = p[N], p[DEV]
+    a[SHIFT] = k
+    a[N] += n_p
+    a[RAW] += p[RAW]
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite group's sums are not used
-        offset = p[:, SHIFT] - k
-        a[:, DEV] += dev_p + n_p * offset
-        a[:, SQ] += p[:, SQ] + 2 * offset * dev_p + n_p * offset * offset
-        a[:, MIN] = np.minimum(a[:, MIN], p[:, MIN])
-        a[:, MAX] = np.maximum(a[:, MAX], p[:, MAX])
-    take = p[:, FIRST_TS] < a[:, FIRST_TS]  # ties keep the earlier partition's
-    a[take, FIRST_TS : FIRST + 1] = p[take, FIRST_TS : FIRST + 1]
-    take = p[:, LAST_TS] > a[:, LAST_TS]
-    a[take, LAST_TS : LAST + 1] = p[take, LAST_TS : LAST + 1]
+        offset = p[SHIFT] - k
+        a[DEV] += dev_p + n_p * offset
+        a[SQ] += p[SQ] + 2 * offset * dev_p + n_p * offset * offset
+        np.minimum(a[MIN], p[MIN], out=a[MIN])
+        np.maximum(a[MAX], p[MAX], out=a[MAX])
+    take = p[FIRST_TS] < a[FIRST_TS]  # ties keep the earlier partition's
+    a[FIRST_TS : FIRST + 1, take] = p[FIRST_TS : FIRST + 1, take]
+    take = p[LAST_TS] > a[LAST_TS]
+    a[LAST_TS : LAST + 1, take] = p[LAST_TS : LAST + 1, take]
     return a
+
+
+def _empty_cells(size: int) -> np.ndarray:
+    cells = np.empty((len(FIELDS), size))
+    cells[:] = _EMPTY[:, None]
+    return cells
 
 
 def _bounds(value_group: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:

@@ -109,6 +109,7 @@ def _replace(report: ReadReport, fid: int, frame: pl.LazyFrame, cutoff: int, a: 
         .collect()
         .row(0)
     )
+    report.files[fid].replaced_from = cutoff
     if n:
         report.files[fid].records -= n
         a.replaced += n

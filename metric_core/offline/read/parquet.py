@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import polars as pl
@@ -17,7 +18,7 @@ from metric_core.offline.read.validate import (
     plausible,
     with_process,
 )
-from metric_core.schema import KEY_HASH, REQUIRED_FIELDS
+from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
 from metric_core.segment import SegmentMeta
 
 _EXACT_TYPES = {name: POLARS_SCHEMA[name] for name in REQUIRED_FIELDS}
@@ -59,30 +60,61 @@ def scan_parquet(
     if own is not None and ours:
         take_declared(rep, own)
         rep.hashed = exact and rep.keys is not None and schema.get(KEY_HASH) == pl.Int64
-    scan = pl.scan_parquet(path)
-    if exact:
-        typed = scan.select(
-            *REQUIRED_FIELDS,
-            process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
-            **({KEY_HASH: pl.col(KEY_HASH)} if rep.hashed else {}),
-        )
-    else:
-        typed = scan.select(
-            key=pl.col("key").cast(pl.String),
-            value=_parquet_value(schema["value"]),
-            reduction=pl.col("reduction").cast(pl.String).str.to_lowercase(),
-            step=_parquet_integer("step", schema["step"]),
-            timestamp=_parquet_timestamp(schema["timestamp"]),
-            rank=_parquet_integer("rank", schema["rank"]),
-            process=pl.col("process").cast(pl.String) if "process" in schema else pl.lit(None, pl.String),
-        )
-    typed = with_process(typed)
+    typed = with_process(pl.scan_parquet(path).select(**typed_columns(schema, rep.hashed)))
     rep.records += rows
     if ours:
         return typed, True, None
     # Exact-typed files are checked together, from null counts (read from null bitmaps);
     # others per file after casting. Rows are only counted where a null was found.
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
+
+
+def typed_columns(
+    schema: Mapping[str, pl.DataType], hashed: bool, strings: type[pl.DataType] = pl.String
+) -> dict[str, pl.Expr]:
+    """Each record field of a Parquet file, from its columns as they are typed in the file
+    (``strings``: the type key, reduction and process are read as)."""
+    exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
+    process = pl.col("process").cast(strings) if "process" in schema else pl.lit(None, strings)
+    if exact:
+        exprs = {name: pl.col(name) for name in REQUIRED_FIELDS}
+        exprs.update(key=pl.col("key").cast(strings), reduction=pl.col("reduction").cast(strings))
+        return {**exprs, "process": process, **({KEY_HASH: pl.col(KEY_HASH)} if hashed else {})}
+    # Lower-cased per record here; the engine, which keeps dictionary codes, does it per code.
+    reduction = (
+        pl.col("reduction").cast(pl.String).str.to_lowercase()
+        if strings is pl.String
+        else pl.col("reduction")
+    )
+    return {
+        "key": pl.col("key").cast(strings),
+        "value": _parquet_value(schema["value"]),
+        "reduction": reduction.cast(strings),
+        "step": _parquet_integer("step", schema["step"]),
+        "timestamp": _parquet_timestamp(schema["timestamp"]),
+        "rank": _parquet_integer("rank", schema["rank"]),
+        "process": process,
+    }
+
+
+def read_categorical(path: Path, columns: list[str], hashed: bool) -> pl.DataFrame:
+    """``columns`` of the records of one Parquet file, read whole with pyarrow, strings kept
+    as their dictionary codes (polars Categorical): what the engine groups on, without
+    decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame."""
+    import pyarrow.parquet as pq
+
+    arrow = pq.read_schema(path)
+    schema = pl.Schema(pl.DataFrame(arrow.empty_table()).schema)
+    exprs = typed_columns(schema, hashed, strings=pl.Categorical)
+    wanted = [c for c in columns if c in exprs]
+    sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
+    strings = [c for c in sources if schema[c] in (pl.String, pl.Categorical, pl.Binary)]
+    table = pq.read_table(path, columns=sorted(sources), read_dictionary=strings)
+    df = pl.DataFrame(table).lazy().select(**{c: exprs[c] for c in wanted})
+    if "process" in wanted:
+        default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
+        df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
+    return df.collect()
 
 
 def _parquet_value(dtype: pl.DataType) -> pl.Expr:

@@ -35,6 +35,8 @@ class FileReport:
     attempt: str | None = None
     attempt_started: float | None = None
     attempt_first_step: int | None = None
+    # Its records from this step on are replaced by a later attempt's (and not read).
+    replaced_from: int | None = None
 
     @property
     def dropped_records(self) -> int:
