@@ -1,0 +1,286 @@
+"""The engine's promises (docs/modes.md, "How results are computed"): exact where float64
+allows, the same bits whatever the thread count or file order, one read of each file,
+and the same result from any format holding the same records."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from metric_core import Metric, MetricCollector, Reduce
+from metric_core.offline import engine
+from metric_core.offline.engine import reduce_run, run_plan
+from metric_core.offline.plan import make_plan
+
+from .conftest import BASE_TIME, killed_after, write_collector_run
+
+SOURCES = [(f"TrainActor_r{r}", r) for r in range(4)]
+
+
+def write_foreign(path: Path, rows: dict, *, dictionary: bool = True) -> None:
+    """Parquet as another tool writes it: no metriclog metadata, strings dictionary-encoded."""
+    table = pa.table(rows)
+    if dictionary:
+        for name in ("key", "reduction", "process"):
+            if name in table.column_names:
+                table = table.set_column(
+                    table.column_names.index(name), name, table[name].dictionary_encode()
+                )
+    pq.write_table(table, path)
+
+
+def exact_stats(values: np.ndarray) -> tuple[float, float, float]:
+    """sum, mean and population std of float64 values, computed exactly (then rounded)."""
+    fractions = [Fraction(x) for x in values.tolist()]
+    denominator = max(f.denominator for f in fractions)  # a power of two: every value is k / it
+    ints = [int(f * denominator) for f in fractions]
+    n = len(ints)
+    s1 = sum(ints)
+    s2 = sum(i * i for i in ints)
+    total = Fraction(s1, denominator)
+    variance = Fraction(s2 * n - s1 * s1, n * n * denominator * denominator)
+    return float(total), float(total / n), math.sqrt(variance)
+
+
+@pytest.fixture(scope="module")
+def hard_values(tmp_path_factory):
+    """Groups of 10^6 values of 1e12 + N(0, 1) (and others) in four files, one per rank."""
+    root = tmp_path_factory.mktemp("hard")
+    rng = np.random.default_rng(7)
+    groups = {  # key: (reduction, values)
+        "big/sum": ("sum", 1e12 + rng.standard_normal(1_000_000)),
+        "big/mean": ("mean", 1e12 + rng.standard_normal(1_000_000)),
+        "big/std": ("std", 1e12 + rng.standard_normal(1_000_000)),
+        "mid/std": ("std", 1e8 + rng.standard_normal(200_000)),
+        "zero/sum": ("sum", rng.standard_normal(200_000)),
+        "wide/sum": ("sum", rng.standard_normal(200_000) * 10.0 ** rng.integers(-8, 9, 200_000)),
+        "tail/p99": ("p99", rng.standard_normal(200_000) * 1e3),
+        "tail/p50": ("median", rng.standard_normal(200_001)),
+    }
+    for rank in range(4):
+        parts = {k: (red, v[rank::4]) for k, (red, v) in groups.items()}
+        n = sum(len(v) for _, v in parts.values())
+        write_foreign(
+            root / f"rank{rank}.parquet",
+            {
+                "key": np.repeat(list(parts), [len(v) for _, v in parts.values()]),
+                "value": np.concatenate([v for _, v in parts.values()]),
+                "reduction": np.repeat([r for r, _ in parts.values()], [len(v) for _, v in parts.values()]),
+                "step": np.zeros(n, dtype=np.int64),
+                "timestamp": BASE_TIME + np.arange(n) * 1e-6,
+                "rank": np.full(n, rank),
+            },
+        )
+    return root, groups
+
+
+def test_sum_mean_and_std_are_exact_to_1e_12(hard_values):
+    root, groups = hard_values
+    got = dict(reduce_run(root).select("key", "value").iter_rows())
+    for key, (reduction, values) in groups.items():
+        if reduction not in ("sum", "mean", "std"):
+            continue
+        total, mean, std = exact_stats(values)
+        want = {"sum": total, "mean": mean, "std": std}[reduction]
+        scale = float(np.abs(values).sum()) if reduction == "sum" else abs(want)
+        if reduction == "mean":
+            scale = float(np.abs(values).mean())
+        assert abs(got[key] - want) <= 1e-12 * scale, (key, got[key], want)
+
+
+def test_percentiles_equal_numpys(hard_values):
+    root, groups = hard_values
+    got = dict(reduce_run(root).select("key", "value").iter_rows())
+    assert got["tail/p99"] == pytest.approx(np.percentile(groups["tail/p99"][1], 99), rel=1e-15, abs=0)
+    assert got["tail/p50"] == pytest.approx(np.median(groups["tail/p50"][1]), rel=1e-15, abs=0)
+    # every statistic on one group, against numpy
+    values = groups["tail/p99"][1]
+    for stat, truth in [
+        ("min", values.min()),
+        ("max", values.max()),
+        ("count", len(values)),
+        ("p0", np.percentile(values, 0)),
+        ("p100", np.percentile(values, 100)),
+        ("p37.5", np.percentile(values, 37.5)),
+    ]:
+        frame = reduce_run(root, keys=["tail/p99"], reduce=[f"*={stat}"])
+        assert frame["value"][0] == pytest.approx(truth, rel=1e-15, abs=0), stat
+
+
+def _run_cli(run: Path, out: Path, threads: int, *args: str, dictionaries: bool = False) -> bytes:
+    """`metriclog reduce` in a fresh process with POLARS_MAX_THREADS=threads."""
+    code = (
+        "import sys\n"
+        "from metric_core.offline import engine\n"
+        f"engine.DICTIONARY_READ_RECORDS = {0 if dictionaries else 10**12}\n"
+        "from metriclog.main import app\n"
+        "app(sys.argv[1:])\n"
+    )
+    env = {**os.environ, "POLARS_MAX_THREADS": str(threads)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, "reduce", str(run), "--out", str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    return out.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def many_files(tmp_path_factory):
+    """A run of 12 writer files and 4 foreign ones, with every reduction."""
+    root = tmp_path_factory.mktemp("many")
+    write_collector_run(root, [(f"GeneratorActor_r{r}", r) for r in range(12)], steps=40, seed=3)
+    rng = np.random.default_rng(5)
+    for i in range(4):
+        n = 3000
+        write_foreign(
+            root / f"foreign{i}.parquet",
+            {
+                "key": rng.choice(["ext/a", "ext/b", "trainer/loss"], n),
+                "value": 1e9 + rng.standard_normal(n),
+                "reduction": np.where(rng.random(n) < 2, "mean", "mean"),
+                "step": rng.integers(0, 40, n),
+                "timestamp": BASE_TIME + rng.uniform(0, 40, n),
+                "rank": np.full(n, 20 + i),
+            },
+        )
+    return root
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (),
+        ("--mode", "per_rank_reduce"),
+        ("--by", "time", "--every", "3s"),
+        ("--reduce", "trainer/*=std", "--reduce", "policy/*=p90", "--reduce", "ext/b=first"),
+    ],
+    ids=["global", "per_rank", "by_time", "overrides"],
+)
+def test_output_is_bit_identical_across_runs_threads_and_file_order(many_files, tmp_path, args):
+    outputs = {
+        (threads, dictionaries): _run_cli(
+            many_files,
+            tmp_path / f"{threads}{dictionaries}.parquet",
+            threads,
+            *args,
+            dictionaries=dictionaries,
+        )
+        for threads in (1, 2)
+        for dictionaries in (False, True)
+    }
+    again = _run_cli(many_files, tmp_path / "again.parquet", 2, *args)
+    # the same files, created in the reverse order (so a directory listing returns them otherwise)
+    reversed_run = tmp_path / "reversed"
+    reversed_run.mkdir()
+    for path in sorted(many_files.iterdir(), reverse=True):
+        shutil.copy2(path, reversed_run / path.name)
+    other_order = _run_cli(reversed_run, tmp_path / "other.parquet", 2, *args)
+    first = outputs[(1, False)]
+    assert all(out == first for out in outputs.values())
+    assert again == first and other_order == first
+    # and the values are numpy's (the same bits need not be the right ones)
+    frame = pl.read_parquet(tmp_path / "again.parquet")
+    assert frame.height > 0 and frame["value"].is_not_null().all()
+
+
+def test_each_file_is_read_once(many_files, monkeypatch):
+    """One read of each data file for a reduce: the scan takes only metadata and footers."""
+    reads: list[str] = []
+    original = engine.read_categorical
+
+    def counting(path, *a, **k):
+        reads.append(Path(path).name)
+        return original(path, *a, **k)
+
+    monkeypatch.setattr(engine, "read_categorical", counting)
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    result = run_plan(many_files, make_plan())
+    parquet = sorted(p.name for p in many_files.glob("*.parquet"))
+    assert sorted(reads) == parquet
+    assert result.scan.report.skipped_records == 0
+
+
+def test_foreign_parquet_jsonl_and_journals_agree_with_the_writers_files(tmp_path):
+    """The same records written by the writer (sealed Parquet, and journals of a killed
+    writer), as another tool's Parquet (dictionary strings, integer values, timestamp-typed
+    times, int32 ranks, no metadata) and as plain JSONL: the same results, to the bit."""
+    records = write_collector_run(tmp_path / "scratch", SOURCES, steps=12, seed=11)
+    for r in records:  # what an integer value column and microsecond timestamps can hold
+        r["value"] = float(round(r["value"] * 1000))
+        r["timestamp"] = round(r["timestamp"] * 1e6) / 1e6
+    by_rank = {rank: [r for r in records if r["rank"] == rank] for _, rank in SOURCES}
+
+    def write_own(run: Path, killed: bool) -> None:
+        for (process, rank), rows in zip(SOURCES, by_rank.values(), strict=True):
+
+            def write(process=process, rank=rank, rows=rows) -> MetricCollector:
+                c = MetricCollector(run, rank=rank, process_name=process)
+                for step in sorted({r["step"] for r in rows}):
+                    for r in rows:
+                        if r["step"] == step:
+                            c.push(Metric(r["key"], r["value"], Reduce(r["reduction"]), r["timestamp"]))
+                    c.flush(step)
+                return c
+
+            killed_after(write) if killed else write().shutdown()
+
+    own, journals, foreign, jsonl = (tmp_path / name for name in ("own", "journals", "foreign", "jsonl"))
+    write_own(own, killed=False)
+    write_own(journals, killed=True)
+    assert list(journals.glob("*.journal")) and not list(own.glob("*.journal"))
+    foreign.mkdir()
+    jsonl.mkdir()
+    for (process, rank), rows in zip(SOURCES, by_rank.values(), strict=True):
+        frame = pl.DataFrame(rows).select("key", "value", "reduction", "step", "timestamp", "rank", "process")
+        frame.write_ndjson(jsonl / f"{process}.jsonl")
+        write_foreign(
+            foreign / f"{process}.parquet",
+            {
+                "key": frame["key"].to_list(),
+                "value": pa.array(frame["value"].cast(pl.Int64).to_list(), pa.int64()),
+                "reduction": frame["reduction"].str.to_uppercase().to_list(),
+                "step": frame["step"].to_list(),
+                "timestamp": pa.array(
+                    [round(t * 1e6) for t in frame["timestamp"]], pa.timestamp("us", tz="UTC")
+                ),
+                "rank": pa.array(frame["rank"].to_list(), pa.int32()),
+                "process": frame["process"].to_list(),
+            },
+        )
+    for plan in (
+        dict(),
+        dict(mode="per_rank_reduce"),
+        dict(mode="per_rank_no_reduce"),
+        dict(by="time", every="2s"),
+        dict(reduce=["*=p75"]),
+        dict(reduce=["*=first"]),
+    ):
+        mine = reduce_run(own, **plan)
+        for other in (journals, foreign, jsonl):
+            assert_same(mine, reduce_run(other, **plan), plan, other.name)
+
+
+def assert_same(a: pl.DataFrame, b: pl.DataFrame, plan: dict, what: str) -> None:
+    assert a.columns == b.columns, (plan, what)
+    assert a.height == b.height, (plan, what)
+    for col in a.columns:
+        if a[col].dtype == pl.Float64:
+            np.testing.assert_array_equal(
+                a[col].to_numpy(), b[col].to_numpy(), err_msg=f"{plan} {what} {col}"
+            )
+        else:
+            assert a[col].to_list() == b[col].to_list(), (plan, what, col)
