@@ -94,16 +94,22 @@ def reduce(
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
         if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
-        result = run_plan(
-            run_dir, plan, strict=strict, follow_symlinks=follow_symlinks, on_read=output.said_skips
-        )
-        for warning in result.warnings:
-            output.say("warning", warning)
-        frame = pivot_wide(result.frame, plan) if wide else result.frame
-        if out is None:
-            output.print_table(frame)
-        else:
-            output.write_frame(frame, out, derived=f"reduce --mode {mode.value}", run_dir=run_dir)
+        with output.read_progress() as progress:
+            result = run_plan(
+                run_dir,
+                plan,
+                strict=strict,
+                follow_symlinks=follow_symlinks,
+                on_read=output.said_skips,
+                on_progress=progress,
+            )
+            for warning in result.warnings:
+                output.say("warning", warning)
+            frames = iter([pivot_wide(result.frame, plan)]) if wide else result.batches()
+            if out is None:
+                output.print_frames(frames)
+            else:
+                output.write_frames(frames, out, derived=f"reduce --mode {mode.value}", run_dir=run_dir)
 
 
 @app.command()

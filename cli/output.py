@@ -44,6 +44,14 @@ def said_skips(report: ReadReport) -> None:
 def write_frame(df: pl.DataFrame, out: Path, *, derived: str, run_dir: Path | None = None) -> None:
     """Write by extension, marked as ``derived`` (see ``segment.DERIVED_KEY``: a reader does
     not take it for data); JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
+    write_frames(iter([df]), out, derived=derived, run_dir=run_dir)
+
+
+def write_frames(
+    frames: Iterator[pl.DataFrame], out: Path, *, derived: str, run_dir: Path | None = None
+) -> None:
+    """``write_frame`` for a stream of frames of one schema, written as they come (one frame
+    in memory at a time); nothing is created before the first frame is at hand."""
     from metric_core.segment import DERIVED_KEY, derived_marker
 
     suffix = out.suffix.lower()
@@ -55,24 +63,116 @@ def write_frame(df: pl.DataFrame, out: Path, *, derived: str, run_dir: Path | No
             f"--out {out} is inside the run directory {run_dir}: metriclog marks it as a result and "
             "does not read it as data, but other tools reading the directory may",
         )
+    first = next(frames)
+    second = next(frames, None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if suffix == ".parquet":
-        df.write_parquet(out, metadata={DERIVED_KEY: derived})
-    elif suffix == ".csv":
-        df.write_csv(out)
+    rows = first.height
+    if second is None and suffix == ".parquet":  # one frame: polars writes it, without pyarrow
+        first.write_parquet(out, metadata={DERIVED_KEY: derived})
+    elif suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = first.to_arrow()
+        with pq.ParquetWriter(out, table.schema.with_metadata({DERIVED_KEY: derived})) as writer:
+            for frame in _chain(first, second, frames):
+                writer.write_table(frame.to_arrow())
+                rows += frame.height if frame is not first else 0
     else:
-        from metric_core.atomic import replace_file
-        from metric_core.records import to_jsonl  # pyarrow: only for JSONL
+        with open(out, "wb") as f:
+            for frame in _chain(first, second, frames):
+                if suffix == ".csv":
+                    frame.write_csv(f, include_header=frame is first)
+                else:
+                    from metric_core.records import to_jsonl  # pyarrow: only for JSONL
 
-        out.write_bytes(to_jsonl(df.to_arrow()))
-        replace_file(derived_marker(out), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
-    say("info", f"wrote {df.height} row(s) to {out}")
+                    f.write(to_jsonl(frame.to_arrow()))
+                rows += frame.height if frame is not first else 0
+        if suffix == ".jsonl":
+            from metric_core.atomic import replace_file
+
+            replace_file(derived_marker(out), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
+    say("info", f"wrote {rows} row(s) to {out}")
 
 
-def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS) -> None:
-    """A readable table; a long result is cut and the cut is said."""
+def _chain(
+    first: pl.DataFrame, second: pl.DataFrame | None, rest: Iterator[pl.DataFrame]
+) -> Iterator[pl.DataFrame]:
+    yield first
+    if second is not None:
+        yield second
+        yield from rest
+
+
+def print_frames(frames: Iterator[pl.DataFrame], *, max_rows: int = MAX_TABLE_ROWS) -> None:
+    """``print_table`` of a stream of frames: the first rows, and how many there were."""
     import polars as pl
 
+    head: list[pl.DataFrame] = []
+    kept = total = 0
+    for frame in frames:
+        total += frame.height
+        if kept < max_rows:
+            head.append(frame.head(max_rows - kept))
+            kept += head[-1].height
+    print_table(pl.concat(head), max_rows=max_rows, total=total)
+
+
+@contextmanager
+def read_progress(what: str = "reading") -> Iterator[Callable[[int, int, int, int], None] | None]:
+    """A progress callback for the engine (parts done, parts, bytes done, bytes): on a
+    terminal, a bar on stderr from two seconds on (bytes read, rate, time left); nothing
+    otherwise."""
+    import time
+
+    if not sys.stderr.isatty():
+        yield None
+        return
+    started = time.monotonic()
+    bar: list[Any] = []
+
+    def update(done: int, parts: int, done_bytes: int, total_bytes: int) -> None:
+        if not bar:
+            if time.monotonic() - started < 2.0 or done == parts:
+                return
+            bar.append(_byte_progress())
+            bar[0].start()
+            bar.append(bar[0].add_task(what, total=total_bytes))
+        bar[0].update(bar[1], completed=done_bytes, description=f"{what} {done}/{parts} parts")
+
+    try:
+        yield update
+    finally:
+        if bar:
+            bar[0].stop()
+
+
+def _byte_progress() -> Any:
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    return Progress(*columns, console=Console(stderr=True), transient=True)
+
+
+def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS, total: int | None = None) -> None:
+    """A readable table; a long result (``total`` rows, when ``df`` holds only its first
+    ones) is cut and the cut is said."""
+    import polars as pl
+
+    total = df.height if total is None else total
     shown = df if df.height <= max_rows else df.head(max_rows)
     times = [c for c in ("timestamp", "window_start") if c in shown.columns]
     floats = [c for c, t in shown.schema.items() if t == pl.Float64 and c not in times]
@@ -89,9 +189,9 @@ def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS) -> None:
         fmt_str_lengths=60,
     ):
         print(shown)
-    if df.height > max_rows:
+    if total > max_rows:
         print(
-            f"... {df.height - max_rows} more row(s) not shown ({df.height} in all); "
+            f"... {total - max_rows} more row(s) not shown ({total} in all); "
             "write them all with --out FILE.parquet|.csv|.jsonl"
         )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -45,23 +45,39 @@ T = TypeVar("T")
 
 @dataclass
 class ReduceResult:
-    """A reduction and the scan it came from (for the health report)."""
+    """A reduction and the scan it came from (for the health report).
 
-    frame: pl.DataFrame
+    A per_rank_no_reduce result is a stream of frames, one source at a time, read when
+    ``batches()`` is iterated (so writing it holds one source's records, not the run's);
+    ``frame`` gathers them into one frame.
+    """
+
     plan: ReducePlan
     scan: RunScan
+    table: pl.DataFrame | None = None
+    stream: Callable[[], Iterator[pl.DataFrame]] | None = None
     warnings: list[str] = field(default_factory=list)
+
+    @property
+    def frame(self) -> pl.DataFrame:
+        if self.table is None:
+            self.table = pl.concat(list(self.batches()))
+        return self.table
+
+    def batches(self) -> Iterator[pl.DataFrame]:
+        if self.stream is None:
+            yield self.frame
+        else:
+            yield from self.stream()
 
 
 # Called after each partition with (partitions done, partitions, bytes done, bytes).
 OnProgress = Callable[[int, int, int, int], None]
 
 
-def _filtered(plan: ReducePlan, frame: pl.LazyFrame, keys: Sequence[str] | None = None) -> pl.LazyFrame:
-    """The plan's rank and step filters (and ``keys``, the run's keys ``--key`` selects)."""
+def _filtered(plan: ReducePlan, frame: pl.LazyFrame) -> pl.LazyFrame:
+    """The plan's rank and step filters (``--key`` is applied per file: ``_matching``)."""
     lf = frame.select(plan.input_columns)
-    if keys is not None:
-        lf = lf.filter(pl.col("key").is_in(list(keys)))
     if plan.ranks:
         rank = pl.col("rank")
         cond = pl.lit(False)
@@ -77,14 +93,6 @@ def _filtered(plan: ReducePlan, frame: pl.LazyFrame, keys: Sequence[str] | None 
     return lf
 
 
-def _selected_keys(plan: ReducePlan, frame: pl.LazyFrame) -> list[str] | None:
-    if not plan.keys:
-        return None
-    match = key_matcher(plan.keys)
-    found = frame.select(pl.col("key").unique()).collect(engine="streaming")["key"]
-    return sorted(key for key in found if match(key))
-
-
 @changed_files_said
 def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None = None) -> ReduceResult:
     """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served.
@@ -93,26 +101,22 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     file, computed on a pool of threads and merged in a fixed order, so the output is the
     same bits whatever the thread count or the order the files were listed in.
     """
-    if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+    if plan.by == "time" or plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+        # --by time windows start at the first record kept, a query over every file first;
+        # raw records are read as they are written out, after the report was handed over.
         scan.check_all()
-        return _raw(plan, scan)
+    if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+        return _raw(plan, scan, on_progress)
     match = key_matcher(plan.keys) if plan.keys else None
-    t0 = None
-    if plan.by == "time":
-        scan.check_all()  # the windows start at the first record kept: a query over all files first
-        t0 = _first_time(plan, scan)
+    t0 = _first_time(plan, scan) if plan.by == "time" else None
     statistic_of = _statistic_chooser(plan)
     parts = partitions(scan)
     sizes = [sum(_size(scan.report.files[fid].path) for fid in part) for part in parts]
 
-    parquet = sum(f.records for f in scan.report.files if f.format == "parquet")
-    dictionaries = parquet >= DICTIONARY_READ_RECORDS
+    dictionaries = _dictionary_read(scan)
 
     def reduce_part(part: list[int]) -> partials.Partial:
-        df = pl.concat([_read_part(plan, scan, fid, dictionaries) for fid in part])
-        if match is not None and df.height:
-            keys = df["key"].unique()
-            df = df.filter(pl.col("key").is_in([k for k in keys if match(k)]))
+        df = _matching(pl.concat([_read_part(plan, scan, fid, dictionaries) for fid in part]), match)
         return partials.partition_states(df, plan, statistic_of, t0)
 
     acc = partials.Accumulator()
@@ -130,7 +134,7 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     out = merged.with_columns(
         bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
     )
-    return ReduceResult(frame=out.select(plan.output_columns).sort(plan.sort_columns), plan=plan, scan=scan)
+    return ReduceResult(plan, scan, table=out.select(plan.output_columns).sort(plan.sort_columns))
 
 
 def _read_part(plan: ReducePlan, scan: RunScan, fid: int, dictionaries: bool) -> pl.DataFrame:
@@ -152,6 +156,10 @@ def _read_part(plan: ReducePlan, scan: RunScan, fid: int, dictionaries: bool) ->
 # From about this many Parquet records on, reading them with pyarrow's dictionaries beats
 # decoding every string with polars by more than pyarrow's import (0.1 s) costs.
 DICTIONARY_READ_RECORDS = 2_000_000
+
+
+def _dictionary_read(scan: RunScan) -> bool:
+    return sum(f.records for f in scan.report.files if f.format == "parquet") >= DICTIONARY_READ_RECORDS
 
 
 PARTITION_ROWS = 1_000_000
@@ -256,20 +264,66 @@ def _values(
     return value
 
 
-def _raw(plan: ReducePlan, scan: RunScan) -> ReduceResult:
+def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> ReduceResult:
+    """per_rank_no_reduce: every record kept, one source at a time, in time order.
+
+    A file of one source (the writer's) is read when its source's turn comes; files that
+    hold several sources (or do not say) are read first and held, to be split by source."""
     warnings: list[str] = []
     if plan.overrides:
         warnings.append("--reduce has no effect with --mode per_rank_no_reduce: raw values are kept")
-    keys = _selected_keys(plan, scan.frame)
-    lf = _filtered(plan, scan.frame, keys)
-    if plan.by == "time":
-        t0 = _first_time(plan, scan)
-        every = float(plan.every or 0)
-        lf = lf.with_columns(window_start=pl.lit(t0) + ((pl.col("timestamp") - t0) / every).floor() * every)
-    out = lf.select(plan.output_columns).sort(plan.sort_columns).collect(engine="streaming")
-    if out.height == 0:
-        raise NoDataError(str(scan.run_dir), "no record matches the filters")
-    return ReduceResult(frame=out, plan=plan, scan=scan, warnings=warnings)
+    t0 = _first_time(plan, scan) if plan.by == "time" else None
+    match = key_matcher(plan.keys) if plan.keys else None
+    dictionaries = _dictionary_read(scan)
+    by_source: dict[tuple[str, int], list[int]] = {}
+    mixed: list[int] = []
+    for fid in scan.parts:
+        source = scan.report.files[fid].source
+        (by_source.setdefault(source, []) if source is not None else mixed).append(fid)
+    sizes = {fid: _size(scan.report.files[fid].path) for fid in scan.parts}
+    total = sum(sizes.values())
+
+    def read(fids: list[int]) -> pl.DataFrame:
+        frames = [_matching(_read_part(plan, scan, fid, dictionaries), match) for fid in fids]
+        return pl.concat(frames).with_columns(pl.col("key", "reduction", "process").cast(pl.String))
+
+    def stream() -> Iterator[pl.DataFrame]:
+        done = 0
+        held = read(mixed) if mixed else None
+        if held is not None:
+            done += sum(sizes[fid] for fid in mixed)
+        sources = set(by_source)
+        if held is not None:
+            sources |= set(held.select("process", "rank").unique().iter_rows())
+        produced = False
+        for i, (process, rank) in enumerate(sorted(sources)):
+            fids = by_source.get((process, rank), [])
+            parts = [read(fids)] if fids else []
+            if held is not None:
+                parts.append(held.filter((pl.col("process") == process) & (pl.col("rank") == rank)))
+            batch = pl.concat(parts).sort("timestamp", maintain_order=True)  # ties: file order
+            done += sum(sizes[fid] for fid in fids)
+            if on_progress is not None:
+                on_progress(i + 1, len(sources), done, total)
+            if batch.height == 0:
+                continue
+            if t0 is not None:
+                window = np.floor((batch["timestamp"].to_numpy() - t0) / float(plan.every or 0))
+                batch = batch.with_columns(window_start=pl.Series(t0 + window * float(plan.every or 0)))
+            produced = True
+            yield batch.select(plan.output_columns)
+        if not produced:
+            raise NoDataError(str(scan.run_dir), "no record matches the filters")
+
+    return ReduceResult(plan, scan, stream=stream, warnings=warnings)
+
+
+def _matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.DataFrame:
+    """The records whose key a ``--key`` pattern matches (each distinct key tested once)."""
+    if match is None or df.height == 0:
+        return df
+    keys = [k for k in df["key"].unique().cast(pl.String) if match(k)]
+    return df.filter(pl.col("key").cast(pl.String).is_in(keys))
 
 
 def _reduction_origins(plan: ReducePlan, scan: RunScan, key: str) -> dict[str, list[str]]:
@@ -310,11 +364,12 @@ def run_plan(
     strict: bool = False,
     follow_symlinks: bool = False,
     on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
 ) -> ReduceResult:
     """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
 
-    ``on_read`` gets the health report once the run is read. Raises ``StrictModeError``
-    when ``strict`` and the reader skipped anything.
+    ``on_read`` gets the health report once the run is read, ``on_progress`` the progress
+    of the read. Raises ``StrictModeError`` when ``strict`` and the reader skipped anything.
 
     >>> result = run_plan("sample_logs/rl_run", make_plan(mode="per_rank_reduce", keys=["policy/reward"]))
     >>> result.frame.select("process", "step", "count").head(2).rows()
@@ -326,7 +381,7 @@ def run_plan(
     # is whole once the plan ran; it is handed over even when the plan fails.
     scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts, defer_checks=True)
     try:
-        result = execute(plan, scan)
+        result = execute(plan, scan, on_progress=on_progress)
     finally:
         if on_read is not None:
             on_read(scan.report)
