@@ -122,11 +122,11 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     acc = partials.Accumulator()
     for state in _in_order(reduce_part, parts, sizes, on_progress):
         acc.add(state)
-    merged, stats, row_of = acc.result()
+    merged, stats = acc.result()
     if merged.height == 0:
         raise NoDataError(str(scan.run_dir), "no record matches the filters")
     _check_reductions(plan, scan, merged)
-    value = _values(merged, stats, acc.group_values(row_of))
+    value = _values(merged, stats, acc)
     if plan.by == "time":
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
     else:
@@ -246,21 +246,34 @@ def _check_reductions(plan: ReducePlan, scan: RunScan, merged: pl.DataFrame) -> 
         raise UnknownReductionError(unknown)
 
 
-def _values(
-    merged: pl.DataFrame, stats: dict[str, np.ndarray], grouped: tuple[np.ndarray, np.ndarray]
-) -> np.ndarray:
-    """Each group's value: the statistic its reduction names, from the merged states."""
+def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], acc: partials.Accumulator) -> np.ndarray:
+    """Each group's value: the statistic its reduction names, from the merged states.
+
+    median and pNN sort each group's values (polars' linear quantile, numpy's to an ulp);
+    a group holding NaN gets NaN, as in numpy."""
     value = np.full(merged.height, np.nan)
     for name in merged["reduction"].unique().sort():
         stat = Statistic.parse(name)
         rows = (merged["reduction"] == name).to_numpy()
-        if stat.name == "median":
-            value[rows] = partials.median(*grouped, merged.height)[rows]
-        elif stat.quantile is not None:
-            q = np.where(rows, stat.quantile, np.nan)
-            value[rows] = partials.percentile(*grouped, merged.height, q)[rows]
-        else:
+        if stat.name != "median" and stat.quantile is None:
             value[rows] = stats[stat.name][rows]
+            continue
+        q = 0.5 if stat.name == "median" else stat.quantile
+        held = acc.values()
+        if merged.height != int(rows.sum()):  # other statistics too: only this one's values
+            held = held.filter(pl.col("_combo").is_in(merged.filter(rows)["_combo"].unique().implode()))
+        found = (
+            held.group_by("bucket", "_combo")
+            .agg(
+                q=pl.when(pl.col("value").is_nan().any())
+                .then(float("nan"))
+                .otherwise(pl.col("value").quantile(q, interpolation="linear"))
+            )
+        )
+        picked = merged.select("bucket", "_combo").join(
+            found, on=["bucket", "_combo"], how="left", maintain_order="left"
+        )
+        value[rows] = picked["q"].to_numpy()[rows]
     return value
 
 

@@ -56,7 +56,7 @@ class Partial:
     ``bucket`` is the group's step (or ``--by time`` window number); ``combo`` indexes
     ``combos``, the (process, rank, key, statistic) of the group (process and rank None
     in global_reduce); ``state`` holds the arrays named in the module docstring; for
-    median/pNN groups, ``value_group`` (sorted) and ``values`` hold their values.
+    median/pNN groups, ``values`` holds their values and ``value_group`` their groups.
     """
 
     bucket: np.ndarray
@@ -147,8 +147,7 @@ def partition_states(
     value_group, values = np.empty(0, dtype=np.int64), np.empty(0)
     if quantile.any():
         subset = np.flatnonzero(quantile[stat_codes])
-        order = np.lexsort((value[subset], ids[subset]))
-        value_group, values = ids[subset][order], value[subset][order]
+        value_group, values = ids[subset], value[subset]
     return Partial(bucket[group_rows], combo[group_rows], combos, state, value_group, values)
 
 
@@ -255,6 +254,7 @@ class Accumulator:
     combos: dict[tuple[Any, ...], int] = field(default_factory=dict)
     blocks: dict[int, _Block] = field(default_factory=dict)
     value_cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
+    value_frame: pl.DataFrame | None = None
 
     def add(self, p: Partial) -> None:
         if not len(p.bucket):
@@ -282,9 +282,9 @@ class Accumulator:
             block.state, block.width = grown, width
         return block
 
-    def result(self) -> tuple[pl.DataFrame, dict[str, np.ndarray], np.ndarray]:
-        """One row a group (bucket, process, rank, key, reduction), the merged statistics by
-        name, and for median/pNN values the row each belongs to (see ``group_values``)."""
+    def result(self) -> tuple[pl.DataFrame, dict[str, np.ndarray]]:
+        """One row a group (bucket, _combo, process, rank, key, reduction) and the merged
+        statistics by name, one value a row."""
         buckets, combos, parts = [], [], []
         for b in sorted(self.blocks):
             block = self.blocks[b]
@@ -293,7 +293,7 @@ class Accumulator:
             combos.append(cells % block.width)
             parts.append(block.state[:, cells])
         if not parts:
-            return pl.DataFrame(), {}, np.empty(0)
+            return pl.DataFrame(), {}
         bucket, combo, s = np.concatenate(buckets), np.concatenate(combos), np.concatenate(parts, axis=1)
         labels = list(self.combos)
         process, rank, key, reduction = (list(col) for col in zip(*labels, strict=True))
@@ -329,25 +329,17 @@ class Accumulator:
                 "first": s[FIRST],
                 "last": s[LAST],
             }
-        row_of = np.empty(0, dtype=np.int64)
-        if self.value_cells:
-            # the merged row of each value: its (bucket, combo) looked up among the rows
-            width = len(labels)
-            uniq, inverse = np.unique(bucket, return_inverse=True)
-            cell = inverse * width + combo
-            order = np.argsort(cell)
-            vb = np.concatenate([c[0] for c in self.value_cells])
-            vc = np.concatenate([c[1] for c in self.value_cells])
-            row_of = order[np.searchsorted(cell[order], np.searchsorted(uniq, vb) * width + vc)]
-        return frame.drop("_combo"), stats, row_of
+        return frame, stats
 
-    def group_values(self, row_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Every median/pNN value with its row, sorted by (row, value)."""
-        if not self.value_cells:
-            return np.empty(0, dtype=np.int64), np.empty(0)
-        values = np.concatenate([c[2] for c in self.value_cells])
-        order = np.lexsort((values, row_of))
-        return row_of[order], values[order]
+    def values(self) -> pl.DataFrame:
+        """Every median/pNN value with its group (bucket, _combo), in the order folded."""
+        if self.value_frame is None:
+            if not self.value_cells:
+                return pl.DataFrame(schema={"bucket": pl.Int64, "_combo": pl.Int64, "value": pl.Float64})
+            bucket, combo, values = (np.concatenate(parts) for parts in zip(*self.value_cells, strict=True))
+            self.value_cells = []
+            self.value_frame = pl.DataFrame({"bucket": bucket, "_combo": combo, "value": values})
+        return self.value_frame
 
 
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
@@ -375,48 +367,3 @@ def _empty_cells(size: int) -> np.ndarray:
     cells = np.empty((len(FIELDS), size))
     cells[:] = _EMPTY[:, None]
     return cells
-
-
-def _bounds(value_group: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
-    """Where each group's values start and end in the sorted values."""
-    groups = np.arange(n_groups)
-    return np.searchsorted(value_group, groups, side="left"), np.searchsorted(
-        value_group, groups, side="right"
-    )
-
-
-def percentile(value_group: np.ndarray, values: np.ndarray, n_groups: int, q: np.ndarray) -> np.ndarray:
-    """numpy's linear percentile of each group's sorted values; q per group (NaN: none).
-
-    A group holding NaN gets NaN (its NaNs sort last)."""
-    out = np.full(n_groups, np.nan)
-    if not len(values):
-        return out
-    starts, ends = _bounds(value_group, n_groups)
-    g = np.flatnonzero((ends > starts) & ~np.isnan(q))
-    size = ends[g] - starts[g]
-    virtual = (size - 1) * q[g]
-    lo = np.floor(virtual).astype(np.int64)
-    hi = np.minimum(lo + 1, size - 1)
-    gamma = virtual - lo
-    a, b = values[starts[g] + lo], values[starts[g] + hi]
-    diff = b - a
-    with np.errstate(invalid="ignore"):
-        # numpy's _lerp: from the nearer end, so the result stays within [a, b]
-        lerp = np.where(gamma >= 0.5, b - diff * (1 - gamma), a + diff * gamma)
-    out[g] = np.where(np.isnan(values[ends[g] - 1]), np.nan, lerp)
-    return out
-
-
-def median(value_group: np.ndarray, values: np.ndarray, n_groups: int) -> np.ndarray:
-    """numpy's median of each group's sorted values: the middle one, or the mean of the two."""
-    out = np.full(n_groups, np.nan)
-    if not len(values):
-        return out
-    starts, ends = _bounds(value_group, n_groups)
-    g = np.flatnonzero(ends > starts)
-    size = ends[g] - starts[g]
-    a = values[starts[g] + (size - 1) // 2]
-    b = values[starts[g] + size // 2]
-    out[g] = np.where(np.isnan(values[ends[g] - 1]), np.nan, np.where(size % 2 == 1, a, (a + b) / 2))
-    return out
