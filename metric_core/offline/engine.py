@@ -142,7 +142,10 @@ def _read_part(plan: ReducePlan, scan: RunScan, fid: int, dictionaries: bool) ->
     strings as polars Categorical. With ``dictionaries``, Parquet is read by pyarrow with
     its strings kept as dictionary codes, never decoded (``read_categorical``)."""
     rep = scan.report.files[fid]
-    columns = sorted({*plan.input_columns, *(REQUIRED_FIELDS if fid in scan.unchecked else ())})
+    wanted = {*plan.input_columns, *(REQUIRED_FIELDS if fid in scan.unchecked else ())}
+    if rep.keys is None or any(r in ("first", "last") for _, r in rep.keys):
+        wanted.add("timestamp")  # a statistic of the recorded reductions may need it
+    columns = sorted(wanted)
     if rep.format == "parquet" and dictionaries:
         df = read_categorical(rep.path, columns, rep.hashed)
         if rep.replaced_from is not None:
@@ -258,7 +261,7 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], acc: partials.Ac
         if stat.name != "median" and stat.quantile is None:
             value[rows] = stats[stat.name][rows]
             continue
-        q = 0.5 if stat.name == "median" else stat.quantile
+        q = 0.5 if stat.quantile is None else stat.quantile  # median: 0.5
         held = acc.values()
         if merged.height != int(rows.sum()):  # other statistics too: only this one's values
             held = held.filter(pl.col("_combo").is_in(merged.filter(rows)["_combo"].unique().implode()))

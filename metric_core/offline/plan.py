@@ -107,9 +107,11 @@ class ReducePlan:
 
     @property
     def input_columns(self) -> list[str]:
-        cols = {"key", "value", "reduction", "rank"}
+        cols = {"key", "value", "reduction"}
         if self.mode is not LoggingMode.GLOBAL_REDUCE:
-            cols |= {"process", "timestamp", "step"}
+            cols |= {"process", "rank", "timestamp", "step"}
+        if self.ranks:
+            cols.add("rank")
         cols.add("timestamp" if self.by == "time" else "step")
         if any(s.name in ("first", "last") for _, s in self.overrides) or self.by == "time":
             cols.add("timestamp")
