@@ -1,10 +1,12 @@
 """The three logging modes, computed offline from a run's raw records.
 
 A ``ReducePlan`` (``metric_core.offline.plan``) says what to compute and knows nothing about
-how; ``execute`` turns a plan into one lazy polars query and runs it
-on the streaming engine, reading only the columns the mode needs. Memory grows with
-the number of output groups (and, for median/pNN, with the values of one group), not
-with the number of raw records. Another engine can run the same plan.
+how. ``execute`` cuts the run's files into partitions (``partitions``: fixed by the files,
+not by the machine), reads each once on a pool of threads, reduces it to partial states
+(``metric_core.offline.partials``) and folds those in partition order, so the output is
+the same bits whatever the thread count. Memory grows with the number of output groups
+(and with the values of median/pNN keys), not with the records. Another engine can run
+the same plan over the same partitions (docs/modes.md, "How results are computed").
 
 Statistics follow numpy over all raw values of a group: ``mean`` is sum/count over
 every value (not a mean of rank means), ``std`` is the population std (ddof=0), ``pNN``

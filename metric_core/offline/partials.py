@@ -95,60 +95,79 @@ def partition_states(
         bucket = np.floor((df["timestamp"].to_numpy() - t0) / plan.every).astype(np.int64)
     else:
         bucket = df["step"].to_numpy().astype(np.int64, copy=False)
-    key_codes, n_keys = _dense(_category_codes(df["key"]))
-    red_codes, n_reds = _dense(_category_codes(df["reduction"]))
-    # The statistic of each (key, reduction) pair present, by one representative row.
-    pair = key_codes * n_reds + red_codes
-    pair_rows = _representatives(pair, n_keys * n_reds)
-    present = np.flatnonzero(pair_rows >= 0)
-    chosen = [
-        statistic_of(k, r)
-        for k, r in zip(
-            df["key"].gather(pair_rows[present]).to_list(),
-            df["reduction"].gather(pair_rows[present]).cast(pl.String).str.to_lowercase().to_list(),
-            strict=True,
-        )
-    ]
-    names = sorted(set(chosen))
-    stat_of_pair = np.zeros(n_keys * n_reds, dtype=np.int64)
-    stat_of_pair[present] = [names.index(c) for c in chosen]
-    stat_codes = stat_of_pair[pair]
+    # A row's label apart from its bucket: its (process, rank,) key and recorded reduction,
+    # as one code; each distinct label is then looked at once, in Python.
     per_source = plan.group_columns[0] == "process"
-    codes = [(key_codes, n_keys), (stat_codes, len(names))]
-    if per_source:
-        codes = [_dense(_category_codes(df["process"])), _dense(df["rank"].to_numpy()), *codes]
-    combo, n_combos = _combine(codes, rows)
-    combo_rows = _representatives(combo, n_combos)
-    label_cols = [
-        df["key"].gather(combo_rows).to_list(),
-        np.array(names, dtype=object)[stat_codes[combo_rows]],
-    ]
-    if per_source:
-        label_cols = [
-            df["process"].gather(combo_rows).to_list(),
-            df["rank"].gather(combo_rows).to_list(),
-            *label_cols,
-        ]
-    else:
-        label_cols = [[None] * n_combos, [None] * n_combos, *label_cols]
-    combos = list(zip(*label_cols, strict=True))
-    # bucket first, so the groups come in bucket order (the accumulator takes them in runs)
-    ids, n_groups = _combine([_dense(bucket), (combo, n_combos)], rows)
-    group_rows = _representatives(ids, n_groups)
+    label_columns = [*(("process", "rank") if per_source else ()), "key", "reduction"]
+    pair, n_pairs = _combine([_codes(df[c]) for c in label_columns], rows, squeeze=False)
+    pair_rows = _representatives(pair, n_pairs)
+    present = np.flatnonzero(pair_rows >= 0)
+    labels = df.select(label_columns)[pair_rows[present]]
+    combos: list[tuple[Any, ...]] = []
+    combo_index: dict[tuple[Any, ...], int] = {}
+    combo_of_pair = np.zeros(n_pairs, dtype=np.int64)
+    for i, row in enumerate(labels.iter_rows()):
+        *source, key, recorded = row
+        combo_label = (*(source or (None, None)), key, statistic_of(key, str(recorded).lower()))
+        combo_of_pair[present[i]] = combo_index.setdefault(combo_label, len(combos))
+        if len(combo_index) > len(combos):
+            combos.append(combo_label)
+    combo = combo_of_pair[pair]
+    names = sorted({c[-1] for c in combos})
+    stat_of_combo = np.array([names.index(c[-1]) for c in combos], dtype=np.int64)
+    ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, len(combos))
     state = _empty_cells(n_groups)
+    state[N] = count
     _sums(state, ids, value, need_sq="std" in names)
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
+    stat_codes = stat_of_combo[combo] if len(names) > 1 else None
     for family in _FAMILIES:
         wanted = np.array([s is not None and s.name == family for s in stats])
         if wanted.any():
-            subset = None if wanted.all() else np.flatnonzero(wanted[stat_codes])
+            subset = None if stat_codes is None else np.flatnonzero(wanted[stat_codes])
             _extreme(state, family, ids, value, df, subset)
     quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     value_group, values = np.empty(0, dtype=np.int64), np.empty(0)
     if quantile.any():
-        subset = np.flatnonzero(quantile[stat_codes])
+        subset = np.arange(rows) if stat_codes is None else np.flatnonzero(quantile[stat_codes])
         value_group, values = ids[subset], value[subset]
-    return Partial(bucket[group_rows], combo[group_rows], combos, state, value_group, values)
+    return Partial(group_bucket, group_combo, combos, state, value_group, values)
+
+
+def _groups(
+    bucket: np.ndarray, combo: np.ndarray, n_combos: int
+) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's group (bucket x combo, numbered in bucket order), the number of groups,
+    their counts, and each group's bucket and combo."""
+    lo, hi = int(bucket.min()), int(bucket.max())
+    span = (hi - lo + 1) * n_combos
+    if span > 4 * len(bucket) + _DENSE_SLACK:  # sparse buckets: number them first
+        uniq, bucket_code = np.unique(bucket, return_inverse=True)
+        cell = bucket_code * n_combos + combo
+        cells, ids, count = np.unique(cell, return_inverse=True, return_counts=True)
+        return ids, len(cells), count, uniq[cells // n_combos], cells % n_combos
+    cell = (bucket - lo) * n_combos + combo
+    count = np.bincount(cell, minlength=span)
+    cells = np.flatnonzero(count)
+    if len(cells) == span:
+        ids = cell
+    else:
+        lookup = np.zeros(span, dtype=np.int64)
+        lookup[cells] = np.arange(len(cells))
+        ids = lookup[cell]
+    return ids, len(cells), count[cells], cells // n_combos + lo, cells % n_combos
+
+
+def _codes(series: pl.Series) -> tuple[np.ndarray, int]:
+    """Integer codes 0..k-1 of a column (equal values, equal codes) and k (an upper bound)."""
+    if series.dtype.is_integer():
+        x = series.to_numpy().astype(np.int64, copy=False)
+        lo = int(x.min())
+        span = int(x.max()) - lo + 1
+        return ((x - lo), span) if span <= 4 * len(x) + _DENSE_SLACK else _dense(x)
+    codes = _category_codes(series).astype(np.int64)
+    span = int(codes.max()) + 1
+    return (codes, span) if span <= 4 * len(codes) + _DENSE_SLACK else _dense(codes)
 
 
 def _category_codes(series: pl.Series) -> np.ndarray:
@@ -170,8 +189,9 @@ def _dense(codes: np.ndarray) -> tuple[np.ndarray, int]:
     return (np.cumsum(present) - 1)[shifted], int(present.sum())
 
 
-def _combine(codes: list[tuple[np.ndarray, int]], rows: int) -> tuple[np.ndarray, int]:
-    """One dense index from several columns' dense codes (mixed radix, renumbered when sparse)."""
+def _combine(codes: list[tuple[np.ndarray, int]], rows: int, squeeze: bool = True) -> tuple[np.ndarray, int]:
+    """One index from several columns' codes (mixed radix, renumbered where it grows sparse,
+    and at the end unless not ``squeeze``)."""
     ids = np.zeros(rows, dtype=np.int64)
     span = 1
     for c, k in codes:
@@ -179,7 +199,7 @@ def _combine(codes: list[tuple[np.ndarray, int]], rows: int) -> tuple[np.ndarray
             ids, span = _dense(ids)
         ids = ids * k + c
         span *= k
-    return _dense(ids)
+    return _dense(ids) if squeeze else (ids, span)
 
 
 def _representatives(ids: np.ndarray, n: int) -> np.ndarray:
@@ -191,14 +211,15 @@ def _representatives(ids: np.ndarray, n: int) -> np.ndarray:
 
 
 def _sums(state: np.ndarray, ids: np.ndarray, value: np.ndarray, need_sq: bool) -> None:
+    """The sums of the module docstring, into ``state`` (which holds the counts)."""
     n = state.shape[1]
-    count = np.bincount(ids, minlength=n)
+    count = state[N]
     raw = np.bincount(ids, weights=value, minlength=n)
     with np.errstate(invalid="ignore", divide="ignore"):
         shift = raw / count
     shift[~np.isfinite(shift)] = 0.0  # raw keeps what a non-finite value did
     dev_each = value - shift[ids]
-    state[N], state[RAW], state[SHIFT] = count, raw, shift
+    state[RAW], state[SHIFT] = raw, shift
     state[DEV] = np.bincount(ids, weights=dev_each, minlength=n)
     if need_sq:
         state[SQ] = np.bincount(ids, weights=dev_each * dev_each, minlength=n)

@@ -1,0 +1,197 @@
+"""The engine (issue 13): wall time against DuckDB and polars' own floor, peak RSS in every
+mode from 20M to 100M records, and bit-identical output across runs and thread counts.
+
+Runs (in --dir, made once):
+
+  foreign_20M / foreign_100M   written by another tool (pyarrow): 32 files, 50 keys, each
+                               key once per step per file, key/reduction/process
+                               dictionary-encoded, no metriclog metadata
+  own_20M / own_100M           written by metric_core's writer (benchmarks/bench_reduce.py's
+                               parquet_20M and parquet_100M: 10 keys, 50 values a step)
+  jsonl                        bench_reduce.py's jsonl run: 8 writer files, 2M records
+
+Peers, each a whole process, interleaved with ours over --repeats rounds (medians):
+
+  duckdb   DuckDB with 2 threads, the same reduction (each key by its recorded reduction,
+           count), written to Parquet sorted by step and key
+  floor    a bare polars query: scan + group_by(step, key) with the same aggregations,
+           sunk to Parquet (what polars does with no checks, no exactness, no report)
+
+Peak RSS is that of the command's process tree (GNU time on the metriclog command; the
+engine starts no child). Every mode is run once per size for memory.
+
+Usage: python benchmarks/bench_engine.py [--sizes 20M,100M] [--repeats 3] [--dir bench_out]
+       [--skip-modes] [--skip-100M-quantiles]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_reduce import DUCKDB_CHILD, compile_sources, generate, timed  # noqa: E402
+
+KEYS = [f"section{i // 10}/metric_{i}" for i in range(50)]
+REDUCTIONS = ["mean", "sum", "max", "min", "std"] * 10
+
+FLOOR_CHILD = """
+import sys, polars as pl
+run, out, fmt = sys.argv[1], sys.argv[2], sys.argv[3]
+scan = pl.scan_parquet(f"{run}/*.parquet") if fmt == "parquet" else pl.scan_ndjson(
+    f"{run}/*.jsonl", schema={"key": pl.String, "value": pl.Float64, "reduction": pl.String,
+    "step": pl.Int64, "timestamp": pl.Float64, "rank": pl.Int64, "process": pl.String})
+v = pl.col("value")
+stat = (pl.when(pl.col("reduction") == "mean").then(v.mean()).when(pl.col("reduction") == "sum").then(v.sum())
+        .when(pl.col("reduction") == "max").then(v.max()).when(pl.col("reduction") == "min").then(v.min())
+        .otherwise(v.std(ddof=0)))
+(scan.filter(pl.col("key").is_not_null())
+     .group_by("step", "key").agg(pl.col("reduction").first(), v.mean().alias("mean"), v.sum().alias("sum"),
+        v.max().alias("max"), v.min().alias("min"), v.std(ddof=0).alias("std"), pl.len().alias("count"))
+     .sort("step", "key").sink_parquet(out))
+"""
+
+
+def foreign_run(root: Path, rows: int) -> Path:
+    """Parquet written by pyarrow as another tool would: dictionary strings, no metadata."""
+    import pyarrow as pa
+    import pyarrow.compute  # noqa: F401  (pa.compute)
+    import pyarrow.parquet as pq
+
+    run = root / f"foreign_{rows // 1_000_000}M"
+    done = run / ".complete"
+    if done.exists():
+        return run
+    run.mkdir(parents=True, exist_ok=True)
+    files, per_file = 32, rows // 32
+    steps = per_file // len(KEYS)
+    keys = pa.array(KEYS).dictionary_encode()
+    reductions = pa.array(REDUCTIONS).dictionary_encode()
+    for f in range(files):
+        rng = np.random.default_rng(f)
+        index = pa.array(np.tile(np.arange(len(KEYS), dtype=np.int32), steps))
+        step = np.repeat(np.arange(steps, dtype=np.int64), len(KEYS))
+        table = pa.table(
+            {
+                "key": pa.DictionaryArray.from_arrays(index, keys.dictionary),
+                "value": rng.normal(10.0, 3.0, steps * len(KEYS)),
+                "reduction": pa.DictionaryArray.from_arrays(pa.compute.remainder(index, 5), reductions.dictionary),
+                "step": step,
+                "timestamp": 1.76e9 + step * 2.0 + rng.uniform(0, 1.9, steps * len(KEYS)),
+                "rank": np.full(steps * len(KEYS), f, dtype=np.int64),
+                "process": pa.array([f"rank{f}"] * (steps * len(KEYS))).dictionary_encode(),
+            }
+        )
+        pq.write_table(table, run / f"part-{f:05d}.parquet", row_group_size=1 << 20)
+    done.touch()
+    return run
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def compare(runs: list[tuple[str, Path, str]], out_dir: Path, repeats: int) -> list[dict]:
+    metriclog = str(Path(sys.executable).with_name("metriclog"))
+    rows = []
+    for name, run, fmt in runs:
+        times: dict[str, list[tuple[float, float]]] = {"metriclog": [], "duckdb": [], "floor": []}
+        outs = {who: out_dir / f"engine_{who}_{name}.parquet" for who in times}
+        for _ in range(repeats):
+            times["metriclog"].append(timed([metriclog, "reduce", str(run), "--out", str(outs["metriclog"])]))
+            times["duckdb"].append(timed([sys.executable, "-c", DUCKDB_CHILD, str(run), str(outs["duckdb"]), fmt]))
+            times["floor"].append(timed([sys.executable, "-c", FLOOR_CHILD, str(run), str(outs["floor"]), fmt]))
+        med = {who: (statistics.median(w for w, _ in t), statistics.median(r for _, r in t)) for who, t in times.items()}
+        rows.append({"run": name, **{f"{w}_s": m[0] for w, m in med.items()}, **{f"{w}_mib": m[1] for w, m in med.items()}})
+        print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
+def modes(run: Path, name: str, out_dir: Path, quantiles: bool) -> list[dict]:
+    metriclog = str(Path(sys.executable).with_name("metriclog"))
+    cases = {
+        "global_reduce": [],
+        "per_rank_reduce": ["--mode", "per_rank_reduce"],
+        "by time 10s": ["--by", "time", "--every", "10s"],
+        "per_rank_no_reduce": ["--mode", "per_rank_no_reduce"],
+    }
+    if quantiles:
+        cases["*=p99"] = ["--reduce", "*=p99"]
+    out = []
+    for case, args in cases.items():
+        target = out_dir / f"engine_mode_{name}.parquet"
+        wall, rss = timed([metriclog, "reduce", str(run), *args, "--out", str(target)])
+        out.append({"run": name, "mode": case, "s": wall, "mib": rss})
+        print(out[-1], file=sys.stderr, flush=True)
+    target.unlink(missing_ok=True)
+    return out
+
+
+def identical(run: Path, out_dir: Path) -> list[str]:
+    """Output digests: twice with 2 threads, once with 1."""
+    metriclog = str(Path(sys.executable).with_name("metriclog"))
+    found = []
+    for threads in ("2", "2", "1"):
+        target = out_dir / f"engine_same_{threads}.parquet"
+        os.environ["POLARS_MAX_THREADS"] = threads
+        try:
+            timed([metriclog, "reduce", str(run), "--mode", "per_rank_reduce", "--out", str(target)])
+        finally:
+            del os.environ["POLARS_MAX_THREADS"]
+        found.append(digest(target))
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="20M,100M")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=Path("bench_out"))
+    parser.add_argument("--skip-modes", action="store_true")
+    parser.add_argument("--skip-100M-quantiles", action="store_true")
+    args = parser.parse_args()
+    args.dir.mkdir(exist_ok=True)
+    compile_sources()
+    sizes = args.sizes.split(",")
+    runs = []
+    for size in sizes:
+        runs.append((f"foreign_{size}", foreign_run(args.dir, int(size.rstrip("M")) * 1_000_000), "parquet"))
+        runs.append((f"own_{size}", generate(args.dir, size), "parquet"))
+    runs.append(("jsonl_2M", generate(args.dir, "jsonl"), "jsonl"))
+    table = compare(runs, args.dir, args.repeats)
+    print(f"\nreduce --mode global_reduce: medians of {args.repeats}; whole processes; RSS = peak")
+    print(f"{'run':<14}{'ours s':>8}{'duckdb s':>10}{'x duckdb':>10}{'floor s':>9}{'x floor':>9}{'ours MiB':>10}{'duck MiB':>10}")
+    for r in table:
+        print(
+            f"{r['run']:<14}{r['metriclog_s']:>8.2f}{r['duckdb_s']:>10.2f}{r['metriclog_s'] / r['duckdb_s']:>9.2f}x"
+            f"{r['floor_s']:>9.2f}{r['metriclog_s'] / r['floor_s']:>8.2f}x{r['metriclog_mib']:>10.0f}{r['duckdb_mib']:>10.0f}"
+        )
+    if not args.skip_modes:
+        found = []
+        for name, run, _ in runs:
+            if name.startswith(("foreign", "own")):
+                big = name.endswith("100M")
+                found += modes(run, name, args.dir, quantiles=not (big and args.skip_100M_quantiles))
+        print("\npeak RSS (MiB) and wall (s) by mode, one run each")
+        print(f"{'mode':<20}" + "".join(f"{n:>22}" for n, _, _ in runs if n.startswith(("foreign", "own"))))
+        for mode in dict.fromkeys(r["mode"] for r in found):
+            cells = {r["run"]: r for r in found if r["mode"] == mode}
+            line = "".join(
+                f"{cells[n]['mib']:>12.0f} MiB {cells[n]['s']:>5.1f}s" if n in cells else f"{'-':>22}"
+                for n, _, _ in runs
+                if n.startswith(("foreign", "own"))
+            )
+            print(f"{mode:<20}{line}")
+    same = identical(runs[0][1], args.dir)
+    print(f"\nper_rank_reduce output digests (2 threads, 2 threads, 1 thread): {' '.join(same)}")
+    print("bit-identical" if len(set(same)) == 1 else "NOT bit-identical")
+
+
+if __name__ == "__main__":
+    main()
