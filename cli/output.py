@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -66,32 +67,53 @@ def write_frames(
     first = next(frames)
     second = next(frames, None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = first.height
+    # Written under a hidden name and renamed when whole: a failure half-way leaves nothing.
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        rows = _write(first, second, frames, partial, suffix, derived)
+        os.replace(partial, out)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    if suffix == ".jsonl":
+        from metric_core.atomic import replace_file
+
+        replace_file(derived_marker(out), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
+    say("info", f"wrote {rows} row(s) to {out}")
+
+
+def _write(
+    first: pl.DataFrame,
+    second: pl.DataFrame | None,
+    rest: Iterator[pl.DataFrame],
+    out: Path,
+    suffix: str,
+    derived: str,
+) -> int:
+    from metric_core.segment import DERIVED_KEY
+
+    rows = 0
     if second is None and suffix == ".parquet":  # one frame: polars writes it, without pyarrow
         first.write_parquet(out, metadata={DERIVED_KEY: derived})
-    elif suffix == ".parquet":
+        return first.height
+    if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        table = first.to_arrow()
-        with pq.ParquetWriter(out, table.schema.with_metadata({DERIVED_KEY: derived})) as writer:
-            for frame in _chain(first, second, frames):
+        with pq.ParquetWriter(out, first.to_arrow().schema.with_metadata({DERIVED_KEY: derived})) as writer:
+            for frame in _chain(first, second, rest):
                 writer.write_table(frame.to_arrow())
-                rows += frame.height if frame is not first else 0
-    else:
-        with open(out, "wb") as f:
-            for frame in _chain(first, second, frames):
-                if suffix == ".csv":
-                    frame.write_csv(f, include_header=frame is first)
-                else:
-                    from metric_core.records import to_jsonl  # pyarrow: only for JSONL
+                rows += frame.height
+        return rows
+    with open(out, "wb") as f:
+        for frame in _chain(first, second, rest):
+            if suffix == ".csv":
+                frame.write_csv(f, include_header=frame is first)
+            else:
+                from metric_core.records import to_jsonl  # pyarrow: only for JSONL
 
-                    f.write(to_jsonl(frame.to_arrow()))
-                rows += frame.height if frame is not first else 0
-        if suffix == ".jsonl":
-            from metric_core.atomic import replace_file
-
-            replace_file(derived_marker(out), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
-    say("info", f"wrote {rows} row(s) to {out}")
+                f.write(to_jsonl(frame.to_arrow()))
+            rows += frame.height
+    return rows
 
 
 def _chain(

@@ -95,7 +95,9 @@ def test_sum_mean_and_std_are_exact_to_1e_12(hard_values):
         if reduction not in ("sum", "mean", "std"):
             continue
         total = math.fsum(values)  # the correctly rounded sum
-        want = exact_std(values) if reduction == "std" else total / len(values) if reduction == "mean" else total
+        want = (
+            exact_std(values) if reduction == "std" else total / len(values) if reduction == "mean" else total
+        )
         scale = float(np.abs(values).sum()) if reduction == "sum" else abs(want)
         if reduction == "mean":
             scale = float(np.abs(values).mean())
@@ -287,3 +289,45 @@ def assert_same(a: pl.DataFrame, b: pl.DataFrame, plan: dict, what: str) -> None
             )
         else:
             assert a[col].to_list() == b[col].to_list(), (plan, what, col)
+
+
+def test_per_rank_reduce_streams_a_source_at_a_time_and_a_late_conflict_leaves_no_file(tmp_path):
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    for rank, reduction in ((0, Reduce.MEAN), (1, Reduce.MEAN), (2, Reduce.MAX)):
+        c = MetricCollector(tmp_path / "run", rank=rank, process_name=f"TrainActor_r{rank}")
+        for step in range(3):
+            c.push(Metric("loss", float(step + rank), reduction, BASE_TIME + step))
+            c.flush(step)
+        c.shutdown()
+    result = run_plan(tmp_path / "run", make_plan(mode="per_rank_reduce", ranks="0-1"))
+    assert result.stream is not None  # one source at a time
+    assert [b["rank"].unique().to_list() for b in result.batches()] == [[0], [1]]
+    out = tmp_path / "out" / "loss.parquet"
+    done = CliRunner().invoke(
+        app, ["reduce", str(tmp_path / "run"), "--mode", "per_rank_reduce", "--out", str(out)]
+    )
+    assert done.exit_code == 1, done.output
+    assert "key 'loss' is recorded with more than one reduction" in done.output
+    assert "TrainActor_r2 (rank 2)" in done.output
+    assert not out.parent.exists() or list(out.parent.iterdir()) == []
+
+
+def test_another_tools_file_of_one_rank_is_streamed_with_its_source(tmp_path):
+    """Footer statistics (rank min == max) make a foreign file one source's, so per_rank
+    modes stream it; a file of several ranks is held and split."""
+    rows = {"key": ["a"] * 4, "value": [1.0, 2.0, 3.0, 4.0], "reduction": ["mean"] * 4, "step": [0, 0, 1, 1]}
+    write_foreign(tmp_path / "one.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [3] * 4})
+    assert run_plan(tmp_path, make_plan(mode="per_rank_reduce")).stream is not None
+    write_foreign(tmp_path / "two.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [4, 5, 4, 5]})
+    result = run_plan(tmp_path, make_plan(mode="per_rank_reduce"))
+    assert result.stream is None
+    assert result.frame.select("rank", "step", "value").rows() == [
+        (3, 0, 1.5),
+        (3, 1, 3.5),
+        (4, 0, 1.0),
+        (4, 1, 3.0),
+        (5, 0, 2.0),
+        (5, 1, 4.0),
+    ]

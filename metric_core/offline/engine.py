@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -103,31 +103,53 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     file, computed on a pool of threads and merged in a fixed order, so the output is the
     same bits whatever the thread count or the order the files were listed in.
     """
-    if plan.by == "time" or plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+    sources = _single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None
+    if plan.by == "time" or plan.mode is LoggingMode.PER_RANK_NO_REDUCE or sources is not None:
         # --by time windows start at the first record kept, a query over every file first;
-        # raw records are read as they are written out, after the report was handed over.
+        # a stream of sources is read after the report was handed over.
         scan.check_all()
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         return _raw(plan, scan, on_progress)
     match = key_matcher(plan.keys) if plan.keys else None
     t0 = _first_time(plan, scan) if plan.by == "time" else None
     statistic_of = _statistic_chooser(plan)
-    parts = partitions(scan)
-    sizes = [sum(_size(scan.report.files[fid].path) for fid in part) for part in parts]
-
     dictionaries = _dictionary_read(scan)
+    # What is reduced together: the whole run, or (per_rank_reduce, every file of one
+    # source) each source on its own, emitted in order, so memory holds one source's groups.
+    units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
+    work = [(u, part) for u, fids in enumerate(units) for part in partitions(scan, fids)]
+    sizes = [sum(_size(scan.report.files[fid].path) for fid in part) for _, part in work]
 
     def reduce_part(part: list[int]) -> partials.Partial:
         df = _matching(pl.concat([_read_part(plan, scan, fid, dictionaries) for fid in part]), match)
         return partials.partition_states(df, plan, statistic_of, t0)
 
-    acc = partials.Accumulator()
-    for state in _in_order(reduce_part, parts, sizes, on_progress):
-        acc.add(state)
+    def stream() -> Iterator[pl.DataFrame]:
+        recorded: dict[str, str] = {}  # each key's statistic in the sources emitted so far
+        acc, unit = partials.Accumulator(), 0
+        states = _in_order(reduce_part, [part for _, part in work], sizes, on_progress)
+        for (u, _), state in zip(work, states, strict=True):
+            if u != unit:
+                yield from _finished(plan, scan, acc, t0, recorded)
+                acc, unit = partials.Accumulator(), u
+            acc.add(state)
+        yield from _finished(plan, scan, acc, t0, recorded)
+        if not recorded:
+            raise NoDataError(str(scan.run_dir), "no record matches the filters")
+
+    if sources is not None:
+        return ReduceResult(plan, scan, stream=stream)
+    return ReduceResult(plan, scan, table=pl.concat(list(stream())))
+
+
+def _finished(
+    plan: ReducePlan, scan: RunScan, acc: partials.Accumulator, t0: float | None, recorded: dict[str, str]
+) -> Iterator[pl.DataFrame]:
+    """The result of the partitions folded into ``acc`` (nothing if they held no record)."""
     merged, stats = acc.result()
     if merged.height == 0:
-        raise NoDataError(str(scan.run_dir), "no record matches the filters")
-    _check_reductions(plan, scan, merged)
+        return
+    _check_reductions(plan, scan, merged, recorded)
     value = _values(merged, stats, acc)
     if plan.by == "time":
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
@@ -136,7 +158,20 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     out = merged.with_columns(
         bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
     )
-    return ReduceResult(plan, scan, table=out.select(plan.output_columns).sort(plan.sort_columns))
+    yield out.select(plan.output_columns).sort(plan.sort_columns)
+
+
+def _single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
+    """Each source's files, when every file holds one source (the writer's, or another
+    tool's whose footer says so); else None."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for fid in scan.parts:
+        rep = scan.report.files[fid]
+        source = rep.source or rep.single_source
+        if source is None:
+            return None
+        out.setdefault(source, []).append(fid)
+    return out
 
 
 def _read_part(plan: ReducePlan, scan: RunScan, fid: int, dictionaries: bool) -> pl.DataFrame:
@@ -170,12 +205,15 @@ def _dictionary_read(scan: RunScan) -> bool:
 PARTITION_ROWS = 1_000_000
 
 
-def partitions(scan: RunScan, rows: int = PARTITION_ROWS) -> list[list[int]]:
-    """The run's files (ids, in path order) in consecutive groups of about ``rows`` records:
-    what one task reduces. It depends on the files alone, never on the thread count."""
+def partitions(
+    scan: RunScan, fids: Sequence[int] | None = None, rows: int = PARTITION_ROWS
+) -> list[list[int]]:
+    """The run's files (ids, in path order; or ``fids``) in consecutive groups of about
+    ``rows`` records: what one task reduces. It depends on the files alone, never on the
+    thread count."""
     out: list[list[int]] = []
     held = 0
-    for fid in scan.parts:
+    for fid in scan.parts if fids is None else fids:
         records = scan.report.files[fid].records
         if not out or (held and held + records > rows):
             out.append([])
@@ -238,14 +276,17 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
     return float(t0)  # type: ignore[arg-type]
 
 
-def _check_reductions(plan: ReducePlan, scan: RunScan, merged: pl.DataFrame) -> None:
+def _check_reductions(
+    plan: ReducePlan, scan: RunScan, merged: pl.DataFrame, recorded: dict[str, str]
+) -> None:
     """A key recorded with two reductions (and no override) is an error, as is a reduction
-    that is not a statistic."""
+    that is not a statistic; ``recorded`` holds each key's statistic in earlier results."""
     per_key = merged.group_by("key").agg(pl.col("reduction").unique().sort()).sort("key")
     for key, reductions in per_key.iter_rows():
-        if len(reductions) > 1:
+        if len(reductions) > 1 or recorded.setdefault(key, reductions[0]) != reductions[0]:
+            found = sorted({*reductions, recorded.get(key, reductions[0])})
             origins = _reduction_origins(plan, scan, key)
-            raise MixedReductionError(key, origins if len(origins) > 1 else {r: [] for r in reductions})
+            raise MixedReductionError(key, origins if len(origins) > 1 else {r: [] for r in found})
     unknown = {key: r[0] for key, r in per_key.iter_rows() if not partials.is_statistic(r[0])}
     if unknown:
         raise UnknownReductionError(unknown)
@@ -267,13 +308,10 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], acc: partials.Ac
         held = acc.values()
         if merged.height != int(rows.sum()):  # other statistics too: only this one's values
             held = held.filter(pl.col("_combo").is_in(merged.filter(rows)["_combo"].unique().implode()))
-        found = (
-            held.group_by("bucket", "_combo")
-            .agg(
-                q=pl.when(pl.col("value").is_nan().any())
-                .then(float("nan"))
-                .otherwise(pl.col("value").quantile(q, interpolation="linear"))
-            )
+        found = held.group_by("bucket", "_combo").agg(
+            q=pl.when(pl.col("value").is_nan().any())
+            .then(float("nan"))
+            .otherwise(pl.col("value").quantile(q, interpolation="linear"))
         )
         picked = merged.select("bucket", "_combo").join(
             found, on=["bucket", "_combo"], how="left", maintain_order="left"
@@ -296,7 +334,8 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     by_source: dict[tuple[str, int], list[int]] = {}
     mixed: list[int] = []
     for fid in scan.parts:
-        source = scan.report.files[fid].source
+        rep = scan.report.files[fid]
+        source = rep.source or rep.single_source
         (by_source.setdefault(source, []) if source is not None else mixed).append(fid)
     sizes = {fid: _size(scan.report.files[fid].path) for fid in scan.parts}
     total = sum(sizes.values())

@@ -64,9 +64,40 @@ def scan_parquet(
     rep.records += rows
     if ours:
         return typed, True, None
+    rep.single_source = _footer_source(path, "process" in schema)
     # Exact-typed files are checked together, from null counts (read from null bitmaps);
     # others per file after casting. Rows are only counted where a null was found.
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
+
+
+def _footer_source(path: Path, has_process: bool) -> tuple[str, int] | None:
+    """The one (process, rank) of all of a file's records, when its footer's statistics say
+    so (every row group with rank min == max, the same process, no nulls); else None."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+        names = meta.schema.names
+        found: set[tuple[object, object]] = set()
+        for g in range(meta.num_row_groups):
+            group = meta.row_group(g)
+            values = []
+            for name in ("rank", "process") if has_process else ("rank",):
+                stats = group.column(names.index(name)).statistics
+                if stats is None or not stats.has_min_max or stats.null_count or stats.min != stats.max:
+                    return None
+                values.append(stats.min)
+            found.add((values[0], values[1] if has_process else None))
+    except Exception:
+        return None
+    if len(found) != 1:
+        return None
+    rank, process = found.pop()
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return None
+    if isinstance(process, bytes):
+        process = process.decode()
+    return (str(process) if process is not None else f"{DEFAULT_PROCESS_PREFIX}{rank}"), rank
 
 
 def typed_columns(

@@ -37,6 +37,9 @@ class FileReport:
     attempt_first_step: int | None = None
     # Its records from this step on are replaced by a later attempt's (and not read).
     replaced_from: int | None = None
+    # Another tool's file whose footer says all its records are of one (process, rank):
+    # the engine reads it with that source's files (attempts do not apply to it).
+    single_source: tuple[str, int] | None = None
 
     @property
     def dropped_records(self) -> int:
