@@ -331,3 +331,24 @@ def test_another_tools_file_of_one_rank_is_streamed_with_its_source(tmp_path):
         (5, 0, 2.0),
         (5, 1, 4.0),
     ]
+
+
+def test_percentile_values_spill_to_a_temporary_directory_and_give_the_same_bits(many_files, monkeypatch):
+    import tempfile
+
+    from metric_core.offline import partials
+
+    plan = make_plan(reduce=["trainer/*=p90", "policy/*=median", "ext/*=p10"])
+    held = run_plan(many_files, plan).frame
+    made: list[str] = []
+    real = tempfile.TemporaryDirectory
+
+    def recording(*args, **kwargs):
+        made.append((d := real(*args, **kwargs)).name)
+        return d
+
+    monkeypatch.setattr(partials, "SPILL_VALUES", 500)
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", recording)
+    spilled = run_plan(many_files, plan).frame
+    assert made and not any(Path(d).exists() for d in made)  # spilled, then removed
+    assert_same(held, spilled, {}, "spilled")

@@ -128,12 +128,16 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
         recorded: dict[str, str] = {}  # each key's statistic in the sources emitted so far
         acc, unit = partials.Accumulator(), 0
         states = _in_order(reduce_part, [part for _, part in work], sizes, on_progress)
-        for (u, _), state in zip(work, states, strict=True):
-            if u != unit:
-                yield from _finished(plan, scan, acc, t0, recorded)
-                acc, unit = partials.Accumulator(), u
-            acc.add(state)
-        yield from _finished(plan, scan, acc, t0, recorded)
+        try:
+            for (u, _), state in zip(work, states, strict=True):
+                if u != unit:
+                    yield from _finished(plan, scan, acc, t0, recorded)
+                    acc.close()
+                    acc, unit = partials.Accumulator(), u
+                acc.add(state)
+            yield from _finished(plan, scan, acc, t0, recorded)
+        finally:
+            acc.close()
         if not recorded:
             raise NoDataError(str(scan.run_dir), "no record matches the filters")
 
@@ -305,13 +309,19 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], acc: partials.Ac
             value[rows] = stats[stat.name][rows]
             continue
         q = 0.5 if stat.quantile is None else stat.quantile  # median: 0.5
-        held = acc.values()
-        if merged.height != int(rows.sum()):  # other statistics too: only this one's values
-            held = held.filter(pl.col("_combo").is_in(merged.filter(rows)["_combo"].unique().implode()))
-        found = held.group_by("bucket", "_combo").agg(
-            q=pl.when(pl.col("value").is_nan().any())
-            .then(float("nan"))
-            .otherwise(pl.col("value").quantile(q, interpolation="linear"))
+        combos = merged.filter(rows)["_combo"].unique().implode()
+        found = pl.concat(
+            [
+                part.filter(pl.col("_combo").is_in(combos))
+                .group_by("bucket", "_combo")
+                .agg(
+                    q=pl.when(pl.col("value").is_nan().any())
+                    .then(float("nan"))
+                    .otherwise(pl.col("value").quantile(q, interpolation="linear"))
+                )
+                .collect()
+                for part in acc.value_ranges()
+            ]
         )
         picked = merged.select("bucket", "_combo").join(
             found, on=["bucket", "_combo"], how="left", maintain_order="left"

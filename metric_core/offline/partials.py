@@ -31,8 +31,10 @@ Every computation is numpy over a partition's columns in row order (``bincount``
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -254,6 +256,8 @@ def _extreme(
 
 
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
+# median/pNN values held in memory (24 bytes each) before they go to a temporary file
+SPILL_VALUES = 2_000_000
 
 
 @dataclass
@@ -275,7 +279,9 @@ class Accumulator:
     combos: dict[tuple[Any, ...], int] = field(default_factory=dict)
     blocks: dict[int, _Block] = field(default_factory=dict)
     value_cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
-    value_frame: pl.DataFrame | None = None
+    held_values: int = 0
+    spills: list[Path] = field(default_factory=list)
+    spill_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def add(self, p: Partial) -> None:
         if not len(p.bucket):
@@ -291,6 +297,56 @@ class Accumulator:
             block.state[:, cells] = _fold(block.state[:, cells], p.state[:, lo:hi])
         if len(p.values):
             self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
+            self.held_values += len(p.values)
+            if self.held_values > SPILL_VALUES:
+                self._spill()
+
+    def _spill(self) -> None:
+        """The median/pNN values held so far, to a temporary Parquet file sorted by bucket."""
+        if self.spill_dir is None:
+            self.spill_dir = tempfile.TemporaryDirectory(prefix="metriclog-values-")
+        frame = self._held().sort("bucket", maintain_order=True)
+        path = Path(self.spill_dir.name) / f"{len(self.spills):05d}.parquet"
+        frame.write_parquet(path, row_group_size=1 << 18, statistics=True)
+        self.spills.append(path)
+        self.value_cells, self.held_values = [], 0
+
+    def _held(self) -> pl.DataFrame:
+        if not self.value_cells:
+            return pl.DataFrame(schema={"bucket": pl.Int64, "_combo": pl.Int64, "value": pl.Float64})
+        bucket, combo, values = (np.concatenate(parts) for parts in zip(*self.value_cells, strict=True))
+        return pl.DataFrame({"bucket": bucket, "_combo": combo, "value": values})
+
+    def value_ranges(self) -> Iterator[pl.LazyFrame]:
+        """Every median/pNN value with its group (bucket, _combo), in slices of whole buckets
+        that each hold about ``SPILL_VALUES`` values: held in memory while they fit, else
+        spilled to a temporary directory (removed by ``close``) and read back a slice at a time."""
+        if not self.spills:
+            yield self._held().lazy()
+            return
+        if self.value_cells:
+            self._spill()
+        scan = pl.scan_parquet(self.spills)
+        per_bucket = scan.group_by("bucket").len().sort("bucket").collect()
+        edges, held = [], 0
+        for bucket, n in per_bucket.iter_rows():
+            if held and held + n > SPILL_VALUES:
+                edges.append(bucket)
+                held = 0
+            held += n
+        bounds = [None, *edges, None]
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+            part = scan
+            if lo is not None:
+                part = part.filter(pl.col("bucket") >= lo)
+            if hi is not None:
+                part = part.filter(pl.col("bucket") < hi)
+            yield part
+
+    def close(self) -> None:
+        if self.spill_dir is not None:
+            self.spill_dir.cleanup()
+            self.spill_dir = None
 
     def _block(self, b: int, width: int) -> _Block:
         block = self.blocks.get(b)
@@ -351,16 +407,6 @@ class Accumulator:
                 "last": s[LAST],
             }
         return frame, stats
-
-    def values(self) -> pl.DataFrame:
-        """Every median/pNN value with its group (bucket, _combo), in the order folded."""
-        if self.value_frame is None:
-            if not self.value_cells:
-                return pl.DataFrame(schema={"bucket": pl.Int64, "_combo": pl.Int64, "value": pl.Float64})
-            bucket, combo, values = (np.concatenate(parts) for parts in zip(*self.value_cells, strict=True))
-            self.value_cells = []
-            self.value_frame = pl.DataFrame({"bucket": bucket, "_combo": combo, "value": values})
-        return self.value_frame
 
 
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
