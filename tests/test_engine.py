@@ -352,3 +352,33 @@ def test_percentile_values_spill_to_a_temporary_directory_and_give_the_same_bits
     spilled = run_plan(many_files, plan).frame
     assert made and not any(Path(d).exists() for d in made)  # spilled, then removed
     assert_same(held, spilled, {}, "spilled")
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [{}, {"mode": "per_rank_reduce"}, {"by": "time", "every": 1.0}, {"mode": "per_rank_no_reduce"}],
+    ids=["global", "per_rank", "by_time", "raw"],
+)
+def test_another_tools_bad_rows_are_skipped_whichever_way_its_file_is_read(tmp_path, monkeypatch, plan):
+    """A null value and a timestamp before 1970 are skipped and counted, once, whether the
+    file is read by polars or through its dictionaries, and checked with the read or before:
+    the result is that of the file without them."""
+    rows = {
+        "key": ["a", "a", "a", "a"],
+        "value": [1.0, None, 3.0, 5.0],
+        "reduction": ["mean"] * 4,
+        "step": [0, 0, 0, 1],
+        "timestamp": [BASE_TIME, BASE_TIME + 0.1, -5.0, BASE_TIME + 2.5],
+        "rank": [0, 0, 0, 0],
+    }
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "clean").mkdir()
+    write_foreign(tmp_path / "bad" / "other.parquet", rows)
+    write_foreign(tmp_path / "clean" / "other.parquet", {k: [v[0], v[3]] for k, v in rows.items()})
+    truth = run_plan(tmp_path / "clean", make_plan(**plan)).frame
+    assert truth.height == 2
+    for threshold in (0, 10**12):
+        monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", threshold)
+        result = run_plan(tmp_path / "bad", make_plan(**plan))
+        assert result.frame.equals(truth), threshold
+        assert result.scan.report.skipped_records == 2

@@ -53,6 +53,7 @@ from metric_core.offline.read.discover import (
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, scan_parquet
+from metric_core.offline.read.validate import RECORD_OK
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.schema import KEY_HASH
 
@@ -76,16 +77,23 @@ class RunScan:
     # With ``defer_checks``: the files whose rows are not checked yet (the reader of their
     # frame calls ``checked``, once, on all of a file's rows).
     pending: dict[int, pl.LazyFrame | None] = field(default_factory=dict)  # fid -> its check query
+    # Files checked by ``check_all`` (counted in the report): their bad rows are dropped
+    # again by a reader that reads the file itself rather than through ``parts``.
+    counted: set[int] = field(default_factory=set)
 
     @property
     def unchecked(self) -> frozenset[int]:
-        return frozenset(self.pending)
+        """The files whose rows a reader of the file itself must pass through ``checked``."""
+        return frozenset(self.pending.keys() | self.counted)
 
     def checked(self, fid: int, df: pl.DataFrame) -> pl.DataFrame:
-        """All of an unchecked file's records, read: its bad rows counted in the report and dropped."""
-        if fid not in self.pending:
-            return df
-        return drop_bad_rows(df, self.report.files[fid])
+        """A file's records, read whole: an unchecked file's bad rows counted in the report
+        (once) and dropped."""
+        if fid in self.pending:
+            return drop_bad_rows(df, self.report.files[fid])
+        if fid in self.counted:
+            return df.filter(RECORD_OK)
+        return df
 
     def check_all(self) -> None:
         """Check every unchecked file now (for a query over ``frame`` rather than per file)."""
@@ -98,6 +106,7 @@ class RunScan:
         )
         self.parts = dict(zip(fids, frames, strict=True))
         self.frame = pl.concat(frames, how="vertical")
+        self.counted |= self.pending.keys()
         self.pending = {}
 
     @property
