@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_reduce import DUCKDB_CHILD, compile_sources, generate, timed  # noqa: E402
+from bench_reduce import DUCKDB_CHILD, compile_sources, generate, timed
 
 KEYS = [f"section{i // 10}/metric_{i}" for i in range(50)]
 REDUCTIONS = ["mean", "sum", "max", "min", "std"] * 10
@@ -61,7 +61,7 @@ stat = (pl.when(pl.col("reduction") == "mean").then(v.mean()).when(pl.col("reduc
 def foreign_run(root: Path, rows: int) -> Path:
     """Parquet written by pyarrow as another tool would: dictionary strings, no metadata."""
     import pyarrow as pa
-    import pyarrow.compute  # noqa: F401  (pa.compute)
+    import pyarrow.compute
     import pyarrow.parquet as pq
 
     run = root / f"foreign_{rows // 1_000_000}M"
@@ -81,7 +81,9 @@ def foreign_run(root: Path, rows: int) -> Path:
             {
                 "key": pa.DictionaryArray.from_arrays(index, keys.dictionary),
                 "value": rng.normal(10.0, 3.0, steps * len(KEYS)),
-                "reduction": pa.DictionaryArray.from_arrays(pa.compute.remainder(index, 5), reductions.dictionary),
+                "reduction": pa.DictionaryArray.from_arrays(
+                    pa.compute.remainder(index, 5), reductions.dictionary
+                ),
                 "step": step,
                 "timestamp": 1.76e9 + step * 2.0 + rng.uniform(0, 1.9, steps * len(KEYS)),
                 "rank": np.full(steps * len(KEYS), f, dtype=np.int64),
@@ -105,10 +107,23 @@ def compare(runs: list[tuple[str, Path, str]], out_dir: Path, repeats: int) -> l
         outs = {who: out_dir / f"engine_{who}_{name}.parquet" for who in times}
         for _ in range(repeats):
             times["metriclog"].append(timed([metriclog, "reduce", str(run), "--out", str(outs["metriclog"])]))
-            times["duckdb"].append(timed([sys.executable, "-c", DUCKDB_CHILD, str(run), str(outs["duckdb"]), fmt]))
-            times["floor"].append(timed([sys.executable, "-c", FLOOR_CHILD, str(run), str(outs["floor"]), fmt]))
-        med = {who: (statistics.median(w for w, _ in t), statistics.median(r for _, r in t)) for who, t in times.items()}
-        rows.append({"run": name, **{f"{w}_s": m[0] for w, m in med.items()}, **{f"{w}_mib": m[1] for w, m in med.items()}})
+            times["duckdb"].append(
+                timed([sys.executable, "-c", DUCKDB_CHILD, str(run), str(outs["duckdb"]), fmt])
+            )
+            times["floor"].append(
+                timed([sys.executable, "-c", FLOOR_CHILD, str(run), str(outs["floor"]), fmt])
+            )
+        med = {
+            who: (statistics.median(w for w, _ in t), statistics.median(r for _, r in t))
+            for who, t in times.items()
+        }
+        rows.append(
+            {
+                "run": name,
+                **{f"{w}_s": m[0] for w, m in med.items()},
+                **{f"{w}_mib": m[1] for w, m in med.items()},
+            }
+        )
         print(rows[-1], file=sys.stderr, flush=True)
     return rows
 
@@ -166,11 +181,15 @@ def main() -> None:
     runs.append(("jsonl_2M", generate(args.dir, "jsonl"), "jsonl"))
     table = compare(runs, args.dir, args.repeats)
     print(f"\nreduce --mode global_reduce: medians of {args.repeats}; whole processes; RSS = peak")
-    print(f"{'run':<14}{'ours s':>8}{'duckdb s':>10}{'x duckdb':>10}{'floor s':>9}{'x floor':>9}{'ours MiB':>10}{'duck MiB':>10}")
+    heads = [("ours s", 8), ("duckdb s", 10), ("x duckdb", 10), ("floor s", 9), ("x floor", 9)]
+    heads += [("ours MiB", 10), ("duck MiB", 10)]
+    print(f"{'run':<14}" + "".join(f"{h:>{w}}" for h, w in heads))
     for r in table:
+        ours = r["metriclog_s"]
         print(
-            f"{r['run']:<14}{r['metriclog_s']:>8.2f}{r['duckdb_s']:>10.2f}{r['metriclog_s'] / r['duckdb_s']:>9.2f}x"
-            f"{r['floor_s']:>9.2f}{r['metriclog_s'] / r['floor_s']:>8.2f}x{r['metriclog_mib']:>10.0f}{r['duckdb_mib']:>10.0f}"
+            f"{r['run']:<14}{ours:>8.2f}{r['duckdb_s']:>10.2f}{ours / r['duckdb_s']:>9.2f}x"
+            f"{r['floor_s']:>9.2f}{ours / r['floor_s']:>8.2f}x"
+            f"{r['metriclog_mib']:>10.0f}{r['duckdb_mib']:>10.0f}"
         )
     if not args.skip_modes:
         found = []

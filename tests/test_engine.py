@@ -28,7 +28,9 @@ from .conftest import BASE_TIME, killed_after, write_collector_run
 SOURCES = [(f"TrainActor_r{r}", r) for r in range(4)]
 
 
-def write_foreign(path: Path, rows: dict, *, dictionary: bool = True) -> None:
+def write_foreign(
+    path: Path, rows: dict, *, dictionary: bool = True, row_group_size: int | None = None
+) -> None:
     """Parquet as another tool writes it: no metriclog metadata, strings dictionary-encoded."""
     table = pa.table(rows)
     if dictionary:
@@ -37,7 +39,7 @@ def write_foreign(path: Path, rows: dict, *, dictionary: bool = True) -> None:
                 table = table.set_column(
                     table.column_names.index(name), name, table[name].dictionary_encode()
                 )
-    pq.write_table(table, path)
+    pq.write_table(table, path, row_group_size=row_group_size)
 
 
 def exact_std(values: np.ndarray) -> float:
@@ -249,7 +251,7 @@ def test_foreign_parquet_jsonl_and_journals_agree_with_the_writers_files(tmp_pat
     assert list(journals.glob("*.journal")) and not list(own.glob("*.journal"))
     foreign.mkdir()
     jsonl.mkdir()
-    for (process, rank), rows in zip(SOURCES, by_rank.values(), strict=True):
+    for (process, _rank), rows in zip(SOURCES, by_rank.values(), strict=True):
         frame = pl.DataFrame(rows).select("key", "value", "reduction", "step", "timestamp", "rank", "process")
         frame.write_ndjson(jsonl / f"{process}.jsonl")
         write_foreign(
@@ -267,12 +269,12 @@ def test_foreign_parquet_jsonl_and_journals_agree_with_the_writers_files(tmp_pat
             },
         )
     for plan in (
-        dict(),
-        dict(mode="per_rank_reduce"),
-        dict(mode="per_rank_no_reduce"),
-        dict(by="time", every="2s"),
-        dict(reduce=["*=p75"]),
-        dict(reduce=["*=first"]),
+        {},
+        {"mode": "per_rank_reduce"},
+        {"mode": "per_rank_no_reduce"},
+        {"by": "time", "every": "2s"},
+        {"reduce": ["*=p75"]},
+        {"reduce": ["*=first"]},
     ):
         mine = reduce_run(own, **plan)
         for other in (journals, foreign, jsonl):
@@ -382,3 +384,72 @@ def test_another_tools_bad_rows_are_skipped_whichever_way_its_file_is_read(tmp_p
         result = run_plan(tmp_path / "bad", make_plan(**plan))
         assert result.frame.equals(truth), threshold
         assert result.scan.report.skipped_records == 2
+
+
+@pytest.mark.parametrize("row_groups", [False, True], ids=["files", "row_groups"])
+def test_raw_mode_streams_a_source_in_time_order_and_gives_the_bits_of_one_sort(
+    tmp_path, monkeypatch, row_groups
+):
+    """per_rank_no_reduce hands over a source in frames of about RAW_BATCH_ROWS records,
+    read a file (or, through the dictionaries, a Parquet row group) at a time; the rows are
+    those of one stable sort of each source's files by time."""
+    write_collector_run(tmp_path, SOURCES[:2], steps=30, seed=4, segment_records=50)
+    n = 40  # another tool's file of one rank, in row groups of 7 rows, two of them interleaved
+    times = BASE_TIME + np.arange(n, dtype=np.float64)
+    times[14:28] = np.concatenate([times[14:28:2], times[15:28:2]])
+    times[30] = times[29]  # a tie
+    write_foreign(
+        tmp_path / "other.parquet",
+        {
+            "key": ["ext/a"] * n,
+            "value": np.arange(n) * 1.5,
+            "reduction": ["mean"] * n,
+            "step": np.arange(n) // 4,
+            "timestamp": times,
+            "rank": [9] * n,
+        },
+        row_group_size=7,
+    )
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0 if row_groups else 10**12)
+    monkeypatch.setattr(engine, "RAW_BATCH_ROWS", 20)
+    result = run_plan(tmp_path, make_plan(mode="per_rank_no_reduce"))
+    batches = list(result.batches())
+    ours = sorted(f for f in tmp_path.glob("*.parquet") if f.name != "other.parquet")
+    assert len(ours) >= 6
+    truth = pl.concat(
+        [pl.read_parquet(f).select(result.plan.output_columns) for f in ours]
+        + [
+            pl.read_parquet(tmp_path / "other.parquet")
+            .with_columns(process=pl.lit("rank9"))
+            .select(result.plan.output_columns)
+        ],
+        how="vertical_relaxed",
+    ).sort("process", "rank", "timestamp", maintain_order=True)
+    got = pl.concat(batches)
+    assert got.equals(truth.with_columns(pl.col("process", "key", "reduction").cast(pl.String)))
+    # the foreign file is held whole unless its row groups say their times
+    foreign = [b for b in batches if b["rank"][0] == 9]
+    assert len(foreign) == (2 if row_groups else 1)
+    assert max(b.height for b in batches) < 3 * 20 + 7
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_in_time_order_equals_one_stable_sort(seed):
+    """Parts with random, overlapping (or unknown) time ranges and ties, read in any batch
+    size: the rows of one stable sort of the parts concatenated in file order."""
+    from metric_core.offline.timeorder import Part, in_time_order
+
+    rng = np.random.default_rng(seed)
+    frames, parts = [], []
+    for fid in range(int(rng.integers(1, 9))):
+        n = int(rng.integers(0, 30))
+        start = float(rng.integers(0, 20))
+        ts = np.round(start + rng.uniform(0, rng.choice([0.5, 5, 40]), n))  # many ties
+        frames.append(pl.DataFrame({"timestamp": ts, "fid": np.full(n, fid), "row": np.arange(n)}))
+        known = n and rng.random() < 0.8
+        parts.append(Part(fid, None, float(ts.min()) if known else -math.inf, n))
+    truth = pl.concat(frames).sort("timestamp", maintain_order=True)
+    for batch_rows in (1, 7, 1000):
+        out = list(in_time_order(parts, lambda fid, groups: frames[fid], batch_rows))
+        got = pl.concat(out) if out else truth.clear()
+        assert got.equals(truth), batch_rows

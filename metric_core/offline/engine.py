@@ -17,6 +17,7 @@ statistic but ``count``, ``first`` and ``last``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -39,7 +40,8 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnRead, RunScan, changed_files_said, scan_run
-from metric_core.offline.read.parquet import read_categorical
+from metric_core.offline.read.parquet import read_categorical, row_group_times
+from metric_core.offline.timeorder import Part, in_time_order
 from metric_core.schema import REQUIRED_FIELDS
 
 T = TypeVar("T")
@@ -178,20 +180,24 @@ def _single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
     return out
 
 
-def _read_part(plan: ReducePlan, scan: RunScan, fid: int, dictionaries: bool) -> pl.DataFrame:
-    """One file's records the plan needs, read once (a file not checked yet is checked whole),
-    strings as polars Categorical. With ``dictionaries``, Parquet is read by pyarrow with
-    its strings kept as dictionary codes, never decoded (``read_categorical``)."""
+def _read_part(
+    plan: ReducePlan, scan: RunScan, fid: int, dictionaries: bool, row_groups: list[int] | None = None
+) -> pl.DataFrame:
+    """One file's records the plan needs (or those of its ``row_groups``), read once (a file
+    not checked yet is checked whole), strings as polars Categorical. With ``dictionaries``,
+    Parquet is read by pyarrow with its strings kept as dictionary codes, never decoded
+    (``read_categorical``)."""
     rep = scan.report.files[fid]
     wanted = {*plan.input_columns, *(REQUIRED_FIELDS if fid in scan.unchecked else ())}
     if rep.keys is None or any(r in ("first", "last") for _, r in rep.keys):
         wanted.add("timestamp")  # a statistic of the recorded reductions may need it
     columns = sorted(wanted)
     if rep.format == "parquet" and dictionaries:
-        df = read_categorical(rep.path, columns, rep.hashed)
+        df = read_categorical(rep.path, columns, rep.hashed, row_groups)
         if rep.replaced_from is not None:
             df = df.filter(pl.col("step") < rep.replaced_from)
     else:
+        assert row_groups is None, "row groups are read through the dictionaries"
         strings = [c for c in ("key", "reduction", "process") if c in columns]
         df = scan.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical)).collect()
     return _filtered(plan, scan.checked(fid, df).lazy()).collect()
@@ -350,13 +356,12 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     sizes = {fid: _size(scan.report.files[fid].path) for fid in scan.parts}
     total = sum(sizes.values())
 
-    def read(fids: list[int]) -> pl.DataFrame:
-        frames = [_matching(_read_part(plan, scan, fid, dictionaries), match) for fid in fids]
-        return pl.concat(frames).with_columns(pl.col("key", "reduction", "process").cast(pl.String))
+    def read(fid: int, groups: list[int] | None = None) -> pl.DataFrame:
+        return _matching(_read_part(plan, scan, fid, dictionaries, groups), match)
 
     def stream() -> Iterator[pl.DataFrame]:
         done = 0
-        held = read(mixed) if mixed else None
+        held = pl.concat([read(fid) for fid in mixed]) if mixed else None
         if held is not None:
             done += sum(sizes[fid] for fid in mixed)
         sources = set(by_source)
@@ -365,24 +370,46 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
         produced = False
         for i, (process, rank) in enumerate(sorted(sources)):
             fids = by_source.get((process, rank), [])
-            parts = [read(fids)] if fids else []
-            if held is not None:
-                parts.append(held.filter((pl.col("process") == process) & (pl.col("rank") == rank)))
-            batch = pl.concat(parts).sort("timestamp", maintain_order=True)  # ties: file order
+            if held is None:
+                batches = in_time_order(_time_parts(scan, fids, dictionaries), read, RAW_BATCH_ROWS)
+            else:  # its held rows may fall anywhere in its time: all of it at once
+                mine = held.filter((pl.col("process") == process) & (pl.col("rank") == rank))
+                whole = pl.concat([*(read(fid) for fid in fids), mine])
+                batches = iter([whole.sort("timestamp", maintain_order=True)])  # ties: file order
+            for batch in batches:
+                if t0 is not None:
+                    window = np.floor((batch["timestamp"].to_numpy() - t0) / float(plan.every or 0))
+                    batch = batch.with_columns(window_start=pl.Series(t0 + window * float(plan.every or 0)))
+                produced = True
+                yield batch.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
             done += sum(sizes[fid] for fid in fids)
             if on_progress is not None:
                 on_progress(i + 1, len(sources), done, total)
-            if batch.height == 0:
-                continue
-            if t0 is not None:
-                window = np.floor((batch["timestamp"].to_numpy() - t0) / float(plan.every or 0))
-                batch = batch.with_columns(window_start=pl.Series(t0 + window * float(plan.every or 0)))
-            produced = True
-            yield batch.select(plan.output_columns)
         if not produced:
             raise NoDataError(str(scan.run_dir), "no record matches the filters")
 
     return ReduceResult(plan, scan, stream=stream, warnings=warnings)
+
+
+# per_rank_no_reduce hands over a source's records in frames of about this many.
+RAW_BATCH_ROWS = 250_000
+
+
+def _time_parts(scan: RunScan, fids: list[int], row_groups: bool) -> list[Part]:
+    """One source's files as parts with their earliest time (``timeorder``): Parquet row
+    groups by their footer's statistics when read through the dictionaries (``row_groups``),
+    else whole files by their declared range; a file that declares none may hold any time."""
+    out: list[Part] = []
+    for fid in fids:
+        rep = scan.report.files[fid]
+        groups = row_group_times(rep.path) if row_groups and rep.format == "parquet" else None
+        if groups is not None:
+            out += [Part(fid, (g,), lo, rows) for g, (lo, rows) in enumerate(groups)]
+        elif rep.timestamps is not None:
+            out.append(Part(fid, None, rep.timestamps[0], rep.records))
+        else:
+            out.append(Part(fid, None, -math.inf, rep.records))
+    return out
 
 
 def _matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.DataFrame:

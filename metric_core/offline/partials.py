@@ -31,6 +31,7 @@ Every computation is numpy over a partition's columns in row order (``bincount``
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -335,7 +336,7 @@ class Accumulator:
                 held = 0
             held += n
         bounds = [None, *edges, None]
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        for lo, hi in itertools.pairwise(bounds):
             part = scan
             if lo is not None:
                 part = part.filter(pl.col("bucket") >= lo)

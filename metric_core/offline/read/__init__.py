@@ -53,8 +53,8 @@ from metric_core.offline.read.discover import (
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, scan_parquet
-from metric_core.offline.read.validate import RECORD_OK
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
+from metric_core.offline.read.validate import RECORD_OK
 from metric_core.schema import KEY_HASH
 
 __all__ = ["FileReport", "ReadReport", "RunScan", "Shutdown", "changed_files_said", "scan_run"]

@@ -128,24 +128,50 @@ def typed_columns(
     }
 
 
-def read_categorical(path: Path, columns: list[str], hashed: bool) -> pl.DataFrame:
-    """``columns`` of the records of one Parquet file, read whole with pyarrow, strings kept
-    as their dictionary codes (polars Categorical): what the engine groups on, without
-    decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame."""
+def read_categorical(
+    path: Path, columns: list[str], hashed: bool, row_groups: list[int] | None = None
+) -> pl.DataFrame:
+    """``columns`` of the records of one Parquet file (or of its ``row_groups``), read with
+    pyarrow, strings kept as their dictionary codes (polars Categorical): what the engine
+    groups on, without decoding or hashing each string. The same fields and casts as
+    ``scan_parquet``'s frame."""
     import pyarrow.parquet as pq
 
-    arrow = pq.read_schema(path)
-    schema = pl.Schema(pl.DataFrame(arrow.empty_table()).schema)
+    file = pq.ParquetFile(path)
+    schema = pl.Schema(pl.DataFrame(file.schema_arrow.empty_table()).schema)
     exprs = typed_columns(schema, hashed, strings=pl.Categorical)
     wanted = [c for c in columns if c in exprs]
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
     strings = [c for c in sources if schema[c] in (pl.String, pl.Categorical, pl.Binary)]
-    table = pq.read_table(path, columns=sorted(sources), read_dictionary=strings)
+    file = pq.ParquetFile(path, metadata=file.metadata, read_dictionary=strings)
+    groups = range(file.num_row_groups) if row_groups is None else row_groups
+    table = file.read_row_groups(groups, columns=sorted(sources))
     df = pl.DataFrame(table).lazy().select(**{c: exprs[c] for c in wanted})
     if "process" in wanted:
         default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
         df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
     return df.collect()
+
+
+def row_group_times(path: Path) -> list[tuple[float, int]] | None:
+    """Each row group's earliest timestamp and its number of rows, from the footer, when the
+    timestamp column holds float epoch seconds (as read) and every row group has its
+    statistics; else None."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.read_metadata(path)
+        column = meta.schema.names.index("timestamp")
+        out = []
+        for g in range(meta.num_row_groups):
+            chunk = meta.row_group(g).column(column)
+            stats = chunk.statistics
+            if chunk.physical_type != "DOUBLE" or stats is None or not stats.has_min_max:
+                return None
+            out.append((float(stats.min), meta.row_group(g).num_rows))
+    except Exception:
+        return None
+    return out
 
 
 def _parquet_value(dtype: pl.DataType) -> pl.Expr:

@@ -1,0 +1,75 @@
+"""One source's records in time order, with a bounded part of them in memory.
+
+per_rank_no_reduce writes each source's records sorted by time, ties in file order: the
+bits of one stable sort of all of the source's files, concatenated in file order. Sorting
+them all at once holds the source whole; this module gets the same rows holding about
+``batch_rows`` of them, using the time range each part of a file declares (a writer's
+segment metadata, a Parquet row group's footer statistics).
+
+Parts are read in the order of their first timestamp. Once a part is read, no record still
+to come is earlier than the next part's first timestamp, so every held record earlier than
+that is final: it is sorted (by time, then by its part's place in file order, then by its
+place in the part) and handed over. Parts that overlap in time stay held together until
+the next part begins after them; a file that spans a source's whole time is held whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import polars as pl
+
+
+@dataclass(frozen=True)
+class Part:
+    """A file (``groups`` None) or some row groups of one, with its earliest timestamp
+    (-inf when it does not say) and its number of records."""
+
+    fid: int
+    groups: tuple[int, ...] | None
+    lo: float
+    rows: int
+
+
+Read = Callable[[int, list[int] | None], pl.DataFrame]
+ORDER = "_file_order"
+
+
+def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl.DataFrame]:
+    """The records of ``parts`` (listed in file order) sorted by timestamp, ties in file
+    order, as frames of about ``batch_rows`` records or more (fewer at the end)."""
+    order = sorted(range(len(parts)), key=lambda i: (parts[i].lo, i))
+    held: list[pl.DataFrame] = []
+    count = 0
+    pos = 0
+    while pos < len(order):
+        first = order[pos]
+        # Consecutive row groups of one file, next in time too, are read in one go.
+        groups = list(parts[first].groups or ())
+        rows = parts[first].rows
+        pos += 1
+        while (
+            groups
+            and pos < len(order)
+            and order[pos] == order[pos - 1] + 1
+            and parts[order[pos]].fid == parts[first].fid
+            and parts[order[pos]].groups is not None
+            and rows + parts[order[pos]].rows <= batch_rows
+        ):
+            groups += parts[order[pos]].groups or ()
+            rows += parts[order[pos]].rows
+            pos += 1
+        frame = read(parts[first].fid, groups if parts[first].groups is not None else None)
+        held.append(frame.with_columns(pl.lit(first, pl.Int32).alias(ORDER)))
+        count += frame.height
+        cut = parts[order[pos]].lo if pos < len(order) else math.inf
+        if count < batch_rows and pos < len(order):
+            continue
+        whole = pl.concat(held)
+        ready = whole if cut == math.inf else whole.filter(pl.col("timestamp") < cut)
+        held = [] if cut == math.inf else [whole.filter(pl.col("timestamp") >= cut)]
+        count = sum(f.height for f in held)
+        if ready.height:
+            yield ready.sort("timestamp", ORDER, maintain_order=True).drop(ORDER)
