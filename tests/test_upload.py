@@ -15,6 +15,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from metriclog.main import app
 from typer.testing import CliRunner
@@ -174,11 +176,12 @@ def test_history_rows_are_exact_from_any_row_a_resume_starts_at(tmp_path, monkey
             wide[-1]["b"] = 2.0 * step
         c.flush(step)
     c.shutdown()
-    (run,) = plan_upload(execute(make_plan(mode=mode), scan_run(tmp_path)), name="x").runs
-    want = [json.dumps(row, sort_keys=True) for row in (raw if mode == "per_rank_no_reduce" else wide)]
-    assert run.rows == len(want)
-    for start in (0, 3, 4, 5, len(want) - 1, len(want)):
-        assert [json.dumps(row, sort_keys=True) for row in run.history(start)] == want[start:]
+    with plan_upload(execute(make_plan(mode=mode), scan_run(tmp_path)), name="x") as upload:
+        (run,) = upload.runs
+        want = [json.dumps(row, sort_keys=True) for row in (raw if mode == "per_rank_no_reduce" else wide)]
+        assert run.rows == len(want)
+        for start in (0, 3, 4, 5, len(want) - 1, len(want)):
+            assert [json.dumps(row, sort_keys=True) for row in run.history(start)] == want[start:]
 
 
 def test_run_ids_are_deterministic_and_survive_a_copy(tmp_path, small_run):
@@ -441,22 +444,55 @@ def test_wandb_limits_are_checked_before_anything_is_sent():
 
     rows = MAX_POINTS_PER_METRIC + 1
     columns = {"step": np.arange(rows), "loss": np.zeros(rows)}
-    many = PlannedRun("id", "exp1", None, None, columns, "step", ["loss"])
+    many = PlannedRun("id", "exp1", None, None, columns, "step", ["loss"], points=rows)
     (warning,) = limit_warnings([many])
     assert f"up to {rows:,} points per metric" in warning
     assert "--by time --every" in warning
-    # a raw run counts the points of its busiest key, not its rows
-    n = 2 * MAX_POINTS_PER_METRIC
-    raw = {"key": np.arange(n) % 2, "value": np.zeros(n), "step": np.arange(n), "timestamp": np.zeros(n)}
-    assert limit_warnings([PlannedRun("id4", "raw", None, None, raw, None, ["a", "b"], raw=True)]) == []
-    raw["key"] = np.zeros(n, dtype=int)
-    (warning,) = limit_warnings([PlannedRun("id5", "raw", None, None, raw, None, ["a", "b"], raw=True)])
-    assert f"up to {n:,} points per metric" in warning
     keys = [f"k{i}" for i in range(10_000)]
-    wide = PlannedRun("id2", "exp2", None, None, {"step": np.arange(1)}, "step", keys)
+    wide = PlannedRun("id2", "exp2", None, None, {"step": np.arange(1)}, "step", keys, points=1)
     assert any("10,000 distinct metrics" in w for w in limit_warnings([wide]))
     few = {name: column[:10] for name, column in columns.items()}
-    assert limit_warnings([PlannedRun("id3", "ok", None, None, few, "step", ["loss"])]) == []
+    assert limit_warnings([PlannedRun("id3", "ok", None, None, few, "step", ["loss"], points=10)]) == []
+
+
+@pytest.mark.parametrize("busy", [30, 15])
+def test_a_raw_run_counts_the_points_of_its_busiest_key_over_every_frame(tmp_path, monkeypatch, busy):
+    """Planned from the reduction's stream in frames of 4 records: the count of a key is
+    summed over frames, and the rows are the records, in time order."""
+    from metric_core.offline import engine
+
+    monkeypatch.setattr(engine, "RAW_BATCH_ROWS", 4)
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)  # row groups, each with its times
+    monkeypatch.setattr(upload_plan_module, "MAX_POINTS_PER_METRIC", 20)
+    lines = [
+        {"key": key, "value": float(i), "reduction": "mean", "step": i, "timestamp": BASE_TIME + i, "rank": 0}
+        for key, n in (("a", busy), ("b", 15))
+        for i in range(n)
+    ]
+    pq.write_table(pa.Table.from_pylist(lines), tmp_path / "r0.parquet", row_group_size=4)
+    result = execute(make_plan(mode="per_rank_no_reduce"), scan_run(tmp_path))
+    assert len(list(result.batches())) > 5
+    with plan_upload(result, name="x") as upload:
+        (run,) = upload.runs
+        assert run.points == busy and run.rows == busy + 15 and run.keys == ["a", "b"]
+        history = list(run.history())
+        truth = sorted(lines, key=lambda r: r["timestamp"])  # stable: ties in file order
+        assert history == [
+            {r["key"]: r["value"], "step": r["step"], "_timestamp": r["timestamp"]} for r in truth
+        ]
+        assert list(run.history(busy + 10)) == history[busy + 10 :]
+        warned = [w for w in upload.warnings if "points per metric" in w]
+        assert warned == (
+            [
+                f"run x_rank0: up to {busy:,} points per metric; W&B shows at most 20: "
+                "bucket with --by time --every 10s (or coarser)"
+            ]
+            if busy > 20
+            else []
+        )
+        spill = upload.spill_dir
+        assert spill is not None and len(os.listdir(spill)) == 4
+    assert not os.path.exists(spill)
 
 
 def test_an_empty_project_name_is_a_usage_error(small_run):

@@ -101,10 +101,14 @@ def upload_run(
         request={"entity": to.entity, "project": to.project, "name": name, "group": group},
     )
     if dry_run:
-        upload = _said(_received(prepare, events), events)
-        ledger = Ledger.existing(root, upload.identity)
-        entries = [find_entry(ledger, r, to) for r in upload.runs]
-        would = [decide(r, e, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)]
+        upload = _received(prepare, events)
+        try:
+            _said(upload, events)
+            ledger = Ledger.existing(root, upload.identity)
+            entries = [find_entry(ledger, r, to) for r in upload.runs]
+            would = [decide(r, e, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)]
+        finally:
+            upload.close()
         outcomes = [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(upload.runs, would, strict=True)]
         return UploadResult(upload, outcomes, dry_run=True)
     # wandb takes about half a second to import: this process does it while a child
@@ -112,11 +116,15 @@ def upload_run(
     pending = overlap.start(prepare)
     import wandb  # noqa: F401
 
-    upload = _said(_received(pending, events), events)
-    ledger = Ledger.for_run_dir(root, upload.identity)
-    if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
-        to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
-    return UploadResult(upload, send_runs(upload, ledger, to, force_new=force_new, events=events))
+    upload = _received(pending, events)
+    try:
+        _said(upload, events)
+        ledger = Ledger.for_run_dir(root, upload.identity)
+        if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
+            to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
+        return UploadResult(upload, send_runs(upload, ledger, to, force_new=force_new, events=events))
+    finally:
+        upload.close()
 
 
 def _prepare(

@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-from collections.abc import Iterator
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +59,7 @@ class PlannedRun:
     name: str
     group: str | None
     source: str | None
-    columns: dict[str, np.ndarray]
+    columns: Mapping[str, np.ndarray | ColumnFile]
     x_axis: str | None
     keys: list[str]
     raw: bool = False
@@ -64,6 +67,8 @@ class PlannedRun:
     attempts: list[str] = field(default_factory=list)  # the writers' attempts whose records it holds
     legacy_id: str | None = None  # its id as metriclog 0.1 made it (run, mode, source only)
     first_steps: dict[str, int] = field(default_factory=dict)  # attempt -> its first step
+    points: int = 0  # the most points of one key
+    code_keys: list[str] | None = None  # a raw run's key of each code, when not ``keys``' order
 
     def first_row_from(self, step: int) -> int | None:
         """How many history rows come before ``step``: where a rewind to a restart at ``step``
@@ -71,7 +76,8 @@ class PlannedRun:
         of several sources ordered by time."""
         if self.bucket != "step" or (self.raw and self.source is None):
             return None
-        return int((np.asarray(self.columns["step"]) < step).sum())
+        steps = self.columns["step"]
+        return sum(int((steps[i : i + SCAN_ROWS] < step).sum()) for i in range(0, self.rows, SCAN_ROWS))
 
     @property
     def rows(self) -> int:
@@ -84,12 +90,37 @@ class PlannedRun:
             # masked entries become None; Python floats and ints, as W&B wants
             chunk = [self.columns[n][low : low + HISTORY_CHUNK_ROWS].tolist() for n in names]
             if self.raw:  # one raw record per row
-                keys, bucket = self.keys, self.bucket
+                keys, bucket = self.code_keys or self.keys, self.bucket
                 for code, value, at, timestamp in zip(*chunk, strict=True):
                     yield {keys[code]: value, bucket: at, "_timestamp": timestamp}
                 continue
             for values in zip(*chunk, strict=True):
                 yield {n: v for n, v in zip(names, values, strict=True) if v is not None}
+
+
+class ColumnFile:
+    """A column of a planned run kept in a file (raw runs: their records may not fit in
+    memory), read a slice at a time: ``len`` and ``[a:b]`` as for a numpy array."""
+
+    def __init__(self, path: str, dtype: str) -> None:
+        self.path, self.dtype, self.length = path, dtype, 0
+
+    def append(self, values: np.ndarray) -> None:
+        with open(self.path, "ab") as f:
+            np.ascontiguousarray(values, dtype=self.dtype).tofile(f)
+        self.length += len(values)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, where: slice) -> np.ndarray:
+        start, stop, _ = where.indices(self.length)
+        size = np.dtype(self.dtype).itemsize
+        count = max(0, stop - start)
+        return np.fromfile(self.path, dtype=self.dtype, count=count, offset=start * size)
+
+
+SCAN_ROWS = 1_000_000  # rows of a column file read at a time
 
 
 def _columns(frame: pl.DataFrame) -> dict[str, np.ndarray]:
@@ -109,11 +140,24 @@ class UploadPlan:
 
     runs: list[PlannedRun]
     identity: str = ""  # of the run directory (see run_identity)
+    spill_dir: str | None = None  # where raw runs' columns are kept (``close`` removes it)
     key_mapping: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # W&B's limits the runs come near
     config: dict[str, Any] = field(default_factory=dict)
     read_summary: str = ""  # what the reader skipped
     identity_from: str = "run.json"  # or "content": no run_id in run.json (another tool's files)
+
+    def close(self) -> None:
+        """Remove the files raw runs' histories are kept in (``history`` ends with them)."""
+        if self.spill_dir is not None:
+            shutil.rmtree(self.spill_dir, ignore_errors=True)
+            self.spill_dir = None
+
+    def __enter__(self) -> UploadPlan:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def run_identity(result: ReduceResult) -> str:
@@ -181,37 +225,27 @@ def plan_upload(
     ``request`` (the destination and the names the user gave) enters the run ids with
     everything of the plan that shapes the data: another project, another window or
     filter is another upload, under its own ids.
-    """
-    import polars as pl
 
+    per_rank_no_reduce's runs (one per source) keep their records in files of a temporary
+    directory, written as the reduction streams them: close the plan (or use it in a
+    ``with``) to remove them.
+    """
     plan: ReducePlan = result.plan
-    frame = result.frame
     identity = run_identity(result)
     key = request_key(plan, request or {}, share_run)
-    mapping = safe_keys(frame["key"].unique().to_list())
-    frame = frame.with_columns(pl.col("key").replace_strict(mapping))
     group = group or name
     bucket = plan.bucket
-    runs: list[PlannedRun] = []
     mode = plan.mode
-    if mode is LoggingMode.GLOBAL_REDUCE:
-        runs.append(_wide_run(run_id_for(identity, key, None), name, None, None, frame, bucket))
-    elif share_run:
-        shared = frame.with_columns(key=pl.format("{}/{}", "key", "process"))
-        if mode is LoggingMode.PER_RANK_REDUCE:
-            runs.append(_wide_run(run_id_for(identity, key, None), name, group, None, shared, bucket))
-        else:
-            runs.append(
-                _raw_run(run_id_for(identity, key, None), name, group, None, shared.sort("timestamp"), bucket)
-            )
+    spill_dir = None
+    if mode is LoggingMode.PER_RANK_NO_REDUCE and not share_run:
+        spill_dir = tempfile.mkdtemp(prefix="metriclog-upload-")
+        try:
+            runs, mapping = _raw_runs(result, spill_dir, identity, key, name, group, bucket)
+        except BaseException:
+            shutil.rmtree(spill_dir, ignore_errors=True)
+            raise
     else:
-        for (process,), part in frame.partition_by("process", as_dict=True, maintain_order=True).items():
-            run_id = run_id_for(identity, key, str(process))
-            run_name = f"{name}_{process}"
-            if mode is LoggingMode.PER_RANK_REDUCE:
-                runs.append(_wide_run(run_id, run_name, group, str(process), part, bucket))
-            else:
-                runs.append(_raw_run(run_id, run_name, group, str(process), part, bucket))
+        runs, mapping = _runs(result.frame, identity, key, name, group, bucket, mode, share_run)
     default_shape = (
         plan.by,
         plan.every,
@@ -240,6 +274,7 @@ def plan_upload(
     upload = UploadPlan(
         runs=runs,
         identity=identity,
+        spill_dir=spill_dir,
         key_mapping={k: v for k, v in mapping.items() if k != v},
         identity_from="run.json" if result.scan.meta.get("run_id") else "content",
     )
@@ -248,13 +283,46 @@ def plan_upload(
     return upload
 
 
+def _runs(
+    frame: pl.DataFrame,
+    identity: str,
+    key: str,
+    name: str,
+    group: str,
+    bucket: str,
+    mode: LoggingMode,
+    share_run: bool,
+) -> tuple[list[PlannedRun], dict[str, str]]:
+    """The runs of a reduction held in memory (every mode but per_rank_no_reduce's run per
+    source, which ``_raw_runs`` streams)."""
+    import polars as pl
+
+    mapping = safe_keys(frame["key"].unique().to_list())
+    frame = frame.with_columns(pl.col("key").replace_strict(mapping))
+    if mode is LoggingMode.GLOBAL_REDUCE:
+        return [_wide_run(run_id_for(identity, key, None), name, None, None, frame, bucket)], mapping
+    if share_run:
+        shared = frame.with_columns(key=pl.format("{}/{}", "key", "process"))
+        run_id = run_id_for(identity, key, None)
+        if mode is LoggingMode.PER_RANK_REDUCE:
+            return [_wide_run(run_id, name, group, None, shared, bucket)], mapping
+        return [_raw_run(run_id, name, group, None, shared.sort("timestamp"), bucket)], mapping
+    runs = []
+    for (process,), part in frame.partition_by("process", as_dict=True, maintain_order=True).items():
+        run_id = run_id_for(identity, key, str(process))
+        runs.append(_wide_run(run_id, f"{name}_{process}", group, str(process), part, bucket))
+    return runs, mapping
+
+
 def _wide_run(
     run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
 ) -> PlannedRun:
     """A history row per bucket, a column per key."""
     wide = part.pivot(on="key", index=bucket, values="value", sort_columns=True).sort(bucket)
     keys = [c for c in wide.columns if c != bucket]
-    return PlannedRun(run_id, name, group, source, _columns(wide), bucket, keys, bucket=bucket)
+    return PlannedRun(
+        run_id, name, group, source, _columns(wide), bucket, keys, bucket=bucket, points=wide.height
+    )
 
 
 def _raw_run(
@@ -270,7 +338,58 @@ def _raw_run(
         bucket,
         "timestamp",
     )
-    return PlannedRun(run_id, name, group, source, _columns(frame), None, keys, raw=True, bucket=bucket)
+    points = int(np.bincount(frame["key"].to_numpy()).max(initial=0))
+    return PlannedRun(
+        run_id, name, group, source, _columns(frame), None, keys, raw=True, bucket=bucket, points=points
+    )
+
+
+def _raw_runs(
+    result: ReduceResult, spill_dir: str, identity: str, key: str, name: str, group: str, bucket: str
+) -> tuple[list[PlannedRun], dict[str, str]]:
+    """per_rank_no_reduce's run per source, from the reduction's stream (one source after
+    another): each run's columns go to files in ``spill_dir`` as they come, so memory holds
+    one frame of records, not the run's."""
+    import polars as pl
+
+    runs: list[PlannedRun] = []
+    seen: list[dict[str, int]] = []  # each run's keys, by code in order of appearance
+    counts: list[np.ndarray] = []
+    files: dict[str, ColumnFile] = {}
+    for batch in result.batches():
+        process = str(batch["process"][0])
+        if not runs or runs[-1].source != process:
+            stem = os.path.join(spill_dir, str(len(runs)))
+            files = {
+                "key": ColumnFile(f"{stem}.key", "int32"),
+                "value": ColumnFile(f"{stem}.value", "float64"),
+                bucket: ColumnFile(f"{stem}.{bucket}", "float64" if bucket == "window_start" else "int64"),
+                "timestamp": ColumnFile(f"{stem}.timestamp", "float64"),
+            }
+            run_id = run_id_for(identity, key, process)
+            runs.append(
+                PlannedRun(
+                    run_id, f"{name}_{process}", group, process, files, None, [], raw=True, bucket=bucket
+                )
+            )
+            seen.append({})
+            counts.append(np.zeros(0, np.int64))
+        codes = seen[-1]
+        for k in batch["key"].unique(maintain_order=True).to_list():
+            codes.setdefault(k, len(codes))
+        code = batch["key"].replace_strict(codes, return_dtype=pl.Int32).to_numpy()
+        files["key"].append(code)
+        for column in ("value", bucket, "timestamp"):
+            files[column].append(batch[column].to_numpy())
+        found = np.bincount(code, minlength=len(codes))
+        found[: len(counts[-1])] += counts[-1]
+        counts[-1] = found
+    mapping = safe_keys(sorted({k for codes in seen for k in codes}))
+    for run, codes, found in zip(runs, seen, counts, strict=True):
+        run.code_keys = [mapping[k] for k in codes]
+        run.keys = sorted(run.code_keys)
+        run.points = int(found.max(initial=0))
+    return runs, mapping
 
 
 def limit_warnings(runs: list[PlannedRun]) -> list[str]:
@@ -282,7 +401,7 @@ def limit_warnings(runs: list[PlannedRun]) -> list[str]:
             "select keys with --key"
         )
     for r in runs:
-        points = int(np.bincount(r.columns["key"]).max(initial=0)) if r.raw else r.rows
+        points = r.points
         if points and points > MAX_POINTS_PER_METRIC:
             warnings.append(
                 f"run {r.name}: up to {points:,} points per metric; W&B shows at most "
