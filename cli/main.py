@@ -144,7 +144,7 @@ def upload(
 
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
-    with errors_to_exit(), output.upload_events() as events:
+    with errors_to_exit(), output.upload_events() as events, output.read_progress() as progress:
         result = upload_run(
             run_dir,
             o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
@@ -157,6 +157,7 @@ def upload(
             strict=strict,
             follow_symlinks=follow_symlinks,
             events=events,
+            on_progress=progress,
         )
     output.print_upload(result)
 
@@ -176,9 +177,13 @@ def inspect(
     """
     from metric_core.offline.inspect import inspect_run
 
-    with errors_to_exit():
+    with errors_to_exit(), output.read_progress() as progress:
         report = inspect_run(
-            run_dir, follow_symlinks=follow_symlinks, attempts=attempts, on_read=output.said_skips
+            run_dir,
+            follow_symlinks=follow_symlinks,
+            attempts=attempts,
+            on_read=output.said_skips,
+            on_progress=progress,
         )
     typer.echo(report.to_json()) if json_out else output.print_inspect(report)
 
@@ -205,9 +210,16 @@ def plot(
     """
     from metric_core.offline.plot import plot_run
 
-    with errors_to_exit():
+    with errors_to_exit(), output.read_progress() as progress:
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
-        plot_run(run_dir, plan, out, follow_symlinks=follow_symlinks, on_read=output.said_skips)
+        plot_run(
+            run_dir,
+            plan,
+            out,
+            follow_symlinks=follow_symlinks,
+            on_read=output.said_skips,
+            on_progress=progress,
+        )
     output.say("info", f"wrote {out}")
 
 

@@ -139,6 +139,9 @@ def print_frames(frames: Iterator[pl.DataFrame], *, max_rows: int = MAX_TABLE_RO
     print_table(pl.concat(head), max_rows=max_rows, total=total)
 
 
+PROGRESS_AFTER_S = 2.0  # a command that reads for longer shows a bar
+
+
 @contextmanager
 def read_progress(what: str = "reading") -> Iterator[Callable[[int, int, int, int], None] | None]:
     """A progress callback for the engine (parts done, parts, bytes done, bytes): on a
@@ -154,18 +157,24 @@ def read_progress(what: str = "reading") -> Iterator[Callable[[int, int, int, in
 
     def update(done: int, parts: int, done_bytes: int, total_bytes: int) -> None:
         if not bar:
-            if time.monotonic() - started < 2.0 or done == parts:
+            if time.monotonic() - started < PROGRESS_AFTER_S or done == parts:
                 return
             bar.append(_byte_progress())
             bar[0].start()
             bar.append(bar[0].add_task(what, total=total_bytes))
         bar[0].update(bar[1], completed=done_bytes, description=f"{what} {done}/{parts} parts")
+        if done == parts:  # the last call; also where a forked reader (upload's) stops its bar
+            stop()
+
+    def stop() -> None:
+        if bar:
+            bar[0].stop()
+            bar.clear()
 
     try:
         yield update
     finally:
-        if bar:
-            bar[0].stop()
+        stop()
 
 
 def _byte_progress() -> Any:

@@ -235,3 +235,64 @@ def test_a_copied_segment_is_read_once_and_the_copy_named(tmp_path):
         in result.stderr
     )
     assert pl.read_csv(tmp_path.parent / "x.csv")["count"].sum() == len(truth)
+
+
+def _on_a_terminal(*args: str) -> tuple[int, str, bytes]:
+    """``metriclog ARGS`` in a fresh process whose stderr is a terminal (stdout a pipe), with
+    the progress bar's two-second wait set to zero: exit code, what the terminal showed
+    (colours and cursor moves removed), stdout."""
+    import os
+    import pty
+    import re
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from metriclog import output\n"
+        "output.PROGRESS_AFTER_S = 0.0\n"
+        "from metriclog.main import main\n"
+        "main()\n"
+    )
+    screen, terminal = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        env={**os.environ, "COLUMNS": "160"},
+    )
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(screen, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(screen)
+    stdout = child.communicate(timeout=300)[0]
+    return child.returncode, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace")), stdout
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["reduce", "{run}", "--mode", "per_rank_reduce"],
+        ["reduce", "{run}", "--mode", "per_rank_no_reduce", "--out", "{tmp}/raw.csv"],
+        ["inspect", "{run}"],
+        ["upload", "{run}", "--project", "p", "--dry-run", "--mode", "per_rank_reduce"],
+    ],
+    ids=["reduce", "raw", "inspect", "upload"],
+)
+def test_a_long_read_shows_a_progress_bar_on_a_terminal_and_nothing_in_a_pipe(tmp_path, command):
+    run = tmp_path / "run"
+    write_collector_run(run, [(f"TrainActor_r{r}", r) for r in range(3)], steps=30)
+    args = [a.format(run=run, tmp=tmp_path) for a in command]
+    code, shown, stdout = _on_a_terminal(*args)
+    assert code == 0, shown
+    assert "reading 3/3 parts" in shown, shown
+    assert b"parts" not in stdout
+    piped = runner.invoke(app, args)  # stderr not a terminal: no bar
+    assert piped.exit_code == 0 and "parts" not in piped.output

@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,7 +38,7 @@ from metric_core.errors import (
 from metric_core.metric import LoggingMode
 from metric_core.offline import partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
-from metric_core.offline.read import OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.read.parquet import read_categorical, row_group_times
 from metric_core.offline.timeorder import Part, in_time_order
 from metric_core.schema import REQUIRED_FIELDS
@@ -73,10 +72,6 @@ class ReduceResult:
             yield self.frame
         else:
             yield from self.stream()
-
-
-# Called after each partition with (partitions done, partitions, bytes done, bytes).
-OnProgress = Callable[[int, int, int, int], None]
 
 
 def _filtered(plan: ReducePlan, frame: pl.LazyFrame) -> pl.LazyFrame:
@@ -120,7 +115,7 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     # source) each source on its own, emitted in order, so memory holds one source's groups.
     units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
     work = [(u, part) for u, fids in enumerate(units) for part in partitions(scan, fids)]
-    sizes = [sum(_size(scan.report.files[fid].path) for fid in part) for _, part in work]
+    sizes = [sum(scan.report.files[fid].size for fid in part) for _, part in work]
 
     def reduce_part(part: list[int]) -> partials.Partial:
         df = _matching(pl.concat([_read_part(plan, scan, fid, dictionaries) for fid in part]), match)
@@ -255,13 +250,6 @@ def _in_order(
             yield result
 
 
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
 def _statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
     """The statistic of a key: the last ``--reduce`` pattern that matches it, or its recorded reduction."""
     overrides = [(key_matcher([pattern]), stat.name) for pattern, stat in plan.overrides]
@@ -353,7 +341,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
         rep = scan.report.files[fid]
         source = rep.source or rep.single_source
         (by_source.setdefault(source, []) if source is not None else mixed).append(fid)
-    sizes = {fid: _size(scan.report.files[fid].path) for fid in scan.parts}
+    sizes = {fid: scan.report.files[fid].size for fid in scan.parts}
     total = sum(sizes.values())
 
     def read(fid: int, groups: list[int] | None = None) -> pl.DataFrame:

@@ -29,7 +29,7 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.offline.read import FileReport, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import FileReport, OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.read.attempts import Attempt
 from metric_core.schema import KEY_HASH, keys_by_hash
 
@@ -132,8 +132,10 @@ def inspect_run(
     follow_symlinks: bool = False,
     attempts: str = "rewind",
     on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
 ) -> InspectReport:
-    """Per-source health and what stopped first, for a run directory (or a scan of one).
+    """Per-source health and what stopped first, for a run directory (or a scan of one);
+    ``on_progress`` is called after each file is read.
 
     >>> report = inspect_run("sample_logs/rl_run")
     >>> report.first_to_stop.process, report.first_to_stop.last_step
@@ -146,7 +148,7 @@ def inspect_run(
     )
     if on_read is not None:
         on_read(scan.report)
-    per_step, per_key = _aggregate(scan)
+    per_step, per_key = _aggregate(scan, on_progress)
     steps = per_step.group_by("process", "rank", "step").agg(pl.col("reached").min(), pl.col("done").max())
     summary = (
         per_step.group_by("process", "rank")
@@ -235,47 +237,38 @@ def _strict_json(report: dict[str, Any]) -> str:
     return json.dumps(finite(report), indent=2, allow_nan=False)
 
 
-def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Per (source, file, step) and per (source, key), in two streaming passes.
+def _aggregate(scan: RunScan, on_progress: OnProgress | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Per (source, file, step) and per (source, key), a file at a time: each file is read
+    once, and memory holds one file's columns, not the run's.
 
-    Files whose writer metadata names their one source are grouped by file id alone (no
-    string hashed per record); other files are grouped by process and rank as well.
+    Files of one source (their writer's metadata or their footer's statistics say which)
+    are grouped by file id alone (no string hashed per record); other files are grouped by
+    process and rank as well.
     """
-    vouched = {
-        i: f.source for i, f in enumerate(scan.report.files) if f.source is not None and i in scan.parts
-    }
-    others = [frame for i, frame in scan.parts.items() if i not in vouched]
-    step_aggs = {"records": pl.len(), "reached": pl.col("timestamp").min(), "done": pl.col("timestamp").max()}
+    files = scan.report.files
+    sources = {i: files[i].source or files[i].single_source for i in scan.parts}
+    vouched = {i for i, source in sources.items() if source is not None}
+    hashes = _key_hashes([files[i] for i in vouched])
+    sizes = {fid: scan.report.files[fid].size for fid in scan.parts}
     per_step, by_key = [], []
-    if vouched:
-        owners = pl.DataFrame(
-            {
-                "file_id": list(vouched),
-                "process": [p for p, _ in vouched.values()],
-                "rank": [r for _, r in vouched.values()],
-            },
-            schema={"file_id": pl.Int32, "process": pl.String, "rank": pl.Int64},
-        )
-        hashes = _key_hashes([scan.report.files[i] for i in vouched])
-        key = KEY_HASH if hashes is not None else "key"
-        frame = pl.concat([scan.parts[i] for i in vouched]).select(
-            "file_id", "step", key, "value", "timestamp"
-        )
-        # One after the other: collect_all would cache the shared scan in memory, whole.
-        steps = frame.group_by("file_id", "step").agg(**step_aggs).collect(engine="streaming")
-        keys = _per_key(frame, ["file_id", key])
-        if hashes is not None:
-            keys = keys.join(hashes, on=KEY_HASH).select("file_id", "key", *keys.columns[2:])
-        per_step.append(
-            steps.join(owners, on="file_id").select("process", "rank", "file_id", *steps.columns[1:])
-        )
-        by_key.append(keys.join(owners, on="file_id").select("process", "rank", "file_id", *keys.columns[1:]))
-    if others:
-        frame = pl.concat(others)
-        per_step.append(
-            frame.group_by("process", "rank", "file_id", "step").agg(**step_aggs).collect(engine="streaming")
-        )
-        by_key.append(_per_key(frame, ["process", "rank", "file_id", "key"]))
+    done = 0
+    for n, (fid, frame) in enumerate(scan.parts.items(), 1):
+        if fid in vouched:
+            process, rank = sources[fid]  # type: ignore[misc]
+            key = KEY_HASH if hashes is not None else "key"
+            steps, keys = _file_aggregates(frame.select("step", key, "value", "timestamp"), [], key)
+            if hashes is not None:
+                keys = keys.join(hashes, on=KEY_HASH).select("key", *keys.columns[1:])
+            source = [pl.lit(process, pl.String).alias("process"), pl.lit(rank, pl.Int64).alias("rank")]
+            steps, keys = steps.select(*source, pl.all()), keys.select(*source, pl.all())
+        else:
+            steps, keys = _file_aggregates(frame, ["process", "rank"], "key")
+        file_id = pl.lit(fid, pl.Int32).alias("file_id")
+        per_step.append(steps.select("process", "rank", file_id, pl.exclude("process", "rank")))
+        by_key.append(keys.select("process", "rank", file_id, pl.exclude("process", "rank")))
+        done += sizes[fid]
+        if on_progress is not None:
+            on_progress(n, len(scan.parts), done, sum(sizes.values()))
     per_key = (
         pl.concat(by_key)
         .group_by("process", "rank", "key")
@@ -289,30 +282,33 @@ def _aggregate(scan: RunScan) -> tuple[pl.DataFrame, pl.DataFrame]:
     return pl.concat(per_step), per_key
 
 
-def _per_key(frame: pl.LazyFrame, by: list[str]) -> pl.DataFrame:
-    """Last value and non-finite count per group; where the first non-finite value came is
-    looked up in a second pass only when there is one."""
+def _file_aggregates(frame: pl.LazyFrame, by: list[str], key: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """One file's records per (``by``, step) and per (``by``, ``key``), from one read: last
+    value and non-finite count per key; where the first non-finite value came is looked
+    up in a second pass only when there is one."""
+    ts = pl.col("timestamp")
     bad = ~pl.col("value").is_finite()
-    keys = (
-        frame.group_by(by)
-        .agg(
-            last_value=pl.col("value").max_by("timestamp"),
-            last_timestamp=pl.col("timestamp").max(),
-            nonfinite=bad.sum(),
-        )
-        .collect(engine="streaming")
+    steps, keys = pl.collect_all(
+        [
+            frame.group_by(*by, "step").agg(records=pl.len(), reached=ts.min(), done=ts.max()),
+            frame.group_by(*by, key).agg(
+                last_value=pl.col("value").max_by("timestamp"), last_timestamp=ts.max(), nonfinite=bad.sum()
+            ),
+        ]
     )
     if not keys["nonfinite"].sum():
-        return keys.with_columns(
+        keys = keys.with_columns(
             first_bad_step=pl.lit(None, pl.Int64), first_bad_timestamp=pl.lit(None, pl.Float64)
         )
-    first_bad = (
-        frame.filter(bad)
-        .group_by(by)
-        .agg(first_bad_step=pl.col("step").min(), first_bad_timestamp=pl.col("timestamp").min())
-        .collect(engine="streaming")
-    )
-    return keys.join(first_bad, on=by, how="left", nulls_equal=True)
+    else:
+        first_bad = (
+            frame.filter(bad)
+            .group_by(*by, key)
+            .agg(first_bad_step=pl.col("step").min(), first_bad_timestamp=ts.min())
+            .collect()
+        )
+        keys = keys.join(first_bad, on=[*by, key], how="left", nulls_equal=True)
+    return steps, keys
 
 
 def _key_hashes(files: list[FileReport]) -> pl.DataFrame | None:

@@ -22,7 +22,7 @@ from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
 from metric_core.offline.plan import ReducePlan
-from metric_core.offline.read import OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
 
 MAX_KEYS = 12
 
@@ -35,9 +35,10 @@ def plot_run(
     *,
     follow_symlinks: bool = False,
     on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
 ) -> Any:
     """Draw ``plan``'s keys of a run (a directory, or a scan of one); save a PNG to ``out``
-    if given; return the matplotlib Figure.
+    if given; return the matplotlib Figure. ``on_progress`` follows the reduction's read.
 
     >>> from metric_core import make_plan
     >>> fig = plot_run("sample_logs/rl_run", make_plan(keys=["trainer/loss"]))
@@ -64,7 +65,7 @@ def plot_run(
         ) from None
     if not plan.keys:
         raise PlanError("choose the keys to plot with --key PATTERN, e.g. --key 'trainer/*'")
-    result = execute(plan, scan).frame
+    result = execute(plan, scan, on_progress=on_progress).frame
     keys = sorted(result["key"].unique().to_list())
     if len(keys) > MAX_KEYS:
         raise RequestError(

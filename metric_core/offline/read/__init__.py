@@ -57,12 +57,23 @@ from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, re
 from metric_core.offline.read.validate import RECORD_OK
 from metric_core.schema import KEY_HASH
 
-__all__ = ["FileReport", "ReadReport", "RunScan", "Shutdown", "changed_files_said", "scan_run"]
+__all__ = [
+    "FileReport",
+    "OnProgress",
+    "OnRead",
+    "ReadReport",
+    "RunScan",
+    "Shutdown",
+    "changed_files_said",
+    "scan_run",
+]
 
 T = TypeVar("T")
 # Called with the health report as soon as a run is read, before anything can fail on it,
 # so a caller can say what was skipped even when the command then fails.
 OnRead = Callable[[ReadReport], None]
+# Called as the files are read: (parts done, parts, bytes done, bytes).
+OnProgress = Callable[[int, int, int, int], None]
 
 
 @dataclass

@@ -42,6 +42,14 @@ class FileReport:
     single_source: tuple[str, int] | None = None
 
     @property
+    def size(self) -> int:
+        """The file's bytes now (0 if it is gone): what progress is counted in."""
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+    @property
     def dropped_records(self) -> int:
         return sum(int(d.get("records", 0)) for d in self.dropped)
 

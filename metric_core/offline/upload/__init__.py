@@ -33,6 +33,7 @@ from metric_core.offline.upload.send import (
 
 if TYPE_CHECKING:
     from metric_core.offline.plan import ReducePlan
+    from metric_core.offline.read import OnProgress
 
 __all__ = ["Destination", "PlannedRun", "RunOutcome", "UploadEvents", "UploadResult", "upload_run"]
 
@@ -64,11 +65,13 @@ def upload_run(
     strict: bool = False,
     follow_symlinks: bool = False,
     events: UploadEvents | None = None,
+    on_progress: OnProgress | None = None,
 ) -> UploadResult:
     """Reduce ``run_dir`` by ``plan`` and upload it to ``to`` (with ``dry_run``, only plan it).
 
     ``name`` defaults to the run directory's name, ``group`` to ``name``; ``share_run``
-    puts every source of a per-rank mode in one run. Raises ``NotLoggedInError`` for an
+    puts every source of a per-rank mode in one run; ``on_progress`` follows the run's read
+    (in the reading child, when there is one). Raises ``NotLoggedInError`` for an
     online upload without credentials, ``StrictModeError`` when ``strict`` and records
     were skipped, ``UploadError`` when W&B fails for good.
 
@@ -95,6 +98,7 @@ def upload_run(
         plan,
         strict=strict,
         follow_symlinks=follow_symlinks,
+        on_progress=on_progress,
         name=name or root.resolve().name,
         group=group,
         share_run=share_run,
@@ -128,7 +132,13 @@ def upload_run(
 
 
 def _prepare(
-    root: Path, plan: ReducePlan, *, strict: bool, follow_symlinks: bool, **mapping: object
+    root: Path,
+    plan: ReducePlan,
+    *,
+    strict: bool,
+    follow_symlinks: bool,
+    on_progress: OnProgress | None,
+    **mapping: object,
 ) -> UploadPlan:
     """Read and reduce the run, and map it to W&B runs (in the reading child, see overlap)."""
     from metric_core.offline.engine import run_plan
@@ -142,6 +152,7 @@ def _prepare(
             strict=strict,
             follow_symlinks=follow_symlinks,
             on_read=lambda r: read.append(r.summary()),
+            on_progress=on_progress,
         )
         upload = changed_files_said(plan_upload)(result, **mapping)
     except MetricLogError as exc:
