@@ -453,3 +453,16 @@ def test_in_time_order_equals_one_stable_sort(seed):
         out = list(in_time_order(parts, lambda fid, groups: frames[fid], batch_rows))
         got = pl.concat(out) if out else truth.clear()
         assert got.equals(truth), batch_rows
+
+
+@pytest.mark.parametrize("plan", [{"keys": ["nothing/*"]}, {"ranks": "7"}], ids=["key", "ranks"])
+def test_raw_mode_with_filters_that_leave_nothing_is_no_data_whatever_the_files(tmp_path, plan):
+    """A writer's file and another tool's file of two ranks (held, then split by source)."""
+    from metric_core.errors import NoDataError
+
+    write_collector_run(tmp_path, SOURCES[:1], steps=3)
+    rows = {"key": ["a"] * 4, "value": [1.0, 2.0, 3.0, 4.0], "reduction": ["mean"] * 4, "step": [0, 0, 1, 1]}
+    write_foreign(tmp_path / "two.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [4, 5, 4, 5]})
+    assert run_plan(tmp_path, make_plan(mode="per_rank_no_reduce")).frame.height > 4
+    with pytest.raises(NoDataError, match="no record matches the filters"):
+        run_plan(tmp_path, make_plan(mode="per_rank_no_reduce", **plan)).frame

@@ -365,6 +365,8 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
                 whole = pl.concat([*(read(fid) for fid in fids), mine])
                 batches = iter([whole.sort("timestamp", maintain_order=True)])  # ties: file order
             for batch in batches:
+                if batch.height == 0:  # a filter left none of the source's records
+                    continue
                 if t0 is not None:
                     window = np.floor((batch["timestamp"].to_numpy() - t0) / float(plan.every or 0))
                     batch = batch.with_columns(window_start=pl.Series(t0 + window * float(plan.every or 0)))
