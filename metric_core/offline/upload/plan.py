@@ -51,8 +51,9 @@ class PlannedRun:
     The history is held as numpy columns, not a polars frame: compact, and readable by a
     process that never loads polars (``upload_run`` reduces in a child process while it
     loads wandb). A wide run has the x-axis and a column per key, masked where a key has no
-    value at a row; a raw run has columns key (an index into ``keys``), value, the
-    bucket and timestamp.
+    value at a row; a raw run has columns key (a code: an index into ``code_keys``, or
+    ``keys``), value, the bucket and timestamp, kept in files (``ColumnFile``) when planned
+    from a stream.
     """
 
     run_id: str
