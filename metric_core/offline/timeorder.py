@@ -42,7 +42,8 @@ def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl
     order, as frames of about ``batch_rows`` records or more (fewer at the end)."""
     order = sorted(range(len(parts)), key=lambda i: (parts[i].lo, i))
     held: list[pl.DataFrame] = []
-    count = 0
+    fresh = 0  # records read since held records were last looked at
+    kept = 0  # records held back then
     pos = 0
     while pos < len(order):
         first = order[pos]
@@ -63,13 +64,15 @@ def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl
             pos += 1
         frame = read(parts[first].fid, groups if parts[first].groups is not None else None)
         held.append(frame.with_columns(pl.lit(first, pl.Int32).alias(ORDER)))
-        count += frame.height
+        fresh += frame.height
         cut = parts[order[pos]].lo if pos < len(order) else math.inf
-        if count < batch_rows and pos < len(order):
+        # Looked at once a batch is read, and no sooner than as many records as were held
+        # back last time, so records that overlap are not filtered again and again.
+        if pos < len(order) and (fresh < max(batch_rows, kept) or cut == -math.inf):
             continue
         whole = pl.concat(held)
         ready = whole if cut == math.inf else whole.filter(pl.col("timestamp") < cut)
         held = [] if cut == math.inf else [whole.filter(pl.col("timestamp") >= cut)]
-        count = sum(f.height for f in held)
+        kept, fresh = sum(f.height for f in held), 0
         if ready.height:
             yield ready.sort("timestamp", ORDER, maintain_order=True).drop(ORDER)
