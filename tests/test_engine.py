@@ -465,4 +465,4 @@ def test_raw_mode_with_filters_that_leave_nothing_is_no_data_whatever_the_files(
     write_foreign(tmp_path / "two.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [4, 5, 4, 5]})
     assert run_plan(tmp_path, make_plan(mode="per_rank_no_reduce")).frame.height > 4
     with pytest.raises(NoDataError, match="no record matches the filters"):
-        run_plan(tmp_path, make_plan(mode="per_rank_no_reduce", **plan)).frame
+        list(run_plan(tmp_path, make_plan(mode="per_rank_no_reduce", **plan)).batches())

@@ -102,7 +102,7 @@ def partition_states(
     # as one code; each distinct label is then looked at once, in Python.
     per_source = plan.group_columns[0] == "process"
     label_columns = [*(("process", "rank") if per_source else ()), "key", "reduction"]
-    pair, n_pairs = _combine([_codes(df[c]) for c in label_columns], rows, squeeze=False)
+    pair, n_pairs = _combine([_codes(df[c]) for c in label_columns], rows)
     pair_rows = _representatives(pair, n_pairs)
     present = np.flatnonzero(pair_rows >= 0)
     labels = df.select(label_columns)[pair_rows[present]]
@@ -192,9 +192,9 @@ def _dense(codes: np.ndarray) -> tuple[np.ndarray, int]:
     return (np.cumsum(present) - 1)[shifted], int(present.sum())
 
 
-def _combine(codes: list[tuple[np.ndarray, int]], rows: int, squeeze: bool = True) -> tuple[np.ndarray, int]:
-    """One index from several columns' codes (mixed radix, renumbered where it grows sparse,
-    and at the end unless not ``squeeze``)."""
+def _combine(codes: list[tuple[np.ndarray, int]], rows: int) -> tuple[np.ndarray, int]:
+    """One index from several columns' codes (mixed radix, renumbered where it grows sparse)
+    and its span (an upper bound)."""
     ids = np.zeros(rows, dtype=np.int64)
     span = 1
     for c, k in codes:
@@ -202,7 +202,7 @@ def _combine(codes: list[tuple[np.ndarray, int]], rows: int, squeeze: bool = Tru
             ids, span = _dense(ids)
         ids = ids * k + c
         span *= k
-    return _dense(ids) if squeeze else (ids, span)
+    return ids, span
 
 
 def _representatives(ids: np.ndarray, n: int) -> np.ndarray:

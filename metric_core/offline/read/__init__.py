@@ -124,19 +124,6 @@ class RunScan:
     def name(self) -> str:
         return str(self.meta.get("name") or self.run_dir.resolve().name)
 
-    @property
-    def hashed(self) -> bool:
-        """Whether every record carries its writer's key_hash (see ``metric_core.schema``)."""
-        return all(self.report.files[fid].hashed for fid in self.parts)
-
-    @property
-    def step_range(self) -> tuple[int, int] | None:
-        """The lowest and highest step, when every file declared its own."""
-        ranges = [self.report.files[fid].steps for fid in self.parts]
-        if not ranges or any(r is None for r in ranges):
-            return None
-        return min(r[0] for r in ranges if r), max(r[1] for r in ranges if r)
-
     def first_timestamps(self) -> dict[tuple[str, int], float]:
         """Each source's earliest record time: declared by the writer, or read from the rest."""
         first: dict[tuple[str, int], float] = {}
@@ -152,17 +139,6 @@ class RunScan:
             for process, rank, ts in found.collect(engine="streaming").iter_rows():
                 first[(process, rank)] = min(first.get((process, rank), math.inf), ts)
         return first
-
-    def key_reductions(self) -> pl.DataFrame:
-        """Every distinct (key, reduction) of the run: from what the writer declared in each
-        sealed segment's metadata, and by reading only the files that declare nothing."""
-        declared = {pair for rep in self.report.files if rep.keys is not None for pair in rep.keys}
-        undeclared = [frame for fid, frame in self.parts.items() if self.report.files[fid].keys is None]
-        found = pl.DataFrame(sorted(declared), schema=["key", "reduction"], orient="row").cast(pl.String)
-        if undeclared:
-            read = pl.concat(undeclared).select("key", "reduction").unique().collect(engine="streaming")
-            found = pl.concat([found, read]).unique()
-        return found.sort("key", "reduction")
 
 
 def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
