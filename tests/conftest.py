@@ -137,3 +137,29 @@ def killed_after(work: Callable[[], object]) -> None:
         os.waitpid(pid, 0)
         raise AssertionError("the writing child hung")
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, "the writing child failed (see stderr)"
+
+
+def on_a_terminal(command: list[str]) -> tuple[int, str, bytes]:
+    """Run ``command`` with stderr on a pseudo-terminal and stdout on a pipe: its exit code,
+    what the terminal showed (colours and cursor moves removed), and its stdout."""
+    import pty
+    import re
+    import subprocess
+
+    screen, terminal = pty.openpty()
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=terminal, env={**os.environ, "COLUMNS": "160"}
+    )
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(screen, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(screen)
+    stdout = child.communicate(timeout=300)[0]
+    return child.returncode, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace")), stdout

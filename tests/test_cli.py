@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 
 from metric_core import MetricCollector, Reduce
 
-from .conftest import write_collector_run
+from .conftest import on_a_terminal, write_collector_run
 
 runner = CliRunner()
 SAMPLE = Path(__file__).resolve().parent.parent / "sample_logs" / "rl_run"
@@ -237,43 +238,14 @@ def test_a_copied_segment_is_read_once_and_the_copy_named(tmp_path):
     assert pl.read_csv(tmp_path.parent / "x.csv")["count"].sum() == len(truth)
 
 
-def _on_a_terminal(*args: str) -> tuple[int, str, bytes]:
-    """``metriclog ARGS`` in a fresh process whose stderr is a terminal (stdout a pipe), with
-    the progress bar's two-second wait set to zero: exit code, what the terminal showed
-    (colours and cursor moves removed), stdout."""
-    import os
-    import pty
-    import re
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "from metriclog import output\n"
-        "output.PROGRESS_AFTER_S = 0.0\n"
-        "from metriclog.main import main\n"
-        "main()\n"
-    )
-    screen, terminal = pty.openpty()
-    child = subprocess.Popen(
-        [sys.executable, "-c", code, *args],
-        stdout=subprocess.PIPE,
-        stderr=terminal,
-        env={**os.environ, "COLUMNS": "160"},
-    )
-    os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(screen, 65536)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(screen)
-    stdout = child.communicate(timeout=300)[0]
-    return child.returncode, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace")), stdout
+# `metriclog` with the progress bar's two-second wait set to zero
+BAR_AT_ONCE = (
+    "import sys\n"
+    "from metriclog import output\n"
+    "output.PROGRESS_AFTER_S = 0.0\n"
+    "from metriclog.main import main\n"
+    "main()\n"
+)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +262,7 @@ def test_a_long_read_shows_a_progress_bar_on_a_terminal_and_nothing_in_a_pipe(tm
     run = tmp_path / "run"
     write_collector_run(run, [(f"TrainActor_r{r}", r) for r in range(3)], steps=30)
     args = [a.format(run=run, tmp=tmp_path) for a in command]
-    code, shown, stdout = _on_a_terminal(*args)
+    code, shown, stdout = on_a_terminal([sys.executable, "-c", BAR_AT_ONCE, *args])
     assert code == 0, shown
     assert "reading 3/3 parts" in shown, shown
     assert b"parts" not in stdout

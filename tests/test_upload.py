@@ -30,7 +30,7 @@ from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import plan_upload, safe_keys
 from metric_core.offline.upload.send import Destination, send_runs
 
-from .conftest import BASE_TIME, write_collector_run
+from .conftest import BASE_TIME, on_a_terminal, write_collector_run
 from .wandb_file import config_of, find_run_file, history_rows, metric_definitions, read_records, run_record
 
 runner = CliRunner()
@@ -262,31 +262,12 @@ def test_a_run_that_cannot_be_read_is_one_error_line_from_the_reducing_child(tmp
 
 
 def test_a_progress_bar_per_run_goes_to_stderr_when_it_is_a_terminal(tmp_path):
-    import pty
-
     run_dir = tmp_path / "exp1"
     write_collector_run(run_dir, [("TrainActor_r0", 0), ("GeneratorActor_r1", 1)], steps=1500)
-    screen, terminal = pty.openpty()
-    child = subprocess.Popen(
-        [METRICLOG, "upload", str(run_dir), "--project", "proj", "--offline", "--mode", "per_rank_reduce"],
-        stdout=subprocess.PIPE,
-        stderr=terminal,
-        env={**os.environ, "COLUMNS": "160"},
+    code, text, stdout = on_a_terminal(
+        [METRICLOG, "upload", str(run_dir), "--project", "proj", "--offline", "--mode", "per_rank_reduce"]
     )
-    os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(screen, 65536)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(screen)
-    stdout = child.communicate(timeout=300)[0]
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace"))  # colours, cursor
-    assert child.returncode == 0, text
+    assert code == 0, text
     for name in ("exp1_TrainActor_r0", "exp1_GeneratorActor_r1"):
         assert re.search(rf"{name} .*1500/1500 .*rows/s", text), text
     assert stdout == b""  # nothing of the bars where a pipe would take them
