@@ -18,7 +18,8 @@ Peers, each a whole process, interleaved with ours over --repeats rounds (median
            sunk to Parquet (what polars does with no checks, no exactness, no report)
 
 Peak RSS is that of the command's process tree (GNU time on the metriclog command; the
-engine starts no child). Every mode is run once per size for memory.
+engine starts no child). Every mode, inspect and upload's dry run of raw mode are run once per
+size for memory.
 
 Usage: python benchmarks/bench_engine.py [--sizes 20M,100M] [--repeats 3] [--dir bench_out]
        [--skip-modes] [--skip-100M-quantiles]
@@ -129,19 +130,23 @@ def compare(runs: list[tuple[str, Path, str]], out_dir: Path, repeats: int) -> l
 
 
 def modes(run: Path, name: str, out_dir: Path, quantiles: bool) -> list[dict]:
+    """Wall and peak RSS of reduce in every mode, inspect, and upload's dry run of raw mode."""
     metriclog = str(Path(sys.executable).with_name("metriclog"))
+    target = out_dir / f"engine_mode_{name}.parquet"
+    out_args = ["--out", str(target)]
     cases = {
-        "global_reduce": [],
-        "per_rank_reduce": ["--mode", "per_rank_reduce"],
-        "by time 10s": ["--by", "time", "--every", "10s"],
-        "per_rank_no_reduce": ["--mode", "per_rank_no_reduce"],
+        "global_reduce": ["reduce", *out_args],
+        "per_rank_reduce": ["reduce", "--mode", "per_rank_reduce", *out_args],
+        "by time 10s": ["reduce", "--by", "time", "--every", "10s", *out_args],
+        "per_rank_no_reduce": ["reduce", "--mode", "per_rank_no_reduce", *out_args],
     }
     if quantiles:
-        cases["*=p99"] = ["--reduce", "*=p99"]
+        cases["*=p99"] = ["reduce", "--reduce", "*=p99", *out_args]
+    cases["inspect"] = ["inspect", "--json"]
+    cases["upload dry raw"] = ["upload", "--project", "bench", "--dry-run", "--mode", "per_rank_no_reduce"]
     out = []
-    for case, args in cases.items():
-        target = out_dir / f"engine_mode_{name}.parquet"
-        wall, rss = timed([metriclog, "reduce", str(run), *args, "--out", str(target)])
+    for case, (command, *args) in cases.items():
+        wall, rss = timed([metriclog, command, str(run), *args])
         out.append({"run": name, "mode": case, "s": wall, "mib": rss})
         print(out[-1], file=sys.stderr, flush=True)
     target.unlink(missing_ok=True)
