@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -21,6 +21,9 @@ from metric_core.offline.plan import By
 
 from . import options as o
 from . import output, tuning
+
+if TYPE_CHECKING:
+    import polars as pl
 
 app = typer.Typer(
     name="metriclog",
@@ -105,7 +108,10 @@ def reduce(
             )
             for warning in result.warnings:
                 output.say("warning", warning)
-            frames = iter([pivot_wide(result.frame, plan)]) if wide else result.batches()
+            if wide:
+                frames: pl.DataFrame | Iterator[pl.DataFrame] = pivot_wide(result.frame, plan)
+            else:  # a stream is written as it comes
+                frames = result.frame if result.stream is None else result.batches()
             if out is None:
                 output.print_frames(frames)
             else:

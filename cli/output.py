@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -45,14 +46,14 @@ def said_skips(report: ReadReport) -> None:
 def write_frame(df: pl.DataFrame, out: Path, *, derived: str, run_dir: Path | None = None) -> None:
     """Write by extension, marked as ``derived`` (see ``segment.DERIVED_KEY``: a reader does
     not take it for data); JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
-    write_frames(iter([df]), out, derived=derived, run_dir=run_dir)
+    write_frames(df, out, derived=derived, run_dir=run_dir)
 
 
 def write_frames(
-    frames: Iterator[pl.DataFrame], out: Path, *, derived: str, run_dir: Path | None = None
+    frames: pl.DataFrame | Iterator[pl.DataFrame], out: Path, *, derived: str, run_dir: Path | None = None
 ) -> None:
-    """``write_frame`` for a stream of frames of one schema, written as they come (one frame
-    in memory at a time); nothing is created before the first frame is at hand."""
+    """``write_frame`` for a frame, or a stream of frames of one schema written as they come
+    (one frame in memory at a time); nothing is created before the first frame is at hand."""
     from metric_core.segment import DERIVED_KEY, derived_marker
 
     suffix = out.suffix.lower()
@@ -64,13 +65,13 @@ def write_frames(
             f"--out {out} is inside the run directory {run_dir}: metriclog marks it as a result and "
             "does not read it as data, but other tools reading the directory may",
         )
-    first = next(frames)
-    second = next(frames, None)
+    stream = iter([frames]) if not isinstance(frames, Iterator) else frames
+    first = next(stream)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written under a hidden name and renamed when whole: a failure half-way leaves nothing.
     partial = out.with_name(f".{out.name}.partial")
     try:
-        rows = _write(first, second, frames, partial, suffix, derived)
+        rows = _write(first, stream, not isinstance(frames, Iterator), partial, suffix, derived)
         os.replace(partial, out)
     except BaseException:
         partial.unlink(missing_ok=True)
@@ -83,29 +84,24 @@ def write_frames(
 
 
 def _write(
-    first: pl.DataFrame,
-    second: pl.DataFrame | None,
-    rest: Iterator[pl.DataFrame],
-    out: Path,
-    suffix: str,
-    derived: str,
+    first: pl.DataFrame, rest: Iterator[pl.DataFrame], whole: bool, out: Path, suffix: str, derived: str
 ) -> int:
     from metric_core.segment import DERIVED_KEY
 
     rows = 0
-    if second is None and suffix == ".parquet":  # one frame: polars writes it, without pyarrow
+    if whole and suffix == ".parquet":  # one frame: polars writes it, without pyarrow
         first.write_parquet(out, metadata={DERIVED_KEY: derived})
         return first.height
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         with pq.ParquetWriter(out, first.to_arrow().schema.with_metadata({DERIVED_KEY: derived})) as writer:
-            for frame in _chain(first, second, rest):
+            for frame in itertools.chain([first], rest):
                 writer.write_table(frame.to_arrow())
                 rows += frame.height
         return rows
     with open(out, "wb") as f:
-        for frame in _chain(first, second, rest):
+        for frame in itertools.chain([first], rest):
             if suffix == ".csv":
                 frame.write_csv(f, include_header=frame is first)
             else:
@@ -116,19 +112,12 @@ def _write(
     return rows
 
 
-def _chain(
-    first: pl.DataFrame, second: pl.DataFrame | None, rest: Iterator[pl.DataFrame]
-) -> Iterator[pl.DataFrame]:
-    yield first
-    if second is not None:
-        yield second
-        yield from rest
-
-
-def print_frames(frames: Iterator[pl.DataFrame], *, max_rows: int = MAX_TABLE_ROWS) -> None:
-    """``print_table`` of a stream of frames: the first rows, and how many there were."""
+def print_frames(frames: pl.DataFrame | Iterator[pl.DataFrame], *, max_rows: int = MAX_TABLE_ROWS) -> None:
+    """``print_table`` of a frame or a stream of frames: the first rows, and how many there were."""
     import polars as pl
 
+    if isinstance(frames, pl.DataFrame):
+        frames = iter([frames])
     head: list[pl.DataFrame] = []
     kept = total = 0
     for frame in frames:

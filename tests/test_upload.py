@@ -452,7 +452,7 @@ def test_a_raw_run_counts_the_points_of_its_busiest_key_over_every_frame(tmp_pat
     ]
     pq.write_table(pa.Table.from_pylist(lines), tmp_path / "r0.parquet", row_group_size=4)
     result = execute(make_plan(mode="per_rank_no_reduce"), scan_run(tmp_path))
-    assert len(list(result.batches())) > 5
+    assert len(list(result.batches())) > 1  # counted over several frames
     with plan_upload(result, name="x") as upload:
         (run,) = upload.runs
         assert run.points == busy and run.rows == busy + 15 and run.keys == ["a", "b"]
