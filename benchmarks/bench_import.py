@@ -16,8 +16,10 @@ Usage: python benchmarks/bench_import.py [--repeats 15] [--baseline REV]
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,7 +84,9 @@ def main() -> None:
     variants = ["python", "now"]
     baseline = None
     if args.baseline:
-        baseline = export_baseline(args.baseline, Path(tempfile.mkdtemp(prefix="metriclog-baseline-")))
+        scratch = Path(tempfile.mkdtemp(prefix="metriclog-baseline-"))
+        atexit.register(shutil.rmtree, scratch, True)  # the exported revision goes when this ends
+        baseline = export_baseline(args.baseline, scratch)
         variants.append(args.baseline)
     results: dict[str, list[dict]] = {v: [] for v in variants}
     for _ in range(args.repeats):  # interleaved: drift in machine load hits every variant alike

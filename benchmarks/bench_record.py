@@ -22,8 +22,10 @@ Usage: python benchmarks/bench_record.py [--records 2000000] [--repeats 5] [--ba
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -176,7 +178,9 @@ def main() -> None:
     }
     baseline = None
     if args.baseline:
-        baseline = export_baseline(args.baseline, Path(tempfile.mkdtemp(prefix="metriclog-baseline-")))
+        scratch = Path(tempfile.mkdtemp(prefix="metriclog-baseline-"))
+        atexit.register(shutil.rmtree, scratch, True)  # the exported revision goes when this ends
+        baseline = export_baseline(args.baseline, scratch)
         variants.update({f"parquet@{args.baseline}": args.records, f"jsonl@{args.baseline}": args.records})
     results: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
