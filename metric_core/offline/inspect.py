@@ -248,16 +248,18 @@ def _aggregate(scan: RunScan, on_progress: OnProgress | None = None) -> tuple[pl
     files = scan.report.files
     sources = {i: files[i].source or files[i].single_source for i in scan.parts}
     vouched = {i for i, source in sources.items() if source is not None}
-    hashes = _key_hashes([files[i] for i in vouched])
-    sizes = {fid: scan.report.files[fid].size for fid in scan.parts}
+    # the writer's files group on its key hashes (another tool's file of one source, on strings)
+    hashes = _key_hashes([files[i] for i in vouched if files[i].hashed])
+    sizes = {fid: files[fid].size for fid in scan.parts}
     per_step, by_key = [], []
     done = 0
     for n, (fid, frame) in enumerate(scan.parts.items(), 1):
         if fid in vouched:
             process, rank = sources[fid]  # type: ignore[misc]
-            key = KEY_HASH if hashes is not None else "key"
+            hashed = hashes is not None and files[fid].hashed
+            key = KEY_HASH if hashed else "key"
             steps, keys = _file_aggregates(frame.select("step", key, "value", "timestamp"), [], key)
-            if hashes is not None:
+            if hashed:
                 keys = keys.join(hashes, on=KEY_HASH).select("key", *keys.columns[1:])
             source = [pl.lit(process, pl.String).alias("process"), pl.lit(rank, pl.Int64).alias("rank")]
             steps, keys = steps.select(*source, pl.all()), keys.select(*source, pl.all())
