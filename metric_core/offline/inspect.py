@@ -256,11 +256,11 @@ def _aggregate(scan: RunScan, on_progress: OnProgress | None = None) -> tuple[pl
     for n, (fid, frame) in enumerate(scan.parts.items(), 1):
         if fid in vouched:
             process, rank = sources[fid]  # type: ignore[misc]
-            hashed = hashes is not None and files[fid].hashed
-            key = KEY_HASH if hashed else "key"
+            names = hashes if files[fid].hashed else None
+            key = KEY_HASH if names is not None else "key"
             steps, keys = _file_aggregates(frame.select("step", key, "value", "timestamp"), [], key)
-            if hashed:
-                keys = keys.join(hashes, on=KEY_HASH).select("key", *keys.columns[1:])
+            if names is not None:
+                keys = keys.join(names, on=KEY_HASH).select("key", *keys.columns[1:])
             source = [pl.lit(process, pl.String).alias("process"), pl.lit(rank, pl.Int64).alias("rank")]
             steps, keys = steps.select(*source, pl.all()), keys.select(*source, pl.all())
         else:
