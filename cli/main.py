@@ -8,6 +8,7 @@ other ``MetricLogError`` or an ``OSError`` one ``Error: ...`` line and exit 1.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -231,7 +232,14 @@ def plot(
 
 def main() -> None:
     tuning.apply()
+    # A stop by SIGTERM (timeout, Slurm, docker stop) is a Ctrl-C: what a command made in
+    # temporary directories and half-written files is removed on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     app()
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -682,3 +682,26 @@ def test_a_server_that_cannot_be_reached_is_said_at_once_naming_it(tmp_path, pla
     with pytest.raises(UploadError, match=r"could not reach W&B \(http://127.0.0.1:9\).*--offline"):
         send_runs(planned, Ledger(tmp_path / "uploads.json"), Destination("p"), init=unreachable)
     assert len(calls) == 1
+
+
+def test_an_upload_stopped_by_sigterm_leaves_no_temporary_directory(tmp_path):
+    """timeout, Slurm and docker stop a job with SIGTERM: the raw runs' column files go too."""
+    run_dir = tmp_path / "exp1"
+    write_collector_run(run_dir, [(f"TrainActor_r{r}", r) for r in range(4)], steps=3000)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    child = subprocess.Popen(
+        [METRICLOG, "upload", str(run_dir), "--project", "p", "--offline", "--mode", "per_rank_no_reduce"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
+    deadline = time.monotonic() + 120
+    while not list(scratch.glob("metriclog-upload-*")):
+        assert child.poll() is None and time.monotonic() < deadline, "the upload never planned"
+        time.sleep(0.02)
+    child.send_signal(signal.SIGTERM)
+    stderr = child.communicate(timeout=120)[1].decode()
+    assert child.returncode != 0
+    assert "Traceback" not in stderr, stderr
+    assert not list(scratch.glob("metriclog-upload-*"))

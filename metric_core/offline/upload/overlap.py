@@ -12,6 +12,7 @@ runner), other threads running, or no fork on this platform.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import traceback
@@ -73,5 +74,5 @@ def _child(work: Callable[[], Any], send: Connection) -> None:
     except BaseException:
         traceback.print_exc()  # a bug: its traceback is the report
         message = ("crashed", None)
-    with send:
+    with send, contextlib.suppress(OSError):  # OSError: the parent is gone (interrupted)
         send.send(message)
