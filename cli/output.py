@@ -53,7 +53,7 @@ def write_frames(
     frames: pl.DataFrame | Iterator[pl.DataFrame], out: Path, *, derived: str, run_dir: Path | None = None
 ) -> None:
     """``write_frame`` for a frame, or a stream of frames of one schema written as they come
-    (one frame in memory at a time); nothing is created before the first frame is at hand."""
+    (two frames in memory at a time); nothing is created before the first frame is at hand."""
     from metric_core.segment import DERIVED_KEY, derived_marker
 
     suffix = out.suffix.lower()
@@ -67,11 +67,13 @@ def write_frames(
         )
     stream = iter([frames]) if not isinstance(frames, Iterator) else frames
     first = next(stream)
+    second = next(stream, None)  # a stream of one frame is written as a frame
+    rest = stream if second is None else itertools.chain([second], stream)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written under a hidden name and renamed when whole: a failure half-way leaves nothing.
     partial = out.with_name(f".{out.name}.partial")
     try:
-        rows = _write(first, stream, not isinstance(frames, Iterator), partial, suffix, derived)
+        rows = _write(first, rest, second is None, partial, suffix, derived)
         os.replace(partial, out)
     except BaseException:
         partial.unlink(missing_ok=True)

@@ -22,6 +22,7 @@ from metric_core import Metric, MetricCollector, Reduce
 from metric_core.offline import engine
 from metric_core.offline.engine import reduce_run, run_plan
 from metric_core.offline.plan import make_plan
+from metric_core.offline.read import scan_run
 
 from .conftest import BASE_TIME, killed_after, write_collector_run
 
@@ -205,20 +206,27 @@ def test_output_is_bit_identical_across_runs_threads_and_file_order(many_files, 
 
 
 def test_each_file_is_read_once(many_files, monkeypatch):
-    """One read of each data file for a reduce: the scan takes only metadata and footers."""
-    reads: list[str] = []
+    """One read of each data file's row groups for a reduce, in every reducing mode: the
+    scan takes only metadata and footers."""
+    reads: list[tuple[str, int]] = []
     original = engine.read_categorical
 
-    def counting(path, *a, **k):
-        reads.append(Path(path).name)
-        return original(path, *a, **k)
+    def counting(path, columns, hashed, row_groups=None):
+        groups = range(pq.ParquetFile(path).num_row_groups) if row_groups is None else row_groups
+        reads.extend((Path(path).name, g) for g in groups)
+        return original(path, columns, hashed, row_groups)
 
     monkeypatch.setattr(engine, "read_categorical", counting)
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
-    result = run_plan(many_files, make_plan())
-    parquet = sorted(p.name for p in many_files.glob("*.parquet"))
-    assert sorted(reads) == parquet
-    assert result.scan.report.skipped_records == 0
+    every = sorted(
+        (p.name, g) for p in many_files.glob("*.parquet") for g in range(pq.ParquetFile(p).num_row_groups)
+    )
+    for mode in ("global_reduce", "per_rank_reduce", "per_rank_no_reduce"):
+        reads.clear()
+        result = run_plan(many_files, make_plan(mode=mode))
+        assert result.frame.height > 0
+        assert sorted(reads) == every, mode
+        assert result.scan.report.skipped_records == 0
 
 
 def test_foreign_parquet_jsonl_and_journals_agree_with_the_writers_files(tmp_path):
@@ -318,13 +326,13 @@ def test_per_rank_reduce_streams_a_source_at_a_time_and_a_late_conflict_leaves_n
 
 def test_another_tools_file_of_one_rank_is_streamed_with_its_source(tmp_path):
     """Footer statistics (rank min == max) make a foreign file one source's, so per_rank
-    modes stream it; a file of several ranks is held and split."""
+    modes reduce it with that source alone; a file of several ranks is reduced with all."""
     rows = {"key": ["a"] * 4, "value": [1.0, 2.0, 3.0, 4.0], "reduction": ["mean"] * 4, "step": [0, 0, 1, 1]}
     write_foreign(tmp_path / "one.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [3] * 4})
-    assert run_plan(tmp_path, make_plan(mode="per_rank_reduce")).stream is not None
+    assert engine._single_sources(scan_run(tmp_path)) == {("rank3", 3): [0]}
     write_foreign(tmp_path / "two.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [4, 5, 4, 5]})
+    assert engine._single_sources(scan_run(tmp_path)) is None
     result = run_plan(tmp_path, make_plan(mode="per_rank_reduce"))
-    assert result.stream is None
     assert result.frame.select("rank", "step", "value").rows() == [
         (3, 0, 1.5),
         (3, 1, 3.5),
@@ -466,3 +474,74 @@ def test_raw_mode_with_filters_that_leave_nothing_is_no_data_whatever_the_files(
     assert run_plan(tmp_path, make_plan(mode="per_rank_no_reduce")).frame.height > 4
     with pytest.raises(NoDataError, match="no record matches the filters"):
         list(run_plan(tmp_path, make_plan(mode="per_rank_no_reduce", **plan)).batches())
+
+
+def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tmp_path, monkeypatch):
+    """Another tool's files, one rank each, rows in step order in many row groups: tasks of
+    row groups are folded in step order, and the steps no later task can hold leave memory
+    as they are done. Every statistic still equals numpy over the records (ties of first
+    and last: the record read first), globally, per rank and by time, while at most a few
+    blocks of steps are ever held."""
+    rng = np.random.default_rng(5)
+    stats = ["mean", "sum", "std", "min", "max", "first", "last", "p90"]
+    steps, ranks = 3000, 4
+    step = np.repeat(np.arange(steps), len(stats) * 2)
+    records = []
+    for rank in range(ranks):
+        rows = {
+            "key": [f"k/{stat}" for stat in stats] * (steps * 2),
+            "value": rng.normal(1e6, 3.0, len(step)).round(3),
+            "reduction": stats * (steps * 2),
+            "step": step,
+            "timestamp": BASE_TIME + step * 0.01,  # ties within a step, and across ranks
+            "rank": np.full(len(step), rank),
+        }
+        write_foreign(tmp_path / f"part-{rank}.parquet", rows, row_group_size=4000)
+        records += [dict(zip(rows, r, strict=True)) for r in zip(*rows.values(), strict=True)]
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 10_000)
+    held: list[int] = []
+    add = engine.partials.Accumulator.add
+
+    def counting(self, p):
+        add(self, p)
+        held.append(len(self.blocks))
+
+    monkeypatch.setattr(engine.partials.Accumulator, "add", counting)
+
+    def truth(group: list[dict]) -> float:  # the records in file order
+        values = np.array([r["value"] for r in group])
+        times = np.array([r["timestamp"] for r in group])
+        name = group[0]["reduction"]
+        if name in ("first", "last"):
+            best = times.min() if name == "first" else times.max()
+            return float(values[np.flatnonzero(times == best)[0]])
+        if name == "p90":
+            return float(np.percentile(values, 90))
+        return float(
+            {"mean": np.mean, "sum": np.sum, "std": np.std, "min": np.min, "max": np.max}[name](values)
+        )
+
+    t0 = BASE_TIME
+    for mode, every in [("global_reduce", None), ("per_rank_reduce", None), ("global_reduce", 0.02)]:
+        held.clear()
+        frame = run_plan(tmp_path, make_plan(mode=mode, by="time" if every else "step", every=every)).frame
+        groups: dict[tuple, list[dict]] = {}
+        for r in records:
+            bucket = r["step"] if every is None else t0 + math.floor((r["timestamp"] - t0) / every) * every
+            groups.setdefault(
+                (*((r["rank"],) if mode == "per_rank_reduce" else ()), bucket, r["key"]), []
+            ).append(r)
+        columns = [
+            *(["rank"] if mode == "per_rank_reduce" else []),
+            "window_start" if every else "step",
+            "key",
+        ]
+        got = {tuple(row[:-2]): row[-2:] for row in frame.select(*columns, "value", "count").iter_rows()}
+        assert set(got) == set(groups)
+        for group_key, group in groups.items():
+            value, count = got[group_key]
+            assert count == len(group)
+            assert value == pytest.approx(truth(group), rel=1e-12, abs=1e-9), (mode, group_key)
+        buckets = frame.select(columns[-2]).n_unique()
+        assert max(held) <= 3 < buckets / 256, (mode, max(held))  # blocks of 256 steps (windows)

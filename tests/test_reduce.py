@@ -271,7 +271,7 @@ def test_filters_that_match_nothing_are_no_data(run):
 
     root, _ = run
     with pytest.raises(NoDataError, match="no record matches the filters"):
-        execute(make_plan(keys=["nothing/*"]), scan_run(root))
+        _ = execute(make_plan(keys=["nothing/*"]), scan_run(root)).frame
 
 
 @pytest.mark.parametrize("first_step", [2**24 - 3, -4])

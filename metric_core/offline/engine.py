@@ -39,7 +39,7 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
-from metric_core.offline.read.parquet import read_categorical, row_group_times
+from metric_core.offline.read.parquet import read_categorical, row_group_lows
 from metric_core.offline.timeorder import Part, in_time_order
 from metric_core.schema import REQUIRED_FIELDS
 
@@ -74,9 +74,10 @@ class ReduceResult:
             yield from self.stream()
 
 
-def _filtered(plan: ReducePlan, frame: pl.LazyFrame) -> pl.LazyFrame:
-    """The plan's rank and step filters (``--key`` is applied per file: ``_matching``)."""
-    lf = frame.select(plan.input_columns)
+def _filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | None = None) -> pl.LazyFrame:
+    """``columns`` (the plan's input columns by default) with the plan's rank and step
+    filters applied (``--key`` is applied per file: ``_matching``)."""
+    lf = frame.select(plan.input_columns if columns is None else columns)
     if plan.ranks:
         rank = pl.col("rank")
         cond = pl.lit(False)
@@ -96,62 +97,74 @@ def _filtered(plan: ReducePlan, frame: pl.LazyFrame) -> pl.LazyFrame:
 def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None = None) -> ReduceResult:
     """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served.
 
-    A reducing mode runs as partial states (``metric_core.offline.partials``): one per
-    file, computed on a pool of threads and merged in a fixed order, so the output is the
-    same bits whatever the thread count or the order the files were listed in.
+    A reducing mode runs as partial states (``metric_core.offline.partials``): the run's
+    files (or their Parquet row groups) are cut into tasks in the order of their first
+    step (``tasks``), each task's states are computed on a pool of threads and folded in
+    that fixed order, and the groups no task still to come can touch are handed over as
+    a frame and dropped. So the output is the same bits whatever the thread count or the
+    order the files were listed in, and memory holds the groups of the steps in flight.
+    The result is a stream, read when it is iterated.
     """
-    sources = _single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None
-    if plan.by == "time" or plan.mode is LoggingMode.PER_RANK_NO_REDUCE or sources is not None:
-        # --by time windows start at the first record kept, a query over every file first;
-        # a stream of sources is read after the report was handed over.
+    if plan.by == "time":  # windows start at the first record kept, a query over every file
         scan.check_all()
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         return _raw(plan, scan, on_progress)
+    sources = _single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None
     match = key_matcher(plan.keys) if plan.keys else None
     t0 = _first_time(plan, scan) if plan.by == "time" else None
     statistic_of = _statistic_chooser(plan)
     dictionaries = _dictionary_read(scan)
+    kept = _columns_read(plan, scan)
     # What is reduced together: the whole run, or (per_rank_reduce, every file of one
-    # source) each source on its own, emitted in order, so memory holds one source's groups.
+    # source) each source on its own, emitted in order.
     units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
-    work = [(u, part) for u, fids in enumerate(units) for part in partitions(scan, fids)]
-    sizes = [sum(scan.report.files[fid].size for fid in part) for _, part in work]
+    work = [(u, task) for u, fids in enumerate(units) for task in tasks(plan, scan, fids, t0, dictionaries)]
 
-    def reduce_part(part: list[int]) -> partials.Partial:
-        df = _matching(pl.concat([_read_part(plan, scan, fid, dictionaries) for fid in part]), match)
-        return partials.partition_states(df, plan, statistic_of, t0)
+    def reduce_task(task: Task) -> partials.Partial:
+        pieces = [
+            _matching(_read_part(plan, scan, fid, dictionaries, kept, groups), match)
+            for fid, groups, _ in task.reads
+        ]
+        places = [(at, piece.height) for (_, _, at), piece in zip(task.reads, pieces, strict=True)]
+        return partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
 
+    @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
-        recorded: dict[str, str] = {}  # each key's statistic in the sources emitted so far
-        acc, unit = partials.Accumulator(), 0
-        states = _in_order(reduce_part, [part for _, part in work], sizes, on_progress)
+        recorded: dict[str, str] = {}  # each key's statistic in the frames emitted so far
+        acc = partials.Accumulator()
+        states = _in_order(reduce_task, [task for _, task in work], [t.size for _, t in work], on_progress)
         try:
-            for (u, _), state in zip(work, states, strict=True):
-                if u != unit:
-                    yield from _finished(plan, scan, acc, t0, recorded)
-                    acc.close()
-                    acc, unit = partials.Accumulator(), u
+            for i, ((u, _), state) in enumerate(zip(work, states, strict=True)):
                 acc.add(state)
-            yield from _finished(plan, scan, acc, t0, recorded)
+                # Every task still to come of this unit starts at the next one's first bucket.
+                upto = work[i + 1][1].lo if i + 1 < len(work) and work[i + 1][0] == u else math.inf
+                if upto > -math.inf:
+                    yield from _finished(plan, scan, acc, t0, recorded, upto)
+                if upto == math.inf:
+                    acc.close()
+                    acc = partials.Accumulator()
         finally:
             acc.close()
         if not recorded:
             raise NoDataError(str(scan.run_dir), "no record matches the filters")
 
-    if sources is not None:
-        return ReduceResult(plan, scan, stream=stream)
-    return ReduceResult(plan, scan, table=pl.concat(list(stream())))
+    return ReduceResult(plan, scan, stream=stream)
 
 
 def _finished(
-    plan: ReducePlan, scan: RunScan, acc: partials.Accumulator, t0: float | None, recorded: dict[str, str]
+    plan: ReducePlan,
+    scan: RunScan,
+    acc: partials.Accumulator,
+    t0: float | None,
+    recorded: dict[str, str],
+    upto: float,
 ) -> Iterator[pl.DataFrame]:
-    """The result of the partitions folded into ``acc`` (nothing if they held no record)."""
-    merged, stats = acc.result()
+    """The result of the groups folded into ``acc`` below bucket ``upto`` (``take``)."""
+    merged, stats, values = acc.take(upto)
     if merged.height == 0:
         return
     _check_reductions(plan, scan, merged, recorded)
-    value = _values(merged, stats, acc)
+    value = _values(merged, stats, values)
     if plan.by == "time":
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
     else:
@@ -176,17 +189,19 @@ def _single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
 
 
 def _read_part(
-    plan: ReducePlan, scan: RunScan, fid: int, dictionaries: bool, row_groups: list[int] | None = None
+    plan: ReducePlan,
+    scan: RunScan,
+    fid: int,
+    dictionaries: bool,
+    kept: list[str],
+    row_groups: list[int] | None = None,
 ) -> pl.DataFrame:
-    """One file's records the plan needs (or those of its ``row_groups``), read once (a file
-    not checked yet is checked whole), strings as polars Categorical. With ``dictionaries``,
-    Parquet is read by pyarrow with its strings kept as dictionary codes, never decoded
-    (``read_categorical``)."""
+    """One file's ``kept`` columns (``_columns_read``; or those of its ``row_groups``),
+    read once (a file not checked yet is checked as it is read), strings as polars
+    Categorical. With ``dictionaries``, Parquet is read by pyarrow with its strings kept as
+    dictionary codes, never decoded (``read_categorical``)."""
     rep = scan.report.files[fid]
-    wanted = {*plan.input_columns, *(REQUIRED_FIELDS if fid in scan.unchecked else ())}
-    if rep.keys is None or any(r in ("first", "last") for _, r in rep.keys):
-        wanted.add("timestamp")  # a statistic of the recorded reductions may need it
-    columns = sorted(wanted)
+    columns = sorted({*kept, *(REQUIRED_FIELDS if fid in scan.unchecked else ())})
     if rep.format == "parquet" and dictionaries:
         df = read_categorical(rep.path, columns, rep.hashed, row_groups)
         if rep.replaced_from is not None:
@@ -195,7 +210,16 @@ def _read_part(
         assert row_groups is None, "row groups are read through the dictionaries"
         strings = [c for c in ("key", "reduction", "process") if c in columns]
         df = scan.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical)).collect()
-    return _filtered(plan, scan.checked(fid, df).lazy()).collect()
+    return _filtered(plan, scan.checked(fid, df).lazy(), kept).collect()
+
+
+def _columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:
+    """The plan's input columns, and the timestamp wherever a file's recorded reductions
+    may be first or last (so every file of a run gives the same columns)."""
+    first_last = any(
+        rep.keys is None or any(r in ("first", "last") for _, r in rep.keys) for rep in scan.report.files
+    )
+    return sorted({*plan.input_columns, *(("timestamp",) if first_last else ())})
 
 
 # From about this many Parquet records on, reading them with pyarrow's dictionaries beats
@@ -210,21 +234,65 @@ def _dictionary_read(scan: RunScan) -> bool:
 PARTITION_ROWS = 1_000_000
 
 
-def partitions(
-    scan: RunScan, fids: Sequence[int] | None = None, rows: int = PARTITION_ROWS
-) -> list[list[int]]:
-    """The run's files (ids, in path order; or ``fids``) in consecutive groups of about
-    ``rows`` records: what one task reduces. It depends on the files alone, never on the
-    thread count."""
-    out: list[list[int]] = []
+@dataclass(frozen=True)
+class Task:
+    """What one thread reduces: ``reads`` (file id, row groups or None for the whole file,
+    place in file order of the first of them), in file order; ``lo``, the first bucket
+    they may hold; ``size``, their bytes (what progress counts)."""
+
+    reads: list[tuple[int, list[int] | None, int]]
+    lo: float
+    size: int
+
+
+def tasks(
+    plan: ReducePlan,
+    scan: RunScan,
+    fids: Sequence[int],
+    t0: float | None,
+    row_groups: bool,
+    rows: int | None = None,
+) -> list[Task]:
+    """The files ``fids`` (in path order) cut into tasks of about ``rows`` records, in the
+    order of the first bucket (step, or ``--by time`` window) each may hold.
+
+    A part is a Parquet row group when the files are read through the dictionaries
+    (``row_groups``) and its footer has the statistics, else a whole file with the range
+    its writer declared (or none: it may hold any bucket, and goes first). Tasks depend on
+    the files alone, never on the thread count, and are folded in this order.
+    """
+    rows = PARTITION_ROWS if rows is None else rows
+    column = "timestamp" if plan.by == "time" else "step"
+    parts = _parts(scan, fids, row_groups, column)
+    if plan.by == "time":
+        assert t0 is not None and plan.every is not None
+        every = float(plan.every)
+        parts = [
+            dataclasses.replace(p, lo=math.floor((p.lo - t0) / every) if p.lo > -math.inf else p.lo)
+            for p in parts
+        ]
+    order = sorted(range(len(parts)), key=lambda i: (parts[i].lo, i))
+    chunks: list[list[int]] = []
     held = 0
-    for fid in scan.parts if fids is None else fids:
-        records = scan.report.files[fid].records
-        if not out or (held and held + records > rows):
-            out.append([])
+    for i in order:
+        if not chunks or (held and held + parts[i].rows > rows):
+            chunks.append([])
             held = 0
-        out[-1].append(fid)
-        held += records
+        chunks[-1].append(i)
+        held += parts[i].rows
+    out = []
+    for chunk in chunks:
+        reads: list[tuple[int, list[int] | None, int]] = []
+        size = 0
+        for i in sorted(chunk):
+            p, rep = parts[i], scan.report.files[parts[i].fid]
+            size += rep.size * p.rows // max(rep.records, 1) if p.groups is not None else rep.size
+            last = reads[-1] if reads else None
+            if last is not None and p.groups is not None and last[0] == p.fid and last[1] is not None:
+                last[1].extend(p.groups)  # the next row groups of the same file: one read
+            else:
+                reads.append((p.fid, None if p.groups is None else list(p.groups), i))
+        out.append(Task(reads, parts[chunk[0]].lo, size))
     return out
 
 
@@ -290,7 +358,7 @@ def _check_reductions(
         raise UnknownReductionError(unknown)
 
 
-def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], acc: partials.Accumulator) -> np.ndarray:
+def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.LazyFrame]) -> np.ndarray:
     """Each group's value: the statistic its reduction names, from the merged states.
 
     median and pNN sort each group's values (polars' linear quantile, numpy's to an ulp);
@@ -314,7 +382,7 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], acc: partials.Ac
                     .otherwise(pl.col("value").quantile(q, interpolation="linear"))
                 )
                 .collect()
-                for part in acc.value_ranges()
+                for part in values
             ]
         )
         picked = merged.select("bucket", "_combo").join(
@@ -335,6 +403,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     t0 = _first_time(plan, scan) if plan.by == "time" else None
     match = key_matcher(plan.keys) if plan.keys else None
     dictionaries = _dictionary_read(scan)
+    kept = _columns_read(plan, scan)
     by_source: dict[tuple[str, int], list[int]] = {}
     mixed: list[int] = []
     for fid in scan.parts:
@@ -345,8 +414,9 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     total = sum(sizes.values())
 
     def read(fid: int, groups: list[int] | None = None) -> pl.DataFrame:
-        return _matching(_read_part(plan, scan, fid, dictionaries, groups), match)
+        return _matching(_read_part(plan, scan, fid, dictionaries, kept, groups), match)
 
+    @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
         done = 0
         held = pl.concat([read(fid) for fid in mixed]) if mixed else None
@@ -359,7 +429,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
         for i, (process, rank) in enumerate(sorted(sources)):
             fids = by_source.get((process, rank), [])
             if held is None:
-                batches = in_time_order(_time_parts(scan, fids, dictionaries), read, RAW_BATCH_ROWS)
+                batches = in_time_order(_parts(scan, fids, dictionaries), read, RAW_BATCH_ROWS)
             else:  # its held rows may fall anywhere in its time: all of it at once
                 mine = held.filter((pl.col("process") == process) & (pl.col("rank") == rank))
                 whole = pl.concat([*(read(fid) for fid in fids), mine])
@@ -385,18 +455,20 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
 RAW_BATCH_ROWS = 250_000
 
 
-def _time_parts(scan: RunScan, fids: list[int], row_groups: bool) -> list[Part]:
-    """One source's files as parts with their earliest time (``timeorder``): Parquet row
-    groups by their footer's statistics when read through the dictionaries (``row_groups``),
-    else whole files by their declared range; a file that declares none may hold any time."""
+def _parts(scan: RunScan, fids: Sequence[int], row_groups: bool, column: str = "timestamp") -> list[Part]:
+    """Files as parts with the lowest value of ``column`` (timestamp or step) they may hold
+    (``timeorder``): Parquet row groups by their footer's statistics when read through the
+    dictionaries (``row_groups``), else whole files by their writer's declared range; a file
+    that declares none may hold any value (-inf)."""
     out: list[Part] = []
     for fid in fids:
         rep = scan.report.files[fid]
-        groups = row_group_times(rep.path) if row_groups and rep.format == "parquet" else None
+        groups = row_group_lows(rep.path, column) if row_groups and rep.format == "parquet" else None
+        declared = rep.timestamps if column == "timestamp" else rep.steps
         if groups is not None:
             out += [Part(fid, (g,), lo, rows) for g, (lo, rows) in enumerate(groups)]
-        elif rep.timestamps is not None:
-            out.append(Part(fid, None, rep.timestamps[0], rep.records))
+        elif declared is not None:
+            out.append(Part(fid, None, declared[0], rep.records))
         else:
             out.append(Part(fid, None, -math.inf, rep.records))
     return out
@@ -452,8 +524,10 @@ def run_plan(
 ) -> ReduceResult:
     """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
 
-    ``on_read`` gets the health report once the run is read, ``on_progress`` the progress
-    of the read. Raises ``StrictModeError`` when ``strict`` and the reader skipped anything.
+    The result is a stream, read when iterated (``frame`` reads it whole). ``on_read`` gets
+    the health report once the run is read (when the stream ends, or the plan fails),
+    ``on_progress`` the progress of the read. Raises ``StrictModeError`` when ``strict``
+    and the reader skipped anything, before reading the records.
 
     >>> result = run_plan("sample_logs/rl_run", make_plan(mode="per_rank_reduce", keys=["policy/reward"]))
     >>> result.frame.select("process", "step", "count").head(2).rows()
@@ -464,14 +538,29 @@ def run_plan(
     # Another tool's files are checked as the engine reads them (one pass), so the report
     # is whole once the plan ran; it is handed over even when the plan fails.
     scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts, defer_checks=True)
+    if strict:  # fail before anything is written
+        scan.check_all()
+        if scan.report.has_skips:  # notices (a restart rewound, a copy read once) are not skips
+            if on_read is not None:
+                on_read(scan.report)
+            raise StrictModeError(scan.report.summary())
     try:
         result = execute(plan, scan, on_progress=on_progress)
-    finally:
+    except BaseException:
         if on_read is not None:
             on_read(scan.report)
-    if strict and scan.report.has_skips:  # notices (a restart rewound, a copy read once) are not skips
-        raise StrictModeError(scan.report.summary())
-    return result
+        raise
+    stream = result.stream
+    assert stream is not None
+
+    def reported() -> Iterator[pl.DataFrame]:
+        try:
+            yield from stream()
+        finally:
+            if on_read is not None:
+                on_read(scan.report)
+
+    return dataclasses.replace(result, stream=reported)
 
 
 def pivot_wide(frame: pl.DataFrame, plan: ReducePlan) -> pl.DataFrame:

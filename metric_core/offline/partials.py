@@ -14,8 +14,9 @@ The state of a group in one partition, over its values v (n of them):
   dev, sq     sum(v - shift) and sum((v - shift)**2); near the mean, v - shift is exact,
               so these lose almost nothing to rounding
   min, max    NaN-propagating, as numpy's
-  first/last  the value with the smallest / largest timestamp (ties: the earlier row,
-              then the earlier partition)
+  first/last  the value with the smallest / largest timestamp, with ``first_at`` /
+              ``last_at``, the place in file order of the part it came from (ties: the
+              earlier part in file order, then the earlier row)
   values      for median and pNN only: the group's values themselves
 
 Folding re-centres every partition on one shift K per group (the first partition's):
@@ -32,8 +33,9 @@ Every computation is numpy over a partition's columns in row order (``bincount``
 from __future__ import annotations
 
 import itertools
+import math
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,9 +47,12 @@ from metric_core.errors import PlanError
 from metric_core.offline.plan import ReducePlan, Statistic
 
 # The fields of a group's state, and what a field holds where nothing was folded in yet.
-FIELDS = ("n", "raw", "shift", "dev", "sq", "min", "max", "first_ts", "first", "last_ts", "last")
-_EMPTY = np.array([0, 0, 0, 0, 0, np.inf, -np.inf, np.inf, np.nan, -np.inf, np.nan])
-N, RAW, SHIFT, DEV, SQ, MIN, MAX, FIRST_TS, FIRST, LAST_TS, LAST = range(len(FIELDS))
+FIELDS = (
+    "n", "raw", "shift", "dev", "sq", "min", "max",
+    "first_ts", "first", "first_at", "last_ts", "last", "last_at",
+)  # fmt: skip
+_EMPTY = np.array([0, 0, 0, 0, 0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
+N, RAW, SHIFT, DEV, SQ, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
 _FAMILIES = ("min", "max", "first", "last")  # what only some statistics need
 _DENSE_SLACK = 1 << 16  # a dense index may be this much (plus 4x the rows) larger than the rows
 
@@ -79,9 +84,16 @@ def is_statistic(name: str) -> bool:
 
 
 def partition_states(
-    df: pl.DataFrame, plan: ReducePlan, statistic_of: Callable[[str, str], str], t0: float | None
+    df: pl.DataFrame,
+    plan: ReducePlan,
+    statistic_of: Callable[[str, str], str],
+    t0: float | None,
+    places: Sequence[tuple[int, int]] = (),
 ) -> Partial:
     """Reduce one partition's records (a collected frame with the plan's input columns).
+
+    ``places`` are the (place in file order, rows) of the parts ``df`` was concatenated
+    from, in file order (none: one part, place 0): what breaks ties of first and last.
 
     ``statistic_of(key, recorded_reduction)`` names the statistic a key gets; it is part
     of the group, so records of one key with different recorded reductions form one group
@@ -128,7 +140,7 @@ def partition_states(
         wanted = np.array([s is not None and s.name == family for s in stats])
         if wanted.any():
             subset = None if stat_codes is None else np.flatnonzero(wanted[stat_codes])
-            _extreme(state, family, ids, value, df, subset)
+            _extreme(state, family, ids, value, df, subset, places)
     quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     value_group, values = np.empty(0, dtype=np.int64), np.empty(0)
     if quantile.any():
@@ -235,6 +247,7 @@ def _extreme(
     value: np.ndarray,
     df: pl.DataFrame,
     subset: np.ndarray | None,
+    places: Sequence[tuple[int, int]],
 ) -> None:
     g = ids if subset is None else ids[subset]
     v = value if subset is None else value[subset]
@@ -254,6 +267,12 @@ def _extreme(
     uniq, index = np.unique(g[candidates], return_index=True)  # the earliest row of each
     state[FIRST_TS if lowest else LAST_TS] = best
     state[FIRST if lowest else LAST, uniq] = v[candidates[index]]
+    chosen = candidates[index] if subset is None else subset[candidates[index]]
+    at = np.zeros(len(chosen))
+    if places:
+        place, rows = (np.array(c) for c in zip(*places, strict=True))
+        at = place[np.searchsorted(np.cumsum(rows), chosen, side="right")].astype(np.float64)
+    state[FIRST_AT if lowest else LAST_AT, uniq] = at
 
 
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
@@ -273,8 +292,9 @@ class _Block:
 class Accumulator:
     """Partitions' states folded in the order they are given, into blocks of buckets.
 
-    Memory grows with the groups (buckets x combos touched), not with the records; the
-    values of median/pNN groups are kept until ``result``.
+    Memory grows with the groups (buckets x combos touched) not taken out yet (``take``),
+    not with the records; the values of median/pNN groups are held with them (in a
+    temporary directory past ``SPILL_VALUES``).
     """
 
     combos: dict[tuple[Any, ...], int] = field(default_factory=dict)
@@ -283,6 +303,7 @@ class Accumulator:
     held_values: int = 0
     spills: list[Path] = field(default_factory=list)
     spill_dir: tempfile.TemporaryDirectory[str] | None = None
+    taken: int | None = None  # the buckets below this one were taken out
 
     def add(self, p: Partial) -> None:
         if not len(p.bucket):
@@ -318,31 +339,45 @@ class Accumulator:
         bucket, combo, values = (np.concatenate(parts) for parts in zip(*self.value_cells, strict=True))
         return pl.DataFrame({"bucket": bucket, "_combo": combo, "value": values})
 
-    def value_ranges(self) -> Iterator[pl.LazyFrame]:
-        """Every median/pNN value with its group (bucket, _combo), in slices of whole buckets
-        that each hold about ``SPILL_VALUES`` values: held in memory while they fit, else
-        spilled to a temporary directory (removed by ``close``) and read back a slice at a time."""
+    def _value_ranges(self, lo: int | None, hi: int | None) -> list[pl.LazyFrame]:
+        """The median/pNN values (with their group: bucket, _combo) of the buckets from
+        ``lo`` to below ``hi`` (None: no bound), in slices of whole buckets that each hold
+        about ``SPILL_VALUES`` values; values of later buckets stay held."""
         if not self.spills:
-            yield self._held().lazy()
-            return
+            held = self._held()
+            if hi is None:
+                self.value_cells, self.held_values = [], 0
+                return [held.lazy()]
+            later = held["bucket"].to_numpy() >= hi
+            rest = held.filter(pl.Series(later))
+            self.value_cells = [
+                (rest["bucket"].to_numpy(), rest["_combo"].to_numpy(), rest["value"].to_numpy())
+            ]
+            self.held_values = rest.height
+            return [held.filter(pl.Series(~later)).lazy()]
         if self.value_cells:
             self._spill()
         scan = pl.scan_parquet(self.spills)
+        if lo is not None:
+            scan = scan.filter(pl.col("bucket") >= lo)
+        if hi is not None:
+            scan = scan.filter(pl.col("bucket") < hi)
         per_bucket = scan.group_by("bucket").len().sort("bucket").collect()
-        edges, held = [], 0
+        edges, held_n = [], 0
         for bucket, n in per_bucket.iter_rows():
-            if held and held + n > SPILL_VALUES:
+            if held_n and held_n + n > SPILL_VALUES:
                 edges.append(bucket)
-                held = 0
-            held += n
-        bounds = [None, *edges, None]
-        for lo, hi in itertools.pairwise(bounds):
+                held_n = 0
+            held_n += n
+        slices = []
+        for start, stop in itertools.pairwise([None, *edges, None]):
             part = scan
-            if lo is not None:
-                part = part.filter(pl.col("bucket") >= lo)
-            if hi is not None:
-                part = part.filter(pl.col("bucket") < hi)
-            yield part
+            if start is not None:
+                part = part.filter(pl.col("bucket") >= start)
+            if stop is not None:
+                part = part.filter(pl.col("bucket") < stop)
+            slices.append(part)
+        return slices
 
     def close(self) -> None:
         if self.spill_dir is not None:
@@ -360,18 +395,26 @@ class Accumulator:
             block.state, block.width = grown, width
         return block
 
-    def result(self) -> tuple[pl.DataFrame, dict[str, np.ndarray]]:
-        """One row a group (bucket, _combo, process, rank, key, reduction) and the merged
-        statistics by name, one value a row."""
+    def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
+        """The groups of the buckets below ``upto`` (whole blocks of them; all by default),
+        taken out: one row a group (bucket, _combo, process, rank, key, reduction), the
+        merged statistics by name (one value a row), and their median/pNN values
+        (``_value_ranges``), to be read before ``close``."""
+        cut = None if upto == math.inf else (math.floor(upto) >> _BLOCK_BITS)
         buckets, combos, parts = [], [], []
         for b in sorted(self.blocks):
-            block = self.blocks[b]
+            if cut is not None and b >= cut:
+                break
+            block = self.blocks.pop(b)
             cells = np.flatnonzero(block.state[N] > 0)
             buckets.append((b << _BLOCK_BITS) + cells // block.width)
             combos.append(cells % block.width)
             parts.append(block.state[:, cells])
+        hi = None if cut is None else cut << _BLOCK_BITS
+        values = self._value_ranges(self.taken, hi)
+        self.taken = hi
         if not parts:
-            return pl.DataFrame(), {}
+            return pl.DataFrame(), {}, values
         bucket, combo, s = np.concatenate(buckets), np.concatenate(combos), np.concatenate(parts, axis=1)
         labels = list(self.combos)
         process, rank, key, reduction = (list(col) for col in zip(*labels, strict=True))
@@ -407,7 +450,7 @@ class Accumulator:
                 "first": s[FIRST],
                 "last": s[LAST],
             }
-        return frame, stats
+        return frame, stats, values
 
 
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
@@ -424,10 +467,12 @@ def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
         a[SQ] += p[SQ] + 2 * offset * dev_p + n_p * offset * offset
         np.minimum(a[MIN], p[MIN], out=a[MIN])
         np.maximum(a[MAX], p[MAX], out=a[MAX])
-    take = p[FIRST_TS] < a[FIRST_TS]  # ties keep the earlier partition's
-    a[FIRST_TS : FIRST + 1, take] = p[FIRST_TS : FIRST + 1, take]
-    take = p[LAST_TS] > a[LAST_TS]
-    a[LAST_TS : LAST + 1, take] = p[LAST_TS : LAST + 1, take]
+    earlier = p[FIRST_AT] < a[FIRST_AT]  # ties: the earlier part in file order
+    take = (p[FIRST_TS] < a[FIRST_TS]) | ((p[FIRST_TS] == a[FIRST_TS]) & earlier)
+    a[FIRST_TS : FIRST_AT + 1, take] = p[FIRST_TS : FIRST_AT + 1, take]
+    earlier = p[LAST_AT] < a[LAST_AT]
+    take = (p[LAST_TS] > a[LAST_TS]) | ((p[LAST_TS] == a[LAST_TS]) & earlier)
+    a[LAST_TS : LAST_AT + 1, take] = p[LAST_TS : LAST_AT + 1, take]
     return a
 
 

@@ -31,8 +31,10 @@ and checked, bad ones counted by reason) and ``report`` (the health report).
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +93,7 @@ class RunScan:
     # Files checked by ``check_all`` (counted in the report): their bad rows are dropped
     # again by a reader that reads the file itself rather than through ``parts``.
     counted: set[int] = field(default_factory=set)
+    _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def unchecked(self) -> frozenset[int]:
@@ -98,10 +101,11 @@ class RunScan:
         return frozenset(self.pending.keys() | self.counted)
 
     def checked(self, fid: int, df: pl.DataFrame) -> pl.DataFrame:
-        """A file's records, read whole: an unchecked file's bad rows counted in the report
-        (once) and dropped."""
+        """A file's records (whole, or some of its row groups, each read once): an unchecked
+        file's bad rows counted in the report and dropped. Safe from several threads."""
         if fid in self.pending:
-            return drop_bad_rows(df, self.report.files[fid])
+            with self._counting:
+                return drop_bad_rows(df, self.report.files[fid])
         if fid in self.counted:
             return df.filter(RECORD_OK)
         return df
@@ -148,15 +152,29 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     changed (or vanished) since: a live run being sealed, or a copy in progress.
     """
 
+    def changed(exc: pl.exceptions.PolarsError) -> RunChangedError:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return RunChangedError(
+            f"reading the run failed: {first}. Did a file change during the read? Run again."
+        )
+
+    if inspect.isgeneratorfunction(function):  # a stream fails as it is read
+
+        @functools.wraps(function)
+        def stream(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return (yield from function(*args, **kwargs))
+            except pl.exceptions.PolarsError as exc:
+                raise changed(exc) from None
+
+        return stream  # type: ignore[return-value]
+
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return function(*args, **kwargs)
         except pl.exceptions.PolarsError as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise RunChangedError(
-                f"reading the run failed: {first}. Did a file change during the read? Run again."
-            ) from None
+            raise changed(exc) from None
 
     return wrapper
 

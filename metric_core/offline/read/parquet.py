@@ -153,20 +153,21 @@ def read_categorical(
     return df.collect()
 
 
-def row_group_times(path: Path) -> list[tuple[float, int]] | None:
-    """Each row group's earliest timestamp and its number of rows, from the footer, when the
-    timestamp column holds float epoch seconds (as read) and every row group has its
-    statistics; else None."""
+def row_group_lows(path: Path, column: str = "timestamp") -> list[tuple[float, int]] | None:
+    """Each row group's lowest ``column`` value (timestamp or step) and its number of rows,
+    from the footer, when the column holds what is read (float epoch seconds; integer
+    steps) and every row group has its statistics; else None."""
     import pyarrow.parquet as pq
 
+    physical = ("DOUBLE",) if column == "timestamp" else ("INT32", "INT64")
     try:
         meta = pq.read_metadata(path)
-        column = meta.schema.names.index("timestamp")
+        index = meta.schema.names.index(column)
         out = []
         for g in range(meta.num_row_groups):
-            chunk = meta.row_group(g).column(column)
+            chunk = meta.row_group(g).column(index)
             stats = chunk.statistics
-            if chunk.physical_type != "DOUBLE" or stats is None or not stats.has_min_max:
+            if chunk.physical_type not in physical or stats is None or not stats.has_min_max:
                 return None
             out.append((float(stats.min), meta.row_group(g).num_rows))
     except Exception:

@@ -155,7 +155,7 @@ class ReadReport:
                     detail += f" (+{f.skipped - max_lines} more)"
             else:
                 detail = "; ".join(
-                    f"{n} x {reason}" if n > 1 else reason for reason, n in f.skip_reasons.items()
+                    f"{n} x {reason}" if n > 1 else reason for reason, n in sorted(f.skip_reasons.items())
                 )
             out.append(f"  {name}: {f.skipped} record(s) skipped: {detail}")
         if len(bad) > max_files:

@@ -69,7 +69,11 @@ class PlannedRun:
     legacy_id: str | None = None  # its id as metriclog 0.1 made it (run, mode, source only)
     first_steps: dict[str, int] = field(default_factory=dict)  # attempt -> its first step
     points: int = 0  # the most points of one key
-    code_keys: list[str] | None = None  # a raw run's key of each code, when not ``keys``' order
+    code_keys: list[str] | None = None  # a run's key of each code, when not ``keys``' order
+    # A reduced run planned from a stream keeps its values long (key code, value, bucket
+    # per group, in bucket order): the bucket of each history row and where its values end.
+    row_buckets: ColumnFile | None = None
+    row_ends: ColumnFile | None = None
 
     def first_row_from(self, step: int) -> int | None:
         """How many history rows come before ``step``: where a rewind to a restart at ``step``
@@ -77,15 +81,20 @@ class PlannedRun:
         of several sources ordered by time."""
         if self.bucket != "step" or (self.raw and self.source is None):
             return None
-        steps = self.columns["step"]
+        steps = self.columns["step"] if self.row_buckets is None else self.row_buckets
         return sum(int((steps[i : i + SCAN_ROWS] < step).sum()) for i in range(0, self.rows, SCAN_ROWS))
 
     @property
     def rows(self) -> int:
+        if self.row_ends is not None:
+            return len(self.row_ends)
         return len(next(iter(self.columns.values()))) if self.columns else 0
 
     def history(self, start: int = 0) -> Iterator[dict[str, Any]]:
         """The rows to pass to ``run.log``, from row ``start``; missing keys are left out."""
+        if self.row_ends is not None:
+            yield from self._long_history(start)
+            return
         names = list(self.columns)
         for low in range(start, self.rows, HISTORY_CHUNK_ROWS):
             # masked entries become None; Python floats and ints, as W&B wants
@@ -97,6 +106,24 @@ class PlannedRun:
                 continue
             for values in zip(*chunk, strict=True):
                 yield {n: v for n, v in zip(names, values, strict=True) if v is not None}
+
+    def _long_history(self, start: int) -> Iterator[dict[str, Any]]:
+        """A reduced run kept long: one row per bucket, gathered from its groups' values."""
+        assert self.row_ends is not None
+        keys, bucket = self.code_keys or self.keys, self.bucket
+        low = int(self.row_ends[start - 1 : start][0]) if start else 0
+        row: dict[str, Any] = {}
+        at = None
+        for i in range(low, len(self.columns["key"]), HISTORY_CHUNK_ROWS):
+            chunk = [self.columns[n][i : i + HISTORY_CHUNK_ROWS].tolist() for n in ("key", "value", bucket)]
+            for code, value, b in zip(*chunk, strict=True):
+                if b != at:
+                    if row:
+                        yield row
+                    row, at = {bucket: b}, b
+                row[keys[code]] = value
+        if row:
+            yield row
 
 
 class ColumnFile:
@@ -227,8 +254,8 @@ def plan_upload(
     everything of the plan that shapes the data: another project, another window or
     filter is another upload, under its own ids.
 
-    per_rank_no_reduce's runs (one per source) keep their records in files of a temporary
-    directory, written as the reduction streams them: close the plan (or use it in a
+    Runs keep their rows in files of a temporary directory, written as the reduction
+    streams them (but ``share_run``'s, held in memory): close the plan (or use it in a
     ``with``) to remove them.
     """
     plan: ReducePlan = result.plan
@@ -238,15 +265,15 @@ def plan_upload(
     bucket = plan.bucket
     mode = plan.mode
     spill_dir = None
-    if mode is LoggingMode.PER_RANK_NO_REDUCE and not share_run:
+    if not share_run or mode is LoggingMode.GLOBAL_REDUCE:  # share_run: per-rank modes only
         spill_dir = tempfile.mkdtemp(prefix="metriclog-upload-")
         try:
-            runs, mapping = _raw_runs(result, spill_dir, identity, key, name, group, bucket)
+            runs, mapping = _streamed_runs(result, spill_dir, identity, key, name, group, bucket)
         except BaseException:
             shutil.rmtree(spill_dir, ignore_errors=True)
             raise
     else:
-        runs, mapping = _runs(result.frame, identity, key, name, group, bucket, mode, share_run)
+        runs, mapping = _shared_run(result.frame, identity, key, name, group, bucket, mode)
     default_shape = (
         plan.by,
         plan.every,
@@ -284,35 +311,20 @@ def plan_upload(
     return upload
 
 
-def _runs(
-    frame: pl.DataFrame,
-    identity: str,
-    key: str,
-    name: str,
-    group: str,
-    bucket: str,
-    mode: LoggingMode,
-    share_run: bool,
+def _shared_run(
+    frame: pl.DataFrame, identity: str, key: str, name: str, group: str, bucket: str, mode: LoggingMode
 ) -> tuple[list[PlannedRun], dict[str, str]]:
-    """The runs of a reduction held in memory (every mode but per_rank_no_reduce's run per
-    source, which ``_raw_runs`` streams)."""
+    """``--per-rank-share-run``'s one run, held in memory: it orders every source's rows
+    together, keys suffixed with their process (the other runs are planned from the
+    stream: ``_streamed_runs``)."""
     import polars as pl
 
     mapping = safe_keys(frame["key"].unique().to_list())
-    frame = frame.with_columns(pl.col("key").replace_strict(mapping))
-    if mode is LoggingMode.GLOBAL_REDUCE:
-        return [_wide_run(run_id_for(identity, key, None), name, None, None, frame, bucket)], mapping
-    if share_run:
-        shared = frame.with_columns(key=pl.format("{}/{}", "key", "process"))
-        run_id = run_id_for(identity, key, None)
-        if mode is LoggingMode.PER_RANK_REDUCE:
-            return [_wide_run(run_id, name, group, None, shared, bucket)], mapping
-        return [_raw_run(run_id, name, group, None, shared.sort("timestamp"), bucket)], mapping
-    runs = []
-    for (process,), part in frame.partition_by("process", as_dict=True, maintain_order=True).items():
-        run_id = run_id_for(identity, key, str(process))
-        runs.append(_wide_run(run_id, f"{name}_{process}", group, str(process), part, bucket))
-    return runs, mapping
+    shared = frame.with_columns(key=pl.format("{}/{}", pl.col("key").replace_strict(mapping), "process"))
+    run_id = run_id_for(identity, key, None)
+    if mode is LoggingMode.PER_RANK_REDUCE:
+        return [_wide_run(run_id, name, group, None, shared, bucket)], mapping
+    return [_raw_run(run_id, name, group, None, shared.sort("timestamp"), bucket)], mapping
 
 
 def _wide_run(
@@ -345,52 +357,77 @@ def _raw_run(
     )
 
 
-def _raw_runs(
+def _streamed_runs(
     result: ReduceResult, spill_dir: str, identity: str, key: str, name: str, group: str, bucket: str
 ) -> tuple[list[PlannedRun], dict[str, str]]:
-    """per_rank_no_reduce's run per source, from the reduction's stream (one source after
-    another): each run's columns go to files in ``spill_dir`` as they come, so memory holds
-    one frame of records, not the run's."""
+    """The runs (one, or one per source) from the reduction's stream: each run's columns go
+    to files in ``spill_dir`` as they come, so memory holds one frame, not the run.
+
+    A raw run keeps a record per history row. A reduced run keeps each group's key code,
+    value and bucket, in bucket order (the stream hands over whole buckets, in order, for
+    each source), and the bucket and end of each history row."""
     import polars as pl
 
-    runs: list[PlannedRun] = []
-    seen: list[dict[str, int]] = []  # each run's keys, by code in order of appearance
-    counts: list[np.ndarray] = []
-    files: dict[str, ColumnFile] = {}
-    for batch in result.batches():
-        process = str(batch["process"][0])
-        if not runs or runs[-1].source != process:
-            stem = os.path.join(spill_dir, str(len(runs)))
-            files = {
-                "key": ColumnFile(f"{stem}.key", "int32"),
-                "value": ColumnFile(f"{stem}.value", "float64"),
-                bucket: ColumnFile(f"{stem}.{bucket}", "float64" if bucket == "window_start" else "int64"),
-                "timestamp": ColumnFile(f"{stem}.timestamp", "float64"),
-            }
-            run_id = run_id_for(identity, key, process)
-            runs.append(
-                PlannedRun(
-                    run_id, f"{name}_{process}", group, process, files, None, [], raw=True, bucket=bucket
+    raw = result.plan.mode is LoggingMode.PER_RANK_NO_REDUCE
+    per_source = result.plan.mode is not LoggingMode.GLOBAL_REDUCE
+    runs: dict[str | None, PlannedRun] = {}
+    seen: dict[str | None, dict[str, int]] = {}  # each run's keys, by code in order of appearance
+    counts: dict[str | None, np.ndarray] = {}  # a raw run's points of each key code
+    ends: dict[str | None, int] = {}
+    bucket_type = "float64" if bucket == "window_start" else "int64"
+    for whole in result.batches():
+        parts = whole.partition_by("process", maintain_order=True) if per_source else [whole]
+        for batch in parts:
+            process = str(batch["process"][0]) if per_source else None
+            run = runs.get(process)
+            if run is None:
+                stem = os.path.join(spill_dir, str(len(runs)))
+                files = {
+                    "key": ColumnFile(f"{stem}.key", "int32"),
+                    "value": ColumnFile(f"{stem}.value", "float64"),
+                    bucket: ColumnFile(f"{stem}.{bucket}", bucket_type),
+                }
+                if raw:
+                    files["timestamp"] = ColumnFile(f"{stem}.timestamp", "float64")
+                run = runs[process] = PlannedRun(
+                    run_id_for(identity, key, process),
+                    name if process is None else f"{name}_{process}",
+                    None if process is None else group,
+                    process,
+                    files,
+                    None if raw else bucket,
+                    [],
+                    raw=raw,
+                    bucket=bucket,
                 )
-            )
-            seen.append({})
-            counts.append(np.zeros(0, np.int64))
-        codes = seen[-1]
-        for k in batch["key"].unique(maintain_order=True).to_list():
-            codes.setdefault(k, len(codes))
-        code = batch["key"].replace_strict(codes, return_dtype=pl.Int32).to_numpy()
-        files["key"].append(code)
-        for column in ("value", bucket, "timestamp"):
-            files[column].append(batch[column].to_numpy())
-        found = np.bincount(code, minlength=len(codes))
-        found[: len(counts[-1])] += counts[-1]
-        counts[-1] = found
-    mapping = safe_keys(sorted({k for codes in seen for k in codes}))
-    for run, codes, found in zip(runs, seen, counts, strict=True):
-        run.code_keys = [mapping[k] for k in codes]
+                if not raw:
+                    run.row_buckets = ColumnFile(f"{stem}.rows", bucket_type)
+                    run.row_ends = ColumnFile(f"{stem}.ends", "int64")
+                seen[process], counts[process], ends[process] = {}, np.zeros(0, np.int64), 0
+            codes = seen[process]
+            for k in batch["key"].unique(maintain_order=True).to_list():
+                codes.setdefault(k, len(codes))
+            code = batch["key"].replace_strict(codes, return_dtype=pl.Int32).to_numpy()
+            run.columns["key"].append(code)  # type: ignore[union-attr]
+            for column in ("value", bucket, *(("timestamp",) if raw else ())):
+                run.columns[column].append(batch[column].to_numpy())  # type: ignore[union-attr]
+            if raw:
+                found = np.bincount(code, minlength=len(codes))
+                found[: len(counts[process])] += counts[process]
+                counts[process] = found
+                continue
+            at = batch[bucket].to_numpy()
+            starts = np.flatnonzero(np.r_[True, at[1:] != at[:-1]])
+            assert run.row_buckets is not None and run.row_ends is not None
+            run.row_buckets.append(at[starts])
+            run.row_ends.append(ends[process] + np.r_[starts[1:], len(at)])
+            ends[process] += len(at)
+    mapping = safe_keys(sorted({k for codes in seen.values() for k in codes}))
+    for process, run in runs.items():
+        run.code_keys = [mapping[k] for k in seen[process]]
         run.keys = sorted(run.code_keys)
-        run.points = int(found.max(initial=0))
-    return runs, mapping
+        run.points = int(counts[process].max(initial=0)) if raw else run.rows
+    return list(runs.values()), mapping
 
 
 def limit_warnings(runs: list[PlannedRun]) -> list[str]:
