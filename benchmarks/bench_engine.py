@@ -130,7 +130,7 @@ def compare(runs: list[tuple[str, Path, str]], out_dir: Path, repeats: int) -> l
 
 
 def modes(run: Path, name: str, out_dir: Path, quantiles: bool) -> list[dict]:
-    """Wall and peak RSS of reduce in every mode, inspect, and upload's dry run of raw mode."""
+    """Wall and peak RSS of reduce in every mode, inspect, and upload's dry run in every mode."""
     metriclog = str(Path(sys.executable).with_name("metriclog"))
     target = out_dir / f"engine_mode_{name}.parquet"
     out_args = ["--out", str(target)]
@@ -143,7 +143,8 @@ def modes(run: Path, name: str, out_dir: Path, quantiles: bool) -> list[dict]:
     if quantiles:
         cases["*=p99"] = ["reduce", "--reduce", "*=p99", *out_args]
     cases["inspect"] = ["inspect", "--json"]
-    cases["upload dry raw"] = ["upload", "--project", "bench", "--dry-run", "--mode", "per_rank_no_reduce"]
+    for mode in ("global_reduce", "per_rank_reduce", "per_rank_no_reduce"):
+        cases[f"upload dry {mode}"] = ["upload", "--project", "bench", "--dry-run", "--mode", mode]
     out = []
     for case, (command, *args) in cases.items():
         wall, rss = timed([metriclog, command, str(run), *args])
@@ -203,7 +204,7 @@ def main() -> None:
                 big = name.endswith("100M")
                 found += modes(run, name, args.dir, quantiles=not (big and args.skip_100M_quantiles))
         print("\npeak RSS (MiB) and wall (s) by mode, one run each")
-        print(f"{'mode':<20}" + "".join(f"{n:>22}" for n, _, _ in runs if n.startswith(("foreign", "own"))))
+        print(f"{'mode':<30}" + "".join(f"{n:>22}" for n, _, _ in runs if n.startswith(("foreign", "own"))))
         for mode in dict.fromkeys(r["mode"] for r in found):
             cells = {r["run"]: r for r in found if r["mode"] == mode}
             line = "".join(
@@ -211,7 +212,7 @@ def main() -> None:
                 for n, _, _ in runs
                 if n.startswith(("foreign", "own"))
             )
-            print(f"{mode:<20}{line}")
+            print(f"{mode:<30}{line}")
     same = identical(runs[0][1], args.dir)
     print(f"\nper_rank_reduce output digests (2 threads, 2 threads, 1 thread): {' '.join(same)}")
     print("bit-identical" if len(set(same)) == 1 else "NOT bit-identical")

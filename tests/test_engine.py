@@ -480,8 +480,8 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
     """Another tool's files, one rank each, rows in step order in many row groups: tasks of
     row groups are folded in step order, and the steps no later task can hold leave memory
     as they are done. Every statistic still equals numpy over the records (ties of first
-    and last: the record read first), globally, per rank and by time, while at most a few
-    blocks of steps are ever held."""
+    and last: the record read first; p90's values spilled to files between), globally, per
+    rank and by time, while at most a few blocks of steps are ever held."""
     rng = np.random.default_rng(5)
     stats = ["mean", "sum", "std", "min", "max", "first", "last", "p90"]
     steps, ranks = 3000, 4
@@ -500,6 +500,7 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
         records += [dict(zip(rows, r, strict=True)) for r in zip(*rows.values(), strict=True)]
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine, "PARTITION_ROWS", 10_000)
+    monkeypatch.setattr(engine.partials, "SPILL_VALUES", 3_000)  # p90's values spill, and are taken back
     held: list[int] = []
     add = engine.partials.Accumulator.add
 

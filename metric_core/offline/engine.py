@@ -231,7 +231,7 @@ def _dictionary_read(scan: RunScan) -> bool:
     return sum(f.records for f in scan.report.files if f.format == "parquet") >= DICTIONARY_READ_RECORDS
 
 
-PARTITION_ROWS = 1_000_000
+PARTITION_ROWS = 250_000
 
 
 @dataclass(frozen=True)

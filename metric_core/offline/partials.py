@@ -301,7 +301,8 @@ class Accumulator:
     blocks: dict[int, _Block] = field(default_factory=dict)
     value_cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     held_values: int = 0
-    spills: list[Path] = field(default_factory=list)
+    spills: list[tuple[Path, int, int]] = field(default_factory=list)  # (file, first, last bucket)
+    spent: list[Path] = field(default_factory=list)  # spilled files no later take needs
     spill_dir: tempfile.TemporaryDirectory[str] | None = None
     taken: int | None = None  # the buckets below this one were taken out
 
@@ -328,9 +329,9 @@ class Accumulator:
         if self.spill_dir is None:
             self.spill_dir = tempfile.TemporaryDirectory(prefix="metriclog-values-")
         frame = self._held().sort("bucket", maintain_order=True)
-        path = Path(self.spill_dir.name) / f"{len(self.spills):05d}.parquet"
+        path = Path(self.spill_dir.name) / f"{len(self.spills) + len(self.spent):05d}.parquet"
         frame.write_parquet(path, row_group_size=1 << 18, statistics=True)
-        self.spills.append(path)
+        self.spills.append((path, int(frame["bucket"][0]), int(frame["bucket"][-1])))
         self.value_cells, self.held_values = [], 0
 
     def _held(self) -> pl.DataFrame:
@@ -341,23 +342,27 @@ class Accumulator:
 
     def _value_ranges(self, lo: int | None, hi: int | None) -> list[pl.LazyFrame]:
         """The median/pNN values (with their group: bucket, _combo) of the buckets from
-        ``lo`` to below ``hi`` (None: no bound), in slices of whole buckets that each hold
-        about ``SPILL_VALUES`` values; values of later buckets stay held."""
-        if not self.spills:
-            held = self._held()
-            if hi is None:
-                self.value_cells, self.held_values = [], 0
-                return [held.lazy()]
-            later = held["bucket"].to_numpy() >= hi
-            rest = held.filter(pl.Series(later))
-            self.value_cells = [
-                (rest["bucket"].to_numpy(), rest["_combo"].to_numpy(), rest["value"].to_numpy())
-            ]
-            self.held_values = rest.height
-            return [held.filter(pl.Series(~later)).lazy()]
-        if self.value_cells:
-            self._spill()
-        scan = pl.scan_parquet(self.spills)
+        ``lo`` to below ``hi`` (None: no bound), held or spilled, in slices of whole
+        buckets that each hold about ``SPILL_VALUES`` values; values of later buckets stay."""
+        for path in self.spent:  # what the slices of the last take read
+            path.unlink(missing_ok=True)
+        self.spent = []
+        held = self._held()
+        mine = held
+        if hi is not None:
+            later = pl.Series(held["bucket"].to_numpy() >= hi)
+            mine, rest = held.filter(~later), held.filter(later)
+            self.value_cells = [tuple(rest[c].to_numpy() for c in rest.columns)] if rest.height else []  # type: ignore[misc]
+        else:
+            self.value_cells = []
+        self.held_values = held.height - mine.height
+        files = [path for path, _, last in self.spills if lo is None or last >= lo]
+        files = [path for path, first, _ in self.spills if path in files and (hi is None or first < hi)]
+        if not files:
+            return [mine.lazy()]
+        self.spent = [path for path, _, last in self.spills if hi is None or last < hi]
+        self.spills = [s for s in self.spills if s[0] not in self.spent]
+        scan = pl.concat([pl.scan_parquet(files), mine.lazy()])
         if lo is not None:
             scan = scan.filter(pl.col("bucket") >= lo)
         if hi is not None:
@@ -396,21 +401,25 @@ class Accumulator:
         return block
 
     def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
-        """The groups of the buckets below ``upto`` (whole blocks of them; all by default),
-        taken out: one row a group (bucket, _combo, process, rank, key, reduction), the
-        merged statistics by name (one value a row), and their median/pNN values
-        (``_value_ranges``), to be read before ``close``."""
-        cut = None if upto == math.inf else (math.floor(upto) >> _BLOCK_BITS)
+        """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out: one
+        row a group (bucket, _combo, process, rank, key, reduction), the merged statistics
+        by name (one value a row), and their median/pNN values (``_value_ranges``), to be
+        read before ``close``."""
+        hi = None if upto == math.inf else math.floor(upto)
         buckets, combos, parts = [], [], []
         for b in sorted(self.blocks):
-            if cut is not None and b >= cut:
+            if hi is not None and b << _BLOCK_BITS >= hi:
                 break
-            block = self.blocks.pop(b)
+            block = self.blocks[b]
             cells = np.flatnonzero(block.state[N] > 0)
+            if hi is not None and (b + 1) << _BLOCK_BITS > hi:  # the block hi falls in: its first buckets
+                cells = cells[cells // block.width < hi - (b << _BLOCK_BITS)]
+                parts.append(block.state[:, cells])
+                block.state[:, cells] = _EMPTY[:, None]
+            else:
+                parts.append(self.blocks.pop(b).state[:, cells])
             buckets.append((b << _BLOCK_BITS) + cells // block.width)
             combos.append(cells % block.width)
-            parts.append(block.state[:, cells])
-        hi = None if cut is None else cut << _BLOCK_BITS
         values = self._value_ranges(self.taken, hi)
         self.taken = hi
         if not parts:
