@@ -352,7 +352,8 @@ class Accumulator:
         if hi is not None:
             later = pl.Series(held["bucket"].to_numpy() >= hi)
             mine, rest = held.filter(~later), held.filter(later)
-            self.value_cells = [tuple(rest[c].to_numpy() for c in rest.columns)] if rest.height else []  # type: ignore[misc]
+            columns = (rest["bucket"].to_numpy(), rest["_combo"].to_numpy(), rest["value"].to_numpy())
+            self.value_cells = [columns] if rest.height else []
         else:
             self.value_cells = []
         self.held_values = held.height - mine.height
