@@ -111,8 +111,8 @@ def reduce(
                 output.say("warning", warning)
             if wide:
                 frames: pl.DataFrame | Iterator[pl.DataFrame] = pivot_wide(result.frame, plan)
-            else:  # a stream is written as it comes
-                frames = result.frame if result.stream is None else result.batches()
+            else:  # written as it comes
+                frames = result.batches()
             if out is None:
                 output.print_frames(frames)
             else:

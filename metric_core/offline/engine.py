@@ -50,26 +50,26 @@ T = TypeVar("T")
 class ReduceResult:
     """A reduction and the scan it came from (for the health report).
 
-    A per_rank_no_reduce result is a stream of frames, one source at a time, read when
-    ``batches()`` is iterated (so writing it holds one source's records, not the run's);
-    ``frame`` gathers them into one frame.
+    The result is a stream of frames (in output order: one source after another in the
+    per-rank modes, steps in order within), read when ``batches()`` is iterated, so writing
+    it holds a few frames, not the result; ``frame`` gathers them into one frame.
     """
 
     plan: ReducePlan
     scan: RunScan
-    table: pl.DataFrame | None = None
-    stream: Callable[[], Iterator[pl.DataFrame]] | None = None
+    stream: Callable[[], Iterator[pl.DataFrame]]
     warnings: list[str] = field(default_factory=list)
+    table: pl.DataFrame | None = None  # the frames gathered, once ``frame`` read them
 
     @property
     def frame(self) -> pl.DataFrame:
         if self.table is None:
-            self.table = pl.concat(list(self.batches()))
+            self.table = pl.concat(list(self.stream()))
         return self.table
 
     def batches(self) -> Iterator[pl.DataFrame]:
-        if self.stream is None:
-            yield self.frame
+        if self.table is not None:
+            yield self.table
         else:
             yield from self.stream()
 
@@ -551,7 +551,6 @@ def run_plan(
             on_read(scan.report)
         raise
     stream = result.stream
-    assert stream is not None
 
     def reported() -> Iterator[pl.DataFrame]:
         try:

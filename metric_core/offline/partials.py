@@ -357,8 +357,11 @@ class Accumulator:
         else:
             self.value_cells = []
         self.held_values = held.height - mine.height
-        files = [path for path, _, last in self.spills if lo is None or last >= lo]
-        files = [path for path, first, _ in self.spills if path in files and (hi is None or first < hi)]
+        files = [
+            path
+            for path, first, last in self.spills
+            if (lo is None or last >= lo) and (hi is None or first < hi)
+        ]
         if not files:
             return [mine.lazy()]
         self.spent = [path for path, _, last in self.spills if hi is None or last < hi]
