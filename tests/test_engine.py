@@ -209,14 +209,14 @@ def test_each_file_is_read_once(many_files, monkeypatch):
     """One read of each data file's row groups for a reduce, in every reducing mode: the
     scan takes only metadata and footers."""
     reads: list[tuple[str, int]] = []
-    original = engine.read_categorical
+    original = engine.categorical_batches
 
-    def counting(path, columns, hashed, row_groups=None):
+    def counting(path, columns, hashed, row_groups=None, rows=None):
         groups = range(pq.ParquetFile(path).num_row_groups) if row_groups is None else row_groups
         reads.extend((Path(path).name, g) for g in groups)
-        return original(path, columns, hashed, row_groups)
+        return original(path, columns, hashed, row_groups, rows)
 
-    monkeypatch.setattr(engine, "read_categorical", counting)
+    monkeypatch.setattr(engine, "categorical_batches", counting)
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
     every = sorted(
         (p.name, g) for p in many_files.glob("*.parquet") for g in range(pq.ParquetFile(p).num_row_groups)
@@ -546,3 +546,61 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
             assert value == pytest.approx(truth(group), rel=1e-12, abs=1e-9), (mode, group_key)
         buckets = frame.select(columns[-2]).n_unique()
         assert max(held) <= 3 < buckets / 256, (mode, max(held))  # blocks of 256 steps (windows)
+
+
+def test_a_large_row_group_is_reduced_a_partition_at_a_time(tmp_path, monkeypatch):
+    """A row group far larger than a partition is read once, in frames, and reduced a
+    partition at a time (never held whole as states); every statistic still equals numpy
+    over the records, first and last ties going to the record read first."""
+    rng = np.random.default_rng(11)
+    stats = ["mean", "sum", "std", "min", "max", "first", "last", "p90"]
+    steps = 400
+    step = np.repeat(np.arange(steps), len(stats) * 3)
+    rows = {
+        "key": [f"k/{stat}" for stat in stats] * (steps * 3),
+        "value": rng.normal(1e9, 2.0, len(step)),
+        "reduction": stats * (steps * 3),
+        "step": step,
+        "timestamp": BASE_TIME + step * 0.5,  # every record of a step at one time: ties
+        "rank": np.zeros(len(step), dtype=np.int64),
+    }
+    write_foreign(tmp_path / "one.parquet", rows)  # one row group of 9600 records
+    assert pq.ParquetFile(tmp_path / "one.parquet").num_row_groups == 1
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 1000)
+    sizes: list[int] = []
+    states = engine.partials.partition_states
+
+    def recording(df, *args, **kwargs):
+        sizes.append(df.height)
+        return states(df, *args, **kwargs)
+
+    monkeypatch.setattr(engine.partials, "partition_states", recording)
+    frame = run_plan(tmp_path, make_plan()).frame
+    assert max(sizes) <= 1000 and sum(sizes) == len(step)
+    values = np.asarray(rows["value"])
+    for (s, key), group in frame.group_by("step", "key"):
+        picked = values[(step == s) & (np.asarray(rows["key"]) == key)]
+        name = key.split("/")[1]
+        want = {
+            "mean": np.mean, "sum": np.sum, "std": np.std, "min": np.min, "max": np.max,
+            "first": lambda v: v[0], "last": lambda v: v[0], "p90": lambda v: np.percentile(v, 90),
+        }[name](picked)  # fmt: skip
+        assert group["value"][0] == pytest.approx(want, rel=1e-12), (s, key)
+        assert group["count"][0] == len(picked)
+
+
+def test_a_reader_that_stops_early_leaves_no_thread_behind(many_files):
+    """The engine's threads hand partitions over one at a time: a result closed after its
+    first frame stops them."""
+    import threading
+    import time
+
+    before = threading.active_count()
+    batches = run_plan(many_files, make_plan(mode="per_rank_reduce")).batches()
+    assert next(batches).height > 0
+    batches.close()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threading.active_count() == before

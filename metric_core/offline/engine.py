@@ -16,12 +16,14 @@ statistic but ``count``, ``first`` and ``last``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
-from collections import deque
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Any, TypeVar
@@ -39,11 +41,12 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
-from metric_core.offline.read.parquet import read_categorical, row_group_lows
+from metric_core.offline.read.parquet import categorical_batches, row_group_lows
 from metric_core.offline.timeorder import Part, in_time_order
 from metric_core.schema import REQUIRED_FIELDS
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass
@@ -120,13 +123,22 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
     work = [(u, task) for u, fids in enumerate(units) for task in tasks(plan, scan, fids, t0, dictionaries)]
 
-    def reduce_task(task: Task) -> partials.Partial:
-        pieces = [
-            _matching(_read_part(plan, scan, fid, dictionaries, kept, groups), match)
-            for fid, groups, _ in task.reads
-        ]
-        places = [(at, piece.height) for (_, _, at), piece in zip(task.reads, pieces, strict=True)]
-        return partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
+    def reduce_task(task: Task) -> Iterator[partials.Partial]:
+        """The task's records as partitions of about PARTITION_ROWS (cut where the reads'
+        frames end, which the files fix), each reduced as soon as it is read."""
+        pieces: list[pl.DataFrame] = []
+        places: list[tuple[int, int]] = []
+        for fid, groups, at in task.reads:
+            for frame in _read_batches(plan, scan, fid, dictionaries, kept, groups, PARTITION_ROWS):
+                for start in range(0, frame.height, PARTITION_ROWS):  # a whole file read at once, too
+                    piece = _matching(frame.slice(start, PARTITION_ROWS), match)
+                    pieces.append(piece)
+                    places.append((at, piece.height))
+                    if sum(rows for _, rows in places) >= PARTITION_ROWS:
+                        yield partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
+                        pieces, places = [], []
+        if sum(rows for _, rows in places):
+            yield partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
 
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
@@ -134,9 +146,13 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
         acc = partials.Accumulator()
         states = _in_order(reduce_task, [task for _, task in work], [t.size for _, t in work], on_progress)
         try:
-            for i, ((u, _), state) in enumerate(zip(work, states, strict=True)):
-                acc.add(state)
-                # Every task still to come of this unit starts at the next one's first bucket.
+            for i, state in states:
+                if state is not None:  # a partition of task i
+                    acc.add(state)
+                    continue
+                # Task i is done: every task still to come of its unit starts at the next one's
+                # first bucket.
+                u = work[i][0]
                 upto = work[i + 1][1].lo if i + 1 < len(work) and work[i + 1][0] == u else math.inf
                 if upto > -math.inf:
                     yield from _finished(plan, scan, acc, t0, recorded, upto)
@@ -188,6 +204,36 @@ def _single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
     return out
 
 
+def _read_batches(
+    plan: ReducePlan,
+    scan: RunScan,
+    fid: int,
+    dictionaries: bool,
+    kept: list[str],
+    row_groups: list[int] | None,
+    rows: int | None,
+) -> Iterator[pl.DataFrame]:
+    """One file's ``kept`` columns (``_columns_read``; or those of its ``row_groups``),
+    read once (a file not checked yet is checked as it is read), strings as polars
+    Categorical, the plan's rank and step filters applied. With ``dictionaries``, Parquet
+    is read by pyarrow in frames of at most ``rows`` records (None: one frame), its strings
+    kept as dictionary codes, never decoded (``categorical_batches``); another file is one
+    frame."""
+    rep = scan.report.files[fid]
+    columns = sorted({*kept, *(REQUIRED_FIELDS if fid in scan.unchecked else ())})
+    if rep.format == "parquet" and dictionaries:
+        frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows)
+        if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
+            frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
+    else:
+        assert row_groups is None, "row groups are read through the dictionaries"
+        strings = [c for c in ("key", "reduction", "process") if c in columns]
+        whole = scan.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical))
+        frames = iter([whole.collect()])
+    for df in frames:
+        yield _filtered(plan, scan.checked(fid, df).lazy(), kept).collect()
+
+
 def _read_part(
     plan: ReducePlan,
     scan: RunScan,
@@ -196,21 +242,8 @@ def _read_part(
     kept: list[str],
     row_groups: list[int] | None = None,
 ) -> pl.DataFrame:
-    """One file's ``kept`` columns (``_columns_read``; or those of its ``row_groups``),
-    read once (a file not checked yet is checked as it is read), strings as polars
-    Categorical. With ``dictionaries``, Parquet is read by pyarrow with its strings kept as
-    dictionary codes, never decoded (``read_categorical``)."""
-    rep = scan.report.files[fid]
-    columns = sorted({*kept, *(REQUIRED_FIELDS if fid in scan.unchecked else ())})
-    if rep.format == "parquet" and dictionaries:
-        df = read_categorical(rep.path, columns, rep.hashed, row_groups)
-        if rep.replaced_from is not None:
-            df = df.filter(pl.col("step") < rep.replaced_from)
-    else:
-        assert row_groups is None, "row groups are read through the dictionaries"
-        strings = [c for c in ("key", "reduction", "process") if c in columns]
-        df = scan.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical)).collect()
-    return _filtered(plan, scan.checked(fid, df).lazy(), kept).collect()
+    """``_read_batches`` as one frame."""
+    return pl.concat(list(_read_batches(plan, scan, fid, dictionaries, kept, row_groups, None)))
 
 
 def _columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:
@@ -296,26 +329,64 @@ def tasks(
     return out
 
 
+# Partitions a task may have reduced and not yet handed over: what lets the next task
+# work while this one's are folded, and what bounds the memory that takes.
+HANDED_AHEAD = 2
+
+
+class _Stopped(Exception):
+    """The reader of ``_in_order`` went away: a task's thread stops."""
+
+
 def _in_order(
-    work: Callable[[T], partials.Partial], items: list[T], sizes: list[int], on_progress: OnProgress | None
-) -> Iterator[partials.Partial]:
-    """``work`` over ``items`` on a pool of threads, yielded in the items' order;
-    no more tasks than threads are in flight, so memory stays bounded."""
+    work: Callable[[T], Iterator[R]], items: list[T], sizes: list[int], on_progress: OnProgress | None
+) -> Iterator[tuple[int, R | None]]:
+    """``work(item)``'s outputs for every item, computed on a pool of threads and yielded
+    in the items' order as (the item's index, an output), then (the index, None) once the
+    item is done. No more items than threads are in flight, and none runs more than
+    HANDED_AHEAD outputs ahead of the reader, so memory stays bounded."""
     threads = max(1, min(len(items), pl.thread_pool_size()))
+    stop = threading.Event()
+    handed: list[queue.Queue[tuple[str, Any]]] = [queue.Queue(HANDED_AHEAD) for _ in items]
+
+    def run(i: int) -> None:
+        def put(kind: str, what: Any) -> None:
+            while not stop.is_set():
+                try:
+                    return handed[i].put((kind, what), timeout=0.05)
+                except queue.Full:
+                    continue
+            raise _Stopped
+
+        try:
+            for out in work(items[i]):
+                put("out", out)
+            put("done", None)
+        except _Stopped:
+            return
+        except BaseException as exc:  # handed to the reader, raised there
+            with contextlib.suppress(_Stopped):
+                put("error", exc)
+
     done_bytes, total = 0, sum(sizes)
     with ThreadPoolExecutor(threads) as pool:
-        pending: deque[Future[partials.Partial]] = deque()
-        upcoming = iter(items)
-        for item in islice(upcoming, threads):
-            pending.append(pool.submit(work, item))
-        for i in range(len(items)):
-            result = pending.popleft().result()
-            for item in islice(upcoming, 1):
-                pending.append(pool.submit(work, item))
-            done_bytes += sizes[i]
-            if on_progress is not None:
-                on_progress(i + 1, len(items), done_bytes, total)
-            yield result
+        upcoming = iter(range(len(items)))
+        try:
+            for j in islice(upcoming, threads):
+                pool.submit(run, j)
+            for i in range(len(items)):
+                while (got := handed[i].get())[0] == "out":
+                    yield i, got[1]
+                if got[0] == "error":
+                    raise got[1]
+                for j in islice(upcoming, 1):
+                    pool.submit(run, j)
+                done_bytes += sizes[i]
+                if on_progress is not None:
+                    on_progress(i + 1, len(items), done_bytes, total)
+                yield i, None
+        finally:
+            stop.set()
 
 
 def _statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:

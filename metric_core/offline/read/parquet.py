@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -128,13 +129,14 @@ def typed_columns(
     }
 
 
-def read_categorical(
-    path: Path, columns: list[str], hashed: bool, row_groups: list[int] | None = None
-) -> pl.DataFrame:
-    """``columns`` of the records of one Parquet file (or of its ``row_groups``), read with
-    pyarrow, strings kept as their dictionary codes (polars Categorical): what the engine
-    groups on, without decoding or hashing each string. The same fields and casts as
-    ``scan_parquet``'s frame."""
+def categorical_batches(
+    path: Path, columns: list[str], hashed: bool, row_groups: list[int] | None = None, rows: int | None = None
+) -> Iterator[pl.DataFrame]:
+    """``columns`` of the records of one Parquet file (or of its ``row_groups``), read once
+    with pyarrow, in frames of at most ``rows`` records (None: one frame), strings kept as
+    their dictionary codes (polars Categorical): what the engine groups on, without
+    decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame.
+    A frame is decoded as it is asked for, so a large row group is never held whole."""
     import pyarrow.parquet as pq
 
     file = pq.ParquetFile(path)
@@ -144,13 +146,19 @@ def read_categorical(
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
     strings = [c for c in sources if schema[c] in (pl.String, pl.Categorical, pl.Binary)]
     file = pq.ParquetFile(path, metadata=file.metadata, read_dictionary=strings)
-    groups = range(file.num_row_groups) if row_groups is None else row_groups
-    table = file.read_row_groups(groups, columns=sorted(sources))
-    df = pl.DataFrame(table).lazy().select(**{c: exprs[c] for c in wanted})
-    if "process" in wanted:
-        default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
-        df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
-    return df.collect()
+    groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
+    if rows is None:
+        tables: Iterable[Any] = [file.read_row_groups(groups, columns=sorted(sources))]
+    else:
+        tables = file.iter_batches(rows, row_groups=groups, columns=sorted(sources))
+    for table in tables:
+        frame = pl.from_arrow(table)
+        assert isinstance(frame, pl.DataFrame)
+        df = frame.lazy().select(**{c: exprs[c] for c in wanted})
+        if "process" in wanted:
+            default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
+            df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
+        yield df.collect()
 
 
 def row_group_lows(path: Path, column: str = "timestamp") -> list[tuple[float, int]] | None:
