@@ -604,3 +604,62 @@ def test_a_reader_that_stops_early_leaves_no_thread_behind(many_files):
     while threading.active_count() > before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threading.active_count() == before
+
+
+def test_partitions_with_and_without_first_and_last_fold_together(tmp_path, monkeypatch):
+    """States carry first/last only where a statistic needs them: a partition without them
+    folded before and after one with them, into the same steps, loses nothing."""
+    rng = np.random.default_rng(3)
+    steps = np.repeat(np.arange(300), 2)
+    for name, keys in [("a", ["m/mean", "m/max"]), ("b", ["t/first", "t/last"]), ("c", ["m/mean", "t/last"])]:
+        rows = {
+            "key": keys * 300,
+            "value": rng.normal(5.0, 1.0, 600),
+            "reduction": [k.split("/")[1] for k in keys] * 300,
+            "step": steps,
+            "timestamp": BASE_TIME + steps + rng.uniform(0, 0.5, 600),
+            "rank": np.full(600, ord(name)),
+        }
+        write_foreign(tmp_path / f"{name}.parquet", rows)
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 200)
+    records = pl.read_parquet(sorted(tmp_path.glob("*.parquet")))
+    records = records.with_columns(pl.col(pl.Categorical).cast(pl.String))
+    frame = run_plan(tmp_path, make_plan()).frame
+    assert frame.height == 300 * 4
+    for (s, key), group in frame.group_by("step", "key"):
+        rows = records.filter((pl.col("step") == s) & (pl.col("key") == key))
+        values, times = rows["value"].to_numpy(), rows["timestamp"].to_numpy()
+        want = {
+            "mean": np.mean(values),
+            "max": np.max(values),
+            "first": values[np.argmin(times)],
+            "last": values[np.argmax(times)],
+        }[key.split("/")[1]]
+        assert group["value"][0] == pytest.approx(want, rel=1e-15), (s, key)
+
+
+def test_a_result_is_taken_a_slice_of_steps_at_a_time(tmp_path, monkeypatch):
+    """The steps a task finishes are handed over in frames of about TAKEN_GROUPS groups
+    (whole blocks of 256 steps), not all at once; the frames together are the same bits."""
+    rng = np.random.default_rng(8)
+    step = np.repeat(np.arange(2000), 3)
+    for rank in range(2):
+        rows = {
+            "key": ["a/mean", "b/std", "c/p90"] * 2000,
+            "value": rng.normal(0.0, 1.0, 6000),
+            "reduction": ["mean", "std", "p90"] * 2000,
+            "step": step,
+            "timestamp": BASE_TIME + step * 0.1,
+            "rank": np.full(6000, rank),
+        }
+        write_foreign(tmp_path / f"r{rank}.parquet", rows)
+    for mode in ("global_reduce", "per_rank_reduce"):
+        whole = run_plan(tmp_path, make_plan(mode=mode)).frame
+        monkeypatch.setattr(engine, "TAKEN_GROUPS", 10)
+        frames = list(run_plan(tmp_path, make_plan(mode=mode)).batches())
+        monkeypatch.undo()
+        sources = 1 if mode == "global_reduce" else 2
+        assert len(frames) == sources * math.ceil(2000 / 256)
+        assert all(f["step"].max() // 256 == f["step"].min() // 256 for f in frames)
+        assert pl.concat(frames).equals(whole)

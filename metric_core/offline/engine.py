@@ -175,20 +175,26 @@ def _finished(
     recorded: dict[str, str],
     upto: float,
 ) -> Iterator[pl.DataFrame]:
-    """The result of the groups folded into ``acc`` below bucket ``upto`` (``take``)."""
-    merged, stats, values = acc.take(upto)
-    if merged.height == 0:
-        return
-    _check_reductions(plan, scan, merged, recorded)
-    value = _values(merged, stats, values)
+    """The result of the groups folded into ``acc`` below bucket ``upto`` (``take``), in
+    frames of about TAKEN_GROUPS groups."""
     if plan.by == "time":
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
     else:
         bucket = pl.col("bucket")
-    out = merged.with_columns(
-        bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
-    )
-    yield out.select(plan.output_columns).sort(plan.sort_columns)
+    for cut in acc.cuts(upto, TAKEN_GROUPS):
+        merged, stats, values = acc.take(cut)
+        if merged.height == 0:
+            continue
+        _check_reductions(plan, scan, merged, recorded)
+        value = _values(merged, stats, values)
+        out = merged.with_columns(
+            bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
+        )
+        yield out.select(plan.output_columns).sort(plan.sort_columns)
+
+
+# The groups of one frame of a result, at most (in whole blocks of steps)
+TAKEN_GROUPS = 1 << 17
 
 
 def _single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
@@ -331,7 +337,7 @@ def tasks(
 
 # Partitions a task may have reduced and not yet handed over: what lets the next task
 # work while this one's are folded, and what bounds the memory that takes.
-HANDED_AHEAD = 2
+HANDED_AHEAD = 1
 
 
 class _Stopped(Exception):

@@ -53,6 +53,9 @@ FIELDS = (
 )  # fmt: skip
 _EMPTY = np.array([0, 0, 0, 0, 0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
 N, RAW, SHIFT, DEV, SQ, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
+# The fields up to first_ts are in every state; first and last only where a statistic needs
+# them (a state of 7 fields, not 13, for most runs).
+UNTIMED = FIRST_TS
 _FAMILIES = ("min", "max", "first", "last")  # what only some statistics need
 _DENSE_SLACK = 1 << 16  # a dense index may be this much (plus 4x the rows) larger than the rows
 
@@ -131,10 +134,11 @@ def partition_states(
     names = sorted({c[-1] for c in combos})
     stat_of_combo = np.array([names.index(c[-1]) for c in combos], dtype=np.int64)
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, len(combos))
-    state = _empty_cells(n_groups)
+    stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
+    timed = any(s is not None and s.name in ("first", "last") for s in stats)
+    state = _empty_cells(n_groups, len(FIELDS) if timed else UNTIMED)
     state[N] = count
     _sums(state, ids, value, need_sq="std" in names)
-    stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
     stat_codes = stat_of_combo[combo] if len(names) > 1 else None
     for family in _FAMILIES:
         wanted = np.array([s is not None and s.name == family for s in stats])
@@ -316,7 +320,7 @@ class Accumulator:
         edges = np.flatnonzero(np.diff(block_of)) + 1
         for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
             cells = (p.bucket[lo:hi] & ((1 << _BLOCK_BITS) - 1)) * width + combo[lo:hi]
-            block = self._block(int(block_of[lo]), width)
+            block = self._block(int(block_of[lo]), width, len(p.state))
             block.state[:, cells] = _fold(block.state[:, cells], p.state[:, lo:hi])
         if len(p.values):
             self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
@@ -393,16 +397,32 @@ class Accumulator:
             self.spill_dir.cleanup()
             self.spill_dir = None
 
-    def _block(self, b: int, width: int) -> _Block:
+    def _block(self, b: int, width: int, fields: int) -> _Block:
+        """Block ``b``, with ``width`` combos and at least ``fields`` fields."""
         block = self.blocks.get(b)
         if block is None:
-            block = self.blocks[b] = _Block(_empty_cells(width << _BLOCK_BITS), width)
-        elif block.width < width:
-            grown = _empty_cells(width << _BLOCK_BITS)
+            block = self.blocks[b] = _Block(_empty_cells(width << _BLOCK_BITS, fields), width)
+        elif block.width < width or len(block.state) < fields:
+            grown = _empty_cells(width << _BLOCK_BITS, max(fields, len(block.state)))
             old = np.arange(block.width << _BLOCK_BITS)
-            grown[:, (old // block.width) * width + old % block.width] = block.state
+            grown[: len(block.state), (old // block.width) * width + old % block.width] = block.state
             block.state, block.width = grown, width
         return block
+
+    def cuts(self, upto: float, groups: int) -> list[float]:
+        """Where to cut the taking of the buckets below ``upto`` (block edges, then ``upto``)
+        so that each take holds at most about ``groups`` groups (cells)."""
+        out: list[float] = []
+        held = 0
+        for b in sorted(self.blocks):
+            if b << _BLOCK_BITS >= upto:
+                break
+            cells = self.blocks[b].width << _BLOCK_BITS
+            if held and held + cells > groups:
+                out.append(b << _BLOCK_BITS)
+                held = 0
+            held += cells
+        return [*out, upto]
 
     def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
         """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out: one
@@ -419,7 +439,7 @@ class Accumulator:
             if hi is not None and (b + 1) << _BLOCK_BITS > hi:  # the block hi falls in: its first buckets
                 cells = cells[cells // block.width < hi - (b << _BLOCK_BITS)]
                 parts.append(block.state[:, cells])
-                block.state[:, cells] = _EMPTY[:, None]
+                block.state[:, cells] = _EMPTY[: len(block.state), None]
             else:
                 parts.append(self.blocks.pop(b).state[:, cells])
             buckets.append((b << _BLOCK_BITS) + cells // block.width)
@@ -428,7 +448,9 @@ class Accumulator:
         self.taken = hi
         if not parts:
             return pl.DataFrame(), {}, values
-        bucket, combo, s = np.concatenate(buckets), np.concatenate(combos), np.concatenate(parts, axis=1)
+        fields = max(len(part) for part in parts)
+        s = np.concatenate([_with_fields(part, fields) for part in parts], axis=1)
+        bucket, combo = np.concatenate(buckets), np.concatenate(combos)
         labels = list(self.combos)
         process, rank, key, reduction = (list(col) for col in zip(*labels, strict=True))
         table = pl.DataFrame(
@@ -460,14 +482,15 @@ class Accumulator:
                 "std": np.where(finite, np.sqrt(np.maximum((sq - dev * dev / n) / n, 0.0)), np.nan),
                 "min": s[MIN],
                 "max": s[MAX],
-                "first": s[FIRST],
-                "last": s[LAST],
+                "first": _with_fields(s, len(FIELDS))[FIRST],
+                "last": _with_fields(s, len(FIELDS))[LAST],
             }
         return frame, stats, values
 
 
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
-    """Accumulated states ``a`` with one partition's states ``p`` of the same groups folded in."""
+    """Accumulated states ``a`` with one partition's states ``p`` of the same groups folded
+    in (``a`` has at least ``p``'s fields)."""
     fresh = a[N] == 0
     k = np.where(fresh, p[SHIFT], a[SHIFT])
     n_p, dev_p = p[N], p[DEV]
@@ -480,6 +503,8 @@ def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
         a[SQ] += p[SQ] + 2 * offset * dev_p + n_p * offset * offset
         np.minimum(a[MIN], p[MIN], out=a[MIN])
         np.maximum(a[MAX], p[MAX], out=a[MAX])
+    if len(p) == UNTIMED:
+        return a
     earlier = p[FIRST_AT] < a[FIRST_AT]  # ties: the earlier part in file order
     take = (p[FIRST_TS] < a[FIRST_TS]) | ((p[FIRST_TS] == a[FIRST_TS]) & earlier)
     a[FIRST_TS : FIRST_AT + 1, take] = p[FIRST_TS : FIRST_AT + 1, take]
@@ -489,7 +514,14 @@ def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     return a
 
 
-def _empty_cells(size: int) -> np.ndarray:
-    cells = np.empty((len(FIELDS), size))
-    cells[:] = _EMPTY[:, None]
+def _empty_cells(size: int, fields: int = len(FIELDS)) -> np.ndarray:
+    cells = np.empty((fields, size))
+    cells[:] = _EMPTY[:fields, None]
     return cells
+
+
+def _with_fields(state: np.ndarray, fields: int) -> np.ndarray:
+    """``state`` with ``fields`` fields, those it lacks empty."""
+    if len(state) >= fields:
+        return state
+    return np.concatenate([state, _empty_cells(state.shape[1], fields)[len(state) :]])
