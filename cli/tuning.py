@@ -5,12 +5,13 @@ streaming engine holds far less memory with one file in flight, smaller morsels 
 larger table of groups, and jemalloc with one arena; as fast, measured with
 benchmarks/bench_reduce.py. The engine reads Parquet with pyarrow, whose default
 allocator keeps what a file needed after it is done: the system allocator gives it
-back before the next file (about 100 MiB less per file in flight). A value the user set
-is kept.
+back before the next file (about 100 MiB less per file in flight); and glibc's malloc
+keeps one heap for all threads. A value the user set is kept.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 
@@ -33,3 +34,22 @@ def apply() -> None:
     conf = os.environ.get(JEMALLOC, "")
     if "narenas" not in conf:  # inherited from a parent that imported polars, or the user's
         os.environ[JEMALLOC] = f"{conf},narenas:1".lstrip(",")
+    _one_malloc_arena()
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def _one_malloc_arena() -> None:
+    """One heap for every thread of glibc's malloc (numpy's arrays, pyarrow's buffers), as
+    MALLOC_ARENA_MAX=1 does, unless the user set that. By default each thread gets a heap
+    of its own; the engine's partial states are made on a pool thread and freed on the
+    main one, and each heap kept the other's holes: about 100 MiB more at the peak of a
+    reduce of 100M records, for no speed (benchmarks/bench_engine.py)."""
+    if sys.platform != "linux" or "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return
+    mallopt(M_ARENA_MAX, 1)

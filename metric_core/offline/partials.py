@@ -281,7 +281,7 @@ def _extreme(
 
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
 # median/pNN values held in memory (24 bytes each) before they go to a temporary file
-SPILL_VALUES = 2_000_000
+SPILL_VALUES = 1_000_000
 
 
 @dataclass
@@ -482,8 +482,8 @@ class Accumulator:
                 "std": np.where(finite, np.sqrt(np.maximum((sq - dev * dev / n) / n, 0.0)), np.nan),
                 "min": s[MIN],
                 "max": s[MAX],
-                "first": _with_fields(s, len(FIELDS))[FIRST],
-                "last": _with_fields(s, len(FIELDS))[LAST],
+                "first": s[FIRST] if len(s) > FIRST else np.full(len(n), np.nan),
+                "last": s[LAST] if len(s) > LAST else np.full(len(n), np.nan),
             }
         return frame, stats, values
 
