@@ -256,6 +256,37 @@ def test_plot_raw_points_over_wall_clock_time(crashed, tmp_path):
     assert r0.get_xdata()[0] == pytest.approx(T0 + 0.2)
 
 
+def test_plot_of_many_raw_points_draws_each_bins_lowest_and_highest_and_says_so(
+    crashed, tmp_path, monkeypatch
+):
+    from metric_core.offline import plot
+
+    monkeypatch.setattr(plot, "RAW_POINTS", 50)
+    monkeypatch.setattr(plot, "BINS", 7)
+    scan = scan_run(crashed)
+    plan = make_plan(mode="per_rank_no_reduce", keys=["trainer/grad_norm"])
+    fig = plot_run(scan, plan, tmp_path / "raw.png")
+    (ax,) = fig.axes
+    assert ax.get_xlabel().endswith("; decimated: lowest and highest of 7 time bins per source")
+    raw = execute(plan, scan).frame
+    health = inspect_run(scan)
+    lo = min(s.first_timestamp for s in health.sources)
+    width = (max(s.last_timestamp for s in health.sources) - lo) / 7
+    for source in health.sources:
+        mine = raw.filter(raw["process"] == source.process)
+        t, v = mine["timestamp"].to_numpy(), mine["value"].to_numpy()
+        bins = np.clip(np.floor((t - lo) / width), 0, 6)
+        want = set()
+        for b in np.unique(bins):
+            inside = bins == b
+            want |= {
+                (t[inside][np.argmin(v[inside])], v[inside].min()),
+                (t[inside][np.argmax(v[inside])], v[inside].max()),
+            }
+        (line,) = [ln for ln in ax.get_lines() if ln.get_label() == f"{source.process} (rank {source.rank})"]
+        assert set(zip(line.get_xdata(), line.get_ydata(), strict=True)) == want, source.process
+
+
 def test_plot_command_errors(crashed, tmp_path):
     bad = runner.invoke(app, ["plot", str(crashed), "--key", "trainer/*", "--out", str(tmp_path / "x.jpg")])
     assert bad.exit_code == 2

@@ -2,7 +2,9 @@
 
 * ``global_reduce``: a line per key, with the min-max band of the per-source reductions;
 * ``per_rank_reduce``: a line per source;
-* ``per_rank_no_reduce``: the raw points over wall-clock time, a colour per source.
+* ``per_rank_no_reduce``: the raw points over wall-clock time, a colour per source; past
+  RAW_POINTS points, each source's lowest and highest value in each of BINS time bins
+  (the x label says so), so memory does not grow with the run.
 
 A source that did not shut down cleanly gets a dashed vertical line where it stopped; the
 first non-finite value of a source gets a dotted red line. One subplot per key.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,10 @@ from metric_core.offline.plan import ReducePlan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
 
 MAX_KEYS = 12
+# per_rank_no_reduce draws every point up to this many; past it, each source's lowest and
+# highest value in each of BINS equal bins of the run's time (the shape a screen can show).
+RAW_POINTS = 200_000
+BINS = 2000
 
 
 @changed_files_said
@@ -65,18 +72,21 @@ def plot_run(
         ) from None
     if not plan.keys:
         raise PlanError("choose the keys to plot with --key PATTERN, e.g. --key 'trainer/*'")
-    result = execute(plan, scan, on_progress=on_progress).frame
+    health = inspect_run(scan)
+    if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+        result, decimated = _raw_points(execute(plan, scan, on_progress=on_progress).batches(), health)
+    else:
+        result, decimated = execute(plan, scan, on_progress=on_progress).frame, False
     keys = sorted(result["key"].unique().to_list())
     if len(keys) > MAX_KEYS:
         raise RequestError(
             f"--key matches {len(keys)} keys; plot at most {MAX_KEYS} at once (narrow the pattern)"
         )
-    health = inspect_run(scan)
     recorders = {
         key: set(zip(part["process"], part["rank"], strict=True))
         for (key,), part in scan.frame.select("key", "process", "rank")
         .unique()
-        .collect()
+        .collect(engine="streaming")
         .partition_by("key", as_dict=True)
         .items()
     }
@@ -115,10 +125,14 @@ def plot_run(
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small", loc="best")
+    x_label = {
+        "step": "step",
+        "window_start": "window start (epoch s)",
+        "timestamp": "wall-clock time (epoch s)",
+    }
     axes[-1, 0].set_xlabel(
-        {"step": "step", "window_start": "window start (epoch s)", "timestamp": "wall-clock time (epoch s)"}[
-            x_col
-        ]
+        x_label[x_col]
+        + (f"; decimated: lowest and highest of {BINS:,} time bins per source" if decimated else "")
     )
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
     fig.tight_layout()
@@ -143,3 +157,46 @@ def _mark(ax: Any, health: InspectReport, key: str, x_col: str, recorders: set[t
         ax.axvline(
             x, color="red", linestyle=":", linewidth=1.5, label=f"non-finite from here: {item.process}"
         )
+
+
+def _raw_points(batches: Iterable[pl.DataFrame], health: InspectReport) -> tuple[pl.DataFrame, bool]:
+    """Every raw point of ``batches``, or, past RAW_POINTS of them, each source's and key's
+    lowest and highest value of each of BINS bins of the run's time (and whether it is so),
+    holding at most RAW_POINTS points and the bins' at a time."""
+    lo = min(s.first_timestamp for s in health.sources)
+    width = max((max(s.last_timestamp for s in health.sources) - lo) / BINS, 1e-9)
+    series = ["process", "rank", "key"]
+    kept: list[pl.DataFrame] = []
+    held = 0
+    extremes: list[pl.DataFrame] = []
+    for batch in batches:
+        if held <= RAW_POINTS:
+            kept.append(batch)
+            held += batch.height
+        value = pl.col("value")
+        binned = batch.with_columns(_bin=((pl.col("timestamp") - lo) / width).floor().clip(0, BINS - 1))
+        extremes.append(
+            binned.group_by(*series, "_bin").agg(
+                *[pl.col(c).get(value.arg_min()).alias(f"{c}_lo") for c in _POINT],
+                *[pl.col(c).get(value.arg_max()).alias(f"{c}_hi") for c in _POINT],
+            )
+        )
+        if len(extremes) > 1:  # folded as they come: held is the bins', not the batches'
+            extremes = [_lowest_highest(pl.concat(extremes), series)]
+    if held <= RAW_POINTS:
+        return pl.concat(kept), False
+    both = pl.concat(extremes)
+    points = [both.select(*series, *[pl.col(f"{c}_{end}").alias(c) for c in _POINT]) for end in ("lo", "hi")]
+    return pl.concat(points).unique(maintain_order=True).sort(*series, "timestamp"), True
+
+
+_POINT = ("timestamp", "value", "step", "reduction")
+
+
+def _lowest_highest(bins: pl.DataFrame, series: list[str]) -> pl.DataFrame:
+    """Bins of several batches merged: the lowest of the lows, the highest of the highs."""
+    lo, hi = pl.col("value_lo"), pl.col("value_hi")
+    return bins.group_by(*series, "_bin").agg(
+        *[pl.col(f"{c}_lo").get(lo.arg_min()) for c in _POINT],
+        *[pl.col(f"{c}_hi").get(hi.arg_max()) for c in _POINT],
+    )
