@@ -12,7 +12,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 
@@ -22,9 +22,6 @@ from metric_core.offline.plan import By
 
 from . import options as o
 from . import output, tuning
-
-if TYPE_CHECKING:
-    import polars as pl
 
 app = typer.Typer(
     name="metriclog",
@@ -109,10 +106,7 @@ def reduce(
             )
             for warning in result.warnings:
                 output.say("warning", warning)
-            if wide:
-                frames: pl.DataFrame | Iterator[pl.DataFrame] = pivot_wide(result.frame, plan)
-            else:  # written as it comes
-                frames = result.batches()
+            frames = pivot_wide(result.batches(), plan) if wide else result.batches()  # written as it comes
             if out is None:
                 output.print_frames(frames)
             else:

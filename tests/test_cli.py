@@ -84,6 +84,41 @@ def test_wide_pivots_one_column_per_key(run):
         assert key in header
 
 
+@pytest.mark.parametrize("mode", ["global_reduce", "per_rank_reduce"])
+def test_wide_is_pivoted_a_frame_at_a_time_with_every_key_a_column(tmp_path, monkeypatch, mode):
+    """A key recorded only from step 150 on is a column of every row, null before; the file
+    is the long result pivoted at once; frames wait in a temporary directory, then it goes."""
+    import tempfile
+
+    from metric_core.offline import engine
+
+    c = MetricCollector(tmp_path / "run", rank=0)
+    for step in range(300):
+        c.record("a", float(step), Reduce.MEAN)
+        if step >= 150:
+            c.record("b", 2.0 * step, Reduce.SUM)
+        c.flush(step)
+    c.shutdown()
+    long_out, wide_out = tmp_path / "long.parquet", tmp_path / "wide.parquet"
+    assert invoke("reduce", tmp_path / "run", "--mode", mode, "--out", long_out).exit_code == 0
+    made: list[str] = []
+    real = tempfile.TemporaryDirectory
+
+    def recording(*args, **kwargs):
+        made.append((d := real(*args, **kwargs)).name)
+        return d
+
+    monkeypatch.setattr(tempfile, "TemporaryDirectory", recording)
+    monkeypatch.setattr(engine, "TAKEN_GROUPS", 1)  # a frame a block of 256 steps
+    assert invoke("reduce", tmp_path / "run", "--mode", mode, "--wide", "--out", wide_out).exit_code == 0
+    index = ["step"] if mode == "global_reduce" else ["process", "rank", "step"]
+    want = pl.read_parquet(long_out).pivot(on="key", index=index, values="value").sort(index)
+    got = pl.read_parquet(wide_out)
+    assert got.columns == [*index, "a", "b"] and got.equals(want.select(got.columns))
+    assert got["b"].null_count() == 150 and got.height == 300
+    assert made and not any(Path(d).exists() for d in made)
+
+
 def test_wide_with_no_reduce_is_a_usage_error(run):
     root, _ = run
     result = invoke("reduce", root, "--wide", "--mode", "per_rank_no_reduce")

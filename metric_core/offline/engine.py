@@ -21,11 +21,13 @@ import dataclasses
 import math
 import os
 import queue
+import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -642,8 +644,24 @@ def run_plan(
     return dataclasses.replace(result, stream=reported)
 
 
-def pivot_wide(frame: pl.DataFrame, plan: ReducePlan) -> pl.DataFrame:
-    """One row per step (per source), one column per key, keys in sorted order."""
+def pivot_wide(frames: Iterable[pl.DataFrame], plan: ReducePlan) -> Iterator[pl.DataFrame]:
+    """One row per step (per source), one column per key, keys in sorted order, as frames.
+
+    Each frame of a result holds whole steps (of one source), so each is pivoted on its
+    own. A key absent from some frames is a null column there, and which keys there are
+    is known only at the end: the pivoted frames wait in a temporary directory ($TMPDIR,
+    removed when done) until then, so memory holds a frame, not the result."""
     index = plan.group_columns
-    wide = frame.pivot(on="key", index=index, values="value", sort_columns=True)
-    return wide.sort(index)
+    with tempfile.TemporaryDirectory(prefix="metriclog-wide-") as tmp:
+        keys: set[str] = set()
+        files = []
+        for i, frame in enumerate(frames):
+            wide = frame.pivot(on="key", index=index, values="value")
+            keys.update(c for c in wide.columns if c not in index)
+            files.append(Path(tmp) / f"{i:06d}.parquet")
+            wide.write_parquet(files[-1])
+        for path in files:
+            part = pl.read_parquet(path)
+            missing = [pl.lit(None, pl.Float64).alias(k) for k in sorted(keys) if k not in part.columns]
+            yield part.with_columns(missing).select(*index, *sorted(keys)).sort(index)
+            path.unlink()
