@@ -522,7 +522,10 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
                     window = np.floor((batch["timestamp"].to_numpy() - t0) / float(plan.every or 0))
                     batch = batch.with_columns(window_start=pl.Series(t0 + window * float(plan.every or 0)))
                 produced = True
-                yield batch.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
+                out = batch.select(plan.output_columns)
+                for start in range(0, out.height, RAW_BATCH_ROWS):  # a part read whole may be large
+                    piece = out.slice(start, RAW_BATCH_ROWS)
+                    yield piece.with_columns(pl.col(pl.Categorical).cast(pl.String))
             done += sum(sizes[fid] for fid in fids)
             if on_progress is not None:
                 on_progress(i + 1, len(sources), done, total)
