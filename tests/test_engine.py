@@ -22,7 +22,7 @@ from metric_core import Metric, MetricCollector, Reduce
 from metric_core.offline import engine
 from metric_core.offline.engine import reduce_run, run_plan
 from metric_core.offline.plan import make_plan
-from metric_core.offline.read import scan_run
+from metric_core.offline.read import parquet, scan_run
 
 from .conftest import BASE_TIME, killed_after, write_collector_run
 
@@ -221,11 +221,22 @@ def test_each_file_is_read_once(many_files, monkeypatch):
     every = sorted(
         (p.name, g) for p in many_files.glob("*.parquet") for g in range(pq.ParquetFile(p).num_row_groups)
     )
+    footers: list[str] = []
+    read_metadata = pq.read_metadata
+
+    def footer(path, *args, **kwargs):
+        footers.append(Path(path).name)
+        return read_metadata(path, *args, **kwargs)
+
+    monkeypatch.setattr(pq, "read_metadata", footer)
     for mode in ("global_reduce", "per_rank_reduce", "per_rank_no_reduce"):
         reads.clear()
+        footers.clear()
+        parquet._footer.cache_clear()
         result = run_plan(many_files, make_plan(mode=mode))
         assert result.frame.height > 0
         assert sorted(reads) == every, mode
+        assert sorted(footers) == sorted({name for name, _ in every}), mode  # pyarrow parses each once
         assert result.scan.report.skipped_records == 0
 
 

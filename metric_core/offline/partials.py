@@ -351,6 +351,8 @@ class Accumulator:
         for path in self.spent:  # what the slices of the last take read
             path.unlink(missing_ok=True)
         self.spent = []
+        if not self.value_cells and not self.spills:  # no median/pNN values: nothing to split
+            return [self._held().lazy()]
         held = self._held()
         mine = held
         if hi is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -71,13 +73,25 @@ def scan_parquet(
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
 
 
+def footer(path: Path) -> Any:
+    """A Parquet file's footer (pyarrow's FileMetaData: schema, row groups, statistics),
+    read once per command however often it is asked for (again if the file changed)."""
+    stat = os.stat(path)
+    return _footer(Path(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4096)
+def _footer(path: Path, size: int, mtime_ns: int) -> Any:
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(path)
+
+
 def _footer_source(path: Path, has_process: bool) -> tuple[str, int] | None:
     """The one (process, rank) of all of a file's records, when its footer's statistics say
     so (every row group with rank min == max, the same process, no nulls); else None."""
-    import pyarrow.parquet as pq
-
     try:
-        meta = pq.read_metadata(path)
+        meta = footer(path)
         names = meta.schema.names
         found: set[tuple[object, object]] = set()
         for g in range(meta.num_row_groups):
@@ -139,13 +153,13 @@ def categorical_batches(
     A frame is decoded as it is asked for, so a large row group is never held whole."""
     import pyarrow.parquet as pq
 
-    file = pq.ParquetFile(path)
-    schema = pl.Schema(pl.DataFrame(file.schema_arrow.empty_table()).schema)
+    meta = footer(path)
+    schema = pl.Schema(pl.DataFrame(meta.schema.to_arrow_schema().empty_table()).schema)
     exprs = typed_columns(schema, hashed, strings=pl.Categorical)
     wanted = [c for c in columns if c in exprs]
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
     strings = [c for c in sources if schema[c] in (pl.String, pl.Categorical, pl.Binary)]
-    file = pq.ParquetFile(path, metadata=file.metadata, read_dictionary=strings)
+    file = pq.ParquetFile(path, metadata=meta, read_dictionary=strings)
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
     if rows is None:
         tables: Iterable[Any] = [file.read_row_groups(groups, columns=sorted(sources))]
@@ -165,11 +179,10 @@ def row_group_lows(path: Path, column: str = "timestamp") -> list[tuple[float, i
     """Each row group's lowest ``column`` value (timestamp or step) and its number of rows,
     from the footer, when the column holds what is read (float epoch seconds; integer
     steps) and every row group has its statistics; else None."""
-    import pyarrow.parquet as pq
 
     physical = ("DOUBLE",) if column == "timestamp" else ("INT32", "INT64")
     try:
-        meta = pq.read_metadata(path)
+        meta = footer(path)
         index = meta.schema.names.index(column)
         out = []
         for g in range(meta.num_row_groups):
