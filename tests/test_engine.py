@@ -673,3 +673,42 @@ def test_a_result_is_taken_a_slice_of_steps_at_a_time(tmp_path, monkeypatch):
         assert len(frames) == sources * math.ceil(2000 / 256)
         assert all(f["step"].max() // 256 == f["step"].min() // 256 for f in frames)
         assert pl.concat(frames).equals(whole)
+
+
+def test_a_stream_left_half_read_by_an_error_does_not_keep_the_process_alive(many_files):
+    """A script that reads one frame of a result and then fails exits (daemon threads, the
+    pool stopped when the stream is dropped), with the error, not a hang."""
+    script = f"""
+import metric_core.offline.engine as engine
+from metric_core.offline.plan import make_plan
+engine.PARTITION_ROWS = 50  # many partitions: the threads wait to hand theirs over
+batches = engine.run_plan({str(many_files)!r}, make_plan(mode="per_rank_reduce")).batches()
+next(batches)
+raise SystemExit("failed while reading")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "failed while reading" in done.stderr
+
+
+def test_per_rank_reduce_of_files_holding_several_sources_is_in_source_order(tmp_path, monkeypatch):
+    """One file of two ranks, reduced as one, step range after step range: the output is
+    still a source at a time (sorted by process, rank, step, key), long and --wide."""
+    step = np.repeat(np.arange(600), 4)
+    write_foreign(
+        tmp_path / "both.parquet",
+        {
+            "key": ["a", "b"] * 1200,
+            "value": np.arange(2400, dtype=np.float64),
+            "reduction": ["mean", "max"] * 1200,
+            "step": step,
+            "timestamp": BASE_TIME + step.astype(np.float64),
+            "rank": np.tile([0, 0, 1, 1], 600),
+        },
+    )
+    monkeypatch.setattr(engine, "TAKEN_GROUPS", 1)  # a frame a block of 256 steps
+    plan = make_plan(mode="per_rank_reduce")
+    frame = run_plan(tmp_path, plan).frame
+    assert frame.height == 2400
+    assert frame.equals(frame.sort("process", "rank", "step", "key"))
+    wide = pl.concat(list(engine.pivot_wide(run_plan(tmp_path, plan).batches(), plan)))
+    assert wide.equals(wide.sort("process", "rank", "step")) and wide.height == 1200

@@ -294,3 +294,16 @@ def test_plot_command_errors(crashed, tmp_path):
     assert none.exit_code == 1 and "no record matches the filters" in none.stderr
     ok = runner.invoke(app, ["plot", str(crashed), "--key", "trainer/loss", "--out", str(tmp_path / "x.png")])
     assert ok.exit_code == 0 and (tmp_path / "x.png").exists()
+
+
+@pytest.mark.parametrize("raw_points", [10**9, 20], ids=["all", "decimated"])
+def test_plot_of_raw_points_by_time_windows(crashed, tmp_path, monkeypatch, raw_points):
+    from metric_core.offline import plot
+
+    monkeypatch.setattr(plot, "RAW_POINTS", raw_points)
+    plan = make_plan(mode="per_rank_no_reduce", keys=["trainer/grad_norm"], by="time", every=1.0)
+    fig = plot_run(scan_run(crashed), plan, tmp_path / "raw.png")
+    (ax,) = fig.axes
+    assert ax.get_xlabel().startswith("wall-clock time")
+    assert ("decimated" in ax.get_xlabel()) == (raw_points == 20)
+    assert any(len(ln.get_xdata()) for ln in ax.get_lines())

@@ -23,8 +23,7 @@ import os
 import queue
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -133,9 +132,8 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
         for fid, groups, at in task.reads:
             for frame in _read_batches(plan, scan, fid, dictionaries, kept, groups, PARTITION_ROWS):
                 for start in range(0, frame.height, PARTITION_ROWS):  # a whole file read at once, too
-                    piece = _matching(frame.slice(start, PARTITION_ROWS), match)
-                    pieces.append(piece)
-                    places.append((at, piece.height))
+                    pieces.append(_matching(frame.slice(start, PARTITION_ROWS), match))
+                    places.append((at, pieces[-1].height))
                     if sum(rows for _, rows in places) >= PARTITION_ROWS:
                         yield partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
                         pieces, places = [], []
@@ -162,10 +160,13 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
                     acc.close()
                     acc = partials.Accumulator()
         finally:
+            states.close()  # stops the pool's threads, whatever ended the stream
             acc.close()
         if not recorded:
             raise NoDataError(str(scan.run_dir), "no record matches the filters")
 
+    if plan.mode is LoggingMode.PER_RANK_REDUCE and sources is None:  # several sources a file
+        return ReduceResult(plan, scan, stream=lambda: _source_by_source(stream()))
     return ReduceResult(plan, scan, stream=stream)
 
 
@@ -350,7 +351,7 @@ class _Stopped(Exception):
 
 def _in_order(
     work: Callable[[T], Iterator[R]], items: list[T], sizes: list[int], on_progress: OnProgress | None
-) -> Iterator[tuple[int, R | None]]:
+) -> Generator[tuple[int, R | None], None, None]:
     """``work(item)``'s outputs for every item, computed on a pool of threads and yielded
     in the items' order as (the item's index, an output), then (the index, None) once the
     item is done. No more items than threads are in flight, and none runs more than
@@ -378,25 +379,56 @@ def _in_order(
             with contextlib.suppress(_Stopped):
                 put("error", exc)
 
+    # Daemon threads: a stream left half read (kept alive by a traceback, say) never stops
+    # the interpreter from exiting.
+    todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    pool = [threading.Thread(target=_serve, args=(todo, run), daemon=True) for _ in range(threads)]
+    for thread in pool:
+        thread.start()
     done_bytes, total = 0, sum(sizes)
-    with ThreadPoolExecutor(threads) as pool:
-        upcoming = iter(range(len(items)))
-        try:
-            for j in islice(upcoming, threads):
-                pool.submit(run, j)
-            for i in range(len(items)):
-                while (got := handed[i].get())[0] == "out":
-                    yield i, got[1]
-                if got[0] == "error":
-                    raise got[1]
-                for j in islice(upcoming, 1):
-                    pool.submit(run, j)
-                done_bytes += sizes[i]
-                if on_progress is not None:
-                    on_progress(i + 1, len(items), done_bytes, total)
-                yield i, None
-        finally:
-            stop.set()
+    upcoming = iter(range(len(items)))
+    try:
+        for j in islice(upcoming, threads):
+            todo.put(j)
+        for i in range(len(items)):
+            while (got := handed[i].get())[0] == "out":
+                yield i, got[1]
+            if got[0] == "error":
+                raise got[1]
+            for j in islice(upcoming, 1):
+                todo.put(j)
+            done_bytes += sizes[i]
+            if on_progress is not None:
+                on_progress(i + 1, len(items), done_bytes, total)
+            yield i, None
+    finally:
+        stop.set()
+        for _ in pool:
+            todo.put(None)
+
+
+def _serve(todo: queue.SimpleQueue[int | None], run: Callable[[int], None]) -> None:
+    """A pool thread: ``run`` each item index handed to it, until None."""
+    while (i := todo.get()) is not None:
+        run(i)
+
+
+def _source_by_source(frames: Iterator[pl.DataFrame]) -> Iterator[pl.DataFrame]:
+    """per_rank_reduce frames of several sources each (a run whose files hold several
+    sources is reduced as one, step range after step range), a source at a time, in the
+    output's order: each source's rows wait in files of a temporary directory ($TMPDIR,
+    removed when done) until the last frame is read, so memory holds a frame."""
+    with tempfile.TemporaryDirectory(prefix="metriclog-sources-") as tmp:
+        files: dict[tuple[str, int], list[Path]] = {}
+        for n, frame in enumerate(frames):
+            for k, (source, part) in enumerate(frame.partition_by("process", "rank", as_dict=True).items()):
+                path = Path(tmp) / f"{n:06d}-{k:06d}.parquet"
+                part.write_parquet(path)
+                files.setdefault(source, []).append(path)
+        for source in sorted(files):
+            for path in files[source]:
+                yield pl.read_parquet(path)
+                path.unlink()
 
 
 def _statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:

@@ -162,41 +162,38 @@ def _mark(ax: Any, health: InspectReport, key: str, x_col: str, recorders: set[t
 def _raw_points(batches: Iterable[pl.DataFrame], health: InspectReport) -> tuple[pl.DataFrame, bool]:
     """Every raw point of ``batches``, or, past RAW_POINTS of them, each source's and key's
     lowest and highest value of each of BINS bins of the run's time (and whether it is so),
-    holding at most RAW_POINTS points and the bins' at a time."""
+    holding at most RAW_POINTS points, or the bins', at a time."""
     lo = min(s.first_timestamp for s in health.sources)
     width = max((max(s.last_timestamp for s in health.sources) - lo) / BINS, 1e-9)
     series = ["process", "rank", "key"]
     kept: list[pl.DataFrame] = []
     held = 0
-    extremes: list[pl.DataFrame] = []
+    bins: pl.DataFrame | None = None  # once past RAW_POINTS
     for batch in batches:
-        if held <= RAW_POINTS:
+        if bins is None:
             kept.append(batch)
             held += batch.height
-        value = pl.col("value")
-        binned = batch.with_columns(_bin=((pl.col("timestamp") - lo) / width).floor().clip(0, BINS - 1))
-        extremes.append(
-            binned.group_by(*series, "_bin").agg(
-                *[pl.col(c).get(value.arg_min()).alias(f"{c}_lo") for c in _POINT],
-                *[pl.col(c).get(value.arg_max()).alias(f"{c}_hi") for c in _POINT],
-            )
+            if held <= RAW_POINTS:
+                continue
+            batch, kept = pl.concat(kept), []
+        point = [c for c in batch.columns if c not in series]  # step or window_start, ...
+        binned = batch.select(
+            *series,
+            _bin=((pl.col("timestamp") - lo) / width).floor().clip(0, BINS - 1),
+            **{f"{c}_{end}": pl.col(c) for end in ("lo", "hi") for c in point},
         )
-        if len(extremes) > 1:  # folded as they come: held is the bins', not the batches'
-            extremes = [_lowest_highest(pl.concat(extremes), series)]
-    if held <= RAW_POINTS:
+        bins = _lowest_highest(binned if bins is None else pl.concat([bins, binned]), series, point)
+    if bins is None:
         return pl.concat(kept), False
-    both = pl.concat(extremes)
-    points = [both.select(*series, *[pl.col(f"{c}_{end}").alias(c) for c in _POINT]) for end in ("lo", "hi")]
-    return pl.concat(points).unique(maintain_order=True).sort(*series, "timestamp"), True
+    ends = [bins.select(*series, *[pl.col(f"{c}_{end}").alias(c) for c in point]) for end in ("lo", "hi")]
+    return pl.concat(ends).unique(maintain_order=True).sort(*series, "timestamp"), True
 
 
-_POINT = ("timestamp", "value", "step", "reduction")
-
-
-def _lowest_highest(bins: pl.DataFrame, series: list[str]) -> pl.DataFrame:
-    """Bins of several batches merged: the lowest of the lows, the highest of the highs."""
+def _lowest_highest(bins: pl.DataFrame, series: list[str], point: list[str]) -> pl.DataFrame:
+    """Per source, key and bin, the point (``point``'s columns) with the lowest value
+    (``_lo``) and the one with the highest (``_hi``)."""
     lo, hi = pl.col("value_lo"), pl.col("value_hi")
     return bins.group_by(*series, "_bin").agg(
-        *[pl.col(f"{c}_lo").get(lo.arg_min()) for c in _POINT],
-        *[pl.col(f"{c}_hi").get(hi.arg_max()) for c in _POINT],
+        *[pl.col(f"{c}_lo").get(lo.arg_min()) for c in point],
+        *[pl.col(f"{c}_hi").get(hi.arg_max()) for c in point],
     )

@@ -75,12 +75,13 @@ def scan_parquet(
 
 def footer(path: Path) -> Any:
     """A Parquet file's footer (pyarrow's FileMetaData: schema, row groups, statistics),
-    read once per command however often it is asked for (again if the file changed)."""
+    parsed once however often it is asked for (again if the file changed; the last 256
+    files' are kept, so a run of more files may parse some twice)."""
     stat = os.stat(path)
     return _footer(Path(path), stat.st_size, stat.st_mtime_ns)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=256)
 def _footer(path: Path, size: int, mtime_ns: int) -> Any:
     import pyarrow.parquet as pq
 
