@@ -14,6 +14,20 @@ import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
 
+
+@pytest.fixture(scope="session", autouse=True)
+def no_temporary_directory_is_left_behind():
+    """Every temporary directory metriclog makes ($TMPDIR/metriclog-*) is gone when the
+    suite ends."""
+    import tempfile
+
+    root = Path(tempfile.gettempdir())
+    before = set(root.glob("metriclog-*"))
+    yield
+    left = sorted(str(p) for p in set(root.glob("metriclog-*")) - before)
+    assert not left, f"temporary directories left behind: {left}"
+
+
 BASE_TIME = 1_760_000_000.0
 # A key recorded with each reduction (the live-path tests' data).
 ONE_KEY_PER_REDUCTION = (

@@ -192,15 +192,15 @@ def test_run_ids_are_deterministic_and_survive_a_copy(tmp_path, small_run):
     shutil.copytree(small_run, b)
     (a / "run.json").unlink()
     (b / "run.json").unlink()  # identity from the data itself
-    ids_a = [
-        r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(a)), name="x").runs
-    ]
-    ids_b = [
-        r.run_id for r in plan_upload(execute(make_plan(mode="per_rank_reduce"), scan_run(b)), name="x").runs
-    ]
+
+    def ids(run_dir: Path, **plan: str) -> list[str]:
+        with plan_upload(execute(make_plan(**plan), scan_run(run_dir)), name="x") as upload:
+            return [r.run_id for r in upload.runs]
+
+    ids_a, ids_b = ids(a, mode="per_rank_reduce"), ids(b, mode="per_rank_reduce")
     assert ids_a == ids_b
     assert len(set(ids_a)) == 2
-    ids_global = [r.run_id for r in plan_upload(execute(make_plan(), scan_run(a)), name="x").runs]
+    ids_global = ids(a)
     assert not set(ids_global) & set(ids_a)
 
 
@@ -321,7 +321,8 @@ class FakeInit:
 
 @pytest.fixture
 def planned(small_run):
-    return plan_upload(execute(make_plan(), scan_run(small_run)), name="exp1")
+    with plan_upload(execute(make_plan(), scan_run(small_run)), name="exp1") as upload:
+        yield upload
 
 
 def test_an_interrupted_online_upload_resumes_at_the_servers_next_row(tmp_path, planned):
@@ -636,20 +637,21 @@ def test_an_upload_an_earlier_version_made_is_still_recognized(tmp_path):
     assert other.exit_code == 0 and "already uploaded" not in other.stderr  # another destination
 
 
-def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(tmp_path):
+def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(tmp_path, request):
     """Online, W&B rewinds a run (resume_from): the run uploaded before the restart is cut at
     the restart's first step and continued with the restart's history (a fake W&B server)."""
     from .conftest import write_collector_run as write
 
     run_dir = tmp_path / "exp"
     write(run_dir, [("w", 0)], steps=6)
-    before = plan_upload(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"})
     ledger = Ledger(tmp_path / "uploads.json")
     first = FakeRun()
-    send_runs(before, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
+    with plan_upload(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"}) as before:
+        send_runs(before, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
     assert [r["step"] for r in first.logged] == list(range(6))
     truth = write(run_dir, [("w", 0)], steps=4, first_step=3, seed=5)  # restarted from step 3
     after = plan_upload(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"})
+    request.addfinalizer(after.close)  # its rows stay in temporary files until it is closed
     (run,) = after.runs
     assert run.run_id == before.runs[0].run_id  # the same upload, continued
     second, init = FakeRun(server_rows=3), FakeInit(FakeRun())
