@@ -567,7 +567,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     return ReduceResult(plan, scan, stream=stream, warnings=warnings)
 
 
-# per_rank_no_reduce hands over a source's records in frames of about this many (the
+# per_rank_no_reduce hands over a source's records in frames of at most this many (the
 # writer of the 100M-record raw output peaks at 375 MiB with 100K, 660 MiB with 250K).
 RAW_BATCH_ROWS = 100_000
 
