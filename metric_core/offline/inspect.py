@@ -149,7 +149,12 @@ def inspect_run(
     if on_read is not None:
         on_read(scan.report)
     per_step, per_key = _aggregate(scan, on_progress)
-    steps = per_step.group_by("process", "rank", "step").agg(pl.col("reached").min(), pl.col("done").max())
+    steps = (
+        per_step.lazy()
+        .group_by("process", "rank", "step")
+        .agg(pl.col("reached").min(), pl.col("done").max())
+        .collect(engine="streaming")  # a group a step of every source: no index lists
+    )
     summary = (
         per_step.group_by("process", "rank")
         .agg(
@@ -379,14 +384,17 @@ def _first_to_stop(per_key: pl.DataFrame, sources: list[SourceHealth]) -> FirstT
 def _stragglers(
     steps: pl.DataFrame, cadence: dict[tuple[str, int], tuple[float | None, float | None]]
 ) -> list[Straggler]:
-    role = pl.col("process").str.replace(_ROLE.pattern, "")
+    with_role = steps.lazy().with_columns(role=pl.col("process").str.replace(_ROLE.pattern, ""))
+    fastest = with_role.group_by("role", "step").agg(fastest=pl.col("reached").min())
     behind = (
-        steps.with_columns(role=role)
-        .with_columns(behind=pl.col("reached") - pl.col("reached").min().over("role", "step"))
-        .sort("behind", descending=True)
-        .group_by("process", "rank", maintain_order=True)
-        .agg(worst_lag_s=pl.col("behind").first(), at_step=pl.col("step").first())
+        with_role.join(fastest, on=["role", "step"])
+        .group_by("process", "rank")
+        .agg(
+            worst_lag_s=(pl.col("reached") - pl.col("fastest")).max(),
+            at_step=pl.col("step").sort_by(pl.col("reached") - pl.col("fastest"), pl.col("step")).last(),
+        )
         .sort("process", "rank")
+        .collect(engine="streaming")  # a row a step of every source: no window, no index lists
     )
     out = []
     for process, rank, worst, at_step in behind.iter_rows():
