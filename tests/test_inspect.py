@@ -301,9 +301,18 @@ def test_plot_of_raw_points_by_time_windows(crashed, tmp_path, monkeypatch, raw_
     from metric_core.offline import plot
 
     monkeypatch.setattr(plot, "RAW_POINTS", raw_points)
+    monkeypatch.setattr(plot, "BINS", 7)  # fewer bins than points: decimating drops some
     plan = make_plan(mode="per_rank_no_reduce", keys=["trainer/grad_norm"], by="time", every=1.0)
     fig = plot_run(scan_run(crashed), plan, tmp_path / "raw.png")
     (ax,) = fig.axes
     assert ax.get_xlabel().startswith("wall-clock time")
     assert ("decimated" in ax.get_xlabel()) == (raw_points == 20)
-    assert any(len(ln.get_xdata()) for ln in ax.get_lines())
+    drawn = {
+        (x, y)
+        for ln in ax.get_lines()
+        if "(rank" in ln.get_label() and "stopped" not in ln.get_label()
+        for x, y in zip(ln.get_xdata(), ln.get_ydata(), strict=True)
+    }
+    records = execute(dataclasses.replace(plan, by="step", every=None), scan_run(crashed)).frame
+    every = set(zip(records["timestamp"].to_list(), records["value"].to_list(), strict=True))
+    assert drawn <= every and (drawn == every) == (raw_points > 20)  # every point, or a subset

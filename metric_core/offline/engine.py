@@ -129,15 +129,17 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
         frames end, which the files fix), each reduced as soon as it is read."""
         pieces: list[pl.DataFrame] = []
         places: list[tuple[int, int]] = []
+        held = 0
         for fid, groups, at in task.reads:
             for frame in _read_batches(plan, scan, fid, dictionaries, kept, groups, PARTITION_ROWS):
                 for start in range(0, frame.height, PARTITION_ROWS):  # a whole file read at once, too
                     pieces.append(_matching(frame.slice(start, PARTITION_ROWS), match))
                     places.append((at, pieces[-1].height))
-                    if sum(rows for _, rows in places) >= PARTITION_ROWS:
+                    held += pieces[-1].height
+                    if held >= PARTITION_ROWS:
                         yield partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
-                        pieces, places = [], []
-        if sum(rows for _, rows in places):
+                        pieces, places, held = [], [], 0
+        if held:
             yield partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
 
     @changed_files_said

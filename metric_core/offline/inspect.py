@@ -386,13 +386,11 @@ def _stragglers(
 ) -> list[Straggler]:
     with_role = steps.lazy().with_columns(role=pl.col("process").str.replace(_ROLE.pattern, ""))
     fastest = with_role.group_by("role", "step").agg(fastest=pl.col("reached").min())
+    lag = pl.col("reached") - pl.col("fastest")
     behind = (
         with_role.join(fastest, on=["role", "step"])
         .group_by("process", "rank")
-        .agg(
-            worst_lag_s=(pl.col("reached") - pl.col("fastest")).max(),
-            at_step=pl.col("step").sort_by(pl.col("reached") - pl.col("fastest"), pl.col("step")).last(),
-        )
+        .agg(worst_lag_s=lag.max(), at_step=pl.col("step").sort_by(lag, pl.col("step")).last())
         .sort("process", "rank")
         .collect(engine="streaming")  # a row a step of every source: no window, no index lists
     )

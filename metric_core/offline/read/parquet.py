@@ -180,7 +180,6 @@ def row_group_lows(path: Path, column: str = "timestamp") -> list[tuple[float, i
     """Each row group's lowest ``column`` value (timestamp or step) and its number of rows,
     from the footer, when the column holds what is read (float epoch seconds; integer
     steps) and every row group has its statistics; else None."""
-
     physical = ("DOUBLE",) if column == "timestamp" else ("INT32", "INT64")
     try:
         meta = footer(path)
