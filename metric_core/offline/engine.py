@@ -254,7 +254,7 @@ def _read_part(
     row_groups: list[int] | None = None,
 ) -> pl.DataFrame:
     """``_read_batches`` as one frame."""
-    return pl.concat(list(_read_batches(plan, scan, fid, dictionaries, kept, row_groups, None)))
+    return pl.concat(list(_read_batches(plan, scan, fid, dictionaries, kept, row_groups, RAW_BATCH_ROWS)))
 
 
 def _columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:

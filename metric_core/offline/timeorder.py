@@ -71,8 +71,18 @@ def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl
         if pos < len(order) and (fresh < max(batch_rows, kept) or cut == -math.inf):
             continue
         whole = pl.concat(held)
-        ready = whole if cut == math.inf else whole.filter(pl.col("timestamp") < cut)
-        held = [] if cut == math.inf else [whole.filter(pl.col("timestamp") >= cut)]
+        held = []
+        # Sorted once, then cut: what is ready is a slice of it (no copy), what waits a copy
+        # of the rows at or past the cut. Rows held in file order need no order column.
+        by = ["timestamp"] if whole[ORDER].is_sorted() else ["timestamp", ORDER]
+        ordered = whole.sort(by, maintain_order=True)
+        del whole
+        ready = ordered
+        if cut < math.inf:
+            at = ordered["timestamp"].search_sorted(cut, side="left")
+            held = [ordered.slice(at).rechunk()] if at < ordered.height else []
+            ready = ordered.slice(0, at)
+        del ordered
         kept, fresh = sum(f.height for f in held), 0
         if ready.height:
-            yield ready.sort("timestamp", ORDER, maintain_order=True).drop(ORDER)
+            yield ready.drop(ORDER)
