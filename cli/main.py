@@ -7,14 +7,16 @@ other ``MetricLogError`` or an ``OSError`` one ``Error: ...`` line and exit 1.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 
 from metric_core.errors import MetricLogError, PlanError
 from metric_core.metric import LoggingMode
@@ -22,6 +24,16 @@ from metric_core.offline.plan import By
 
 from . import options as o
 from . import output, tuning
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose usage line names its argument plainly (``RUN_DIR``, not ``{RUN_DIR}``)."""
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [
+            p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)
+        ]
+
 
 app = typer.Typer(
     name="metriclog",
@@ -57,9 +69,12 @@ def errors_to_exit() -> Iterator[None]:
     try:
         yield
     except PlanError as exc:
-        raise typer.BadParameter(str(exc)) from None
+        raise typer.BadParameter(exc.said(o.on_cli)) from None
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say to it
+        _quiet_stdout()
+        raise typer.Exit(code=0) from None
     except MetricLogError as exc:
-        typer.echo(f"Error: {exc}", err=True)
+        typer.echo(f"Error: {exc.said(o.on_cli)}", err=True)
         raise typer.Exit(code=1) from None
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
@@ -67,7 +82,7 @@ def errors_to_exit() -> Iterator[None]:
         raise typer.Exit(code=1) from None
 
 
-@app.command()
+@app.command(cls=_Command)
 def reduce(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
@@ -87,6 +102,7 @@ def reduce(
 
     Example:
 
+    \b
         metriclog reduce runs/exp1 --mode per_rank_reduce --reduce 'policy/latency_s=p99' --out latency.csv
     """
     from metric_core.offline.engine import pivot_wide, run_plan
@@ -104,16 +120,16 @@ def reduce(
                 on_read=output.said_skips,
                 on_progress=progress,
             )
-            for warning in result.warnings:
-                output.say("warning", warning)
             frames = pivot_wide(result.batches(), plan) if wide else result.batches()  # written as it comes
             if out is None:
                 output.print_frames(frames)
             else:
                 output.write_frames(frames, out, derived=f"reduce --mode {mode.value}", run_dir=run_dir)
+        for note in result.unmatched:
+            output.say("warning", note.said(o.on_cli))
 
 
-@app.command()
+@app.command(cls=_Command)
 def upload(
     run_dir: o.RunDir,
     project: o.Project,
@@ -139,31 +155,33 @@ def upload(
 
     Example:
 
+    \b
         metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
     """
     from metric_core.offline.upload import Destination, upload_run
 
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
-    with errors_to_exit(), output.upload_events() as events, output.read_progress() as progress:
-        result = upload_run(
-            run_dir,
-            o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
-            Destination(project, entity, offline),
-            name=name,
-            group=group,
-            share_run=per_rank_share_run,
-            dry_run=dry_run,
-            force_new=force_new,
-            strict=strict,
-            follow_symlinks=follow_symlinks,
-            events=events,
-            on_progress=progress,
-        )
-    output.print_upload(result)
+    with errors_to_exit():
+        with output.upload_events() as events, output.read_progress() as progress:
+            result = upload_run(
+                run_dir,
+                o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
+                Destination(project, entity, offline),
+                name=name,
+                group=group,
+                share_run=per_rank_share_run,
+                dry_run=dry_run,
+                force_new=force_new,
+                strict=strict,
+                follow_symlinks=follow_symlinks,
+                events=events,
+                on_progress=progress,
+            )
+        output.print_upload(result)
 
 
-@app.command()
+@app.command(cls=_Command)
 def inspect(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
@@ -174,6 +192,7 @@ def inspect(
 
     Example:
 
+    \b
         metriclog inspect runs/exp1 --json
     """
     from metric_core.offline.inspect import inspect_run
@@ -186,10 +205,10 @@ def inspect(
             on_read=output.said_skips,
             on_progress=progress,
         )
-    typer.echo(report.to_json()) if json_out else output.print_inspect(report)
+        typer.echo(report.to_json()) if json_out else output.print_inspect(report)
 
 
-@app.command()
+@app.command(cls=_Command)
 def plot(
     run_dir: o.RunDir,
     key: o.PlotKeys,
@@ -207,6 +226,7 @@ def plot(
 
     Example:
 
+    \b
         metriclog plot runs/exp1 --key 'trainer/*' --mode per_rank_reduce --out trainer.png
     """
     from metric_core.offline.plot import plot_run
@@ -230,6 +250,12 @@ def main() -> None:
     # temporary directories and half-written files is removed on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
     app()
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of a closed pipe is silent."""
+    with contextlib.suppress(OSError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import typer
 
@@ -23,8 +26,54 @@ FollowSymlinks = Annotated[
         help="Also read files and directories that symlinks in RUN_DIR lead to outside it.",
     ),
 ]
-Mode = Annotated[LoggingMode, typer.Option("--mode", help="Logging mode to compute.")]
-ByOpt = Annotated[By, typer.Option("--by", help="Group by training step or by wall-clock window.")]
+E = TypeVar("E", bound=Enum)
+
+# How the command line spells the Python API's parameters (``PlanError.said``).
+FLAGS = {"keys": "--key", "share_run": "--per-rank-share-run"}
+
+
+def on_cli(name: str) -> str:
+    """A Python API parameter as a message on the command line names it: ``ranks`` ->
+    ``--ranks `` (``MetricLogError.said``), ``keys`` -> ``--key ``."""
+    return FLAGS.get(name, "--" + name.replace("_", "-")) + " "
+
+
+def choice(kind: type[E]) -> Callable[[str], E]:
+    """The members' values of ``kind``, parsed with a plain message (and the nearest one)."""
+    values = [m.value for m in kind]
+
+    def parse(text: str | E) -> E:
+        if isinstance(text, kind):
+            return text
+        if text in values:
+            return kind(text)
+        near = [v for v in values if v.startswith(str(text))] or difflib.get_close_matches(
+            str(text), values, 1
+        )
+        hint = f"; did you mean '{near[0]}'?" if len(near) == 1 else ""
+        raise typer.BadParameter(f"'{text}' is not one of {', '.join(values)}{hint}")
+
+    return parse
+
+
+Mode = Annotated[
+    LoggingMode,
+    typer.Option(
+        "--mode",
+        parser=choice(LoggingMode),
+        metavar="<global_reduce|per_rank_reduce|per_rank_no_reduce>",
+        help="Logging mode to compute.",
+    ),
+]
+ByOpt = Annotated[
+    By,
+    typer.Option(
+        "--by",
+        parser=choice(By),
+        metavar="<step|time>",
+        help="Group by training step or by wall-clock window.",
+    ),
+]
 Every = Annotated[
     str | None,
     typer.Option("--every", metavar="DURATION", help="Window length with --by time: 10s, 500ms, 5m, 1h."),
@@ -50,8 +99,28 @@ Steps = Annotated[
     ),
 ]
 Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
+OUT_SUFFIXES = (".parquet", ".csv", ".jsonl")
+
+
+def _suffixed(*suffixes: str) -> Callable[[Path | None], Path | None]:
+    """A check that ``--out`` names a file of a type the command writes (before any read)."""
+
+    def check(path: Path | None) -> Path | None:
+        if path is not None and path.suffix.lower() not in suffixes:
+            raise typer.BadParameter(f"'{path}': name a file ending in {', '.join(suffixes)}")
+        return path
+
+    return check
+
+
 OutFile = Annotated[
-    Path | None, typer.Option("--out", metavar="FILE", help="Write to FILE.parquet, .csv or .jsonl.")
+    Path | None,
+    typer.Option(
+        "--out",
+        metavar="FILE",
+        callback=_suffixed(*OUT_SUFFIXES),
+        help="Write to FILE.parquet, .csv or .jsonl (folders are created).",
+    ),
 ]
 Attempts = Annotated[
     str,
@@ -85,7 +154,15 @@ Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instea
 PlotKeys = Annotated[
     list[str], typer.Option("--key", metavar="PATTERN", help="Keys to plot (glob). Repeatable.")
 ]
-PngFile = Annotated[Path, typer.Option("--out", metavar="FILE.png", help="Where to write the PNG.")]
+PngFile = Annotated[
+    Path,
+    typer.Option(
+        "--out",
+        metavar="FILE.png",
+        callback=_suffixed(".png"),
+        help="Where to write the PNG (folders are created).",
+    ),
+]
 
 
 def plan(

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from metric_core.errors import RequestError
+from .options import on_cli
 
 if TYPE_CHECKING:
     import polars as pl
@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from metric_core.offline.read import ReadReport
     from metric_core.offline.upload import UploadEvents, UploadResult
 
-OUT_SUFFIXES = (".parquet", ".csv", ".jsonl")
 MAX_TABLE_ROWS = 40
 
 
@@ -56,9 +55,7 @@ def write_frames(
     (two frames in memory at a time); nothing is created before the first frame is at hand."""
     from metric_core.segment import DERIVED_KEY, derived_marker
 
-    suffix = out.suffix.lower()
-    if suffix not in OUT_SUFFIXES:
-        raise RequestError(f"--out {out}: use a file ending in {', '.join(OUT_SUFFIXES)}")
+    suffix = out.suffix.lower()  # .parquet, .csv or .jsonl: options.OutFile checked it
     if run_dir is not None and out.resolve().is_relative_to(run_dir.resolve()):
         say(
             "warning",
@@ -299,7 +296,7 @@ def upload_events() -> Iterator[UploadEvents]:
     from metric_core.offline.upload import UploadEvents
 
     if not sys.stderr.isatty():
-        yield UploadEvents(message=say)
+        yield UploadEvents(message=say, spelled=on_cli)
         return
     bars: list[Any] = []
 
@@ -317,7 +314,7 @@ def upload_events() -> Iterator[UploadEvents]:
         return lambda n: bars[0].update(task, completed=n)
 
     try:
-        yield UploadEvents(message=message, progress=start)
+        yield UploadEvents(message=message, progress=start, spelled=on_cli)
     finally:
         if bars:
             bars[0].stop()

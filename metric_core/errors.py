@@ -6,11 +6,67 @@ The command line maps them by type: ``PlanError`` is a usage error (exit 2), eve
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
+
+# The parameters of the Python API a message may name, written ``{name}`` in it: the
+# library says ``ranks=``, the command line ``--ranks `` (``said``).
+OPTIONS = frozenset(
+    [
+        "mode",
+        "by",
+        "every",
+        "reduce",
+        "keys",
+        "ranks",
+        "steps",
+        "attempts",
+        "out",
+        "strict",
+        "share_run",
+        "project",
+        "entity",
+        "group",
+        "name",
+    ]
+)
+
+
+def in_python(name: str) -> str:
+    return f"{name}="
+
+
+def spell(text: str, spelled: Callable[[str], str]) -> str:
+    """``text`` with each ``{option}`` spelled by ``spelled``, and each ``{option!}`` (a flag
+    given) as ``option=True`` in Python, ``--option`` on the command line."""
+
+    def one(m: re.Match[str]) -> str:
+        name, flag = m.group(1), m.group(2)
+        if name not in OPTIONS:
+            return m.group(0)
+        said = spelled(name)
+        return (said + "True" if said.endswith("=") else said.rstrip()) if flag else said
+
+    return re.sub(r"\{(\w+)(!?)\}", one, text)
 
 
 class MetricLogError(Exception):
-    """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1."""
+    """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1.
+
+    A message that names options is kept as a template (``template``), so each caller can
+    say it in its own words: ``said(spelled)``.
+    """
+
+    template: str | None = None
+
+    def said(self, spelled: Callable[[str], str]) -> str:
+        """The message, with the options it names spelled by ``spelled``."""
+        return str(self) if self.template is None else spell(self.template, spelled)
+
+    def _name_options(self, template: str) -> None:
+        self.template = template
+        Exception.__init__(self, spell(template, in_python))
 
     # What the reader skipped before this error, when it came after a run was read in
     # another process (upload's reading child): the caller says it before the error.
@@ -48,7 +104,15 @@ class NoDataError(MetricLogError):
 
     def __init__(self, where: str, why: str) -> None:
         self.where = where
-        super().__init__(f"no readable metric record in {where}: {why}")
+        self._name_options(f"no readable metric record in {where}: {why}")
+
+
+class FilteredOutError(NoDataError):
+    """The run has records, but the filters (keys, ranks, steps) left none: ``why`` names them."""
+
+    def __init__(self, where: str, why: str) -> None:
+        self.where = where
+        self._name_options(f"no record in {where} matches the filters{why}")
 
 
 class MixedReductionError(MetricLogError):
@@ -58,9 +122,9 @@ class MixedReductionError(MetricLogError):
         self.key = key
         self.origins = origins
         where = "; ".join(f"{red} by {', '.join(srcs)}" for red, srcs in sorted(origins.items()))
-        super().__init__(
+        self._name_options(
             f"key '{key}' is recorded with more than one reduction ({where}). "
-            f"Choose one with --reduce '{key}=STAT'."
+            f"Choose one with {{reduce}}'{key}=STAT'."
         )
 
 
@@ -72,9 +136,9 @@ class UnknownReductionError(MetricLogError):
         shown = ", ".join(f"'{k}' ({r!r})" for k, r in list(keys.items())[:5])
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
         first = next(iter(keys))
-        super().__init__(
+        self._name_options(
             f"key(s) recorded with a reduction metriclog does not know: {shown}{more}; choose a "
-            f"statistic for each with --reduce, e.g. --reduce '{first}=mean'"
+            f"statistic for each, e.g. {{reduce}}'{first}=mean'"
         )
 
 
@@ -83,11 +147,29 @@ class StrictModeError(MetricLogError):
 
     def __init__(self, summary: str) -> None:
         self.summary = summary
-        super().__init__("--strict: records or files were skipped (see above)")
+        self._name_options("{strict!}: records or files were skipped (see above)")
 
 
 class PlanError(MetricLogError):
-    """A request that cannot be turned into a plan (bad statistic, pattern, range): a usage error."""
+    """A request that cannot be turned into a plan (bad statistic, pattern, range): a usage error.
+
+    ``option`` is the parameter at fault as the Python API names it (``ranks``), ``value``
+    what it was given, and ``message`` what is wrong with it, as a predicate:
+    ``ranks='1-x' is not ...`` in Python, ``--ranks '1-x' is not ...`` on the command line.
+    """
+
+    def __init__(self, message: str, *, option: str | None = None, value: object = None) -> None:
+        self.message, self.option, self.value = message, option, value
+        where = f"{{{option}!}}" if value is True else f"{{{option}}}{value!r}"  # a flag, or a value
+        self._name_options(message if option is None else f"{where} {message}")
+
+
+class UnmatchedError(MetricLogError):
+    """Strict reading, and a filter or ``reduce`` pattern matched no record (``notes`` say which)."""
+
+    def __init__(self, notes: list[PlanError]) -> None:
+        self.notes = notes
+        self._name_options("{strict!}: " + "; ".join(n.template or str(n) for n in notes))
 
 
 class RequestError(MetricLogError):

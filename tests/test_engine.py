@@ -473,8 +473,19 @@ def test_in_time_order_equals_one_stable_sort(seed):
         assert got.equals(truth), batch_rows
 
 
-@pytest.mark.parametrize("plan", [{"keys": ["nothing/*"]}, {"ranks": "7"}], ids=["key", "ranks"])
-def test_raw_mode_with_filters_that_leave_nothing_is_no_data_whatever_the_files(tmp_path, plan):
+@pytest.mark.parametrize(
+    ("plan", "message"),
+    [
+        (
+            {"keys": ["nothing/*"]},
+            "keys='nothing/*' matches no key; the run's keys: a, policy/latency_s, policy/tokens, "
+            "trainer/grad_norm, trainer/loss",
+        ),
+        ({"ranks": "7"}, "ranks='7' matches no record (no rank 7); the run's ranks: 0, 4-5"),
+    ],
+    ids=["key", "ranks"],
+)
+def test_raw_mode_with_filters_that_leave_nothing_is_no_data_whatever_the_files(tmp_path, plan, message):
     """A writer's file and another tool's file of two ranks (held, then split by source)."""
     from metric_core.errors import NoDataError
 
@@ -482,8 +493,9 @@ def test_raw_mode_with_filters_that_leave_nothing_is_no_data_whatever_the_files(
     rows = {"key": ["a"] * 4, "value": [1.0, 2.0, 3.0, 4.0], "reduction": ["mean"] * 4, "step": [0, 0, 1, 1]}
     write_foreign(tmp_path / "two.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [4, 5, 4, 5]})
     assert run_plan(tmp_path, make_plan(mode="per_rank_no_reduce")).frame.height > 4
-    with pytest.raises(NoDataError, match="no record matches the filters"):
+    with pytest.raises(NoDataError) as err:
         list(run_plan(tmp_path, make_plan(mode="per_rank_no_reduce", **plan)).batches())
+    assert str(err.value) == f"no record in {tmp_path} matches the filters: {message}"
 
 
 def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tmp_path, monkeypatch):

@@ -163,7 +163,9 @@ def test_choosing_one_attempt_and_an_unknown_one(restarted):
     assert r0["step"].min() == RESTART_FROM and r0["step"].max() == STEPS - 1
     assert set(got.filter(pl.col("rank") == 1)["step"]) == set(range(STEPS))  # other sources: rewound
     bad = CliRunner().invoke(app, ["reduce", str(restarted), "--attempts", "nope"])
-    assert bad.exit_code == 2 and "--attempts nope: no such attempt in this run" in bad.output
+    assert (
+        bad.exit_code == 2 and "--attempts 'nope' names no attempt of this run; its attempts: " in bad.output
+    )
 
 
 def test_a_restart_that_died_is_not_finished_because_the_attempt_before_was(tmp_path):

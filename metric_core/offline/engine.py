@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import inspect
 import math
 import os
 import queue
@@ -34,12 +36,13 @@ import polars as pl
 
 from metric_core.errors import (
     MixedReductionError,
-    NoDataError,
+    PlanError,
     StrictModeError,
     UnknownReductionError,
+    UnmatchedError,
 )
 from metric_core.metric import LoggingMode
-from metric_core.offline import partials
+from metric_core.offline import filters, partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.read.parquet import categorical_batches, row_group_lows
@@ -62,7 +65,8 @@ class ReduceResult:
     plan: ReducePlan
     scan: RunScan
     stream: Callable[[], Iterator[pl.DataFrame]]
-    warnings: list[str] = field(default_factory=list)
+    # The filters and --reduce patterns that matched no record: known once the stream ended.
+    unmatched: list[PlanError] = field(default_factory=list)
     table: pl.DataFrame | None = None  # the frames gathered, once ``frame`` read them
 
     @property
@@ -119,6 +123,7 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     statistic_of = _statistic_chooser(plan)
     dictionaries = _dictionary_read(scan)
     kept = _columns_read(plan, scan)
+    seen, unmatched = filters.Seen.wanted_by(plan), list[PlanError]()
     # What is reduced together: the whole run, or (per_rank_reduce, every file of one
     # source) each source on its own, emitted in order.
     units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
@@ -131,7 +136,7 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
         places: list[tuple[int, int]] = []
         held = 0
         for fid, groups, at in task.reads:
-            for frame in _read_batches(plan, scan, fid, dictionaries, kept, groups, PARTITION_ROWS):
+            for frame in _read_batches(plan, scan, fid, dictionaries, kept, groups, PARTITION_ROWS, seen):
                 for start in range(0, frame.height, PARTITION_ROWS):  # a whole file read at once, too
                     pieces.append(_matching(frame.slice(start, PARTITION_ROWS), match))
                     places.append((at, pieces[-1].height))
@@ -164,12 +169,13 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
         finally:
             states.close()  # stops the pool's threads, whatever ended the stream
             acc.close()
+        unmatched[:] = filters.unmatched(plan, seen)
         if not recorded:
-            raise NoDataError(str(scan.run_dir), "no record matches the filters")
+            raise filters.nothing_left(str(scan.run_dir), plan, unmatched)
 
     if plan.mode is LoggingMode.PER_RANK_REDUCE and sources is None:  # several sources a file
-        return ReduceResult(plan, scan, stream=lambda: _source_by_source(stream()))
-    return ReduceResult(plan, scan, stream=stream)
+        return ReduceResult(plan, scan, stream=lambda: _source_by_source(stream()), unmatched=unmatched)
+    return ReduceResult(plan, scan, stream=stream, unmatched=unmatched)
 
 
 def _finished(
@@ -223,13 +229,14 @@ def _read_batches(
     kept: list[str],
     row_groups: list[int] | None,
     rows: int | None,
+    seen: filters.Seen,
 ) -> Iterator[pl.DataFrame]:
     """One file's ``kept`` columns (``_columns_read``; or those of its ``row_groups``),
     read once (a file not checked yet is checked as it is read), strings as polars
     Categorical, the plan's rank and step filters applied. With ``dictionaries``, Parquet
     is read by pyarrow in frames of at most ``rows`` records (None: one frame), its strings
     kept as dictionary codes, never decoded (``categorical_batches``); another file is one
-    frame."""
+    frame. The ranks and keys read are noted in ``seen`` before the filters drop any."""
     rep = scan.report.files[fid]
     columns = sorted({*kept, *(REQUIRED_FIELDS if fid in scan.unchecked else ())})
     if rep.format == "parquet" and dictionaries:
@@ -242,7 +249,12 @@ def _read_batches(
         whole = scan.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical))
         frames = iter([whole.collect()])
     for df in frames:
-        yield _filtered(plan, scan.checked(fid, df).lazy(), kept).collect()
+        df = scan.checked(fid, df)
+        seen.add(
+            df["rank"].unique() if seen.ranks is not None else None,
+            df["key"].unique().cast(pl.String) if seen.keys is not None else None,
+        )
+        yield _filtered(plan, df.lazy(), kept).collect()
 
 
 def _read_part(
@@ -251,10 +263,13 @@ def _read_part(
     fid: int,
     dictionaries: bool,
     kept: list[str],
+    seen: filters.Seen,
     row_groups: list[int] | None = None,
 ) -> pl.DataFrame:
     """``_read_batches`` as one frame."""
-    return pl.concat(list(_read_batches(plan, scan, fid, dictionaries, kept, row_groups, RAW_BATCH_ROWS)))
+    return pl.concat(
+        list(_read_batches(plan, scan, fid, dictionaries, kept, row_groups, RAW_BATCH_ROWS, seen))
+    )
 
 
 def _columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:
@@ -453,7 +468,7 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
         per_key = per_key.filter(pl.col("key").map_elements(match, return_dtype=pl.Boolean))
     t0 = per_key["timestamp"].min()
     if t0 is None:
-        raise NoDataError(str(scan.run_dir), "no record matches the filters")
+        raise filters.nothing_left(str(scan.run_dir), plan, [])
     return float(t0)  # type: ignore[arg-type]
 
 
@@ -512,13 +527,11 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
 
     A file of one source (the writer's) is read when its source's turn comes; files that
     hold several sources (or do not say) are read first and held, to be split by source."""
-    warnings: list[str] = []
-    if plan.overrides:
-        warnings.append("--reduce has no effect with --mode per_rank_no_reduce: raw values are kept")
     t0 = _first_time(plan, scan) if plan.by == "time" else None
     match = key_matcher(plan.keys) if plan.keys else None
     dictionaries = _dictionary_read(scan)
     kept = _columns_read(plan, scan)
+    seen, unmatched = filters.Seen.wanted_by(plan), list[PlanError]()
     by_source: dict[tuple[str, int], list[int]] = {}
     mixed: list[int] = []
     for fid in scan.parts:
@@ -529,7 +542,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     total = sum(sizes.values())
 
     def read(fid: int, groups: list[int] | None = None) -> pl.DataFrame:
-        return _matching(_read_part(plan, scan, fid, dictionaries, kept, groups), match)
+        return _matching(_read_part(plan, scan, fid, dictionaries, kept, seen, groups), match)
 
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
@@ -563,10 +576,11 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
             done += sum(sizes[fid] for fid in fids)
             if on_progress is not None:
                 on_progress(i + 1, len(sources), done, total)
+        unmatched[:] = filters.unmatched(plan, seen)
         if not produced:
-            raise NoDataError(str(scan.run_dir), "no record matches the filters")
+            raise filters.nothing_left(str(scan.run_dir), plan, unmatched)
 
-    return ReduceResult(plan, scan, stream=stream, warnings=warnings)
+    return ReduceResult(plan, scan, stream=stream, unmatched=unmatched)
 
 
 # per_rank_no_reduce hands over a source's records in frames of at most this many (the
@@ -629,6 +643,12 @@ def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
     >>> df["count"].to_list()
     [8, 8]
     """
+    known = list(inspect.signature(make_plan).parameters)
+    for name in options:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, 1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise PlanError(f"reduce_run() takes no option '{name}': {hint}it takes {', '.join(known)}")
     return run_plan(run_dir, make_plan(**options)).frame
 
 
@@ -646,7 +666,9 @@ def run_plan(
     The result is a stream, read when iterated (``frame`` reads it whole). ``on_read`` gets
     the health report once the run is read (when the stream ends, or the plan fails),
     ``on_progress`` the progress of the read. Raises ``StrictModeError`` when ``strict``
-    and the reader skipped anything, before reading the records.
+    and the reader skipped anything, before reading the records; with ``strict``, a filter
+    or ``reduce`` pattern that matched no record (``result.unmatched``, a warning
+    otherwise) raises ``UnmatchedError`` as the stream ends.
 
     >>> result = run_plan("sample_logs/rl_run", make_plan(mode="per_rank_reduce", keys=["policy/reward"]))
     >>> result.frame.select("process", "step", "count").head(2).rows()
@@ -674,6 +696,8 @@ def run_plan(
     def reported() -> Iterator[pl.DataFrame]:
         try:
             yield from stream()
+            if strict and result.unmatched:  # before the last frame is taken as the end
+                raise UnmatchedError(result.unmatched)
         finally:
             if on_read is not None:
                 on_read(scan.report)

@@ -77,11 +77,20 @@ class ReducePlan:
 
     def __post_init__(self) -> None:
         if self.by not in ("step", "time"):
-            raise PlanError(f"--by must be step or time, not '{self.by}'")
+            raise PlanError("must be step or time", option="by", value=self.by)
         if self.by == "time" and (self.every is None or self.every <= 0):
-            raise PlanError("--by time needs a window length, e.g. --every 10s")
+            raise PlanError("needs a window length, e.g. {every}'10s'", option="by", value="time")
+        if self.mode is LoggingMode.PER_RANK_NO_REDUCE and self.overrides:
+            raise PlanError(
+                "has no effect with {mode}'per_rank_no_reduce' (raw values are kept): drop it, "
+                "or choose a reducing mode",
+                option="reduce",
+                value=f"{self.overrides[0][0]}={self.overrides[0][1].name}",
+            )
         if self.by == "step" and self.every is not None:
-            raise PlanError("--every sets the window of --by time; add --by time")
+            raise PlanError(
+                "is a window length: group by time too ({by}'time')", option="every", value=self.every
+            )
 
     @property
     def bucket(self) -> str:
@@ -95,8 +104,9 @@ class ReducePlan:
 
     @property
     def output_columns(self) -> list[str]:
-        if self.mode is LoggingMode.PER_RANK_NO_REDUCE:
-            return ["process", "rank", self.bucket, "timestamp", "key", "value", "reduction"]
+        if self.mode is LoggingMode.PER_RANK_NO_REDUCE:  # each record keeps its step, and its window
+            window = ["window_start"] if self.by == "time" else []
+            return ["process", "rank", "step", *window, "timestamp", "key", "value", "reduction"]
         return [*self.group_columns, "key", "value", "reduction", "count"]
 
     @property
@@ -137,23 +147,27 @@ def parse_ranks(text: str) -> tuple[tuple[int, int], ...]:
         part = part.strip()
         m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not m:
-            raise PlanError(f"--ranks '{text}': '{part}' is not a rank or a range like 2-5")
+            raise PlanError(f"{_holds(part, text)}not a rank or a range like 2-5", option="ranks", value=text)
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
-            raise PlanError(f"--ranks '{text}': range '{part}' runs backwards")
+            raise PlanError(f"{_holds(part, text)}a range that runs backwards", option="ranks", value=text)
         ranges.append((lo, hi))
     return tuple(ranges)
+
+
+def _holds(part: str, text: str) -> str:
+    return "is " if part == text.strip() else f"holds '{part}', "
 
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:
     """``100:200`` -> (100, 200), the steps 100 to 199; ``100:`` and ``:200`` leave an end open."""
     m = re.fullmatch(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*", text)
     if not m or ":" not in text:
-        raise PlanError(f"--steps '{text}' is not START:STOP, e.g. 100:200 (steps 100 to 199)")
+        raise PlanError("is not START:STOP, e.g. 100:200 (steps 100 to 199)", option="steps", value=text)
     start = int(m.group(1)) if m.group(1) else None
     stop = int(m.group(2)) if m.group(2) else None
     if start is not None and stop is not None and stop <= start:
-        raise PlanError(f"--steps '{text}': STOP must be greater than START")
+        raise PlanError("has STOP at or before START: STOP is excluded", option="steps", value=text)
     return start, stop
 
 
@@ -164,10 +178,10 @@ def parse_duration(text: str) -> float:
     """``10s``, ``500ms``, ``2m``, ``1.5h`` or plain seconds -> seconds."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|min|m|h|d)?\s*", text)
     if not m:
-        raise PlanError(f"--every '{text}' is not a duration like 10s, 500ms, 5m or 1h")
+        raise PlanError("is not a duration like 10s, 500ms, 5m or 1h", option="every", value=text)
     seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
     if seconds <= 0:
-        raise PlanError(f"--every '{text}' must be longer than zero")
+        raise PlanError("must be longer than zero", option="every", value=text)
     return seconds
 
 
@@ -177,8 +191,11 @@ def parse_overrides(items: Sequence[str]) -> tuple[tuple[str, Statistic], ...]:
     for item in items:
         pattern, sep, stat = item.rpartition("=")
         if not sep or not pattern:
-            raise PlanError(f"--reduce '{item}' is not PATTERN=STAT, e.g. 'trainer/*=p99'")
-        out.append((pattern, Statistic.parse(stat)))
+            raise PlanError("is not PATTERN=STAT, e.g. 'trainer/*=p99'", option="reduce", value=item)
+        try:
+            out.append((pattern, Statistic.parse(stat)))
+        except PlanError as exc:
+            raise PlanError(f"names an {exc.message}", option="reduce", value=item) from None
     return tuple(out)
 
 
@@ -187,13 +204,14 @@ def make_plan(
     mode: LoggingMode | str = LoggingMode.GLOBAL_REDUCE,
     by: By | str = By.STEP,
     every: float | str | None = None,
-    reduce: Sequence[str] | dict[str, str] = (),
-    keys: Sequence[str] = (),
+    reduce: str | Sequence[str] | dict[str, str] = (),
+    keys: str | Sequence[str] = (),
     ranks: str | Sequence[tuple[int, int]] = (),
     steps: str | tuple[int | None, int | None] | None = None,
     attempts: str = "rewind",
 ) -> ReducePlan:
-    """Build a plan from command-line style options (strings are parsed).
+    """Build a plan from command-line style options (strings are parsed; ``reduce`` and
+    ``keys`` take one string or several). A bad value raises ``PlanError`` naming it.
 
     >>> make_plan(mode="per_rank_reduce", by="time", every="30s", reduce=["loss=p99"]).overrides
     (('loss', Statistic(name='p99', quantile=0.99)),)
@@ -202,18 +220,23 @@ def make_plan(
         mode = LoggingMode(mode)
     except ValueError:
         allowed = ", ".join(m.value for m in LoggingMode)
-        raise PlanError(f"--mode '{mode}' is not one of {allowed}") from None
+        raise PlanError(f"is not one of {allowed}", option="mode", value=mode) from None
     try:
         by = By(by)
     except ValueError:
-        raise PlanError(f"--by must be step or time, not '{by}'") from None
-    items = [f"{k}={v}" for k, v in reduce.items()] if isinstance(reduce, dict) else list(reduce)
+        raise PlanError("must be step or time", option="by", value=by) from None
+    if by is By.STEP and every is not None:  # said with the value given, before it is parsed
+        raise PlanError("is a window length: group by time too ({by}'time')", option="every", value=every)
+    if isinstance(reduce, dict):
+        items = [f"{k}={v}" for k, v in reduce.items()]
+    else:
+        items = [reduce] if isinstance(reduce, str) else list(reduce)  # one PATTERN=STAT
     return ReducePlan(
         mode=mode,
         by=by.value,
         every=parse_duration(every) if isinstance(every, str) else every,
         overrides=parse_overrides(items),
-        keys=tuple(keys),
+        keys=(keys,) if isinstance(keys, str) else tuple(keys),
         ranks=parse_ranks(ranks) if isinstance(ranks, str) else tuple(ranks),
         steps=parse_steps(steps) if isinstance(steps, str) else steps,
         attempts=attempts.strip() or "rewind",

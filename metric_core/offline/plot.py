@@ -53,7 +53,7 @@ def plot_run(
     'trainer/loss'
     """
     if out is not None and Path(out).suffix.lower() != ".png":
-        raise PlanError(f"--out {out}: the plot is a PNG; name it FILE.png")
+        raise PlanError("is not a PNG file: name it FILE.png", option="out", value=str(out))
     scan = (
         run
         if isinstance(run, RunScan)
@@ -71,7 +71,7 @@ def plot_run(
             "metriclog plot needs matplotlib: pip install 'metriclog[plot]'"
         ) from None
     if not plan.keys:
-        raise PlanError("choose the keys to plot with --key PATTERN, e.g. --key 'trainer/*'")
+        raise PlanError("choose the keys to plot, e.g. {keys}'trainer/*'")
     health = inspect_run(scan)
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         result, decimated = _raw_points(execute(plan, scan, on_progress=on_progress).batches(), health)
@@ -137,6 +137,7 @@ def plot_run(
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
     fig.tight_layout()
     if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(Path(out), dpi=110)
     return fig
 

@@ -125,8 +125,8 @@ def _chosen(by_source: dict[tuple[str, int], dict[str, Attempt]], wanted: str) -
     if len(matches) == 1:
         return matches[0]
     listed = ", ".join(sorted(f"{a.attempt} ({a.process}, rank {a.rank})" for a in known)) or "none recorded"
-    why = "no such attempt in this run" if not matches else "more than one attempt starts so"
-    raise PlanError(f"--attempts {wanted}: {why}; its attempts: {listed}")
+    why = "names no attempt of this run" if not matches else "is the start of more than one attempt"
+    raise PlanError(f"{why}; its attempts: {listed}", option="attempts", value=wanted)
 
 
 def _when(ts: float | None) -> str:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import MetricLogError, NotLoggedInError
+from metric_core.errors import MetricLogError, NotLoggedInError, PlanError
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -82,6 +82,7 @@ def upload_run(
     """
     events = events or UploadEvents()
     check_names(project=to.project, entity=to.entity, group=group, name=name)
+    _check_together(plan, share_run)
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "dryrun") and not to.offline:
         events.message("note", f"WANDB_MODE={mode} is set: writing offline runs, as with --offline")
@@ -129,6 +130,26 @@ def upload_run(
         return UploadResult(upload, send_runs(upload, ledger, to, force_new=force_new, events=events))
     finally:
         upload.close()
+
+
+def _check_together(plan: ReducePlan, share_run: bool) -> None:
+    """Options that would be ignored in this mode: a usage error, before anything is read."""
+    from metric_core.metric import LoggingMode
+
+    if share_run and plan.mode is LoggingMode.GLOBAL_REDUCE:
+        raise PlanError(
+            "shares one W&B run among the sources of a per-rank mode; {mode}'global_reduce' "
+            "makes one run already",
+            option="share_run",
+            value=True,
+        )
+    if plan.by == "time" and plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+        raise PlanError(
+            "groups reduced values into windows; {mode}'per_rank_no_reduce' uploads every raw "
+            "record at its step (its timestamp is in each row)",
+            option="by",
+            value="time",
+        )
 
 
 def _prepare(
@@ -185,4 +206,6 @@ def _said(upload: UploadPlan, events: UploadEvents) -> UploadPlan:
         events.message("note", f"key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)")
     for warning in upload.warnings:
         events.message("warning", warning)
+    for note in upload.unmatched:
+        events.message("warning", note.said(events.spelled))
     return upload

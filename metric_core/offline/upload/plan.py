@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from metric_core.errors import PlanError
 from metric_core.metric import LoggingMode
 
 if TYPE_CHECKING:  # a plan is built with polars; it is read (and sent) without it
@@ -171,6 +172,7 @@ class UploadPlan:
     spill_dir: str | None = None  # where raw runs' columns are kept (``close`` removes it)
     key_mapping: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)  # W&B's limits the runs come near
+    unmatched: list[PlanError] = field(default_factory=list)  # filters that matched no record
     config: dict[str, Any] = field(default_factory=dict)
     read_summary: str = ""  # what the reader skipped
     identity_from: str = "run.json"  # or "content": no run_id in run.json (another tool's files)
@@ -307,6 +309,7 @@ def plan_upload(
         identity_from="run.json" if result.scan.meta.get("run_id") else "content",
     )
     upload.warnings = limit_warnings(runs)
+    upload.unmatched = result.unmatched
     upload.config = _provenance(result)
     return upload
 

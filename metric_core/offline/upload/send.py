@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from metric_core.errors import MetricLogError, PlanError, UploadError
+from metric_core.errors import MetricLogError, PlanError, UploadError, in_python
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan
 
@@ -75,6 +75,8 @@ class UploadEvents:
     """
 
     message: Callable[[str, str], None] = lambda kind, text: None
+    # How a message names an option (``MetricLogError.said``): as Python does, by default.
+    spelled: Callable[[str], str] = in_python
     progress: Callable[[PlannedRun, int], Callable[[int], None]] | None = None
 
 
@@ -99,14 +101,15 @@ def check_names(**names: str | None) -> None:
     for option, value in names.items():
         if value is None:
             continue
-        flag = f"--{option.replace('_', '-')}"
         if not value.strip():
-            raise PlanError(f"{flag} must name a W&B {option}")
+            raise PlanError(f"must name a W&B {option}", option=option, value=value)
         if len(value) > MAX_NAME:
-            raise PlanError(f"{flag} {value[:20]!r}...: W&B takes at most {MAX_NAME} characters")
+            raise PlanError(
+                f"is too long: W&B takes at most {MAX_NAME} characters", option=option, value=value
+            )
         bad = sorted(_FORBIDDEN & set(value)) if option in ("project", "entity") else []
         if bad:
-            raise PlanError(f"{flag} {value!r}: W&B does not allow {' '.join(bad)} in it")
+            raise PlanError(f"holds {' '.join(bad)}, which W&B does not allow", option=option, value=value)
 
 
 def cannot_heal(exc: BaseException) -> bool:
@@ -170,13 +173,15 @@ def decide(
     if force_new:
         return first, fresh, None, f"uploading again under a fresh id {fresh} (--force-new)"
     restarted = entry.get("attempts", run.attempts) != run.attempts  # the job restarted since
+    done = "written offline" if entry.get("offline") else "uploaded"
     if entry.get("finished") and not restarted:
         sent = entry.get("rows_sent", 0)
+        where = f"; sync it with: wandb sync {entry['sync_dir']}" if entry.get("sync_dir") else ""
         return (
             "skipped",
             run.run_id,
             None,
-            f"already uploaded ({sent} rows, id {entry.get('id', run.run_id)}); skipped. "
+            f"already {done} ({sent} rows, id {entry.get('id', run.run_id)}){where}; skipped. "
             "Use --force-new to upload again under fresh ids",
         )
     new = [
@@ -190,7 +195,7 @@ def decide(
             "rewound",
             entry.get("id", run.run_id),
             f"from:{row}",
-            f"{run.name}: the job was restarted from step {min(new)} since it was uploaded; the W&B run "
+            f"{run.name}: the job was restarted from step {min(new)} since it was {done}; the W&B run "
             f"is rewound to its row {row} (resume_from) and the restart's history sent from there",
         )
     if entry.get("finished") or (restarted and not offline):
@@ -198,7 +203,7 @@ def decide(
             "restarted",
             fresh,
             None,
-            f"{run.name}: the job was restarted since it was uploaded (new attempts of its sources); "
+            f"{run.name}: the job was restarted since it was {done} (new attempts of its sources); "
             f"a fresh {'offline ' if offline else ''}run {fresh} holds its whole history, {run.rows} rows "
             + (
                 "(W&B cannot rewind an offline run)"
@@ -211,7 +216,7 @@ def decide(
             "restarted",
             fresh,
             None,
-            f"an earlier offline upload of {run.name} was interrupted after {entry.get('rows_sent', 0)} of "
+            f"an earlier offline write of {run.name} was interrupted after {entry.get('rows_sent', 0)} of "
             f"{entry.get('rows_planned', run.rows)} rows; offline runs cannot be resumed, so a fresh "
             f"offline run {fresh} holds all {run.rows} rows",
         )
