@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import sys
-from collections.abc import Callable, Iterator
+import unicodedata
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -124,7 +125,15 @@ def print_frames(frames: pl.DataFrame | Iterator[pl.DataFrame], *, max_rows: int
         if kept < max_rows:
             head.append(frame.head(max_rows - kept))
             kept += head[-1].height
-    print_table(pl.concat(head), max_rows=max_rows, total=total)
+    print_table(
+        pl.concat(head), max_rows=max_rows, total=total, drop_first=RESULT_DROPPED_FIRST, keep=RESULT_KEPT
+    )
+
+
+# What a narrow terminal loses first of a result's columns (then columns from the right):
+# never the key and its value.
+RESULT_DROPPED_FIRST = ("count", "reduction", "rank", "timestamp", "window_start", "process")
+RESULT_KEPT = ("key", "value")
 
 
 PROGRESS_AFTER_S = 2.0  # a command that reads for longer shows a bar
@@ -186,61 +195,144 @@ def _byte_progress() -> Any:
     return Progress(*columns, console=Console(stderr=True), transient=True)
 
 
-def print_table(df: pl.DataFrame, *, max_rows: int = MAX_TABLE_ROWS, total: int | None = None) -> None:
-    """A readable table; a long result (``total`` rows, when ``df`` holds only its first
-    ones) is cut and the cut is said."""
+def print_table(
+    df: pl.DataFrame,
+    *,
+    max_rows: int = MAX_TABLE_ROWS,
+    total: int | None = None,
+    drop_first: Sequence[str] = (),
+    keep: Sequence[str] = (),
+    whole: str = "--out FILE.csv",
+) -> None:
+    """A readable table that fits the terminal (``COLUMNS``, else the width of the terminal
+    stdout is; into a pipe or a file, the table is whole).
+
+    Times (``timestamp``, ``window_start``) print as local ISO 8601, floats with 7
+    significant digits, missing values as blanks. A long result (``total`` rows, when ``df``
+    holds only its first ones) is cut after ``max_rows``. A table too wide loses columns,
+    ``drop_first`` first, then from the right (never the first one or those in ``keep``); a
+    value too long for what is left is cut with "…". Every cut is said, with where to find
+    it whole (``whole``).
+    """
     import polars as pl
 
     total = df.height if total is None else total
-    shown = df if df.height <= max_rows else df.head(max_rows)
-    times = [c for c in ("timestamp", "window_start") if c in shown.columns]
-    floats = [c for c, t in shown.schema.items() if t == pl.Float64 and c not in times]
-    shown = shown.with_columns(
-        *(pl.col(c).map_elements(lambda v: f"{v:.7g}", return_dtype=pl.String) for c in floats),
-        *(pl.col(c).map_elements(lambda v: f"{v:.3f}", return_dtype=pl.String) for c in times),
-    )
-    with pl.Config(
-        tbl_rows=max_rows,
-        tbl_cols=-1,
-        tbl_width_chars=200,
-        tbl_hide_dataframe_shape=True,
-        tbl_hide_column_data_types=True,
-        fmt_str_lengths=60,
-    ):
-        print(shown)
+    shown = _readable(df.head(max_rows))
+    width = _terminal_width()
+    left_out: list[str] = []
+    order = [c for c in drop_first if c in shown.columns]
+    order += [c for c in reversed(shown.columns[1:]) if c not in order and c not in keep]
+    text = _rendered(shown)
+    while _width(text) > width and order:
+        left_out.append(order.pop(0))
+        shown = shown.drop(left_out[-1])
+        text = _rendered(shown)
+    cut = _width(text) > width
+    if cut:  # what is left still does not fit: its longest values are cut to share the width
+        longest = max(shown.select(pl.col(pl.String).str.len_chars().max()).row(0), default=0) or 0
+        while _width(text) > width and longest > 8:
+            longest -= max(1, (_width(text) - width) // max(1, shown.width))
+            shown = shown.with_columns(_shortened(pl.col(pl.String), longest))
+            text = _rendered(shown)
+    print(text)
+    if left_out:
+        hidden = [c for c in df.columns if c in left_out]  # in the table's order
+        named = ", ".join(hidden) if len(hidden) <= 8 else f"{len(hidden)} columns"
+        print(f"columns not shown, for the terminal's width ({width}): {named}; {whole} has them all")
+    if cut:
+        print(f"long values are cut (…) to fit the terminal's width ({width}); {whole} has them whole")
     if total > max_rows:
-        print(
-            f"... {total - max_rows} more row(s) not shown ({total} in all); "
-            "write them all with --out FILE.parquet|.csv|.jsonl"
-        )
+        print(f"... {total - max_rows} more row(s) not shown ({total} in all); {whole} has them all")
 
 
-def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS) -> None:
+def _terminal_width() -> int:
+    if "COLUMNS" in os.environ or sys.stdout.isatty():
+        return shutil.get_terminal_size().columns
+    return sys.maxsize
+
+
+def _readable(df: pl.DataFrame) -> pl.DataFrame:
+    """Every column as the text printed: local ISO times, 7-digit floats, blanks for nulls."""
     import polars as pl
 
-    print_table(pl.DataFrame(rows), max_rows=max_rows)
+    from metric_core.clock import local_time
+
+    def time(v: float | None) -> str | None:
+        return None if v is None else local_time(v, millis=True)
+
+    out = []
+    for name, dtype in df.schema.items():
+        col = pl.col(name)
+        if name in ("timestamp", "window_start") and dtype == pl.Float64:
+            col = col.map_elements(time, return_dtype=pl.String)
+        elif dtype == pl.Float64:
+            col = col.map_elements(lambda v: f"{v:.7g}", return_dtype=pl.String)
+        out.append(col.cast(pl.String).fill_null(""))
+    return df.select(out)
+
+
+def _rendered(df: pl.DataFrame) -> str:
+    import polars as pl
+
+    with pl.Config(
+        tbl_rows=-1,
+        tbl_cols=-1,
+        tbl_width_chars=65_000,  # columns are chosen to fit, never squeezed by polars
+        tbl_hide_dataframe_shape=True,
+        tbl_hide_column_data_types=True,
+        fmt_str_lengths=65_000,
+    ):
+        return str(df)
+
+
+def _width(text: str) -> int:
+    """The widest line as a terminal shows it (East Asian wide characters take two cells)."""
+    return max(
+        (
+            sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in line)
+            for line in text.splitlines()
+        ),
+        default=0,
+    )
+
+
+def _shortened(col: pl.Expr, chars: int) -> pl.Expr:
+    import polars as pl
+
+    return pl.when(col.str.len_chars() > chars).then(col.str.slice(0, chars - 1) + "…").otherwise(col)
+
+
+def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS, **fit: Any) -> None:
+    """``print_table`` of rows of plain values (``fit``: its ``drop_first`` and ``whole``)."""
+    import polars as pl
+
+    print_table(pl.DataFrame(rows), max_rows=max_rows, **fit)
+
+
+# What a narrow terminal loses first of inspect's table (the rest from the right): it
+# keeps each source and its status.
+INSPECT_DROPPED_FIRST = ("files", "keys", "attempts", "truncated", "skipped", "records", "first")
+INSPECT_KEPT = ("rank", "status")
 
 
 def print_inspect(report: InspectReport) -> None:
     """The per-source table, then the verdict."""
-
-    def local(ts: float) -> str:
-        return datetime.fromtimestamp(ts).strftime("%m-%d %H:%M:%S")
+    from metric_core.clock import duration, local_time
 
     rows = [
         {
             "process": s.process,
             "rank": s.rank,
-            "files": s.files,
+            "status": s.status,
+            "lag": duration(s.lag_s),
+            "steps": f"{s.first_step}-{s.last_step}",
+            "last": local_time(s.last_timestamp),
+            "first": local_time(s.first_timestamp),
             "records": s.records,
             "skipped": s.skipped,
             "truncated": "yes" if s.truncated else "",
+            "files": s.files,
             "keys": s.keys,
-            "steps": f"{s.first_step}-{s.last_step}",
-            "first": local(s.first_timestamp),
-            "last": local(s.last_timestamp),
-            "lag": f"{s.lag_s:.1f} s",
-            "status": s.status,
             "attempts": len(s.attempts) if len(s.attempts) > 1 else "",
         }
         for s in report.sources
@@ -249,7 +341,7 @@ def print_inspect(report: InspectReport) -> None:
         for row in rows:
             del row["attempts"]
     typer.echo(f"run {report.name} ({report.run_dir}), world_size {report.world_size or 'unknown'}")
-    print_rows(rows, max_rows=1000)
+    print_rows(rows, max_rows=1000, drop_first=INSPECT_DROPPED_FIRST, keep=INSPECT_KEPT, whole="--json")
     typer.echo("")
     for line in report.verdict():
         typer.echo(line)

@@ -80,6 +80,47 @@ def test_a_reduce_pattern_that_matches_nothing_is_a_warning_and_with_strict_an_e
     assert not list(tmp_path.glob("*strict.csv*"))  # nothing written
 
 
+def table_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line[:1] in "┌│╞└"]
+
+
+def test_tables_fit_the_terminal_and_say_every_cut(tmp_path):
+    run = tmp_path / "run"
+    c = MetricCollector(run, rank=0)
+    long_key = "eval/" + "very_long_name_" * 6 + "accuracy"  # 103 characters
+    keys = [f"k{i:02d}" for i in range(63)]
+    for step in range(3):
+        for key in (*keys, long_key):
+            c.record(key, step + 0.5, Reduce.MEAN)
+        c.flush(step)
+    c.shutdown()
+
+    def reduce(*args: str, columns: str = "80"):
+        result = runner.invoke(app, ["reduce", str(run), *args], env={"COLUMNS": columns})
+        assert result.exit_code == 0, result.output
+        return result.stdout
+
+    wide = reduce("--wide")
+    assert max(map(len, table_lines(wide))) <= 80
+    header = [c.strip() for c in table_lines(wide)[1].strip("│").split("┆")]
+    assert header[0] == "step" and len(header) < 65
+    assert f"columns not shown, for the terminal's width (80): {65 - len(header)} columns; " in wide
+
+    long = reduce("--key", "eval/*", columns="200")
+    assert long_key in long and "cut" not in long  # whole where it fits
+    cut = reduce("--key", "eval/*", "--mode", "per_rank_no_reduce", columns="60")
+    assert max(map(len, table_lines(cut))) <= 60 and long_key not in cut and "…" in cut
+    assert "long values are cut (…) to fit the terminal's width (60); --out FILE.csv has them whole" in cut
+
+    raw = reduce("--key", "k00", "--mode", "per_rank_no_reduce", columns="200")
+    stamps = [
+        r["timestamp"] for r in pl.read_parquet(next(run.glob("*.parquet"))).to_dicts() if r["key"] == "k00"
+    ]
+    from metric_core.clock import local_time
+
+    assert [local_time(t, millis=True) in raw for t in stamps] == [True] * 3  # ISO 8601, local, its offset
+
+
 def test_raw_mode_by_time_keeps_each_record_s_step_beside_its_window(tmp_path):
     run = tmp_path / "run"
     truth = write_collector_run(run, [("TrainActor_r0", 0)], steps=4)

@@ -13,6 +13,7 @@ from metriclog.main import app
 from typer.testing import CliRunner
 
 from metric_core import Metric, MetricCollector, Reduce, scan_run
+from metric_core.clock import duration, local_time
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import inspect_run
 from metric_core.offline.plan import make_plan
@@ -80,7 +81,7 @@ def crashed(tmp_path, request):
     source(run, "TrainActor_r1", 1, range(41), end="killed", file_format=fmt)
     source(run, "TrainActor_r2", 2, range(71), end="hung", file_format=fmt)
     source(run, "TrainActor_r3", 3, range(100), nan_from=55, file_format=fmt)
-    source(run, "TrainActor_r4", 4, range(100), delay=9.0, file_format=fmt)  # always 9 s behind
+    source(run, "TrainActor_r4", 4, range(100), delay=9.0, file_format=fmt)  # started late, keeps pace
     return run
 
 
@@ -114,7 +115,12 @@ def test_inspect_reports_exactly_the_known_failures(crashed):
             "count": 2 * 45,
         }
     ]
-    assert [(s.process, round(s.worst_lag_s, 6)) for s in report.stragglers] == [("TrainActor_r4", 9.0)]
+    assert report.stragglers == []  # rank 4 started 9 s late but takes the steps' time of the others
+    assert [(s.process, s.last_step) for s in report.stopped_early] == [
+        ("TrainActor_r1", 40),
+        ("TrainActor_r2", 70),
+    ]
+    assert report.still_running is False  # its newest record is from 2025
 
 
 def test_a_clean_run_reports_nothing(tmp_path):
@@ -160,15 +166,104 @@ def test_the_quiet_threshold_follows_each_sources_own_cadence(tmp_path):
     assert statuses == {"fast": "unfinished", "slow": "unfinished", "fast_quiet": "stopped_early"}
 
 
+def step_times(run: Path, process: str, rank: int, times: list[float], *, shutdown: bool = True) -> None:
+    """A source that records one key at each of ``times`` (one step each)."""
+    c = MetricCollector(run, rank=rank, process_name=process, flush_interval=3600)
+    for step, t in enumerate(times):
+        c.push(Metric("x", float(step), Reduce.MEAN, t))
+        c.flush(step)
+    c.shutdown() if shutdown else c.abort()
+
+
+def test_a_straggler_is_slower_by_a_sustained_margin_and_noise_or_a_late_start_is_not(tmp_path):
+    """Four generators of 0.02 s steps with 30% jitter, started up to 0.2 s apart (10 steps),
+    one of them with a single step 10 times too long; a fifth 1.3 times slower all along."""
+    rng = np.random.default_rng(3)
+    run = tmp_path / "run"
+    gaps = {}
+    for rank in range(5):
+        gap = rng.uniform(0.014, 0.026, 300) * (1.3 if rank == 4 else 1.0)
+        if rank == 1:
+            gap[150] = 0.2  # one late step
+        times = T0 + 0.05 * rank + np.cumsum(gap)  # start-up skew
+        gaps[rank] = np.diff(times)  # as the float64 timestamps hold them
+        step_times(tmp_path / "run", f"GeneratorActor_r{rank}", rank, list(times))
+    step_times(run, "TrainActor_r0", 0, list(T0 + np.cumsum(rng.uniform(0.5, 0.7, 30))))  # its own role
+    (slow,) = inspect_run(scan_run(run)).stragglers
+    assert (slow.process, slow.rank) == ("GeneratorActor_r4", 4)
+    assert slow.step_time_s == pytest.approx(np.median(gaps[4]), rel=1e-12)
+    others = np.median([np.median(gaps[r]) for r in range(4)])
+    assert slow.role_step_time_s == pytest.approx(others, rel=1e-12)
+    assert slow.step_time_s / slow.role_step_time_s > 1.2
+
+
+def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_said_so(tmp_path):
+    run = tmp_path / "run"
+    newest = T0 + 100 * 0.02
+    for rank in range(3):
+        step_times(
+            run, f"TrainActor_r{rank}", rank, list(T0 + 0.02 * np.arange(101) - 0.001 * rank), shutdown=False
+        )
+    running = inspect_run(scan_run(run), now=newest + 0.1)
+    assert running.still_running and running.first_to_stop is None and running.stopped_early == []
+    assert {s.status for s in running.sources} == {"unfinished"}
+    assert running.verdict() == [
+        f"The run looks still running: its newest record is {duration(0.1)} old ({local_time(newest)}); "
+        f"its sources step every {duration(0.02)}."
+    ]
+    died = inspect_run(scan_run(run), now=newest + 3600)
+    assert not died.still_running and died.first_to_stop is None
+    assert died.verdict() == [
+        f"No source stopped before the others: all 3 ended without shutdown() within {duration(0.002)} of "
+        f"each other, the newest at {local_time(newest)} (the whole job was stopped, or crashed together)."
+    ]
+
+
+def test_a_source_without_shutdown_among_finished_ones_is_named(tmp_path):
+    run = tmp_path / "run"
+    times = list(T0 + 2.0 * np.arange(50))
+    step_times(run, "TrainActor_r0", 0, times)
+    step_times(run, "TrainActor_r1", 1, times)
+    step_times(run, "TrainActor_r2", 2, times, shutdown=False)
+    report = inspect_run(scan_run(run), now=T0 + 10_000)
+    assert report.verdict() == [
+        f"TrainActor_r2 (rank 2) ended without shutdown() while 2 source(s) finished cleanly: last record at "
+        f"step 49, {local_time(times[-1])}."
+    ]
+
+
+def test_inspect_table_fits_the_terminal_and_says_what_it_left_out(crashed):
+    wide = runner.invoke(app, ["inspect", str(crashed)], env={"COLUMNS": "200"})
+    narrow = runner.invoke(app, ["inspect", str(crashed)], env={"COLUMNS": "80"})
+    table = [line for line in narrow.stdout.splitlines() if line[:1] in "┌│╞└"]
+    assert table and max(map(len, table)) <= 80
+    header = [c.strip() for c in narrow.stdout.splitlines()[2].strip("│").split("┆")]
+    assert header[:3] == ["process", "rank", "status"]
+    left = next(line for line in narrow.stdout.splitlines() if line.startswith("columns not shown"))
+    shown = [c.strip() for c in wide.stdout.splitlines()[2].strip("│").split("┆")]
+    hidden = ", ".join(c for c in shown if c not in header)
+    assert left == f"columns not shown, for the terminal's width (80): {hidden}; --json has them all"
+    first = T0 + 0.0
+    assert local_time(first) in wide.stdout  # ISO 8601, local time with its offset
+    assert "columns not shown" not in runner.invoke(app, ["inspect", str(crashed)]).stdout  # a pipe: whole
+
+
 def test_inspect_command_table_verdict_and_json(crashed):
     result = runner.invoke(app, ["inspect", str(crashed)])
     assert result.exit_code == 0, result.output
-    out = result.stdout
-    assert "TrainActor_r1" in out and "stopped_early" in out
-    assert "Ranks 5 of world_size 6 never wrote a record." in out
-    assert "TrainActor_r1 (rank 1) stopped early: last record at step 40" in out
-    assert "Non-finite values in trainer/loss on TrainActor_r3 (rank 3) from step 55" in out
-    assert "Straggler: TrainActor_r4 (rank 4)" in out
+    verdict = result.stdout.split("\n\n", 1)[1]
+    newest = T0 + 99 * STEP_S + 9.0 + 0.2
+    assert verdict.splitlines() == [
+        "Ranks 5 of world_size 6 never wrote a record.",
+        f"TrainActor_r1 (rank 1) stopped first: last record at step 40, {local_time(T0 + 80.2)}, "
+        f"{duration(newest - T0 - 80.2)} before the newest record of the run.",
+        f"  its last values: trainer/grad_norm=5, trainer/loss={1 / 41:.6g}",
+        f"TrainActor_r2 (rank 2) stopped early: last record at step 70, {local_time(T0 + 140.2)}, "
+        f"{duration(newest - T0 - 140.2)} before the newest record of the run.",
+        f"  its last values: trainer/grad_norm=0, trainer/loss={1 / 71:.6g}",
+        f"Non-finite values in trainer/loss on TrainActor_r3 (rank 3) from step 55 ({local_time(T0 + 110)}), "
+        "90 in all.",
+    ]
     as_json = runner.invoke(app, ["inspect", str(crashed), "--json"])
     data = json.loads(as_json.stdout)
     for field in ("run_dir", "world_size", "missing_ranks", "sources", "first_to_stop", "nonfinite"):

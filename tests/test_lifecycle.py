@@ -138,6 +138,14 @@ def test_the_replaced_records_are_said_and_inspect_lists_each_sources_attempts(r
         assert first["records"] == RESTART_FROM * 4 and second["records"] == (STEPS - RESTART_FROM) * 4
         assert source["first_step"] == 0 and source["last_step"] == STEPS - 1
         assert source["status"] == "finished"
+    verdict = CliRunner().invoke(app, ["inspect", str(restarted)]).stdout
+    for (process, rank), source in zip(SOURCES, report["sources"], strict=True):
+        first, second = source["attempts"]
+        assert (
+            f"{process} (rank {rank}) was restarted at step {RESTART_FROM}: {first['replaced']} record(s) of "
+            f"steps {RESTART_FROM}-{KILLED_AT} of its attempt {first['attempt']} were replaced by attempt "
+            f"{second['attempt']} (--attempts all keeps them)."
+        ) in verdict.splitlines()
 
 
 def test_the_offline_upload_is_one_continuous_history(restarted, tmp_path):

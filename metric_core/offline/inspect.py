@@ -12,9 +12,14 @@ Status of a source:
 * ``unfinished``: no clean shutdown, but among the last to write: the whole job died
   together, or is still running.
 
-Stragglers are sources that reached the same step later than the fastest source of
-their role (the process name without its ``_rN`` suffix) by more than 3 times their own
-cadence; the worst such lag is reported.
+The run is **still running** when a source that has not finished is still within its
+quiet threshold of the wall clock (the stop rule above, with "now" for the newest record).
+
+Stragglers are sources slower than the rest of their role (the process name without
+its ``_rN`` suffix) by a sustained margin: their median step time (over at least
+MIN_STEP_TIMES steps) is at least STRAGGLER_RATIO times the median of the other sources'
+median step times. One late step, jitter, or a source that started late but keeps pace
+is not a straggler.
 """
 
 from __future__ import annotations
@@ -24,18 +29,22 @@ import json
 import math
 import os
 import re
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
+from metric_core.clock import duration, local_time
 from metric_core.offline.read import FileReport, OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.read.attempts import Attempt
 from metric_core.schema import KEY_HASH, keys_by_hash
 
 QUIET_FACTOR = 10.0
 OWN_GAP_FACTOR = 2.0
-STRAGGLER_FACTOR = 3.0
+STRAGGLER_RATIO = 1.2
+MIN_STEP_TIMES = 10
 _ROLE = re.compile(r"_r\d+$")
 
 
@@ -90,12 +99,15 @@ class NonFinite:
 
 @dataclass
 class Straggler:
-    """A source that reached a step far later than the fastest source of its role."""
+    """A source whose median step time is STRAGGLER_RATIO times its role's or more; and the
+    step it reached latest after the fastest source of its role."""
 
     process: str
     rank: int
     worst_lag_s: float
     at_step: int
+    step_time_s: float  # its median time from one step's last record to the next one's
+    role_step_time_s: float  # the median of the other sources' of its role
 
 
 @dataclass
@@ -112,6 +124,12 @@ class InspectReport:
     stragglers: list[Straggler]
     skipped_records: int
     unreadable_files: list[str]
+    # A source that has not finished wrote recently against the wall clock (``checked_at``)
+    # and its cadence: the job is likely still running.
+    still_running: bool = False
+    checked_at: float = 0.0
+    # Every source that stopped early, the first to stop first (``first_to_stop`` is the first).
+    stopped_early: list[FirstToStop] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -133,9 +151,11 @@ def inspect_run(
     attempts: str = "rewind",
     on_read: OnRead | None = None,
     on_progress: OnProgress | None = None,
+    now: float | None = None,
 ) -> InspectReport:
     """Per-source health and what stopped first, for a run directory (or a scan of one);
-    ``on_progress`` is called after each file is read.
+    ``on_progress`` is called after each file is read; ``now`` (the wall clock by default)
+    is what "still running" is judged against.
 
     >>> report = inspect_run("sample_logs/rl_run")
     >>> report.first_to_stop.process, report.first_to_stop.last_step
@@ -181,9 +201,11 @@ def inspect_run(
     clean = scan.report.clean_shutdowns()
     cadence = _cadence(steps)
     sources = []
+    now = time.time() if now is None else now
+    live = False
     for row in summary.iter_rows(named=True):
         source = (row["process"], row["rank"])
-        typical, longest = cadence.get(source, (None, None))
+        typical, longest, _ = cadence.get(source, (None, None, 0))
         lag = float(newest - row["last_timestamp"])  # type: ignore[operator]
         sources.append(
             SourceHealth(
@@ -203,6 +225,12 @@ def inspect_run(
                 attempts=[a for a in scan.report.attempts if (a.process, a.rank) == source],
             )
         )
+        silent = now - row["last_timestamp"]
+        if sources[-1].status == "unfinished" and _status(False, silent, typical, longest) == "unfinished":
+            live = True
+    # Only sources that stopped early are named as stopping first: sources that stopped
+    # together, or are still writing, differ by noise.
+    stopped = _stopped_early(per_key, sources)
     world_size = scan.meta.get("world_size")
     present = set(summary["rank"].to_list())
     missing = sorted(set(range(int(world_size))) - present) if isinstance(world_size, int) else []
@@ -212,7 +240,7 @@ def inspect_run(
         world_size=world_size if isinstance(world_size, int) else None,
         missing_ranks=missing,
         sources=sources,
-        first_to_stop=_first_to_stop(per_key, sources),
+        first_to_stop=stopped[0] if stopped else None,
         nonfinite=[
             NonFinite(**row)
             for row in nonfinite.sort("first_timestamp", "process", "rank", "key").iter_rows(named=True)
@@ -220,6 +248,9 @@ def inspect_run(
         stragglers=_stragglers(steps, cadence),
         skipped_records=scan.report.skipped_records,
         unreadable_files=[str(f.path) for f in scan.report.unreadable_files],
+        still_running=live,
+        checked_at=now,
+        stopped_early=stopped,
     )
 
 
@@ -330,15 +361,23 @@ def _key_hashes(files: list[FileReport]) -> pl.DataFrame | None:
     )
 
 
-def _cadence(steps: pl.DataFrame) -> dict[tuple[str, int], tuple[float | None, float | None]]:
-    """Per source: the median and the longest gap between consecutive steps' last records."""
+Cadence = dict[tuple[str, int], tuple[float | None, float | None, int]]
+
+
+def _cadence(steps: pl.DataFrame) -> Cadence:
+    """Per source: the median and the longest gap between consecutive steps' last records,
+    and how many gaps there were."""
     gaps = (
         steps.sort("process", "rank", "done")
         .with_columns(gap=pl.col("done").diff().over("process", "rank"))
         .group_by("process", "rank")
-        .agg(typical=pl.col("gap").drop_nulls().median(), longest=pl.col("gap").drop_nulls().max())
+        .agg(
+            typical=pl.col("gap").drop_nulls().median(),
+            longest=pl.col("gap").drop_nulls().max(),
+            n=pl.col("gap").drop_nulls().len(),
+        )
     )
-    return {(p, r): (t, m) for p, r, t, m in gaps.iter_rows()}
+    return {(p, r): (t, m, n) for p, r, t, m, n in gaps.iter_rows()}
 
 
 def _status(clean: bool, lag: float, typical: float | None, longest: float | None) -> str:
@@ -358,32 +397,47 @@ def _file_health(scan: RunScan, file_ids: list[int]) -> dict[str, Any]:
     }
 
 
-def _first_to_stop(per_key: pl.DataFrame, sources: list[SourceHealth]) -> FirstToStop | None:
-    candidates = [s for s in sources if s.status == "stopped_early"] or [
-        s for s in sources if s.status == "unfinished" and s.lag_s > 0
-    ]
-    if not candidates:
-        return None
-    first = min(candidates, key=lambda s: (s.last_timestamp, s.process, s.rank))
+def _stopped_early(per_key: pl.DataFrame, sources: list[SourceHealth]) -> list[FirstToStop]:
+    """Every source that stopped early, the first to stop first, with its last values."""
+    stopped = sorted(
+        (s for s in sources if s.status == "stopped_early"),
+        key=lambda s: (s.last_timestamp, s.process, s.rank),
+    )
+    if not stopped:
+        return []
     last_values = (
-        per_key.filter((pl.col("process") == first.process) & (pl.col("rank") == first.rank))
-        .select("key", "last_value")
-        .sort("key")
+        per_key.sort("key").group_by("process", "rank", maintain_order=True).agg("key", "last_value")
     )
-    return FirstToStop(
-        process=first.process,
-        rank=first.rank,
-        last_step=first.last_step,
-        last_timestamp=first.last_timestamp,
-        lag_s=first.lag_s,
-        status=first.status,
-        last_values=dict(last_values.iter_rows()),  # NaN stays a float; to_json writes null
-    )
+    values = {(p, r): dict(zip(k, v, strict=True)) for p, r, k, v in last_values.iter_rows()}
+    return [
+        FirstToStop(
+            process=s.process,
+            rank=s.rank,
+            last_step=s.last_step,
+            last_timestamp=s.last_timestamp,
+            lag_s=s.lag_s,
+            status=s.status,
+            last_values=values.get((s.process, s.rank), {}),  # NaN stays a float; to_json writes null
+        )
+        for s in stopped
+    ]
 
 
-def _stragglers(
-    steps: pl.DataFrame, cadence: dict[tuple[str, int], tuple[float | None, float | None]]
-) -> list[Straggler]:
+def _stragglers(steps: pl.DataFrame, cadence: Cadence) -> list[Straggler]:
+    """Sources whose median step time is STRAGGLER_RATIO times the median of the other
+    sources' of their role or more (each measured over MIN_STEP_TIMES steps at least)."""
+    roles: dict[str, dict[tuple[str, int], float]] = {}
+    for (process, rank), (typical, _, n) in cadence.items():
+        if typical is not None and n >= MIN_STEP_TIMES:
+            roles.setdefault(_ROLE.sub("", process), {})[(process, rank)] = typical
+    slow: dict[tuple[str, int], tuple[float, float]] = {}
+    for members in roles.values():
+        for source, own in members.items():
+            others = [t for s, t in members.items() if s != source]
+            if others and own >= STRAGGLER_RATIO * statistics.median(others) > 0:
+                slow[source] = (own, statistics.median(others))
+    if not slow:
+        return []
     with_role = steps.lazy().with_columns(role=pl.col("process").str.replace(_ROLE.pattern, ""))
     fastest = with_role.group_by("role", "step").agg(fastest=pl.col("reached").min())
     lag = pl.col("reached") - pl.col("fastest")
@@ -394,62 +448,68 @@ def _stragglers(
         .sort("process", "rank")
         .collect(engine="streaming")  # a row a step of every source: no window, no index lists
     )
-    out = []
-    for process, rank, worst, at_step in behind.iter_rows():
-        typical = cadence.get((process, rank), (None, None))[0]
-        if typical and worst > STRAGGLER_FACTOR * typical:
-            out.append(Straggler(process, rank, worst, at_step))
-    return sorted(out, key=lambda s: -s.worst_lag_s)
+    out = [
+        Straggler(process, rank, worst, at_step, *slow[(process, rank)])
+        for process, rank, worst, at_step in behind.iter_rows()
+        if (process, rank) in slow
+    ]
+    return sorted(out, key=lambda s: -s.step_time_s / s.role_step_time_s)
 
 
 def _verdict(report: InspectReport) -> list[str]:
-    from datetime import datetime
-
-    def when(ts: float) -> str:
-        return datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
-
+    """Every source that is not healthy, the most important first: ranks that never wrote,
+    sources that stopped early, records lost, sources that ended without shutdown() while
+    others finished, restarts, non-finite values, stragglers; then what the run as a whole
+    looks like (still running, stopped together, finished)."""
     lines = []
     if report.missing_ranks:
         lines.append(
             f"Ranks {', '.join(map(str, report.missing_ranks))} of world_size {report.world_size} "
             "never wrote a record."
         )
+    for i, stop in enumerate(report.stopped_early):
+        kind = "stopped first" if i == 0 and len(report.stopped_early) > 1 else "stopped early"
+        lines.append(
+            f"{stop.process} (rank {stop.rank}) {kind}: last record at step {stop.last_step}, "
+            f"{local_time(stop.last_timestamp)}, {duration(stop.lag_s)} before the newest record of the run."
+        )
+        lines.append("  its last values: " + ", ".join(f"{k}={_fmt(v)}" for k, v in stop.last_values.items()))
     for src in report.sources:
         if src.dropped:
             lines.append(
                 f"{src.process} (rank {src.rank}) recorded {src.dropped} record(s) that its writer "
                 "could not write (its disk was full or its directory gone for too long): they are missing."
             )
-    first = report.first_to_stop
-    if first:
-        kind = "stopped early" if first.status == "stopped_early" else "stopped first"
-        lines.append(
-            f"{first.process} (rank {first.rank}) {kind}: last record at step {first.last_step}, "
-            f"{when(first.last_timestamp)}, {_duration(first.lag_s)} before the newest record "
-            "of the run."
-        )
-        values = ", ".join(f"{k}={_fmt(v)}" for k, v in first.last_values.items())
-        lines.append(f"  its last values: {values}")
+    finished = [s for s in report.sources if s.status == "finished"]
+    if finished and not report.still_running:
+        for src in report.sources:
+            if src.status == "unfinished":
+                lines.append(
+                    f"{src.process} (rank {src.rank}) ended without shutdown() while {len(finished)} "
+                    f"source(s) finished cleanly: last record at step {src.last_step}, "
+                    f"{local_time(src.last_timestamp)}."
+                )
+    for src in report.sources:
+        for a in src.attempts:
+            if a.replaced and a.replaced_steps is not None and a.replaced_by is not None:
+                lo, hi = a.replaced_steps
+                lines.append(
+                    f"{src.process} (rank {src.rank}) was restarted at step {a.restarted_at}: "
+                    f"{a.replaced} record(s) of steps {lo}-{hi} of its attempt {a.attempt} were replaced "
+                    f"by attempt {a.replaced_by} (--attempts all keeps them)."
+                )
     for item in report.nonfinite:
         lines.append(
             f"Non-finite values in {item.key} on {item.process} (rank {item.rank}) from step "
-            f"{item.first_step} ({when(item.first_timestamp)}), {item.count} in all."
+            f"{item.first_step} ({local_time(item.first_timestamp)}), {item.count} in all."
         )
     for s in report.stragglers:
         lines.append(
-            f"Straggler: {s.process} (rank {s.rank}) reached step {s.at_step} "
-            f"{_duration(s.worst_lag_s)} after the fastest of its role."
+            f"Straggler: {s.process} (rank {s.rank}) takes {duration(s.step_time_s)} a step, "
+            f"{s.step_time_s / s.role_step_time_s:.2f}x the {duration(s.role_step_time_s)} of the rest "
+            f"of its role; at step {s.at_step} it was {duration(s.worst_lag_s)} behind the fastest."
         )
-    statuses = [s.status for s in report.sources]
-    if not lines:
-        if all(st == "finished" for st in statuses):
-            lines.append("Every source finished cleanly; no non-finite values.")
-        else:
-            lines.append(
-                "No source stopped early; the run is still running or ended without shutdown() everywhere."
-            )
-    elif all(st == "finished" for st in statuses):
-        lines.append("Every source recorded a clean shutdown.")
+    lines += _overall(report, problems=bool(lines))
     if report.skipped_records or report.unreadable_files:
         lines.append(
             f"{report.skipped_records} record(s) and {len(report.unreadable_files)} file(s) "
@@ -458,13 +518,38 @@ def _verdict(report: InspectReport) -> list[str]:
     return lines
 
 
+def _overall(report: InspectReport, problems: bool) -> list[str]:
+    """What the run as a whole looks like."""
+    statuses = {s.status for s in report.sources}
+    newest = max(s.last_timestamp for s in report.sources)
+    if report.still_running:
+        steps = [s.cadence_s for s in report.sources if s.cadence_s]
+        pace = (
+            f"; its sources step every {duration(min(steps))}"
+            + (f" to {duration(max(steps))}" if max(steps) > min(steps) else "")
+            if steps
+            else ""
+        )
+        return [
+            f"The run looks still running: its newest record is {duration(report.checked_at - newest)} "
+            f"old ({local_time(newest)}){pace}."
+        ]
+    if statuses == {"finished"}:
+        return (
+            ["Every source recorded a clean shutdown."]
+            if problems
+            else ["Every source finished cleanly; no non-finite values."]
+        )
+    unfinished = [s for s in report.sources if s.status == "unfinished"]
+    if not report.stopped_early and len(unfinished) == len(report.sources):
+        spread = newest - min(s.last_timestamp for s in unfinished)
+        return [
+            f"No source stopped before the others: all {len(unfinished)} ended without shutdown() within "
+            f"{duration(spread)} of each other, the newest at {local_time(newest)} (the whole job was "
+            "stopped, or crashed together)."
+        ]
+    return []
+
+
 def _fmt(v: float | str) -> str:
     return v if isinstance(v, str) else f"{v:.6g}"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
