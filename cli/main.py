@@ -240,6 +240,7 @@ def plot(
             follow_symlinks=follow_symlinks,
             on_read=output.said_skips,
             on_progress=progress,
+            on_warning=lambda text: output.say("warning", text),
         )
     output.say("info", f"wrote {out}")
 

@@ -303,9 +303,9 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "crashed" in fig.get_suptitle()
     ax_grad, ax_loss = fig.axes  # keys sorted
-    assert ax_loss.get_ylabel() == "trainer/loss" and ax_loss.get_xlabel() == "step"
+    assert ax_loss.get_ylabel() == "trainer/loss\n(mean)" and ax_loss.get_xlabel() == "step"
     truth = execute(make_plan(keys=["trainer/loss"]), scan).frame
-    (line,) = [ln for ln in ax_loss.get_lines() if ln.get_label().startswith("trainer/loss")]
+    (line,) = [ln for ln in ax_loss.get_lines() if ln.get_label() == "_trainer/loss"]
     np.testing.assert_array_equal(line.get_xdata(), truth["step"].to_numpy())
     # Two queries may sum a step's values in another order (streaming is parallel).
     np.testing.assert_allclose(line.get_ydata(), truth["value"].to_numpy(), rtol=1e-12)
@@ -348,7 +348,7 @@ def test_plot_raw_points_over_wall_clock_time(crashed, tmp_path):
     assert ax.get_xlabel().startswith("wall-clock time")
     r0 = next(ln for ln in ax.get_lines() if ln.get_label() == "TrainActor_r0 (rank 0)")
     assert r0.get_linestyle() == "None"
-    assert r0.get_xdata()[0] == pytest.approx(T0 + 0.2)
+    assert r0.get_xdata()[0] == (T0 + 0.2) / 86400  # matplotlib's dates: days since 1970
 
 
 def test_plot_of_many_raw_points_draws_each_bins_lowest_and_highest_and_says_so(
@@ -375,11 +375,69 @@ def test_plot_of_many_raw_points_draws_each_bins_lowest_and_highest_and_says_so(
         for b in np.unique(bins):
             inside = bins == b
             want |= {
-                (t[inside][np.argmin(v[inside])], v[inside].min()),
-                (t[inside][np.argmax(v[inside])], v[inside].max()),
+                (t[inside][np.argmin(v[inside])] / 86400, v[inside].min()),
+                (t[inside][np.argmax(v[inside])] / 86400, v[inside].max()),
             }
         (line,) = [ln for ln in ax.get_lines() if ln.get_label() == f"{source.process} (rank {source.rank})"]
         assert set(zip(line.get_xdata(), line.get_ydata(), strict=True)) == want, source.process
+
+
+def test_plot_band_is_the_sources_own_statistic_and_the_figure_has_one_legend(tmp_path):
+    """Three sources; 'x' by mean (a band of each source's mean), 'n' by sum (no band: the
+    sum of the whole is no source's), 'once' recorded at one step only (drawn as a point);
+    six keys in all, so the title must stay above the first subplot."""
+    run = tmp_path / "run"
+    rng = np.random.default_rng(4)
+    values = {}
+    for rank in range(3):
+        c = MetricCollector(run, rank=rank, process_name=f"TrainActor_r{rank}", flush_interval=3600)
+        for step in range(20):
+            xs = rng.normal(rank, 1.0, 4)
+            values[(rank, step)] = xs
+            for v in xs:
+                c.push(Metric("x", float(v), Reduce.MEAN, T0 + step))
+            c.push(Metric("n", 1.0, Reduce.SUM, T0 + step))
+            for k in ("a", "b", "c"):
+                c.push(Metric(k, 1.0, Reduce.MAX, T0 + step))
+            if step == 7 and rank == 0:
+                c.push(Metric("once", 3.0, Reduce.MAX, T0 + step))
+            c.flush(step)
+        c.shutdown()
+    out = tmp_path / "plot.png"
+    fig = plot_run(scan_run(run), make_plan(keys=["*"]), out)
+    axes = dict(zip(["a", "b", "c", "n", "once", "x"], fig.axes, strict=True))
+    means = np.array([[values[(r, s)].mean() for s in range(20)] for r in range(3)])
+    (band,) = axes["x"].collections
+    ys = band.get_paths()[0].vertices[:, 1]
+    np.testing.assert_allclose(
+        np.sort(np.unique(ys)), np.sort(np.unique([*means.min(0), *means.max(0)])), rtol=1e-12
+    )
+    assert len(axes["n"].collections) == 0  # sum: no band
+    (point,) = [ln for ln in axes["once"].get_lines() if ln.get_label() == "_once"]
+    assert list(point.get_xdata()) == [7] and point.get_marker() == "o"
+    assert [ax.get_legend() for ax in fig.axes] == [None] * 6 and len(fig.legends) == 1
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "lowest to highest of the sources' own values of the statistic"
+    ]
+    fig.canvas.draw()
+    title = fig._suptitle.get_window_extent()
+    assert title.y0 >= max(ax.get_window_extent().y1 for ax in fig.axes)  # above every subplot
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_says_when_no_font_draws_a_key(tmp_path):
+    run = tmp_path / "run"
+    c = MetricCollector(run, rank=0)
+    key = "loss/\U0001fae0\U0001fae1"  # emoji no font of a plain system draws
+    c.record(key, 1.0, Reduce.MEAN)
+    c.shutdown()
+    said = []
+    plot_run(scan_run(run), make_plan(keys=["loss/*"]), tmp_path / "p.png", on_warning=said.append)
+    assert said == [
+        f"'{key}' holds characters no installed font draws (\U0001fae0\U0001fae1): they show as boxes in the "
+        "plot; install a font that has them (e.g. Noto Sans CJK), and the plot uses it"
+    ]
 
 
 def test_plot_command_errors(crashed, tmp_path):
@@ -413,5 +471,5 @@ def test_plot_of_raw_points_by_time_windows(crashed, tmp_path, monkeypatch, raw_
         for x, y in zip(ln.get_xdata(), ln.get_ydata(), strict=True)
     }
     records = execute(dataclasses.replace(plan, by="step", every=None), scan_run(crashed)).frame
-    every = set(zip(records["timestamp"].to_list(), records["value"].to_list(), strict=True))
+    every = set(zip(records["timestamp"].to_numpy() / 86400, records["value"].to_list(), strict=True))
     assert drawn <= every and (drawn == every) == (raw_points > 20)  # every point, or a subset

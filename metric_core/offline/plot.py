@@ -1,30 +1,36 @@
 """``metriclog plot``: a PNG of some keys, with where sources stopped and where values went bad.
 
-* ``global_reduce``: a line per key, with the min-max band of the per-source reductions;
+* ``global_reduce``: a line per key, with the band of its sources' own values of the same
+  statistic (lowest to highest; none for ``sum`` and ``count``, whose whole is no source's);
 * ``per_rank_reduce``: a line per source;
 * ``per_rank_no_reduce``: the raw points over wall-clock time, a colour per source; past
   RAW_POINTS points, each source's lowest and highest value in each of BINS time bins
   (the x label says so), so memory does not grow with the run.
 
 A source that did not shut down cleanly gets a dashed vertical line where it stopped; the
-first non-finite value of a source gets a dotted red line. One subplot per key.
+first non-finite value of a source gets a dotted red line. One subplot per key, one legend
+for the figure below them, wall-clock axes as local dates and times, a line of few points
+with its points marked.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MissingDependencyError, PlanError, RequestError
+from metric_core.errors import MissingDependencyError, PlanError, RequestError, warn
 from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
-from metric_core.offline.plan import ReducePlan
+from metric_core.offline.plan import ReducePlan, Statistic
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
 
 MAX_KEYS = 12
@@ -43,9 +49,11 @@ def plot_run(
     follow_symlinks: bool = False,
     on_read: OnRead | None = None,
     on_progress: OnProgress | None = None,
+    on_warning: Callable[[str], None] | None = None,
 ) -> Any:
     """Draw ``plan``'s keys of a run (a directory, or a scan of one); save a PNG to ``out``
-    if given; return the matplotlib Figure. ``on_progress`` follows the reduction's read.
+    if given; return the matplotlib Figure. ``on_progress`` follows the reduction's read;
+    ``on_warning`` gets what the plot cannot show (a ``MetricLogWarning`` by default).
 
     >>> from metric_core import make_plan
     >>> fig = plot_run("sample_logs/rl_run", make_plan(keys=["trainer/loss"]))
@@ -90,71 +98,187 @@ def plot_run(
         .partition_by("key", as_dict=True)
         .items()
     }
+    families, missing = _fonts([scan.name, *keys])
+    for text, chars in missing.items():
+        (on_warning or warn)(
+            f"'{text}' holds characters no installed font draws ({chars}): they show as boxes in the plot; "
+            "install a font that has them (e.g. Noto Sans CJK), and the plot uses it"
+        )
+    with plt.rc_context({"font.family": ["DejaVu Sans", *families]}), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Glyph .* missing from font")  # said once, above
+        return _figure(plt, plan, scan, result, health, recorders, keys, decimated, out)
+
+
+def _figure(
+    plt: Any,
+    plan: ReducePlan,
+    scan: RunScan,
+    result: pl.DataFrame,
+    health: InspectReport,
+    recorders: dict[str, set[tuple[str, int]]],
+    keys: list[str],
+    decimated: bool,
+    out: str | os.PathLike[str] | None,
+) -> Any:
+    """One subplot per key (``result``'s rows of it), the marks of ``health``, one legend."""
     mode = plan.mode
-    band = None
-    if mode is LoggingMode.GLOBAL_REDUCE:
-        per_source = execute(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan).frame
-        band = per_source.group_by(plan.bucket, "key").agg(lo=pl.col("value").min(), hi=pl.col("value").max())
-    fig, axes = plt.subplots(len(keys), 1, figsize=(10, 2.6 * len(keys) + 0.8), sharex=True, squeeze=False)
+    band = _band(plan, scan, result) if mode is LoggingMode.GLOBAL_REDUCE else None
+    # constrained layout keeps the title, the axes and the figure's one legend apart
+    fig, axes = plt.subplots(
+        len(keys), 1, figsize=(10, 2.4 * len(keys) + 1.6), sharex=True, squeeze=False, layout="constrained"
+    )
     x_col = "timestamp" if mode is LoggingMode.PER_RANK_NO_REDUCE else plan.bucket
+    clock = x_col != "step"  # a wall-clock axis: matplotlib dates (days since 1970), local time
+    x_of = (lambda v: v / 86400.0) if clock else (lambda v: v)
     for ax, key in zip(axes[:, 0], keys, strict=True):
         data = result.filter(pl.col("key") == key)
         if mode is LoggingMode.GLOBAL_REDUCE:
-            ax.plot(data[x_col].to_numpy(), data["value"].to_numpy(), label=f"{key} ({data['reduction'][0]})")
-            if band is not None:
-                b = band.filter(pl.col("key") == key).sort(plan.bucket)
+            x, y = x_of(data[x_col].to_numpy()), data["value"].to_numpy()
+            stat = data["reduction"][0]
+            ax.plot(x, y, marker=_marker(x), label=f"_{key}")  # the axis names it: not in the legend
+            if band is not None and key in band:
+                b, _ = band[key]
                 ax.fill_between(
-                    b[plan.bucket].to_numpy(),
+                    x_of(b[plan.bucket].to_numpy()),
                     b["lo"].to_numpy(),
                     b["hi"].to_numpy(),
                     alpha=0.25,
-                    label="min-max across sources",
+                    color="C0",
+                    label="lowest to highest of the sources' own values of the statistic",
                 )
         else:
-            for (process, rank), part in data.partition_by(
-                "process", "rank", as_dict=True, maintain_order=True
-            ).items():
-                x, y = part[x_col].to_numpy(), part["value"].to_numpy()
+            for i, ((process, rank), part) in enumerate(
+                data.partition_by("process", "rank", as_dict=True, maintain_order=True).items()
+            ):
+                x, y = x_of(part[x_col].to_numpy()), part["value"].to_numpy()
+                style = {"color": f"C{i % 10}", "label": f"{process} (rank {rank})"}
                 if mode is LoggingMode.PER_RANK_REDUCE:
-                    ax.plot(x, y, label=f"{process} (rank {rank})")
+                    ax.plot(x, y, marker=_marker(x), **style)
                 else:
-                    ax.plot(
-                        x, y, linestyle="none", marker=".", markersize=3, label=f"{process} (rank {rank})"
-                    )
-        _mark(ax, health, key, x_col, recorders.get(key, set()))
-        ax.set_ylabel(key)
+                    ax.plot(x, y, linestyle="none", marker=".", markersize=3, **style)
+        _mark(ax, health, key, x_col, recorders.get(key, set()), x_of)
+        ax.set_ylabel(f"{key}\n({stat})" if mode is LoggingMode.GLOBAL_REDUCE else key)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small", loc="best")
+    if clock:
+        _date_axis(axes[-1, 0])
     x_label = {
         "step": "step",
-        "window_start": "window start (epoch s)",
-        "timestamp": "wall-clock time (epoch s)",
+        "window_start": f"window start ({_local_zone()})",
+        "timestamp": f"wall-clock time ({_local_zone()})",
     }
     axes[-1, 0].set_xlabel(
         x_label[x_col]
         + (f"; decimated: lowest and highest of {BINS:,} time bins per source" if decimated else "")
     )
+    _one_legend(fig, axes[:, 0])
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
-    fig.tight_layout()
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(Path(out), dpi=110)
     return fig
 
 
-def _mark(ax: Any, health: InspectReport, key: str, x_col: str, recorders: set[tuple[str, int]]) -> None:
-    """Dashed line where a source of this key stopped; dotted red line at its first non-finite value."""
+# Statistics whose per-source values bracket the global one; a sum or a count of the whole
+# is not among its sources' (the band would sit far below the line), so they get none.
+BANDED = frozenset({"mean", "max", "min", "std", "median", "first", "last"})
+
+
+def _band(plan: ReducePlan, scan: RunScan, result: pl.DataFrame) -> dict[str, tuple[pl.DataFrame, str]]:
+    """Per key, the lowest and highest per-source value of the statistic the line shows
+    (each source reduced with that same statistic), where that statistic has a band."""
+    stats = dict(result.group_by("key").agg(pl.col("reduction").first()).iter_rows())
+    banded = [k for k, stat in stats.items() if stat in BANDED or stat.startswith("p")]
+    if not banded:
+        return {}
+    # each key's line statistic, for every source: what the global reduction used
+    same = tuple((glob.escape(k), Statistic.parse(stats[k])) for k in banded)
+    per_source = execute(
+        dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE, overrides=plan.overrides + same), scan
+    ).frame
+    lows = per_source.group_by(plan.bucket, "key").agg(lo=pl.col("value").min(), hi=pl.col("value").max())
+    return {
+        key: (part.sort(plan.bucket), stats[key])
+        for (key,), part in lows.partition_by("key", as_dict=True).items()
+        if key in banded
+    }
+
+
+def _marker(x: Any) -> str | None:
+    """A line of few points shows them (one point alone draws no line)."""
+    return "o" if len(x) <= 30 else None
+
+
+def _local_zone() -> str:
+    offset = datetime.now().astimezone().strftime("%z")
+    return f"local time, UTC{offset[:3]}:{offset[3:]}"
+
+
+def _date_axis(ax: Any) -> None:
+    import matplotlib.dates as mdates
+    from dateutil import tz
+
+    locator = mdates.AutoDateLocator(tz=tz.tzlocal())
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=tz.tzlocal()))
+
+
+def _one_legend(fig: Any, axes: Any) -> None:
+    """Every subplot's labels once, in one legend below the axes."""
+    seen: dict[str, Any] = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            seen.setdefault(label, handle)
+    if seen:
+        fig.legend(
+            seen.values(), seen.keys(), loc="outside lower center", ncols=min(3, len(seen)), fontsize="small"
+        )
+
+
+def _fonts(texts: Iterable[str]) -> tuple[list[str], dict[str, str]]:
+    """The installed font families that draw the characters of ``texts`` matplotlib's own
+    font lacks (to fall back on), and per text the characters no installed font draws."""
+    from matplotlib import font_manager
+    from matplotlib.ft2font import FT2Font
+
+    wanted = {c for text in texts for c in text if not c.isascii()}
+    if not wanted:
+        return [], {}
+    found: dict[str, str] = {}  # a character -> the first family that draws it
+    for entry in font_manager.fontManager.ttflist:
+        if entry.name.startswith("Last Resort"):  # matplotlib's own: a box for every character
+            continue
+        try:
+            charmap = FT2Font(entry.fname).get_charmap()
+        except (OSError, RuntimeError, ValueError):
+            continue
+        for c in wanted - found.keys():
+            if ord(c) in charmap:
+                found[c] = entry.name
+    missing = {t: "".join(c for c in dict.fromkeys(t) if not c.isascii() and c not in found) for t in texts}
+    return list(dict.fromkeys(found.values())), {t: chars for t, chars in missing.items() if chars}
+
+
+def _mark(
+    ax: Any,
+    health: InspectReport,
+    key: str,
+    x_col: str,
+    recorders: set[tuple[str, int]],
+    x_of: Callable[[Any], Any],
+) -> None:
+    """Dashed line where a source of this key stopped; dotted red line at its first non-finite
+    value (``x_of``: a step, or epoch seconds, as the axis places it)."""
     for source in health.sources:
         if source.status == "finished" or (source.process, source.rank) not in recorders:
             continue
-        x = source.last_timestamp if x_col != "step" else source.last_step
+        x = x_of(source.last_timestamp if x_col != "step" else source.last_step)
         ax.axvline(
             x, color="grey", linestyle="--", linewidth=1, label=f"{source.process} stopped ({source.status})"
         )
     for item in health.nonfinite:
         if item.key != key:
             continue
-        x = item.first_timestamp if x_col != "step" else item.first_step
+        x = x_of(item.first_timestamp if x_col != "step" else item.first_step)
         ax.axvline(
             x, color="red", linestyle=":", linewidth=1.5, label=f"non-finite from here: {item.process}"
         )
