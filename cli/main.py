@@ -241,6 +241,7 @@ def plot(
             on_read=output.said_skips,
             on_progress=progress,
             on_warning=lambda text: output.say("warning", text),
+            spelled=o.on_cli,
         )
     output.say("info", f"wrote {out}")
 

@@ -165,11 +165,18 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     assert done.stderr.startswith("warning: skipped 21 record(s)")  # what it said before, only
 
 
-def test_plot_creates_the_folders_of_its_out_file_as_reduce_does(tmp_path):
+def test_plot_creates_the_folders_of_its_out_file_as_reduce_does_and_says_a_key_that_matches_nothing(
+    tmp_path,
+):
     out = tmp_path / "new" / "dir" / "loss.png"
-    result = invoke("plot", SAMPLE, "--key", "trainer/loss", "--out", out)
+    result = invoke("plot", SAMPLE, "--key", "trainer/loss", "--key", "trainer/los", "--out", out)
     assert result.exit_code == 0, result.output
     assert out.read_bytes().startswith(b"\x89PNG")
+    assert result.stderr.splitlines()[-2:] == [
+        "warning: --key 'trainer/los' matches no key; nearest of the run's 8 keys: trainer/loss, trainer/lr, "
+        "trainer/tokens_per_s",
+        f"wrote {out}",
+    ]
 
 
 def test_reduce_prints_a_table(run):

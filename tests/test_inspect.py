@@ -232,6 +232,40 @@ def test_a_source_without_shutdown_among_finished_ones_is_named(tmp_path):
     ]
 
 
+def test_a_source_of_another_tool_s_file_that_stopped_early_is_named_too(crashed):
+    rows = [
+        {
+            "key": "trainer/loss",
+            "value": 1.0,
+            "reduction": "mean",
+            "step": s,
+            "timestamp": T0 + s * STEP_S,
+            "rank": 7,
+            "process": "Evaluator_r7",
+        }
+        for s in range(20)
+    ]
+    (crashed / "evaluator.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    verdict = inspect_run(scan_run(crashed)).verdict()
+    stopped = [line.split(" (rank")[0] for line in verdict if "stopped" in line and "last record" in line]
+    assert stopped == ["Evaluator_r7", "TrainActor_r1", "TrainActor_r2"]  # the first to stop first
+
+
+def test_no_straggler_on_the_suite_s_clean_runs(tmp_path):
+    """Runs as the other tests write them: the writer's sources a little apart, the sample
+    run (two roles), and real processes started one after another."""
+    from .conftest import write_collector_run
+
+    runs = [Path(__file__).resolve().parent.parent / "sample_logs" / "rl_run"]
+    for seed, n in ((1, 4), (2, 8)):
+        runs.append(tmp_path / f"run{seed}")
+        write_collector_run(runs[-1], [(f"TrainActor_r{r}", r) for r in range(n)], steps=40, seed=seed)
+    for run in runs:
+        report = inspect_run(scan_run(run))
+        assert report.stragglers == [], run
+        assert not [line for line in report.verdict() if "Straggler" in line]
+
+
 def test_inspect_table_fits_the_terminal_and_says_what_it_left_out(crashed):
     wide = runner.invoke(app, ["inspect", str(crashed)], env={"COLUMNS": "200"})
     narrow = runner.invoke(app, ["inspect", str(crashed)], env={"COLUMNS": "80"})

@@ -574,6 +574,23 @@ def test_a_request_that_cannot_be_served_fails_at_once_before_anything_is_read(t
     assert result.stderr.splitlines()[-1] == f"Error: Invalid value: {says}"
 
 
+def test_a_dry_run_says_a_pattern_that_matches_nothing_and_prints_no_null(small_run):
+    result = upload_cli(small_run, "--dry-run", "--key", "trainer/loss", "--reduce", "trainer/lss=p99")
+    assert result.exit_code == 0, result.output
+    assert (
+        "warning: --reduce 'trainer/lss=p99' matches no key; the run's keys: policy/latency_s, "
+        "policy/tokens, trainer/grad_norm, trainer/loss"
+    ) in result.stderr.splitlines()
+    assert "null" not in result.stdout  # global_reduce's run has no group: a blank
+    strict = upload_cli(
+        small_run, "--dry-run", "--key", "trainer/loss", "--reduce", "trainer/lss=p99", "--strict"
+    )
+    assert strict.exit_code == 1
+    assert strict.stderr.splitlines()[-1].startswith(
+        "Error: --strict: --reduce 'trainer/lss=p99' matches no key"
+    )
+
+
 def test_wandb_mode_offline_in_the_environment_is_honoured(tmp_path, small_run, monkeypatch):
     import shutil
 

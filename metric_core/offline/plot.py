@@ -26,7 +26,7 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MissingDependencyError, PlanError, RequestError, warn
+from metric_core.errors import MissingDependencyError, PlanError, RequestError, in_python, warn
 from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
@@ -50,10 +50,12 @@ def plot_run(
     on_read: OnRead | None = None,
     on_progress: OnProgress | None = None,
     on_warning: Callable[[str], None] | None = None,
+    spelled: Callable[[str], str] = in_python,
 ) -> Any:
     """Draw ``plan``'s keys of a run (a directory, or a scan of one); save a PNG to ``out``
     if given; return the matplotlib Figure. ``on_progress`` follows the reduction's read;
-    ``on_warning`` gets what the plot cannot show (a ``MetricLogWarning`` by default).
+    ``on_warning`` gets what the plot cannot show and the filters that matched nothing (a
+    ``MetricLogWarning`` by default), naming options as ``spelled`` does (``MetricLogError.said``).
 
     >>> from metric_core import make_plan
     >>> fig = plot_run("sample_logs/rl_run", make_plan(keys=["trainer/loss"]))
@@ -81,10 +83,13 @@ def plot_run(
     if not plan.keys:
         raise PlanError("choose the keys to plot, e.g. {keys}'trainer/*'")
     health = inspect_run(scan)
+    reduced = execute(plan, scan, on_progress=on_progress)
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
-        result, decimated = _raw_points(execute(plan, scan, on_progress=on_progress).batches(), health)
+        result, decimated = _raw_points(reduced.batches(), health)
     else:
-        result, decimated = execute(plan, scan, on_progress=on_progress).frame, False
+        result, decimated = reduced.frame, False
+    for note in reduced.unmatched:
+        (on_warning or warn)(note.said(spelled))
     keys = sorted(result["key"].unique().to_list())
     if len(keys) > MAX_KEYS:
         raise RequestError(
