@@ -6,7 +6,7 @@ import difflib
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -38,8 +38,9 @@ def on_cli(name: str) -> str:
     return FLAGS.get(name, "--" + name.replace("_", "-")) + " "
 
 
-def choice(kind: type[E]) -> Callable[[str], E]:
-    """The members' values of ``kind``, parsed with a plain message (and the nearest one)."""
+def choice(flag: str, kind: type[E], help: str) -> Any:
+    """An option taking one of the values of the enum ``kind``, said plainly when it is not
+    one (with the nearest one), instead of pydantic's "Value error, ..."."""
     values = [m.value for m in kind]
 
     def parse(text: str | E) -> E:
@@ -53,27 +54,11 @@ def choice(kind: type[E]) -> Callable[[str], E]:
         hint = f"; did you mean '{near[0]}'?" if len(near) == 1 else ""
         raise typer.BadParameter(f"'{text}' is not one of {', '.join(values)}{hint}")
 
-    return parse
+    return typer.Option(flag, parser=parse, metavar=f"<{'|'.join(values)}>", help=help)
 
 
-Mode = Annotated[
-    LoggingMode,
-    typer.Option(
-        "--mode",
-        parser=choice(LoggingMode),
-        metavar="<global_reduce|per_rank_reduce|per_rank_no_reduce>",
-        help="Logging mode to compute.",
-    ),
-]
-ByOpt = Annotated[
-    By,
-    typer.Option(
-        "--by",
-        parser=choice(By),
-        metavar="<step|time>",
-        help="Group by training step or by wall-clock window.",
-    ),
-]
+Mode = Annotated[LoggingMode, choice("--mode", LoggingMode, "Logging mode to compute.")]
+ByOpt = Annotated[By, choice("--by", By, "Group by training step or by wall-clock window.")]
 Every = Annotated[
     str | None,
     typer.Option("--every", metavar="DURATION", help="Window length with --by time: 10s, 500ms, 5m, 1h."),
