@@ -82,7 +82,7 @@ def errors_to_exit() -> Iterator[None]:
         raise typer.Exit(code=1) from None
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Compute a logging mode offline from a run's raw records.")
 def reduce(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
@@ -129,7 +129,7 @@ def reduce(
             output.say("warning", note.said(o.on_cli))
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Upload a logging mode of a run to Weights & Biases.")
 def upload(
     run_dir: o.RunDir,
     project: o.Project,
@@ -181,7 +181,7 @@ def upload(
         output.print_upload(result)
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Tell what happened in a crashed or hung run.")
 def inspect(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
@@ -208,7 +208,7 @@ def inspect(
         typer.echo(report.to_json()) if json_out else output.print_inspect(report)
 
 
-@app.command(cls=_Command)
+@app.command(cls=_Command, short_help="Plot keys of a run to a PNG.")
 def plot(
     run_dir: o.RunDir,
     key: o.PlotKeys,

@@ -121,7 +121,10 @@ Wide = Annotated[bool, typer.Option("--wide", help="One row per step (per source
 # upload
 Project = Annotated[str, typer.Option("--project", metavar="PROJECT", help="W&B project.")]
 Entity = Annotated[str | None, typer.Option("--entity", metavar="ENTITY", help="W&B entity (team or user).")]
-Group = Annotated[str | None, typer.Option("--group", metavar="GROUP", help="W&B group [default: --name].")]
+Group = Annotated[
+    str | None,
+    typer.Option("--group", metavar="GROUP", help="W&B group of a per-rank mode's runs [default: --name]."),
+]
 Name = Annotated[
     str | None, typer.Option("--name", metavar="NAME", help="Run name [default: the run directory's name].")
 ]

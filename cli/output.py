@@ -361,7 +361,10 @@ def print_upload(result: UploadResult) -> None:
                     "would be": o.action,
                 }
                 for o in result.outcomes
-            ]
+            ],
+            drop_first=("id", "group", "keys", "rows"),
+            keep=("would be",),
+            whole="a wider terminal (COLUMNS=200)",
         )
         for o in result.outcomes:
             print(f"keys of {o.run.name}: {', '.join(o.run.keys)}")

@@ -22,13 +22,15 @@ def local_time(ts: float | None, *, millis: bool = False) -> str:
 
 
 def duration(seconds: float) -> str:
-    """``4.2 s``, ``3.5 min``, ``7.1 h``, ``20790 d``.
+    """``50 ms``, ``4.2 s``, ``3.5 min``, ``7.1 h``, ``20790 d``.
 
-    >>> duration(0.25), duration(90), duration(5400), duration(1796238599)
-    ('0.2 s', '90.0 s', '90.0 min', '20790 d')
+    >>> duration(0.0503), duration(2.25), duration(90), duration(5400), duration(1796238599)
+    ('50 ms', '2.2 s', '90.0 s', '90.0 min', '20790 d')
     """
     if not math.isfinite(seconds):
         return "unknown"
+    if abs(seconds) < 1:
+        return f"{seconds * 1000:.0f} ms"
     if abs(seconds) < 120:
         return f"{seconds:.1f} s"
     if abs(seconds) < 7200:

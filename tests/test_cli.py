@@ -299,7 +299,12 @@ def test_empty_directory_is_exit_1(tmp_path):
 def test_missing_directory_is_exit_1(tmp_path):
     result = invoke("reduce", tmp_path / "nope")
     assert result.exit_code == 1
-    assert "it is not a directory" in result.stderr
+    assert result.stderr == f"Error: no readable metric record in {tmp_path / 'nope'}: it does not exist\n"
+    (tmp_path / "file").write_text("")
+    result = invoke("reduce", tmp_path / "file")
+    assert (
+        result.stderr == f"Error: no readable metric record in {tmp_path / 'file'}: it is not a directory\n"
+    )
 
 
 def test_skips_are_summarized_and_strict_makes_them_fatal(tmp_path):

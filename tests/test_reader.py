@@ -189,8 +189,11 @@ def test_a_directory_of_only_bad_records_is_no_data(tmp_path):
 
 
 def test_not_a_directory(tmp_path):
-    with pytest.raises(NoDataError, match="it is not a directory"):
+    with pytest.raises(NoDataError, match="it does not exist"):
         scan_run(tmp_path / "missing")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(NoDataError, match="it is not a directory"):
+        scan_run(tmp_path / "file")
 
 
 def test_truncated_journal_is_read_up_to_its_last_whole_frame(tmp_path):

@@ -582,6 +582,14 @@ def test_a_dry_run_says_a_pattern_that_matches_nothing_and_prints_no_null(small_
         "policy/tokens, trainer/grad_norm, trainer/loss"
     ) in result.stderr.splitlines()
     assert "null" not in result.stdout  # global_reduce's run has no group: a blank
+    narrow = runner.invoke(
+        app,
+        ["upload", str(small_run), "--project", "p", "--dry-run", "--mode", "per_rank_reduce"],
+        env={"COLUMNS": "60"},
+    )
+    header = [c.strip() for c in narrow.stdout.splitlines()[1].strip("│").split("┆")]
+    assert header[0] == "name" and header[-1] == "would be"  # what a dry run is for stays
+    assert "columns not shown, for the terminal's width (60): " in narrow.stdout
     strict = upload_cli(
         small_run, "--dry-run", "--key", "trainer/loss", "--reduce", "trainer/lss=p99", "--strict"
     )

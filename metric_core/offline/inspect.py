@@ -524,12 +524,8 @@ def _overall(report: InspectReport, problems: bool) -> list[str]:
     newest = max(s.last_timestamp for s in report.sources)
     if report.still_running:
         steps = [s.cadence_s for s in report.sources if s.cadence_s]
-        pace = (
-            f"; its sources step every {duration(min(steps))}"
-            + (f" to {duration(max(steps))}" if max(steps) > min(steps) else "")
-            if steps
-            else ""
-        )
+        ends = dict.fromkeys([duration(min(steps)), duration(max(steps))]) if steps else {}
+        pace = f"; its sources step every {' to '.join(ends)}" if ends else ""
         return [
             f"The run looks still running: its newest record is {duration(report.checked_at - newest)} "
             f"old ({local_time(newest)}){pace}."

@@ -206,7 +206,7 @@ def scan_run(
     """
     root = Path(run_dir)
     if not root.is_dir():
-        raise NoDataError(str(root), "it is not a directory")
+        raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
     report = ReadReport(run_dir=root)
     meta = read_run_json(root, report)
     paths = list_data_files(root, report, follow_symlinks=follow_symlinks)
