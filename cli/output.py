@@ -38,7 +38,7 @@ def _line(kind: str, text: str) -> str:
 
 def said_skips(report: ReadReport) -> None:
     """What the reader skipped, if anything (the ``on_read`` of the library's calls)."""
-    summary = report.summary()
+    summary = report.summary(spelled=on_cli)
     if summary:
         say("warning", summary)
 
@@ -126,14 +126,19 @@ def print_frames(frames: pl.DataFrame | Iterator[pl.DataFrame], *, max_rows: int
             head.append(frame.head(max_rows - kept))
             kept += head[-1].height
     print_table(
-        pl.concat(head), max_rows=max_rows, total=total, drop_first=RESULT_DROPPED_FIRST, keep=RESULT_KEPT
+        pl.concat(head),
+        max_rows=max_rows,
+        total=total,
+        drop_first=RESULT_DROPPED_FIRST,
+        keep=RESULT_KEPT,
+        cut=("key", "process"),
     )
 
 
-# What a narrow terminal loses first of a result's columns (then columns from the right):
-# never the key and its value.
-RESULT_DROPPED_FIRST = ("count", "reduction", "rank", "timestamp", "window_start", "process")
-RESULT_KEPT = ("key", "value")
+# What a narrow terminal loses first of a result's columns (then columns from the right,
+# such as --wide's keys): never what says which row it is, the key, or its value.
+RESULT_DROPPED_FIRST = ("count", "reduction", "rank", "timestamp")
+RESULT_KEPT = ("process", "step", "window_start", "key", "value")
 
 
 PROGRESS_AFTER_S = 2.0  # a command that reads for longer shows a bar
@@ -202,47 +207,57 @@ def print_table(
     total: int | None = None,
     drop_first: Sequence[str] = (),
     keep: Sequence[str] = (),
+    cut: Sequence[str] = (),
     whole: str = "--out FILE.csv",
 ) -> None:
     """A readable table that fits the terminal (``COLUMNS``, else the width of the terminal
-    stdout is; into a pipe or a file, the table is whole).
+    stdout is; into a pipe or a file with ``COLUMNS`` unset, the table is whole).
 
     Times (``timestamp``, ``window_start``) print as local ISO 8601, floats with 7
     significant digits, missing values as blanks. A long result (``total`` rows, when ``df``
     holds only its first ones) is cut after ``max_rows``. A table too wide loses columns,
-    ``drop_first`` first, then from the right (never the first one or those in ``keep``); a
-    value too long for what is left is cut with "…". Every cut is said, with where to find
-    it whole (``whole``).
+    ``drop_first`` first, then from the right, never the first one nor those in ``keep``;
+    then the long values of the ``cut`` columns (text, never a number) are shortened with
+    "…", to MIN_CUT characters at least. Every cut is said, with where to find it whole
+    (``whole``); a table that still does not fit is printed as it is.
     """
     import polars as pl
 
     total = df.height if total is None else total
     shown = _readable(df.head(max_rows))
     width = _terminal_width()
-    left_out: list[str] = []
-    order = [c for c in drop_first if c in shown.columns]
-    order += [c for c in reversed(shown.columns[1:]) if c not in order and c not in keep]
+    fixed = {*shown.columns[:1], *keep}
+    order = [c for c in drop_first if c in shown.columns and c not in fixed]
+    order += [c for c in reversed(shown.columns) if c not in order and c not in fixed]
     text = _rendered(shown)
+    left_out: list[str] = []
     while _width(text) > width and order:
         left_out.append(order.pop(0))
         shown = shown.drop(left_out[-1])
         text = _rendered(shown)
-    cut = _width(text) > width
-    if cut:  # what is left still does not fit: its longest values are cut to share the width
-        longest = max(shown.select(pl.col(pl.String).str.len_chars().max()).row(0), default=0) or 0
-        while _width(text) > width and longest > 8:
-            longest -= max(1, (_width(text) - width) // max(1, shown.width))
-            shown = shown.with_columns(_shortened(pl.col(pl.String), longest))
-            text = _rendered(shown)
+    texts = [c for c in cut if c in shown.columns]
+    shortened = False
+    while _width(text) > width and texts:
+        longest = max(n or 0 for n in shown.select(pl.col(texts).str.len_chars().max()).row(0))
+        target = max(MIN_CUT, longest - (_width(text) - width))
+        if target >= longest:
+            break
+        shown = shown.with_columns(_shortened(pl.col(texts), target))
+        shortened = True
+        text = _rendered(shown)
     print(text)
     if left_out:
         hidden = [c for c in df.columns if c in left_out]  # in the table's order
         named = ", ".join(hidden) if len(hidden) <= 8 else f"{len(hidden)} columns"
         print(f"columns not shown, for the terminal's width ({width}): {named}; {whole} has them all")
-    if cut:
-        print(f"long values are cut (…) to fit the terminal's width ({width}); {whole} has them whole")
+    if shortened:
+        print(f"long values are cut (…) for the terminal's width ({width}); {whole} has them whole")
     if total > max_rows:
         print(f"... {total - max_rows} more row(s) not shown ({total} in all); {whole} has them all")
+
+
+# The fewest characters a value is cut to (with its "…") for a narrow terminal.
+MIN_CUT = 8
 
 
 def _terminal_width() -> int:
@@ -297,9 +312,16 @@ def _width(text: str) -> int:
 
 
 def _shortened(col: pl.Expr, chars: int) -> pl.Expr:
+    """Values longer than ``chars`` cut in the middle, so both ends stay: names differ at
+    their end as often as at their start (``GeneratorActor_r0`` -> ``Gene…_r0``)."""
     import polars as pl
 
-    return pl.when(col.str.len_chars() > chars).then(col.str.slice(0, chars - 1) + "…").otherwise(col)
+    head, tail = (chars - 1) - (chars - 1) // 2, (chars - 1) // 2
+    return (
+        pl.when(col.str.len_chars() > chars)
+        .then(col.str.slice(0, head) + "…" + col.str.tail(tail))
+        .otherwise(col)
+    )
 
 
 def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS, **fit: Any) -> None:
@@ -341,9 +363,16 @@ def print_inspect(report: InspectReport) -> None:
         for row in rows:
             del row["attempts"]
     typer.echo(f"run {report.name} ({report.run_dir}), world_size {report.world_size or 'unknown'}")
-    print_rows(rows, max_rows=1000, drop_first=INSPECT_DROPPED_FIRST, keep=INSPECT_KEPT, whole="--json")
+    print_rows(
+        rows,
+        max_rows=1000,
+        drop_first=INSPECT_DROPPED_FIRST,
+        keep=INSPECT_KEPT,
+        cut=("process",),
+        whole="--json",
+    )
     typer.echo("")
-    for line in report.verdict():
+    for line in report.verdict(on_cli):
         typer.echo(line)
 
 
@@ -353,17 +382,19 @@ def print_upload(result: UploadResult) -> None:
         print_rows(
             [
                 {
-                    "id": o.run_id,
                     "name": o.run.name,
-                    "group": o.run.group or "",
+                    "would be": o.action,
                     "rows": o.run.rows,
                     "keys": len(o.run.keys),
-                    "would be": o.action,
+                    "group": o.run.group or "",
+                    "id": o.run_id,
                 }
                 for o in result.outcomes
             ],
+            max_rows=100_000,  # every run
             drop_first=("id", "group", "keys", "rows"),
             keep=("would be",),
+            cut=("name", "group"),
             whole="a wider terminal (COLUMNS=200)",
         )
         for o in result.outcomes:

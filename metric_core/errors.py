@@ -10,27 +10,16 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-# The parameters of the Python API a message may name, written ``{name}`` in it: the
-# library says ``ranks=``, the command line ``--ranks `` (``said``).
-OPTIONS = frozenset(
-    [
-        "mode",
-        "by",
-        "every",
-        "reduce",
-        "keys",
-        "ranks",
-        "steps",
-        "attempts",
-        "out",
-        "strict",
-        "share_run",
-        "project",
-        "entity",
-        "group",
-        "name",
-    ]
-)
+# A message that names an option of the Python API marks it with ``opt``: the library
+# says ``ranks=``, the command line ``--ranks `` (``MetricLogError.said``). The marks are
+# control characters, which no value a user gives holds, so a key or a path is never taken
+# for one.
+_MARK = re.compile("\x1e(\\w+)(!?)\x1f")
+
+
+def opt(name: str, *, flag: bool = False) -> str:
+    """Where a message names the option ``name`` (``flag``: given without a value)."""
+    return f"\x1e{name}{'!' if flag else ''}\x1f"
 
 
 def in_python(name: str) -> str:
@@ -38,17 +27,16 @@ def in_python(name: str) -> str:
 
 
 def spell(text: str, spelled: Callable[[str], str]) -> str:
-    """``text`` with each ``{option}`` spelled by ``spelled``, and each ``{option!}`` (a flag
-    given) as ``option=True`` in Python, ``--option`` on the command line."""
+    """``text`` with each option marked by ``opt`` spelled by ``spelled``; a flag as
+    ``option=True`` in Python, ``--option`` on the command line."""
 
     def one(m: re.Match[str]) -> str:
-        name, flag = m.group(1), m.group(2)
-        if name not in OPTIONS:
-            return m.group(0)
-        said = spelled(name)
-        return (said + "True" if said.endswith("=") else said.rstrip()) if flag else said
+        said = spelled(m.group(1))
+        if not m.group(2):
+            return said
+        return said + "True" if said.endswith("=") else said.rstrip()
 
-    return re.sub(r"\{(\w+)(!?)\}", one, text)
+    return _MARK.sub(one, text)
 
 
 class MetricLogError(Exception):
@@ -60,13 +48,15 @@ class MetricLogError(Exception):
 
     template: str | None = None
 
+    def __init__(self, *args: Any) -> None:
+        if len(args) == 1 and isinstance(args[0], str) and _MARK.search(args[0]):
+            self.template = args[0]
+            args = (spell(args[0], in_python),)
+        super().__init__(*args)
+
     def said(self, spelled: Callable[[str], str]) -> str:
         """The message, with the options it names spelled by ``spelled``."""
         return str(self) if self.template is None else spell(self.template, spelled)
-
-    def _name_options(self, template: str) -> None:
-        self.template = template
-        Exception.__init__(self, spell(template, in_python))
 
     # What the reader skipped before this error, when it came after a run was read in
     # another process (upload's reading child): the caller says it before the error.
@@ -104,7 +94,7 @@ class NoDataError(MetricLogError):
 
     def __init__(self, where: str, why: str) -> None:
         self.where = where
-        self._name_options(f"no readable metric record in {where}: {why}")
+        super().__init__(f"no readable metric record in {where}: {why}")
 
 
 class FilteredOutError(NoDataError):
@@ -112,7 +102,7 @@ class FilteredOutError(NoDataError):
 
     def __init__(self, where: str, why: str) -> None:
         self.where = where
-        self._name_options(f"no record in {where} matches the filters{why}")
+        MetricLogError.__init__(self, f"no record in {where} matches the filters{why}")
 
 
 class MixedReductionError(MetricLogError):
@@ -122,9 +112,9 @@ class MixedReductionError(MetricLogError):
         self.key = key
         self.origins = origins
         where = "; ".join(f"{red} by {', '.join(srcs)}" for red, srcs in sorted(origins.items()))
-        self._name_options(
+        super().__init__(
             f"key '{key}' is recorded with more than one reduction ({where}). "
-            f"Choose one with {{reduce}}'{key}=STAT'."
+            f"Choose one with {opt('reduce')}'{key}=STAT'."
         )
 
 
@@ -136,9 +126,9 @@ class UnknownReductionError(MetricLogError):
         shown = ", ".join(f"'{k}' ({r!r})" for k, r in list(keys.items())[:5])
         more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
         first = next(iter(keys))
-        self._name_options(
+        super().__init__(
             f"key(s) recorded with a reduction metriclog does not know: {shown}{more}; choose a "
-            f"statistic for each, e.g. {{reduce}}'{first}=mean'"
+            f"statistic for each, e.g. {opt('reduce')}'{first}=mean'"
         )
 
 
@@ -147,7 +137,7 @@ class StrictModeError(MetricLogError):
 
     def __init__(self, summary: str) -> None:
         self.summary = summary
-        self._name_options("{strict!}: records or files were skipped (see above)")
+        super().__init__(f"{opt('strict', flag=True)}: records or files were skipped (see above)")
 
 
 class PlanError(MetricLogError):
@@ -160,8 +150,11 @@ class PlanError(MetricLogError):
 
     def __init__(self, message: str, *, option: str | None = None, value: object = None) -> None:
         self.message, self.option, self.value = message, option, value
-        where = f"{{{option}!}}" if value is True else f"{{{option}}}{value!r}"  # a flag, or a value
-        self._name_options(message if option is None else f"{where} {message}")
+        if option is None:
+            super().__init__(message)
+        else:  # a flag given, or an option's value
+            where = opt(option, flag=True) if value is True else f"{opt(option)}{value!r}"
+            super().__init__(f"{where} {message}")
 
 
 class UnmatchedError(MetricLogError):
@@ -169,7 +162,7 @@ class UnmatchedError(MetricLogError):
 
     def __init__(self, notes: list[PlanError]) -> None:
         self.notes = notes
-        self._name_options("{strict!}: " + "; ".join(n.template or str(n) for n in notes))
+        super().__init__(f"{opt('strict', flag=True)}: " + "; ".join(n.template or str(n) for n in notes))
 
 
 class RequestError(MetricLogError):

@@ -41,6 +41,16 @@ ONE_KEY_PER_REDUCTION = (
 os.environ.setdefault("WANDB_SILENT", "true")
 
 
+@pytest.fixture
+def india(monkeypatch):
+    """Local time is India's (UTC+05:30, no summer time): times printed for a person show it."""
+    monkeypatch.setenv("TZ", "IST-5:30")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
 @pytest.fixture(autouse=True)
 def _no_global_collector():
     """Every test starts and ends without a module-level collector."""

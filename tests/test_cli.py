@@ -110,15 +110,45 @@ def test_tables_fit_the_terminal_and_say_every_cut(tmp_path):
     assert long_key in long and "cut" not in long  # whole where it fits
     cut = reduce("--key", "eval/*", "--mode", "per_rank_no_reduce", columns="60")
     assert max(map(len, table_lines(cut))) <= 60 and long_key not in cut and "…" in cut
-    assert "long values are cut (…) to fit the terminal's width (60); --out FILE.csv has them whole" in cut
+    assert "long values are cut (…) for the terminal's width (60); --out FILE.csv has them whole" in cut
 
-    raw = reduce("--key", "k00", "--mode", "per_rank_no_reduce", columns="200")
-    stamps = [
-        r["timestamp"] for r in pl.read_parquet(next(run.glob("*.parquet"))).to_dicts() if r["key"] == "k00"
-    ]
-    from metric_core.clock import local_time
 
-    assert [local_time(t, millis=True) in raw for t in stamps] == [True] * 3  # ISO 8601, local, its offset
+@pytest.mark.parametrize("columns", [1, 20, 24, 40])
+def test_a_narrow_terminal_keeps_what_identifies_a_row_and_never_cuts_a_number(tmp_path, columns):
+    run = tmp_path / "run"
+    write_collector_run(run, [("GeneratorActor_r0", 0), ("GeneratorActor_r1", 1)], steps=2)
+    c = MetricCollector(run, rank=2, process_name="评估_r2")  # East Asian wide characters
+    c.record("评估/准确率", 1.234567e-05, Reduce.MEAN)
+    c.flush(0)
+    c.shutdown()
+    for mode in ("per_rank_reduce", "per_rank_no_reduce"):
+        keys = ["--key", "trainer/loss", "--key", "评估/*"]
+        result = runner.invoke(
+            app, ["reduce", str(run), "--mode", mode, *keys], env={"COLUMNS": str(columns)}
+        )
+        assert result.exit_code == 0, result.output
+        lines = table_lines(result.stdout)
+        header = [c.strip() for c in lines[1].strip("│").split("┆")]
+        assert {"process", "step", "key", "value"} <= set(header), (mode, header)
+        rows = [[c.strip() for c in line.strip("│").split("┆")] for line in lines[3:-1]]
+        at = {name: header.index(name) for name in ("process", "value")}
+        # every process still tells its rank (cut in the middle, its end kept)
+        assert {r[at["process"]][-3:] for r in rows} == {"_r0", "_r1", "_r2"}
+        # a value is never cut: the wide source's is printed whole
+        assert "1.234567e-05" in {r[at["value"]] for r in rows}
+        assert all("…" not in r[at["value"]] for r in rows)
+
+
+def test_times_print_as_local_iso_8601_with_the_offset(tmp_path, india):
+    from datetime import datetime, timedelta, timezone
+
+    run = tmp_path / "run"
+    write_collector_run(run, [("TrainActor_r0", 0)], steps=3)
+    raw = invoke("reduce", run, "--key", "trainer/loss", "--mode", "per_rank_no_reduce")
+    stamps = pl.read_parquet(next(run.glob("*.parquet"))).filter(pl.col("key") == "trainer/loss")["timestamp"]
+    india_time = timezone(timedelta(hours=5, minutes=30))
+    for t in stamps:
+        assert datetime.fromtimestamp(t, india_time).isoformat(timespec="milliseconds") in raw.stdout
 
 
 def test_raw_mode_by_time_keeps_each_record_s_step_beside_its_window(tmp_path):

@@ -13,7 +13,6 @@ from metriclog.main import app
 from typer.testing import CliRunner
 
 from metric_core import Metric, MetricCollector, Reduce, scan_run
-from metric_core.clock import duration, local_time
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import inspect_run
 from metric_core.offline.plan import make_plan
@@ -197,7 +196,7 @@ def test_a_straggler_is_slower_by_a_sustained_margin_and_noise_or_a_late_start_i
     assert slow.step_time_s / slow.role_step_time_s > 1.2
 
 
-def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_said_so(tmp_path):
+def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_said_so(tmp_path, india):
     run = tmp_path / "run"
     newest = T0 + 100 * 0.02
     for rank in range(3):
@@ -208,18 +207,18 @@ def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_sa
     assert running.still_running and running.first_to_stop is None and running.stopped_early == []
     assert {s.status for s in running.sources} == {"unfinished"}
     assert running.verdict() == [
-        f"The run looks still running: its newest record is {duration(0.1)} old ({local_time(newest)}); "
-        f"its sources step every {duration(0.02)}."
+        "The run looks still running: its newest record is 100 ms old (2025-10-09T14:23:22+05:30); "
+        "its sources step every 20 ms."
     ]
     died = inspect_run(scan_run(run), now=newest + 3600)
     assert not died.still_running and died.first_to_stop is None
     assert died.verdict() == [
-        f"No source stopped before the others: all 3 ended without shutdown() within {duration(0.002)} of "
-        f"each other, the newest at {local_time(newest)} (the whole job was stopped, or crashed together)."
+        "No source stopped before the others: all 3 ended without shutdown() within 2 ms of each other, "
+        "the newest at 2025-10-09T14:23:22+05:30 (the whole job was stopped, or crashed together)."
     ]
 
 
-def test_a_source_without_shutdown_among_finished_ones_is_named(tmp_path):
+def test_a_source_without_shutdown_among_finished_ones_is_named(tmp_path, india):
     run = tmp_path / "run"
     times = list(T0 + 2.0 * np.arange(50))
     step_times(run, "TrainActor_r0", 0, times)
@@ -227,8 +226,8 @@ def test_a_source_without_shutdown_among_finished_ones_is_named(tmp_path):
     step_times(run, "TrainActor_r2", 2, times, shutdown=False)
     report = inspect_run(scan_run(run), now=T0 + 10_000)
     assert report.verdict() == [
-        f"TrainActor_r2 (rank 2) ended without shutdown() while 2 source(s) finished cleanly: last record at "
-        f"step 49, {local_time(times[-1])}."
+        "TrainActor_r2 (rank 2) ended without shutdown() while 2 source(s) finished cleanly: last record at "
+        "step 49, 2025-10-09T14:24:58+05:30."
     ]
 
 
@@ -266,7 +265,7 @@ def test_no_straggler_on_the_suite_s_clean_runs(tmp_path):
         assert not [line for line in report.verdict() if "Straggler" in line]
 
 
-def test_inspect_table_fits_the_terminal_and_says_what_it_left_out(crashed):
+def test_inspect_table_fits_the_terminal_and_says_what_it_left_out(crashed, india):
     wide = runner.invoke(app, ["inspect", str(crashed)], env={"COLUMNS": "200"})
     narrow = runner.invoke(app, ["inspect", str(crashed)], env={"COLUMNS": "80"})
     table = [line for line in narrow.stdout.splitlines() if line[:1] in "┌│╞└"]
@@ -277,26 +276,24 @@ def test_inspect_table_fits_the_terminal_and_says_what_it_left_out(crashed):
     shown = [c.strip() for c in wide.stdout.splitlines()[2].strip("│").split("┆")]
     hidden = ", ".join(c for c in shown if c not in header)
     assert left == f"columns not shown, for the terminal's width (80): {hidden}; --json has them all"
-    first = T0 + 0.0
-    assert local_time(first) in wide.stdout  # ISO 8601, local time with its offset
+    assert "2025-10-09T14:23:20+05:30" in wide.stdout  # T0: ISO 8601, local time with its offset
     assert "columns not shown" not in runner.invoke(app, ["inspect", str(crashed)]).stdout  # a pipe: whole
 
 
-def test_inspect_command_table_verdict_and_json(crashed):
+def test_inspect_command_table_verdict_and_json(crashed, india):
     result = runner.invoke(app, ["inspect", str(crashed)])
     assert result.exit_code == 0, result.output
-    verdict = result.stdout.split("\n\n", 1)[1]
-    newest = T0 + 99 * STEP_S + 9.0 + 0.2
+    verdict = result.stdout.split("\n\n", 1)[1]  # lags from the newest record, T0 + 207.2
     assert verdict.splitlines() == [
         "Ranks 5 of world_size 6 never wrote a record.",
-        f"TrainActor_r1 (rank 1) stopped first: last record at step 40, {local_time(T0 + 80.2)}, "
-        f"{duration(newest - T0 - 80.2)} before the newest record of the run.",
+        "TrainActor_r1 (rank 1) stopped first: last record at step 40, 2025-10-09T14:24:40+05:30, "
+        "2.1 min before the newest record of the run.",
         f"  its last values: trainer/grad_norm=5, trainer/loss={1 / 41:.6g}",
-        f"TrainActor_r2 (rank 2) stopped early: last record at step 70, {local_time(T0 + 140.2)}, "
-        f"{duration(newest - T0 - 140.2)} before the newest record of the run.",
+        "TrainActor_r2 (rank 2) stopped early: last record at step 70, 2025-10-09T14:25:40+05:30, "
+        "67.0 s before the newest record of the run.",
         f"  its last values: trainer/grad_norm=0, trainer/loss={1 / 71:.6g}",
-        f"Non-finite values in trainer/loss on TrainActor_r3 (rank 3) from step 55 ({local_time(T0 + 110)}), "
-        "90 in all.",
+        "Non-finite values in trainer/loss on TrainActor_r3 (rank 3) from step 55 "
+        "(2025-10-09T14:25:10+05:30), 90 in all.",
     ]
     as_json = runner.invoke(app, ["inspect", str(crashed), "--json"])
     data = json.loads(as_json.stdout)
@@ -431,7 +428,8 @@ def test_plot_band_is_the_sources_own_statistic_and_the_figure_has_one_legend(tm
             for v in xs:
                 c.push(Metric("x", float(v), Reduce.MEAN, T0 + step))
             c.push(Metric("n", 1.0, Reduce.SUM, T0 + step))
-            for k in ("a", "b", "c"):
+            c.push(Metric("s", float(100 * rank), Reduce.STD, T0 + step))
+            for k in ("a", "b"):
                 c.push(Metric(k, 1.0, Reduce.MAX, T0 + step))
             if step == 7 and rank == 0:
                 c.push(Metric("once", 3.0, Reduce.MAX, T0 + step))
@@ -439,7 +437,7 @@ def test_plot_band_is_the_sources_own_statistic_and_the_figure_has_one_legend(tm
         c.shutdown()
     out = tmp_path / "plot.png"
     fig = plot_run(scan_run(run), make_plan(keys=["*"]), out)
-    axes = dict(zip(["a", "b", "c", "n", "once", "x"], fig.axes, strict=True))
+    axes = dict(zip(["a", "b", "n", "once", "s", "x"], fig.axes, strict=True))
     means = np.array([[values[(r, s)].mean() for s in range(20)] for r in range(3)])
     (band,) = axes["x"].collections
     ys = band.get_paths()[0].vertices[:, 1]
@@ -447,6 +445,9 @@ def test_plot_band_is_the_sources_own_statistic_and_the_figure_has_one_legend(tm
         np.sort(np.unique(ys)), np.sort(np.unique([*means.min(0), *means.max(0)])), rtol=1e-12
     )
     assert len(axes["n"].collections) == 0  # sum: no band
+    assert len(axes["s"].collections) == 0  # std: the sources' own stds (0) cannot hold the whole's (81.6)
+    (std,) = [ln for ln in axes["s"].get_lines() if ln.get_label() == "_s"]
+    np.testing.assert_allclose(std.get_ydata(), np.std([0.0, 100.0, 200.0]), rtol=1e-12)
     (point,) = [ln for ln in axes["once"].get_lines() if ln.get_label() == "_once"]
     assert list(point.get_xdata()) == [7] and point.get_marker() == "o"
     assert [ax.get_legend() for ax in fig.axes] == [None] * 6 and len(fig.legends) == 1

@@ -144,7 +144,7 @@ def test_the_replaced_records_are_said_and_inspect_lists_each_sources_attempts(r
         assert (
             f"{process} (rank {rank}) was restarted at step {RESTART_FROM}: {first['replaced']} record(s) of "
             f"steps {RESTART_FROM}-{KILLED_AT} of its attempt {first['attempt']} were replaced by attempt "
-            f"{second['attempt']} (--attempts all keeps them)."
+            f"{second['attempt']} (--attempts 'all' keeps them)."
         ) in verdict.splitlines()
 
 

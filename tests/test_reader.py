@@ -263,3 +263,19 @@ def test_what_the_writer_declares_matches_the_records(tmp_path):
             source = f.source
             steps = [r["step"] for r in truth if (r["process"], r["rank"]) == source]
             assert f.steps == (min(steps), max(steps)), name
+
+
+def test_durations_and_local_times_as_people_read_them(india):
+    from metric_core.clock import duration, local_time
+
+    assert [duration(s) for s in (0.0503, 0.002, 2.25, 90, 5400, 1796238599)] == [
+        "50 ms",
+        "2 ms",
+        "2.2 s",
+        "90.0 s",
+        "90.0 min",
+        "20790 d",
+    ]
+    assert local_time(1_760_000_000.25) == "2025-10-09T14:23:20+05:30"  # 08:53:20.25 UTC, in India
+    assert local_time(1_760_000_000.25, millis=True) == "2025-10-09T14:23:20.250+05:30"
+    assert local_time(float("nan")) == "unknown"

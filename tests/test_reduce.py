@@ -289,6 +289,12 @@ def test_filters_that_match_nothing_are_no_data_naming_the_filter_and_what_the_r
     assert str(err.value) == (  # each filter matches records, but not one record matches all
         f"no record in {root} matches the filters together: keys='trainer/*', ranks='3', steps='20:'"
     )
+    with pytest.raises(NoDataError) as err:  # rank 9 matches nothing, but it is --steps that leaves none
+        _ = execute(make_plan(keys=["trainer/*"], ranks="0,9", steps="100000:"), scan_run(root)).frame
+    assert str(err.value) == (
+        f"no record in {root} matches the filters together: keys='trainer/*', ranks='0,9', steps='100000:'; "
+        "ranks='9' matches no record (no rank 9); the run's ranks: 0-3"
+    )
 
 
 def test_a_filter_or_pattern_that_matches_nothing_is_said_and_fatal_with_strict(run):

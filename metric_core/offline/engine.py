@@ -462,13 +462,15 @@ def _statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
 def _first_time(plan: ReducePlan, scan: RunScan) -> float:
     """The earliest timestamp among the records the filters keep: where ``--by time`` windows start."""
     lf = _filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
-    per_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
+    every_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
+    per_key = every_key
     if plan.keys:
         match = key_matcher(plan.keys)
         per_key = per_key.filter(pl.col("key").map_elements(match, return_dtype=pl.Boolean))
     t0 = per_key["timestamp"].min()
-    if t0 is None:
-        raise filters.nothing_left(str(scan.run_dir), plan, [])
+    if t0 is None:  # named as the engine names them, with the keys of the records kept
+        seen = filters.Seen(keys=set(every_key["key"].to_list()) if plan.keys else None)
+        raise filters.nothing_left(str(scan.run_dir), plan, filters.unmatched(plan, seen))
     return float(t0)  # type: ignore[arg-type]
 
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from metric_core.errors import FilteredOutError, PlanError
+from metric_core.errors import FilteredOutError, PlanError, opt
 from metric_core.offline.plan import ReducePlan, key_matcher
 
 # Keys listed in full when the run has at most this many; else the nearest few.
@@ -80,21 +80,23 @@ def unmatched(plan: ReducePlan, seen: Seen) -> list[PlanError]:
 
 
 def nothing_left(run_dir: str, plan: ReducePlan, notes: list[PlanError]) -> FilteredOutError:
-    """The error of a result the filters left empty, naming them (and what matched nothing)."""
-    if notes:
-        return FilteredOutError(run_dir, ": " + "; ".join(n.template or str(n) for n in notes))
+    """The error of a result the filters left empty: the filters given (all of them, since
+    any may be the one that left nothing), then those that matched no record (``notes``)."""
     given = []
     if plan.keys:
-        given.append("{keys}" + ", ".join(repr(k) for k in plan.keys))
+        given.append(opt("keys") + ", ".join(repr(k) for k in plan.keys))
     if plan.ranks:
         given.append(
-            "{ranks}" + repr(",".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in plan.ranks))
+            opt("ranks") + repr(",".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in plan.ranks))
         )
     if plan.steps is not None:
         start, stop = plan.steps
-        given.append("{steps}" + repr(f"{'' if start is None else start}:{'' if stop is None else stop}"))
+        given.append(opt("steps") + repr(f"{'' if start is None else start}:{'' if stop is None else stop}"))
+    said = [n.template or str(n) for n in notes]
+    if len(given) == 1 and said:  # the one filter, and what it matched
+        return FilteredOutError(run_dir, ": " + "; ".join(said))
     together = " together" if len(given) > 1 else ""
-    return FilteredOutError(run_dir, f"{together}: {', '.join(given)}")
+    return FilteredOutError(run_dir, f"{together}: {', '.join(given)}" + "".join(f"; {n}" for n in said))
 
 
 def ranges(values: Iterable[int]) -> str:

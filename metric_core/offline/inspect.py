@@ -31,12 +31,14 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
 
 from metric_core.clock import duration, local_time
+from metric_core.errors import in_python, opt, spell
 from metric_core.offline.read import FileReport, OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.read.attempts import Attempt
 from metric_core.schema import KEY_HASH, keys_by_hash
@@ -138,9 +140,9 @@ class InspectReport:
         """Strict JSON: a number that is not finite (NaN, infinity) becomes null."""
         return _strict_json(self.to_dict())
 
-    def verdict(self) -> list[str]:
-        """The plain-words verdict that follows the table."""
-        return _verdict(self)
+    def verdict(self, spelled: Callable[[str], str] = in_python) -> list[str]:
+        """The plain-words verdict that follows the table (options named as ``spelled`` says)."""
+        return [spell(line, spelled) for line in _verdict(self)]
 
 
 @changed_files_said
@@ -496,7 +498,7 @@ def _verdict(report: InspectReport) -> list[str]:
                 lines.append(
                     f"{src.process} (rank {src.rank}) was restarted at step {a.restarted_at}: "
                     f"{a.replaced} record(s) of steps {lo}-{hi} of its attempt {a.attempt} were replaced "
-                    f"by attempt {a.replaced_by} (--attempts all keeps them)."
+                    f"by attempt {a.replaced_by} ({opt('attempts')}'all' keeps them)."
                 )
     for item in report.nonfinite:
         lines.append(

@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from metric_core.errors import PlanError
+from metric_core.errors import PlanError, opt
 from metric_core.metric import LoggingMode
 
 BASIC_STATS = ("mean", "sum", "max", "min", "std")
 OFFLINE_STATS = ("count", "median", "first", "last")
+EVERY_WITHOUT_TIME = f"is a window length: group by time too ({opt('by')}'time')"
 _PERCENTILE = re.compile(r"^p(\d{1,2}(?:\.\d+)?|100)$")
 
 
@@ -79,18 +80,16 @@ class ReducePlan:
         if self.by not in ("step", "time"):
             raise PlanError("must be step or time", option="by", value=self.by)
         if self.by == "time" and (self.every is None or self.every <= 0):
-            raise PlanError("needs a window length, e.g. {every}'10s'", option="by", value="time")
+            raise PlanError(f"needs a window length, e.g. {opt('every')}'10s'", option="by", value="time")
         if self.mode is LoggingMode.PER_RANK_NO_REDUCE and self.overrides:
             raise PlanError(
-                "has no effect with {mode}'per_rank_no_reduce' (raw values are kept): drop it, "
+                f"has no effect with {opt('mode')}'per_rank_no_reduce' (raw values are kept): drop it, "
                 "or choose a reducing mode",
                 option="reduce",
                 value=f"{self.overrides[0][0]}={self.overrides[0][1].name}",
             )
         if self.by == "step" and self.every is not None:
-            raise PlanError(
-                "is a window length: group by time too ({by}'time')", option="every", value=self.every
-            )
+            raise PlanError(EVERY_WITHOUT_TIME, option="every", value=self.every)
 
     @property
     def bucket(self) -> str:
@@ -226,7 +225,7 @@ def make_plan(
     except ValueError:
         raise PlanError("must be step or time", option="by", value=by) from None
     if by is By.STEP and every is not None:  # said with the value given, before it is parsed
-        raise PlanError("is a window length: group by time too ({by}'time')", option="every", value=every)
+        raise PlanError(EVERY_WITHOUT_TIME, option="every", value=every)
     if isinstance(reduce, dict):
         items = [f"{k}={v}" for k, v in reduce.items()]
     else:

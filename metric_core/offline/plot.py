@@ -1,7 +1,8 @@
 """``metriclog plot``: a PNG of some keys, with where sources stopped and where values went bad.
 
 * ``global_reduce``: a line per key, with the band of its sources' own values of the same
-  statistic (lowest to highest; none for ``sum`` and ``count``, whose whole is no source's);
+  statistic (lowest to highest; none for ``sum``, ``count`` and ``std``, whose whole is no
+  source's);
 * ``per_rank_reduce``: a line per source;
 * ``per_rank_no_reduce``: the raw points over wall-clock time, a colour per source; past
   RAW_POINTS points, each source's lowest and highest value in each of BINS time bins
@@ -26,7 +27,7 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MissingDependencyError, PlanError, RequestError, in_python, warn
+from metric_core.errors import MissingDependencyError, PlanError, RequestError, in_python, opt, warn
 from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
@@ -81,7 +82,7 @@ def plot_run(
             "metriclog plot needs matplotlib: pip install 'metriclog[plot]'"
         ) from None
     if not plan.keys:
-        raise PlanError("choose the keys to plot, e.g. {keys}'trainer/*'")
+        raise PlanError(f"choose the keys to plot, e.g. {opt('keys')}'trainer/*'")
     health = inspect_run(scan)
     reduced = execute(plan, scan, on_progress=on_progress)
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
@@ -93,7 +94,8 @@ def plot_run(
     keys = sorted(result["key"].unique().to_list())
     if len(keys) > MAX_KEYS:
         raise RequestError(
-            f"--key matches {len(keys)} keys; plot at most {MAX_KEYS} at once (narrow the pattern)"
+            f"the keys chosen ({opt('keys')}{' '.join(plan.keys)}) are {len(keys)}; plot at most {MAX_KEYS} "
+            "at once (narrow the pattern)"
         )
     recorders = {
         key: set(zip(part["process"], part["rank"], strict=True))
@@ -183,9 +185,10 @@ def _figure(
     return fig
 
 
-# Statistics whose per-source values bracket the global one; a sum or a count of the whole
-# is not among its sources' (the band would sit far below the line), so they get none.
-BANDED = frozenset({"mean", "max", "min", "std", "median", "first", "last"})
+# Statistics whose per-source values bracket the global one (and pNN). A sum or a count of
+# the whole is not among its sources' (the band would sit far below the line), nor is a std
+# (the whole's spreads across sources too), so they get none.
+BANDED = frozenset({"mean", "max", "min", "median", "first", "last"})
 
 
 def _band(plan: ReducePlan, scan: RunScan, result: pl.DataFrame) -> dict[str, tuple[pl.DataFrame, str]]:

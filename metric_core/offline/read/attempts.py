@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import polars as pl
 
-from metric_core.errors import PlanError
+from metric_core.errors import PlanError, opt
 from metric_core.offline.read.report import ReadReport
 
 REWIND, ALL = "rewind", "all"
@@ -93,11 +93,11 @@ def _said(a: Attempt) -> str:
     why = (
         f"replaced by attempt {a.replaced_by}, which restarted at step {a.restarted_at}"
         if a.replaced_by is not None
-        else "not of the attempt --attempts chose"
+        else f"not of the attempt {opt('attempts')}chose"
     )
     return (
         f"{a.process} (rank {a.rank}): {a.replaced} record(s) of steps {lo}-{hi} of attempt {a.attempt} "
-        f"(started {_when(a.started)}) {why}; --attempts all keeps them"
+        f"(started {_when(a.started)}) {why}; {opt('attempts')}'all' keeps them"
     )
 
 

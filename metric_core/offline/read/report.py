@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from metric_core.errors import in_python, spell
 
 MAX_LINES_KEPT = 1000
 
@@ -120,8 +123,15 @@ class ReadReport:
             if s.attempt is None or latest.get((s.process, s.rank), s.attempt) == s.attempt
         }
 
-    def summary(self, max_files: int = 8, max_lines: int = 3) -> str:
-        """A short multi-line summary of every skip, for stderr; '' when nothing was skipped."""
+    def summary(
+        self, max_files: int = 8, max_lines: int = 3, spelled: Callable[[str], str] | None = in_python
+    ) -> str:
+        """A short multi-line summary of every skip, for stderr; '' when nothing was skipped.
+        Options it names are spelled by ``spelled`` (None: left marked, ``errors.spell``)."""
+        text = self._summary(max_files, max_lines)
+        return text if spelled is None else spell(text, spelled)
+
+    def _summary(self, max_files: int, max_lines: int) -> str:
         bad = [f for f in self.files if f.skipped or f.unreadable or f.skip_reasons]
         gaps = [f for f in self.files if f.dropped]
         if not (bad or gaps or self.skipped_paths or self.notices):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import MetricLogError, NotLoggedInError, PlanError
+from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, opt, spell
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -85,7 +85,13 @@ def upload_run(
     _check_together(plan, share_run)
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "dryrun") and not to.offline:
-        events.message("note", f"WANDB_MODE={mode} is set: writing offline runs, as with --offline")
+        events.message(
+            "note",
+            spell(
+                f"WANDB_MODE={mode} is set: writing offline runs, as {opt('offline', flag=True)} does",
+                events.spelled,
+            ),
+        )
         to = dataclasses.replace(to, offline=True)
     if mode == "disabled" and not dry_run:
         events.message("note", "WANDB_MODE=disabled is set: nothing is uploaded, as in a dry run")
@@ -138,14 +144,14 @@ def _check_together(plan: ReducePlan, share_run: bool) -> None:
 
     if share_run and plan.mode is LoggingMode.GLOBAL_REDUCE:
         raise PlanError(
-            "shares one W&B run among the sources of a per-rank mode; {mode}'global_reduce' "
+            f"shares one W&B run among the sources of a per-rank mode; {opt('mode')}'global_reduce' "
             "makes one run already",
             option="share_run",
             value=True,
         )
     if plan.by == "time" and plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         raise PlanError(
-            "groups reduced values into windows; {mode}'per_rank_no_reduce' uploads every raw "
+            f"groups reduced values into windows; {opt('mode')}'per_rank_no_reduce' uploads every raw "
             "record at its step (its timestamp is in each row)",
             option="by",
             value="time",
@@ -172,7 +178,7 @@ def _prepare(
             plan,
             strict=strict,
             follow_symlinks=follow_symlinks,
-            on_read=lambda r: read.append(r.summary()),
+            on_read=lambda r: read.append(r.summary(spelled=None)),  # spelled by the caller
             on_progress=on_progress,
         )
         upload = changed_files_said(plan_upload)(result, **mapping)
@@ -188,14 +194,14 @@ def _received(work: Callable[[], UploadPlan], events: UploadEvents) -> UploadPla
         return work()
     except MetricLogError as exc:
         if exc.read_summary:
-            events.message("warning", exc.read_summary)
+            events.message("warning", spell(exc.read_summary, events.spelled))
         raise
 
 
 def _said(upload: UploadPlan, events: UploadEvents) -> UploadPlan:
     """What the user should know before anything is sent: skips, renamed keys, W&B's limits."""
     if upload.read_summary:
-        events.message("warning", upload.read_summary)
+        events.message("warning", spell(upload.read_summary, events.spelled))
     if upload.identity_from == "content":
         events.message(
             "note",
@@ -205,7 +211,7 @@ def _said(upload: UploadPlan, events: UploadEvents) -> UploadPlan:
     for original, safe in upload.key_mapping.items():
         events.message("note", f"key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)")
     for warning in upload.warnings:
-        events.message("warning", warning)
+        events.message("warning", spell(warning, events.spelled))
     for note in upload.unmatched:
         events.message("warning", note.said(events.spelled))
     return upload

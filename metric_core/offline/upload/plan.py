@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metric_core.errors import PlanError
+from metric_core.errors import PlanError, opt
 from metric_core.metric import LoggingMode
 
 if TYPE_CHECKING:  # a plan is built with polars; it is read (and sent) without it
@@ -439,18 +439,20 @@ def limit_warnings(runs: list[PlannedRun]) -> list[str]:
     if len(distinct) >= MAX_METRICS:
         warnings.append(
             f"{len(distinct):,} distinct metrics: W&B supports fewer than {MAX_METRICS:,} per project; "
-            "select keys with --key"
+            f"select keys with {opt('keys')}"
         )
     for r in runs:
         points = r.points
         if points and points > MAX_POINTS_PER_METRIC:
             warnings.append(
                 f"run {r.name}: up to {points:,} points per metric; W&B shows at most "
-                f"{MAX_POINTS_PER_METRIC:,}: bucket with --by time --every 10s (or coarser)"
+                f"{MAX_POINTS_PER_METRIC:,}: bucket with {opt('by')}'time' {opt('every')}'10s' (or coarser)"
             )
         widest = 64 * (len(r.keys) + 2)
         if widest > MAX_LOG_BYTES:
-            warnings.append(f"run {r.name}: a history row may exceed W&B's 25 MB per log call; use --key")
+            warnings.append(
+                f"run {r.name}: a history row may exceed W&B's 25 MB per log call; use {opt('keys')}"
+            )
     return warnings
 
 
