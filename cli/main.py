@@ -246,6 +246,44 @@ def plot(
     output.say("info", f"wrote {out}")
 
 
+@app.command(cls=_Command, short_help="Follow a run while it is written; catch hung sources.")
+def watch(
+    run_dir: o.RunDir,
+    interval: o.Interval = 2.0,
+    on_stall: o.OnStall = None,
+    exit_on_stall: o.ExitOnStall = False,
+    attempts: o.Attempts = "rewind",
+    follow_symlinks: o.FollowSymlinks = False,
+) -> None:
+    """Follow a run while it is written: its sources' state, and the ones that hang.
+
+    Exit 0 once every source finished, 3 on a stall with --exit-on-stall, 130 on Ctrl-C.
+
+    Example:
+
+    \b
+        metriclog watch runs/exp1 --on-stall 'echo "$METRICLOG_PROCESS hung at step $METRICLOG_LAST_STEP"'
+    """
+    from metric_core.offline.watch import STOPPED, watch_run
+
+    commands = output.StallCommands(on_stall, run_dir)
+    with errors_to_exit(), output.WatchDisplay() as show, commands:
+        try:
+            result = watch_run(
+                run_dir,
+                interval=interval,
+                on_poll=show.poll,
+                on_stall=commands.run,
+                on_waiting=show.waiting,
+                exit_on_stall=exit_on_stall,
+                follow_symlinks=follow_symlinks,
+                attempts=attempts,
+            )
+        except KeyboardInterrupt:
+            raise typer.Exit(STOPPED) from None
+    raise typer.Exit(result.code)
+
+
 def main() -> None:
     tuning.apply()
     # A stop by SIGTERM (timeout, Slurm, docker stop) is a Ctrl-C: what a command made in

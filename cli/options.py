@@ -174,3 +174,22 @@ def plan(
         steps=steps,
         attempts=attempts,
     )
+
+
+# watch
+Interval = Annotated[
+    float,
+    typer.Option("--interval", metavar="SECONDS", min=0.05, help="Seconds between two looks at the run."),
+]
+OnStall = Annotated[
+    str | None,
+    typer.Option(
+        "--on-stall",
+        metavar="CMD",
+        help="Run CMD (a shell command) once per stalled source, with METRICLOG_PROCESS, METRICLOG_RANK, "
+        "METRICLOG_LAST_STEP, METRICLOG_SILENT_S and METRICLOG_RUN_DIR in its environment.",
+    ),
+]
+ExitOnStall = Annotated[
+    bool, typer.Option("--exit-on-stall", help="Stop at the first stall, with exit code 3.")
+]

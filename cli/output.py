@@ -470,3 +470,130 @@ def _progress() -> Any:
         TimeRemainingColumn(),
     )
     return Progress(*columns, console=Console(stderr=True), transient=False)
+
+
+class WatchDisplay:
+    """What ``metriclog watch`` shows: on a terminal, a table of the sources redrawn in
+    place after each poll; otherwise a line per change (a source seen, its state changed)."""
+
+    def __init__(self) -> None:
+        self.live: Any = None
+        self.states: dict[tuple[str, int], str] = {}
+
+    def __enter__(self) -> WatchDisplay:
+        if sys.stdout.isatty():
+            from rich.live import Live
+
+            self.live = Live(auto_refresh=False, transient=False)
+            self.live.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+    def poll(self, report: InspectReport) -> None:
+        if self.live is not None:
+            self.live.update(_watch_table(report), refresh=True)
+            return
+        from metric_core.clock import local_time
+
+        for s in report.sources:
+            state = watch_state(s)
+            if self.states.get((s.process, s.rank)) != state:
+                self.states[(s.process, s.rank)] = state
+                when = local_time(report.checked_at)
+                print(f"{when} {s.process} (rank {s.rank}) {state} at step {s.last_step}", flush=True)
+
+    def waiting(self, why: str) -> None:
+        if self.live is not None:
+            from rich.text import Text
+
+            self.live.update(Text(f"waiting for records: {why}"), refresh=True)
+        elif "waiting" not in self.states.values():
+            self.states[("", -1)] = "waiting"
+            say("info", f"waiting for records: {why}")
+
+
+def watch_state(s: Any) -> str:
+    """A source as watch names it: running, stalled, finished or stopped_early."""
+    if s.status == "finished":
+        return "finished"
+    if s.stalled:
+        return "stalled"
+    return "stopped_early" if s.status == "stopped_early" else "running"
+
+
+def _watch_table(report: InspectReport) -> Any:
+    from rich.table import Table
+    from rich.text import Text
+
+    from metric_core.clock import duration, local_time
+
+    table = Table(title=f"{report.name}: {local_time(report.checked_at)}", title_justify="left")
+    for name in ("process", "rank", "state", "step", "silent", "step time"):
+        table.add_column(name, justify="right" if name in ("rank", "step", "silent", "step time") else "left")
+    styles = {"stalled": "bold red", "stopped_early": "red", "finished": "green", "running": ""}
+    for s in report.sources:
+        state = watch_state(s)
+        table.add_row(
+            s.process,
+            str(s.rank),
+            Text(state, style=styles[state]),
+            str(s.last_step),
+            duration(s.silent_s),
+            duration(s.cadence_s) if s.cadence_s else "",
+        )
+    return table
+
+
+class StallCommands:
+    """``watch --on-stall CMD``: says each stall, and runs CMD for it (a shell command, not
+    waited for, with the source in its environment); waits for the commands at the end."""
+
+    def __init__(self, command: str | None, run_dir: Path) -> None:
+        self.command, self.run_dir = command, run_dir
+        self.children: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> StallCommands:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        for who, child in self.children:
+            try:
+                code = child.wait(timeout=STALL_COMMAND_WAIT_S)
+            except subprocess.TimeoutExpired:
+                waited = f"{STALL_COMMAND_WAIT_S:.0f} s"
+                say("warning", f"--on-stall command for {who} still runs after {waited}; left running")
+                continue
+            if code:
+                say("warning", f"--on-stall command for {who} exited with {code}")
+
+    def run(self, source: Any) -> None:
+        import subprocess
+
+        from metric_core.clock import duration
+
+        who = f"{source.process} (rank {source.rank})"
+        pace = f", steps every {duration(source.cadence_s)}" if source.cadence_s else ""
+        say(
+            "warning",
+            f"{who} stalled at step {source.last_step}: silent for {duration(source.silent_s)}{pace}",
+        )
+        if self.command is None:
+            return
+        env = {
+            **os.environ,
+            "METRICLOG_RUN_DIR": str(self.run_dir),
+            "METRICLOG_PROCESS": source.process,
+            "METRICLOG_RANK": str(source.rank),
+            "METRICLOG_LAST_STEP": str(source.last_step),
+            "METRICLOG_SILENT_S": f"{source.silent_s:.3f}",
+        }
+        self.children.append((who, subprocess.Popen(self.command, shell=True, env=env)))
+
+
+# How long watch waits, at its end, for the --on-stall commands it started.
+STALL_COMMAND_WAIT_S = 30.0

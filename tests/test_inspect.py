@@ -508,3 +508,33 @@ def test_plot_of_raw_points_by_time_windows(crashed, tmp_path, monkeypatch, raw_
     records = execute(dataclasses.replace(plan, by="step", every=None), scan_run(crashed)).frame
     every = set(zip(records["timestamp"].to_numpy() / 86400, records["value"].to_list(), strict=True))
     assert drawn <= every and (drawn == every) == (raw_points > 20)  # every point, or a subset
+
+
+def test_a_cache_kept_between_calls_reads_only_the_files_written_since(tmp_path, monkeypatch):
+    from metric_core.offline import inspect as inspect_module
+
+    read = []
+    aggregates = inspect_module._file_aggregates
+    monkeypatch.setattr(
+        inspect_module, "_file_aggregates", lambda frame, *a: read.append(1) or aggregates(frame, *a)
+    )
+    run = tmp_path / "run"
+    sealed = MetricCollector(run, rank=0, process_name="TrainActor_r0", flush_interval=3600)
+    for step in range(5):
+        sealed.push(Metric("x", float(step), Reduce.MEAN, T0 + step))
+        sealed.flush(step)
+    sealed.shutdown()  # a sealed segment: unchanged from now on
+    open_ = MetricCollector(run, rank=1, process_name="TrainActor_r1", flush_interval=3600)
+    open_.push(Metric("x", 0.0, Reduce.MEAN, T0))
+    open_.flush(0)
+    cache: dict = {}
+    first = inspect_run(run, cache=cache, now=T0 + 10)
+    assert len(read) == 2 and [s.last_step for s in first.sources] == [4, 0]
+    for step in (1, 2):
+        open_.push(Metric("x", float(step), Reduce.MEAN, T0 + step))
+        open_.flush(step)
+    second = inspect_run(run, cache=cache, now=T0 + 10)
+    assert len(read) == 3  # only the file written to since
+    assert [s.last_step for s in second.sources] == [4, 2]
+    assert second.to_dict() | {"checked_at": 0} == inspect_run(run, now=T0 + 10).to_dict() | {"checked_at": 0}
+    open_.shutdown()

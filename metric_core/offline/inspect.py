@@ -72,6 +72,10 @@ class SourceHealth:
     status: str  # "finished", "stopped_early" or "unfinished"
     # Each init() of the source that wrote into the run (a restart is a new one), oldest first.
     attempts: list[Attempt] = field(default_factory=list)
+    silent_s: float = 0.0  # the wall clock (the report's checked_at) minus its newest record
+    # Not finished, and silent against the wall clock for longer than the stop rule allows
+    # (judged once it has a cadence): a hang, even when every source hangs together.
+    stalled: bool = False
 
 
 @dataclass
@@ -154,10 +158,13 @@ def inspect_run(
     on_read: OnRead | None = None,
     on_progress: OnProgress | None = None,
     now: float | None = None,
+    cache: dict[Any, Any] | None = None,
 ) -> InspectReport:
     """Per-source health and what stopped first, for a run directory (or a scan of one);
     ``on_progress`` is called after each file is read; ``now`` (the wall clock by default)
-    is what "still running" is judged against.
+    is what "still running" and a stall are judged against. ``cache`` (a dict kept between
+    calls, as ``watch_run`` does) keeps each file's aggregates while the file is unchanged,
+    so a call reads only the files written since the last.
 
     >>> report = inspect_run("sample_logs/rl_run")
     >>> report.first_to_stop.process, report.first_to_stop.last_step
@@ -170,7 +177,7 @@ def inspect_run(
     )
     if on_read is not None:
         on_read(scan.report)
-    per_step, per_key = _aggregate(scan, on_progress)
+    per_step, per_key = _aggregate(scan, on_progress, cache)
     steps = (
         per_step.lazy()
         .group_by("process", "rank", "step")
@@ -228,7 +235,10 @@ def inspect_run(
             )
         )
         silent = now - row["last_timestamp"]
-        if sources[-1].status == "unfinished" and _status(False, silent, typical, longest) == "unfinished":
+        quiet = _status(False, silent, typical, longest) == "stopped_early"
+        sources[-1].silent_s = silent
+        sources[-1].stalled = sources[-1].status != "finished" and typical is not None and quiet
+        if sources[-1].status == "unfinished" and not quiet:
             live = True
     # Only sources that stopped early are named as stopping first: sources that stopped
     # together, or are still writing, differ by noise.
@@ -275,7 +285,9 @@ def _strict_json(report: dict[str, Any]) -> str:
     return json.dumps(finite(report), indent=2, allow_nan=False)
 
 
-def _aggregate(scan: RunScan, on_progress: OnProgress | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+def _aggregate(
+    scan: RunScan, on_progress: OnProgress | None = None, cache: dict[Any, Any] | None = None
+) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Per (source, file, step) and per (source, key), a file at a time: each file is read
     once, and memory holds one file's columns, not the run's.
 
@@ -291,8 +303,12 @@ def _aggregate(scan: RunScan, on_progress: OnProgress | None = None) -> tuple[pl
     sizes = {fid: files[fid].size for fid in scan.parts}
     per_step, by_key = [], []
     done = 0
+    used = {}
     for n, (fid, frame) in enumerate(scan.parts.items(), 1):
-        if fid in vouched:
+        known = _file_identity(files[fid], sources[fid]) if cache is not None else None
+        if known is not None and known in cache:  # type: ignore[operator]
+            steps, keys = used[known] = cache[known]  # type: ignore[index]
+        elif fid in vouched:
             process, rank = sources[fid]  # type: ignore[misc]
             names = hashes if files[fid].hashed else None
             key = KEY_HASH if names is not None else "key"
@@ -303,12 +319,17 @@ def _aggregate(scan: RunScan, on_progress: OnProgress | None = None) -> tuple[pl
             steps, keys = steps.select(*source, pl.all()), keys.select(*source, pl.all())
         else:
             steps, keys = _file_aggregates(frame, ["process", "rank"], "key")
+        if known is not None:
+            used[known] = (steps, keys)
         file_id = pl.lit(fid, pl.Int32).alias("file_id")
         per_step.append(steps.select("process", "rank", file_id, pl.exclude("process", "rank")))
         by_key.append(keys.select("process", "rank", file_id, pl.exclude("process", "rank")))
         done += sizes[fid]
         if on_progress is not None:
             on_progress(n, len(scan.parts), done, sum(sizes.values()))
+    if cache is not None:  # files gone (a journal sealed) leave the cache
+        cache.clear()
+        cache.update(used)
     per_key = (
         pl.concat(by_key)
         .group_by("process", "rank", "key")
@@ -320,6 +341,14 @@ def _aggregate(scan: RunScan, on_progress: OnProgress | None = None) -> tuple[pl
         )
     )
     return pl.concat(per_step), per_key
+
+
+def _file_identity(rep: FileReport, source: Any) -> tuple[Any, ...] | None:
+    """What a file's aggregates depend on: the file as it was listed, before its records
+    were read (a file written to since is read again the next time), and how it was read."""
+    if rep.listed is None:
+        return None
+    return (str(rep.path), *rep.listed, rep.replaced_from, rep.hashed, source)
 
 
 def _file_aggregates(frame: pl.LazyFrame, by: list[str], key: str) -> tuple[pl.DataFrame, pl.DataFrame]:

@@ -60,8 +60,8 @@ def plot_run(
 
     >>> from metric_core import make_plan
     >>> fig = plot_run("sample_logs/rl_run", make_plan(keys=["trainer/loss"]))
-    >>> fig.axes[0].get_ylabel()
-    'trainer/loss'
+    >>> fig.axes[0].get_ylabel().splitlines()  # the key, and the statistic its line shows
+    ['trainer/loss', '(mean)']
     """
     if out is not None and Path(out).suffix.lower() != ".png":
         raise PlanError("is not a PNG file: name it FILE.png", option="out", value=str(out))

@@ -30,6 +30,7 @@ and checked, bad ones counted by reason) and ``report`` (the health report).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -238,6 +239,9 @@ def scan_run(
     for path in paths:
         suffix = path.suffix
         rep = FileReport(path=path, format=suffix.lstrip("."))
+        with contextlib.suppress(OSError):
+            stat = path.stat()
+            rep.listed = (stat.st_size, stat.st_mtime_ns)
         report.files.append(rep)
         if path in superseded:
             rep.superseded_by = superseded[path]

@@ -43,6 +43,9 @@ class FileReport:
     # Another tool's file whose footer says all its records are of one (process, rank):
     # the engine reads it with that source's files (attempts do not apply to it).
     single_source: tuple[str, int] | None = None
+    # (bytes, mtime in ns) before its records were read: a file that still shows these was
+    # read whole (what ``inspect_run``'s cache keys a file's aggregates on).
+    listed: tuple[int, int] | None = None
 
     @property
     def size(self) -> int:
