@@ -150,13 +150,20 @@ def upload(
     attempts: o.Attempts = "rewind",
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
+    follow: o.FollowOpt = False,
+    until_idle: o.UntilIdle = None,
+    interval: o.Interval = 2.0,
+    sources: o.Sources = None,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
 
-    Example:
+    With --follow, upload it live, beside the job that writes it.
+
+    Examples:
 
     \b
         metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
+        metriclog upload runs/exp1 --project rl --follow
     """
     from metric_core.offline.upload import Destination, upload_run
 
@@ -177,8 +184,9 @@ def upload(
                 follow_symlinks=follow_symlinks,
                 events=events,
                 on_progress=progress,
+                follow=o.follow(follow, interval, until_idle, sources),
             )
-        output.print_upload(result)
+        raise typer.Exit(output.print_upload(result))
 
 
 @app.command(cls=_Command, short_help="Tell what happened in a crashed or hung run.")

@@ -193,3 +193,46 @@ OnStall = Annotated[
 ExitOnStall = Annotated[
     bool, typer.Option("--exit-on-stall", help="Stop at the first stall, with exit code 3.")
 ]
+
+
+# upload --follow
+FollowOpt = Annotated[
+    bool,
+    typer.Option(
+        "--follow",
+        help="Upload the run while its job writes it, and end when every source shut down "
+        "(docs/live.md). Every other option works with it.",
+    ),
+]
+UntilIdle = Annotated[
+    str | None,
+    typer.Option(
+        "--until-idle",
+        metavar="DURATION",
+        help="With --follow: also end once no record came for DURATION (10s, 5m), uploading everything.",
+    ),
+]
+Sources = Annotated[
+    int | None,
+    typer.Option(
+        "--sources",
+        metavar="N",
+        min=1,
+        help="With --follow: no global step or window is complete before N sources wrote "
+        "(default: run.json's world_size).",
+    ),
+]
+
+
+def follow(on: bool, interval: float, until_idle: str | None, sources: int | None) -> Any:
+    """``upload_run``'s ``follow``, or None without ``--follow`` (its options alone are a usage error)."""
+    from metric_core.offline.plan import parse_duration
+    from metric_core.offline.upload import Follow
+
+    if not on:
+        given = [f for f, v in (("--until-idle", until_idle), ("--sources", sources)) if v is not None]
+        if given:
+            raise typer.BadParameter(f"{' and '.join(given)} go with --follow", param_hint=given[0])
+        return None
+    idle = parse_duration(until_idle, option="until_idle") if until_idle is not None else None
+    return Follow(interval=interval, until_idle=idle, sources=sources)

@@ -376,8 +376,18 @@ def print_inspect(report: InspectReport) -> None:
         typer.echo(line)
 
 
-def print_upload(result: UploadResult) -> None:
-    """A dry run's table of runs, or what happened to each run."""
+def print_upload(result: UploadResult) -> int:
+    """A dry run's table of runs, or what happened to each run; the exit code (130: a
+    follow stopped by Ctrl-C)."""
+    followed = result.followed
+    if followed is not None and followed.ended == "stopped":
+        for o in result.outcomes:
+            if o.action != "skipped":
+                say("info", f"stopped following {o.run.name} ({o.run_id}) after {o.rows_sent} rows")
+        say("info", "the same upload command with --follow continues where this one stopped")
+        return 130
+    if followed is not None and not result.outcomes:
+        say("warning", "no record came before the end: nothing was uploaded")
     if result.dry_run:
         print_rows(
             [
@@ -402,7 +412,7 @@ def print_upload(result: UploadResult) -> None:
             if o.message:
                 say("info", o.message)
         say("info", "dry run: nothing was uploaded")
-        return
+        return 0
     for o in result.outcomes:
         if o.message:
             say("info", o.message)
@@ -410,6 +420,7 @@ def print_upload(result: UploadResult) -> None:
             say("info", f"{o.action} {o.run.name} ({o.run_id}): {o.rows_sent} rows, {len(o.run.keys)} keys")
     if result.sync_dirs:
         say("info", "offline runs written; upload them with:\n  wandb sync " + " ".join(result.sync_dirs))
+    return 0
 
 
 @contextmanager

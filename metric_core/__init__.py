@@ -33,6 +33,7 @@ _EXPORTS = {
     "aflush": "metric_core.writer.api",
     "shutdown": "metric_core.writer.api",
     "get_collector": "metric_core.writer.api",
+    "start_sidecar": "metric_core.writer.sidecar",
     "MetricCollector": "metric_core.writer.collector",
     "LoggerBackend": "metric_core.writer.backends",
     # ground floor
@@ -58,6 +59,7 @@ _EXPORTS = {
     "InspectReport": "metric_core.offline.inspect",
     "plot_run": "metric_core.offline.plot",
     "upload_run": "metric_core.offline.upload",
+    "Follow": "metric_core.offline.upload",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -77,10 +79,11 @@ if TYPE_CHECKING:  # the same names, for type checkers
     from metric_core.offline.plan import ReducePlan, make_plan
     from metric_core.offline.plot import plot_run
     from metric_core.offline.read import ReadReport, RunScan, scan_run
-    from metric_core.offline.upload import upload_run
+    from metric_core.offline.upload import Follow, upload_run
     from metric_core.writer.api import aflush, flush, get_collector, init, record_metric, shutdown
     from metric_core.writer.backends import LoggerBackend
     from metric_core.writer.collector import MetricCollector
+    from metric_core.writer.sidecar import start_sidecar
 
 
 def __getattr__(name: str) -> Any:

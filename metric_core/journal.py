@@ -30,6 +30,7 @@ segment.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import zlib
@@ -106,10 +107,44 @@ class Decoded:
     valid_bytes: int = 0  # the length of the readable part
     attempt: dict[str, Any] = field(default_factory=dict)  # the header's attempt fields
     first_flush: int | None = None  # the step of the first F frame
+    # For a reader that follows the journal as it grows (``decode(..., after=)``): the key
+    # table, and where the records whose step is final end: after the last F or S frame
+    # (the records after it may still be relabelled by the next F frame).
+    codes: dict[int, tuple[str, str]] = field(default_factory=dict)
+    settled_bytes: int = 0  # in the file, from its start
+    settled_records: int = 0  # of ``table``'s rows, the first this many
+    last_flush: int | None = None  # the step of the last F frame
+    version: int = FORMAT  # from format 3 on, F frames label steps: before, every step is final
 
 
-def decode(data: bytes) -> Decoded:
-    """Decode a journal up to its last whole, intact frame; what is wrong is reported, not raised."""
+def decode(data: bytes, after: Decoded | None = None) -> Decoded:
+    """Decode a journal up to its last whole, intact frame; what is wrong is reported, not raised.
+
+    With ``after`` (an earlier decode of the same file), ``data`` is the file from
+    ``after.settled_bytes`` on: only what follows is decoded, with the header and key
+    table ``after`` read, so a reader that follows a growing journal reads each byte about
+    once. Positions and ``settled_bytes`` count from the file's start either way.
+    """
+    if after is None:
+        return _decode(data)
+    out = dataclasses.replace(
+        after,
+        table=None,
+        codes=dict(after.codes),
+        problems=[],
+        dropped=[],
+        truncated=False,
+        truncated_records=0,
+        unknown_codes=0,
+        pairs=[],
+        settled_records=0,
+    )
+    out.valid_bytes = after.settled_bytes
+    _frames(data, 0, after.settled_bytes, out, v1=after.version == 1)
+    return out
+
+
+def _decode(data: bytes) -> Decoded:
     out = Decoded()
     if not data:
         return out  # created, nothing written yet (or a failed first write, cut back)
@@ -126,6 +161,7 @@ def decode(data: bytes) -> Decoded:
             out.problems.append("not a metriclog journal (bad magic)")
         return out
     v1 = magic == _MAGIC_V1
+    out.version = {MAGIC: 3, _MAGIC_V2: 2, _MAGIC_V1: 1}[magic]
     head_size = 8 if v1 else 4 + _HEAD.size
     if len(data) < head_size:
         out.truncated = True
@@ -149,14 +185,21 @@ def decode(data: bytes) -> Decoded:
     except (ValueError, KeyError, TypeError):
         out.problems.append("journal header is not valid")
         return out
-    keys: dict[int, tuple[str, str]] = {}
+    out.valid_bytes = out.settled_bytes = head_size + hlen
+    _frames(data, head_size + hlen, 0, out, v1=v1)
+    return out
+
+
+def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None:
+    """Decode the frames of ``data`` from ``pos`` into ``out`` (``base``: where ``data``
+    starts in the file), up to the last whole, intact frame."""
+    keys = out.codes
     blocks: list[memoryview] = []
     steps: list[int] = []
     counts: list[int] = []
     covered = 0  # record frames before this index are labelled by an F frame already
     view = memoryview(data)
     frame = _FRAME_V1 if v1 else _FRAME
-    pos = out.valid_bytes = head_size + hlen
     while pos < len(data):
         if pos + frame.size > len(data):
             out.truncated = True
@@ -174,7 +217,7 @@ def decode(data: bytes) -> Decoded:
         payload = view[start:end]
         if not v1 and zlib.crc32(payload, zlib.crc32(data[pos : pos + 5])) != crc:
             out.problems.append(
-                f"frame at byte {pos} fails its checksum (the file is damaged); "
+                f"frame at byte {base + pos} fails its checksum (the file is damaged); "
                 f"its {len(data) - pos} byte(s) to the end are not read"
             )
             break
@@ -196,22 +239,26 @@ def decode(data: bytes) -> Decoded:
                 (flushed,) = _STEP.unpack_from(data, start)
                 steps[covered:] = [flushed] * (len(steps) - covered)
                 covered = len(steps)
+                out.last_flush = flushed
                 if out.first_flush is None:
                     out.first_flush = flushed
             elif kind == SHUTDOWN:
                 out.shutdown = float(json.loads(payload.tobytes())["timestamp"])
+                covered = len(steps)  # no F frame relabels anything after a clean end
             else:
                 raise ValueError(f"unknown frame type {kind!r}")
         except (ValueError, TypeError, KeyError) as exc:
-            out.problems.append(f"frame at byte {pos} is not valid ({exc}); the rest is not read")
+            out.problems.append(f"frame at byte {base + pos} is not valid ({exc}); the rest is not read")
             break
         pos = end
-        out.valid_bytes = pos
+        out.valid_bytes = base + pos
+        if kind in (FLUSH, SHUTDOWN) or out.version < 3:
+            out.settled_bytes = out.valid_bytes
+            out.settled_records = sum(counts)
     if blocks:
         rows = np.frombuffer(b"".join(blocks), dtype=np.float64).reshape(-1, 3)
         step_col = np.repeat(np.asarray(steps, dtype=np.int64), counts)
         out.table = _to_table(rows, step_col, keys, out)
-    return out
 
 
 def _to_table(

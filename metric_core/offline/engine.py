@@ -180,7 +180,7 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
 
 def _finished(
     plan: ReducePlan,
-    scan: RunScan,
+    scan: RunScan | None,
     acc: partials.Accumulator,
     t0: float | None,
     recorded: dict[str, str],
@@ -206,6 +206,23 @@ def _finished(
 
 # The groups of one frame of a result, at most (in whole blocks of steps)
 TAKEN_GROUPS = 1 << 17
+
+
+def reduce_records(
+    plan: ReducePlan, records: pl.DataFrame, t0: float | None, recorded: dict[str, str]
+) -> pl.DataFrame:
+    """The reduction of ``records`` (in the record schema, every record of each group they
+    touch), computed as ``execute`` computes it: one partition's states, taken whole.
+    ``t0`` anchors ``--by time`` windows; ``recorded`` holds each key's statistic in earlier
+    results (a key that changes its reduction is an error). For a caller that sees a run
+    a part at a time (``upload --follow``)."""
+    acc = partials.Accumulator()
+    try:
+        acc.add(partials.partition_states(records, plan, _statistic_chooser(plan), t0))
+        frames = list(_finished(plan, None, acc, t0, recorded, math.inf))
+    finally:
+        acc.close()
+    return pl.concat(frames) if frames else pl.DataFrame()
 
 
 def _single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
@@ -475,7 +492,7 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
 
 
 def _check_reductions(
-    plan: ReducePlan, scan: RunScan, merged: pl.DataFrame, recorded: dict[str, str]
+    plan: ReducePlan, scan: RunScan | None, merged: pl.DataFrame, recorded: dict[str, str]
 ) -> None:
     """A key recorded with two reductions (and no override) is an error, as is a reduction
     that is not a statistic; ``recorded`` holds each key's statistic in earlier results."""
@@ -483,7 +500,7 @@ def _check_reductions(
     for key, reductions in per_key.iter_rows():
         if len(reductions) > 1 or recorded.setdefault(key, reductions[0]) != reductions[0]:
             found = sorted({*reductions, recorded.get(key, reductions[0])})
-            origins = _reduction_origins(plan, scan, key)
+            origins = _reduction_origins(plan, scan, key) if scan is not None else {}
             raise MixedReductionError(key, origins if len(origins) > 1 else {r: [] for r in found})
     unknown = {key: r[0] for key, r in per_key.iter_rows() if not partials.is_statistic(r[0])}
     if unknown:

@@ -173,14 +173,15 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(text: str) -> float:
-    """``10s``, ``500ms``, ``2m``, ``1.5h`` or plain seconds -> seconds."""
+def parse_duration(text: str, option: str = "every") -> float:
+    """``10s``, ``500ms``, ``2m``, ``1.5h`` or plain seconds -> seconds (``option``: the
+    parameter a bad one is said of)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|min|m|h|d)?\s*", text)
     if not m:
-        raise PlanError("is not a duration like 10s, 500ms, 5m or 1h", option="every", value=text)
+        raise PlanError("is not a duration like 10s, 500ms, 5m or 1h", option=option, value=text)
     seconds = float(m.group(1)) * _UNITS[m.group(2) or "s"]
     if seconds <= 0:
-        raise PlanError("must be longer than zero", option="every", value=text)
+        raise PlanError("must be longer than zero", option=option, value=text)
     return seconds
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from metric_core.writer.collector import MetricCollector, _as_float, _now
 from metric_core.writer.segments import MAX_UNWRITTEN
 
 _active: MetricCollector | None = None
+_sidecar: tuple[subprocess.Popen[bytes], float] | None = None  # the child started by init(sidecar=)
+WAIT_S = 120.0  # how long shutdown() waits for the sidecar, unless sidecar={"wait": ...}
 
 
 def init(
@@ -39,6 +42,7 @@ def init(
     fsync: bool = False,
     on_flush_error: str = "raise",
     max_unwritten: int = MAX_UNWRITTEN,
+    sidecar: dict[str, Any] | None = None,
 ) -> MetricCollector:
     """Start recording this process's metrics into ``run_dir``.
 
@@ -54,6 +58,12 @@ def init(
     resume from) when restarting; without it, the records before the first flush are
     stamped with that first flush's step all the same, and a first flush far beyond 0
     warns.
+
+    ``sidecar`` starts ``metriclog upload RUN_DIR --follow`` as a child process of this
+    one, with ``upload_run``'s options (``{"project": "rl", "mode": "global_reduce"}``):
+    the run reaches W&B while it trains, from one process of the job (give it on one
+    rank only). ``shutdown()`` waits for it to hand over the last rows (``"wait"``
+    seconds at most, 120 by default). See docs/live.md.
 
     ``on_flush_error`` says what a ``flush()`` does when its records cannot be made
     durable (a full disk, a deleted run directory): ``"raise"`` a ``WriteError``, or
@@ -91,6 +101,15 @@ def init(
     if rank == 0:
         _write_run_json(Path(run_dir), world_size=world_size, config=config)
     _bind(collector)
+    if sidecar is not None:
+        global _sidecar
+        from metric_core.writer.sidecar import start_sidecar
+
+        try:
+            _sidecar = (start_sidecar(run_dir, **sidecar), float(sidecar.get("wait", WAIT_S)))
+        except BaseException:
+            shutdown()
+            raise
     return collector
 
 
@@ -148,9 +167,20 @@ async def aflush(step: int | None = None, *, return_state: bool = False) -> Any:
 
 def shutdown() -> None:
     """Flush, close backends and mark this source as cleanly finished."""
+    global _sidecar
     if _active is not None:
         _active.shutdown()
         _bind(None)
+    if _sidecar is not None:
+        child, wait = _sidecar
+        _sidecar = None
+        try:
+            child.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            warn(
+                f"the metriclog sidecar (pid {child.pid}) is still uploading after {wait:.0f} s; it goes "
+                "on without this process (its log: RUN_DIR/.metriclog/sidecar.log)"
+            )
 
 
 def get_collector() -> MetricCollector:

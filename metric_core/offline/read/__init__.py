@@ -59,6 +59,7 @@ from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, 
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import RECORD_OK
 from metric_core.schema import KEY_HASH
+from metric_core.segment import SegmentMeta
 
 __all__ = [
     "FileReport",
@@ -68,6 +69,7 @@ __all__ = [
     "RunScan",
     "Shutdown",
     "changed_files_said",
+    "read_sealed",
     "scan_run",
 ]
 
@@ -282,3 +284,24 @@ def scan_run(
         parts=dict(zip(file_ids, frames, strict=True)),
         pending=pending,
     )
+
+
+def read_sealed(
+    path: Path, report: ReadReport, meta: SegmentMeta | None
+) -> tuple[pl.DataFrame | None, FileReport]:
+    """One Parquet or JSONL file (a sealed segment, or another tool's file) read whole and
+    checked as ``scan_run`` reads it: its records, or None, and its report (in ``report``)."""
+    rep = FileReport(path=path, format=path.suffix.lstrip("."))
+    report.files.append(rep)
+    if meta is not None and meta.attempt is not None:
+        rep.attempt, rep.attempt_started = meta.attempt, meta.attempt_started
+        rep.attempt_first_step = meta.attempt_first_step
+    if path.suffix == ".parquet":
+        frame, trusted, check = scan_parquet(path, meta, rep, report)
+        if frame is not None and not trusted:
+            frames = [frame]
+            run_parquet_checks(frames, [(0, rep, check)])
+            frame = frames[0]
+    else:
+        frame = read_jsonl(path, meta, rep, report)
+    return (None if frame is None else frame.collect()), rep

@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, opt, spell
+from metric_core.errors import MetricLogError, NoDataError, NotLoggedInError, PlanError, opt, spell
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -34,8 +35,22 @@ from metric_core.offline.upload.send import (
 if TYPE_CHECKING:
     from metric_core.offline.plan import ReducePlan
     from metric_core.offline.read import OnProgress
+    from metric_core.offline.upload.follow import FollowState
 
-__all__ = ["Destination", "PlannedRun", "RunOutcome", "UploadEvents", "UploadResult", "upload_run"]
+__all__ = ["Destination", "Follow", "PlannedRun", "RunOutcome", "UploadEvents", "UploadResult", "upload_run"]
+
+
+@dataclass
+class Follow:
+    """How ``upload_run`` follows a run that is being written: a look every ``interval``
+    seconds; the end when every source finished, or ``until_idle`` seconds passed without
+    a new record, or ``stop`` is set; ``sources``: how many sources to wait for before a
+    global step is complete (default: run.json's world_size)."""
+
+    interval: float = 2.0
+    until_idle: float | None = None
+    sources: int | None = None
+    stop: threading.Event | None = None
 
 
 @dataclass
@@ -45,6 +60,7 @@ class UploadResult:
     plan: UploadPlan
     outcomes: list[RunOutcome] = field(default_factory=list)
     dry_run: bool = False  # asked for, or WANDB_MODE=disabled
+    followed: FollowState | None = None  # with ``follow``: how following went
 
     @property
     def sync_dirs(self) -> list[str]:
@@ -66,12 +82,14 @@ def upload_run(
     follow_symlinks: bool = False,
     events: UploadEvents | None = None,
     on_progress: OnProgress | None = None,
+    follow: Follow | None = None,
 ) -> UploadResult:
     """Reduce ``run_dir`` by ``plan`` and upload it to ``to`` (with ``dry_run``, only plan it).
 
     ``name`` defaults to the run directory's name, ``group`` to ``name``; ``share_run``
     puts every source of a per-rank mode in one run; ``on_progress`` follows the run's read
-    (in the reading child, when there is one). Raises ``NotLoggedInError`` for an
+    (in the reading child, when there is one). With ``follow``, the run is uploaded as it
+    is written, until its job ends (``Follow``, ``offline.upload.follow``). Raises ``NotLoggedInError`` for an
     online upload without credentials, ``StrictModeError`` when ``strict`` and records
     were skipped, ``UploadError`` when W&B fails for good.
 
@@ -99,6 +117,30 @@ def upload_run(
     if not dry_run and not to.offline and not has_credentials():
         raise NotLoggedInError()
     root = Path(run_dir)
+    if follow is not None:
+        from metric_core.offline.upload.follow import follow_upload
+
+        if not root.is_dir():
+            raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
+        upload, state = follow_upload(
+            root,
+            plan,
+            to,
+            name=name or root.resolve().name,
+            group=group,
+            share_run=share_run,
+            dry_run=dry_run,
+            force_new=force_new,
+            follow_symlinks=follow_symlinks,
+            strict=strict,
+            events=events,
+            request={"entity": to.entity, "project": to.project, "name": name, "group": group},
+            interval=follow.interval,
+            until_idle=follow.until_idle,
+            sources=follow.sources,
+            stop=follow.stop,
+        )
+        return UploadResult(upload, state.outcomes, dry_run=dry_run, followed=state)
     prepare = functools.partial(
         _prepare,
         root,

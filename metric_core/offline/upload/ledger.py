@@ -6,6 +6,7 @@ directory is not writable, and is replaced atomically on every update.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import time
@@ -21,14 +22,17 @@ class Ledger:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.entries: dict[str, dict[str, Any]] = {}
-        if path.exists():
-            try:
-                self.entries = json.loads(path.read_text()).get("runs", {})
-            except (OSError, ValueError) as exc:
-                raise UploadError(
-                    f"upload ledger {path} is damaged ({exc}); move it away to start over"
-                ) from None
+        self.entries: dict[str, dict[str, Any]] = self._read()
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        if not self.path.exists():
+            return {}
+        try:
+            return dict(json.loads(self.path.read_text()).get("runs", {}))
+        except (OSError, ValueError) as exc:
+            raise UploadError(
+                f"upload ledger {self.path} is damaged ({exc}); move it away to start over"
+            ) from None
 
     @classmethod
     def for_run_dir(cls, run_dir: Path, identity: str) -> Ledger:
@@ -71,14 +75,20 @@ class Ledger:
         return self.entries.get(run_id)
 
     def update(self, run_id: str, **fields: Any) -> None:
-        entry = self.entries.setdefault(run_id, {})
-        entry.update(fields, updated=time.time())
-        self.save()
-
-    def save(self) -> None:
-        replace_file(
-            self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode()
-        )
+        """Update one run's entry. Uploads of other runs of the same directory may run at
+        the same time (two modes followed side by side): the file is read again under a
+        lock and only this entry changes."""
+        lock = os.open(self.path.with_name(".uploads.lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self.entries = self._read()
+            entry = self.entries.setdefault(run_id, {})
+            entry.update(fields, updated=time.time())
+            replace_file(
+                self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode()
+            )
+        finally:
+            os.close(lock)  # and the lock with it
 
 
 def _refuse_links(*paths: Path) -> None:

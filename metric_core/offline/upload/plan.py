@@ -222,11 +222,12 @@ def run_id_for(identity: str, request: str, source: str | None) -> str:
     return f"ml-{digest[:16]}"
 
 
-def safe_keys(keys: list[str]) -> dict[str, str]:
+def safe_keys(keys: list[str], taken: set[str] | None = None) -> dict[str, str]:
     """W&B names for metric keys: characters W&B rejects or mangles replaced, ``_`` prefix
-    (reserved for W&B's own keys) and the x-axis names avoided, collisions numbered."""
+    (reserved for W&B's own keys) and the x-axis names avoided, collisions numbered (also
+    with the names in ``taken``, given to keys seen before)."""
     mapping: dict[str, str] = {}
-    taken: set[str] = set()
+    taken = set(taken or ())
     for key in sorted(keys):
         name = _SAFE_KEY.sub("_", key).strip() or "metric"
         if name.startswith("_"):

@@ -12,7 +12,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,7 +140,7 @@ def send_runs(
         import wandb
 
         init = wandb.init
-    sender = _Sender(plan, ledger, to, force_new, events or UploadEvents(), init, sleep)
+    sender = Sender(plan, ledger, to, force_new, events or UploadEvents(), init, sleep)
     return [sender.send(run) for run in plan.runs]
 
 
@@ -224,7 +224,10 @@ def decide(
 
 
 @dataclass
-class _Sender:
+class Sender:
+    """Hands planned runs to W&B: ``send`` a whole run, or ``open``, ``log_rows`` as they
+    come (``upload --follow``) and ``close``."""
+
     plan: UploadPlan
     ledger: Ledger
     to: Destination
@@ -234,10 +237,19 @@ class _Sender:
     sleep: Callable[[float], None]
 
     def send(self, run: PlannedRun) -> RunOutcome:
+        outcome, wb = self.open(run)
+        if wb is not None:
+            outcome.rows_sent = self._log(wb, run, outcome.run_id, outcome.rows_sent)
+        return outcome
+
+    def open(self, run: PlannedRun) -> tuple[RunOutcome, Any]:
+        """Start (or resume) the W&B run of ``run`` as its ledger entry says (``decide``):
+        what is done, with ``rows_sent`` the rows W&B holds already (where to go on from),
+        and the W&B run; None for a run skipped."""
         entry = find_entry(self.ledger, run, self.to)
         action, run_id, resume, message = decide(run, entry, self.to.offline, self.force_new)
         if action == "skipped":
-            return RunOutcome(run, action, run_id, (entry or {}).get("rows_sent", 0), message)
+            return RunOutcome(run, action, run_id, (entry or {}).get("rows_sent", 0), message), None
         start = 0
         self.ledger.update(
             run_id,
@@ -262,12 +274,26 @@ class _Sender:
             start = int(resume.removeprefix("from:"))
         elif resume:
             start = int(getattr(wb, "step", 0) or 0)  # rows the server already holds (_step counts them)
-            message = f"resuming {run.name} at row {start} of {run.rows}"
+            message = f"resuming {run.name} at row {start}" + (f" of {run.rows}" if run.rows else "")
         if run.x_axis is not None:
             wb.define_metric(run.x_axis)
             wb.define_metric("*", step_metric=run.x_axis)
-        sent = self._log(wb, run, run_id, start)
-        return RunOutcome(run, action, run_id, sent, message, sync_dir)
+        return RunOutcome(run, action, run_id, start, message, str(sync_dir) if sync_dir else None), wb
+
+    def log_rows(self, wb: Any, rows: Iterable[dict[str, Any]]) -> int:
+        """Hand ``rows`` to W&B (retrying what heals); how many were handed over."""
+        n = 0
+        for row in rows:
+            self._retry(functools.partial(wb.log, row), "logging to W&B")
+            n += 1
+        return n
+
+    def close(self, wb: Any, outcome: RunOutcome, *, finished: bool, **fields: Any) -> None:
+        """Finish the W&B run; the ledger says whether it holds everything (``finished``)."""
+        try:
+            self._retry(wb.finish, "finishing the W&B run")
+        finally:
+            self.ledger.update(outcome.run_id, rows_sent=outcome.rows_sent, finished=finished, **fields)
 
     def _start(self, run: PlannedRun, run_id: str, resume: str | None) -> Any:
         timeout = 0.9 * float(REPLAY_SETTINGS["init_timeout"])

@@ -1,0 +1,423 @@
+"""``upload --follow``: a running job's records, reduced and handed to W&B as they settle.
+
+Three parts, polled in a loop (``follow_upload`` in ``offline.upload``):
+
+* ``RunTail`` reads only what is new on each poll: an open journal from where its
+  settled part ended (``journal.decode(..., after=)``), a sealed segment once (the
+  records of the journal it replaces that were read already are skipped), another tool's
+  file once, as it is when first seen. A record is *settled* once its step is final: an
+  ``F`` frame (``flush(step)``) or the clean end covers it, or it is in a sealed segment.
+* ``Watermarks`` decide which buckets are complete: a source's step ``k`` once it flushed
+  ``k`` (the writer then stamps ``k + 1``); a ``global_reduce`` step once every *holding*
+  source did; a ``--by time`` window once every holding source's newest settled record is
+  past its end. A source stops holding the others back when it finished (a clean
+  ``shutdown()``) or ``inspect``'s rule calls it stopped early (silent, against the
+  newest record of the run, for longer than ten times its usual step time and twice its
+  longest pause). Until ``sources`` sources wrote (``run.json``'s ``world_size`` by
+  default), no step is complete, so ranks that start a little late are waited for.
+* Complete buckets are reduced by the engine's own partial states
+  (``engine.reduce_records``) and become history rows, in bucket order: a run's rows
+  are the same whichever poll produced them, which is what a restarted follower (and a
+  later plain ``upload``) continues from.
+
+A record that arrives for a bucket already handed over (a source that appears after the
+others passed its steps, a clock behind the others') cannot be added to its row: it is
+counted and said, and a plain ``upload`` after the job gives the exact rows.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from metric_core.metric import LoggingMode
+from metric_core.offline.engine import _filtered, _matching, reduce_records
+from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
+from metric_core.offline.plan import ReducePlan, key_matcher
+from metric_core.offline.read import ReadReport, read_sealed
+from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
+from metric_core.offline.read.report import rel
+from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
+from metric_core.segment import SegmentMeta
+
+Source = tuple[str, int]
+COLUMNS = ["process", "rank", "step", "key", "value", "reduction", "timestamp"]
+# Gaps between steps a source must have shown before it can be called stopped early: a
+# source that wrote one step is waited for, not dropped from the watermark.
+MIN_GAPS = 3
+
+
+@dataclass
+class SourceState:
+    """What the follower knows of one source."""
+
+    process: str
+    rank: int
+    done: int | None = None  # its highest complete step (it flushed it)
+    clock: float = -math.inf  # its newest settled record's timestamp
+    first: float = math.inf  # its earliest record's timestamp
+    finished: bool = False  # a clean shutdown
+    static: bool = False  # only in another tool's files: read once, holds nothing back
+    attempts: dict[str, tuple[float, int | None]] = field(default_factory=dict)  # id -> started, first step
+    gaps: list[float] = field(default_factory=list)  # between its steps' newest records
+    step_end: tuple[int, float] | None = None  # its newest step and that step's newest record
+
+    def note(self, steps: np.ndarray, times: np.ndarray) -> None:
+        """Settled records (in record order): their steps' cadence, and the clock."""
+        if not len(times):
+            return
+        self.clock = max(self.clock, float(times.max()))
+        self.first = min(self.first, float(times.min()))
+        ends = np.flatnonzero(np.r_[steps[1:] != steps[:-1], True])
+        for i in ends:
+            step, at = int(steps[i]), float(times[: i + 1][steps[: i + 1] == steps[i]].max())
+            if self.step_end is None or step > self.step_end[0]:
+                if self.step_end is not None:
+                    self.gaps.append(at - self.step_end[1])
+                self.step_end = (step, at)
+            elif step == self.step_end[0]:
+                self.step_end = (step, max(at, self.step_end[1]))
+
+    def stopped_early(self, newest: float) -> bool:
+        """``inspect``'s rule, against the newest record of the run."""
+        if self.finished or len(self.gaps) < MIN_GAPS:
+            return False
+        lag = newest - self.clock
+        typical, longest = statistics.median(self.gaps[-10_000:]), max(self.gaps)
+        return lag > 0 and lag > max(QUIET_FACTOR * typical, OWN_GAP_FACTOR * longest)
+
+    def holds(self, newest: float) -> bool:
+        return not (self.finished or self.static or self.stopped_early(newest))
+
+
+@dataclass
+class _Journal:
+    decoded: Any  # journal.Decoded of what was read so far
+    taken: int = 0  # settled records taken
+
+
+class RunTail:
+    """The records of a run directory that settled since the last ``poll``."""
+
+    def __init__(self, run_dir: Path, *, follow_symlinks: bool = False) -> None:
+        self.root = run_dir
+        self.follow_symlinks = follow_symlinks
+        self.journals: dict[Path, _Journal] = {}
+        self.done: set[Path] = set()  # sealed segments read, journals sealed since
+        self.sources: dict[Source, SourceState] = {}
+        self.notices: list[str] = []  # what the caller should say (each once)
+        self.meta: dict[str, Any] = {}
+        self.skipped = 0
+
+    def source(self, process: str, rank: int) -> SourceState:
+        return self.sources.setdefault((process, rank), SourceState(process, rank))
+
+    def poll(self) -> pl.DataFrame:
+        """The records settled since the last poll (``COLUMNS`` and ``attempt``), in file order."""
+        report = ReadReport(run_dir=self.root)
+        if not self.meta.get("run_id"):
+            self.meta = read_run_json(self.root, report)
+        frames = []
+        paths = list_data_files(self.root, report, follow_symlinks=self.follow_symlinks)
+        sealed = [p for p in paths if p.suffix != ".journal" and p not in self.done]
+        for path in sealed:  # first: a sealed segment ends the journal it replaces
+            frame = self._sealed(path, report)
+            if frame is not None:
+                frames.append(frame)
+        for path in paths:
+            if path.suffix == ".journal" and path not in self.done:
+                frame = self._journal(path)
+                if frame is not None:
+                    frames.append(frame)
+        for where, why in report.skipped_paths:
+            self._say(f"{rel(where, self.root)}: {why}")
+        for rep in report.files:
+            for reason, n in rep.skip_reasons.items():
+                self.skipped += n
+                self._say(f"{rel(rep.path, self.root)}: {n} record(s) skipped: {reason}")
+        if not frames:
+            return _empty()
+        return pl.concat(frames, how="vertical_relaxed")
+
+    def _say(self, text: str) -> None:
+        self.notices.append(text)
+
+    def _sealed(self, path: Path, report: ReadReport) -> pl.DataFrame | None:
+        self.done.add(path)
+        meta = writer_meta(path)
+        if isinstance(meta, Derived):
+            return None
+        skip = 0
+        if isinstance(meta, SegmentMeta):
+            journal = path.with_name(meta.supersedes)
+            tailed = self.journals.pop(journal, None)
+            self.done.add(journal)
+            skip = tailed.taken if tailed is not None else 0
+        frame, rep = read_sealed(path, report, meta if isinstance(meta, SegmentMeta) else None)
+        if rep.unreadable:
+            self._say(f"{rel(path, self.root)}: not read: {rep.unreadable}")
+        if frame is None:
+            frame = _empty()
+        frame = frame.select(COLUMNS).cast(POLARS_SCHEMA).slice(skip)  # type: ignore[arg-type]
+        if isinstance(meta, SegmentMeta) and meta.source is not None:
+            state = self.source(*meta.source)
+            attempt = meta.attempt or ""
+            first = meta.attempt_first_step if meta.attempt_first_step is not None else _low(frame)
+            state.attempts.setdefault(attempt, (meta.attempt_started or -math.inf, first))
+            if meta.steps is not None:
+                state.done = max(state.done if state.done is not None else meta.steps[1], meta.steps[1])
+            state.finished |= meta.clean_shutdown
+            state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
+            return frame.with_columns(attempt=pl.lit(attempt))
+        for (process, rank), part in frame.group_by("process", "rank", maintain_order=True):
+            state = self.source(str(process), int(rank))  # type: ignore[call-overload]
+            state.static = True
+            state.note(part["step"].to_numpy(), part["timestamp"].to_numpy())
+        return frame.with_columns(attempt=pl.lit(""))
+
+    def _journal(self, path: Path) -> pl.DataFrame | None:
+        from metric_core import journal  # pyarrow: only for runs that hold a journal
+
+        tail = self.journals.get(path)
+        start = 0 if tail is None else tail.decoded.settled_bytes
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except FileNotFoundError:
+            return None  # sealed meanwhile: the segment comes with the next poll
+        except OSError as exc:
+            self._say(f"{rel(path, self.root)}: not read: {exc}")
+            return None
+        decoded = journal.decode(data, after=None if tail is None else tail.decoded)
+        for problem in decoded.problems:
+            self._say(f"{rel(path, self.root)}: {problem}")
+        if decoded.process is None or decoded.rank is None:
+            return None  # nothing whole yet
+        if tail is None:
+            tail = self.journals[path] = _Journal(decoded)
+        tail.decoded = decoded
+        state = self.source(decoded.process, decoded.rank)
+        attempt = decoded.attempt.get("attempt") or ""
+        first = decoded.attempt.get("attempt_first_step", decoded.first_flush)
+        started = decoded.attempt.get("attempt_started") or -math.inf
+        if first is not None or attempt not in state.attempts:
+            state.attempts[attempt] = (started, first)
+        if decoded.last_flush is not None:
+            state.done = max(decoded.last_flush, state.done if state.done is not None else decoded.last_flush)
+        state.finished |= decoded.shutdown is not None
+        if decoded.table is None or not decoded.settled_records:
+            return None
+        frame = pl.from_arrow(decoded.table.slice(0, decoded.settled_records))
+        assert isinstance(frame, pl.DataFrame)
+        tail.taken += frame.height
+        ok = frame.select(plausible(pl.col("timestamp"))).to_series()
+        if not ok.all():
+            self.skipped += int((~ok).sum())
+            self._say(f"{rel(path, self.root)}: {int((~ok).sum())} record(s) skipped: {BAD_TIME}")
+            frame = frame.filter(ok)
+        frame = frame.select(COLUMNS).cast(POLARS_SCHEMA)  # type: ignore[arg-type]
+        state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
+        return frame.with_columns(attempt=pl.lit(attempt))
+
+
+def _empty() -> pl.DataFrame:
+    return pl.DataFrame(schema={c: POLARS_SCHEMA[c] for c in COLUMNS})
+
+
+def _low(frame: pl.DataFrame) -> int | None:
+    return None if frame.height == 0 else int(frame["step"].min())  # type: ignore[arg-type]
+
+
+@dataclass
+class Ready:
+    """A W&B run's rows that became complete on one poll: ``run`` is the process of a
+    per-rank run (None: the one run), ``rows`` the history rows in order."""
+
+    run: str | None
+    rows: list[dict[str, Any]]
+
+
+class Follower:
+    """Pending records, and the buckets that became complete (``ready``)."""
+
+    def __init__(self, plan: ReducePlan, *, share_run: bool, sources: int | None) -> None:
+        self.plan = plan
+        self.share_run = share_run
+        self.expected = sources
+        self.pending = _empty().with_columns(attempt=pl.lit("", pl.String))
+        self.raw = plan.mode is LoggingMode.PER_RANK_NO_REDUCE
+        self.per_source = plan.mode is not LoggingMode.GLOBAL_REDUCE and not share_run
+        self.sent: dict[str | None, float] = {}  # each run's last bucket handed over
+        self.sent_steps: dict[Source, int] = {}  # each source's highest step handed over
+        self.late: dict[Source, int] = {}  # records that came after their bucket was handed over
+        self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
+        self.t0: float | None = None
+        self.recorded: dict[str, str] = {}
+        self.mapping: dict[str, str] = {}
+        self.match = key_matcher(plan.keys) if plan.keys else None
+
+    def add(self, records: pl.DataFrame, sources: dict[Source, SourceState]) -> None:
+        """New settled records; what a restart of a source replaces is dropped (W&B's rewind)."""
+        if records.height:
+            kept = _filtered(self.plan, records.lazy(), [*COLUMNS, "attempt"]).collect()
+            self.pending = pl.concat([self.pending, _matching(kept, self.match)], how="vertical_relaxed")
+        if self.plan.attempts != "all":
+            self._rewind(sources)
+        self._drop_late()
+
+    def _rewind(self, sources: dict[Source, SourceState]) -> None:
+        for (process, rank), state in sources.items():
+            ordered = sorted(state.attempts.items(), key=lambda a: (a[1][0], a[0]))
+            for i, (attempt, _) in enumerate(ordered):
+                later = [first for _, (_, first) in ordered[i + 1 :] if first is not None]
+                if not later:
+                    continue
+                cut = min(later)
+                old = (
+                    (pl.col("process") == process)
+                    & (pl.col("rank") == rank)
+                    & (pl.col("attempt") == attempt)
+                    & (pl.col("step") >= cut)
+                )
+                self.pending = self.pending.filter(~old)
+                if (
+                    self.sent_steps.get((process, rank), -math.inf) >= cut
+                    and (process, rank) not in self.replaced
+                ):
+                    self.replaced[(process, rank)] = cut
+
+    def _bucket(self) -> pl.Expr:
+        """A record's bucket as ``sent`` holds it: its step, window number or (shared raw) time."""
+        if self.plan.by == "time":
+            assert self.t0 is not None
+            return ((pl.col("timestamp") - self.t0) / float(self.plan.every or 0)).floor()
+        if self.raw and self.share_run:
+            return pl.col("timestamp")
+        return pl.col("step").cast(pl.Float64)
+
+    def _drop_late(self) -> None:
+        """Records of buckets already handed over: counted (``late``), not sent."""
+        if not self.sent or (self.raw and self.per_source):  # a source's records come in order
+            return
+        if self.per_source:
+            sent = pl.col("process").replace_strict(self.sent, default=-math.inf, return_dtype=pl.Float64)
+        else:
+            sent = pl.lit(self.sent.get(None, -math.inf))
+        late = self._bucket() <= sent
+        found = self.pending.filter(late)
+        if found.height:
+            for process, rank, n in found.group_by("process", "rank").len().iter_rows():
+                self.late[(process, rank)] = self.late.get((process, rank), 0) + n
+            self.pending = self.pending.filter(~late)
+
+    def ready(self, sources: dict[Source, SourceState], ending: bool = False) -> list[Ready]:
+        """The rows of every bucket that became complete; with ``ending``, of every bucket."""
+        if not self.pending.height:
+            return []
+        if self.plan.by == "time" or (self.raw and self.share_run):
+            limit = self._mark(sources, ending, lambda s: s.clock)
+            if limit == -math.inf:
+                return []
+            if self.plan.by == "time" and self.t0 is None:
+                self.t0 = float(self.pending["timestamp"].min())  # type: ignore[arg-type]
+            if limit == math.inf:
+                done = pl.lit(True)
+            elif self.plan.by == "time":
+                assert self.t0 is not None
+                done = self._bucket() < math.floor((limit - self.t0) / float(self.plan.every or 0))
+            else:
+                done = pl.col("timestamp") <= limit
+        elif self.raw:
+            done = pl.lit(True)  # settled records of a source's own run: nothing to wait for
+        elif self.per_source:
+            marks = pl.DataFrame(
+                [
+                    (p, r, math.inf if ending or s.finished or s.static else _or_never(s.done))
+                    for (p, r), s in sources.items()
+                ],
+                schema={"process": pl.String, "rank": pl.Int64, "_mark": pl.Float64},
+                orient="row",
+            )
+            joined = self.pending.join(marks, on=["process", "rank"], how="left", maintain_order="left")
+            done = joined["step"].cast(pl.Float64) <= joined["_mark"]
+        else:
+            done = pl.col("step") <= self._mark(sources, ending, lambda s: _or_never(s.done))
+        complete = self.pending.filter(done)
+        if not complete.height:
+            return []
+        self.pending = self.pending.filter(~done)
+        for process, rank, step in complete.group_by("process", "rank").agg(pl.col("step").max()).iter_rows():
+            self.sent_steps[(process, rank)] = max(step, self.sent_steps.get((process, rank), step))
+        return self._rows(complete)
+
+    def _mark(
+        self, sources: dict[Source, SourceState], ending: bool, of: Callable[[SourceState], float]
+    ) -> float:
+        """The lowest ``of`` over the sources that hold the others back (inf: none does;
+        -inf: fewer sources than expected wrote so far)."""
+        if ending:
+            return math.inf
+        if len(sources) < (self.expected or 1):
+            return -math.inf
+        newest = max((s.clock for s in sources.values()), default=-math.inf)
+        return min((of(s) for s in sources.values() if s.holds(newest)), default=math.inf)
+
+    def _rows(self, complete: pl.DataFrame) -> list[Ready]:
+        plan, bucket = self.plan, self.plan.bucket
+        if self.raw:
+            out = complete.sort("timestamp", maintain_order=True) if self.share_run else complete
+        else:
+            out = reduce_records(plan, complete, self.t0, self.recorded)
+        self._map_keys(out["key"].unique().to_list())
+        key = pl.col("key").replace_strict(self.mapping, return_dtype=pl.String)
+        out = out.with_columns(key=pl.format("{}/{}", key, "process") if self.share_run else key)
+        ready = []
+        for part in out.partition_by("process", maintain_order=True) if self.per_source else [out]:
+            run = str(part["process"][0]) if self.per_source else None
+            if self.raw:
+                rows = [
+                    {k: v, bucket: b, "_timestamp": t}
+                    for k, v, b, t in part.select("key", "value", bucket, "timestamp").iter_rows()
+                ]
+                last = float(part["timestamp"].max())  # type: ignore[arg-type]
+            else:
+                rows = []
+                for (at,), group in part.group_by(bucket, maintain_order=True):
+                    rows.append({bucket: at, **dict(zip(group["key"], group["value"], strict=True))})
+                last = float(part[bucket].max())  # type: ignore[arg-type]
+                if plan.by == "time":
+                    assert self.t0 is not None
+                    last = round((last - self.t0) / float(plan.every or 0))
+            self.sent[run] = max(self.sent.get(run, -math.inf), last)
+            ready.append(Ready(run, rows))
+        return ready
+
+    def _map_keys(self, keys: list[str]) -> None:
+        from metric_core.offline.upload.plan import safe_keys
+
+        new = [k for k in keys if k not in self.mapping]
+        if new:
+            self.mapping.update(safe_keys(new, taken=set(self.mapping.values())))
+
+
+def _or_never(step: int | None) -> float:
+    return -math.inf if step is None else float(step)
+
+
+def expected_sources(meta: dict[str, Any]) -> int | None:
+    """``run.json``'s world size, when the writer recorded one."""
+    size = meta.get("world_size")
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def idle_for(sources: dict[Source, SourceState], now: float) -> float:
+    newest = max((s.clock for s in sources.values()), default=-math.inf)
+    return now - newest

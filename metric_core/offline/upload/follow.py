@@ -1,0 +1,307 @@
+"""``upload --follow``: the sidecar loop. Poll the run (``offline.follow``), hand each W&B
+run the rows that became complete, keep the ledger, end when the job did.
+
+A W&B run is opened when its first row is ready, as a plain upload opens it (``decide``):
+a run the ledger knows unfinished is resumed online (``resume="must"``, the rows W&B
+holds skipped: a run's rows are the same whichever poll made them) or, offline, written
+again whole under a fresh id (W&B cannot resume an offline run), the interrupted files
+removed. After each poll the ledger holds the rows handed over, so a follower killed at
+any instant and started again sends no row twice and misses none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metric_core.errors import StrictModeError
+from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
+from metric_core.offline.plan import ReducePlan
+from metric_core.offline.upload.ledger import Ledger
+from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_id_for
+from metric_core.offline.upload.send import Destination, RunOutcome, Sender, UploadEvents, decide, find_entry
+
+NEVER = 1 << 62  # rows to skip of a run that is skipped
+# How ``follow_upload`` ended: every source finished, idle for ``until_idle``, or ``stop``.
+FINISHED, IDLE, STOPPED = "finished", "idle", "stopped"
+
+
+@dataclass
+class FollowedRun(PlannedRun):
+    """A W&B run filled as the job writes: its rows are not known ahead."""
+
+    sent: int = 0  # rows handed over (or, in a dry run, that would be)
+
+    def first_row_from(self, step: int) -> int | None:
+        return None  # a restart's rewind is replayed from a fresh run (see ``decide``)
+
+    @property
+    def rows(self) -> int:
+        return self.sent
+
+
+@dataclass
+class _Open:
+    run: FollowedRun
+    outcome: RunOutcome
+    wb: Any  # None: skipped, or a dry run
+    skip: int = 0  # rows W&B holds already (a resumed run): the first ones made are not sent
+
+
+@dataclass
+class FollowState:
+    """What a follow did so far: for the caller's display and its closing lines."""
+
+    ended: str = ""
+    polls: int = 0
+    records: int = 0
+    outcomes: list[RunOutcome] = field(default_factory=list)
+    late: dict[tuple[str, int], int] = field(default_factory=dict)
+    sources: dict[tuple[str, int], SourceState] = field(default_factory=dict)
+
+
+def follow_upload(
+    root: Path,
+    plan: ReducePlan,
+    to: Destination,
+    *,
+    name: str,
+    group: str | None,
+    share_run: bool,
+    dry_run: bool,
+    force_new: bool,
+    follow_symlinks: bool,
+    strict: bool,
+    events: UploadEvents,
+    request: dict[str, Any],
+    interval: float = 2.0,
+    until_idle: float | None = None,
+    sources: int | None = None,
+    stop: threading.Event | None = None,
+    init: Callable[..., Any] | None = None,
+) -> tuple[UploadPlan, FollowState]:
+    """Follow ``root`` until every source finished, ``until_idle`` seconds pass without a
+    new record, or ``stop`` is set (Ctrl-C: what is ready is handed over first)."""
+    stop = stop or threading.Event()
+    state = FollowState()
+    key = request_key(plan, request, share_run)
+    while True:
+        pass_ = _Pass(
+            root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
+        )
+        pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
+        pass_.follower = Follower(plan, share_run=share_run, sources=sources)
+        force_new = False  # a fresh id is for the first pass only
+        try:
+            ended = pass_.run(stop, interval, until_idle, state, sources is None)
+        except BaseException:
+            pass_.close(finished=False)
+            raise
+        pass_.close(finished=ended in (FINISHED, IDLE))
+        state.outcomes = [o.outcome for o in pass_.runs.values()]
+        if ended != "replaced":
+            state.ended = ended
+            return pass_.upload, state
+
+
+@dataclass
+class _Pass:
+    """One reading of the run from its start; a restart of a source that replaces rows
+    already handed over ends it, and the next pass writes fresh runs."""
+
+    root: Path
+    plan: ReducePlan
+    to: Destination
+    name: str
+    group: str
+    share_run: bool
+    dry_run: bool
+    force_new: bool
+    strict: bool
+    events: UploadEvents
+    key: str
+    init: Callable[..., Any] | None
+    tail: RunTail = field(init=False)
+    follower: Follower = field(init=False)
+    runs: dict[str | None, _Open] = field(default_factory=dict)
+    upload: UploadPlan = field(default_factory=lambda: UploadPlan(runs=[]))
+    sender: Sender | None = None
+    said: int = 0
+
+    def run(
+        self, stop: threading.Event, interval: float, until_idle: float | None, state: FollowState, wait: bool
+    ) -> str:
+        last_new = time.monotonic()
+        while True:
+            records = self.tail.poll()
+            state.polls += 1
+            state.records += records.height
+            state.sources = self.tail.sources
+            for notice in self.tail.notices[self.said :]:
+                self.events.message("warning", notice)
+            self.said = len(self.tail.notices)
+            if self.strict and self.tail.skipped:
+                raise StrictModeError(f"{self.tail.skipped} record(s) skipped (said above)")
+            if wait and self.follower.expected is None:
+                self.follower.expected = expected_sources(self.tail.meta)
+            self.follower.add(records, self.tail.sources)
+            if self.follower.replaced:
+                self.events.message("warning", _replaced(self.follower.replaced))
+                return "replaced"
+            if records.height:
+                last_new = time.monotonic()
+            finished = bool(self.tail.sources) and all(
+                s.finished or s.static for s in self.tail.sources.values()
+            )
+            idle = until_idle is not None and time.monotonic() - last_new >= until_idle
+            self._send(self.follower.ready(self.tail.sources, ending=finished or idle))
+            for source, n in self.follower.late.items():
+                if state.late.get(source) != n:
+                    self.events.message("warning", _late(source, n))
+            state.late = dict(self.follower.late)
+            if finished or idle:
+                return FINISHED if finished else IDLE
+            try:
+                if stop.wait(interval):
+                    raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                self._send(self.follower.ready(self.tail.sources))  # what is complete goes first
+                return STOPPED
+
+    def _send(self, ready: list[Ready]) -> None:
+        for part in ready:
+            if not part.rows:
+                continue
+            opened = self.runs.get(part.run) or self._open(part.run)
+            run = opened.run
+            keys = {k for row in part.rows for k in row if k not in (run.bucket, "_timestamp")}
+            run.keys = sorted({*run.keys, *keys})
+            rows = part.rows[max(0, opened.skip - run.sent) :]
+            if opened.wb is not None:
+                assert self.sender is not None
+                opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows)
+            run.sent += len(part.rows)
+        if ready and self.sender is not None:
+            for opened in self.runs.values():
+                if opened.wb is not None:
+                    self.sender.ledger.update(
+                        opened.outcome.run_id,
+                        rows_sent=opened.outcome.rows_sent,
+                        attempts=self._attempts(opened.run.source),
+                    )
+
+    def _open(self, process: str | None) -> _Open:
+        identity = _identity(self.tail)
+        if not self.upload.identity:
+            self.upload.identity = identity
+            self.upload.config = _config(self.tail.meta, self.plan)
+        raw = self.follower.raw
+        run = FollowedRun(
+            run_id=run_id_for(identity, self.key, process),
+            name=self.name if process is None else f"{self.name}_{process}",
+            group=None if process is None else self.group,
+            source=process,
+            columns={},
+            x_axis=None if raw else self.plan.bucket,
+            keys=[],
+            raw=raw,
+            bucket=self.plan.bucket,
+            attempts=self._attempts(process),
+        )
+        self.upload.runs.append(run)
+        if self.dry_run:
+            entry = find_entry(Ledger.existing(self.root, identity), run, self.to)
+            action, run_id, _, message = decide(run, entry, self.to.offline, self.force_new)
+            opened = _Open(run, RunOutcome(run, action, run_id, 0, message), None)
+        else:
+            if self.sender is None:
+                ledger = Ledger.for_run_dir(self.root, identity)
+                to = self.to
+                if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
+                    to = Destination(to.project, to.entity, to.offline, ledger.path.parent)
+                self.sender = Sender(
+                    self.upload,
+                    ledger,
+                    to,
+                    self.force_new,
+                    self.events,
+                    self.init or _wandb_init(),
+                    time.sleep,
+                )
+            outcome, wb = self.sender.open(run)
+            if outcome.message:
+                self.events.message("info", outcome.message)
+            opened = _Open(run, outcome, wb, skip=outcome.rows_sent if wb is not None else NEVER)
+            if wb is not None:
+                self.events.message("info", f"following into {run.name} ({outcome.run_id})")
+        self.runs[process] = opened
+        return opened
+
+    def _attempts(self, process: str | None) -> list[str]:
+        return sorted(
+            {a for (p, _), s in self.tail.sources.items() if process in (None, p) for a in s.attempts if a}
+        )
+
+    def close(self, *, finished: bool) -> None:
+        for opened in self.runs.values():
+            if opened.wb is not None and self.sender is not None:
+                self.sender.close(
+                    opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
+                )
+                opened.wb = None
+
+
+def _wandb_init() -> Callable[..., Any]:
+    import wandb
+
+    return wandb.init
+
+
+def _identity(tail: RunTail) -> str:
+    """``run_id`` from run.json; else the sources and their first record times (as
+    ``run_identity``: the same ids a plain upload of the finished run uses)."""
+    given = tail.meta.get("run_id")
+    if given:
+        return str(given)
+    firsts = [[p, r, s.first] for (p, r), s in sorted(tail.sources.items())]
+    return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
+
+
+def _config(meta: dict[str, Any], plan: ReducePlan) -> dict[str, Any]:
+    config = dict(meta.get("config") or {})
+    config["metriclog"] = {
+        "mode": plan.mode.value,
+        "by": plan.by,
+        "every": plan.every,
+        "reduce": {pattern: stat.name for pattern, stat in plan.overrides},
+        "keys": list(plan.keys),
+        "ranks": [list(r) for r in plan.ranks],
+        "steps": list(plan.steps) if plan.steps else None,
+        "attempts": plan.attempts,
+        "followed": True,
+    }
+    return config
+
+
+def _late(source: tuple[str, int], n: int) -> str:
+    return (
+        f"{source[0]} (rank {source[1]}): {n} record(s) came after their step or window was handed to W&B "
+        "(a source that started late, or a clock behind the others'); they are not in the followed runs. "
+        "Start with --sources N to wait for N sources; `metriclog upload --force-new` after the job "
+        "gives the exact rows"
+    )
+
+
+def _replaced(replaced: dict[tuple[str, int], int]) -> str:
+    which = ", ".join(f"{p} (rank {r}) from step {s}" for (p, r), s in sorted(replaced.items()))
+    return (
+        f"restarted from a checkpoint: {which}, replacing rows already handed to W&B; the run is read "
+        "again and written to fresh W&B runs (W&B's rewind is not used while following)"
+    )

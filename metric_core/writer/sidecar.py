@@ -1,0 +1,81 @@
+"""The sidecar a job starts itself: ``metriclog upload RUN --follow`` as a child process.
+
+``init(run_dir, sidecar={...})`` (on one process of the job, usually rank 0) or
+``start_sidecar(run_dir, ...)`` runs it. It is a child process, so the training
+process imports nothing more (no polars, no wandb); its output goes to
+``RUN_DIR/.metriclog/sidecar.log``. It ends by itself once every source of the run shut
+down (or after ten minutes without a record); ``shutdown()`` waits for it (up to
+``wait`` seconds) so that the job's end does not cut its last rows.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from metric_core.errors import ConfigError
+
+# upload_run's options as the command line spells them: flags, then options with a value.
+_FLAGS = {
+    "offline": "--offline",
+    "share_run": "--per-rank-share-run",
+    "force_new": "--force-new",
+    "strict": "--strict",
+}
+_VALUES = {
+    "project": "--project",
+    "entity": "--entity",
+    "name": "--name",
+    "group": "--group",
+    "mode": "--mode",
+    "by": "--by",
+    "every": "--every",
+    "keys": "--key",
+    "reduce": "--reduce",
+    "ranks": "--ranks",
+    "steps": "--steps",
+    "interval": "--interval",
+    "until_idle": "--until-idle",
+    "sources": "--sources",
+}
+
+
+def sidecar_command(run_dir: str | os.PathLike[str], options: dict[str, Any]) -> list[str]:
+    """The ``metriclog upload --follow`` command line of ``options`` (``upload_run``'s names).
+
+    >>> sidecar_command("runs/a", {"project": "rl", "keys": ["loss", "reward/*"], "offline": True})[3:]
+    ['upload', 'runs/a', '--follow', '--project', 'rl', '--key', 'loss', '--key', 'reward/*', '--offline']
+    """
+    if "project" not in options:
+        raise ConfigError("sidecar: give the W&B project, e.g. sidecar={'project': 'my-project'}")
+    command = [sys.executable, "-m", "cli", "upload", str(run_dir), "--follow"]
+    for name, value in options.items():
+        if name in _FLAGS:
+            command += [_FLAGS[name]] if value else []
+        elif name in _VALUES:
+            values = value if isinstance(value, (list, tuple)) else [value]
+            for v in values:
+                command += [_VALUES[name], str(getattr(v, "value", v))]
+        elif name != "wait":
+            known = ", ".join(sorted([*_FLAGS, *_VALUES, "wait"]))
+            raise ConfigError(f"sidecar: no option {name!r}; the options are {known}")
+    return command
+
+
+def start_sidecar(run_dir: str | os.PathLike[str], **options: Any) -> subprocess.Popen[bytes]:
+    """Start ``metriclog upload RUN_DIR --follow`` beside this process; its output goes to
+    ``RUN_DIR/.metriclog/sidecar.log``. ``options`` are ``upload_run``'s (project, mode,
+    offline, keys, ...) and ``until_idle``, ``sources``, ``interval``. ``until_idle``
+    defaults to 10 minutes: a job killed before its ranks shut down does not leave the
+    sidecar waiting for ever (Ctrl-C reaches it with the job: it hands W&B what it has)."""
+    command = sidecar_command(run_dir, {"until_idle": "10m", **options})
+    home = Path(run_dir) / ".metriclog"
+    home.mkdir(parents=True, exist_ok=True)
+    log = os.open(home / "sidecar.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+    try:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+    finally:
+        os.close(log)

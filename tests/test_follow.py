@@ -1,0 +1,262 @@
+"""upload --follow beside real writer processes: what the real wandb client wrote offline,
+read back, equals numpy over the values the writers recorded, in every mode; killed and
+started again, it still does, with no row twice; a hung source stops holding the global
+step back once it is stopped early."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metric_core import reduce_run
+from tests.wandb_file import find_run_file, history_rows, read_records
+
+METRICLOG = str(Path(sys.executable).with_name("metriclog"))
+
+# A rank records 3 keys a step, a few values each, with a background flush mid-step (so a
+# step is on disk in parts), and writes what it recorded to truth-<rank>.jsonl.
+WRITER = """
+import json, sys, time
+import numpy as np
+import metric_core
+from metric_core import Reduce, record_metric
+run, pause = sys.argv[1], float(sys.argv[5])
+rank, steps, hang_at, world = (int(a) for a in (sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[6]))
+sidecar = json.loads(sys.argv[7]) if len(sys.argv) > 7 and rank == 0 else None
+metric_core.init(
+    run, rank=rank, process_name=f"Trainer_r{rank}", world_size=world, flush_interval=0.02, sidecar=sidecar
+)
+rng = np.random.default_rng(rank)
+with open(f"{run}/../truth-{rank}.jsonl", "a") as truth:
+    for step in range(steps):
+        if step == hang_at:
+            time.sleep(600)  # alive, silent: a hang
+        for i in range(4):
+            for key, how, value in (
+                ("loss", Reduce.MEAN, 1e6 + rng.normal()),
+                ("tokens", Reduce.SUM, float(rng.integers(0, 1000))),
+                ("grad/max", Reduce.MAX, rng.normal()),
+            ):
+                record_metric(key, value, how)
+                truth.write(json.dumps([step, key, value]) + "\\n")
+            time.sleep(pause / 4)
+        truth.flush()
+        metric_core.flush(step)
+metric_core.shutdown()
+"""
+HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
+
+
+def writers(
+    run: Path,
+    steps: int,
+    ranks: int,
+    *,
+    pause: float = 0.04,
+    hang: dict[int, int] | None = None,
+    sidecar=None,
+):
+    run.mkdir(exist_ok=True)
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WRITER,
+                str(run),
+                str(r),
+                str(steps),
+                str((hang or {}).get(r, -1)),
+                str(pause),
+                str(ranks),
+                *([json.dumps(sidecar)] if sidecar else []),
+            ]
+        )
+        for r in range(ranks)
+    ]
+
+
+def follow(run: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [
+            METRICLOG,
+            "upload",
+            str(run),
+            "--project",
+            "p",
+            "--offline",
+            "--follow",
+            "--interval",
+            "0.2",
+            *args,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def truth(run: Path, ranks: int) -> dict[int, list[tuple[int, str, float]]]:
+    return {
+        r: [tuple(json.loads(line)) for line in (run.parent / f"truth-{r}.jsonl").read_text().splitlines()]
+        for r in range(ranks)
+    }
+
+
+def runs_written(run: Path) -> dict[str, dict]:
+    """The ledger's runs, by W&B run name: the newest entry of each."""
+    entries = json.loads((run / ".metriclog" / "uploads.json").read_text())["runs"]
+    out: dict[str, dict] = {}
+    for run_id, e in sorted(entries.items(), key=lambda kv: kv[1]["updated"]):
+        out[e["name"]] = {**e, "id": run_id}
+    return out
+
+
+def rows_of(run: Path, name: str) -> list[dict]:
+    entry = runs_written(run)[name]
+    assert entry["finished"], entry
+    return history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", entry["id"])))
+
+
+def expected_steps(values: list[tuple[int, str, float]]) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for step in sorted({s for s, _, _ in values}):
+        out[step] = {
+            key: float(how(np.array([v for s, k, v in values if s == step and k == key])))
+            for key, how in HOW.items()
+        }
+    return out
+
+
+def check(rows: list[dict], expected: dict[int, dict[str, float]]) -> None:
+    steps = [row["step"] for row in rows]
+    assert steps == sorted(expected), "every step once, in order"
+    for row in rows:
+        want = expected[row["step"]]
+        assert set(row) - {"step", "_timestamp", "_runtime", "_step"} == set(want)
+        for key, value in want.items():
+            assert row[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (row["step"], key)
+
+
+def finish(children: list[subprocess.Popen], timeout: float = 120) -> None:
+    for child in children:
+        child.wait(timeout=timeout)
+
+
+def test_global_reduce_followed_live_equals_numpy_over_what_every_rank_recorded(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    sidecar = follow(run)  # started before the job: it waits for the ranks of run.json
+    time.sleep(0.5)
+    ranks = writers(run, steps=40, ranks=3)
+    finish(ranks)
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    recorded = truth(run, 3)
+    check(rows_of(run, "run"), expected_steps([v for values in recorded.values() for v in values]))
+    assert "wrote offline run" in err and "40 rows" in err
+
+
+def test_per_rank_modes_followed_live_equal_numpy_per_source(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    reduced, raw = (
+        follow(run, "--mode", "per_rank_reduce", "--name", "red"),
+        follow(run, "--mode", "per_rank_no_reduce", "--name", "raw"),
+    )
+    ranks = writers(run, steps=30, ranks=2)
+    finish(ranks)
+    for sidecar in (reduced, raw):
+        _, err = sidecar.communicate(timeout=120)
+        assert sidecar.returncode == 0, err
+    for rank, values in truth(run, 2).items():
+        check(rows_of(run, f"red_Trainer_r{rank}"), expected_steps(values))
+        rows = rows_of(run, f"raw_Trainer_r{rank}")
+        got = [(row["step"], k, v) for row in rows for k, v in row.items() if k in HOW]
+        assert got == [(s, k, v) for s, k, v in values], "every raw record once, in the order recorded"
+
+
+def test_time_windows_followed_live_equal_the_offline_reduction(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    sidecar = follow(run, "--by", "time", "--every", "0.5s")
+    finish(writers(run, steps=40, ranks=2))
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    rows = rows_of(run, "run")
+    offline = reduce_run(run, by="time", every="0.5s")
+    assert [r["window_start"] for r in rows] == sorted(offline["window_start"].unique().to_list())
+    for row in rows:
+        part = offline.filter(offline["window_start"] == row["window_start"])
+        assert {k: row[k] for k in part["key"]} == dict(zip(part["key"], part["value"], strict=True))
+
+
+def test_a_follower_killed_mid_run_and_started_again_misses_no_row_and_sends_none_twice(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    ranks = writers(run, steps=80, ranks=2)
+    first = follow(run)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # killed once it handed over some rows
+        ledger = run / ".metriclog" / "uploads.json"
+        if ledger.exists() and any(
+            e["rows_sent"] >= 5 for e in json.loads(ledger.read_text())["runs"].values()
+        ):
+            break
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    killed = runs_written(run)["run"]
+    assert not killed["finished"] and 0 < killed["rows_sent"] < 80
+    second = follow(run)
+    finish(ranks)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err
+    assert "offline runs cannot be resumed" in err
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+    wandb_files = list((run / ".metriclog" / "wandb").rglob("*.wandb"))
+    assert len(wandb_files) == 1, "the interrupted offline run's files were removed"
+
+
+def test_a_hung_source_stops_holding_the_global_step_once_it_is_stopped_early(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    ranks = writers(run, steps=60, ranks=3, hang={2: 10})
+    sidecar = follow(run)
+    ledger = run / ".metriclog" / "uploads.json"
+    deadline = time.monotonic() + 90
+    sent = 0
+    while time.monotonic() < deadline and sent < 60:
+        if ledger.exists():
+            sent = max(e["rows_sent"] for e in json.loads(ledger.read_text())["runs"].values())
+        time.sleep(0.1)
+    assert ranks[2].poll() is None, "the hung rank is still alive"
+    assert sent == 60, "every step went while the hung rank held step 10"
+    ranks[2].kill()
+    finish(ranks)
+    sidecar.send_signal(signal.SIGINT)
+    _, err = sidecar.communicate(timeout=60)
+    assert sidecar.returncode == 130, err
+    recorded = truth(run, 3)
+    values = [v for vs in recorded.values() for v in vs]
+    entry = runs_written(run)["run"]
+    rows = history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", entry["id"])))
+    check(rows, expected_steps(values))
+
+
+def test_a_job_starts_its_own_sidecar_with_init_and_shutdown_waits_for_its_last_rows(tmp_path):
+    run = tmp_path / "run"
+    ranks = writers(run, steps=30, ranks=2, sidecar={"project": "p", "offline": True, "interval": 0.2})
+    finish(ranks)  # rank 0's shutdown() returned: the sidecar ended
+    log = (run / ".metriclog" / "sidecar.log").read_text()
+    assert "wrote offline run (" in log and "30 rows" in log, log
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
