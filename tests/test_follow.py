@@ -27,16 +27,16 @@ import json, sys, time
 import numpy as np
 import metric_core
 from metric_core import Reduce, record_metric
-run, pause = sys.argv[1], float(sys.argv[5])
-rank, steps, hang_at, world = (int(a) for a in (sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[6]))
-sidecar = json.loads(sys.argv[7]) if len(sys.argv) > 7 and rank == 0 else None
+c = json.loads(sys.argv[1])
+run, rank = c["run"], c["rank"]
 metric_core.init(
-    run, rank=rank, process_name=f"Trainer_r{rank}", world_size=world, flush_interval=0.02, sidecar=sidecar
+    run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"], flush_interval=0.02,
+    sidecar=c.get("sidecar") if rank == 0 else None, step=c.get("start"),
 )
-rng = np.random.default_rng(rank)
-with open(f"{run}/../truth-{rank}.jsonl", "a") as truth:
-    for step in range(steps):
-        if step == hang_at:
+rng = np.random.default_rng([rank, c.get("start") or 0])
+with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
+    for step in range(c.get("start") or 0, c["steps"]):
+        if step == c.get("hang"):
             time.sleep(600)  # alive, silent: a hang
         for i in range(4):
             for key, how, value in (
@@ -46,7 +46,7 @@ with open(f"{run}/../truth-{rank}.jsonl", "a") as truth:
             ):
                 record_metric(key, value, how)
                 truth.write(json.dumps([step, key, value]) + "\\n")
-            time.sleep(pause / 4)
+            time.sleep(c["pause"] / 4)
         truth.flush()
         metric_core.flush(step)
 metric_core.shutdown()
@@ -54,32 +54,25 @@ metric_core.shutdown()
 HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 
-def writers(
-    run: Path,
-    steps: int,
-    ranks: int,
-    *,
-    pause: float = 0.04,
-    hang: dict[int, int] | None = None,
-    sidecar=None,
-):
+def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.04, **more) -> list:
+    """A writer process per rank (``ranks``: how many, or which), ``more``: hang (rank ->
+    step it hangs at), sidecar (rank 0's), start (the step it resumes from), world."""
     run.mkdir(exist_ok=True)
+    which = range(ranks) if isinstance(ranks, int) else ranks
+    world = more.get("world", ranks if isinstance(ranks, int) else len(ranks))
+    config = {"run": str(run), "steps": steps, "pause": pause, "world": world, "start": more.get("start")}
     return [
         subprocess.Popen(
             [
                 sys.executable,
                 "-c",
                 WRITER,
-                str(run),
-                str(r),
-                str(steps),
-                str((hang or {}).get(r, -1)),
-                str(pause),
-                str(ranks),
-                *([json.dumps(sidecar)] if sidecar else []),
+                json.dumps(
+                    {**config, "rank": r, "hang": more.get("hang", {}).get(r), "sidecar": more.get("sidecar")}
+                ),
             ]
         )
-        for r in range(ranks)
+        for r in which
     ]
 
 
@@ -104,10 +97,18 @@ def follow(run: Path, *args: str) -> subprocess.Popen:
 
 
 def truth(run: Path, ranks: int) -> dict[int, list[tuple[int, str, float]]]:
-    return {
-        r: [tuple(json.loads(line)) for line in (run.parent / f"truth-{r}.jsonl").read_text().splitlines()]
-        for r in range(ranks)
-    }
+    """What each rank recorded; a restart's records replace the earlier attempt's from its
+    first step on (W&B's rewind, as the run is read)."""
+    out: dict[int, list[tuple[int, str, float]]] = {}
+    for r in range(ranks):
+        attempts = sorted(run.parent.glob(f"truth-{r}-*.jsonl"), key=lambda p: int(p.stem.split("-")[-1]))
+        values: list[tuple[int, str, float]] = []
+        for path in attempts:
+            start = int(path.stem.split("-")[-1])
+            values = [v for v in values if v[0] < start]
+            values += [tuple(json.loads(line)) for line in path.read_text().splitlines()]
+        out[r] = values
+    return out
 
 
 def runs_written(run: Path) -> dict[str, dict]:
@@ -195,7 +196,10 @@ def test_time_windows_followed_live_equal_the_offline_reduction(tmp_path):
     assert [r["window_start"] for r in rows] == sorted(offline["window_start"].unique().to_list())
     for row in rows:
         part = offline.filter(offline["window_start"] == row["window_start"])
-        assert {k: row[k] for k in part["key"]} == dict(zip(part["key"], part["value"], strict=True))
+        # the same statistics, its partitions the polls' (bit-identity holds for one plan's partitions)
+        assert {k: row[k] for k in part["key"]} == pytest.approx(
+            dict(zip(part["key"], part["value"], strict=True)), rel=1e-12
+        )
 
 
 def test_a_follower_killed_mid_run_and_started_again_misses_no_row_and_sends_none_twice(tmp_path):
@@ -260,3 +264,95 @@ def test_a_job_starts_its_own_sidecar_with_init_and_shutdown_waits_for_its_last_
     assert "wrote offline run (" in log and "30 rows" in log, log
     values = [v for vs in truth(run, 2).values() for v in vs]
     check(rows_of(run, "run"), expected_steps(values))
+
+
+def test_a_rank_restarted_from_a_checkpoint_mid_follow_is_read_as_a_rewind(tmp_path):
+    run = tmp_path / "run"
+    ranks = writers(run, steps=60, ranks=2, pause=0.05)
+    sidecar = follow(run)
+    written = run.parent / "truth-1-0.jsonl"
+    while not written.exists() or len(written.read_text().splitlines()) < 25 * 12:  # 25 steps written
+        time.sleep(0.02)
+    ranks[1].send_signal(signal.SIGKILL)  # killed; its job restarts it from the checkpoint of step 15
+    ranks[1].wait()
+    time.sleep(1.0)  # meanwhile, the other rank's steps go without it (it stopped early)
+    restarted = writers(run, steps=60, ranks=[1], pause=0.05, start=15, world=2)
+    finish([ranks[0], *restarted])
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "restarted from a checkpoint: Trainer_r1 (rank 1) from step 15" in err
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+    assert len(list((run / ".metriclog" / "wandb").rglob("*.wandb"))) == 1, "the replaced run's files went"
+
+
+def test_a_rank_that_starts_late_is_waited_for_as_run_json_says(tmp_path):
+    run = tmp_path / "run"
+    sidecar = follow(run)
+    early = writers(run, steps=40, ranks=[0], world=2)
+    time.sleep(1.5)  # rank 1 loads its model for a while
+    late = writers(run, steps=40, ranks=[1], world=2)
+    finish([*early, *late])
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "came after" not in err
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+
+
+def test_following_another_tools_finished_run_until_idle_equals_a_plain_upload(tmp_path):
+    import shutil
+
+    run = tmp_path / "rl_run"
+    shutil.copytree(Path(__file__).parents[1] / "sample_logs" / "rl_run", run)
+    done = subprocess.run(
+        [
+            METRICLOG,
+            "upload",
+            str(run),
+            "--project",
+            "p",
+            "--offline",
+            "--follow",
+            "--until-idle",
+            "1s",
+            "--mode",
+            "per_rank_reduce",
+            "--interval",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    expected = reduce_run(run, mode="per_rank_reduce")
+    for (process,), part in expected.group_by("process"):
+        rows = rows_of(run, f"rl_run_{process}")
+        assert [r["step"] for r in rows] == sorted(part["step"].unique().to_list())
+        for row in rows:
+            at = part.filter(part["step"] == row["step"])
+            assert {k: row[k] for k in at["key"]} == pytest.approx(
+                dict(zip(at["key"], at["value"], strict=True))
+            )
+
+
+def test_follow_options_go_with_follow_and_a_dry_run_follows_without_sending(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    alone = runner.invoke(app, ["upload", "sample_logs/rl_run", "--project", "p", "--until-idle", "1s"])
+    assert alone.exit_code == 2 and "--until-idle go with --follow" in alone.output
+    bad = runner.invoke(
+        app, ["upload", "sample_logs/rl_run", "--project", "p", "--follow", "--until-idle", "x"]
+    )
+    assert bad.exit_code == 2 and "--until-idle 'x' is not a duration" in bad.output
+    dry = runner.invoke(
+        app,
+        ["upload", "sample_logs/rl_run", "--project", "p", "--follow", "--dry-run", "--until-idle", "0.1s"],
+    )
+    assert dry.exit_code == 0, dry.output
+    assert "dry run: nothing was uploaded" in dry.output
+    assert not (Path("sample_logs/rl_run") / ".metriclog").exists()
