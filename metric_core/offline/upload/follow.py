@@ -101,6 +101,8 @@ def follow_upload(
         force_new = False  # a fresh id is for the first pass only
         try:
             ended = pass_.run(stop, interval, until_idle, state, sources is None)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it read or sent: what was sent stays
+            ended = STOPPED
         except BaseException:
             pass_.close(finished=False)
             raise
@@ -139,6 +141,7 @@ class _Pass:
         self, stop: threading.Event, interval: float, until_idle: float | None, state: FollowState, wait: bool
     ) -> str:
         last_new = time.monotonic()
+        first_record: float | None = None
         while True:
             records = self.tail.poll()
             state.polls += 1
@@ -149,8 +152,10 @@ class _Pass:
             self.said = len(self.tail.notices)
             if self.strict and self.tail.skipped:
                 raise StrictModeError(f"{self.tail.skipped} record(s) skipped (said above)")
-            if wait and self.follower.expected is None:
-                self.follower.expected = expected_sources(self.tail.meta)
+            if records.height and first_record is None:
+                first_record = time.monotonic()
+            if wait:
+                self.follower.expected = _expected(self.tail.meta, first_record)
             self.follower.add(records, self.tail.sources)
             if self.follower.replaced:
                 self.events.message("warning", _replaced(self.follower.replaced))
@@ -256,6 +261,21 @@ class _Pass:
                     opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
                 )
                 opened.wb = None
+
+
+# Without run.json (rank 0 not started yet, or another tool's files), how long after the
+# first record the follower waits for it before it takes the sources it sees as all.
+NO_RUN_JSON_WAIT_S = 10.0
+
+
+def _expected(meta: dict[str, Any], first_record: float | None) -> int | None:
+    """How many sources must have written before a global step can be complete: run.json's
+    world_size (1 without one); while run.json is missing, every source for a while."""
+    if meta.get("run_id") or (
+        first_record is not None and time.monotonic() - first_record > NO_RUN_JSON_WAIT_S
+    ):
+        return expected_sources(meta)
+    return 1 << 30
 
 
 def _wandb_init() -> Callable[..., Any]:
