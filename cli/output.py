@@ -388,6 +388,15 @@ def print_upload(result: UploadResult) -> int:
         return 130
     if followed is not None and not result.outcomes:
         say("warning", "no record came before the end: nothing was uploaded")
+    if followed is not None and followed.ended == "idle" and not followed.all_finished:
+        open_ = sorted(
+            f"{p} (rank {r})" for (p, r), s in followed.sources.items() if not (s.finished or s.static)
+        )
+        say(
+            "info",
+            f"ended after --until-idle, but {', '.join(open_)} did not shut down: the runs hold everything "
+            "written so far and stay open in the ledger; the same command continues them if the job goes on",
+        )
     if result.dry_run:
         print_rows(
             [

@@ -32,12 +32,15 @@ run, rank = c["run"], c["rank"]
 metric_core.init(
     run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"], flush_interval=0.02,
     sidecar=c.get("sidecar") if rank == 0 else None, step=c.get("start"),
+    segment_records=c.get("segment_records") or 1_000_000,
 )
 rng = np.random.default_rng([rank, c.get("start") or 0])
 with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
     for step in range(c.get("start") or 0, c["steps"]):
         if step == c.get("hang"):
             time.sleep(600)  # alive, silent: a hang
+        if step == c.get("pause_at"):
+            time.sleep(c["pause_s"])  # an evaluation, a checkpoint
         for i in range(4):
             for key, how, value in (
                 ("loss", Reduce.MEAN, 1e6 + rng.normal()),
@@ -60,7 +63,8 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.0
     run.mkdir(exist_ok=True)
     which = range(ranks) if isinstance(ranks, int) else ranks
     world = more.get("world", ranks if isinstance(ranks, int) else len(ranks))
-    config = {"run": str(run), "steps": steps, "pause": pause, "world": world, "start": more.get("start")}
+    config = {"run": str(run), "steps": steps, "pause": pause, "world": world}
+    config.update({k: more[k] for k in ("start", "segment_records", "pause_at", "pause_s") if k in more})
     return [
         subprocess.Popen(
             [
@@ -70,7 +74,8 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.0
                 json.dumps(
                     {**config, "rank": r, "hang": more.get("hang", {}).get(r), "sidecar": more.get("sidecar")}
                 ),
-            ]
+            ],
+            cwd=run.parent,  # not the repository: the sidecar must not depend on it
         )
         for r in which
     ]
@@ -120,9 +125,9 @@ def runs_written(run: Path) -> dict[str, dict]:
     return out
 
 
-def rows_of(run: Path, name: str) -> list[dict]:
+def rows_of(run: Path, name: str, finished: bool = True) -> list[dict]:
     entry = runs_written(run)[name]
-    assert entry["finished"], entry
+    assert entry["finished"] == finished, entry
     return history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", entry["id"])))
 
 
@@ -281,6 +286,7 @@ def test_a_rank_restarted_from_a_checkpoint_mid_follow_is_read_as_a_rewind(tmp_p
     _, err = sidecar.communicate(timeout=120)
     assert sidecar.returncode == 0, err
     assert "restarted from a checkpoint: Trainer_r1 (rank 1) from step 15" in err
+    assert err.count("restarted from a checkpoint") == 1, "the restart's own rows replace nothing"
     values = [v for vs in truth(run, 2).values() for v in vs]
     check(rows_of(run, "run"), expected_steps(values))
     assert len(list((run / ".metriclog" / "wandb").rglob("*.wandb"))) == 1, "the replaced run's files went"
@@ -326,9 +332,10 @@ def test_following_another_tools_finished_run_until_idle_equals_a_plain_upload(t
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+    assert "GeneratorActor_r1 (rank 1) did not shut down" in done.stderr  # killed: its runs stay open
     expected = reduce_run(run, mode="per_rank_reduce")
     for (process,), part in expected.group_by("process"):
-        rows = rows_of(run, f"rl_run_{process}")
+        rows = rows_of(run, f"rl_run_{process}", finished=False)
         assert [r["step"] for r in rows] == sorted(part["step"].unique().to_list())
         for row in rows:
             at = part.filter(part["step"] == row["step"])
@@ -356,3 +363,31 @@ def test_follow_options_go_with_follow_and_a_dry_run_follows_without_sending(tmp
     assert dry.exit_code == 0, dry.output
     assert "dry run: nothing was uploaded" in dry.output
     assert not (Path("sample_logs/rl_run") / ".metriclog").exists()
+
+
+def test_a_segment_sealed_mid_step_does_not_let_a_partial_step_go(tmp_path):
+    run = tmp_path / "run"
+    sidecar = follow(run)
+    finish(writers(run, steps=30, ranks=2, segment_records=5))  # 12 records a step: sealed mid-step
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "came after" not in err
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+
+
+def test_until_idle_through_a_pause_leaves_the_runs_open_for_the_rest(tmp_path):
+    run = tmp_path / "run"
+    ranks = writers(run, steps=30, ranks=2, pause_at=10, pause_s=4.0)
+    sidecar = follow(run, "--until-idle", "1.5s")
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "did not shut down: the runs hold everything written so far and stay open" in err
+    entry = runs_written(run)["run"]
+    assert not entry["finished"] and 5 <= entry["rows_sent"] <= 10
+    finish(ranks)
+    again = follow(run)  # the job went on: the same command continues (offline: a fresh whole run)
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 0, err
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))

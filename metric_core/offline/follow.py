@@ -27,6 +27,7 @@ counted and said, and a plain ``upload`` after the job gives the exact rows.
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from collections.abc import Callable
@@ -55,19 +56,55 @@ MIN_GAPS = 3
 
 
 @dataclass
+class AttemptState:
+    """One attempt of a source (an ``init()``): when it started, its first step, its
+    highest complete step, whether it shut down cleanly."""
+
+    started: float = -math.inf
+    first_step: int | None = None
+    done: int | None = None
+    finished: bool = False
+
+    def flushed(self, step: int) -> None:
+        self.done = step if self.done is None else max(self.done, step)
+
+
+@dataclass
 class SourceState:
     """What the follower knows of one source."""
 
     process: str
     rank: int
-    done: int | None = None  # its highest complete step (it flushed it)
     clock: float = -math.inf  # its newest settled record's timestamp
     first: float = math.inf  # its earliest record's timestamp
-    finished: bool = False  # a clean shutdown
     static: bool = False  # only in another tool's files: read once, holds nothing back
-    attempts: dict[str, tuple[float, int | None]] = field(default_factory=dict)  # id -> started, first step
-    gaps: list[float] = field(default_factory=list)  # between its steps' newest records
+    attempts: dict[str, AttemptState] = field(default_factory=dict)
+    gaps: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=10_000))
+    longest: float = 0.0  # its longest gap
     step_end: tuple[int, float] | None = None  # its newest step and that step's newest record
+
+    def attempt(self, attempt: str, started: float | None = None) -> AttemptState:
+        state = self.attempts.setdefault(attempt, AttemptState())
+        if started is not None:
+            state.started = started
+        return state
+
+    @property
+    def newest(self) -> AttemptState:
+        """The latest attempt: a restart's state is the source's (an earlier attempt's end is not)."""
+        return (
+            max(self.attempts.items(), key=lambda a: (a[1].started, a[0]))[1]
+            if self.attempts
+            else AttemptState()
+        )
+
+    @property
+    def done(self) -> int | None:
+        return self.newest.done
+
+    @property
+    def finished(self) -> bool:
+        return self.newest.finished
 
     def note(self, steps: np.ndarray, times: np.ndarray) -> None:
         """Settled records (in record order): their steps' cadence, and the clock."""
@@ -75,12 +112,14 @@ class SourceState:
             return
         self.clock = max(self.clock, float(times.max()))
         self.first = min(self.first, float(times.min()))
-        ends = np.flatnonzero(np.r_[steps[1:] != steps[:-1], True])
-        for i in ends:
-            step, at = int(steps[i]), float(times[: i + 1][steps[: i + 1] == steps[i]].max())
+        starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+        newest = np.maximum.reduceat(times, starts)
+        for step, at in zip(steps[starts].tolist(), newest.tolist(), strict=True):
             if self.step_end is None or step > self.step_end[0]:
                 if self.step_end is not None:
-                    self.gaps.append(at - self.step_end[1])
+                    gap = at - self.step_end[1]
+                    self.gaps.append(gap)
+                    self.longest = max(self.longest, gap)
                 self.step_end = (step, at)
             elif step == self.step_end[0]:
                 self.step_end = (step, max(at, self.step_end[1]))
@@ -90,8 +129,9 @@ class SourceState:
         if self.finished or len(self.gaps) < MIN_GAPS:
             return False
         lag = newest - self.clock
-        typical, longest = statistics.median(self.gaps[-10_000:]), max(self.gaps)
-        return lag > 0 and lag > max(QUIET_FACTOR * typical, OWN_GAP_FACTOR * longest)
+        if lag <= OWN_GAP_FACTOR * self.longest:  # the cheap half of the rule first
+            return False
+        return lag > QUIET_FACTOR * statistics.median(self.gaps)
 
     def holds(self, newest: float) -> bool:
         return not (self.finished or self.static or self.stopped_early(newest))
@@ -101,6 +141,7 @@ class SourceState:
 class _Journal:
     decoded: Any  # journal.Decoded of what was read so far
     taken: int = 0  # settled records taken
+    size: int = 0  # its bytes when last read
 
 
 class RunTail:
@@ -115,12 +156,16 @@ class RunTail:
         self.notices: list[str] = []  # what the caller should say (each once)
         self.meta: dict[str, Any] = {}
         self.skipped = 0
+        self.active = False  # the last poll found something written (settled or not)
+        self._said: set[str] = set()
 
     def source(self, process: str, rank: int) -> SourceState:
         return self.sources.setdefault((process, rank), SourceState(process, rank))
 
-    def poll(self) -> pl.DataFrame:
-        """The records settled since the last poll (``COLUMNS`` and ``attempt``), in file order."""
+    def poll(self, final: bool = False) -> pl.DataFrame:
+        """The records settled since the last poll (``COLUMNS`` and ``attempt``), in file order;
+        with ``final``, every record read (the job is over: nothing will settle them)."""
+        self.active = False
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
             self.meta = read_run_json(self.root, report)
@@ -133,7 +178,7 @@ class RunTail:
                 frames.append(frame)
         for path in paths:
             if path.suffix == ".journal" and path not in self.done:
-                frame = self._journal(path)
+                frame = self._journal(path, final)
                 if frame is not None:
                     frames.append(frame)
         for where, why in report.skipped_paths:
@@ -147,10 +192,13 @@ class RunTail:
         return pl.concat(frames, how="vertical_relaxed")
 
     def _say(self, text: str) -> None:
-        self.notices.append(text)
+        if text not in self._said:
+            self._said.add(text)
+            self.notices.append(text)
 
     def _sealed(self, path: Path, report: ReadReport) -> pl.DataFrame | None:
         self.done.add(path)
+        self.active = True
         meta = writer_meta(path)
         if isinstance(meta, Derived):
             return None
@@ -169,11 +217,14 @@ class RunTail:
         if isinstance(meta, SegmentMeta) and meta.source is not None:
             state = self.source(*meta.source)
             attempt = meta.attempt or ""
-            first = meta.attempt_first_step if meta.attempt_first_step is not None else _low(frame)
-            state.attempts.setdefault(attempt, (meta.attempt_started or -math.inf, first))
+            a = state.attempt(attempt, meta.attempt_started)
+            if a.first_step is None:
+                a.first_step = meta.attempt_first_step if meta.attempt_first_step is not None else _low(frame)
             if meta.steps is not None:
-                state.done = max(state.done if state.done is not None else meta.steps[1], meta.steps[1])
-            state.finished |= meta.clean_shutdown
+                # A segment ends at a flush, but one sealed at twice its size without one ends
+                # inside a step: its last step is complete only at a clean end (or the next flush).
+                a.flushed(meta.steps[1] if meta.clean_shutdown else meta.steps[1] - 1)
+            a.finished |= meta.clean_shutdown
             state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
             return frame.with_columns(attempt=pl.lit(attempt))
         for (process, rank), part in frame.group_by("process", "rank", maintain_order=True):
@@ -182,7 +233,7 @@ class RunTail:
             state.note(part["step"].to_numpy(), part["timestamp"].to_numpy())
         return frame.with_columns(attempt=pl.lit(""))
 
-    def _journal(self, path: Path) -> pl.DataFrame | None:
+    def _journal(self, path: Path, final: bool = False) -> pl.DataFrame | None:
         from metric_core import journal  # pyarrow: only for runs that hold a journal
 
         tail = self.journals.get(path)
@@ -196,6 +247,8 @@ class RunTail:
         except OSError as exc:
             self._say(f"{rel(path, self.root)}: not read: {exc}")
             return None
+        if tail is None or start + len(data) > tail.size:
+            self.active = True  # written since the last poll, settled or not
         decoded = journal.decode(data, after=None if tail is None else tail.decoded)
         for problem in decoded.problems:
             self._say(f"{rel(path, self.root)}: {problem}")
@@ -203,26 +256,29 @@ class RunTail:
             return None  # nothing whole yet
         if tail is None:
             tail = self.journals[path] = _Journal(decoded)
-        tail.decoded = decoded
+        tail.decoded, tail.size = decoded, start + len(data)
         state = self.source(decoded.process, decoded.rank)
         attempt = decoded.attempt.get("attempt") or ""
+        a = state.attempt(attempt, decoded.attempt.get("attempt_started"))
         first = decoded.attempt.get("attempt_first_step", decoded.first_flush)
-        started = decoded.attempt.get("attempt_started") or -math.inf
-        if first is not None or attempt not in state.attempts:
-            state.attempts[attempt] = (started, first)
+        if first is not None and a.first_step is None:
+            a.first_step = first
         if decoded.last_flush is not None:
-            state.done = max(decoded.last_flush, state.done if state.done is not None else decoded.last_flush)
-        state.finished |= decoded.shutdown is not None
-        if decoded.table is None or not decoded.settled_records:
+            a.flushed(decoded.last_flush)
+        a.finished |= decoded.shutdown is not None
+        # At the end (every source idle), the records no flush covered are taken as they are
+        # stamped, as every command reads them.
+        settled = decoded.table.num_rows if decoded.table is not None and final else decoded.settled_records
+        if decoded.table is None or not settled:
             return None
-        frame = pl.from_arrow(decoded.table.slice(0, decoded.settled_records))
+        frame = pl.from_arrow(decoded.table.slice(0, settled))
         assert isinstance(frame, pl.DataFrame)
-        tail.taken += frame.height
         ok = frame.select(plausible(pl.col("timestamp"))).to_series()
         if not ok.all():
             self.skipped += int((~ok).sum())
             self._say(f"{rel(path, self.root)}: {int((~ok).sum())} record(s) skipped: {BAD_TIME}")
             frame = frame.filter(ok)
+        tail.taken += frame.height  # as the sealed segment holds them: without the skipped
         frame = frame.select(COLUMNS).cast(POLARS_SCHEMA)  # type: ignore[arg-type]
         state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
         return frame.with_columns(attempt=pl.lit(attempt))
@@ -256,7 +312,7 @@ class Follower:
         self.raw = plan.mode is LoggingMode.PER_RANK_NO_REDUCE
         self.per_source = plan.mode is not LoggingMode.GLOBAL_REDUCE and not share_run
         self.sent: dict[str | None, float] = {}  # each run's last bucket handed over
-        self.sent_steps: dict[Source, int] = {}  # each source's highest step handed over
+        self.sent_steps: dict[tuple[str, int, str], int] = {}  # each attempt's highest step handed over
         self.late: dict[Source, int] = {}  # records that came after their bucket was handed over
         self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
         self.t0: float | None = None
@@ -275,9 +331,11 @@ class Follower:
 
     def _rewind(self, sources: dict[Source, SourceState]) -> None:
         for (process, rank), state in sources.items():
-            ordered = sorted(state.attempts.items(), key=lambda a: (a[1][0], a[0]))
+            if len(state.attempts) < 2:
+                continue
+            ordered = sorted(state.attempts.items(), key=lambda a: (a[1].started, a[0]))
             for i, (attempt, _) in enumerate(ordered):
-                later = [first for _, (_, first) in ordered[i + 1 :] if first is not None]
+                later = [a.first_step for _, a in ordered[i + 1 :] if a.first_step is not None]
                 if not later:
                     continue
                 cut = min(later)
@@ -288,11 +346,8 @@ class Follower:
                     & (pl.col("step") >= cut)
                 )
                 self.pending = self.pending.filter(~old)
-                if (
-                    self.sent_steps.get((process, rank), -math.inf) >= cut
-                    and (process, rank) not in self.replaced
-                ):
-                    self.replaced[(process, rank)] = cut
+                if self.sent_steps.get((process, rank, attempt), -math.inf) >= cut:
+                    self.replaced.setdefault((process, rank), cut)
 
     def _bucket(self) -> pl.Expr:
         """A record's bucket as ``sent`` holds it: its step, window number or (shared raw) time."""
@@ -354,8 +409,10 @@ class Follower:
         if not complete.height:
             return []
         self.pending = self.pending.filter(~done)
-        for process, rank, step in complete.group_by("process", "rank").agg(pl.col("step").max()).iter_rows():
-            self.sent_steps[(process, rank)] = max(step, self.sent_steps.get((process, rank), step))
+        highest = complete.group_by("process", "rank", "attempt").agg(pl.col("step").max())
+        for process, rank, attempt, step in highest.iter_rows():
+            at = (process, rank, attempt)
+            self.sent_steps[at] = max(step, self.sent_steps.get(at, step))
         return self._rows(complete)
 
     def _mark(

@@ -48,21 +48,35 @@ def sidecar_command(run_dir: str | os.PathLike[str], options: dict[str, Any]) ->
 
     >>> sidecar_command("runs/a", {"project": "rl", "keys": ["loss", "reward/*"], "offline": True})[3:]
     ['upload', 'runs/a', '--follow', '--project', 'rl', '--key', 'loss', '--key', 'reward/*', '--offline']
+    >>> options = {"project": "rl", "reduce": {"lat": "p99"}, "ranks": [0, (2, 5)], "steps": (0, 100)}
+    >>> sidecar_command("runs/a", options)[6:]
+    ['--project', 'rl', '--reduce', 'lat=p99', '--ranks', '0,2-5', '--steps', '0:100']
     """
     if "project" not in options:
         raise ConfigError("sidecar: give the W&B project, e.g. sidecar={'project': 'my-project'}")
-    command = [sys.executable, "-m", "cli", "upload", str(run_dir), "--follow"]
+    command = [sys.executable, "-m", "metriclog", "upload", str(run_dir), "--follow"]
     for name, value in options.items():
         if name in _FLAGS:
             command += [_FLAGS[name]] if value else []
         elif name in _VALUES:
-            values = value if isinstance(value, (list, tuple)) else [value]
-            for v in values:
-                command += [_VALUES[name], str(getattr(v, "value", v))]
+            for v in _spelled(name, value):
+                command += [_VALUES[name], v]
         elif name != "wait":
             known = ", ".join(sorted([*_FLAGS, *_VALUES, "wait"]))
             raise ConfigError(f"sidecar: no option {name!r}; the options are {known}")
     return command
+
+
+def _spelled(name: str, value: Any) -> list[str]:
+    """An option's value(s) as the command line takes them, from ``upload_run``'s types."""
+    if name == "reduce" and isinstance(value, dict):
+        return [f"{k}={getattr(v, 'value', v)}" for k, v in value.items()]
+    if name == "ranks" and not isinstance(value, str):
+        return [",".join(f"{r[0]}-{r[1]}" if isinstance(r, (list, tuple)) else str(r) for r in value)]
+    if name == "steps" and isinstance(value, (list, tuple)):
+        return [":".join("" if v is None else str(v) for v in value)]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    return [str(getattr(v, "value", v)) for v in values]
 
 
 def start_sidecar(run_dir: str | os.PathLike[str], **options: Any) -> subprocess.Popen[bytes]:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import polars as pl
+
 from metric_core.errors import StrictModeError
 from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.plan import ReducePlan
@@ -30,7 +32,7 @@ from metric_core.offline.upload.send import Destination, RunOutcome, Sender, Upl
 
 NEVER = 1 << 62  # rows to skip of a run that is skipped
 # How ``follow_upload`` ended: every source finished, idle for ``until_idle``, or ``stop``.
-FINISHED, IDLE, STOPPED = "finished", "idle", "stopped"
+FINISHED, IDLE, STOPPED, REPLACED = "finished", "idle", "stopped", "replaced"
 
 
 @dataclass
@@ -66,6 +68,10 @@ class FollowState:
     late: dict[tuple[str, int], int] = field(default_factory=dict)
     sources: dict[tuple[str, int], SourceState] = field(default_factory=dict)
 
+    @property
+    def all_finished(self) -> bool:
+        return bool(self.sources) and all(s.finished or s.static for s in self.sources.values())
+
 
 def follow_upload(
     root: Path,
@@ -98,7 +104,6 @@ def follow_upload(
         )
         pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
         pass_.follower = Follower(plan, share_run=share_run, sources=sources)
-        force_new = False  # a fresh id is for the first pass only
         try:
             ended = pass_.run(stop, interval, until_idle, state, sources is None)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it read or sent: what was sent stays
@@ -106,11 +111,17 @@ def follow_upload(
         except BaseException:
             pass_.close(finished=False)
             raise
-        pass_.close(finished=ended in (FINISHED, IDLE))
+        # Idle with a source that never shut down: the job may go on (a long pause), so
+        # the runs stay open in the ledger, for a later upload to continue.
+        pass_.close(finished=ended == FINISHED or (ended == IDLE and state.all_finished))
         state.outcomes = [o.outcome for o in pass_.runs.values()]
-        if ended != "replaced":
+        if ended != REPLACED:
             state.ended = ended
             return pass_.upload, state
+        for opened in pass_.runs.values():  # offline: `wandb sync` must not send the replaced rows
+            if opened.outcome.sync_dir and pass_.sender is not None:
+                pass_.sender.remove_partial({"sync_dir": opened.outcome.sync_dir})
+        force_new = True  # the rows handed over hold replaced records: fresh runs hold the new history
 
 
 @dataclass
@@ -136,6 +147,7 @@ class _Pass:
     upload: UploadPlan = field(default_factory=lambda: UploadPlan(runs=[]))
     sender: Sender | None = None
     said: int = 0
+    waiting_said: bool = False
 
     def run(
         self, stop: threading.Event, interval: float, until_idle: float | None, state: FollowState, wait: bool
@@ -144,41 +156,54 @@ class _Pass:
         first_record: float | None = None
         while True:
             records = self.tail.poll()
+            if self.tail.active:
+                last_new = time.monotonic()
+            if records.height and first_record is None:
+                first_record = time.monotonic()
+            idle = until_idle is not None and time.monotonic() - last_new >= until_idle
+            if idle:  # the job is over: the records no flush covered are read as they are
+                records = pl.concat([records, self.tail.poll(final=True)], how="vertical_relaxed")
             state.polls += 1
             state.records += records.height
             state.sources = self.tail.sources
-            for notice in self.tail.notices[self.said :]:
-                self.events.message("warning", notice)
-            self.said = len(self.tail.notices)
-            if self.strict and self.tail.skipped:
-                raise StrictModeError(f"{self.tail.skipped} record(s) skipped (said above)")
-            if records.height and first_record is None:
-                first_record = time.monotonic()
-            if wait:
-                self.follower.expected = _expected(self.tail.meta, first_record)
+            self._notices(first_record, wait)
             self.follower.add(records, self.tail.sources)
             if self.follower.replaced:
-                self.events.message("warning", _replaced(self.follower.replaced))
-                return "replaced"
-            if records.height:
-                last_new = time.monotonic()
-            finished = bool(self.tail.sources) and all(
-                s.finished or s.static for s in self.tail.sources.values()
-            )
-            idle = until_idle is not None and time.monotonic() - last_new >= until_idle
-            self._send(self.follower.ready(self.tail.sources, ending=finished or idle))
+                self.events.message("warning", _replaced(self.follower.replaced, self.to.offline))
+                return REPLACED
+            self._send(self.follower.ready(self.tail.sources, ending=state.all_finished or idle))
             for source, n in self.follower.late.items():
                 if state.late.get(source) != n:
                     self.events.message("warning", _late(source, n))
             state.late = dict(self.follower.late)
-            if finished or idle:
-                return FINISHED if finished else IDLE
+            if state.all_finished or idle:
+                return FINISHED if state.all_finished else IDLE
             try:
                 if stop.wait(interval):
                     raise KeyboardInterrupt
             except KeyboardInterrupt:
                 self._send(self.follower.ready(self.tail.sources))  # what is complete goes first
                 return STOPPED
+
+    def _notices(self, first_record: float | None, wait: bool) -> None:
+        """What the reading found, each said once; why nothing goes, when it waits for sources."""
+        for notice in self.tail.notices[self.said :]:
+            self.events.message("warning", notice)
+        self.said = len(self.tail.notices)
+        if self.strict and self.tail.skipped:
+            raise StrictModeError(f"{self.tail.skipped} record(s) skipped (said above)")
+        if wait:
+            self.follower.expected = _expected(self.tail.meta, first_record)
+        expected, seen = self.follower.expected or 1, len(self.tail.sources)
+        waited = first_record is not None and time.monotonic() - first_record > WAITING_SAID_S
+        if waited and seen < expected < (1 << 30) and not self.follower.per_source and not self.waiting_said:
+            self.waiting_said = True
+            self.events.message(
+                "warning",
+                f"{seen} source(s) wrote so far, and run.json's world_size is {expected}: no global step or "
+                f"window goes before {expected} have written. If fewer ranks write (only rank 0 records, "
+                f"or a role without run.json's count), start with --sources {seen}",
+            )
 
     def _send(self, ready: list[Ready]) -> None:
         for part in ready:
@@ -193,14 +218,17 @@ class _Pass:
                 assert self.sender is not None
                 opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows)
             run.sent += len(part.rows)
-        if ready and self.sender is not None:
-            for opened in self.runs.values():
-                if opened.wb is not None:
-                    self.sender.ledger.update(
-                        opened.outcome.run_id,
-                        rows_sent=opened.outcome.rows_sent,
-                        attempts=self._attempts(opened.run.source),
-                    )
+        sent = [self.runs[part.run] for part in ready if part.rows and self.runs[part.run].wb is not None]
+        if sent and self.sender is not None:  # one ledger write a poll, of the runs that got rows
+            self.sender.ledger.update_many(
+                {
+                    o.outcome.run_id: {
+                        "rows_sent": o.outcome.rows_sent,
+                        "attempts": self._attempts(o.run.source),
+                    }
+                    for o in sent
+                }
+            )
 
     def _open(self, process: str | None) -> _Open:
         identity = _identity(self.tail)
@@ -266,6 +294,7 @@ class _Pass:
 # Without run.json (rank 0 not started yet, or another tool's files), how long after the
 # first record the follower waits for it before it takes the sources it sees as all.
 NO_RUN_JSON_WAIT_S = 10.0
+WAITING_SAID_S = 10.0  # a follower that waits this long for run.json's sources says so
 
 
 def _expected(meta: dict[str, Any], first_record: float | None) -> int | None:
@@ -319,9 +348,11 @@ def _late(source: tuple[str, int], n: int) -> str:
     )
 
 
-def _replaced(replaced: dict[tuple[str, int], int]) -> str:
+def _replaced(replaced: dict[tuple[str, int], int], offline: bool) -> str:
     which = ", ".join(f"{p} (rank {r}) from step {s}" for (p, r), s in sorted(replaced.items()))
+    where = "its files are removed" if offline else "it is left unfinished in W&B; delete it there"
     return (
         f"restarted from a checkpoint: {which}, replacing rows already handed to W&B; the run is read "
-        "again and written to fresh W&B runs (W&B's rewind is not used while following)"
+        f"again and written to fresh W&B runs (W&B's rewind is not used while following). The earlier "
+        f"run holds the replaced rows: {where}"
     )

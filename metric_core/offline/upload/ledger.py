@@ -75,15 +75,19 @@ class Ledger:
         return self.entries.get(run_id)
 
     def update(self, run_id: str, **fields: Any) -> None:
-        """Update one run's entry. Uploads of other runs of the same directory may run at
-        the same time (two modes followed side by side): the file is read again under a
-        lock and only this entry changes."""
+        self.update_many({run_id: fields})
+
+    def update_many(self, updates: dict[str, dict[str, Any]]) -> None:
+        """Update runs' entries. Uploads of other runs of the same directory may run at the
+        same time (two modes followed side by side): the file is read again under a lock
+        and only these entries change."""
         lock = os.open(self.path.with_name(".uploads.lock"), os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             self.entries = self._read()
-            entry = self.entries.setdefault(run_id, {})
-            entry.update(fields, updated=time.time())
+            now = time.time()
+            for run_id, fields in updates.items():
+                self.entries.setdefault(run_id, {}).update(fields, updated=now)
             replace_file(
                 self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode()
             )

@@ -265,7 +265,7 @@ class Sender:
             attempts=run.attempts,
         )
         if action == "restarted" and entry is not None and not entry.get("finished"):
-            message += self._remove_partial(entry)
+            message += self.remove_partial(entry)
         wb = self._start(run, run_id, resume)
         sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None
         if sync_dir:  # so that a kill before the end leaves a ledger that knows what to remove
@@ -311,7 +311,7 @@ class Sender:
                 "offline runs with --offline and `wandb sync` them later"
             ) from None
 
-    def _remove_partial(self, entry: dict[str, Any]) -> str:
+    def remove_partial(self, entry: dict[str, Any]) -> str:
         """The files of an interrupted offline run: `wandb sync` would send them beside the redo."""
         partial = Path(entry.get("sync_dir") or "")
         home = self.to.wandb_dir or os.environ.get("WANDB_DIR")
