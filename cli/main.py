@@ -152,7 +152,7 @@ def upload(
     follow_symlinks: o.FollowSymlinks = False,
     follow: o.FollowOpt = False,
     until_idle: o.UntilIdle = None,
-    interval: o.Interval = 2.0,
+    interval: o.Interval = o.FOLLOW_INTERVAL,
     sources: o.Sources = None,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).

@@ -196,6 +196,7 @@ ExitOnStall = Annotated[
 
 
 # upload --follow
+FOLLOW_INTERVAL = 2.0  # upload's --interval default
 FollowOpt = Annotated[
     bool,
     typer.Option(
@@ -209,7 +210,8 @@ UntilIdle = Annotated[
     typer.Option(
         "--until-idle",
         metavar="DURATION",
-        help="With --follow: also end once no record came for DURATION (10s, 5m), uploading everything.",
+        help="With --follow: also end once nothing was written for DURATION (10s, 5m; a plain number is "
+        "seconds), uploading everything.",
     ),
 ]
 Sources = Annotated[
@@ -231,8 +233,9 @@ def follow(on: bool, interval: float, until_idle: str | None, sources: int | Non
 
     if not on:
         given = [f for f, v in (("--until-idle", until_idle), ("--sources", sources)) if v is not None]
+        given += ["--interval"] if interval != FOLLOW_INTERVAL else []
         if given:
-            raise typer.BadParameter(f"{' and '.join(given)} go with --follow", param_hint=given[0])
+            raise typer.BadParameter(f"{' and '.join(given)} work only with --follow", param_hint=given[0])
         return None
     idle = parse_duration(until_idle, option="until_idle") if until_idle is not None else None
     return Follow(interval=interval, until_idle=idle, sources=sources)

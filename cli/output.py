@@ -389,13 +389,17 @@ def print_upload(result: UploadResult) -> int:
     if followed is not None and not result.outcomes:
         say("warning", "no record came before the end: nothing was uploaded")
     if followed is not None and followed.ended == "idle" and not followed.all_finished:
-        open_ = sorted(
+        unfinished = sorted(
             f"{p} (rank {r})" for (p, r), s in followed.sources.items() if not (s.finished or s.static)
         )
+        why = [f"{', '.join(unfinished)} did not shut down"] if unfinished else []
+        missing = followed.expected - len(followed.sources)
+        if 0 < missing < 1 << 20:
+            why.append(f"{missing} of the {followed.expected} sources run.json expects never wrote")
         say(
             "info",
-            f"ended after --until-idle, but {', '.join(open_)} did not shut down: the runs hold everything "
-            "written so far and stay open in the ledger; the same command continues them if the job goes on",
+            f"ended after --until-idle, but {'; '.join(why)}: the runs hold everything written so far and "
+            "stay open in the ledger; the same command continues them if the job goes on",
         )
     if result.dry_run:
         print_rows(
@@ -427,7 +431,9 @@ def print_upload(result: UploadResult) -> int:
             say("info", o.message)
         if o.action != "skipped":
             say("info", f"{o.action} {o.run.name} ({o.run_id}): {o.rows_sent} rows, {len(o.run.keys)} keys")
-    if result.sync_dirs:
+    if result.sync_dirs and followed is not None and not followed.all_finished:
+        say("info", "the offline runs stay open: `wandb sync` them once the same command has finished them")
+    elif result.sync_dirs:
         say("info", "offline runs written; upload them with:\n  wandb sync " + " ".join(result.sync_dirs))
     return 0
 

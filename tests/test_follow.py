@@ -158,8 +158,7 @@ def finish(children: list[subprocess.Popen], timeout: float = 120) -> None:
 
 def test_global_reduce_followed_live_equals_numpy_over_what_every_rank_recorded(tmp_path):
     run = tmp_path / "run"
-    run.mkdir()
-    sidecar = follow(run)  # started before the job: it waits for the ranks of run.json
+    sidecar = follow(run)  # started before the job: it waits for the directory, then run.json's ranks
     time.sleep(0.5)
     ranks = writers(run, steps=40, ranks=3)
     finish(ranks)
@@ -168,6 +167,7 @@ def test_global_reduce_followed_live_equals_numpy_over_what_every_rank_recorded(
     recorded = truth(run, 3)
     check(rows_of(run, "run"), expected_steps([v for values in recorded.values() for v in values]))
     assert "wrote offline run" in err and "40 rows" in err
+    assert f"waiting for {run} to be created" in err
 
 
 def test_per_rank_modes_followed_live_equal_numpy_per_source(tmp_path):
@@ -351,7 +351,7 @@ def test_follow_options_go_with_follow_and_a_dry_run_follows_without_sending(tmp
 
     runner = CliRunner()
     alone = runner.invoke(app, ["upload", "sample_logs/rl_run", "--project", "p", "--until-idle", "1s"])
-    assert alone.exit_code == 2 and "--until-idle go with --follow" in alone.output
+    assert alone.exit_code == 2 and "--until-idle work only with --follow" in alone.output
     bad = runner.invoke(
         app, ["upload", "sample_logs/rl_run", "--project", "p", "--follow", "--until-idle", "x"]
     )
@@ -391,3 +391,66 @@ def test_until_idle_through_a_pause_leaves_the_runs_open_for_the_rest(tmp_path):
     assert again.returncode == 0, err
     values = [v for vs in truth(run, 2).values() for v in vs]
     check(rows_of(run, "run"), expected_steps(values))
+
+
+def test_a_rank_that_hangs_after_the_others_finished_is_let_go_against_the_clock(tmp_path):
+    run = tmp_path / "run"
+    ranks = writers(run, steps=20, ranks=3, hang={2: 15})
+    sidecar = follow(run)
+    ledger = run / ".metriclog" / "uploads.json"
+    deadline, sent = time.monotonic() + 60, 0
+    while time.monotonic() < deadline and sent < 20:
+        if ledger.exists():
+            sent = max(e["rows_sent"] for e in json.loads(ledger.read_text())["runs"].values())
+        time.sleep(0.1)
+    assert ranks[2].poll() is None and sent == 20, "steps 15-19 went while rank 2 hung, alone"
+    ranks[2].kill()
+    finish(ranks)
+    sidecar.send_signal(signal.SIGINT)
+    _, err = sidecar.communicate(timeout=60)
+    assert sidecar.returncode == 130, err
+    assert "Trainer_r2 (rank 2) is silent for" in err and "the steps go on without it" in err
+    assert "Trainer_r0" not in err.split("is silent")[0].splitlines()[-1]
+    values = [v for vs in truth(run, 3).values() for v in vs]
+    check(rows_of(run, "run", finished=False), expected_steps(values))
+
+
+def test_a_rank_that_never_writes_keeps_the_run_open_and_is_named(tmp_path):
+    run = tmp_path / "run"
+    finish(writers(run, steps=10, ranks=[0, 1], world=3))  # run.json says 3; rank 2 never started
+    done = subprocess.run(
+        [METRICLOG, "upload", str(run), "--project", "p", "--offline", "--follow", "--until-idle", "1s"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 of the 3 sources run.json expects never wrote" in done.stderr
+    assert not runs_written(run)["run"]["finished"]
+
+
+def test_a_sidecar_with_a_bad_option_fails_in_init_before_the_job_trains(tmp_path):
+    import metric_core
+    from metric_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sidecar: mode='global' is not one of global_reduce"):
+        metric_core.init(tmp_path / "run", rank=0, sidecar={"project": "p", "mode": "global"})
+    with pytest.raises(ConfigError, match="sidecar: no option 'projet'; did you mean 'project'"):
+        metric_core.init(tmp_path / "run", rank=0, sidecar={"projet": "p"})
+    assert not (tmp_path / "run" / ".metriclog" / "sidecar.log").exists()
+
+
+def test_strict_follow_fails_on_the_records_a_killed_writer_left_unfinished(tmp_path):
+    import shutil
+
+    run = tmp_path / "rl_run"
+    shutil.copytree(Path(__file__).parents[1] / "sample_logs" / "rl_run", run)
+    command = [METRICLOG, "upload", str(run), "--project", "p", "--offline", "--follow", "--strict"]
+    done = subprocess.run(
+        [*command, "--until-idle", "0.5s", "--interval", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "21 record(s) skipped: unfinished write at the end" in done.stderr

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,9 @@ COLUMNS = ["process", "rank", "step", "key", "value", "reduction", "timestamp"]
 # Gaps between steps a source must have shown before it can be called stopped early: a
 # source that wrote one step is waited for, not dropped from the watermark.
 MIN_GAPS = 3
+# A source silent against the wall clock is let go no sooner than this (another machine's
+# clock may be off by a little).
+WALL_CLOCK_MIN_S = 5.0
 
 
 @dataclass
@@ -124,17 +128,23 @@ class SourceState:
             elif step == self.step_end[0]:
                 self.step_end = (step, max(at, self.step_end[1]))
 
-    def stopped_early(self, newest: float) -> bool:
-        """``inspect``'s rule, against the newest record of the run."""
+    def stopped_early(self, newest: float, now: float | None = None) -> bool:
+        """``inspect``'s rule, against the newest record of the run; with ``now``, also
+        against the wall clock (``watch``'s stall), past at least ``WALL_CLOCK_MIN_S`` (clocks
+        of other machines may be a little off): a source that hangs after the others
+        finished is let go too."""
         if self.finished or len(self.gaps) < MIN_GAPS:
             return False
+        threshold = max(OWN_GAP_FACTOR * self.longest, 0.0)
         lag = newest - self.clock
-        if lag <= OWN_GAP_FACTOR * self.longest:  # the cheap half of the rule first
+        silent = -math.inf if now is None else now - self.clock
+        if lag <= threshold and silent <= max(threshold, WALL_CLOCK_MIN_S):  # the cheap half first
             return False
-        return lag > QUIET_FACTOR * statistics.median(self.gaps)
+        threshold = max(threshold, QUIET_FACTOR * statistics.median(self.gaps))
+        return lag > threshold or silent > max(threshold, WALL_CLOCK_MIN_S)
 
-    def holds(self, newest: float) -> bool:
-        return not (self.finished or self.static or self.stopped_early(newest))
+    def holds(self, newest: float, now: float | None = None) -> bool:
+        return not (self.finished or self.static or self.stopped_early(newest, now))
 
 
 @dataclass
@@ -267,8 +277,14 @@ class RunTail:
             a.flushed(decoded.last_flush)
         a.finished |= decoded.shutdown is not None
         # At the end (every source idle), the records no flush covered are taken as they are
-        # stamped, as every command reads them.
+        # stamped, as every command reads them; a write the writer's death cut short is said.
         settled = decoded.table.num_rows if decoded.table is not None and final else decoded.settled_records
+        if final and decoded.truncated:
+            self.skipped += decoded.truncated_records
+            self._say(
+                f"{rel(path, self.root)}: {decoded.truncated_records} record(s) skipped: unfinished write at "
+                "the end (the writer was killed mid-write)"
+            )
         if decoded.table is None or not settled:
             return None
         frame = pl.from_arrow(decoded.table.slice(0, settled))
@@ -425,7 +441,8 @@ class Follower:
         if len(sources) < (self.expected or 1):
             return -math.inf
         newest = max((s.clock for s in sources.values()), default=-math.inf)
-        return min((of(s) for s in sources.values() if s.holds(newest)), default=math.inf)
+        now = time.time()
+        return min((of(s) for s in sources.values() if s.holds(newest, now)), default=math.inf)
 
     def _rows(self, complete: pl.DataFrame) -> list[Ready]:
         plan, bucket = self.plan, self.plan.bucket

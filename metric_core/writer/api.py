@@ -23,7 +23,8 @@ from metric_core.writer.collector import MetricCollector, _as_float, _now
 from metric_core.writer.segments import MAX_UNWRITTEN
 
 _active: MetricCollector | None = None
-_sidecar: tuple[subprocess.Popen[bytes], float] | None = None  # the child started by init(sidecar=)
+# The child started by init(sidecar=), how long shutdown() waits for it, and its log.
+_sidecar: tuple[subprocess.Popen[bytes], float, Path] | None = None
 WAIT_S = 120.0  # how long shutdown() waits for the sidecar, unless sidecar={"wait": ...}
 
 
@@ -106,7 +107,12 @@ def init(
         from metric_core.writer.sidecar import start_sidecar
 
         try:
-            _sidecar = (start_sidecar(run_dir, **sidecar), float(sidecar.get("wait", WAIT_S)))
+            child = start_sidecar(run_dir, **sidecar)
+            _sidecar = (
+                child,
+                float(sidecar.get("wait", WAIT_S)),
+                Path(run_dir) / ".metriclog" / "sidecar.log",
+            )
         except BaseException:
             shutdown()
             raise
@@ -172,15 +178,18 @@ def shutdown() -> None:
         _active.shutdown()
         _bind(None)
     if _sidecar is not None:
-        child, wait = _sidecar
+        child, wait, log = _sidecar
         _sidecar = None
         try:
-            child.wait(timeout=wait)
+            code = child.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             warn(
                 f"the metriclog sidecar (pid {child.pid}) is still uploading after {wait:.0f} s; it goes "
-                "on without this process (its log: RUN_DIR/.metriclog/sidecar.log)"
+                f"on without this process (its log: {log})"
             )
+            return
+        if code != 0:
+            warn(f"the metriclog sidecar ended with exit code {code}; what it said is in {log}")
 
 
 def get_collector() -> MetricCollector:

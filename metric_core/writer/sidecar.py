@@ -10,13 +10,14 @@ down (or after ten minutes without a record); ``shutdown()`` waits for it (up to
 
 from __future__ import annotations
 
+import difflib
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from metric_core.errors import ConfigError
+from metric_core.errors import ConfigError, MetricLogError, in_python
 
 # upload_run's options as the command line spells them: flags, then options with a value.
 _FLAGS = {
@@ -52,19 +53,44 @@ def sidecar_command(run_dir: str | os.PathLike[str], options: dict[str, Any]) ->
     >>> sidecar_command("runs/a", options)[6:]
     ['--project', 'rl', '--reduce', 'lat=p99', '--ranks', '0,2-5', '--steps', '0:100']
     """
+    unknown = [name for name in options if name not in (*_FLAGS, *_VALUES, "wait")]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], [*_FLAGS, *_VALUES, "wait"], 1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        known = ", ".join(sorted([*_FLAGS, *_VALUES, "wait"]))
+        raise ConfigError(f"sidecar: no option {unknown[0]!r}; {hint}the options are {known}")
     if "project" not in options:
         raise ConfigError("sidecar: give the W&B project, e.g. sidecar={'project': 'my-project'}")
     command = [sys.executable, "-m", "metriclog", "upload", str(run_dir), "--follow"]
+    spelled: dict[str, list[str]] = {}
     for name, value in options.items():
         if name in _FLAGS:
             command += [_FLAGS[name]] if value else []
         elif name in _VALUES:
-            for v in _spelled(name, value):
+            spelled[name] = _spelled(name, value)
+            for v in spelled[name]:
                 command += [_VALUES[name], v]
-        elif name != "wait":
-            known = ", ".join(sorted([*_FLAGS, *_VALUES, "wait"]))
-            raise ConfigError(f"sidecar: no option {name!r}; the options are {known}")
+    _check(spelled)
     return command
+
+
+def _check(spelled: dict[str, list[str]]) -> None:
+    """Bad values fail here, in the job, not in a child whose error only its log would hold."""
+    from metric_core.offline.plan import make_plan, parse_duration  # no polars: see plan.py
+
+    one = {k: v[0] for k, v in spelled.items() if k in ("mode", "by", "every", "ranks", "steps")}
+    try:
+        make_plan(**one, reduce=spelled.get("reduce", ()), keys=spelled.get("keys", ()))
+        if "until_idle" in spelled:
+            parse_duration(spelled["until_idle"][0], option="until_idle")
+        if "interval" in spelled and not float(spelled["interval"][0]) >= 0.05:
+            raise ValueError(f"interval={spelled['interval'][0]} must be at least 0.05 (seconds)")
+        if "sources" in spelled and int(spelled["sources"][0]) < 1:
+            raise ValueError(f"sources={spelled['sources'][0]} must be at least 1")
+    except MetricLogError as exc:
+        raise ConfigError(f"sidecar: {exc.said(in_python)}") from None
+    except ValueError as exc:
+        raise ConfigError(f"sidecar: {exc}") from None
 
 
 def _spelled(name: str, value: Any) -> list[str]:

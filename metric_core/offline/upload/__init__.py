@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import MetricLogError, NoDataError, NotLoggedInError, PlanError, opt, spell
+from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, opt, spell
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -120,8 +120,6 @@ def upload_run(
     if follow is not None:
         from metric_core.offline.upload.follow import follow_upload
 
-        if not root.is_dir():
-            raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
         upload, state = follow_upload(
             root,
             plan,

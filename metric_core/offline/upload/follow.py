@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import threading
 import time
@@ -23,7 +24,8 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import StrictModeError
+from metric_core.clock import duration
+from metric_core.errors import NoDataError, StrictModeError
 from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.plan import ReducePlan
 from metric_core.offline.upload.ledger import Ledger
@@ -67,10 +69,13 @@ class FollowState:
     outcomes: list[RunOutcome] = field(default_factory=list)
     late: dict[tuple[str, int], int] = field(default_factory=dict)
     sources: dict[tuple[str, int], SourceState] = field(default_factory=dict)
+    expected: int = 1  # sources that must have written (run.json's world_size, --sources)
 
     @property
     def all_finished(self) -> bool:
-        return bool(self.sources) and all(s.finished or s.static for s in self.sources.values())
+        """Every source shut down cleanly, and as many wrote as the run expects."""
+        done = all(s.finished or s.static for s in self.sources.values())
+        return bool(self.sources) and done and len(self.sources) >= self.expected
 
 
 def follow_upload(
@@ -98,10 +103,15 @@ def follow_upload(
     stop = stop or threading.Event()
     state = FollowState()
     key = request_key(plan, request, share_run)
+    replacing = False
+    if not _appeared(root, stop, interval, events):
+        state.ended = STOPPED
+        return UploadPlan(runs=[]), state
     while True:
         pass_ = _Pass(
             root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
         )
+        pass_.replacing = replacing
         pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
         pass_.follower = Follower(plan, share_run=share_run, sources=sources)
         try:
@@ -121,7 +131,7 @@ def follow_upload(
         for opened in pass_.runs.values():  # offline: `wandb sync` must not send the replaced rows
             if opened.outcome.sync_dir and pass_.sender is not None:
                 pass_.sender.remove_partial({"sync_dir": opened.outcome.sync_dir})
-        force_new = True  # the rows handed over hold replaced records: fresh runs hold the new history
+        force_new = replacing = True  # the rows handed over hold replaced records: fresh runs hold the rest
 
 
 @dataclass
@@ -148,6 +158,9 @@ class _Pass:
     sender: Sender | None = None
     said: int = 0
     waiting_said: bool = False
+    quiet_said: bool = False
+    replacing: bool = False  # a pass after a restart replaced rows handed over
+    let_go: set[tuple[str, int]] = field(default_factory=set)
 
     def run(
         self, stop: threading.Event, interval: float, until_idle: float | None, state: FollowState, wait: bool
@@ -167,6 +180,8 @@ class _Pass:
             state.records += records.height
             state.sources = self.tail.sources
             self._notices(first_record, wait)
+            state.expected = self.follower.expected or 1
+            self._silences(last_new)
             self.follower.add(records, self.tail.sources)
             if self.follower.replaced:
                 self.events.message("warning", _replaced(self.follower.replaced, self.to.offline))
@@ -184,6 +199,35 @@ class _Pass:
             except KeyboardInterrupt:
                 self._send(self.follower.ready(self.tail.sources))  # what is complete goes first
                 return STOPPED
+
+    def _silences(self, last_new: float) -> None:
+        """Say once when a source stops holding the others back, and when nothing is written."""
+        now = time.time()
+        newest = max((s.clock for s in self.tail.sources.values()), default=-math.inf)
+        for key, source in self.tail.sources.items():
+            let_go = not (source.finished or source.static) and not source.holds(newest, now)
+            if let_go and key not in self.let_go:
+                self.events.message(
+                    "warning",
+                    f"{key[0]} (rank {key[1]}) is silent for {duration(now - source.clock)} since step "
+                    f"{source.step_end[0] if source.step_end else '?'} (stopped early, by inspect's rule): "
+                    "the steps go on without it",
+                )
+            if let_go:
+                self.let_go.add(key)
+            elif key in self.let_go and source.finished:
+                self.let_go.discard(key)
+        quiet = time.monotonic() - last_new
+        if quiet > QUIET_SAID_S and not self.quiet_said and self.tail.sources:
+            self.quiet_said = True
+            self.events.message(
+                "note",
+                f"nothing was written for {duration(quiet)} and not every source shut down: the job may "
+                "have died. Still following; Ctrl-C ends it (what is complete was handed over), "
+                "--until-idle DURATION ends a follow after such a silence",
+            )
+        elif quiet <= QUIET_SAID_S:
+            self.quiet_said = False
 
     def _notices(self, first_record: float | None, wait: bool) -> None:
         """What the reading found, each said once; why nothing goes, when it waits for sources."""
@@ -253,6 +297,7 @@ class _Pass:
             entry = find_entry(Ledger.existing(self.root, identity), run, self.to)
             action, run_id, _, message = decide(run, entry, self.to.offline, self.force_new)
             opened = _Open(run, RunOutcome(run, action, run_id, 0, message), None)
+            self.events.message("info", f"dry run: {run.name} ({run_id}) would be {action}")
         else:
             if self.sender is None:
                 ledger = Ledger.for_run_dir(self.root, identity)
@@ -269,8 +314,13 @@ class _Pass:
                     time.sleep,
                 )
             outcome, wb = self.sender.open(run)
-            if outcome.message:
+            if self.replacing and wb is not None:
+                outcome.message = (
+                    f"{run.name}: a fresh run {outcome.run_id} holds the history with the restart"
+                )
+            if outcome.message:  # said now, as the follow may go on for hours
                 self.events.message("info", outcome.message)
+                outcome.message = ""
             opened = _Open(run, outcome, wb, skip=outcome.rows_sent if wb is not None else NEVER)
             if wb is not None:
                 self.events.message("info", f"following into {run.name} ({outcome.run_id})")
@@ -291,10 +341,26 @@ class _Pass:
                 opened.wb = None
 
 
+def _appeared(root: Path, stop: threading.Event, interval: float, events: UploadEvents) -> bool:
+    """Wait for the run directory (a sidecar may start before the job makes it); False: stopped."""
+    if root.exists() and not root.is_dir():
+        raise NoDataError(str(root), "it is not a directory")
+    if not root.is_dir():
+        events.message("note", f"waiting for {root} to be created (the job has not started)")
+    try:
+        while not root.is_dir():
+            if stop.wait(interval):
+                return False
+    except KeyboardInterrupt:
+        return False
+    return True
+
+
 # Without run.json (rank 0 not started yet, or another tool's files), how long after the
 # first record the follower waits for it before it takes the sources it sees as all.
 NO_RUN_JSON_WAIT_S = 10.0
 WAITING_SAID_S = 10.0  # a follower that waits this long for run.json's sources says so
+QUIET_SAID_S = 60.0  # a follower with nothing written for this long says so
 
 
 def _expected(meta: dict[str, Any], first_record: float | None) -> int | None:

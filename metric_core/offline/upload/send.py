@@ -212,13 +212,15 @@ def decide(
             ),
         )
     if offline:
+        planned = entry.get("rows_planned") or 0
         return (
             "restarted",
             fresh,
             None,
-            f"an earlier offline write of {run.name} was interrupted after {entry.get('rows_sent', 0)} of "
-            f"{entry.get('rows_planned', run.rows)} rows; offline runs cannot be resumed, so a fresh "
-            f"offline run {fresh} holds all {run.rows} rows",
+            f"an earlier offline write of {run.name} was interrupted after {entry.get('rows_sent', 0)}"
+            + (f" of {planned}" if planned else "")
+            + f" rows; offline runs cannot be resumed, so a fresh offline run {fresh} holds all "
+            + (f"{run.rows} rows" if run.rows else "its rows"),
         )
     return "resumed", entry.get("id", run.run_id), "must", ""
 
