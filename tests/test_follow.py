@@ -454,3 +454,25 @@ def test_strict_follow_fails_on_the_records_a_killed_writer_left_unfinished(tmp_
     )
     assert done.returncode == 1, done.stderr
     assert "21 record(s) skipped: unfinished write at the end" in done.stderr
+
+
+def test_a_second_follower_of_the_same_upload_is_refused_and_another_mode_is_not(tmp_path):
+    run = tmp_path / "run"
+    ranks = writers(run, steps=40, ranks=2)
+    first = follow(run)
+    time.sleep(1.5)
+    second = subprocess.run(
+        [METRICLOG, "upload", str(run), "--project", "p", "--offline", "--follow"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 1
+    assert "another `metriclog upload --follow` of the same upload" in second.stderr
+    other = follow(run, "--mode", "per_rank_reduce")
+    finish(ranks)
+    for sidecar in (first, other):
+        _, err = sidecar.communicate(timeout=120)
+        assert sidecar.returncode == 0, err
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))

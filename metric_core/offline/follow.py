@@ -429,7 +429,7 @@ class Follower:
         for process, rank, attempt, step in highest.iter_rows():
             at = (process, rank, attempt)
             self.sent_steps[at] = max(step, self.sent_steps.get(at, step))
-        return self._rows(complete)
+        return self._rows(complete, sources)
 
     def _mark(
         self, sources: dict[Source, SourceState], ending: bool, of: Callable[[SourceState], float]
@@ -444,10 +444,18 @@ class Follower:
         now = time.time()
         return min((of(s) for s in sources.values() if s.holds(newest, now)), default=math.inf)
 
-    def _rows(self, complete: pl.DataFrame) -> list[Ready]:
+    def _rows(self, complete: pl.DataFrame, sources: dict[Source, SourceState]) -> list[Ready]:
         plan, bucket = self.plan, self.plan.bucket
-        if self.raw:
-            out = complete.sort("timestamp", maintain_order=True) if self.share_run else complete
+        if self.raw and self.share_run:
+            out = complete.sort("timestamp", maintain_order=True)
+        elif self.raw:  # a source's records in attempt order (a reader started later sees them at once)
+            started = {
+                f"{p}\x00{r}\x00{a}": st.started
+                for (p, r), s in sources.items()
+                for a, st in s.attempts.items()
+            }
+            at = pl.format("{}\x00{}\x00{}", "process", "rank", "attempt")
+            out = complete.sort(at.replace_strict(started, default=-math.inf), maintain_order=True)
         else:
             out = reduce_records(plan, complete, self.t0, self.recorded)
         self._map_keys(out["key"].unique().to_list())

@@ -11,13 +11,15 @@ any instant and started again sends no row twice and misses none.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from typing import Any
 import polars as pl
 
 from metric_core.clock import duration
-from metric_core.errors import NoDataError, StrictModeError
+from metric_core.errors import NoDataError, StrictModeError, UploadError
 from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.plan import ReducePlan
 from metric_core.offline.upload.ledger import Ledger
@@ -103,35 +105,40 @@ def follow_upload(
     stop = stop or threading.Event()
     state = FollowState()
     key = request_key(plan, request, share_run)
-    replacing = False
     if not _appeared(root, stop, interval, events):
         state.ended = STOPPED
         return UploadPlan(runs=[]), state
-    while True:
-        pass_ = _Pass(
-            root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
-        )
-        pass_.replacing = replacing
-        pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
-        pass_.follower = Follower(plan, share_run=share_run, sources=sources)
-        try:
-            ended = pass_.run(stop, interval, until_idle, state, sources is None)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it read or sent: what was sent stays
-            ended = STOPPED
-        except BaseException:
-            pass_.close(finished=False)
-            raise
-        # Idle with a source that never shut down: the job may go on (a long pause), so
-        # the runs stay open in the ledger, for a later upload to continue.
-        pass_.close(finished=ended == FINISHED or (ended == IDLE and state.all_finished))
-        state.outcomes = [o.outcome for o in pass_.runs.values()]
-        if ended != REPLACED:
-            state.ended = ended
-            return pass_.upload, state
-        for opened in pass_.runs.values():  # offline: `wandb sync` must not send the replaced rows
-            if opened.outcome.sync_dir and pass_.sender is not None:
-                pass_.sender.remove_partial({"sync_dir": opened.outcome.sync_dir})
-        force_new = replacing = True  # the rows handed over hold replaced records: fresh runs hold the rest
+    with contextlib.ExitStack() as held:
+        if not dry_run:
+            held.enter_context(_only_follower(root, key))
+        replacing = False
+        while True:
+            pass_ = _Pass(
+                root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
+            )
+            pass_.replacing = replacing
+            pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
+            pass_.follower = Follower(plan, share_run=share_run, sources=sources)
+            try:
+                ended = pass_.run(stop, interval, until_idle, state, sources is None)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it read or sent: what was sent stays
+                ended = STOPPED
+            except BaseException:
+                pass_.close(finished=False)
+                raise
+            # Idle with a source that never shut down: the job may go on (a long pause), so
+            # the runs stay open in the ledger, for a later upload to continue.
+            pass_.close(finished=ended == FINISHED or (ended == IDLE and state.all_finished))
+            state.outcomes = [o.outcome for o in pass_.runs.values()]
+            if ended != REPLACED:
+                state.ended = ended
+                return pass_.upload, state
+            for opened in pass_.runs.values():  # offline: `wandb sync` must not send the replaced rows
+                if opened.outcome.sync_dir and pass_.sender is not None:
+                    pass_.sender.remove_partial({"sync_dir": opened.outcome.sync_dir})
+            force_new = replacing = (
+                True  # the rows handed over hold replaced records: fresh runs hold the rest
+            )
 
 
 @dataclass
@@ -183,6 +190,8 @@ class _Pass:
             state.expected = self.follower.expected or 1
             self._silences(last_new)
             self.follower.add(records, self.tail.sources)
+            if self.plan.by == "time" and self.follower.t0 is None and self.tail.sources:
+                self.follower.t0 = self._earlier_t0()
             if self.follower.replaced:
                 self.events.message("warning", _replaced(self.follower.replaced, self.to.offline))
                 return REPLACED
@@ -269,10 +278,21 @@ class _Pass:
                     o.outcome.run_id: {
                         "rows_sent": o.outcome.rows_sent,
                         "attempts": self._attempts(o.run.source),
+                        "request": self.key,
+                        "t0": self.follower.t0,  # where windows start, for a follower after this one
                     }
                     for o in sent
                 }
             )
+
+    def _earlier_t0(self) -> float | None:
+        """Where an earlier follow of this upload started its windows: rows continued by a
+        resumed run must fall in the same windows."""
+        ledger = Ledger.existing(self.root, _identity(self.tail))
+        for entry in (ledger.entries if ledger else {}).values():
+            if entry.get("request") == self.key and entry.get("t0") is not None and not self.force_new:
+                return float(entry["t0"])
+        return None
 
     def _open(self, process: str | None) -> _Open:
         identity = _identity(self.tail)
@@ -339,6 +359,31 @@ class _Pass:
                     opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
                 )
                 opened.wb = None
+
+
+@contextlib.contextmanager
+def _only_follower(root: Path, key: str) -> Iterator[None]:
+    """One follower of an upload at a time: two would hand every row over twice."""
+    home = root / ".metriclog"
+    try:
+        if home.is_symlink():
+            raise OSError("a symlink: the ledger refuses it, and says so")
+        home.mkdir(exist_ok=True)
+        lock = os.open(home / f".follow-{key[:16]}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError:  # not writable: the ledger goes to the user's cache, and no lock is kept
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UploadError(
+                f"another `metriclog upload --follow` of the same upload of {root} is running; two would "
+                "hand every row over twice. Stop it first (or follow another mode or project)"
+            ) from None
+        yield
+    finally:
+        os.close(lock)
 
 
 def _appeared(root: Path, stop: threading.Event, interval: float, events: UploadEvents) -> bool:
