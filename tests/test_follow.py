@@ -81,24 +81,29 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.0
     ]
 
 
+def command(run: Path, *args: str) -> list[str]:
+    return [
+        METRICLOG,
+        "upload",
+        str(run),
+        "--project",
+        "p",
+        "--offline",
+        "--follow",
+        "--interval",
+        "0.2",
+        *args,
+    ]
+
+
 def follow(run: Path, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            METRICLOG,
-            "upload",
-            str(run),
-            "--project",
-            "p",
-            "--offline",
-            "--follow",
-            "--interval",
-            "0.2",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """A follower beside the job."""
+    return subprocess.Popen(command(run, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def followed(run: Path, *args: str) -> subprocess.CompletedProcess:
+    """A follower run to its end."""
+    return subprocess.run(command(run, *args), capture_output=True, text=True, timeout=120)
 
 
 def truth(run: Path, ranks: int) -> dict[int, list[tuple[int, str, float]]]:
@@ -149,6 +154,17 @@ def check(rows: list[dict], expected: dict[int, dict[str, float]]) -> None:
         assert set(row) - {"step", "_timestamp", "_runtime", "_step"} == set(want)
         for key, value in want.items():
             assert row[key] == pytest.approx(value, rel=1e-12, abs=1e-12), (row["step"], key)
+
+
+def ended_as_recorded(sidecar: subprocess.Popen, run: Path, ranks: int) -> str:
+    """The follower ended by itself, no record came late, and its global run holds numpy's
+    reduction of what the ranks recorded; what it said."""
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "came after" not in err
+    values = [v for vs in truth(run, ranks).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+    return err
 
 
 def finish(children: list[subprocess.Popen], timeout: float = 120) -> None:
@@ -299,11 +315,7 @@ def test_a_rank_that_starts_late_is_waited_for_as_run_json_says(tmp_path):
     time.sleep(1.5)  # rank 1 loads its model for a while
     late = writers(run, steps=40, ranks=[1], world=2)
     finish([*early, *late])
-    _, err = sidecar.communicate(timeout=120)
-    assert sidecar.returncode == 0, err
-    assert "came after" not in err
-    values = [v for vs in truth(run, 2).values() for v in vs]
-    check(rows_of(run, "run"), expected_steps(values))
+    ended_as_recorded(sidecar, run, ranks=2)
 
 
 def test_following_another_tools_finished_run_until_idle_equals_a_plain_upload(tmp_path):
@@ -311,26 +323,7 @@ def test_following_another_tools_finished_run_until_idle_equals_a_plain_upload(t
 
     run = tmp_path / "rl_run"
     shutil.copytree(Path(__file__).parents[1] / "sample_logs" / "rl_run", run)
-    done = subprocess.run(
-        [
-            METRICLOG,
-            "upload",
-            str(run),
-            "--project",
-            "p",
-            "--offline",
-            "--follow",
-            "--until-idle",
-            "1s",
-            "--mode",
-            "per_rank_reduce",
-            "--interval",
-            "0.2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = followed(run, "--until-idle", "1s", "--mode", "per_rank_reduce")
     assert done.returncode == 0, done.stderr
     assert "GeneratorActor_r1 (rank 1) did not shut down" in done.stderr  # killed: its runs stay open
     expected = reduce_run(run, mode="per_rank_reduce")
@@ -369,11 +362,7 @@ def test_a_segment_sealed_mid_step_does_not_let_a_partial_step_go(tmp_path):
     run = tmp_path / "run"
     sidecar = follow(run)
     finish(writers(run, steps=30, ranks=2, segment_records=5))  # 12 records a step: sealed mid-step
-    _, err = sidecar.communicate(timeout=120)
-    assert sidecar.returncode == 0, err
-    assert "came after" not in err
-    values = [v for vs in truth(run, 2).values() for v in vs]
-    check(rows_of(run, "run"), expected_steps(values))
+    ended_as_recorded(sidecar, run, ranks=2)
 
 
 def test_until_idle_through_a_pause_leaves_the_runs_open_for_the_rest(tmp_path):
@@ -418,12 +407,7 @@ def test_a_rank_that_hangs_after_the_others_finished_is_let_go_against_the_clock
 def test_a_rank_that_never_writes_keeps_the_run_open_and_is_named(tmp_path):
     run = tmp_path / "run"
     finish(writers(run, steps=10, ranks=[0, 1], world=3))  # run.json says 3; rank 2 never started
-    done = subprocess.run(
-        [METRICLOG, "upload", str(run), "--project", "p", "--offline", "--follow", "--until-idle", "1s"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = followed(run, "--until-idle", "1s")
     assert done.returncode == 0, done.stderr
     assert "1 of the 3 sources run.json expects never wrote" in done.stderr
     assert not runs_written(run)["run"]["finished"]
@@ -445,13 +429,7 @@ def test_strict_follow_fails_on_the_records_a_killed_writer_left_unfinished(tmp_
 
     run = tmp_path / "rl_run"
     shutil.copytree(Path(__file__).parents[1] / "sample_logs" / "rl_run", run)
-    command = [METRICLOG, "upload", str(run), "--project", "p", "--offline", "--follow", "--strict"]
-    done = subprocess.run(
-        [*command, "--until-idle", "0.5s", "--interval", "0.1"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = followed(run, "--strict", "--until-idle", "0.5s")
     assert done.returncode == 1, done.stderr
     assert "21 record(s) skipped: unfinished write at the end" in done.stderr
 
@@ -461,12 +439,7 @@ def test_a_second_follower_of_the_same_upload_is_refused_and_another_mode_is_not
     ranks = writers(run, steps=40, ranks=2)
     first = follow(run)
     time.sleep(1.5)
-    second = subprocess.run(
-        [METRICLOG, "upload", str(run), "--project", "p", "--offline", "--follow"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    second = followed(run)
     assert second.returncode == 1
     assert "another `metriclog upload --follow` of the same upload" in second.stderr
     other = follow(run, "--mode", "per_rank_reduce")

@@ -31,7 +31,7 @@ from metric_core.errors import NoDataError, StrictModeError, UploadError
 from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.plan import ReducePlan
 from metric_core.offline.upload.ledger import Ledger
-from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_id_for
+from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import Destination, RunOutcome, Sender, UploadEvents, decide, find_entry
 
 NEVER = 1 << 62  # rows to skip of a run that is skipped
@@ -298,7 +298,7 @@ class _Pass:
         identity = _identity(self.tail)
         if not self.upload.identity:
             self.upload.identity = identity
-            self.upload.config = _config(self.tail.meta, self.plan)
+            self.upload.config = run_config(self.tail.meta, self.plan, followed=True)
         raw = self.follower.raw
         run = FollowedRun(
             run_id=run_id_for(identity, self.key, process),
@@ -432,22 +432,6 @@ def _identity(tail: RunTail) -> str:
         return str(given)
     firsts = [[p, r, s.first] for (p, r), s in sorted(tail.sources.items())]
     return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
-
-
-def _config(meta: dict[str, Any], plan: ReducePlan) -> dict[str, Any]:
-    config = dict(meta.get("config") or {})
-    config["metriclog"] = {
-        "mode": plan.mode.value,
-        "by": plan.by,
-        "every": plan.every,
-        "reduce": {pattern: stat.name for pattern, stat in plan.overrides},
-        "keys": list(plan.keys),
-        "ranks": [list(r) for r in plan.ranks],
-        "steps": list(plan.steps) if plan.steps else None,
-        "attempts": plan.attempts,
-        "followed": True,
-    }
-    return config
 
 
 def _late(source: tuple[str, int], n: int) -> str:

@@ -457,9 +457,9 @@ def limit_warnings(runs: list[PlannedRun]) -> list[str]:
     return warnings
 
 
-def _provenance(result: ReduceResult) -> dict[str, Any]:
-    plan = result.plan
-    config = dict(result.scan.meta.get("config") or {})
+def run_config(meta: dict[str, Any], plan: ReducePlan, **facts: Any) -> dict[str, Any]:
+    """A W&B run's config: run.json's, plus what metriclog computed (``facts``: more of it)."""
+    config = dict(meta.get("config") or {})
     config["metriclog"] = {
         "mode": plan.mode.value,
         "by": plan.by,
@@ -469,8 +469,16 @@ def _provenance(result: ReduceResult) -> dict[str, Any]:
         "ranks": [list(r) for r in plan.ranks],
         "steps": list(plan.steps) if plan.steps else None,
         "attempts": plan.attempts,
-        "source_run_dir": result.scan.run_dir.resolve().name,
-        "records": result.scan.report.records,
-        "skipped_records": result.scan.report.skipped_records,
+        **facts,
     }
     return config
+
+
+def _provenance(result: ReduceResult) -> dict[str, Any]:
+    return run_config(
+        result.scan.meta,
+        result.plan,
+        source_run_dir=result.scan.run_dir.resolve().name,
+        records=result.scan.report.records,
+        skipped_records=result.scan.report.skipped_records,
+    )
