@@ -125,6 +125,7 @@ def test_every_mode_reads_exactly_the_records_that_survive_the_restart(restarted
 def test_the_replaced_records_are_said_and_inspect_lists_each_sources_attempts(restarted):
     result = CliRunner().invoke(app, ["inspect", str(restarted), "--json"])
     assert result.exit_code == 0, result.output
+    assert result.stderr.splitlines()[0] == f"warning: in {restarted}:"  # nothing skipped: no "skipped 0"
     for process, _ in SOURCES:
         replaced = (KILLED_AT + 1 - RESTART_FROM) * 4  # 3 losses and a grad_norm a step
         said = f"{process} (rank {process[-1]}): {replaced} record(s) of steps {RESTART_FROM}-{KILLED_AT}"

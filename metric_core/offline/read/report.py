@@ -140,10 +140,13 @@ class ReadReport:
         if not (bad or gaps or self.skipped_paths or self.notices):
             return ""
         not_read = f", {len(self.skipped_paths)} path(s) not read" if self.skipped_paths else ""
-        head = (
-            f"skipped {self.skipped_records} record(s) and "
-            f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
-        )
+        if bad or self.skipped_paths:
+            head = (
+                f"skipped {self.skipped_records} record(s) and "
+                f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
+            )
+        else:  # only what the reader did on purpose (a restart read as a rewind, a copy read once)
+            head = f"in {self.run_dir}:"
         out = [head]
         for path, why in self.skipped_paths[:max_files]:
             out.append(f"  {rel(path, self.run_dir)}: {why}")
