@@ -82,9 +82,9 @@ class ReduceResult:
             yield from self.stream()
 
 
-def _filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | None = None) -> pl.LazyFrame:
+def plan_filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | None = None) -> pl.LazyFrame:
     """``columns`` (the plan's input columns by default) with the plan's rank and step
-    filters applied (``--key`` is applied per file: ``_matching``)."""
+    filters applied (``--key`` is applied per file: ``key_matching``)."""
     lf = frame.select(plan.input_columns if columns is None else columns)
     if plan.ranks:
         rank = pl.col("rank")
@@ -138,7 +138,7 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
         for fid, groups, at in task.reads:
             for frame in _read_batches(plan, scan, fid, dictionaries, kept, groups, PARTITION_ROWS, seen):
                 for start in range(0, frame.height, PARTITION_ROWS):  # a whole file read at once, too
-                    pieces.append(_matching(frame.slice(start, PARTITION_ROWS), match))
+                    pieces.append(key_matching(frame.slice(start, PARTITION_ROWS), match))
                     places.append((at, pieces[-1].height))
                     held += pieces[-1].height
                     if held >= PARTITION_ROWS:
@@ -271,7 +271,7 @@ def _read_batches(
             df["rank"].unique() if seen.ranks is not None else None,
             df["key"].unique().cast(pl.String) if seen.keys is not None else None,
         )
-        yield _filtered(plan, df.lazy(), kept).collect()
+        yield plan_filtered(plan, df.lazy(), kept).collect()
 
 
 def _read_part(
@@ -478,7 +478,7 @@ def _statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
 
 def _first_time(plan: ReducePlan, scan: RunScan) -> float:
     """The earliest timestamp among the records the filters keep: where ``--by time`` windows start."""
-    lf = _filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
+    lf = plan_filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
     every_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
     per_key = every_key
     if plan.keys:
@@ -561,7 +561,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     total = sum(sizes.values())
 
     def read(fid: int, groups: list[int] | None = None) -> pl.DataFrame:
-        return _matching(_read_part(plan, scan, fid, dictionaries, kept, seen, groups), match)
+        return key_matching(_read_part(plan, scan, fid, dictionaries, kept, seen, groups), match)
 
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
@@ -626,7 +626,7 @@ def _parts(scan: RunScan, fids: Sequence[int], row_groups: bool, column: str = "
     return out
 
 
-def _matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.DataFrame:
+def key_matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.DataFrame:
     """The records whose key a ``--key`` pattern matches (each distinct key tested once)."""
     if match is None or df.height == 0:
         return df
@@ -638,7 +638,7 @@ def _reduction_origins(plan: ReducePlan, scan: RunScan, key: str) -> dict[str, l
     scan.check_all()
     with_sources = dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE)
     rows = (
-        _filtered(with_sources, scan.frame)
+        plan_filtered(with_sources, scan.frame)
         .filter(pl.col("key") == key)
         .select("reduction", "process", "rank")
         .unique()

@@ -7,13 +7,14 @@ Three parts, polled in a loop (``follow_upload`` in ``offline.upload``):
   records of the journal it replaces that were read already are skipped), another tool's
   file once, as it is when first seen. A record is *settled* once its step is final: an
   ``F`` frame (``flush(step)``) or the clean end covers it, or it is in a sealed segment.
-* ``Watermarks`` decide which buckets are complete: a source's step ``k`` once it flushed
-  ``k`` (the writer then stamps ``k + 1``); a ``global_reduce`` step once every *holding*
-  source did; a ``--by time`` window once every holding source's newest settled record is
-  past its end. A source stops holding the others back when it finished (a clean
-  ``shutdown()``) or ``inspect``'s rule calls it stopped early (silent, against the
-  newest record of the run, for longer than ten times its usual step time and twice its
-  longest pause). Until ``sources`` sources wrote (``run.json``'s ``world_size`` by
+* ``Follower`` keeps the records of buckets not complete yet, and decides which are: a
+  source's step ``k`` once it flushed ``k`` (the writer then stamps ``k + 1``); a
+  ``global_reduce`` step once every *holding* source did; a ``--by time`` window once
+  every holding source's newest settled record is past its end. A source stops holding
+  the others back when it finished (a clean ``shutdown()``) or ``inspect``'s rule calls
+  it stopped early (silent for longer than ten times its usual step time and twice its
+  longest pause, against the newest record of the run or, past ``WALL_CLOCK_MIN_S``, the
+  wall clock). Until ``sources`` sources wrote (``run.json``'s ``world_size`` by
   default), no step is complete, so ranks that start a little late are waited for.
 * Complete buckets are reduced by the engine's own partial states
   (``engine.reduce_records``) and become history rows, in bucket order: a run's rows
@@ -40,7 +41,7 @@ import numpy as np
 import polars as pl
 
 from metric_core.metric import LoggingMode
-from metric_core.offline.engine import _filtered, _matching, reduce_records
+from metric_core.offline.engine import key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
 from metric_core.offline.plan import ReducePlan, key_matcher
 from metric_core.offline.read import ReadReport, read_sealed
@@ -339,8 +340,8 @@ class Follower:
     def add(self, records: pl.DataFrame, sources: dict[Source, SourceState]) -> None:
         """New settled records; what a restart of a source replaces is dropped (W&B's rewind)."""
         if records.height:
-            kept = _filtered(self.plan, records.lazy(), [*COLUMNS, "attempt"]).collect()
-            self.pending = pl.concat([self.pending, _matching(kept, self.match)], how="vertical_relaxed")
+            kept = plan_filtered(self.plan, records.lazy(), [*COLUMNS, "attempt"]).collect()
+            self.pending = pl.concat([self.pending, key_matching(kept, self.match)], how="vertical_relaxed")
         if self.plan.attempts != "all":
             self._rewind(sources)
         self._drop_late()
@@ -498,8 +499,3 @@ def expected_sources(meta: dict[str, Any]) -> int | None:
     """``run.json``'s world size, when the writer recorded one."""
     size = meta.get("world_size")
     return size if isinstance(size, int) and size > 0 else None
-
-
-def idle_for(sources: dict[Source, SourceState], now: float) -> float:
-    newest = max((s.clock for s in sources.values()), default=-math.inf)
-    return now - newest
