@@ -97,6 +97,8 @@ def reduce(
     out: o.OutFile = None,
     wide: o.Wide = False,
     strict: o.Strict = False,
+    engine: o.EngineOpt = o.Engine.LOCAL,
+    ray_address: o.RayAddress = None,
 ) -> None:
     """Compute a logging mode offline from a run's raw records.
 
@@ -119,6 +121,8 @@ def reduce(
                 follow_symlinks=follow_symlinks,
                 on_read=output.said_skips,
                 on_progress=progress,
+                engine=engine.value,
+                ray_address=ray_address,
             )
             frames = pivot_wide(result.batches(), plan) if wide else result.batches()  # written as it comes
             if out is None:

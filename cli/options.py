@@ -58,6 +58,31 @@ def choice(flag: str, kind: type[E], help: str) -> Any:
 
 
 Mode = Annotated[LoggingMode, choice("--mode", LoggingMode, "Logging mode to compute.")]
+
+
+class Engine(str, Enum):
+    LOCAL = "local"
+    RAY = "ray"
+
+
+EngineOpt = Annotated[
+    Engine,
+    choice(
+        "--engine",
+        Engine,
+        "Where the plan runs: this machine's threads, or Ray tasks (pip install 'metriclog[ray]'); "
+        "the same bits either way.",
+    ),
+]
+RayAddress = Annotated[
+    str | None,
+    typer.Option(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="With --engine ray: the cluster to use (default: RAY_ADDRESS, else a local one started for the "
+        "command).",
+    ),
+]
 ByOpt = Annotated[By, choice("--by", By, "Group by training step or by wall-clock window.")]
 Every = Annotated[
     str | None,

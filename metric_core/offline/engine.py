@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
@@ -102,7 +103,14 @@ def plan_filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | No
 
 
 @changed_files_said
-def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None = None) -> ReduceResult:
+def execute(
+    plan: ReducePlan,
+    scan: RunScan,
+    *,
+    on_progress: OnProgress | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
+) -> ReduceResult:
     """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served.
 
     A reducing mode runs as partial states (``metric_core.offline.partials``): the run's
@@ -112,15 +120,19 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     a frame and dropped. So the output is the same bits whatever the thread count or the
     order the files were listed in, and memory holds the groups of the steps in flight.
     The result is a stream, read when it is iterated.
+
+    ``engine="ray"`` computes the tasks' states as Ray tasks (``offline.ray_engine``, on
+    the cluster at ``ray_address``, ``RAY_ADDRESS``, or a local one) and folds them here in
+    the same order: the same bits. Raw mode has nothing to reduce and is read here.
     """
+    if engine not in ENGINES:
+        raise PlanError(f"is not one of {', '.join(ENGINES)}", option="engine", value=engine)
     if plan.by == "time":  # windows start at the first record kept, a query over every file
         scan.check_all()
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         return _raw(plan, scan, on_progress)
     sources = _single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None
-    match = key_matcher(plan.keys) if plan.keys else None
     t0 = _first_time(plan, scan) if plan.by == "time" else None
-    statistic_of = _statistic_chooser(plan)
     dictionaries = _dictionary_read(scan)
     kept = _columns_read(plan, scan)
     seen, unmatched = filters.Seen.wanted_by(plan), list[PlanError]()
@@ -129,29 +141,18 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
     work = [(u, task) for u, fids in enumerate(units) for task in tasks(plan, scan, fids, t0, dictionaries)]
 
-    def reduce_task(task: Task) -> Iterator[partials.Partial]:
-        """The task's records as partitions of about PARTITION_ROWS (cut where the reads'
-        frames end, which the files fix), each reduced as soon as it is read."""
-        pieces: list[pl.DataFrame] = []
-        places: list[tuple[int, int]] = []
-        held = 0
-        for fid, groups, at in task.reads:
-            for frame in _read_batches(plan, scan, fid, dictionaries, kept, groups, PARTITION_ROWS, seen):
-                for start in range(0, frame.height, PARTITION_ROWS):  # a whole file read at once, too
-                    pieces.append(key_matching(frame.slice(start, PARTITION_ROWS), match))
-                    places.append((at, pieces[-1].height))
-                    held += pieces[-1].height
-                    if held >= PARTITION_ROWS:
-                        yield partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
-                        pieces, places, held = [], [], 0
-        if held:
-            yield partials.partition_states(pl.concat(pieces), plan, statistic_of, t0, places)
+    reduce_task = TaskWork(plan, scan, dictionaries, kept, t0, PARTITION_ROWS)
+    if engine == "ray":
+        scan.check_all()  # a task's counts of bad rows could not reach this process's report
+        states_of = functools.partial(ray_in_order, reduce_task, seen=seen, address=ray_address)
+    else:
+        states_of = functools.partial(_in_order, functools.partial(reduce_task, seen=seen))
 
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
         recorded: dict[str, str] = {}  # each key's statistic in the frames emitted so far
         acc = partials.Accumulator()
-        states = _in_order(reduce_task, [task for _, task in work], [t.size for _, t in work], on_progress)
+        states = states_of([task for _, task in work], [t.size for _, t in work], on_progress)
         try:
             for i, state in states:
                 if state is not None:  # a partition of task i
@@ -176,6 +177,65 @@ def execute(plan: ReducePlan, scan: RunScan, *, on_progress: OnProgress | None =
     if plan.mode is LoggingMode.PER_RANK_REDUCE and sources is None:  # several sources a file
         return ReduceResult(plan, scan, stream=lambda: _source_by_source(stream()), unmatched=unmatched)
     return ReduceResult(plan, scan, stream=stream, unmatched=unmatched)
+
+
+ENGINES = ("local", "ray")
+
+
+@dataclass
+class TaskWork:
+    """What reduces one task's records, wherever it runs (a thread here, or a Ray worker:
+    it pickles; the filters and the statistic chooser are made from the plan where it runs).
+
+    Called with a task, it yields the task's records as partitions of about PARTITION_ROWS
+    (cut where the reads' frames end, which the files fix), each reduced as soon as it is
+    read; ``seen`` gathers the ranks and keys read."""
+
+    plan: ReducePlan
+    scan: RunScan
+    dictionaries: bool
+    kept: list[str]
+    t0: float | None
+    rows: int  # a partition's records (PARTITION_ROWS, as this process has it)
+
+    def __call__(self, task: Task, seen: filters.Seen) -> Iterator[partials.Partial]:
+        plan = self.plan
+        match = key_matcher(plan.keys) if plan.keys else None
+        statistic_of = _statistic_chooser(plan)
+        rows = self.rows
+        pieces: list[pl.DataFrame] = []
+        places: list[tuple[int, int]] = []
+        held = 0
+        for fid, groups, at in task.reads:
+            batches = _read_batches(plan, self.scan, fid, self.dictionaries, self.kept, groups, rows, seen)
+            for frame in batches:
+                for start in range(0, frame.height, rows):  # a whole file read at once, too
+                    pieces.append(key_matching(frame.slice(start, rows), match))
+                    places.append((at, pieces[-1].height))
+                    held += pieces[-1].height
+                    if held >= rows:
+                        yield partials.partition_states(
+                            pl.concat(pieces), plan, statistic_of, self.t0, places
+                        )
+                        pieces, places, held = [], [], 0
+        if held:
+            yield partials.partition_states(pl.concat(pieces), plan, statistic_of, self.t0, places)
+
+
+def ray_in_order(
+    work: TaskWork,
+    items: list[Task],
+    sizes: list[int],
+    on_progress: OnProgress | None,
+    *,
+    seen: filters.Seen,
+    address: str | None,
+) -> Generator[tuple[int, partials.Partial | None], None, None]:
+    """``_in_order`` on Ray: each task's states computed by a Ray task, yielded in the
+    tasks' order (so folded as the local engine folds them)."""
+    from metric_core.offline.ray_engine import in_order
+
+    return in_order(work, items, sizes, on_progress, seen=seen, address=address)
 
 
 def _finished(
@@ -651,10 +711,13 @@ def _reduction_origins(plan: ReducePlan, scan: RunScan, key: str) -> dict[str, l
     return origins
 
 
-def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
+def reduce_run(
+    run_dir: str | os.PathLike[str], *, engine: str = "local", ray_address: str | None = None, **options: Any
+) -> pl.DataFrame:
     """Reduce a run directory in one of the three logging modes; a polars DataFrame.
 
-    ``options`` are those of ``make_plan``: mode, by, every, reduce, keys, ranks, steps.
+    ``options`` are those of ``make_plan``: mode, by, every, reduce, keys, ranks, steps;
+    ``engine`` is ``"local"`` or ``"ray"`` (the same bits, see ``execute``).
 
     >>> df = reduce_run("sample_logs/rl_run", keys=["trainer/loss"], steps="0:2")
     >>> df.columns
@@ -668,7 +731,7 @@ def reduce_run(run_dir: str | os.PathLike[str], **options: Any) -> pl.DataFrame:
             near = difflib.get_close_matches(name, known, 1)
             hint = f"did you mean '{near[0]}'? " if near else ""
             raise PlanError(f"reduce_run() takes no option '{name}': {hint}it takes {', '.join(known)}")
-    return run_plan(run_dir, make_plan(**options)).frame
+    return run_plan(run_dir, make_plan(**options), engine=engine, ray_address=ray_address).frame
 
 
 def run_plan(
@@ -679,6 +742,8 @@ def run_plan(
     follow_symlinks: bool = False,
     on_read: OnRead | None = None,
     on_progress: OnProgress | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> ReduceResult:
     """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
 
@@ -705,7 +770,7 @@ def run_plan(
                 on_read(scan.report)
             raise StrictModeError(scan.report.summary())
     try:
-        result = execute(plan, scan, on_progress=on_progress)
+        result = execute(plan, scan, on_progress=on_progress, engine=engine, ray_address=ray_address)
     except BaseException:
         if on_read is not None:
             on_read(scan.report)

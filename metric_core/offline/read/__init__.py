@@ -98,6 +98,12 @@ class RunScan:
     counted: set[int] = field(default_factory=set)
     _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    def __getstate__(self) -> dict[str, Any]:  # to a Ray worker (--engine ray): not the lock
+        return {k: v for k, v in self.__dict__.items() if k != "_counting"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _counting=threading.Lock())
+
     @property
     def unchecked(self) -> frozenset[int]:
         """The files whose rows a reader of the file itself must pass through ``checked``."""

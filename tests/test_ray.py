@@ -1,0 +1,89 @@
+"""--engine ray on a local Ray (2 CPUs): every mode and statistic gives the same bits as
+--engine local, on the writer's files (several segments a source) and another tool's."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from metric_core import reduce_run
+from metric_core.errors import MissingDependencyError
+from tests.conftest import write_collector_run
+
+ray = pytest.importorskip("ray")
+
+STATS = ["mean", "sum", "max", "min", "std", "count", "median", "p99", "first", "last"]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, local_ray):
+    """The writer's run, cut into many segments, and the same records as one foreign file."""
+    own = tmp_path_factory.mktemp("own")
+    sources = [("TrainActor_r0", 0), ("TrainActor_r1", 1), ("Generator_r0", 0)]
+    truth = write_collector_run(own, sources, steps=40, segment_records=150)
+    foreign = tmp_path_factory.mktemp("foreign")
+    pl.DataFrame(truth).with_columns(pl.col("key").cast(pl.Categorical)).write_parquet(
+        foreign / "metrics.parquet", row_group_size=500
+    )
+    return own, foreign
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"mode": "per_rank_reduce"},
+        {"mode": "per_rank_no_reduce"},
+        {"by": "time", "every": "3s"},
+        {"mode": "per_rank_reduce", "by": "time", "every": "2s"},
+        {"keys": ["trainer/*"], "ranks": "0", "steps": "5:30"},
+        *({"reduce": [f"*={stat}"]} for stat in STATS),
+        *({"mode": "per_rank_reduce", "reduce": [f"*={stat}"]} for stat in ("median", "first", "std")),
+    ],
+    ids=str,
+)
+def test_ray_gives_the_local_engines_bits(runs, options, monkeypatch):
+    from metric_core.offline import engine
+
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 300)  # many tasks, several partitions each
+    for run in runs:
+        local = reduce_run(run, **options)
+        on_ray = reduce_run(run, engine="ray", **options)
+        assert local.height > 0
+        assert on_ray.equals(local), (run, options)
+
+
+def test_the_command_line_writes_the_same_file_with_either_engine(runs, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from metric_core.offline import engine
+
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 300)
+    own, _ = runs
+    files = {}
+    for name in ("local", "ray"):
+        out = tmp_path / f"{name}.csv"
+        args = ["reduce", str(own), "--reduce", "*=p99", "--engine", name, "--out", str(out)]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        files[name] = out.read_bytes()
+    assert files["ray"] == files["local"]
+
+
+def test_without_ray_the_message_names_the_install(monkeypatch, runs):
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install 'metriclog\[ray\]'"):
+        reduce_run(runs[0], engine="ray")
+    assert Path(runs[0]).is_dir()
