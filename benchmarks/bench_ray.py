@@ -1,0 +1,88 @@
+"""--engine ray against --engine local on one machine (issue 16): Ray's overhead.
+
+The same `metriclog reduce RUN --out result.parquet` (global_reduce, and per_rank_reduce
+with p99), each a whole process, --repeats rounds interleaved, medians; the two engines'
+output files are compared byte for byte. Runs (in --dir, made once): another tool's
+Parquet (bench_engine.py's foreign_20M: 32 files, 50 keys, 20M rows), and the writer's own
+(bench_reduce.py's parquet_20M).
+
+`--engine ray` starts a local Ray (2 CPUs here) inside each command: its start-up is
+part of the figure, and printed apart (a bare `ray.init()` + `ray.shutdown()`). Also
+printed: the task count and the records a task holds, what a projection to more nodes
+starts from.
+
+Usage: python benchmarks/bench_ray.py [--repeats 3] [--dir bench_out] [--sizes 20M]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench_engine import foreign_run
+from bench_reduce import generate, timed
+
+METRICLOG = str(Path(sys.executable).with_name("metriclog"))
+STARTUP = "import ray, time; t = time.perf_counter(); ray.init(include_dashboard=False); ray.shutdown()"
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tasks_of(run: Path) -> tuple[int, float]:
+    from metric_core import make_plan, scan_run
+    from metric_core.offline import engine
+
+    scan = scan_run(run, defer_checks=True)
+    found = engine.tasks(make_plan(), scan, list(scan.parts), None, engine._dictionary_read(scan))
+    return len(found), scan.report.records / max(1, len(found))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default="bench_out")
+    parser.add_argument("--sizes", default="20M")
+    args = parser.parse_args()
+    root = Path(args.dir)
+    root.mkdir(exist_ok=True)
+    runs = []
+    for size in args.sizes.split(","):
+        rows = int(size.rstrip("M")) * 1_000_000
+        runs.append((f"foreign_{size}", foreign_run(root, rows)))
+        if size in ("20M", "100M"):
+            runs.append((f"own_{size}", generate(root, size)))
+    startup = statistics.median(timed([sys.executable, "-c", STARTUP])[0] for _ in range(args.repeats))
+    print(f"a local Ray's start and stop alone: {startup:.2f} s (median of {args.repeats})")
+    head = f"{'run':<14} {'mode':<16} {'tasks':>6} {'rec/task':>9} {'local s':>8} {'ray s':>7}"
+    print(f"{head} {'ray/local':>10} same")
+    for name, run in runs:
+        count, per_task = tasks_of(run)
+        for mode, extra in (("global_reduce", []), ("per_rank_reduce", ["--reduce", "*=p99"])):
+            walls: dict[str, list[float]] = {"local": [], "ray": []}
+            outs = {}
+            for _ in range(args.repeats):
+                for engine in ("local", "ray"):
+                    out = root / f"ray-bench-{engine}.parquet"
+                    cmd = [METRICLOG, "reduce", str(run), "--mode", mode, *extra, "--engine", engine]
+                    start = time.perf_counter()
+                    timed([*cmd, "--out", str(out)])
+                    walls[engine].append(time.perf_counter() - start)
+                    outs[engine] = digest(out)
+            local, ray = statistics.median(walls["local"]), statistics.median(walls["ray"])
+            same = "yes" if outs["local"] == outs["ray"] else "NO"
+            print(
+                f"{name:<14} {mode:<16} {count:>6} {per_task:>9,.0f} {local:>8.2f} {ray:>7.2f} "
+                f"{ray / local:>9.2f}x {same}"
+            )
+
+
+if __name__ == "__main__":
+    main()
