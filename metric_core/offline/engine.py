@@ -143,8 +143,10 @@ def execute(
 
     reduce_task = TaskWork(plan, scan, dictionaries, kept, t0, PARTITION_ROWS)
     if engine == "ray":
+        from metric_core.offline.ray_engine import in_order
+
         scan.check_all()  # a task's counts of bad rows could not reach this process's report
-        states_of = functools.partial(ray_in_order, reduce_task, seen=seen, address=ray_address)
+        states_of = functools.partial(in_order, reduce_task, seen=seen, address=ray_address)
     else:
         states_of = functools.partial(_in_order, functools.partial(reduce_task, seen=seen))
 
@@ -220,22 +222,6 @@ class TaskWork:
                         pieces, places, held = [], [], 0
         if held:
             yield partials.partition_states(pl.concat(pieces), plan, statistic_of, self.t0, places)
-
-
-def ray_in_order(
-    work: TaskWork,
-    items: list[Task],
-    sizes: list[int],
-    on_progress: OnProgress | None,
-    *,
-    seen: filters.Seen,
-    address: str | None,
-) -> Generator[tuple[int, partials.Partial | None], None, None]:
-    """``_in_order`` on Ray: each task's states computed by a Ray task, yielded in the
-    tasks' order (so folded as the local engine folds them)."""
-    from metric_core.offline.ray_engine import in_order
-
-    return in_order(work, items, sizes, on_progress, seen=seen, address=address)
 
 
 def _finished(
