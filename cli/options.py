@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from enum import Enum
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Annotated, Any, TypeVar
 
 import typer
@@ -14,9 +14,11 @@ from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By, ReducePlan, make_plan
 
 RunDir = Annotated[
-    Path,
+    str,
     typer.Argument(
-        metavar="RUN_DIR", help="Run directory holding *.parquet / *.jsonl files.", show_default=False
+        metavar="RUN_DIR",
+        help="Run directory holding *.parquet / *.jsonl files: a path, or an s3://, gs:// or az:// URL.",
+        show_default=False,
     ),
 ]
 FollowSymlinks = Annotated[
@@ -112,11 +114,11 @@ Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or 
 OUT_SUFFIXES = (".parquet", ".csv", ".jsonl")
 
 
-def _suffixed(*suffixes: str) -> Callable[[Path | None], Path | None]:
+def _suffixed(*suffixes: str) -> Callable[[str | None], str | None]:
     """A check that ``--out`` names a file of a type the command writes (before any read)."""
 
-    def check(path: Path | None) -> Path | None:
-        if path is not None and path.suffix.lower() not in suffixes:
+    def check(path: str | None) -> str | None:
+        if path is not None and PurePosixPath(path).suffix.lower() not in suffixes:
             raise typer.BadParameter(f"'{path}': name a file ending in {', '.join(suffixes)}")
         return path
 
@@ -124,12 +126,13 @@ def _suffixed(*suffixes: str) -> Callable[[Path | None], Path | None]:
 
 
 OutFile = Annotated[
-    Path | None,
+    str | None,
     typer.Option(
         "--out",
         metavar="FILE",
         callback=_suffixed(*OUT_SUFFIXES),
-        help="Write to FILE.parquet, .csv or .jsonl (folders are created).",
+        help="Write to FILE.parquet, .csv or .jsonl (folders are created; an s3://, gs:// or az:// URL "
+        "is written whole at the end).",
     ),
 ]
 Attempts = Annotated[
@@ -168,7 +171,7 @@ PlotKeys = Annotated[
     list[str], typer.Option("--key", metavar="PATTERN", help="Keys to plot (glob). Repeatable.")
 ]
 PngFile = Annotated[
-    Path,
+    str,
     typer.Option(
         "--out",
         metavar="FILE.png",

@@ -43,21 +43,28 @@ def said_skips(report: ReadReport) -> None:
         say("warning", summary)
 
 
-def write_frame(df: pl.DataFrame, out: Path, *, derived: str, run_dir: Path | None = None) -> None:
+def write_frame(df: pl.DataFrame, out: str | Path, *, derived: str, run_dir: str | None = None) -> None:
     """Write by extension, marked as ``derived`` (see ``segment.DERIVED_KEY``: a reader does
     not take it for data); JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
     write_frames(df, out, derived=derived, run_dir=run_dir)
 
 
 def write_frames(
-    frames: pl.DataFrame | Iterator[pl.DataFrame], out: Path, *, derived: str, run_dir: Path | None = None
+    frames: pl.DataFrame | Iterator[pl.DataFrame],
+    out: str | Path,
+    *,
+    derived: str,
+    run_dir: str | None = None,
 ) -> None:
     """``write_frame`` for a frame, or a stream of frames of one schema written as they come
-    (two frames in memory at a time); nothing is created before the first frame is at hand."""
+    (two frames in memory at a time); nothing is created before the first frame is at hand.
+    ``out`` may be an object storage URL: the file is written locally and stored whole."""
+    from metric_core.offline.storage import run_path, written_at
     from metric_core.segment import DERIVED_KEY, derived_marker
 
-    suffix = out.suffix.lower()  # .parquet, .csv or .jsonl: options.OutFile checked it
-    if run_dir is not None and out.resolve().is_relative_to(run_dir.resolve()):
+    target = run_path(out)
+    suffix = target.suffix.lower()  # .parquet, .csv or .jsonl: options.OutFile checked it
+    if run_dir is not None and _inside(target, run_path(run_dir)):
         say(
             "warning",
             f"--out {out} is inside the run directory {run_dir}: metriclog marks it as a result and "
@@ -67,20 +74,29 @@ def write_frames(
     first = next(stream)
     second = next(stream, None)  # a stream of one frame is written as a frame
     rest = stream if second is None else itertools.chain([second], stream)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written under a hidden name and renamed when whole: a failure half-way leaves nothing.
-    partial = out.with_name(f".{out.name}.partial")
-    try:
-        rows = _write(first, rest, second is None, partial, suffix, derived)
-        os.replace(partial, out)
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    if suffix == ".jsonl":
-        from metric_core.atomic import replace_file
+    with written_at(target) as local:
+        local.parent.mkdir(parents=True, exist_ok=True)
+        # Written under a hidden name and renamed when whole: a failure half-way leaves nothing.
+        partial = local.with_name(f".{local.name}.partial")
+        try:
+            rows = _write(first, rest, second is None, partial, suffix, derived)
+            os.replace(partial, local)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        if suffix == ".jsonl":
+            from metric_core.atomic import replace_file
 
-        replace_file(derived_marker(out), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
+            replace_file(derived_marker(local), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
     say("info", f"wrote {rows} row(s) to {out}")
+
+
+def _inside(path: Any, root: Any) -> bool:
+    from metric_core.offline.storage import is_remote
+
+    if is_remote(path) or is_remote(root):
+        return str(path).startswith(str(root).rstrip("/") + "/")
+    return bool(path.resolve().is_relative_to(root.resolve()))
 
 
 def _write(
@@ -577,7 +593,7 @@ class StallCommands:
     """``watch --on-stall CMD``: says each stall, and runs CMD for it (a shell command, not
     waited for, with the source in its environment); waits for the commands at the end."""
 
-    def __init__(self, command: str | None, run_dir: Path) -> None:
+    def __init__(self, command: str | None, run_dir: str) -> None:
         self.command, self.run_dir = command, run_dir
         self.children: list[tuple[str, Any]] = []
 

@@ -185,6 +185,11 @@ class RunChangedError(MetricLogError):
     """A file of the run changed (or vanished) between the check of it and the query over it."""
 
 
+class StorageError(MetricLogError):
+    """Object storage refused or could not serve a request: a missing bucket, credentials
+    missing or refused, an endpoint that does not answer (the message says which)."""
+
+
 class UploadError(MetricLogError):
     """W&B could not be reached or refused the upload; the ledger says what was sent."""
 

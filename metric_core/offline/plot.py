@@ -22,7 +22,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable
 from datetime import datetime
-from pathlib import Path
+from pathlib import PurePosixPath
 from typing import Any
 
 import polars as pl
@@ -33,6 +33,7 @@ from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
 from metric_core.offline.plan import ReducePlan, Statistic
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.storage import run_path, written_at
 
 MAX_KEYS = 12
 # per_rank_no_reduce draws every point up to this many; past it, each source's lowest and
@@ -63,7 +64,7 @@ def plot_run(
     >>> fig.axes[0].get_ylabel().splitlines()  # the key, and the statistic its line shows
     ['trainer/loss', '(mean)']
     """
-    if out is not None and Path(out).suffix.lower() != ".png":
+    if out is not None and PurePosixPath(str(out)).suffix.lower() != ".png":
         raise PlanError("is not a PNG file: name it FILE.png", option="out", value=str(out))
     scan = (
         run
@@ -180,8 +181,9 @@ def _figure(
     _one_legend(fig, axes[:, 0])
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(Path(out), dpi=110)
+        with written_at(run_path(out)) as local:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(local, dpi=110)
     return fig
 
 

@@ -38,7 +38,6 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
 import polars as pl
@@ -58,6 +57,7 @@ from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import RECORD_OK
+from metric_core.offline.storage import RunPath, is_remote, run_path, storage_errors
 from metric_core.schema import KEY_HASH
 from metric_core.segment import SegmentMeta
 
@@ -85,7 +85,7 @@ OnProgress = Callable[[int, int, int, int], None]
 class RunScan:
     """A run directory read lazily: ``frame`` in the record schema plus ``file_id``."""
 
-    run_dir: Path
+    run_dir: RunPath
     frame: pl.LazyFrame
     report: ReadReport
     meta: dict[str, Any]
@@ -213,13 +213,15 @@ def scan_run(
     >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
     (16200, 21)
     """
-    root = Path(run_dir)
-    if not root.is_dir():
+    root = run_path(run_dir)
+    if not is_remote(root) and not root.is_dir():
         raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
     report = ReadReport(run_dir=root)
-    meta = read_run_json(root, report)
-    paths = list_data_files(root, report, follow_symlinks=follow_symlinks)
-    found = {p: writer_meta(p) for p in paths}  # each footer or first line read once
+    with storage_errors(root):
+        listed: dict[Any, tuple[int, int]] = {}
+        paths = list_data_files(root, report, follow_symlinks=follow_symlinks, sizes=listed)
+        meta = read_run_json(root, report)
+        found = {p: writer_meta(p) for p in paths}  # each footer or first line read once
     for path, what in found.items():
         if isinstance(what, Derived):
             report.notices.append(
@@ -247,9 +249,11 @@ def scan_run(
     for path in paths:
         suffix = path.suffix
         rep = FileReport(path=path, format=suffix.lstrip("."))
-        with contextlib.suppress(OSError):
-            stat = path.stat()
-            rep.listed = (stat.st_size, stat.st_mtime_ns)
+        rep.listed = listed.get(path)
+        if rep.listed is None:
+            with contextlib.suppress(OSError):
+                stat = path.stat()
+                rep.listed = (stat.st_size, stat.st_mtime_ns)
         report.files.append(rep)
         if path in superseded:
             rep.superseded_by = superseded[path]
@@ -293,7 +297,7 @@ def scan_run(
 
 
 def read_sealed(
-    path: Path, report: ReadReport, meta: SegmentMeta | None
+    path: RunPath, report: ReadReport, meta: SegmentMeta | None
 ) -> tuple[pl.DataFrame | None, FileReport]:
     """One Parquet or JSONL file (a sealed segment, or another tool's file) read whole and
     checked as ``scan_run`` reads it: its records, or None, and its report (in ``report``)."""

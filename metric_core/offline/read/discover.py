@@ -14,6 +14,7 @@ from typing import Any
 import polars as pl
 
 from metric_core.offline.read.report import FileReport, ReadReport, rel
+from metric_core.offline.storage import RunPath, listing, open_read, source
 from metric_core.schema import DATA_SUFFIXES
 from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, SegmentMeta, derived_marker
 
@@ -22,10 +23,29 @@ _MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the se
 MAX_WORLD_SIZE = 1 << 20
 
 
-def list_data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> list[Path]:
+def list_data_files(
+    root: RunPath,
+    report: ReadReport,
+    *,
+    follow_symlinks: bool,
+    sizes: dict[Any, tuple[int, int]] | None = None,
+) -> list[Any]:
     """The data files, listed twice: a directory listing is no snapshot, so a journal sealed
     while it is listed can be missing from it under both its names. The second listing holds
-    the sealed segment of every journal that vanished during the first."""
+    the sealed segment of every journal that vanished during the first.
+
+    A run in object storage is listed once, with each object's (bytes, mtime in ns) put in
+    ``sizes`` (no object is renamed there: a run is copied to a bucket, not written in it)."""
+    if not isinstance(root, Path):
+        found = []
+        for path, size, mtime in listing(root):
+            parts = rel(path, root).split("/")
+            if any(part.startswith(".") for part in parts) or not parts[-1].endswith(DATA_SUFFIXES):
+                continue
+            if sizes is not None:
+                sizes[path] = (size, mtime)
+            found.append(path)
+        return found
     first = set(_data_files(root, ReadReport(run_dir=root), follow_symlinks=follow_symlinks))
     second = set(_data_files(root, report, follow_symlinks=follow_symlinks))
     vanished = {p for p in first - second if p.suffix == ".journal"}
@@ -105,7 +125,7 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
             yield path
 
 
-def read_run_json(root: Path, report: ReadReport) -> dict[str, Any]:
+def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
     """run.json's fields, each checked; a broken file or field is reported and left out."""
     path = root / "run.json"
     if not path.exists():
@@ -146,9 +166,9 @@ class Derived:
     command: str
 
 
-def _parquet_meta(path: Path) -> SegmentMeta | Derived | None:
+def _parquet_meta(path: RunPath) -> SegmentMeta | Derived | None:
     try:
-        kv = pl.read_parquet_metadata(path)
+        kv = pl.read_parquet_metadata(source(path))
     except Exception:
         return None
     if DERIVED_KEY in kv:
@@ -157,10 +177,10 @@ def _parquet_meta(path: Path) -> SegmentMeta | Derived | None:
     return None if raw is None else SegmentMeta.parse(raw)
 
 
-def _jsonl_segment_meta(path: Path) -> SegmentMeta | Derived | None:
+def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Derived | None:
     """The writer's first line of a sealed JSONL segment, if this file has one."""
     try:
-        with open(path, "rb") as f:
+        with open_read(path) as f:
             first = f.readline(_MAX_SEGMENT_LINE)
         obj = json.loads(first)
     except (OSError, ValueError):
@@ -171,12 +191,12 @@ def _jsonl_segment_meta(path: Path) -> SegmentMeta | Derived | None:
     return None if meta is None else dataclasses.replace(meta, line_bytes=len(first))
 
 
-def writer_meta(path: Path) -> SegmentMeta | Derived | None:
+def writer_meta(path: RunPath) -> SegmentMeta | Derived | None:
     """What metriclog recorded about a file: a sealed segment's metadata, or that it is a result."""
     if path.suffix == ".parquet":
         return _parquet_meta(path)
     if path.suffix == ".jsonl":
-        marker = derived_marker(path)
+        marker = derived_marker(path)  # type: ignore[arg-type]  # a UPath too
         if marker.is_file():
             try:
                 return Derived(str(json.loads(marker.read_bytes())[DERIVED_KEY]))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import polars as pl
 
 from metric_core.offline.read.discover import writer_meta
@@ -11,10 +9,11 @@ from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
+from metric_core.offline.storage import RunPath
 from metric_core.segment import SegmentMeta
 
 
-def read_journal(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
     from metric_core import journal  # pyarrow: only for runs that hold a journal
 
     try:
@@ -64,7 +63,7 @@ def read_journal(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFram
     return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
 
 
-def _read_sealed_replacement(path: Path, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
+def _read_sealed_replacement(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
     """A journal that vanished after it was listed: its writer sealed it meanwhile, so read
     the sealed segment that names it (which the listing, made before, did not hold)."""
     for suffix in (".parquet", ".jsonl"):

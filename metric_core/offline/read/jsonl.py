@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -16,6 +15,7 @@ import polars as pl
 from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
+from metric_core.offline.storage import RunPath, open_read, source
 from metric_core.schema import spell_float
 from metric_core.segment import SegmentMeta
 
@@ -33,7 +33,7 @@ _BINARY_MAGIC = {
 
 
 def read_jsonl(
-    path: Path, sealed: SegmentMeta | None, rep: FileReport, report: ReadReport
+    path: RunPath, sealed: SegmentMeta | None, rep: FileReport, report: ReadReport
 ) -> pl.LazyFrame | None:
     if (
         sealed is not None
@@ -86,13 +86,13 @@ def read_jsonl(
     return accept(raw, lambda: numbers, rep, report).lazy()
 
 
-def _intact(path: Path, meta: SegmentMeta) -> bool:
+def _intact(path: RunPath, meta: SegmentMeta) -> bool:
     """Whether a sealed JSONL segment still has the size its writer gave it, ending in a newline."""
     if meta.bytes is None or meta.line_bytes is None:
         return False
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with open_read(path) as f:
+            size = f.seek(0, os.SEEK_END)
             f.seek(size - 1)
             last = f.read(1)
     except OSError:
@@ -101,7 +101,7 @@ def _intact(path: Path, meta: SegmentMeta) -> bool:
 
 
 def _scan_sealed_jsonl(
-    path: Path, meta: SegmentMeta, rep: FileReport, report: ReadReport
+    path: RunPath, meta: SegmentMeta, rep: FileReport, report: ReadReport
 ) -> pl.LazyFrame | None:
     """A JSONL segment sealed by our writer: typed, finite, whole (it was renamed into place
     complete), so it is scanned lazily, streaming, without a validation pass."""
@@ -114,7 +114,9 @@ def _scan_sealed_jsonl(
     if meta.records == 0:
         return None
     return (
-        pl.scan_ndjson(path, schema=TYPED_SCHEMA).filter(pl.col("key").is_not_null()).select(*POLARS_SCHEMA)
+        pl.scan_ndjson(source(path), schema=TYPED_SCHEMA)
+        .filter(pl.col("key").is_not_null())
+        .select(*POLARS_SCHEMA)
     )
 
 

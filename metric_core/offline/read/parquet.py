@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -21,6 +19,7 @@ from metric_core.offline.read.validate import (
     plausible,
     with_process,
 )
+from metric_core.offline.storage import RunPath, size_and_mtime, source
 from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
 from metric_core.segment import SegmentMeta
 
@@ -28,14 +27,14 @@ _EXACT_TYPES = {name: POLARS_SCHEMA[name] for name in REQUIRED_FIELDS}
 
 
 def scan_parquet(
-    path: Path, own: SegmentMeta | None, rep: FileReport, report: ReadReport
+    path: RunPath, own: SegmentMeta | None, rep: FileReport, report: ReadReport
 ) -> tuple[pl.LazyFrame | None, bool, pl.LazyFrame | None]:
     """A lazy typed scan of one file; whether its rows need no check (sealed by our writer
     from typed arrays, so no nulls by construction); for a file whose columns had to be
     cast, the query of its null counts after the casts."""
     try:
-        schema = pl.read_parquet_schema(path)
-        rows = pl.scan_parquet(path).select(pl.len()).collect().item()
+        schema = pl.read_parquet_schema(source(path))
+        rows = pl.scan_parquet(source(path)).select(pl.len()).collect().item()
     except Exception as exc:
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None, True, None
@@ -63,7 +62,7 @@ def scan_parquet(
     if own is not None and ours:
         take_declared(rep, own)
         rep.hashed = exact and rep.keys is not None and schema.get(KEY_HASH) == pl.Int64
-    typed = with_process(pl.scan_parquet(path).select(**typed_columns(schema, rep.hashed)))
+    typed = with_process(pl.scan_parquet(source(path)).select(**typed_columns(schema, rep.hashed)))
     rep.records += rows
     if ours:
         return typed, True, None
@@ -73,22 +72,21 @@ def scan_parquet(
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
 
 
-def footer(path: Path) -> Any:
+def footer(path: RunPath) -> Any:
     """A Parquet file's footer (pyarrow's FileMetaData: schema, row groups, statistics),
     parsed once however often it is asked for (again if the file changed; the last 256
     files' are kept, so a run of more files may parse some twice)."""
-    stat = os.stat(path)
-    return _footer(Path(path), stat.st_size, stat.st_mtime_ns)
+    return _footer(path, *size_and_mtime(path))
 
 
 @functools.lru_cache(maxsize=256)
-def _footer(path: Path, size: int, mtime_ns: int) -> Any:
+def _footer(path: RunPath, size: int, mtime_ns: int) -> Any:
     import pyarrow.parquet as pq
 
-    return pq.read_metadata(path)
+    return pq.read_metadata(source(path))
 
 
-def _footer_source(path: Path, has_process: bool) -> tuple[str, int] | None:
+def _footer_source(path: RunPath, has_process: bool) -> tuple[str, int] | None:
     """The one (process, rank) of all of a file's records, when its footer's statistics say
     so (every row group with rank min == max, the same process, no nulls); else None."""
     try:
@@ -145,7 +143,11 @@ def typed_columns(
 
 
 def categorical_batches(
-    path: Path, columns: list[str], hashed: bool, row_groups: list[int] | None = None, rows: int | None = None
+    path: RunPath,
+    columns: list[str],
+    hashed: bool,
+    row_groups: list[int] | None = None,
+    rows: int | None = None,
 ) -> Iterator[pl.DataFrame]:
     """``columns`` of the records of one Parquet file (or of its ``row_groups``), read once
     with pyarrow, in frames of at most ``rows`` records (None: one frame), strings kept as
@@ -160,7 +162,7 @@ def categorical_batches(
     wanted = [c for c in columns if c in exprs]
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
     strings = [c for c in sources if schema[c] in (pl.String, pl.Categorical, pl.Binary)]
-    file = pq.ParquetFile(path, metadata=meta, read_dictionary=strings)
+    file = pq.ParquetFile(source(path), metadata=meta, read_dictionary=strings)
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
     if rows is None:
         tables: Iterable[Any] = [file.read_row_groups(groups, columns=sorted(sources))]
@@ -176,7 +178,7 @@ def categorical_batches(
         yield df.collect()
 
 
-def row_group_lows(path: Path, column: str = "timestamp") -> list[tuple[float, int]] | None:
+def row_group_lows(path: RunPath, column: str = "timestamp") -> list[tuple[float, int]] | None:
     """Each row group's lowest ``column`` value (timestamp or step) and its number of rows,
     from the footer, when the column holds what is read (float epoch seconds; integer
     steps) and every row group has its statistics; else None."""
@@ -232,7 +234,7 @@ def run_parquet_checks(
         if check is not None and sum(check.collect(engine="streaming").row(0))
     ]
     if exact:
-        bad_rows = pl.scan_parquet([rep.path for _, rep in exact]).select(
+        bad_rows = pl.scan_parquet([source(rep.path) for _, rep in exact]).select(
             *[pl.col(f).null_count() for f in REQUIRED_FIELDS],
             (~plausible(pl.col("timestamp"))).sum().alias("bad_timestamps"),
         )

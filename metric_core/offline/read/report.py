@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from metric_core.errors import in_python, spell
+from metric_core.offline.storage import RunPath, is_remote
 
 MAX_LINES_KEPT = 1000
 
@@ -16,7 +16,7 @@ MAX_LINES_KEPT = 1000
 class FileReport:
     """What reading one file gave."""
 
-    path: Path
+    path: RunPath
     format: str
     records: int = 0
     skipped: int = 0
@@ -49,7 +49,10 @@ class FileReport:
 
     @property
     def size(self) -> int:
-        """The file's bytes now (0 if it is gone): what progress is counted in."""
+        """The file's bytes now (0 if it is gone): what progress is counted in. (An object in
+        object storage: its bytes when listed, without asking the store again.)"""
+        if self.listed is not None and is_remote(self.path):
+            return self.listed[0]
         try:
             return self.path.stat().st_size
         except OSError:
@@ -81,10 +84,10 @@ class Shutdown:
 class ReadReport:
     """The health of a run directory: per file, what was read and what was skipped."""
 
-    run_dir: Path
+    run_dir: RunPath
     files: list[FileReport] = field(default_factory=list)
     shutdowns: list[Shutdown] = field(default_factory=list)
-    skipped_paths: list[tuple[Path, str]] = field(default_factory=list)  # (path, why), not read
+    skipped_paths: list[tuple[RunPath, str]] = field(default_factory=list)  # (path, why), not read
     notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
     attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
 
@@ -179,8 +182,8 @@ class ReadReport:
         return "\n".join(out)
 
 
-def rel(path: Path, root: Path) -> str:
+def rel(path: RunPath, root: RunPath) -> str:
     try:
-        return str(path.relative_to(root))
+        return str(path.relative_to(root))  # type: ignore[arg-type]
     except ValueError:
         return str(path)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, opt, spell
+from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
+from metric_core.offline.storage import RunPath, is_remote, run_path
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -100,6 +101,13 @@ def upload_run(
     """
     events = events or UploadEvents()
     check_names(project=to.project, entity=to.entity, group=group, name=name)
+    root = run_path(run_dir)
+    if follow is not None and is_remote(root):
+        raise RequestError(
+            f"{root}: {opt('follow', flag=True)} reads a run while its writers append to it, on a local or "
+            "network filesystem; object storage holds whole objects only. Upload it without "
+            f"{opt('follow', flag=True)} (watch follows a run in a bucket)"
+        )
     _check_together(plan, share_run)
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "dryrun") and not to.offline:
@@ -116,9 +124,10 @@ def upload_run(
         dry_run = True
     if not dry_run and not to.offline and not has_credentials():
         raise NotLoggedInError()
-    root = Path(run_dir)
     if follow is not None:
         from metric_core.offline.upload.follow import follow_upload
+
+        assert isinstance(root, Path)
 
         upload, state = follow_upload(
             root,
@@ -199,7 +208,7 @@ def _check_together(plan: ReducePlan, share_run: bool) -> None:
 
 
 def _prepare(
-    root: Path,
+    root: RunPath,
     plan: ReducePlan,
     *,
     strict: bool,
@@ -214,7 +223,7 @@ def _prepare(
     read: list[str] = []
     try:
         result = run_plan(
-            root,
+            str(root),
             plan,
             strict=strict,
             follow_symlinks=follow_symlinks,

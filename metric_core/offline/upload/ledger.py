@@ -1,7 +1,8 @@
 """The upload ledger: per W&B run, the rows planned, the rows handed over, and whether it finished.
 
-It lives in ``RUN_DIR/.metriclog/uploads.json``, or in the user cache when the run
-directory is not writable, and is replaced atomically on every update.
+It lives in ``RUN_DIR/.metriclog/uploads.json``, or in the user cache (keyed by the run's
+identity) when the run is in object storage or its directory is not writable, and is
+replaced atomically on every update.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from metric_core.atomic import new_hidden_file, replace_file
 from metric_core.errors import UnsafePathError, UploadError
+from metric_core.offline.storage import is_remote, storage_errors
 
 
 class Ledger:
@@ -35,9 +37,19 @@ class Ledger:
             ) from None
 
     @classmethod
-    def for_run_dir(cls, run_dir: Path, identity: str) -> Ledger:
-        """``RUN_DIR/.metriclog/uploads.json``, or the user cache when that is not writable."""
+    def for_run_dir(cls, run_dir: Any, identity: str) -> Ledger:
+        """``RUN_DIR/.metriclog/uploads.json``; the user cache's, keyed by the run's identity,
+        for a run in object storage, a run directory that is not writable, or one uploaded
+        from a bucket before (the same run read from disk and from a bucket is one upload)."""
+        cached = _cache_dir(identity) / "uploads.json"
+        if is_remote(run_dir):
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            if not cached.exists():  # a copy of a run uploaded where it was written
+                _seed(cached, run_dir / ".metriclog" / "uploads.json")
+            return cls(cached)
         home = run_dir / ".metriclog"
+        if cached.is_file() and not (home / "uploads.json").exists():
+            return cls(cached)
         try:
             home.mkdir(exist_ok=True)
             _refuse_links(home, home / "wandb", home / "uploads.json")
@@ -45,21 +57,25 @@ class Ledger:
                 pass
             probe.unlink()
         except OSError:
-            cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-            home = cache / "metriclog" / identity[:32]
+            home = cached.parent
             home.mkdir(parents=True, exist_ok=True)
         return cls(home / "uploads.json")
 
     @classmethod
-    def existing(cls, run_dir: Path, identity: str) -> Ledger | None:
+    def existing(cls, run_dir: Any, identity: str) -> Ledger | None:
         """The run's ledger if there is one, without creating anything (for a dry run)."""
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        for path in (
-            run_dir / ".metriclog" / "uploads.json",
-            cache / "metriclog" / identity[:32] / "uploads.json",
-        ):
+        cached = _cache_dir(identity) / "uploads.json"
+        places = [cached] if is_remote(run_dir) else [run_dir / ".metriclog" / "uploads.json", cached]
+        for path in places:
             if path.is_file() and not path.is_symlink():
                 return cls(path)
+        if is_remote(run_dir):
+            with storage_errors(run_dir):
+                stored = run_dir / ".metriclog" / "uploads.json"
+                if stored.is_file():
+                    ledger = cls(cached)
+                    ledger.entries = json.loads(stored.read_bytes()).get("runs", {})
+                    return ledger
         return None
 
     def latest(self, base_id: str) -> dict[str, Any] | None:
@@ -93,6 +109,24 @@ class Ledger:
             )
         finally:
             os.close(lock)  # and the lock with it
+
+
+def _cache_dir(identity: str) -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "metriclog" / identity[:32]
+
+
+def _seed(ledger: Path, stored: Any) -> None:
+    """Start a remote run's ledger from the one uploaded with it, if the bucket holds one."""
+    with storage_errors(stored):
+        if not stored.is_file():
+            return
+        data = stored.read_bytes()
+    try:
+        json.loads(data)["runs"]
+    except (ValueError, KeyError, TypeError):
+        return  # not a ledger: this upload starts its own
+    replace_file(ledger, data)
 
 
 def _refuse_links(*paths: Path) -> None:

@@ -1,0 +1,182 @@
+"""Where a run lives: a local directory, or a prefix in object storage.
+
+A local path (or a ``file://`` URL) stays a ``pathlib.Path``. An ``s3://``, ``gs://`` or
+``az://`` URL becomes a ``UPath`` (universal_pathlib over fsspec): the one listing layer,
+which also reads the small files whole (run.json, JSONL, journals). Parquet files are read
+by polars and pyarrow themselves from the URL, in byte ranges (the footer, then the row
+groups a query needs). Each takes credentials and endpoints from its store's standard
+environment (``AWS_ENDPOINT_URL``, ``AWS_PROFILE``, ``GOOGLE_APPLICATION_CREDENTIALS``,
+``AZURE_STORAGE_ACCOUNT_NAME``, ...); metriclog never prints them.
+
+The packages are optional extras (``metriclog[s3]``, ``[gcs]``, ``[azure]``), imported only for a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, Union
+from urllib.parse import unquote
+
+from metric_core.errors import MetricLogError, MissingDependencyError, NoDataError, RequestError, StorageError
+
+if TYPE_CHECKING:
+    from upath import UPath
+
+RunPath = Union[Path, "UPath"]
+
+# scheme -> the fsspec package that serves it, and the extra that installs it
+SCHEMES = {
+    "s3": ("s3fs", "s3"),
+    "gs": ("gcsfs", "gcs"),
+    "gcs": ("gcsfs", "gcs"),
+    "az": ("adlfs", "azure"),
+    "abfs": ("adlfs", "azure"),
+    "abfss": ("adlfs", "azure"),
+}
+
+
+def run_path(location: str | os.PathLike[str]) -> RunPath:
+    """``location`` as a path: a ``Path`` when it is local, else a ``UPath``."""
+    if not isinstance(location, str):
+        return location if _is_upath(location) else Path(location)  # type: ignore[return-value]
+    scheme, sep, rest = location.partition("://")
+    if not sep or not scheme.isalnum():
+        return Path(location)
+    scheme = scheme.lower()
+    if scheme == "file":
+        return Path(unquote(rest))
+    if scheme not in SCHEMES:
+        raise RequestError(
+            f"{location}: metriclog reads local paths and file://, s3://, gs:// and az:// URLs, not {scheme}://"
+        )
+    try:
+        import fsspec
+        from upath import UPath
+
+        fsspec.get_filesystem_class(scheme)
+    except ImportError:
+        package, extra = SCHEMES[scheme]
+        raise MissingDependencyError(
+            f"{location}: {scheme}:// URLs need {package} and universal-pathlib: "
+            f"pip install 'metriclog[{extra}]'"
+        ) from None
+    return UPath(location.rstrip("/") or location)
+
+
+def _is_upath(path: object) -> bool:
+    return type(path).__module__.startswith("upath")
+
+
+def is_remote(path: object) -> bool:
+    """Whether ``path`` is in object storage (a ``UPath``), not on a local filesystem."""
+    return not isinstance(path, Path)
+
+
+def source(path: RunPath) -> str:
+    """What polars and pyarrow are given to read ``path``: its local path or URL."""
+    return str(path)
+
+
+def open_read(path: RunPath) -> BinaryIO:
+    """``path`` opened to read a part of it: a remote file is fetched in 1 MiB ranges as it is
+    read (not the 5-50 MiB fsspec reads ahead by default)."""
+    if isinstance(path, Path):
+        return open(path, "rb")
+    return io.BufferedReader(path.open("rb", cache_type="none"), 1 << 20)  # type: ignore[type-var]
+
+
+def size_and_mtime(path: RunPath) -> tuple[int, int]:
+    """A file's bytes and modification time in ns (an object's, to the second or better)."""
+    st = path.stat()
+    return st.st_size, int(getattr(st, "st_mtime_ns", 0) or st.st_mtime * 1e9)
+
+
+def listing(root: UPath) -> Iterator[tuple[UPath, int, int]]:
+    """Every object below ``root``, once, as (path, bytes, mtime in ns): one listing call
+    (object storage has no directories to walk, no symlinks and no loops). Raises
+    ``NoDataError`` when nothing is stored below it, ``StorageError`` when its bucket is missing."""
+    with storage_errors(root):
+        found = root.fs.find(root.path, detail=True)
+        if not found:
+            bucket = root.path.split("/")[0]
+            if not root.fs.exists(bucket):
+                raise StorageError(
+                    f"{root}: the bucket {bucket} does not exist (or these credentials cannot see it): "
+                    "check the URL"
+                )
+    if not found:
+        raise NoDataError(str(root), "nothing is stored under it")
+    for key, info in sorted(found.items()):
+        if info.get("type") == "directory":
+            continue
+        modified = info.get("LastModified") or info.get("last_modified") or info.get("updated")
+        mtime = modified.timestamp() if hasattr(modified, "timestamp") else 0.0
+        yield root.joinpath(key[len(root.path) :].lstrip("/")), int(info.get("size") or 0), int(mtime * 1e9)
+
+
+@contextlib.contextmanager
+def storage_errors(where: RunPath) -> Iterator[None]:
+    """The store's errors (a missing bucket, refused or missing credentials, an endpoint
+    that does not answer) as one ``StorageError`` naming the URL and what to check."""
+    try:
+        yield
+    except FileNotFoundError as exc:
+        raise StorageError(
+            f"{where}: not found ({_first_line(exc)}): check the bucket and the path"
+        ) from None
+    except PermissionError as exc:
+        raise StorageError(
+            f"{where}: access denied ({_first_line(exc)}): check the credentials in the environment "
+            "(e.g. AWS_ACCESS_KEY_ID, AWS_PROFILE)"
+        ) from None
+    except Exception as exc:  # botocore, aiohttp, google-auth, azure: no common base class
+        if isinstance(exc, MetricLogError) or not is_remote(where):
+            raise
+        raise StorageError(f"{where}: {_explain(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def _explain(exc: BaseException) -> str:
+    name = type(exc).__name__
+    text = _first_line(exc)
+    if "Credential" in name or "credentials" in text.lower():
+        return (
+            f"no usable credentials ({text}): set them in the environment "
+            "(e.g. AWS_ACCESS_KEY_ID, AWS_PROFILE)"
+        )
+    if any(s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403")):
+        return f"access denied ({text}): check the credentials in the environment"
+    if "NoSuchBucket" in text or "404" in text:
+        return f"not found ({text}): check the bucket and the path"
+    if "Connect" in name or "connect" in text.lower() or "Timeout" in name:
+        return (
+            f"the storage endpoint did not answer ({text}): check the endpoint (e.g. AWS_ENDPOINT_URL) "
+            "and the network"
+        )
+    return f"{name}: {text}"
+
+
+@contextlib.contextmanager
+def written_at(target: RunPath) -> Iterator[Path]:
+    """Where to write files meant for ``target``: ``target`` itself when it is local; for a
+    URL, a local file in a temporary folder whose files (``target`` and any marker beside
+    it) are then stored next to ``target``, each in one request: an object appears whole or
+    not at all, as a local file renamed into place does."""
+    if isinstance(target, Path):
+        yield target
+        return
+    with tempfile.TemporaryDirectory(prefix="metriclog-out-") as tmp:
+        local = Path(tmp) / target.name
+        yield local
+        with storage_errors(target):
+            for made in sorted(Path(tmp).iterdir(), key=lambda p: p != local):  # target first
+                target.fs.put_file(str(made), (target.parent / made.name).path)

@@ -1,0 +1,299 @@
+"""Runs in object storage: a real S3-compatible server (moto's, started here on localhost)
+holding runs the writer wrote, copied up with boto3 as any sync tool would. Every command
+gives on ``s3://bucket/run`` what it gives on the local copy; what the store refuses is one
+``Error:`` line."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from metric_core import inspect_run, reduce_run
+from metric_core.errors import MissingDependencyError, RequestError
+from metric_core.offline.storage import run_path
+
+from .conftest import write_collector_run
+from .wandb_file import find_run_file, history_rows, read_records
+
+pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the dev extra)")
+boto3 = pytest.importorskip("boto3")
+
+METRICLOG = str(Path(sys.executable).with_name("metriclog"))
+KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+NOW = 2_000_000_000.0  # inspect's "now", so that silences compare
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def s3_server(**env: str) -> Iterator[str]:
+    """moto's standalone S3 server on a free localhost port: its endpoint URL."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto's S3 server did not start") from None
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def copy_up(client, local: Path, bucket: str, prefix: str) -> None:
+    """Every file of a run directory (hidden ones too), as a sync tool copies it."""
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """The server, with three runs in bucket ``runs``: sample_logs' (JSONL, Parquet, a killed
+    journal), the writer's run in many Parquet segments with a killed source, and another
+    tool's Parquet file."""
+    local = {"rl_run": Path("sample_logs/rl_run")}
+    home = tmp_path_factory.mktemp("runs")  # each run under its name in the bucket
+    own = local["own"] = home / "own"
+    truth = write_collector_run(
+        own, [("TrainActor_r0", 0), ("TrainActor_r1", 1)], steps=30, segment_records=200
+    )
+    write_collector_run(own, [("Generator_r0", 0)], steps=25, file_format="jsonl", seed=1)
+    write_collector_run(own, [("Generator_r1", 1)], steps=12, seed=2, shutdown=None)  # killed: a journal
+    (own / "run.json").write_text(json.dumps({"name": "own", "run_id": "own-run-0001", "world_size": 4}))
+    foreign = local["foreign"] = home / "foreign"
+    foreign.mkdir()
+    pl.DataFrame(truth).write_parquet(foreign / "metrics.parquet", row_group_size=300)
+    with s3_server() as endpoint, pytest.MonkeyPatch.context() as mp:
+        env = {"AWS_ENDPOINT_URL": endpoint, **KEYS}
+        for name, value in env.items():
+            mp.setenv(name, value)
+        mp.delenv("AWS_PROFILE", raising=False)
+        client = boto3.client("s3")
+        client.create_bucket(Bucket="runs")
+        for name, path in local.items():
+            copy_up(client, path, "runs", name)
+        yield {"endpoint": endpoint, "env": env, "local": local, "client": client}
+
+
+def cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """The installed command, in its own process (as a user runs it)."""
+    return subprocess.run(
+        [METRICLOG, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+    )
+
+
+@pytest.mark.parametrize("run", ["rl_run", "own", "foreign"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"mode": "per_rank_reduce"},
+        {"mode": "per_rank_no_reduce"},
+        {"by": "time", "every": "5s"},
+        {"reduce": ["*=p99"]},
+        {"mode": "per_rank_reduce", "reduce": ["*=median"], "keys": ["*loss*", "policy/*"]},
+        {"reduce": ["*=std"], "steps": "3:20"},
+    ],
+    ids=str,
+)
+def test_a_run_in_a_bucket_reduces_to_the_local_bits(s3, run, options):
+    local = reduce_run(s3["local"][run], **options)
+    remote = reduce_run(f"s3://runs/{run}", **options)
+    assert local.height > 0
+    assert remote.equals(local), (run, options)
+
+
+@pytest.mark.parametrize("run", ["rl_run", "own", "foreign"])
+def test_inspect_of_a_bucket_says_what_it_says_of_the_local_copy(s3, run):
+    local = inspect_run(s3["local"][run], now=NOW).to_dict()
+    remote = inspect_run(f"s3://runs/{run}", now=NOW).to_dict()
+    assert remote.pop("run_dir") == f"s3://runs/{run}"
+    local.pop("run_dir")
+    assert remote == local
+    assert remote["sources"], "the run has sources"
+
+
+def test_the_command_line_reads_a_bucket_and_writes_to_one(s3, tmp_path):
+    env = s3["env"]
+    for suffix in ("parquet", "csv", "jsonl"):
+        args = ["--mode", "per_rank_reduce", "--reduce", "*=p99"]
+        done = cli("reduce", "s3://runs/own", *args, "--out", f"s3://runs/results/own.{suffix}", env=env)
+        assert done.returncode == 0, done.stderr
+        assert f"to s3://runs/results/own.{suffix}" in done.stderr
+        ref = tmp_path / f"own.{suffix}"
+        done = cli("reduce", str(s3["local"]["own"]), *args, "--out", str(ref), env=env)
+        assert done.returncode == 0, done.stderr
+        stored = s3["client"].get_object(Bucket="runs", Key=f"results/own.{suffix}")["Body"].read()
+        assert stored == ref.read_bytes(), suffix
+    # the JSONL result carries its marker, so a later read of the bucket does not take it for data
+    marker = s3["client"].get_object(Bucket="runs", Key="results/.own.jsonl.metriclog")["Body"].read()
+    assert json.loads(marker) == json.loads((tmp_path / ".own.jsonl.metriclog").read_bytes())
+    printed = [
+        cli("reduce", run, "--steps", "2:4", env=env) for run in ("s3://runs/own", str(s3["local"]["own"]))
+    ]
+    assert printed[0].returncode == 0 and printed[0].stdout == printed[1].stdout
+    assert "Traceback" not in printed[0].stderr
+
+
+def test_plot_of_a_bucket_is_the_local_plot(s3, tmp_path):
+    pytest.importorskip("matplotlib")
+    env = s3["env"]
+    done = cli("plot", "s3://runs/own", "--key", "trainer/*", "--out", "s3://runs/plots/own.png", env=env)
+    assert done.returncode == 0, done.stderr
+    ref = tmp_path / "own.png"
+    done = cli("plot", str(s3["local"]["own"]), "--key", "trainer/*", "--out", str(ref), env=env)
+    assert done.returncode == 0, done.stderr
+    stored = s3["client"].get_object(Bucket="runs", Key="plots/own.png")["Body"].read()
+    assert stored[:8] == b"\x89PNG\r\n\x1a\n"
+    assert stored == ref.read_bytes()
+
+
+def test_a_run_uploaded_from_a_bucket_and_from_disk_is_one_upload(s3, tmp_path):
+    cache = tmp_path / "cache"
+    env = {
+        **s3["env"],
+        "XDG_CACHE_HOME": str(cache),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "NETRC": "/nonexistent-netrc",
+    }
+    env.pop("WANDB_DIR", None)
+    done = cli("upload", "s3://runs/own", "--project", "proj", "--offline", env=env)
+    assert done.returncode == 0, done.stderr
+    (ledger_path,) = cache.glob("metriclog/*/uploads.json")
+    ((run_id, entry),) = json.loads(ledger_path.read_text())["runs"].items()
+    assert entry["finished"]
+    rows = history_rows(read_records(find_run_file(ledger_path.parent, run_id)))
+    truth = reduce_run(s3["local"]["own"])
+    assert len(rows) == truth["step"].n_unique()
+    loss = truth.filter(pl.col("key") == "trainer/loss").sort("step")
+    assert [r["trainer/loss"] for r in rows if "trainer/loss" in r] == loss["value"].to_list()
+    # nothing was written into the bucket
+    listed = s3["client"].list_objects_v2(Bucket="runs", Prefix="own/")["Contents"]
+    assert not [o["Key"] for o in listed if "/.metriclog" in o["Key"]]
+    # the same run, copied down: its upload is the one above
+    copy = tmp_path / "own"
+    shutil.copytree(s3["local"]["own"], copy)
+    again = cli("upload", str(copy), "--project", "proj", "--offline", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "already written offline" in again.stderr
+    assert not (copy / ".metriclog").exists()
+
+
+def test_watch_follows_a_finished_run_in_a_bucket(s3, tmp_path):
+    client = s3["client"]
+    finished = tmp_path / "finished"
+    write_collector_run(finished, [("TrainActor_r0", 0)], steps=5)
+    copy_up(client, finished, "runs", "finished")
+    done = cli("watch", "s3://runs/finished", "--interval", "0.2", env=s3["env"])
+    assert done.returncode == 0, done.stderr
+
+
+def test_follow_says_it_needs_a_filesystem(s3):
+    done = cli("upload", "s3://runs/own", "--project", "p", "--follow", "--offline", env=s3["env"])
+    assert done.returncode == 1
+    assert done.stderr.startswith("Error: s3://runs/own: --follow reads a run while its writers append")
+
+
+@pytest.mark.parametrize(
+    "fault", ["missing bucket", "no run there", "no credentials", "unknown key", "no server"]
+)
+def test_what_the_store_refuses_is_one_error_line(s3, fault):
+    env, url = dict(s3["env"]), "s3://runs/own"
+    unset = []
+    with contextlib.ExitStack() as stack:
+        if fault == "missing bucket":
+            url = "s3://no-such-bucket/own"
+        elif fault == "no run there":
+            url = "s3://runs/not-a-run"
+        elif fault == "no credentials":
+            unset = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"]
+            env["AWS_SHARED_CREDENTIALS_FILE"] = env["AWS_CONFIG_FILE"] = "/nonexistent"
+            env["AWS_EC2_METADATA_DISABLED"] = "true"
+        elif fault == "unknown key":  # a server that checks keys, and knows none
+            env["AWS_ENDPOINT_URL"] = stack.enter_context(s3_server(INITIAL_NO_AUTH_ACTION_COUNT="0"))
+        else:
+            env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{_free_port()}"
+        full = {k: v for k, v in {**os.environ, **env}.items() if k not in unset}
+        done = subprocess.run(
+            [METRICLOG, "inspect", url], capture_output=True, text=True, timeout=300, env=full
+        )
+    assert done.returncode == 1, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), done.stderr
+    assert "Traceback" not in done.stderr
+    expected = {
+        "missing bucket": "does not exist",
+        "no run there": "nothing is stored under it",
+        "no credentials": "no usable credentials",
+        "unknown key": "access denied",
+        "no server": "did not answer",
+    }[fault]
+    assert expected in lines[0]
+    for secret in ("testing",):
+        assert secret not in done.stderr
+
+
+def test_a_file_url_is_a_local_path(tmp_path):
+    assert run_path(f"file://{tmp_path}") == tmp_path
+    local = reduce_run("sample_logs/rl_run")
+    assert reduce_run(f"file://{Path('sample_logs/rl_run').resolve()}").equals(local)
+
+
+def test_an_unknown_scheme_and_a_missing_extra_are_said(monkeypatch):
+    with pytest.raises(RequestError, match="not hdfs://"):
+        run_path("hdfs://cluster/run")
+    monkeypatch.setitem(sys.modules, "upath", None)  # as if universal_pathlib were not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install 'metriclog\[s3\]'"):
+        run_path("s3://runs/own")
+
+
+def test_the_ray_engine_reads_a_bucket_from_its_tasks(s3):
+    ray = pytest.importorskip("ray")
+    from metric_core.offline import engine
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)  # its workers get this env
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(engine, "PARTITION_ROWS", 300)
+            for options in ({}, {"mode": "per_rank_reduce", "reduce": ["*=p99"]}):
+                local = reduce_run(s3["local"]["own"], **options)
+                assert reduce_run("s3://runs/own", engine="ray", **options).equals(local)
+    finally:
+        ray.shutdown()
