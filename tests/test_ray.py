@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import polars as pl
@@ -87,3 +92,64 @@ def test_without_ray_the_message_names_the_install(monkeypatch, runs):
     with pytest.raises(MissingDependencyError, match=r"pip install 'metriclog\[ray\]'"):
         reduce_run(runs[0], engine="ray")
     assert Path(runs[0]).is_dir()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path):
+    """A Ray cluster on "another machine": its head (and so its workers) started in a mount
+    namespace where the run's folder is an empty tmpfs. Given that run, the command fails
+    with one Error: line naming the directory, not a traceback from a worker."""
+    hidden = tmp_path / "hidden"
+    run = hidden / "run"
+    write_collector_run(run, [("TrainActor_r0", 0)], steps=5)
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -m (a mount namespace) to hide a folder from the cluster")
+    port = _free_port()
+    ray_cmd = Path(sys.executable).with_name("ray")
+    head = subprocess.Popen(
+        [
+            "unshare",
+            "-m",
+            "sh",
+            "-c",
+            f"mount -t tmpfs none '{hidden}' && exec '{ray_cmd}' start --head --block --port {port} "
+            "--num-cpus 2 --include-dashboard false --disable-usage-stats",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},  # whatever token ~/.ray holds
+    )
+    try:
+        env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "disabled"}
+        deadline = time.monotonic() + 120
+        while True:  # until its GCS takes connections
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            assert head.poll() is None, head.stderr.read() if head.stderr else ""
+            assert time.monotonic() < deadline, "the Ray head did not start"
+            time.sleep(0.5)
+        metriclog = str(Path(sys.executable).with_name("metriclog"))
+        done = subprocess.run(
+            [metriclog, "reduce", str(run), "--engine", "ray"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)
+        head.wait(timeout=60)
+    assert done.returncode == 1, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert lines == [
+        f"Error: no readable metric record in {run}: this Ray cluster's workers cannot see it: give a run "
+        "directory every node can read (a shared file system), or run with --engine local"
+    ], done.stderr
