@@ -17,6 +17,7 @@ import pytest
 from metric_core import reduce_run
 from metric_core.errors import MissingDependencyError
 from tests.conftest import write_collector_run
+from tests.s3_server import free_port
 
 ray = pytest.importorskip("ray")
 
@@ -94,12 +95,6 @@ def test_without_ray_the_message_names_the_install(monkeypatch, runs):
     assert Path(runs[0]).is_dir()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path):
     """A Ray cluster on "another machine": its head (and so its workers) started in a mount
     namespace where the run's folder is an empty tmpfs. Given that run, the command fails
@@ -109,7 +104,7 @@ def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path):
     write_collector_run(run, [("TrainActor_r0", 0)], steps=5)
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs unshare -m (a mount namespace) to hide a folder from the cluster")
-    port = _free_port()
+    port = free_port()
     ray_cmd = Path(sys.executable).with_name("ray")
     head = subprocess.Popen(
         [

@@ -9,12 +9,8 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
@@ -25,47 +21,14 @@ from metric_core.errors import MissingDependencyError, RequestError
 from metric_core.offline.storage import run_path
 
 from .conftest import write_collector_run
+from .s3_server import KEYS, free_port, s3_server
 from .wandb_file import find_run_file, history_rows, read_records
 
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the dev extra)")
 boto3 = pytest.importorskip("boto3")
 
 METRICLOG = str(Path(sys.executable).with_name("metriclog"))
-KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 NOW = 2_000_000_000.0  # inspect's "now", so that silences compare
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def s3_server(**env: str) -> Iterator[str]:
-    """moto's standalone S3 server on a free localhost port: its endpoint URL."""
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        env={**os.environ, **env},
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto's S3 server did not start") from None
-                time.sleep(0.2)
-        yield endpoint
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def copy_up(client, local: Path, bucket: str, prefix: str) -> None:
@@ -216,6 +179,27 @@ def test_a_run_uploaded_from_a_bucket_and_from_disk_is_one_upload(s3, tmp_path):
     assert not (copy / ".metriclog").exists()
 
 
+def test_a_run_copied_up_with_its_ledger_is_not_uploaded_again(s3, tmp_path):
+    env = {
+        **s3["env"],
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
+    run = tmp_path / "synced"
+    write_collector_run(run, [("TrainActor_r0", 0)], steps=6, seed=7)
+    (run / "run.json").write_text(json.dumps({"name": "synced", "run_id": "synced-run-0001"}))
+    first = cli("upload", str(run), "--project", "proj", "--offline", env=env)
+    assert first.returncode == 0, first.stderr
+    assert (run / ".metriclog" / "uploads.json").is_file()
+    copy_up(s3["client"], run, "runs", "synced")  # .metriclog/ with it, as `aws s3 sync` copies
+    again = cli("upload", "s3://runs/synced", "--project", "proj", "--offline", env=env)
+    assert again.returncode == 0, again.stderr
+    assert "already written offline" in again.stderr
+    other = cli("upload", "s3://runs/synced", "--project", "other", "--offline", env=env)
+    assert other.returncode == 0 and "already" not in other.stderr, "another project is another upload"
+
+
 def test_watch_follows_a_finished_run_in_a_bucket(s3, tmp_path):
     client = s3["client"]
     finished = tmp_path / "finished"
@@ -249,7 +233,7 @@ def test_what_the_store_refuses_is_one_error_line(s3, fault):
         elif fault == "unknown key":  # a server that checks keys, and knows none
             env["AWS_ENDPOINT_URL"] = stack.enter_context(s3_server(INITIAL_NO_AUTH_ACTION_COUNT="0"))
         else:
-            env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{_free_port()}"
+            env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
         full = {k: v for k, v in {**os.environ, **env}.items() if k not in unset}
         done = subprocess.run(
             [METRICLOG, "inspect", url], capture_output=True, text=True, timeout=300, env=full

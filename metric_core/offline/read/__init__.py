@@ -48,6 +48,7 @@ from metric_core.offline.read.discover import (
     Derived,
     copies,
     list_data_files,
+    listed_writer_meta,
     read_run_json,
     superseded_tails,
     writer_meta,
@@ -221,7 +222,9 @@ def scan_run(
         listed: dict[Any, tuple[int, int]] = {}
         paths = list_data_files(root, report, follow_symlinks=follow_symlinks, sizes=listed)
         meta = read_run_json(root, report)
-        found = {p: writer_meta(p) for p in paths}  # each footer or first line read once
+        found = {  # each footer or first line read once
+            p: listed_writer_meta(p, *listed[p]) if p in listed else writer_meta(p) for p in paths
+        }
     for path, what in found.items():
         if isinstance(what, Derived):
             report.notices.append(

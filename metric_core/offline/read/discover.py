@@ -4,6 +4,7 @@ run.json, and the writer's metadata of each sealed segment."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -204,6 +205,13 @@ def writer_meta(path: RunPath) -> SegmentMeta | Derived | None:
                 return Derived("reduce --out")
         return _jsonl_segment_meta(path)
     return None
+
+
+@functools.lru_cache(maxsize=4096)
+def listed_writer_meta(path: RunPath, size: int, mtime_ns: int) -> SegmentMeta | Derived | None:
+    """``writer_meta`` of an object as listed (bytes, mtime): read once per version of it,
+    so that polling a run in object storage (``watch``) does not fetch every footer again."""
+    return writer_meta(path)
 
 
 def take_declared(rep: FileReport, meta: SegmentMeta) -> None:
