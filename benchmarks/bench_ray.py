@@ -11,7 +11,10 @@ part of the figure, and printed apart (a bare `ray.init()` + `ray.shutdown()`). 
 printed: the task count and the records a task holds, what a projection to more nodes
 starts from.
 
-Usage: python benchmarks/bench_ray.py [--repeats 3] [--dir bench_out] [--sizes 20M]
+`--footprint` prints instead what one task costs a worker (CPU seconds, memory), from
+its first 16 tasks run one after another in a fresh process.
+
+Usage: python benchmarks/bench_ray.py [--repeats 3] [--dir bench_out] [--sizes 20M] [--footprint]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,11 +49,49 @@ def tasks_of(run: Path) -> tuple[int, float]:
     return len(found), scan.report.records / max(1, len(found))
 
 
+# One task after another in a fresh process, as a Ray worker runs them: CPU seconds a task
+# (all threads) and what the process grew by, what a projection to N nodes starts from.
+TASK_CHILD = """
+import resource, sys, time
+from metric_core import make_plan, scan_run
+from metric_core.offline import engine, filters
+plan = make_plan(mode=sys.argv[2], reduce=sys.argv[3:])
+scan = scan_run(sys.argv[1])
+scan.check_all()
+dictionaries = engine._dictionary_read(scan)
+found = engine.tasks(plan, scan, list(scan.parts), None, dictionaries)[:16]
+kept = engine._columns_read(plan, scan)
+work = engine.TaskWork(plan, scan, dictionaries, kept, None, engine.PARTITION_ROWS)
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+cpu = time.process_time()
+records = sum(t.size for t in found)
+for task in found:
+    for _ in work(task, filters.Seen.wanted_by(plan)):
+        pass
+spent = time.process_time() - cpu
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+print(len(found), spent / len(found), grown, base / 1024)
+"""
+
+
+def task_footprint(run: Path, mode: str, extra: list[str]) -> str:
+    """CPU seconds per task and the growth of a worker's peak RSS over its first 16 tasks."""
+    reduce = extra[1:] if extra else []
+    child = [sys.executable, "-c", TASK_CHILD, str(run), mode, *reduce]
+    out = subprocess.run(child, capture_output=True, text=True, check=True)
+    count, per_task, grown, base = out.stdout.split()
+    return (
+        f"a task: {float(per_task):.3f} CPU s; a worker's peak RSS {float(base):.0f} MiB "
+        f"(run read) + {float(grown):.0f} MiB over {count} tasks"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="bench_out")
     parser.add_argument("--sizes", default="20M")
+    parser.add_argument("--footprint", action="store_true", help="only a task's CPU time and memory")
     args = parser.parse_args()
     root = Path(args.dir)
     root.mkdir(exist_ok=True)
@@ -59,6 +101,13 @@ def main() -> None:
         runs.append((f"foreign_{size}", foreign_run(root, rows)))
         if size in ("20M", "100M"):
             runs.append((f"own_{size}", generate(root, size)))
+    if args.footprint:
+        for name, run in runs:
+            for mode, extra in (("global_reduce", []), ("per_rank_reduce", ["--reduce", "*=p99"])):
+                count, per_task = tasks_of(run)
+                said = task_footprint(run, mode, extra)
+                print(f"{name:<14} {mode:<16} {count} tasks of {per_task:,.0f} records; {said}")
+        return
     startup = statistics.median(timed([sys.executable, "-c", STARTUP])[0] for _ in range(args.repeats))
     print(f"a local Ray's start and stop alone: {startup:.2f} s (median of {args.repeats})")
     head = f"{'run':<14} {'mode':<16} {'tasks':>6} {'rec/task':>9} {'local s':>8} {'ray s':>7}"

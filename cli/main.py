@@ -158,6 +158,8 @@ def upload(
     until_idle: o.UntilIdle = None,
     interval: o.Interval = o.FOLLOW_INTERVAL,
     sources: o.Sources = None,
+    engine: o.EngineOpt = o.Engine.LOCAL,
+    ray_address: o.RayAddress = None,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
 
@@ -189,6 +191,8 @@ def upload(
                 events=events,
                 on_progress=progress,
                 follow=o.follow(follow, interval, until_idle, sources),
+                engine=engine.value,
+                ray_address=ray_address,
             )
         raise typer.Exit(output.print_upload(result))
 
@@ -233,6 +237,8 @@ def plot(
     steps: o.Steps = None,
     attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
+    engine: o.EngineOpt = o.Engine.LOCAL,
+    ray_address: o.RayAddress = None,
 ) -> None:
     """Plot keys of a run to a PNG, marking where sources stopped and values went non-finite.
 
@@ -254,6 +260,8 @@ def plot(
             on_progress=progress,
             on_warning=lambda text: output.say("warning", text),
             spelled=o.on_cli,
+            engine=engine.value,
+            ray_address=ray_address,
         )
     output.say("info", f"wrote {out}")
 

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,6 +88,36 @@ def test_the_command_line_writes_the_same_file_with_either_engine(runs, tmp_path
     assert files["ray"] == files["local"]
 
 
+def test_plot_and_upload_on_ray_give_the_local_engines_bits(runs, tmp_path, monkeypatch):
+    import shutil
+
+    from metric_core import make_plan, plot_run, upload_run
+    from metric_core.offline import engine
+    from metric_core.offline.upload import Destination
+    from tests.wandb_file import find_run_file, history_rows, read_records
+
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 300)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    own, _ = runs
+    pngs, rows = {}, {}
+    for name in ("local", "ray"):
+        out = tmp_path / f"{name}.png"
+        plot_run(own, make_plan(keys=["trainer/*"], reduce=["*=p99"]), out, engine=name)
+        pngs[name] = out.read_bytes()
+        copy = tmp_path / name / "own"
+        shutil.copytree(own, copy)
+        plan = make_plan(mode="per_rank_reduce", reduce=["*=median"])
+        result = upload_run(copy, plan, Destination("proj", offline=True), engine=name)
+        rows[name] = [
+            history_rows(read_records(find_run_file(copy / ".metriclog", o.run_id))) for o in result.outcomes
+        ]
+    assert pngs["ray"] == pngs["local"]
+    assert len(rows["local"]) == 3 and all(rows["local"])
+    assert rows["ray"] == rows["local"]
+
+
 def test_without_ray_the_message_names_the_install(monkeypatch, runs):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed
@@ -142,6 +173,10 @@ def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+        # `ray start` leaves its address for later `ray.init()` calls on this machine to join
+        current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
+        if current.is_file() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
     assert done.returncode == 1, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == [

@@ -53,11 +53,14 @@ def plot_run(
     on_progress: OnProgress | None = None,
     on_warning: Callable[[str], None] | None = None,
     spelled: Callable[[str], str] = in_python,
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> Any:
     """Draw ``plan``'s keys of a run (a directory, or a scan of one); save a PNG to ``out``
     if given; return the matplotlib Figure. ``on_progress`` follows the reduction's read;
     ``on_warning`` gets what the plot cannot show and the filters that matched nothing (a
     ``MetricLogWarning`` by default), naming options as ``spelled`` does (``MetricLogError.said``).
+    ``engine`` and ``ray_address`` say where the reductions run (``engine.execute``).
 
     >>> from metric_core import make_plan
     >>> fig = plot_run("sample_logs/rl_run", make_plan(keys=["trainer/loss"]))
@@ -85,7 +88,8 @@ def plot_run(
     if not plan.keys:
         raise PlanError(f"choose the keys to plot, e.g. {opt('keys')}'trainer/*'")
     health = inspect_run(scan)
-    reduced = execute(plan, scan, on_progress=on_progress)
+    where = {"engine": engine, "ray_address": ray_address}
+    reduced = execute(plan, scan, on_progress=on_progress, **where)
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         result, decimated = _raw_points(reduced.batches(), health)
     else:
@@ -114,7 +118,8 @@ def plot_run(
         )
     with plt.rc_context({"font.family": ["DejaVu Sans", *families]}), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Glyph .* missing from font")  # said once, above
-        return _figure(plt, plan, scan, result, health, recorders, keys, decimated, out)
+        band = _band(plan, scan, result, where) if plan.mode is LoggingMode.GLOBAL_REDUCE else None
+        return _figure(plt, plan, scan, result, health, recorders, keys, decimated, band, out)
 
 
 def _figure(
@@ -126,11 +131,12 @@ def _figure(
     recorders: dict[str, set[tuple[str, int]]],
     keys: list[str],
     decimated: bool,
+    band: dict[str, tuple[pl.DataFrame, str]] | None,
     out: str | os.PathLike[str] | None,
 ) -> Any:
-    """One subplot per key (``result``'s rows of it), the marks of ``health``, one legend."""
+    """One subplot per key (``result``'s rows of it), the marks of ``health``, ``band``
+    (global_reduce), one legend."""
     mode = plan.mode
-    band = _band(plan, scan, result) if mode is LoggingMode.GLOBAL_REDUCE else None
     # constrained layout keeps the title, the axes and the figure's one legend apart
     fig, axes = plt.subplots(
         len(keys), 1, figsize=(10, 2.4 * len(keys) + 1.6), sharex=True, squeeze=False, layout="constrained"
@@ -193,7 +199,9 @@ def _figure(
 BANDED = frozenset({"mean", "max", "min", "median", "first", "last"})
 
 
-def _band(plan: ReducePlan, scan: RunScan, result: pl.DataFrame) -> dict[str, tuple[pl.DataFrame, str]]:
+def _band(
+    plan: ReducePlan, scan: RunScan, result: pl.DataFrame, where: dict[str, Any]
+) -> dict[str, tuple[pl.DataFrame, str]]:
     """Per key, the lowest and highest per-source value of the statistic the line shows
     (each source reduced with that same statistic), where that statistic has a band."""
     stats = dict(result.group_by("key").agg(pl.col("reduction").first()).iter_rows())
@@ -203,7 +211,9 @@ def _band(plan: ReducePlan, scan: RunScan, result: pl.DataFrame) -> dict[str, tu
     # each key's line statistic, for every source: what the global reduction used
     same = tuple((glob.escape(k), Statistic.parse(stats[k])) for k in banded)
     per_source = execute(
-        dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE, overrides=plan.overrides + same), scan
+        dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE, overrides=plan.overrides + same),
+        scan,
+        **where,
     ).frame
     lows = per_source.group_by(plan.bucket, "key").agg(lo=pl.col("value").min(), hi=pl.col("value").max())
     return {

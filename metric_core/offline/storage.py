@@ -90,15 +90,23 @@ def open_read(path: RunPath) -> BinaryIO:
     return io.BufferedReader(path.open("rb", cache_type="none"), 1 << 20)  # type: ignore[type-var]
 
 
+# Each object's (bytes, mtime in ns) as the newest listing of its run gave them: asked
+# again for a footer's cache key, an object listed is not asked for (a request each).
+_listed: dict[str, tuple[int, int]] = {}
+
+
 def size_and_mtime(path: RunPath) -> tuple[int, int]:
     """A file's bytes and modification time in ns (an object's, to the second or better)."""
+    if not isinstance(path, Path) and str(path) in _listed:
+        return _listed[str(path)]
     st = path.stat()
     return st.st_size, int(getattr(st, "st_mtime_ns", 0) or st.st_mtime * 1e9)
 
 
-def listing(root: UPath) -> Iterator[tuple[UPath, int, int]]:
-    """Every object below ``root``, once, as (path, bytes, mtime in ns): one listing call
-    (object storage has no directories to walk, no symlinks and no loops). Raises
+def listing(root: UPath) -> Iterator[UPath]:
+    """Every object below ``root``, once: one listing call (object storage has no
+    directories to walk, no symlinks and no loops); their bytes and mtimes are kept for
+    ``size_and_mtime``. Raises
     ``NoDataError`` when nothing is stored below it, ``StorageError`` when its bucket is missing."""
     with storage_errors(root):
         found = root.fs.find(root.path, detail=True)
@@ -116,7 +124,9 @@ def listing(root: UPath) -> Iterator[tuple[UPath, int, int]]:
             continue
         modified = info.get("LastModified") or info.get("last_modified") or info.get("updated")
         mtime = modified.timestamp() if hasattr(modified, "timestamp") else 0.0
-        yield root.joinpath(key[len(root.path) :].lstrip("/")), int(info.get("size") or 0), int(mtime * 1e9)
+        path = root.joinpath(key[len(root.path) :].lstrip("/"))
+        _listed[str(path)] = (int(info.get("size") or 0), int(mtime * 1e9))
+        yield path
 
 
 @contextlib.contextmanager

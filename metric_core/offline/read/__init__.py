@@ -58,7 +58,7 @@ from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import RECORD_OK
-from metric_core.offline.storage import RunPath, is_remote, run_path, storage_errors
+from metric_core.offline.storage import RunPath, is_remote, run_path, size_and_mtime, storage_errors
 from metric_core.schema import KEY_HASH
 from metric_core.segment import SegmentMeta
 
@@ -219,11 +219,10 @@ def scan_run(
         raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
     report = ReadReport(run_dir=root)
     with storage_errors(root):
-        listed: dict[Any, tuple[int, int]] = {}
-        paths = list_data_files(root, report, follow_symlinks=follow_symlinks, sizes=listed)
+        paths = list_data_files(root, report, follow_symlinks=follow_symlinks)
         meta = read_run_json(root, report)
-        found = {  # each footer or first line read once
-            p: listed_writer_meta(p, *listed[p]) if p in listed else writer_meta(p) for p in paths
+        found = {  # each footer or first line read once (an object's, once per version of it)
+            p: listed_writer_meta(p, *size_and_mtime(p)) if is_remote(p) else writer_meta(p) for p in paths
         }
     for path, what in found.items():
         if isinstance(what, Derived):
@@ -252,11 +251,8 @@ def scan_run(
     for path in paths:
         suffix = path.suffix
         rep = FileReport(path=path, format=suffix.lstrip("."))
-        rep.listed = listed.get(path)
-        if rep.listed is None:
-            with contextlib.suppress(OSError):
-                stat = path.stat()
-                rep.listed = (stat.st_size, stat.st_mtime_ns)
+        with contextlib.suppress(OSError):
+            rep.listed = size_and_mtime(path)
         report.files.append(rep)
         if path in superseded:
             rep.superseded_by = superseded[path]

@@ -24,28 +24,19 @@ _MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the se
 MAX_WORLD_SIZE = 1 << 20
 
 
-def list_data_files(
-    root: RunPath,
-    report: ReadReport,
-    *,
-    follow_symlinks: bool,
-    sizes: dict[Any, tuple[int, int]] | None = None,
-) -> list[Any]:
+def list_data_files(root: RunPath, report: ReadReport, *, follow_symlinks: bool) -> list[Any]:
     """The data files, listed twice: a directory listing is no snapshot, so a journal sealed
     while it is listed can be missing from it under both its names. The second listing holds
     the sealed segment of every journal that vanished during the first.
 
-    A run in object storage is listed once, with each object's (bytes, mtime in ns) put in
-    ``sizes`` (no object is renamed there: a run is copied to a bucket, not written in it)."""
+    A run in object storage is listed once (no object is renamed there: a run is copied to
+    a bucket, not written in it)."""
     if not isinstance(root, Path):
         found = []
-        for path, size, mtime in listing(root):
+        for path in listing(root):
             parts = rel(path, root).split("/")
-            if any(part.startswith(".") for part in parts) or not parts[-1].endswith(DATA_SUFFIXES):
-                continue
-            if sizes is not None:
-                sizes[path] = (size, mtime)
-            found.append(path)
+            if not any(part.startswith(".") for part in parts) and parts[-1].endswith(DATA_SUFFIXES):
+                found.append(path)
         return found
     first = set(_data_files(root, ReadReport(run_dir=root), follow_symlinks=follow_symlinks))
     second = set(_data_files(root, report, follow_symlinks=follow_symlinks))

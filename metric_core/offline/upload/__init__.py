@@ -84,15 +84,19 @@ def upload_run(
     events: UploadEvents | None = None,
     on_progress: OnProgress | None = None,
     follow: Follow | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
 ) -> UploadResult:
     """Reduce ``run_dir`` by ``plan`` and upload it to ``to`` (with ``dry_run``, only plan it).
 
     ``name`` defaults to the run directory's name, ``group`` to ``name``; ``share_run``
     puts every source of a per-rank mode in one run; ``on_progress`` follows the run's read
     (in the reading child, when there is one). With ``follow``, the run is uploaded as it
-    is written, until its job ends (``Follow``, ``offline.upload.follow``). Raises ``NotLoggedInError`` for an
-    online upload without credentials, ``StrictModeError`` when ``strict`` and records
-    were skipped, ``UploadError`` when W&B fails for good.
+    is written, until its job ends (``Follow``, ``offline.upload.follow``). ``engine`` and
+    ``ray_address`` say where the reduction runs (``engine.execute``: the same bits).
+    Raises ``NotLoggedInError`` for an online upload without credentials,
+    ``StrictModeError`` when ``strict`` and records were skipped, ``UploadError`` when W&B
+    fails for good.
 
     >>> from metric_core import make_plan
     >>> result = upload_run("sample_logs/rl_run", make_plan(), Destination("demo"), dry_run=True)
@@ -109,6 +113,11 @@ def upload_run(
             f"{opt('follow', flag=True)} (watch follows a run in a bucket)"
         )
     _check_together(plan, share_run)
+    if follow is not None and engine != "local":
+        raise PlanError(
+            f"reduces each poll's new records here; {opt('engine')}ray applies to a whole upload only",
+            option="follow",
+        )
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "dryrun") and not to.offline:
         events.message(
@@ -159,6 +168,8 @@ def upload_run(
         group=group,
         share_run=share_run,
         request={"entity": to.entity, "project": to.project, "name": name, "group": group},
+        engine=engine,
+        ray_address=ray_address,
     )
     if dry_run:
         upload = _received(prepare, events)
@@ -214,6 +225,8 @@ def _prepare(
     strict: bool,
     follow_symlinks: bool,
     on_progress: OnProgress | None,
+    engine: str,
+    ray_address: str | None,
     **mapping: object,
 ) -> UploadPlan:
     """Read and reduce the run, and map it to W&B runs (in the reading child, see overlap)."""
@@ -229,6 +242,8 @@ def _prepare(
             follow_symlinks=follow_symlinks,
             on_read=lambda r: read.append(r.summary(spelled=None)),  # spelled by the caller
             on_progress=on_progress,
+            engine=engine,
+            ray_address=ray_address,
         )
         upload = changed_files_said(plan_upload)(result, **mapping)
     except MetricLogError as exc:
