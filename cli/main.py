@@ -78,7 +78,8 @@ def errors_to_exit() -> Iterator[None]:
         raise typer.Exit(code=1) from None
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        typer.echo(f"Error: {where}{exc.strerror or exc}", err=True)
+        said = str(exc.strerror or exc).strip().splitlines() or [type(exc).__name__]
+        typer.echo(f"Error: {where}{said[0]}", err=True)
         raise typer.Exit(code=1) from None
 
 

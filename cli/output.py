@@ -80,14 +80,14 @@ def write_frames(
         partial = local.with_name(f".{local.name}.partial")
         try:
             rows = _write(first, rest, second is None, partial, suffix, derived)
+            if suffix == ".jsonl":  # marked before it appears: no reader takes it for data
+                from metric_core.atomic import replace_file
+
+                replace_file(derived_marker(local), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
             os.replace(partial, local)
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
-        if suffix == ".jsonl":
-            from metric_core.atomic import replace_file
-
-            replace_file(derived_marker(local), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
     say("info", f"wrote {rows} row(s) to {out}")
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from metric_core import inspect_run, reduce_run
+from metric_core import inspect_run, reduce_run, scan_run
 from metric_core.errors import MissingDependencyError, RequestError
 from metric_core.offline.storage import run_path
 
@@ -35,7 +35,8 @@ def copy_up(client, local: Path, bucket: str, prefix: str) -> None:
     """Every file of a run directory (hidden ones too), as a sync tool copies it."""
     for path in sorted(local.rglob("*")):
         if path.is_file():
-            client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}")
+            key = path.relative_to(local).as_posix()
+            client.upload_file(str(path), bucket, f"{prefix}/{key}" if prefix else key)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +244,7 @@ def test_what_the_store_refuses_is_one_error_line(s3, fault):
     assert len(lines) == 1 and lines[0].startswith("Error: "), done.stderr
     assert "Traceback" not in done.stderr
     expected = {
-        "missing bucket": "does not exist",
+        "missing bucket": "the bucket no-such-bucket does not exist",
         "no run there": "nothing is stored under it",
         "no credentials": "no usable credentials",
         "unknown key": "access denied",
@@ -256,6 +257,9 @@ def test_what_the_store_refuses_is_one_error_line(s3, fault):
 
 def test_a_file_url_is_a_local_path(tmp_path):
     assert run_path(f"file://{tmp_path}") == tmp_path
+    assert run_path(f"file://localhost{tmp_path}") == tmp_path
+    with pytest.raises(RequestError, match="not on otherhost"):
+        run_path("file://otherhost/data/run")
     local = reduce_run("sample_logs/rl_run")
     assert reduce_run(f"file://{Path('sample_logs/rl_run').resolve()}").equals(local)
 
@@ -281,3 +285,82 @@ def test_the_ray_engine_reads_a_bucket_from_its_tasks(s3):
                 assert reduce_run("s3://runs/own", engine="ray", **options).equals(local)
     finally:
         ray.shutdown()
+
+
+def test_a_run_at_the_root_of_a_bucket_is_named_after_it(s3):
+    client = s3["client"]
+    client.create_bucket(Bucket="rootrun")
+    copy_up(client, s3["local"]["foreign"], "rootrun", "")  # no run.json: no name in it
+    scan = scan_run("s3://rootrun")
+    assert scan.name == "rootrun"
+    assert reduce_run("s3://rootrun").equals(reduce_run(s3["local"]["foreign"]))
+
+
+def test_a_ledger_in_the_bucket_that_is_not_one_is_ignored(s3, tmp_path):
+    client = s3["client"]
+    copy_up(client, s3["local"]["own"], "runs", "badledger")
+    client.put_object(Bucket="runs", Key="badledger/.metriclog/uploads.json", Body=b"[1, 2]")
+    env = {
+        **s3["env"],
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+    }
+    for extra in (["--dry-run"], []):
+        done = cli("upload", "s3://runs/badledger", "--project", "proj", "--offline", *extra, env=env)
+        assert done.returncode == 0, done.stderr
+        assert "already" not in done.stderr
+
+
+def test_an_object_the_store_refuses_fails_the_command(s3):
+    """An object in a storage class that cannot be read (Glacier) is not a damaged file to
+    skip: the command fails, naming it, rather than reduce the rest."""
+    client = s3["client"]
+    for path in sorted(s3["local"]["own"].iterdir()):
+        if path.is_file():
+            frozen = path.name.startswith("TrainActor_r1")
+            extra = {"StorageClass": "GLACIER"} if frozen else {}
+            client.upload_file(str(path), "runs", f"frozen/{path.name}", ExtraArgs=extra)
+    done = cli("reduce", "s3://runs/frozen", env=s3["env"])
+    assert done.returncode == 1, done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: s3://runs/frozen/TrainActor_r1"), done.stderr
+    assert not done.stdout
+
+
+MID_QUERY = """
+import sys
+from metric_core import make_plan, scan_run
+from metric_core.errors import StorageError
+from metric_core.offline.engine import execute
+scan = scan_run(sys.argv[1])
+print("scanned", flush=True)
+sys.stdin.readline()
+try:
+    execute(make_plan(), scan).frame
+except StorageError as exc:
+    print("StorageError:", exc)
+"""
+
+
+def test_a_store_that_goes_away_mid_read_is_one_storage_error(s3, tmp_path):
+    with s3_server() as endpoint:
+        env = {**os.environ, **KEYS, "AWS_ENDPOINT_URL": endpoint}
+        client = boto3.client("s3", endpoint_url=endpoint)
+        client.create_bucket(Bucket="brief")
+        copy_up(client, s3["local"]["own"], "brief", "own")
+        child = subprocess.Popen(
+            [sys.executable, "-c", MID_QUERY, "s3://brief/own"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "scanned"
+    out, err = child.communicate("go\n", timeout=300)  # the server is gone now
+    assert child.returncode == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("StorageError: "), out + err
+    assert "did not answer" in lines[0] or "failed" in lines[0]

@@ -69,8 +69,9 @@ def in_order(
 def _task(work: TaskWork, task: Task) -> tuple[list[partials.Partial], Any, Any]:
     """One task on a Ray worker: its partitions' states, and the ranks and keys it read."""
     from metric_core.offline import filters
+    from metric_core.offline.storage import is_remote
 
-    if not work.scan.run_dir.exists():
+    if not is_remote(work.scan.run_dir) and not work.scan.run_dir.exists():
         raise NoDataError(
             str(work.scan.run_dir),
             "this Ray cluster's workers cannot see it: give a run directory every node can read "

@@ -16,11 +16,12 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Union
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from metric_core.errors import MetricLogError, MissingDependencyError, NoDataError, RequestError, StorageError
 
@@ -44,12 +45,15 @@ def run_path(location: str | os.PathLike[str]) -> RunPath:
     """``location`` as a path: a ``Path`` when it is local, else a ``UPath``."""
     if not isinstance(location, str):
         return location if _is_upath(location) else Path(location)  # type: ignore[return-value]
-    scheme, sep, rest = location.partition("://")
+    scheme, sep, _ = location.partition("://")
     if not sep or not scheme.isalnum():
         return Path(location)
     scheme = scheme.lower()
     if scheme == "file":
-        return Path(unquote(rest))
+        url = urlsplit(location)
+        if url.netloc not in ("", "localhost"):
+            raise RequestError(f"{location}: a file:// URL names a path on this machine, not on {url.netloc}")
+        return Path(unquote(url.path))
     if scheme not in SCHEMES:
         raise RequestError(
             f"{location}: metriclog reads local paths and file://, s3://, gs:// and az:// URLs, not {scheme}://"
@@ -75,6 +79,14 @@ def _is_upath(path: object) -> bool:
 def is_remote(path: object) -> bool:
     """Whether ``path`` is in object storage (a ``UPath``), not on a local filesystem."""
     return not isinstance(path, Path)
+
+
+def name_of(path: RunPath) -> str:
+    """A run directory's own name: its folder's, or its prefix's last part (a bucket's name
+    for a run at the root of a bucket)."""
+    if isinstance(path, Path):
+        return path.resolve().name
+    return path.name or str(path.path).strip("/").rsplit("/", 1)[-1]
 
 
 def source(path: RunPath) -> str:
@@ -109,7 +121,10 @@ def listing(root: UPath) -> Iterator[UPath]:
     ``size_and_mtime``. Raises
     ``NoDataError`` when nothing is stored below it, ``StorageError`` when its bucket is missing."""
     with storage_errors(root):
-        found = root.fs.find(root.path, detail=True)
+        try:
+            found = root.fs.find(root.path, detail=True)
+        except FileNotFoundError:  # s3fs, for a bucket that is not there
+            found = {}
         if not found:
             bucket = root.path.split("/")[0]
             if not root.fs.exists(bucket):
@@ -119,6 +134,9 @@ def listing(root: UPath) -> Iterator[UPath]:
                 )
     if not found:
         raise NoDataError(str(root), "nothing is stored under it")
+    below = str(root).rstrip("/") + "/"
+    for gone in [k for k in _listed if k.startswith(below)]:  # this listing replaces the last
+        del _listed[gone]
     for key, info in sorted(found.items()):
         if info.get("type") == "directory":
             continue
@@ -131,23 +149,54 @@ def listing(root: UPath) -> Iterator[UPath]:
 
 @contextlib.contextmanager
 def storage_errors(where: RunPath) -> Iterator[None]:
-    """The store's errors (a missing bucket, refused or missing credentials, an endpoint
-    that does not answer) as one ``StorageError`` naming the URL and what to check."""
+    """The store's failures (a missing bucket, refused or missing credentials, an endpoint
+    that does not answer) under ``where``, a URL, as one ``StorageError`` naming it and
+    what to check. Anything else (a local path's errors, a bug) passes unchanged."""
     try:
         yield
-    except FileNotFoundError as exc:
-        raise StorageError(
-            f"{where}: not found ({_first_line(exc)}): check the bucket and the path"
-        ) from None
-    except PermissionError as exc:
-        raise StorageError(
-            f"{where}: access denied ({_first_line(exc)}): check the credentials in the environment "
-            "(e.g. AWS_ACCESS_KEY_ID, AWS_PROFILE)"
-        ) from None
-    except Exception as exc:  # botocore, aiohttp, google-auth, azure: no common base class
-        if isinstance(exc, MetricLogError) or not is_remote(where):
-            raise
-        raise StorageError(f"{where}: {_explain(exc)}") from None
+    except MetricLogError:
+        raise
+    except Exception as exc:
+        raise_store_failure(where, exc)
+        raise
+
+
+def raise_store_failure(path: RunPath, exc: BaseException) -> None:
+    """Raise ``exc`` as a ``StorageError`` if it is the store's failure on ``path``, a URL:
+    an object the store refuses is not a damaged file to skip, it fails the command."""
+    if not is_remote(path) or not isinstance(exc, (OSError, *_client_errors())):
+        return
+    if isinstance(exc, FileNotFoundError):
+        why = f"not found ({_first_line(exc)}): check the bucket and the path"
+    elif isinstance(exc, PermissionError):
+        why = f"access denied ({_first_line(exc)}): check the credentials in the environment"
+    else:
+        why = _explain(exc)
+    raise StorageError(f"{path}: {why}") from None
+
+
+def is_store_failure(exc: BaseException) -> bool:
+    """Whether an error out of a polars or pyarrow query is its cloud reader's."""
+    text = str(exc)
+    return text.startswith("object-store error") or "AWS Error" in text
+
+
+def explain_store_failure(exc: BaseException) -> str:
+    """What a store failure means, in one line, and what to check."""
+    return _explain(exc)
+
+
+def _client_errors() -> tuple[type[BaseException], ...]:
+    """The error bases of the store clients loaded (none shares a base with the others)."""
+    bases = [
+        ("botocore.exceptions", "BotoCoreError"),
+        ("botocore.exceptions", "ClientError"),
+        ("aiohttp", "ClientError"),
+        ("google.auth.exceptions", "GoogleAuthError"),
+        ("google.api_core.exceptions", "GoogleAPIError"),
+        ("azure.core.exceptions", "AzureError"),
+    ]
+    return tuple(getattr(sys.modules[m], name) for m, name in bases if m in sys.modules)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -188,5 +237,5 @@ def written_at(target: RunPath) -> Iterator[Path]:
         local = Path(tmp) / target.name
         yield local
         with storage_errors(target):
-            for made in sorted(Path(tmp).iterdir(), key=lambda p: p != local):  # target first
+            for made in sorted(Path(tmp).iterdir(), key=lambda p: p == local):  # its marker first
                 target.fs.put_file(str(made), (target.parent / made.name).path)

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 
 import polars as pl
 
-from metric_core.errors import NoDataError, RunChangedError
+from metric_core.errors import MetricLogError, NoDataError, RunChangedError, StorageError
 from metric_core.offline.read.attempts import REWIND, resolve
 from metric_core.offline.read.discover import (
     Derived,
@@ -58,7 +58,16 @@ from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import RECORD_OK
-from metric_core.offline.storage import RunPath, is_remote, run_path, size_and_mtime, storage_errors
+from metric_core.offline.storage import (
+    RunPath,
+    explain_store_failure,
+    is_remote,
+    is_store_failure,
+    name_of,
+    run_path,
+    size_and_mtime,
+    storage_errors,
+)
 from metric_core.schema import KEY_HASH
 from metric_core.segment import SegmentMeta
 
@@ -136,7 +145,7 @@ class RunScan:
 
     @property
     def name(self) -> str:
-        return str(self.meta.get("name") or self.run_dir.resolve().name)
+        return str(self.meta.get("name") or name_of(self.run_dir))
 
     def first_timestamps(self) -> dict[tuple[str, int], float]:
         """Each source's earliest record time: declared by the writer, or read from the rest."""
@@ -156,13 +165,16 @@ class RunScan:
 
 
 def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
-    """Turn a polars error of a query over a scanned run into ``RunChangedError``.
+    """Turn a polars error of a query over a scanned run into ``RunChangedError``, and the
+    failure of a store the query read from into ``StorageError``.
 
     The reader checks every file before a query runs, so a query fails only on a file that
     changed (or vanished) since: a live run being sealed, or a copy in progress.
     """
 
-    def changed(exc: pl.exceptions.PolarsError) -> RunChangedError:
+    def changed(exc: Exception) -> MetricLogError:
+        if is_store_failure(exc):  # polars' or pyarrow's cloud reader, mid-query
+            return StorageError(f"reading from object storage failed: {explain_store_failure(exc)}")
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return RunChangedError(
             f"reading the run failed: {first}. Did a file change during the read? Run again."
@@ -176,6 +188,10 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
                 return (yield from function(*args, **kwargs))
             except pl.exceptions.PolarsError as exc:
                 raise changed(exc) from None
+            except OSError as exc:
+                if not is_store_failure(exc):
+                    raise
+                raise changed(exc) from None
 
         return stream  # type: ignore[return-value]
 
@@ -184,6 +200,10 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
         try:
             return function(*args, **kwargs)
         except pl.exceptions.PolarsError as exc:
+            raise changed(exc) from None
+        except OSError as exc:
+            if not is_store_failure(exc):
+                raise
             raise changed(exc) from None
 
     return wrapper

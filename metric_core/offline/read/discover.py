@@ -15,7 +15,7 @@ from typing import Any
 import polars as pl
 
 from metric_core.offline.read.report import FileReport, ReadReport, rel
-from metric_core.offline.storage import RunPath, listing, open_read, source
+from metric_core.offline.storage import RunPath, listing, open_read, raise_store_failure, source
 from metric_core.schema import DATA_SUFFIXES
 from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, SegmentMeta, derived_marker
 
@@ -125,6 +125,7 @@ def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_bytes())
     except (OSError, ValueError) as exc:
+        raise_store_failure(path, exc)
         report.notices.append(f"run.json: not valid JSON ({exc}); its metadata is ignored: fix or remove it")
         return {}
     if not isinstance(meta, dict):
@@ -161,7 +162,8 @@ class Derived:
 def _parquet_meta(path: RunPath) -> SegmentMeta | Derived | None:
     try:
         kv = pl.read_parquet_metadata(source(path))
-    except Exception:
+    except Exception as exc:
+        raise_store_failure(path, exc)
         return None
     if DERIVED_KEY in kv:
         return Derived(kv[DERIVED_KEY])
@@ -175,7 +177,8 @@ def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Derived | None:
         with open_read(path) as f:
             first = f.readline(_MAX_SEGMENT_LINE)
         obj = json.loads(first)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as exc:
+        raise_store_failure(path, exc)
         return None
     if not (isinstance(obj, dict) and obj.get("event") == SEGMENT_EVENT):
         return None
@@ -192,7 +195,8 @@ def writer_meta(path: RunPath) -> SegmentMeta | Derived | None:
         if marker.is_file():
             try:
                 return Derived(str(json.loads(marker.read_bytes())[DERIVED_KEY]))
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise_store_failure(path, exc)
                 return Derived("reduce --out")
         return _jsonl_segment_meta(path)
     return None

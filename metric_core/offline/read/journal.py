@@ -9,7 +9,7 @@ from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
-from metric_core.offline.storage import RunPath
+from metric_core.offline.storage import RunPath, raise_store_failure
 from metric_core.segment import SegmentMeta
 
 
@@ -21,6 +21,7 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
     except FileNotFoundError:
         return _read_sealed_replacement(path, rep, report)
     except OSError as exc:
+        raise_store_failure(path, exc)
         rep.unreadable = str(exc)
         return None
     decoded = journal.decode(data)

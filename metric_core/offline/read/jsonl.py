@@ -15,7 +15,7 @@ import polars as pl
 from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
-from metric_core.offline.storage import RunPath, open_read, source
+from metric_core.offline.storage import RunPath, open_read, raise_store_failure, source
 from metric_core.schema import spell_float
 from metric_core.segment import SegmentMeta
 
@@ -46,6 +46,7 @@ def read_jsonl(
     try:
         data = path.read_bytes()
     except OSError as exc:
+        raise_store_failure(path, exc)
         rep.unreadable = str(exc)
         return None
     kind = _binary_kind(data)
@@ -95,7 +96,8 @@ def _intact(path: RunPath, meta: SegmentMeta) -> bool:
             size = f.seek(0, os.SEEK_END)
             f.seek(size - 1)
             last = f.read(1)
-    except OSError:
+    except OSError as exc:
+        raise_store_failure(path, exc)
         return False
     return size == meta.line_bytes + meta.bytes and last == b"\n"
 

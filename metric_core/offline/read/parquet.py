@@ -19,7 +19,7 @@ from metric_core.offline.read.validate import (
     plausible,
     with_process,
 )
-from metric_core.offline.storage import RunPath, size_and_mtime, source
+from metric_core.offline.storage import RunPath, is_remote, raise_store_failure, size_and_mtime, source
 from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
 from metric_core.segment import SegmentMeta
 
@@ -33,9 +33,9 @@ def scan_parquet(
     from typed arrays, so no nulls by construction); for a file whose columns had to be
     cast, the query of its null counts after the casts."""
     try:
-        schema = pl.read_parquet_schema(source(path))
-        rows = pl.scan_parquet(source(path)).select(pl.len()).collect().item()
+        schema, rows = _shape(path, *size_and_mtime(path)) if is_remote(path) else _read_shape(path)
     except Exception as exc:
+        raise_store_failure(path, exc)
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None, True, None
     if own is not None and own.source is not None:
@@ -72,6 +72,19 @@ def scan_parquet(
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
 
 
+def _read_shape(path: RunPath) -> tuple[dict[str, pl.DataType], int]:
+    """A Parquet file's schema and rows, from its footer."""
+    return pl.read_parquet_schema(source(path)), pl.scan_parquet(source(path)).select(
+        pl.len()
+    ).collect().item()
+
+
+@functools.lru_cache(maxsize=4096)
+def _shape(path: RunPath, size: int, mtime_ns: int) -> tuple[dict[str, pl.DataType], int]:
+    """``_read_shape`` of an object, once per version of it (``watch`` polls a bucket)."""
+    return _read_shape(path)
+
+
 def footer(path: RunPath) -> Any:
     """A Parquet file's footer (pyarrow's FileMetaData: schema, row groups, statistics),
     parsed once however often it is asked for (again if the file changed; the last 256
@@ -102,7 +115,8 @@ def _footer_source(path: RunPath, has_process: bool) -> tuple[str, int] | None:
                     return None
                 values.append(stats.min)
             found.add((values[0], values[1] if has_process else None))
-    except Exception:
+    except Exception as exc:
+        raise_store_failure(path, exc)
         return None
     if len(found) != 1:
         return None
@@ -193,7 +207,8 @@ def row_group_lows(path: RunPath, column: str = "timestamp") -> list[tuple[float
             if chunk.physical_type not in physical or stats is None or not stats.has_min_max:
                 return None
             out.append((float(stats.min), meta.row_group(g).num_rows))
-    except Exception:
+    except Exception as exc:
+        raise_store_failure(path, exc)
         return None
     return out
 

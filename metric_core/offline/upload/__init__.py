@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
-from metric_core.offline.storage import RunPath, is_remote, run_path
+from metric_core.offline.storage import RunPath, is_remote, name_of, run_path
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
@@ -142,7 +142,7 @@ def upload_run(
             root,
             plan,
             to,
-            name=name or root.resolve().name,
+            name=name or name_of(root),
             group=group,
             share_run=share_run,
             dry_run=dry_run,
@@ -164,7 +164,7 @@ def upload_run(
         strict=strict,
         follow_symlinks=follow_symlinks,
         on_progress=on_progress,
-        name=name or root.resolve().name,
+        name=name or name_of(root),
         group=group,
         share_run=share_run,
         request={"entity": to.entity, "project": to.project, "name": name, "group": group},

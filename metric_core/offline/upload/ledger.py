@@ -45,7 +45,9 @@ class Ledger:
         if is_remote(run_dir):
             cached.parent.mkdir(parents=True, exist_ok=True)
             if not cached.exists():  # a copy of a run uploaded where it was written
-                _seed(cached, run_dir / ".metriclog" / "uploads.json")
+                stored = _stored_entries(run_dir)
+                if stored:
+                    _save(cached, stored)
             return cls(cached)
         home = run_dir / ".metriclog"
         if cached.is_file() and not (home / "uploads.json").exists():
@@ -69,13 +71,11 @@ class Ledger:
         for path in places:
             if path.is_file() and not path.is_symlink():
                 return cls(path)
-        if is_remote(run_dir):
-            with storage_errors(run_dir):
-                stored = run_dir / ".metriclog" / "uploads.json"
-                if stored.is_file():
-                    ledger = cls(cached)
-                    ledger.entries = json.loads(stored.read_bytes()).get("runs", {})
-                    return ledger
+        stored = _stored_entries(run_dir) if is_remote(run_dir) else None
+        if stored:
+            ledger = cls(cached)
+            ledger.entries = stored
+            return ledger
         return None
 
     def latest(self, base_id: str) -> dict[str, Any] | None:
@@ -104,9 +104,7 @@ class Ledger:
             now = time.time()
             for run_id, fields in updates.items():
                 self.entries.setdefault(run_id, {}).update(fields, updated=now)
-            replace_file(
-                self.path, (json.dumps({"runs": self.entries}, indent=2, sort_keys=True) + "\n").encode()
-            )
+            _save(self.path, self.entries)
         finally:
             os.close(lock)  # and the lock with it
 
@@ -116,17 +114,25 @@ def _cache_dir(identity: str) -> Path:
     return cache / "metriclog" / identity[:32]
 
 
-def _seed(ledger: Path, stored: Any) -> None:
-    """Start a remote run's ledger from the one uploaded with it, if the bucket holds one."""
+def _save(path: Path, entries: dict[str, dict[str, Any]]) -> None:
+    replace_file(path, (json.dumps({"runs": entries}, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _stored_entries(run_dir: Any) -> dict[str, dict[str, Any]] | None:
+    """The entries of the ledger a bucket holds beside a remote run (copied up with it from
+    where it was uploaded), if it holds one that reads as a ledger."""
+    stored = run_dir / ".metriclog" / "uploads.json"
     with storage_errors(stored):
         if not stored.is_file():
-            return
+            return None
         data = stored.read_bytes()
     try:
-        json.loads(data)["runs"]
+        runs = json.loads(data)["runs"]
     except (ValueError, KeyError, TypeError):
-        return  # not a ledger: this upload starts its own
-    replace_file(ledger, data)
+        return None  # not a ledger: this upload starts its own
+    if not isinstance(runs, dict) or not all(isinstance(e, dict) for e in runs.values()):
+        return None
+    return runs
 
 
 def _refuse_links(*paths: Path) -> None:

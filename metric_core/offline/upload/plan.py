@@ -28,6 +28,7 @@ import numpy as np
 
 from metric_core.errors import PlanError, opt
 from metric_core.metric import LoggingMode
+from metric_core.offline.storage import name_of
 
 if TYPE_CHECKING:  # a plan is built with polars; it is read (and sent) without it
     import polars as pl
@@ -478,7 +479,7 @@ def _provenance(result: ReduceResult) -> dict[str, Any]:
     return run_config(
         result.scan.meta,
         result.plan,
-        source_run_dir=result.scan.run_dir.resolve().name,
+        source_run_dir=name_of(result.scan.run_dir),
         records=result.scan.report.records,
         skipped_records=result.scan.report.skipped_records,
     )
