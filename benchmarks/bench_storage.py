@@ -3,7 +3,8 @@
 The same `metriclog` command on `s3://bench/RUN` (moto's S3 server, started here on
 localhost, a Python process: slower per request than a real store, no network between)
 and on the local copy: `reduce --out` (global_reduce, and per_rank_reduce with p99) and
-`inspect --json` (what each poll of `watch` reads). Each a whole process, --repeats rounds
+`inspect --json` (what the first poll of `watch` reads), and what a later poll of an
+unchanged run costs. Each a whole process, --repeats rounds
 interleaved, medians; the output files compared byte for byte; the requests each command
 made, counted from the server's log. Runs (in --dir, made once): another tool's Parquet
 (bench_engine.py's foreign_20M: 32 files, 20M rows) and the writer's (bench_reduce.py's
@@ -40,14 +41,30 @@ COMMANDS = {  # label: the command's words after RUN ({out}: a file of this roun
 }
 
 
-def requests_during(log, command: list[str]) -> Counter[str]:
-    """Run ``command``; the server's requests meanwhile, by HTTP method."""
+def requests_during(log, action) -> Counter[str]:
+    """Call ``action``; the server's requests meanwhile, by HTTP method."""
     log.seek(0, os.SEEK_END)
     start = log.tell()
-    timed(command)
+    action()
     log.flush()
     log.seek(start)
     return Counter(line.split('"')[1].split()[0] for line in log if line.count('"') >= 2)
+
+
+def said(requests: Counter[str]) -> str:
+    return f"{sum(requests.values()):>9} ({' '.join(f'{k} {v}' for k, v in sorted(requests.items()))})"
+
+
+def poll_cost(url: str, log) -> str:
+    """What each poll of `watch` asks of the store once the run is known: the second of
+    two `inspect` readings sharing watch's cache, the run unchanged in between."""
+    from metric_core.offline.inspect import inspect_run
+
+    cache: dict = {}
+    inspect_run(url, cache=cache)
+    began = time.perf_counter()
+    made = requests_during(log, lambda: inspect_run(url, cache=cache))
+    return f"{time.perf_counter() - began:.2f} s, requests {said(made)}"
 
 
 def measure(name: str, run: Path, words: list[str], tmp: str, log, repeats: int) -> str:
@@ -60,7 +77,7 @@ def measure(name: str, run: Path, words: list[str], tmp: str, log, repeats: int)
             command = [METRICLOG, words[0], location, *(w.format(out=out) for w in words[1:])]
             start = time.perf_counter()
             if where == "s3":
-                requests += requests_during(log, command)
+                requests += requests_during(log, lambda command=command: timed(command))
             else:
                 timed(command)
             walls[where].append(time.perf_counter() - start)
@@ -68,9 +85,8 @@ def measure(name: str, run: Path, words: list[str], tmp: str, log, repeats: int)
                 outs[where] = hashlib.sha256(Path(f"{out}.parquet").read_bytes()).hexdigest()
     local, s3 = statistics.median(walls["local"]), statistics.median(walls["s3"])
     same = ("yes" if outs["local"] == outs["s3"] else "NO") if outs else "-"
-    per_run = {k: v // repeats for k, v in sorted(requests.items())}
-    said = " ".join(f"{k} {v}" for k, v in per_run.items())
-    return f"{local:>8.2f} {s3:>7.2f} {s3 / local:>8.2f}x {sum(per_run.values()):>9} {same:>4}  ({said})"
+    per_run = Counter({k: v // repeats for k, v in requests.items()})
+    return f"{local:>8.2f} {s3:>7.2f} {s3 / local:>8.2f}x {same:>4} {said(per_run)}"
 
 
 def main() -> None:
@@ -96,13 +112,14 @@ def main() -> None:
                 if path.is_file() and not path.name.startswith("."):
                     client.upload_file(str(path), "bench", f"{name}/{path.name}")
         print(f"moto's S3 server on localhost against local disk; medians of {args.repeats}")
-        print(f"{'run':<12} {'command':<22} {'local s':>8} {'s3 s':>7} {'s3/local':>9} {'requests':>9} same")
+        print(f"{'run':<12} {'command':<22} {'local s':>8} {'s3 s':>7} {'s3/local':>9} same {'requests':>9}")
         for name, run in runs.items():
             size = sum(p.stat().st_size for p in run.glob("*.parquet")) / 2**20
             files = len(list(run.glob("*.parquet")))
             print(f"{name}: {files} Parquet files, {size:.0f} MiB")
             for label, words in COMMANDS.items():
                 print(f"{name:<12} {label:<22} {measure(name, run, words, tmp, log, args.repeats)}")
+            print(f"{name:<12} a watch poll, unchanged: {poll_cost(f's3://bench/{name}', log)}")
 
 
 if __name__ == "__main__":
