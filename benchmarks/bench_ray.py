@@ -74,15 +74,38 @@ print(len(found), spent / len(found), grown, base / 1024)
 """
 
 
+# What the driver itself spends per task with --engine ray (its own CPU: submitting,
+# receiving and folding the partial states), the part that does not spread over nodes.
+DRIVER_CHILD = """
+import sys, time, ray
+from metric_core import reduce_run
+ray.init(include_dashboard=False, log_to_driver=False)
+reduce_run(sys.argv[1], engine="ray", mode=sys.argv[2], reduce=sys.argv[3:])  # warm the workers
+cpu, wall = time.process_time(), time.perf_counter()
+reduce_run(sys.argv[1], engine="ray", mode=sys.argv[2], reduce=sys.argv[3:])
+print(time.process_time() - cpu, time.perf_counter() - wall)
+"""
+
+
 def task_footprint(run: Path, mode: str, extra: list[str]) -> str:
     """CPU seconds per task and the growth of a worker's peak RSS over its first 16 tasks."""
     reduce = extra[1:] if extra else []
-    child = [sys.executable, "-c", TASK_CHILD, str(run), mode, *reduce]
-    out = subprocess.run(child, capture_output=True, text=True, check=True)
+    args = [str(run), mode, *reduce]
+    out = subprocess.run(
+        [sys.executable, "-c", TASK_CHILD, *args], capture_output=True, text=True, check=True
+    )
     count, per_task, grown, base = out.stdout.split()
+    driver = subprocess.run(
+        [sys.executable, "-c", DRIVER_CHILD, str(run), mode, *reduce],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    driver_cpu, driver_wall = (float(x) for x in driver.stdout.split()[-2:])
     return (
         f"a task: {float(per_task):.3f} CPU s; a worker's peak RSS {float(base):.0f} MiB "
-        f"(run read) + {float(grown):.0f} MiB over {count} tasks"
+        f"(run read) + {float(grown):.0f} MiB over {count} tasks; with --engine ray the driver's own "
+        f"CPU {driver_cpu:.2f} s of {driver_wall:.2f} s wall"
     )
 
 

@@ -17,7 +17,8 @@ RunDir = Annotated[
     str,
     typer.Argument(
         metavar="RUN_DIR",
-        help="Run directory holding *.parquet / *.jsonl files: a path, or an s3://, gs:// or az:// URL.",
+        help="Run directory holding *.parquet / *.jsonl files: a path, or an s3://, gs://, az:// or file:// "
+        "URL.",
         show_default=False,
     ),
 ]
@@ -176,7 +177,8 @@ PngFile = Annotated[
         "--out",
         metavar="FILE.png",
         callback=_suffixed(".png"),
-        help="Where to write the PNG (folders are created).",
+        help="Where to write the PNG (folders are created; an s3://, gs:// or az:// URL is written whole "
+        "at the end).",
     ),
 ]
 

@@ -325,6 +325,8 @@ def test_an_object_the_store_refuses_fails_the_command(s3):
     assert done.returncode == 1, done.stdout
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: s3://runs/frozen/TrainActor_r1"), done.stderr
+    assert "archived" in lines[0] and "restore it" in lines[0]
+    assert "<?xml" not in lines[0]
     assert not done.stdout
 
 
@@ -364,3 +366,27 @@ def test_a_store_that_goes_away_mid_read_is_one_storage_error(s3, tmp_path):
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("StorageError: "), out + err
     assert "did not answer" in lines[0] or "failed" in lines[0]
+
+
+def test_a_scheme_in_capitals_is_the_same_url(s3):
+    assert reduce_run("S3://runs/own").equals(reduce_run(s3["local"]["own"]))
+
+
+def test_the_writer_refuses_a_url(tmp_path, monkeypatch):
+    """A training job given a bucket URL must not write a folder named 's3:' where it runs."""
+    import metric_core
+    from metric_core.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="the writer appends to files on a local or network filesystem"):
+        metric_core.init("s3://runs/live", process_name="TrainActor_r0")
+    assert not list(tmp_path.iterdir()), "nothing was written"
+
+
+def test_watch_judges_a_bucket_copy_by_its_newest_object(s3):
+    """The time of the newest copy is what a copy's silences are measured against."""
+    from metric_core.offline.storage import newest_copy
+
+    listed = s3["client"].list_objects_v2(Bucket="runs", Prefix="own/")["Contents"]
+    newest = max(o["LastModified"] for o in listed).timestamp()
+    assert newest_copy(run_path("s3://runs/own")) == pytest.approx(newest, abs=1e-3)

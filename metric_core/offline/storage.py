@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Union
 from urllib.parse import unquote, urlsplit
 
-from metric_core.errors import MetricLogError, MissingDependencyError, NoDataError, RequestError, StorageError
+from metric_core.errors import (
+    MetricLogError,
+    MissingDependencyError,
+    NoDataError,
+    RequestError,
+    RunChangedError,
+    StorageError,
+)
 
 if TYPE_CHECKING:
     from upath import UPath
@@ -45,7 +52,7 @@ def run_path(location: str | os.PathLike[str]) -> RunPath:
     """``location`` as a path: a ``Path`` when it is local, else a ``UPath``."""
     if not isinstance(location, str):
         return location if _is_upath(location) else Path(location)  # type: ignore[return-value]
-    scheme, sep, _ = location.partition("://")
+    scheme, sep, rest = location.partition("://")
     if not sep or not scheme.isalnum():
         return Path(location)
     scheme = scheme.lower()
@@ -69,7 +76,7 @@ def run_path(location: str | os.PathLike[str]) -> RunPath:
             f"{location}: {scheme}:// URLs need {package} and universal-pathlib: "
             f"pip install 'metriclog[{extra}]'"
         ) from None
-    return UPath(location.rstrip("/") or location)
+    return UPath(f"{scheme}://{rest}".rstrip("/") or location)
 
 
 def _is_upath(path: object) -> bool:
@@ -147,6 +154,15 @@ def listing(root: UPath) -> Iterator[UPath]:
         yield path
 
 
+def newest_copy(root: UPath) -> float:
+    """When anything below ``root`` was last stored (epoch seconds): the time a copy of a
+    live run last brought news, what its silences are judged against."""
+    below = str(root).rstrip("/") + "/"
+    for _ in listing(root):
+        pass
+    return max(mtime for key, (_, mtime) in _listed.items() if key.startswith(below)) / 1e9
+
+
 @contextlib.contextmanager
 def storage_errors(where: RunPath) -> Iterator[None]:
     """The store's failures (a missing bucket, refused or missing credentials, an endpoint
@@ -166,24 +182,17 @@ def raise_store_failure(path: RunPath, exc: BaseException) -> None:
     an object the store refuses is not a damaged file to skip, it fails the command."""
     if not is_remote(path) or not isinstance(exc, (OSError, *_client_errors())):
         return
-    if isinstance(exc, FileNotFoundError):
-        why = f"not found ({_first_line(exc)}): check the bucket and the path"
-    elif isinstance(exc, PermissionError):
-        why = f"access denied ({_first_line(exc)}): check the credentials in the environment"
-    else:
-        why = _explain(exc)
-    raise StorageError(f"{path}: {why}") from None
+    if type(exc).__name__ == "FileExpired":  # fsspec: replaced while it was read
+        raise RunChangedError(
+            f"{path} was replaced while it was read (a copy in progress?): run again"
+        ) from None
+    raise StorageError(f"{path}: {explain_store_failure(exc)}") from None
 
 
 def is_store_failure(exc: BaseException) -> bool:
     """Whether an error out of a polars or pyarrow query is its cloud reader's."""
     text = str(exc)
     return text.startswith("object-store error") or "AWS Error" in text
-
-
-def explain_store_failure(exc: BaseException) -> str:
-    """What a store failure means, in one line, and what to check."""
-    return _explain(exc)
 
 
 def _client_errors() -> tuple[type[BaseException], ...]:
@@ -200,13 +209,22 @@ def _client_errors() -> tuple[type[BaseException], ...]:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The gist of a store's error: its first line, without the XML body a server sent."""
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:300]
+    text = text.splitlines()[0].split("<?xml")[0].rstrip(" :")
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _explain(exc: BaseException) -> str:
+def explain_store_failure(exc: BaseException) -> str:
+    """What a store failure means, in one line, and what to check."""
     name = type(exc).__name__
     text = _first_line(exc)
+    if "storage class" in str(exc) or "InvalidObjectState" in str(exc):  # in the server's XML too
+        return f"archived ({text}): restore it from its storage class (e.g. Glacier) before reading it"
+    if isinstance(exc, FileNotFoundError):
+        return f"not found ({text}): check the bucket and the path"
+    if isinstance(exc, PermissionError):
+        return f"access denied ({text}): check the credentials in the environment"
     if "Credential" in name or "credentials" in text.lower():
         return (
             f"no usable credentials ({text}): set them in the environment "

@@ -7,6 +7,10 @@ ranks all hang together (a collective that never returns) is caught as well as o
 that hangs. A file unchanged since the last poll is not read again (``inspect_run``'s
 cache): a poll reads the open journals and the segments sealed since.
 
+A run in object storage is a copy that trails its job by the copy's interval: silence
+there is judged against the newest object's time (when the copy last brought anything),
+not the wall clock, so the delay is not taken for a hang.
+
 ``watch_run`` reports each poll and each new stall through callbacks and returns why it
 ended: every source finished, a stall (with ``exit_on_stall``), or ``stop`` was set.
 """
@@ -18,10 +22,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from metric_core.errors import NoDataError
+from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run
+from metric_core.offline.storage import newest_copy, run_path
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
 FINISHED, STALLED, STOPPED = 0, 3, 130
@@ -56,18 +62,22 @@ def watch_run(
     (no record so far).
     """
     stop = stop or threading.Event()
+    root = run_path(run_dir)
     cache: dict[Any, Any] = {}
     said: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
     stalled: list[SourceHealth] = []
     report = None
     while True:
         try:
+            now = time.time() if isinstance(root, Path) else newest_copy(root)
             report = inspect_run(
-                run_dir, follow_symlinks=follow_symlinks, attempts=attempts, now=time.time(), cache=cache
+                run_dir, follow_symlinks=follow_symlinks, attempts=attempts, now=now, cache=cache
             )
         except NoDataError as exc:  # not started yet: wait for its first records
             if on_waiting is not None:
                 on_waiting(str(exc))
+        except RunChangedError:  # a file replaced while it was read (a bucket's copy): next poll
+            pass
         else:
             if on_poll is not None:
                 on_poll(report)

@@ -103,6 +103,12 @@ class MetricCollector:
                 f"on_flush_error must be one of {', '.join(ON_FLUSH_ERROR)}, got {on_flush_error!r}"
             )
         self.on_flush_error = on_flush_error
+        if "://" in os.fspath(run_dir):
+            raise ConfigError(
+                f"run_dir {os.fspath(run_dir)!r} is a URL: the writer appends to files on a local or network "
+                "filesystem, which object storage is not. Write to a local folder and copy it to the bucket "
+                "(e.g. aws s3 sync), during or after the job: metriclog reads it there"
+            )
         self.run_dir = Path(run_dir)
         self.rank = int(rank)
         self.process_name = process_name or default_process_name(self.rank)

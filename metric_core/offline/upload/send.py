@@ -271,7 +271,7 @@ class Sender:
         wb = self._start(run, run_id, resume)
         sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None
         if sync_dir:  # so that a kill before the end leaves a ledger that knows what to remove
-            self.ledger.update(run_id, sync_dir=str(sync_dir))
+            self.ledger.update(run_id, sync_dir=str(Path(sync_dir).resolve()))  # said from anywhere
         if resume and resume.startswith("from:"):
             start = int(resume.removeprefix("from:"))
         elif resume:
