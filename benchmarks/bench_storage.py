@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -48,7 +49,8 @@ def requests_during(log, action) -> Counter[str]:
     action()
     log.flush()
     log.seek(start)
-    return Counter(line.split('"')[1].split()[0] for line in log if line.count('"') >= 2)
+    plain = (re.sub(r"\x1b\[[0-9;]*m", "", line) for line in log)  # the server colours some lines
+    return Counter(line.split('"')[1].split()[0] for line in plain if line.count('"') >= 2)
 
 
 def said(requests: Counter[str]) -> str:
