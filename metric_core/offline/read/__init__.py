@@ -84,6 +84,12 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+# polars hands arrays to numpy through numpy's C API, which it fetches the first time; a
+# Ctrl-C or SIGTERM that lands during that fetch makes it panic (a Rust traceback) where
+# the command would otherwise stop cleanly. Fetched here, as the offline side is imported,
+# before any command has started anything to clean up.
+pl.Series([0.0]).to_numpy()
 # Called with the health report as soon as a run is read, before anything can fail on it,
 # so a caller can say what was skipped even when the command then fails.
 OnRead = Callable[[ReadReport], None]
