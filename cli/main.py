@@ -310,7 +310,15 @@ def main() -> None:
     # A stop by SIGTERM (timeout, Slurm, docker stop) is a Ctrl-C: what a command made in
     # temporary directories and half-written files is removed on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
-    app()
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        app()
+    except Exception:
+        if not _stopping:
+            raise
+        # The stop landed inside a library that made its KeyboardInterrupt an error of its
+        # own (pydantic building wandb's models on import): stopped, not broken.
+        sys.exit(130)
 
 
 def _quiet_stdout() -> None:
@@ -319,7 +327,12 @@ def _quiet_stdout() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
+_stopping = False  # a stop signal came
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    global _stopping
+    _stopping = True
     raise KeyboardInterrupt
 
 

@@ -221,6 +221,11 @@ def explain_store_failure(exc: BaseException) -> str:
     text = _first_line(exc)
     if "storage class" in str(exc) or "InvalidObjectState" in str(exc):  # in the server's XML too
         return f"archived ({text}): restore it from its storage class (e.g. Glacier) before reading it"
+    if "Connect" in name or "connect" in text.lower() or "Timeout" in name:  # whatever class it came as
+        return (
+            f"the storage endpoint did not answer ({text}): check the endpoint (e.g. AWS_ENDPOINT_URL) "
+            "and the network"
+        )
     if isinstance(exc, FileNotFoundError):
         return f"not found ({text}): check the bucket and the path"
     if isinstance(exc, PermissionError):
@@ -234,11 +239,6 @@ def explain_store_failure(exc: BaseException) -> str:
         return f"access denied ({text}): check the credentials in the environment"
     if "NoSuchBucket" in text or "404" in text:
         return f"not found ({text}): check the bucket and the path"
-    if "Connect" in name or "connect" in text.lower() or "Timeout" in name:
-        return (
-            f"the storage endpoint did not answer ({text}): check the endpoint (e.g. AWS_ENDPOINT_URL) "
-            "and the network"
-        )
     return f"{name}: {text}"
 
 
