@@ -390,3 +390,27 @@ def test_watch_judges_a_bucket_copy_by_its_newest_object(s3):
     listed = s3["client"].list_objects_v2(Bucket="runs", Prefix="own/")["Contents"]
     newest = max(o["LastModified"] for o in listed).timestamp()
     assert newest_copy(run_path("s3://runs/own")) == pytest.approx(newest, abs=1e-3)
+
+
+def test_pyarrow_reads_through_fsspec_where_it_takes_no_url(s3, monkeypatch):
+    """pyarrow reads no az:// URL: it is handed a file fsspec opens. The same path, taken
+    here for S3, gives the same bits."""
+    from metric_core.offline import storage
+    from metric_core.offline.read import parquet
+
+    given = []
+
+    @contextlib.contextmanager
+    def noted(path):
+        with storage.arrow_source(path) as where:
+            given.append(type(where))
+            yield where
+
+    monkeypatch.setattr(storage, "_ARROW_URLS", ())
+    monkeypatch.setattr(parquet, "arrow_source", noted)
+    parquet._footer.cache_clear()
+    for options in ({}, {"mode": "per_rank_reduce", "reduce": ["*=p99"]}):
+        for run in ("own", "foreign"):
+            assert reduce_run(f"s3://runs/{run}", **options).equals(reduce_run(s3["local"][run], **options))
+    parquet._footer.cache_clear()
+    assert any(t is not str for t in given), "pyarrow was handed an fsspec file"

@@ -114,6 +114,22 @@ def open_read(path: RunPath) -> BinaryIO:
 _listed: dict[str, tuple[int, int]] = {}
 
 
+# Schemes pyarrow reads from a URL itself; for the others it is handed a file fsspec opens.
+_ARROW_URLS = ("s3", "gs", "gcs")
+
+
+@contextlib.contextmanager
+def arrow_source(path: RunPath) -> Iterator[str | BinaryIO]:
+    """What pyarrow is given to read ``path``: its path, or its URL where pyarrow reads the
+    store itself (S3, GCS; in byte ranges), else a file opened through fsspec (Azure:
+    pyarrow takes no az:// URL), closed after."""
+    if isinstance(path, Path) or path.protocol in _ARROW_URLS:
+        yield str(path)
+        return
+    with path.open("rb") as f:
+        yield f
+
+
 def size_and_mtime(path: RunPath) -> tuple[int, int]:
     """A file's bytes and modification time in ns (an object's, to the second or better)."""
     if not isinstance(path, Path) and str(path) in _listed:

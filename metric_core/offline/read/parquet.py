@@ -19,7 +19,14 @@ from metric_core.offline.read.validate import (
     plausible,
     with_process,
 )
-from metric_core.offline.storage import RunPath, is_remote, raise_store_failure, size_and_mtime, source
+from metric_core.offline.storage import (
+    RunPath,
+    arrow_source,
+    is_remote,
+    raise_store_failure,
+    size_and_mtime,
+    source,
+)
 from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
 from metric_core.segment import SegmentMeta
 
@@ -96,7 +103,8 @@ def footer(path: RunPath) -> Any:
 def _footer(path: RunPath, size: int, mtime_ns: int) -> Any:
     import pyarrow.parquet as pq
 
-    return pq.read_metadata(source(path))
+    with arrow_source(path) as where:
+        return pq.read_metadata(where)
 
 
 def _footer_source(path: RunPath, has_process: bool) -> tuple[str, int] | None:
@@ -176,7 +184,20 @@ def categorical_batches(
     wanted = [c for c in columns if c in exprs]
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
     strings = [c for c in sources if schema[c] in (pl.String, pl.Categorical, pl.Binary)]
-    file = pq.ParquetFile(source(path), metadata=meta, read_dictionary=strings)
+    with arrow_source(path) as where:  # a remote file, open until the last frame
+        file = pq.ParquetFile(where, metadata=meta, read_dictionary=strings)
+        yield from _frames(file, wanted, exprs, sources, row_groups, rows)
+
+
+def _frames(
+    file: Any,
+    wanted: list[str],
+    exprs: dict[str, pl.Expr],
+    sources: set[str],
+    row_groups: list[int] | None,
+    rows: int | None,
+) -> Iterator[pl.DataFrame]:
+    """``categorical_batches``' frames, from the open ``file``."""
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
     if rows is None:
         tables: Iterable[Any] = [file.read_row_groups(groups, columns=sorted(sources))]
