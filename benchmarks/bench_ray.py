@@ -91,17 +91,15 @@ def task_footprint(run: Path, mode: str, extra: list[str]) -> str:
     """CPU seconds per task and the growth of a worker's peak RSS over its first 16 tasks."""
     reduce = extra[1:] if extra else []
     args = [str(run), mode, *reduce]
-    out = subprocess.run(
-        [sys.executable, "-c", TASK_CHILD, *args], capture_output=True, text=True, check=True
-    )
-    count, per_task, grown, base = out.stdout.split()
-    driver = subprocess.run(
-        [sys.executable, "-c", DRIVER_CHILD, str(run), mode, *reduce],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    driver_cpu, driver_wall = (float(x) for x in driver.stdout.split()[-2:])
+
+    def child(code: str) -> list[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, check=True
+        ).stdout.split()
+
+    count, per_task, grown, base = child(TASK_CHILD)
+    driver = child(DRIVER_CHILD)
+    driver_cpu, driver_wall = (float(x) for x in driver[-2:])
     return (
         f"a task: {float(per_task):.3f} CPU s; a worker's peak RSS {float(base):.0f} MiB "
         f"(run read) + {float(grown):.0f} MiB over {count} tasks; with --engine ray the driver's own "

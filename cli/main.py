@@ -310,15 +310,27 @@ def main() -> None:
     # A stop by SIGTERM (timeout, Slurm, docker stop) is a Ctrl-C: what a command made in
     # temporary directories and half-written files is removed on the way out.
     signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         app()
-    except Exception:
+    except Exception as exc:
         if not _stopping:
             raise
         # The stop landed inside a library that made its KeyboardInterrupt an error of its
-        # own (pydantic building wandb's models on import): stopped, not broken.
+        # own (pydantic building wandb's models on import): stopped, not broken. Anything
+        # else that failed on the way out is still said.
+        if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
+            typer.echo(f"Error: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}", err=True)
         sys.exit(130)
+
+
+def _chained_interrupt(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _quiet_stdout() -> None:

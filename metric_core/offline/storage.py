@@ -14,13 +14,15 @@ The packages are optional extras (``metriclog[s3]``, ``[gcs]``, ``[azure]``), im
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Union
+from typing import TYPE_CHECKING, Any, BinaryIO, Union
 from urllib.parse import unquote, urlsplit
 
 from metric_core.errors import (
@@ -126,7 +128,7 @@ def arrow_source(path: RunPath) -> Iterator[str | BinaryIO]:
     if isinstance(path, Path) or path.protocol in _ARROW_URLS:
         yield str(path)
         return
-    with path.open("rb") as f:
+    with path.open("rb", cache_type="none") as f:  # pyarrow asks for the ranges it needs
         yield f
 
 
@@ -144,6 +146,7 @@ def listing(root: UPath) -> Iterator[UPath]:
     ``size_and_mtime``. Raises
     ``NoDataError`` when nothing is stored below it, ``StorageError`` when its bucket is missing."""
     with storage_errors(root):
+        root.fs.invalidate_cache(root.path)  # a poll's listing is the store's now, as are its ETags
         try:
             found = root.fs.find(root.path, detail=True)
         except FileNotFoundError:  # s3fs, for a bucket that is not there
@@ -155,19 +158,30 @@ def listing(root: UPath) -> Iterator[UPath]:
                     f"{root}: the bucket {bucket} does not exist (or these credentials cannot see it): "
                     "check the URL"
                 )
-    if not found:
+    objects = {key: info for key, info in found.items() if info.get("type") != "directory"}
+    if not objects:
         raise NoDataError(str(root), "nothing is stored under it")
     below = str(root).rstrip("/") + "/"
     for gone in [k for k in _listed if k.startswith(below)]:  # this listing replaces the last
         del _listed[gone]
-    for key, info in sorted(found.items()):
-        if info.get("type") == "directory":
-            continue
-        modified = info.get("LastModified") or info.get("last_modified") or info.get("updated")
-        mtime = modified.timestamp() if hasattr(modified, "timestamp") else 0.0
+    for key, info in sorted(objects.items()):
         path = root.joinpath(key[len(root.path) :].lstrip("/"))
-        _listed[str(path)] = (int(info.get("size") or 0), int(mtime * 1e9))
+        _listed[str(path)] = (int(info.get("size") or 0), _mtime_ns(info))
         yield path
+
+
+def _mtime_ns(info: dict[str, Any]) -> int:
+    """An object's modification time in ns, as its fsspec backend lists it (s3fs
+    ``LastModified``, gcsfs ``mtime`` or an ISO ``updated``, adlfs ``last_modified``);
+    0 when it lists none."""
+    for field in ("LastModified", "mtime", "last_modified", "updated"):
+        value: Any = info.get(field)
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        if isinstance(value, datetime.datetime):
+            return int(value.timestamp() * 1e9)
+    return 0
 
 
 def newest_copy(root: UPath) -> float:
@@ -176,7 +190,8 @@ def newest_copy(root: UPath) -> float:
     below = str(root).rstrip("/") + "/"
     for _ in listing(root):
         pass
-    return max(mtime for key, (_, mtime) in _listed.items() if key.startswith(below)) / 1e9
+    newest = max((mtime for key, (_, mtime) in _listed.items() if key.startswith(below)), default=0)
+    return newest / 1e9 if newest else time.time()  # a store that lists no times: the wall clock
 
 
 @contextlib.contextmanager
@@ -198,9 +213,9 @@ def raise_store_failure(path: RunPath, exc: BaseException) -> None:
     an object the store refuses is not a damaged file to skip, it fails the command."""
     if not is_remote(path) or not isinstance(exc, (OSError, *_client_errors())):
         return
-    if type(exc).__name__ == "FileExpired":  # fsspec: replaced while it was read
+    if type(exc).__name__ == "FileExpired" or isinstance(exc, FileNotFoundError):  # a copy in progress?
         raise RunChangedError(
-            f"{path} was replaced while it was read (a copy in progress?): run again"
+            f"{path} was replaced or removed since the run was listed (a copy in progress?): run again"
         ) from None
     raise StorageError(f"{path}: {explain_store_failure(exc)}") from None
 
@@ -231,29 +246,36 @@ def _first_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+# What the clients say when a store does not answer, or refuses the credentials (phrases,
+# never a path or a bucket's name, which may hold any word).
+_NO_ANSWER = (
+    "Could not connect to the endpoint",
+    "Cannot connect to host",
+    "tcp connect error",
+    "error sending request",
+)
+_DENIED = ("InvalidAccessKeyId", "SignatureDoesNotMatch", "403 Forbidden", "AccessDenied")
+
+
 def explain_store_failure(exc: BaseException) -> str:
     """What a store failure means, in one line, and what to check."""
     name = type(exc).__name__
     text = _first_line(exc)
     if "storage class" in str(exc) or "InvalidObjectState" in str(exc):  # in the server's XML too
         return f"archived ({text}): restore it from its storage class (e.g. Glacier) before reading it"
-    if "Connect" in name or "connect" in text.lower() or "Timeout" in name:  # whatever class it came as
+    if "Connect" in name or "Timeout" in name or any(p in text for p in _NO_ANSWER):  # any class
         return (
             f"the storage endpoint did not answer ({text}): check the endpoint (e.g. AWS_ENDPOINT_URL) "
             "and the network"
         )
-    if isinstance(exc, FileNotFoundError):
-        return f"not found ({text}): check the bucket and the path"
-    if isinstance(exc, PermissionError):
-        return f"access denied ({text}): check the credentials in the environment"
-    if "Credential" in name or "credentials" in text.lower():
+    if "Credential" in name or "Unable to locate credentials" in text:
         return (
             f"no usable credentials ({text}): set them in the environment "
             "(e.g. AWS_ACCESS_KEY_ID, AWS_PROFILE)"
         )
-    if any(s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden", "403")):
+    if isinstance(exc, PermissionError) or any(p in text for p in _DENIED):
         return f"access denied ({text}): check the credentials in the environment"
-    if "NoSuchBucket" in text or "404" in text:
+    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text or "404 Not Found" in text:
         return f"not found ({text}): check the bucket and the path"
     return f"{name}: {text}"
 

@@ -9,7 +9,8 @@ cache): a poll reads the open journals and the segments sealed since.
 
 A run in object storage is a copy that trails its job by the copy's interval: silence
 there is judged against the newest object's time (when the copy last brought anything),
-not the wall clock, so the delay is not taken for a hang.
+not the wall clock, so the delay is not taken for a hang; a job that hangs whole, and so
+leaves nothing new to copy, is not caught there (docs/storage.md).
 
 ``watch_run`` reports each poll and each new stall through callbacks and returns why it
 ended: every source finished, a stall (with ``exit_on_stall``), or ``stop`` was set.
@@ -31,6 +32,8 @@ from metric_core.offline.storage import newest_copy, run_path
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
 FINISHED, STALLED, STOPPED = 0, 3, 130
+# Polls in a row that may find a file changed while it was read before watch gives up.
+CHANGED_POLLS = 5
 
 
 @dataclass
@@ -59,10 +62,12 @@ def watch_run(
 
     ``on_poll`` gets each poll's report, ``on_stall`` each source once, when it stalls
     (again only if it wrote again since), ``on_waiting`` why there is nothing to show yet
-    (no record so far).
+    (no record so far, or a file changed while it was read: ``CHANGED_POLLS`` such polls in
+    a row raise ``RunChangedError``).
     """
     stop = stop or threading.Event()
     root = run_path(run_dir)
+    changed = 0  # polls in a row that found a file changed under them
     cache: dict[Any, Any] = {}
     said: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
     stalled: list[SourceHealth] = []
@@ -76,9 +81,14 @@ def watch_run(
         except NoDataError as exc:  # not started yet: wait for its first records
             if on_waiting is not None:
                 on_waiting(str(exc))
-        except RunChangedError:  # a file replaced while it was read (a bucket's copy): next poll
-            pass
+        except RunChangedError as exc:  # a file replaced while it was read (a copy): next poll
+            changed += 1
+            if changed >= CHANGED_POLLS:
+                raise
+            if on_waiting is not None:
+                on_waiting(str(exc))
         else:
+            changed = 0
             if on_poll is not None:
                 on_poll(report)
             for source in report.sources:

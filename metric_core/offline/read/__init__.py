@@ -35,6 +35,7 @@ import functools
 import inspect
 import math
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from typing import Any, TypeVar
 
 import polars as pl
 
-from metric_core.errors import MetricLogError, NoDataError, RunChangedError, StorageError
+from metric_core.errors import NoDataError, RunChangedError, StorageError
 from metric_core.offline.read.attempts import REWIND, resolve
 from metric_core.offline.read.discover import (
     Derived,
@@ -85,11 +86,25 @@ __all__ = [
 
 T = TypeVar("T")
 
-# polars hands arrays to numpy through numpy's C API, which it fetches the first time; a
-# Ctrl-C or SIGTERM that lands during that fetch makes it panic (a Rust traceback) where
-# the command would otherwise stop cleanly. Fetched here, as the offline side is imported,
-# before any command has started anything to clean up.
-pl.Series([0.0]).to_numpy()
+
+def _fetch_numpy_api() -> None:
+    """polars hands arrays to numpy through numpy's C API, which it fetches the first time;
+    a Ctrl-C or SIGTERM raised in the Python code of that fetch makes it panic (a Rust
+    traceback) where the command would otherwise stop cleanly. Fetched once, here, with
+    a stop that comes meanwhile held until it is done."""
+    held: list[int] = []
+    stops = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
+    before = {s: signal.signal(s, lambda n, _: held.append(n)) for s in stops}
+    try:
+        pl.Series([0.0]).to_numpy()
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for n in held:
+            signal.raise_signal(n)
+
+
+_fetch_numpy_api()
 # Called with the health report as soon as a run is read, before anything can fail on it,
 # so a caller can say what was skipped even when the command then fails.
 OnRead = Callable[[ReadReport], None]
@@ -178,7 +193,9 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     changed (or vanished) since: a live run being sealed, or a copy in progress.
     """
 
-    def changed(exc: Exception) -> MetricLogError:
+    def said(exc: Exception) -> Exception:
+        if isinstance(exc, OSError) and not is_store_failure(exc):
+            return exc  # a local file's error, as it is
         if is_store_failure(exc):  # polars' or pyarrow's cloud reader, mid-query
             return StorageError(f"reading from object storage failed: {explain_store_failure(exc)}")
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -192,12 +209,8 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
         def stream(*args: Any, **kwargs: Any) -> Any:
             try:
                 return (yield from function(*args, **kwargs))
-            except pl.exceptions.PolarsError as exc:
-                raise changed(exc) from None
-            except OSError as exc:
-                if not is_store_failure(exc):
-                    raise
-                raise changed(exc) from None
+            except (pl.exceptions.PolarsError, OSError) as exc:
+                raise said(exc) from None
 
         return stream  # type: ignore[return-value]
 
@@ -205,12 +218,8 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return function(*args, **kwargs)
-        except pl.exceptions.PolarsError as exc:
-            raise changed(exc) from None
-        except OSError as exc:
-            if not is_store_failure(exc):
-                raise
-            raise changed(exc) from None
+        except (pl.exceptions.PolarsError, OSError) as exc:
+            raise said(exc) from None
 
     return wrapper
 
