@@ -21,6 +21,7 @@ import typer.core
 from metric_core.errors import MetricLogError, PlanError
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By
+from metric_core.offline.storage import check_target
 
 from . import options as o
 from . import output, tuning
@@ -114,6 +115,7 @@ def reduce(
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
         if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
+        check_target(out)
         with output.read_progress() as progress:
             result = run_plan(
                 run_dir,
@@ -252,6 +254,7 @@ def plot(
 
     with errors_to_exit(), output.read_progress() as progress:
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        check_target(out)
         plot_run(
             run_dir,
             plan,

@@ -414,3 +414,15 @@ def test_pyarrow_reads_through_fsspec_where_it_takes_no_url(s3, monkeypatch):
             assert reduce_run(f"s3://runs/{run}", **options).equals(reduce_run(s3["local"][run], **options))
     parquet._footer.cache_clear()
     assert any(t is not str for t in given), "pyarrow was handed an fsspec file"
+
+
+def test_an_out_to_a_missing_bucket_fails_before_the_read(s3, tmp_path):
+    for command in (["reduce", "s3://runs/own"], ["plot", "s3://runs/own", "--key", "trainer/*"]):
+        suffix = "png" if command[0] == "plot" else "parquet"
+        done = cli(*command, "--out", f"s3://no-such-out/x.{suffix}", env=s3["env"])
+        assert done.returncode == 1
+        # one line: the run, whose killed journal a read would warn of, was not read
+        assert done.stderr.strip().splitlines() == [
+            f"Error: s3://no-such-out/x.{suffix}: the bucket no-such-out does not exist "
+            "(or these credentials cannot see it): check the URL"
+        ], done.stderr

@@ -280,6 +280,21 @@ def explain_store_failure(exc: BaseException) -> str:
     return f"{name}: {text}"
 
 
+def check_target(location: str | os.PathLike[str] | None) -> None:
+    """Before a long read: that a URL to write to (``--out``) is in a bucket that exists
+    (a local file's folders are made when it is written)."""
+    target = None if location is None else run_path(location)
+    if target is None or isinstance(target, Path):
+        return
+    bucket = target.path.split("/")[0]
+    with storage_errors(target):
+        if not target.fs.exists(bucket):
+            raise StorageError(
+                f"{target}: the bucket {bucket} does not exist (or these credentials cannot see it): "
+                "check the URL"
+            )
+
+
 @contextlib.contextmanager
 def written_at(target: RunPath) -> Iterator[Path]:
     """Where to write files meant for ``target``: ``target`` itself when it is local; for a
