@@ -426,3 +426,17 @@ def test_an_out_to_a_missing_bucket_fails_before_the_read(s3, tmp_path):
             f"Error: s3://no-such-out/x.{suffix}: the bucket no-such-out does not exist "
             "(or these credentials cannot see it): check the URL"
         ], done.stderr
+
+
+def test_a_folder_of_several_runs_says_so(s3, tmp_path):
+    """A bucket root (or a folder) that holds runs is read as one run, and said."""
+    both = tmp_path / "both"
+    for name in ("a", "b"):
+        shutil.copytree(s3["local"]["own"], both / name)
+    copy_up(s3["client"], both, "runs", "both")
+    for location in (both, "s3://runs/both"):
+        notices = scan_run(location).report.notices
+        for name in ("a", "b"):
+            assert any(
+                n.startswith(f"{name}/run.json: {name} looks like a run of its own") for n in notices
+            ), notices

@@ -35,8 +35,12 @@ def list_data_files(root: RunPath, report: ReadReport, *, follow_symlinks: bool)
         found = []
         for path in listing(root):
             parts = rel(path, root).split("/")
-            if not any(part.startswith(".") for part in parts) and parts[-1].endswith(DATA_SUFFIXES):
+            if any(part.startswith(".") for part in parts):
+                continue
+            if parts[-1].endswith(DATA_SUFFIXES):
                 found.append(path)
+            elif parts[-1] == "run.json" and len(parts) > 1:
+                _another_run(path, root, report)
         return found
     first = set(_data_files(root, ReadReport(run_dir=root), follow_symlinks=follow_symlinks))
     second = set(_data_files(root, report, follow_symlinks=follow_symlinks))
@@ -88,6 +92,8 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
             kept.append(d)
         dirnames[:] = kept
         for name in sorted(filenames):
+            if name == "run.json" and here != root:
+                _another_run(here / name, root, report)
             if name.startswith(".") or not name.endswith(DATA_SUFFIXES):
                 continue
             path = here / name
@@ -115,6 +121,15 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
                 continue
             seen[(st.st_dev, st.st_ino)] = path
             yield path
+
+
+def _another_run(run_json: Any, root: RunPath, report: ReadReport) -> None:
+    """A run.json below the run directory: another run's, whose files are read with it."""
+    inner = rel(run_json.parent, root)
+    report.notices.append(
+        f"{inner}/run.json: {inner} looks like a run of its own, read here as part of this one; "
+        f"to read it alone, name it (e.g. {run_json.parent})"
+    )
 
 
 def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
