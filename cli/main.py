@@ -347,6 +347,8 @@ _stopping = False  # a stop signal came
 
 def _interrupt(signum: int, frame: object) -> None:
     global _stopping
+    if _stopping and signum == signal.SIGTERM:
+        return  # again (timeout(1) signals the process, then its group): the cleanup goes on
     _stopping = True
     raise KeyboardInterrupt
 
