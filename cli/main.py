@@ -79,8 +79,7 @@ def errors_to_exit() -> Iterator[None]:
         raise typer.Exit(code=1) from None
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        said = str(exc.strerror or exc).strip().splitlines() or [type(exc).__name__]
-        typer.echo(f"Error: {where}{said[0]}", err=True)
+        typer.echo(f"Error: {where}{_gist(exc.strerror or exc)}", err=True)
         raise typer.Exit(code=1) from None
 
 
@@ -324,8 +323,13 @@ def main() -> None:
         # own (pydantic building wandb's models on import): stopped, not broken. Anything
         # else that failed on the way out is still said.
         if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
-            typer.echo(f"Error: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}", err=True)
+            typer.echo(f"Error: {_gist(exc)}", err=True)
         sys.exit(130)
+
+
+def _gist(said: object) -> str:
+    """The first line of what an error says (a client library's may run on for pages)."""
+    return (str(said).strip().splitlines() or [type(said).__name__])[0]
 
 
 def _chained_interrupt(exc: BaseException | None) -> bool:
