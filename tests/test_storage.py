@@ -383,13 +383,15 @@ def test_the_writer_refuses_a_url(tmp_path, monkeypatch):
     assert not list(tmp_path.iterdir()), "nothing was written"
 
 
-def test_watch_judges_a_bucket_copy_by_its_newest_object(s3):
-    """The time of the newest copy is what a copy's silences are measured against."""
-    from metric_core.offline.storage import newest_copy
-
+def test_a_bucket_copy_is_judged_at_its_newest_object(s3):
+    """The time of the newest copy, as the store lists it, is what a copy's silences are
+    measured against (inspect's and watch's "now"), not the wall clock."""
     listed = s3["client"].list_objects_v2(Bucket="runs", Prefix="own/")["Contents"]
     newest = max(o["LastModified"] for o in listed).timestamp()
-    assert newest_copy(run_path("s3://runs/own")) == pytest.approx(newest, abs=1e-3)
+    report = inspect_run("s3://runs/own")
+    assert report.checked_at == pytest.approx(newest, abs=1e-3)
+    source = next(s for s in report.sources if s.status != "finished")
+    assert source.silent_s == pytest.approx(newest - source.last_timestamp, abs=1e-3)
 
 
 def test_pyarrow_reads_through_fsspec_where_it_takes_no_url(s3, monkeypatch):

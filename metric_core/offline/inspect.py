@@ -33,6 +33,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import polars as pl
@@ -41,6 +42,7 @@ from metric_core.clock import duration, local_time
 from metric_core.errors import in_python, opt, spell
 from metric_core.offline.read import FileReport, OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.read.attempts import Attempt
+from metric_core.offline.storage import newest_listed
 from metric_core.schema import KEY_HASH, keys_by_hash
 
 QUIET_FACTOR = 10.0
@@ -161,8 +163,9 @@ def inspect_run(
     cache: dict[Any, Any] | None = None,
 ) -> InspectReport:
     """Per-source health and what stopped first, for a run directory (or a scan of one);
-    ``on_progress`` is called after each file is read; ``now`` (the wall clock by default)
-    is what "still running" and a stall are judged against. ``cache`` (a dict kept between
+    ``on_progress`` is called after each file is read; ``now`` (by default the wall clock,
+    or for a run in object storage its newest object's time) is what "still running" and a
+    stall are judged against. ``cache`` (a dict kept between
     calls, as ``watch_run`` does) keeps each file's aggregates while the file is unchanged,
     so a call reads only the files written since the last.
 
@@ -210,7 +213,8 @@ def inspect_run(
     clean = scan.report.clean_shutdowns()
     cadence = _cadence(steps)
     sources = []
-    now = time.time() if now is None else now
+    if now is None:  # a copy in a bucket trails its job: judged at the time of its newest object
+        now = time.time() if isinstance(scan.run_dir, Path) else newest_listed(scan.run_dir)
     live = False
     for row in summary.iter_rows(named=True):
         source = (row["process"], row["rank"])

@@ -184,14 +184,13 @@ def _mtime_ns(info: dict[str, Any]) -> int:
     return 0
 
 
-def newest_copy(root: UPath) -> float:
-    """When anything below ``root`` was last stored (epoch seconds): the time a copy of a
-    live run last brought news, what its silences are judged against."""
+def newest_listed(root: UPath) -> float:
+    """When anything below ``root`` was last stored, by its newest listing (epoch seconds;
+    the wall clock for a store that lists no times): the time a copy of a live run last
+    brought news, what its silences are judged against."""
     below = str(root).rstrip("/") + "/"
-    for _ in listing(root):
-        pass
     newest = max((mtime for key, (_, mtime) in _listed.items() if key.startswith(below)), default=0)
-    return newest / 1e9 if newest else time.time()  # a store that lists no times: the wall clock
+    return newest / 1e9 if newest else time.time()
 
 
 @contextlib.contextmanager

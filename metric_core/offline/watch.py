@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run
-from metric_core.offline.storage import newest_copy, run_path
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
 FINISHED, STALLED, STOPPED = 0, 3, 130
@@ -66,7 +63,6 @@ def watch_run(
     a row raise ``RunChangedError``).
     """
     stop = stop or threading.Event()
-    root = run_path(run_dir)
     changed = 0  # polls in a row that found a file changed under them
     cache: dict[Any, Any] = {}
     said: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
@@ -74,10 +70,7 @@ def watch_run(
     report = None
     while True:
         try:
-            now = time.time() if isinstance(root, Path) else newest_copy(root)
-            report = inspect_run(
-                run_dir, follow_symlinks=follow_symlinks, attempts=attempts, now=now, cache=cache
-            )
+            report = inspect_run(run_dir, follow_symlinks=follow_symlinks, attempts=attempts, cache=cache)
         except NoDataError as exc:  # not started yet: wait for its first records
             if on_waiting is not None:
                 on_waiting(str(exc))
