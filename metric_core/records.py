@@ -66,6 +66,19 @@ def string_array(strings: list[str]) -> pa.Array:
     )
 
 
+def _dictionary(codes: np.ndarray, idx: pa.Array, names: list[str]) -> pa.DictionaryArray:
+    """``names[code]`` for each code, as a dictionary array whose dictionary holds each name
+    once: Parquet writers store a dictionary with repeated values plainly, every string
+    spelled out (reductions repeat across keys)."""
+    distinct = list(dict.fromkeys(names))
+    if len(distinct) == len(names):
+        return pa.DictionaryArray.from_arrays(idx, string_array(names))
+    place = {name: i for i, name in enumerate(distinct)}
+    remap = np.array([place[name] for name in names], dtype=np.int32)
+    unique_idx = _numeric(remap[np.asarray(codes, dtype=np.int64)], pa.int32(), np.int32)
+    return pa.DictionaryArray.from_arrays(unique_idx, string_array(distinct))
+
+
 def build_table(
     *,
     codes: np.ndarray,
@@ -85,9 +98,9 @@ def build_table(
     n = len(idx)
     return pa.Table.from_arrays(
         [
-            pa.DictionaryArray.from_arrays(idx, string_array(key_names)),
+            _dictionary(codes, idx, key_names),
             float64_array(values),
-            pa.DictionaryArray.from_arrays(idx, string_array(reductions)),
+            _dictionary(codes, idx, reductions),
             int64_array(steps),
             float64_array(timestamps),
             int64_array(np.full(n, rank, dtype=np.int64)),

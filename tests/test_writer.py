@@ -181,6 +181,30 @@ def test_sealed_files_are_plain_files_other_tools_read(tmp_path, file_format):
     assert sorted(frame["value"].tolist()) == sorted(r["value"] for r in truth)
 
 
+def test_the_writers_strings_are_parquet_dictionaries_where_keys_share_a_reduction(tmp_path):
+    """Each string column chunk is dictionary-encoded, as readers group on it; a dictionary
+    holding a reduction once per key would be stored plainly, every string spelled out."""
+    metric_core.init(tmp_path, rank=0, process_name="TrainActor_r0")
+    for step in range(3):
+        for i, reduction in enumerate([Reduce.MEAN, Reduce.MEAN, Reduce.SUM, Reduce.MEAN, Reduce.SUM]):
+            metric_core.record_metric(f"k{i}", float(step * 10 + i), reduction)
+        metric_core.flush(step)
+    metric_core.shutdown()
+    (path,) = tmp_path.glob("*.parquet")
+    meta = pq.read_metadata(path)
+    for g in range(meta.num_row_groups):
+        for c in range(meta.num_columns):
+            column = meta.row_group(g).column(c)
+            if column.path_in_schema in ("key", "reduction", "process"):
+                assert "RLE_DICTIONARY" in column.encodings, column.path_in_schema
+    got = pq.read_table(path).to_pylist()
+    assert [(r["step"], r["key"], r["reduction"], r["value"]) for r in got] == [
+        (step, f"k{i}", reduction, float(step * 10 + i))
+        for step in range(3)
+        for i, reduction in enumerate(["mean", "mean", "sum", "mean", "sum"])
+    ]
+
+
 class Recording(LoggerBackend):
     """A per-rank reduce backend that keeps what it is given."""
 
