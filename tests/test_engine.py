@@ -523,6 +523,7 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine, "PARTITION_ROWS", 10_000)
     monkeypatch.setattr(engine.partials, "SPILL_VALUES", 3_000)  # p90's values spill, and are taken back
+    monkeypatch.setattr(engine, "TAKEN_GROUPS", 2)  # steps are taken as soon as a block is done
     held: list[int] = []
     add = engine.partials.Accumulator.add
 

@@ -164,7 +164,7 @@ def execute(
                 # first bucket.
                 u = work[i][0]
                 upto = work[i + 1][1].lo if i + 1 < len(work) and work[i + 1][0] == u else math.inf
-                if upto > -math.inf:
+                if upto == math.inf or acc.cells_below(upto) >= TAKEN_GROUPS // 2:  # a frame's worth
                     yield from _finished(plan, scan, acc, t0, recorded, upto)
                 if upto == math.inf:
                     acc.close()

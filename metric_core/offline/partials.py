@@ -321,7 +321,13 @@ class Accumulator:
         for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
             cells = (p.bucket[lo:hi] & ((1 << _BLOCK_BITS) - 1)) * width + combo[lo:hi]
             block = self._block(int(block_of[lo]), width, len(p.state))
-            block.state[:, cells] = _fold(block.state[:, cells], p.state[:, lo:hi])
+            start = int(cells[0])
+            if int(cells[-1]) - start + 1 == hi - lo and np.array_equal(
+                cells, np.arange(start, start + hi - lo)
+            ):
+                _fold(block.state[:, start : start + hi - lo], p.state[:, lo:hi])  # a run of cells: in place
+            else:
+                block.state[:, cells] = _fold(block.state[:, cells], p.state[:, lo:hi])
         if len(p.values):
             self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
             self.held_values += len(p.values)
@@ -410,6 +416,10 @@ class Accumulator:
             grown[: len(block.state), (old // block.width) * width + old % block.width] = block.state
             block.state, block.width = grown, width
         return block
+
+    def cells_below(self, upto: float) -> int:
+        """The cells (groups, and room for them) of the blocks that start below bucket ``upto``."""
+        return sum(block.width << _BLOCK_BITS for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
 
     def cuts(self, upto: float, groups: int) -> list[float]:
         """Where to cut the taking of the buckets below ``upto`` (block edges, then ``upto``)
