@@ -423,6 +423,9 @@ def tasks(
 # Partitions a task may have reduced and not yet handed over: what lets the next task
 # work while this one's are folded, and what bounds the memory that takes.
 HANDED_AHEAD = 1
+# Tasks in flight (started and not yet read to the end) per pool thread: a thread that is
+# done with its task starts a later one while an earlier task is still being read.
+IN_FLIGHT_PER_THREAD = 2
 
 
 class _Stopped(Exception):
@@ -434,21 +437,22 @@ def _in_order(
 ) -> Generator[tuple[int, R | None], None, None]:
     """``work(item)``'s outputs for every item, computed on a pool of threads and yielded
     in the items' order as (the item's index, an output), then (the index, None) once the
-    item is done. No more items than threads are in flight, and none runs more than
-    HANDED_AHEAD outputs ahead of the reader, so memory stays bounded."""
+    item is done. At most IN_FLIGHT_PER_THREAD items a thread are in flight, and none runs
+    more than HANDED_AHEAD outputs ahead of the reader, so memory stays bounded."""
     threads = max(1, min(len(items), pl.thread_pool_size()))
     stop = threading.Event()
-    handed: list[queue.Queue[tuple[str, Any]]] = [queue.Queue(HANDED_AHEAD) for _ in items]
+    handed: list[queue.SimpleQueue[tuple[str, Any]]] = [queue.SimpleQueue() for _ in items]
+    room = [threading.Semaphore(HANDED_AHEAD) for _ in items]  # outputs item i may hand over
 
     def run(i: int) -> None:
         def put(kind: str, what: Any) -> None:
-            while not stop.is_set():
-                try:
-                    return handed[i].put((kind, what), timeout=0.05)
-                except queue.Full:
-                    continue
-            raise _Stopped
+            while kind == "out" and not room[i].acquire(timeout=0.05):
+                if stop.is_set():
+                    raise _Stopped
+            handed[i].put((kind, what))  # the end of an item never waits: its thread moves on
 
+        if stop.is_set():  # queued before the reader went away
+            return
         try:
             for out in work(items[i]):
                 put("out", out)
@@ -456,8 +460,7 @@ def _in_order(
         except _Stopped:
             return
         except BaseException as exc:  # handed to the reader, raised there
-            with contextlib.suppress(_Stopped):
-                put("error", exc)
+            put("error", exc)
 
     # Daemon threads: a stream left half read (kept alive by a traceback, say) never stops
     # the interpreter from exiting.
@@ -468,10 +471,11 @@ def _in_order(
     done_bytes, total = 0, sum(sizes)
     upcoming = iter(range(len(items)))
     try:
-        for j in islice(upcoming, threads):
+        for j in islice(upcoming, threads * IN_FLIGHT_PER_THREAD):
             todo.put(j)
         for i in range(len(items)):
             while (got := handed[i].get())[0] == "out":
+                room[i].release()
                 yield i, got[1]
             if got[0] == "error":
                 raise got[1]
