@@ -39,7 +39,7 @@ ORDER = "_file_order"
 
 def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl.DataFrame]:
     """The records of ``parts`` (listed in file order) sorted by timestamp, ties in file
-    order, as frames of about ``batch_rows`` records or more (fewer at the end)."""
+    order, as frames of at most ``batch_rows`` records."""
     order = sorted(range(len(parts)), key=lambda i: (parts[i].lo, i))
     held: list[pl.DataFrame] = []
     fresh = 0  # records read since held records were last looked at
@@ -72,17 +72,15 @@ def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl
             continue
         whole = pl.concat(held)
         held = []
-        # Sorted once, then cut: what is ready is a slice of it (no copy), what waits a copy
-        # of the rows at or past the cut. Rows held in file order need no order column.
+        # The order found once, then what is ready gathered a batch at a time (no sorted
+        # copy of the whole), what waits gathered once. Rows held in file order need no
+        # order column.
         by = ["timestamp"] if whole[ORDER].is_sorted() else ["timestamp", ORDER]
-        ordered = whole.sort(by, maintain_order=True)
-        del whole
-        ready = ordered
+        order_of = whole.select(pl.arg_sort_by(by, maintain_order=True)).to_series()
+        at = order_of.len()
         if cut < math.inf:
-            at = ordered["timestamp"].search_sorted(cut, side="left")
-            held = [ordered.slice(at).rechunk()] if at < ordered.height else []
-            ready = ordered.slice(0, at)
-        del ordered
+            at = whole["timestamp"].gather(order_of).search_sorted(cut, side="left")
+            held = [whole[order_of.slice(at)]] if at < whole.height else []
         kept, fresh = sum(f.height for f in held), 0
-        if ready.height:
-            yield ready.drop(ORDER)
+        for start in range(0, at, batch_rows):
+            yield whole[order_of.slice(start, min(batch_rows, at - start))].drop(ORDER)
