@@ -16,7 +16,6 @@ statistic but ``count``, ``first`` and ``last``.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
