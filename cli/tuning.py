@@ -6,7 +6,7 @@ larger table of groups, and jemalloc with one arena; as fast, measured with
 benchmarks/bench_reduce.py. The engine reads Parquet with pyarrow, whose default
 allocator keeps what a file needed after it is done: the system allocator gives it
 back before the next file (about 100 MiB less per file in flight); and glibc's malloc
-keeps one heap for all threads and gives large blocks back. A value the user set is kept.
+keeps one heap for all threads. A value the user set is kept.
 """
 
 from __future__ import annotations
@@ -34,37 +34,22 @@ def apply() -> None:
     conf = os.environ.get(JEMALLOC, "")
     if "narenas" not in conf:  # inherited from a parent that imported polars, or the user's
         os.environ[JEMALLOC] = f"{conf},narenas:1".lstrip(",")
-    _malloc_settings()
+    _one_malloc_arena()
 
 
-# glibc's mallopt parameters, and the settings of the environment that set the same
-M_ARENA_MAX, M_MMAP_THRESHOLD = -8, -3
-MALLOC_SETTINGS = {
-    M_ARENA_MAX: ("MALLOC_ARENA_MAX", 1),
-    M_MMAP_THRESHOLD: ("MALLOC_MMAP_THRESHOLD_", 4 << 20),
-}
+M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
-def _malloc_settings() -> None:
-    """glibc's malloc (numpy's arrays, pyarrow's buffers) as the commands need it, unless
-    the user set the same in the environment:
-
-    - one heap for every thread (MALLOC_ARENA_MAX=1). By default each thread gets a heap
-      of its own; the engine's partial states are made on a pool thread and freed on the
-      main one, and each heap kept the other's holes: about 100 MiB more at the peak of a
-      reduce of 100M records, for no speed.
-    - blocks of 4 MiB and more mapped on their own and given back when freed
-      (MALLOC_MMAP_THRESHOLD_). By default the threshold rises to each large block freed,
-      up to 32 MiB, and the heap keeps what large row groups needed: 70-90 MiB more at the
-      peak of per_rank_reduce and p99 on another tool's 100M records
-      (benchmarks/bench_engine.py).
-    """
-    if sys.platform != "linux":
+def _one_malloc_arena() -> None:
+    """One heap for every thread of glibc's malloc (numpy's arrays, pyarrow's buffers), as
+    MALLOC_ARENA_MAX=1 does, unless the user set that. By default each thread gets a heap
+    of its own; the engine's partial states are made on a pool thread and freed on the
+    main one, and each heap kept the other's holes: about 100 MiB more at the peak of a
+    reduce of 100M records, for no speed (benchmarks/bench_engine.py)."""
+    if sys.platform != "linux" or "MALLOC_ARENA_MAX" in os.environ:
         return
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc
         return
-    for param, (env, value) in MALLOC_SETTINGS.items():
-        if env not in os.environ:
-            mallopt(param, value)
+    mallopt(M_ARENA_MAX, 1)

@@ -75,12 +75,19 @@ def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl
         # The order found once, then what is ready gathered a batch at a time (no sorted
         # copy of the whole), what waits gathered once. Rows held in file order need no
         # order column.
-        by = ["timestamp"] if whole[ORDER].is_sorted() else ["timestamp", ORDER]
-        order_of = whole.select(pl.arg_sort_by(by, maintain_order=True)).to_series()
-        at = order_of.len()
-        if cut < math.inf:
-            at = whole["timestamp"].gather(order_of).search_sorted(cut, side="left")
-            held = [whole[order_of.slice(at)]] if at < whole.height else []
+        in_order = whole[ORDER].is_sorted()
+        if in_order and whole["timestamp"].is_sorted():  # in time order already: slices of it
+            order_of = None
+            times = whole["timestamp"]
+        else:
+            by = ["timestamp"] if in_order else ["timestamp", ORDER]
+            order_of = whole.select(pl.arg_sort_by(by, maintain_order=True)).to_series()
+            times = whole["timestamp"].gather(order_of)
+        at = times.search_sorted(cut, side="left") if cut < math.inf else whole.height
+        if at < whole.height:
+            held = [whole.slice(at).rechunk() if order_of is None else whole[order_of.slice(at)]]
         kept, fresh = sum(f.height for f in held), 0
         for start in range(0, at, batch_rows):
-            yield whole[order_of.slice(start, min(batch_rows, at - start))].drop(ORDER)
+            rows = min(batch_rows, at - start)
+            batch = whole.slice(start, rows) if order_of is None else whole[order_of.slice(start, rows)]
+            yield batch.drop(ORDER).rechunk()  # one chunk a column: what writers take fastest
