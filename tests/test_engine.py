@@ -703,6 +703,27 @@ raise SystemExit("failed while reading")
     assert done.returncode == 1 and "failed while reading" in done.stderr
 
 
+def test_a_thread_done_with_its_task_starts_a_later_one_while_an_earlier_one_is_unread(monkeypatch):
+    """Tasks are handed over in order, but a thread that finished its task (of one
+    partition, as a writer's row group is) goes on to a later one: task 0 finishes only
+    once task 2 has started, which no thread would do if only as many tasks as threads
+    were in flight, or if a task's end waited for the reader."""
+    import threading
+
+    monkeypatch.setattr(engine.pl, "thread_pool_size", lambda: 2)
+    started = threading.Event()
+
+    def work(i: int):
+        if i == 2:
+            started.set()
+        if i == 0 and not started.wait(timeout=20):
+            raise AssertionError("task 2 never started while task 0 waited")
+        yield i * 10
+
+    got = list(engine._in_order(work, list(range(6)), [1] * 6, None))
+    assert got == [(i, out) for i in range(6) for out in (i * 10, None)]
+
+
 def test_per_rank_reduce_of_files_holding_several_sources_is_in_source_order(tmp_path, monkeypatch):
     """One file of two ranks, reduced as one, step range after step range: the output is
     still a source at a time (sorted by process, rank, step, key), long and --wide."""
