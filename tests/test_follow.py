@@ -57,9 +57,13 @@ metric_core.shutdown()
 HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 
-def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.04, **more) -> list:
+def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1, **more) -> list:
     """A writer process per rank (``ranks``: how many, or which), ``more``: hang (rank ->
-    step it hangs at), sidecar (rank 0's), start (the step it resumes from), world."""
+    step it hangs at), sidecar (rank 0's), start (the step it resumes from), world.
+
+    Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
+    steps of silence and hands its steps over without it; at 0.04 s a loaded machine
+    stalled a writer that long (twice in full runs of the suite)."""
     run.mkdir(exist_ok=True)
     which = range(ranks) if isinstance(ranks, int) else ranks
     world = more.get("world", ranks if isinstance(ranks, int) else len(ranks))
@@ -209,9 +213,7 @@ def test_time_windows_followed_live_equal_the_offline_reduction(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     sidecar = follow(run, "--by", "time", "--every", "0.5s")
-    # Steps of 0.1 s: a rank is called stopped early (and its window handed over without
-    # it) only after about a second of silence, which a loaded machine caused at 0.04 s.
-    finish(writers(run, steps=40, ranks=2, pause=0.1))
+    finish(writers(run, steps=40, ranks=2))
     _, err = sidecar.communicate(timeout=120)
     assert sidecar.returncode == 0, err
     rows = rows_of(run, "run")
