@@ -176,11 +176,10 @@ def categorical_batches(
     their dictionary codes (polars Categorical): what the engine groups on, without
     decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame.
     A frame is decoded as it is asked for, so a large row group is never held whole."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     meta = footer(path)
-    import pyarrow as pa
-
     # An empty table made from no batches: ``Schema.empty_table`` imports pandas (0.15 s).
     schema = pl.DataFrame(pa.Table.from_batches([], meta.schema.to_arrow_schema())).schema
     exprs = typed_columns(schema, hashed, strings=pl.Categorical)
