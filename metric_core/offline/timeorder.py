@@ -76,18 +76,20 @@ def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl
         # copy of the whole), what waits gathered once. Rows held in file order need no
         # order column.
         in_order = whole[ORDER].is_sorted()
-        if in_order and whole["timestamp"].is_sorted():  # in time order already: slices of it
-            order_of = None
-            times = whole["timestamp"]
-        else:
+        order_of = None  # in time order already: slices of it
+        times = whole["timestamp"]
+        if not (in_order and times.is_sorted()):
             by = ["timestamp"] if in_order else ["timestamp", ORDER]
             order_of = whole.select(pl.arg_sort_by(by, maintain_order=True)).to_series()
-            times = whole["timestamp"].gather(order_of)
+            times = times.gather(order_of)
         at = times.search_sorted(cut, side="left") if cut < math.inf else whole.height
-        if at < whole.height:
-            held = [whole.slice(at).rechunk() if order_of is None else whole[order_of.slice(at)]]
+        held = [_rows(whole, order_of, at, whole.height - at)] if at < whole.height else []
         kept, fresh = sum(f.height for f in held), 0
         for start in range(0, at, batch_rows):
-            rows = min(batch_rows, at - start)
-            batch = whole.slice(start, rows) if order_of is None else whole[order_of.slice(start, rows)]
-            yield batch.drop(ORDER).rechunk()  # one chunk a column: what writers take fastest
+            yield _rows(whole, order_of, start, min(batch_rows, at - start)).drop(ORDER)
+
+
+def _rows(frame: pl.DataFrame, order: pl.Series | None, start: int, n: int) -> pl.DataFrame:
+    """Rows ``start`` to ``start + n`` of ``frame`` taken in ``order`` (None: as they are),
+    in one chunk a column: what writers take fastest."""
+    return (frame.slice(start, n) if order is None else frame[order.slice(start, n)]).rechunk()

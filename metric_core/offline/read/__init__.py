@@ -194,10 +194,10 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     """
 
     def said(exc: Exception) -> Exception:
-        if isinstance(exc, OSError) and not is_store_failure(exc):
-            return exc  # a local file's error, as it is
         if is_store_failure(exc):  # polars' or pyarrow's cloud reader, mid-query
             return StorageError(f"reading from object storage failed: {explain_store_failure(exc)}")
+        if isinstance(exc, OSError):
+            return exc  # a local file's error, as it is
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return RunChangedError(
             f"reading the run failed: {first}. Did a file change during the read? Run again."
