@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
-from metric_core.offline import engine
+from metric_core.offline import engine, read
 from metric_core.offline.engine import reduce_run, run_plan
 from metric_core.offline.plan import make_plan
 from metric_core.offline.read import parquet, scan_run
@@ -209,14 +209,14 @@ def test_each_file_is_read_once(many_files, monkeypatch):
     """One read of each data file's row groups for a reduce, in every reducing mode: the
     scan takes only metadata and footers."""
     reads: list[tuple[str, int]] = []
-    original = engine.categorical_batches
+    original = read.categorical_batches
 
     def counting(path, columns, hashed, row_groups=None, rows=None):
         groups = range(pq.ParquetFile(path).num_row_groups) if row_groups is None else row_groups
         reads.extend((Path(path).name, g) for g in groups)
         return original(path, columns, hashed, row_groups, rows)
 
-    monkeypatch.setattr(engine, "categorical_batches", counting)
+    monkeypatch.setattr(read, "categorical_batches", counting)
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
     every = sorted(
         (p.name, g) for p in many_files.glob("*.parquet") for g in range(pq.ParquetFile(p).num_row_groups)

@@ -538,3 +538,69 @@ def test_a_cache_kept_between_calls_reads_only_the_files_written_since(tmp_path,
     assert [s.last_step for s in second.sources] == [4, 2]
     assert second.to_dict() | {"checked_at": 0} == inspect_run(run, now=T0 + 10).to_dict() | {"checked_at": 0}
     open_.shutdown()
+
+
+def test_another_tools_parquet_is_read_once_and_checked_as_it_is_aggregated(tmp_path, monkeypatch):
+    """Another tool's files (one of two sources, one of one) with a null value, a timestamp
+    before 1970 and a NaN are each read once, in frames, and checked as they are read: the
+    bad rows are counted, never aggregated, and what each source did is what its good rows
+    say; a call that keeps a cache counts them again without reading the unchanged file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from metric_core.offline import inspect as inspect_module
+    from metric_core.offline import read
+
+    monkeypatch.setattr(inspect_module, "BATCH_ROWS", 7)  # several frames a file
+    rng = np.random.default_rng(3)
+    files = {"two.parquet": [("Generator_r0", 0), ("Generator_r1", 1)], "one.parquet": [("Trainer_r2", 2)]}
+    good: dict[tuple[str, int], list[dict]] = {}
+    for name, sources in files.items():
+        rows = []
+        for step in range(12):
+            for process, rank in sources:
+                for key in ("a", "b"):
+                    rows.append(
+                        {
+                            "key": key,
+                            "value": float(rng.normal()),
+                            "step": step,
+                            "timestamp": T0 + step * 2.0 + rank * 0.1 + (key == "b") * 0.01,
+                            "rank": rank,
+                            "process": process,
+                            "reduction": "mean",
+                        }
+                    )
+        rows[3]["value"], rows[8]["timestamp"], rows[13]["value"] = None, -5.0, float("nan")
+        for r in rows:
+            if r["value"] is not None and r["timestamp"] > 0:
+                good.setdefault((r["process"], r["rank"]), []).append(r)
+        table = pa.Table.from_pylist(rows)
+        for col in ("key", "reduction", "process"):
+            table = table.set_column(table.column_names.index(col), col, table[col].dictionary_encode())
+        pq.write_table(table, tmp_path / name, row_group_size=10)
+
+    opened: list[str] = []
+    batches = read.categorical_batches
+    monkeypatch.setattr(
+        read, "categorical_batches", lambda path, *a: opened.append(path.name) or batches(path, *a)
+    )
+    monkeypatch.setattr(read, "run_parquet_checks", lambda *a: pytest.fail("checked in a read of its own"))
+    cache: dict = {}
+    report = inspect_run(tmp_path, cache=cache, now=T0 + 30)
+    assert sorted(opened) == sorted(files)  # each file once
+    assert report.skipped_records == 4  # two in each file
+    for src in report.sources:
+        rows = good[(src.process, src.rank)]
+        assert src.records == len(rows)
+        assert (src.first_step, src.last_step) == (0, 11)
+        assert src.first_timestamp == min(r["timestamp"] for r in rows)
+        assert src.last_timestamp == max(r["timestamp"] for r in rows)
+    nan = [r for rows in good.values() for r in rows if math.isnan(r["value"])]
+    assert [
+        (b.process, b.rank, b.key, b.first_step, b.first_timestamp, b.count) for b in report.nonfinite
+    ] == [(r["process"], r["rank"], r["key"], r["step"], r["timestamp"], 1) for r in nan]
+
+    again = inspect_run(tmp_path, cache=cache, now=T0 + 30)
+    assert sorted(opened) == sorted(files)  # unchanged: not read again
+    assert again.to_dict() == report.to_dict()

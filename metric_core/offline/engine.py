@@ -45,9 +45,8 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import filters, partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
-from metric_core.offline.read.parquet import categorical_batches, row_group_lows
+from metric_core.offline.read.parquet import row_group_lows
 from metric_core.offline.timeorder import Part, in_time_order
-from metric_core.schema import REQUIRED_FIELDS
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -293,25 +292,10 @@ def _read_batches(
     rows: int | None,
     seen: filters.Seen,
 ) -> Iterator[pl.DataFrame]:
-    """One file's ``kept`` columns (``_columns_read``; or those of its ``row_groups``),
-    read once (a file not checked yet is checked as it is read), strings as polars
-    Categorical, the plan's rank and step filters applied. With ``dictionaries``, Parquet
-    is read by pyarrow in frames of at most ``rows`` records (None: one frame), its strings
-    kept as dictionary codes, never decoded (``categorical_batches``); another file is one
-    frame. The ranks and keys read are noted in ``seen`` before the filters drop any."""
-    rep = scan.report.files[fid]
-    columns = sorted({*kept, *(REQUIRED_FIELDS if fid in scan.unchecked else ())})
-    if rep.format == "parquet" and dictionaries:
-        frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows)
-        if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
-            frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
-    else:
-        assert row_groups is None, "row groups are read through the dictionaries"
-        strings = [c for c in ("key", "reduction", "process") if c in columns]
-        whole = scan.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical))
-        frames = iter([whole.collect()])
-    for df in frames:
-        df = scan.checked(fid, df)
+    """One file's ``kept`` columns (``_columns_read``; or those of its ``row_groups``) as
+    ``RunScan.batches`` reads them, the plan's rank and step filters applied. The ranks and
+    keys read are noted in ``seen`` before the filters drop any."""
+    for df in scan.batches(fid, kept, dictionaries=dictionaries, row_groups=row_groups, rows=rows):
         seen.add(
             df["rank"].unique() if seen.ranks is not None else None,
             df["key"].unique().cast(pl.String) if seen.keys is not None else None,

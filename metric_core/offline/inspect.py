@@ -31,7 +31,7 @@ import os
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,30 +176,15 @@ def inspect_run(
     ['finished', 'stopped_early', 'finished', 'finished']
     """
     scan = (
-        run if isinstance(run, RunScan) else scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts)
+        run
+        if isinstance(run, RunScan)
+        else scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts, defer_checks=True)
     )
-    if on_read is not None:
-        on_read(scan.report)
-    per_step, per_key = _aggregate(scan, on_progress, cache)
-    steps = (
-        per_step.lazy()
-        .group_by("process", "rank", "step")
-        .agg(pl.col("reached").min(), pl.col("done").max())
-        .collect(engine="streaming")  # a group a step of every source: no index lists
-    )
-    summary = (
-        per_step.group_by("process", "rank")
-        .agg(
-            files=pl.col("file_id").n_unique(),
-            records=pl.col("records").sum(),
-            first_step=pl.col("step").min(),
-            last_step=pl.col("step").max(),
-            first_timestamp=pl.col("reached").min(),
-            last_timestamp=pl.col("done").max(),
-            file_ids=pl.col("file_id").unique(),
-        )
-        .join(per_key.group_by("process", "rank").agg(keys=pl.len()), on=["process", "rank"])
-    )
+    try:  # another tool's files are checked as they are aggregated: the report is whole after
+        steps, per_key = _aggregate(scan, on_progress, cache)
+    finally:
+        if on_read is not None:
+            on_read(scan.report)
     nonfinite = per_key.filter(pl.col("nonfinite") > 0).select(
         "process",
         "rank",
@@ -208,29 +193,28 @@ def inspect_run(
         first_timestamp=pl.col("first_bad_timestamp"),
         count=pl.col("nonfinite"),
     )
-    summary = summary.sort("process", "rank")
-    newest = summary["last_timestamp"].max()
+    keys = {(p, r): n for p, r, n in per_key.group_by("process", "rank").len().iter_rows()}
+    newest = max(s.last_timestamp for s in steps.values())
     clean = scan.report.clean_shutdowns()
     cadence = _cadence(steps)
     sources = []
     if now is None:  # a copy in a bucket trails its job: judged at the time of its newest object
         now = time.time() if isinstance(scan.run_dir, Path) else newest_listed(scan.run_dir)
     live = False
-    for row in summary.iter_rows(named=True):
-        source = (row["process"], row["rank"])
-        typical, longest, _ = cadence.get(source, (None, None, 0))
-        lag = float(newest - row["last_timestamp"])  # type: ignore[operator]
+    for source, its in sorted(steps.items()):
+        typical, longest, _ = cadence[source]
+        lag = newest - its.last_timestamp
         sources.append(
             SourceHealth(
-                process=row["process"],
-                rank=row["rank"],
-                **_file_health(scan, row["file_ids"]),
-                records=row["records"],
-                keys=row["keys"],
-                first_step=row["first_step"],
-                last_step=row["last_step"],
-                first_timestamp=row["first_timestamp"],
-                last_timestamp=row["last_timestamp"],
+                process=source[0],
+                rank=source[1],
+                **_file_health(scan, its.files),
+                records=its.records,
+                keys=keys.get(source, 0),
+                first_step=its.first_step,
+                last_step=its.last_step,
+                first_timestamp=its.first_timestamp,
+                last_timestamp=its.last_timestamp,
                 lag_s=lag,
                 cadence_s=typical,
                 clean_shutdown=source in clean,
@@ -238,7 +222,7 @@ def inspect_run(
                 attempts=[a for a in scan.report.attempts if (a.process, a.rank) == source],
             )
         )
-        silent = now - row["last_timestamp"]
+        silent = now - its.last_timestamp
         quiet = _status(False, silent, typical, longest) == "stopped_early"
         sources[-1].silent_s = silent
         sources[-1].stalled = sources[-1].status != "finished" and typical is not None and quiet
@@ -248,7 +232,7 @@ def inspect_run(
     # together, or are still writing, differ by noise.
     stopped = _stopped_early(per_key, sources)
     world_size = scan.meta.get("world_size")
-    present = set(summary["rank"].to_list())
+    present = {rank for _, rank in steps}
     missing = sorted(set(range(int(world_size))) - present) if isinstance(world_size, int) else []
     return InspectReport(
         run_dir=str(scan.run_dir),
@@ -289,11 +273,50 @@ def _strict_json(report: dict[str, Any]) -> str:
     return json.dumps(finite(report), indent=2, allow_nan=False)
 
 
+@dataclass
+class _Steps:
+    """One source's steps, across its files: a row a step (``step``, the time of its first
+    record ``reached`` and of its last ``done``)."""
+
+    frame: pl.DataFrame
+    files: list[int]
+    records: int
+
+    @classmethod
+    def merged(cls, parts: list[tuple[int, pl.DataFrame]]) -> _Steps:
+        """From each of its files' steps (file id, frame): a step in two files is one."""
+        frame = pl.concat([f for _, f in parts])
+        records = int(frame["records"].sum())
+        if len(parts) > 1:
+            frame = frame.group_by("step").agg(pl.col("reached").min(), pl.col("done").max())
+        return cls(frame.select("step", "reached", "done"), sorted({fid for fid, _ in parts}), records)
+
+    @property
+    def first_step(self) -> int:
+        return int(self.frame["step"].min())  # type: ignore[arg-type]
+
+    @property
+    def last_step(self) -> int:
+        return int(self.frame["step"].max())  # type: ignore[arg-type]
+
+    @property
+    def first_timestamp(self) -> float:
+        return float(self.frame["reached"].min())  # type: ignore[arg-type]
+
+    @property
+    def last_timestamp(self) -> float:
+        return float(self.frame["done"].max())  # type: ignore[arg-type]
+
+
+Source = tuple[str, int]
+
+
 def _aggregate(
     scan: RunScan, on_progress: OnProgress | None = None, cache: dict[Any, Any] | None = None
-) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Per (source, file, step) and per (source, key), a file at a time: each file is read
-    once, and memory holds one file's columns, not the run's.
+) -> tuple[dict[Source, _Steps], pl.DataFrame]:
+    """Per source its steps, and per (source, key), a file at a time: each file is read
+    once, and memory holds one file's columns (another tool's: a frame of them), not the
+    run's.
 
     Files of one source (their writer's metadata or their footer's statistics say which)
     are grouped by file id alone (no string hashed per record); other files are grouped by
@@ -305,29 +328,39 @@ def _aggregate(
     # the writer's files group on its key hashes (another tool's file of one source, on strings)
     hashes = _key_hashes([files[i] for i in vouched if files[i].hashed])
     sizes = {fid: files[fid].size for fid in scan.parts}
-    per_step, by_key = [], []
+    per_source: dict[Source, list[tuple[int, pl.DataFrame]]] = {}
+    by_key = []
     done = 0
     used = {}
     for n, (fid, frame) in enumerate(scan.parts.items(), 1):
         known = _file_identity(files[fid], sources[fid]) if cache is not None else None
         if known is not None and known in cache:  # type: ignore[operator]
-            steps, keys = used[known] = cache[known]  # type: ignore[index]
-        elif fid in vouched:
-            process, rank = sources[fid]  # type: ignore[misc]
-            names = hashes if files[fid].hashed else None
+            steps, keys, counts = used[known] = cache[known]  # type: ignore[index]
+            _recount(scan, fid, counts)
+        else:
+            by = [] if fid in vouched else ["process", "rank"]
+            names = hashes if fid in vouched and files[fid].hashed else None
             key = KEY_HASH if names is not None else "key"
-            steps, keys = _file_aggregates(frame.select("step", key, "value", "timestamp"), [], key)
+            columns = [*by, "step", key, "value", "timestamp"]
+            if fid in scan.unchecked:  # another tool's file: checked as it is read, once
+                found, keys = _batched_aggregates(scan.batches(fid, columns, rows=BATCH_ROWS), by, key)
+            else:
+                found, keys = _file_aggregates(frame.select(columns), by, key)
             if names is not None:
                 keys = keys.join(names, on=KEY_HASH).select("key", *keys.columns[1:])
-            source = [pl.lit(process, pl.String).alias("process"), pl.lit(rank, pl.Int64).alias("rank")]
-            steps, keys = steps.select(*source, pl.all()), keys.select(*source, pl.all())
-        else:
-            steps, keys = _file_aggregates(frame, ["process", "rank"], "key")
+            if by:
+                steps = found.partition_by("process", "rank", as_dict=True, include_key=False)
+            else:
+                process, rank = sources[fid]  # type: ignore[misc]
+                steps = {(process, rank): found}
+                source = [pl.lit(process, pl.String).alias("process"), pl.lit(rank, pl.Int64).alias("rank")]
+                keys = keys.select(*source, pl.all())
+            counts = (files[fid].records, files[fid].skipped, dict(files[fid].skip_reasons))
         if known is not None:
-            used[known] = (steps, keys)
-        file_id = pl.lit(fid, pl.Int32).alias("file_id")
-        per_step.append(steps.select("process", "rank", file_id, pl.exclude("process", "rank")))
-        by_key.append(keys.select("process", "rank", file_id, pl.exclude("process", "rank")))
+            used[known] = (steps, keys, counts)
+        for source, found in steps.items():
+            per_source.setdefault(source, []).append((fid, found))  # type: ignore[arg-type]
+        by_key.append(keys)
         done += sizes[fid]
         if on_progress is not None:
             on_progress(n, len(scan.parts), done, sum(sizes.values()))
@@ -344,7 +377,7 @@ def _aggregate(
             first_bad_timestamp=pl.col("first_bad_timestamp").min(),
         )
     )
-    return pl.concat(per_step), per_key
+    return {source: _Steps.merged(parts) for source, parts in per_source.items()}, per_key
 
 
 def _file_identity(rep: FileReport, source: Any) -> tuple[Any, ...] | None:
@@ -353,6 +386,41 @@ def _file_identity(rep: FileReport, source: Any) -> tuple[Any, ...] | None:
     if rep.listed is None:
         return None
     return (str(rep.path), *rep.listed, rep.replaced_from, rep.hashed, source)
+
+
+def _recount(scan: RunScan, fid: int, counts: tuple[int, int, dict[str, int]]) -> None:
+    """A file unchanged since an earlier call: its records and skips as that call counted
+    them (its check, had it not been read, is not due)."""
+    rep = scan.report.files[fid]
+    rep.records, rep.skipped, rep.skip_reasons = counts[0], counts[1], dict(counts[2])
+    scan.pending.pop(fid, None)
+
+
+# Records of another tool's file aggregated at a time (the file is read once, in frames).
+BATCH_ROWS = 500_000
+
+
+def _batched_aggregates(
+    frames: Iterator[pl.DataFrame], by: list[str], key: str
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``_file_aggregates`` of a file read in frames: each frame's, merged (the last
+    value is the one of the newest timestamp of all, the first in file order of equals)."""
+    parts = [_file_aggregates(df.lazy(), by, key) for df in frames]
+    steps = pl.concat([s for s, _ in parts])
+    keys = pl.concat([k for _, k in parts])
+    if len(parts) > 1:
+        steps = steps.group_by(*by, "step", maintain_order=True).agg(
+            pl.col("records").sum(), pl.col("reached").min(), pl.col("done").max()
+        )
+        keys = keys.group_by(*by, key, maintain_order=True).agg(
+            pl.col("last_value").max_by("last_timestamp"),
+            pl.col("last_timestamp").max(),
+            pl.col("nonfinite").sum(),
+            pl.col("first_bad_step").min(),
+            pl.col("first_bad_timestamp").min(),
+        )
+    strings = pl.col(pl.Categorical).cast(pl.String)
+    return steps.with_columns(strings), keys.with_columns(strings)
 
 
 def _file_aggregates(frame: pl.LazyFrame, by: list[str], key: str) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -396,23 +464,17 @@ def _key_hashes(files: list[FileReport]) -> pl.DataFrame | None:
     )
 
 
-Cadence = dict[tuple[str, int], tuple[float | None, float | None, int]]
+Cadence = dict[Source, tuple[float | None, float | None, int]]
 
 
-def _cadence(steps: pl.DataFrame) -> Cadence:
+def _cadence(steps: dict[Source, _Steps]) -> Cadence:
     """Per source: the median and the longest gap between consecutive steps' last records,
     and how many gaps there were."""
-    gaps = (
-        steps.sort("process", "rank", "done")
-        .with_columns(gap=pl.col("done").diff().over("process", "rank"))
-        .group_by("process", "rank")
-        .agg(
-            typical=pl.col("gap").drop_nulls().median(),
-            longest=pl.col("gap").drop_nulls().max(),
-            n=pl.col("gap").drop_nulls().len(),
-        )
-    )
-    return {(p, r): (t, m, n) for p, r, t, m, n in gaps.iter_rows()}
+    out: Cadence = {}
+    for source, its in steps.items():
+        gaps = its.frame["done"].sort().diff().drop_nulls()
+        out[source] = (gaps.median(), gaps.max(), gaps.len()) if gaps.len() else (None, None, 0)  # type: ignore[assignment]
+    return out
 
 
 def _status(clean: bool, lag: float, typical: float | None, longest: float | None) -> str:
@@ -458,7 +520,7 @@ def _stopped_early(per_key: pl.DataFrame, sources: list[SourceHealth]) -> list[F
     ]
 
 
-def _stragglers(steps: pl.DataFrame, cadence: Cadence) -> list[Straggler]:
+def _stragglers(steps: dict[Source, _Steps], cadence: Cadence) -> list[Straggler]:
     """Sources whose median step time is STRAGGLER_RATIO times the median of the other
     sources' of their role or more (each measured over MIN_STEP_TIMES steps at least)."""
     roles: dict[str, dict[tuple[str, int], float]] = {}
@@ -473,7 +535,18 @@ def _stragglers(steps: pl.DataFrame, cadence: Cadence) -> list[Straggler]:
                 slow[source] = (own, statistics.median(others))
     if not slow:
         return []
-    with_role = steps.lazy().with_columns(role=pl.col("process").str.replace(_ROLE.pattern, ""))
+    slow_roles = {_ROLE.sub("", process) for process, _ in slow}
+    with_role = pl.concat(  # the sources of the roles with a straggler: a row a step of each
+        its.frame.lazy().select(
+            pl.lit(process, pl.String).alias("process"),
+            pl.lit(rank, pl.Int64).alias("rank"),
+            pl.lit(_ROLE.sub("", process)).alias("role"),
+            "step",
+            "reached",
+        )
+        for (process, rank), its in steps.items()
+        if _ROLE.sub("", process) in slow_roles
+    )
     fastest = with_role.group_by("role", "step").agg(fastest=pl.col("reached").min())
     lag = pl.col("reached") - pl.col("fastest")
     behind = (

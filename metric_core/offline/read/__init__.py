@@ -37,7 +37,7 @@ import math
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -56,7 +56,12 @@ from metric_core.offline.read.discover import (
 )
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
-from metric_core.offline.read.parquet import drop_bad_rows, run_parquet_checks, scan_parquet
+from metric_core.offline.read.parquet import (
+    categorical_batches,
+    drop_bad_rows,
+    run_parquet_checks,
+    scan_parquet,
+)
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import RECORD_OK
 from metric_core.offline.storage import (
@@ -69,7 +74,7 @@ from metric_core.offline.storage import (
     size_and_mtime,
     storage_errors,
 )
-from metric_core.schema import KEY_HASH
+from metric_core.schema import KEY_HASH, REQUIRED_FIELDS
 from metric_core.segment import SegmentMeta
 
 __all__ = [
@@ -149,6 +154,35 @@ class RunScan:
         if fid in self.counted:
             return df.filter(RECORD_OK)
         return df
+
+    def batches(
+        self,
+        fid: int,
+        columns: list[str],
+        *,
+        dictionaries: bool = True,
+        row_groups: list[int] | None = None,
+        rows: int | None = None,
+    ) -> Iterator[pl.DataFrame]:
+        """One file's ``columns`` (or those of its ``row_groups``), read once and checked
+        (``checked``), a restart's rewind applied, strings as polars Categorical. With
+        ``dictionaries``, Parquet is read by pyarrow in frames of at most ``rows`` records
+        (None: one frame), its strings kept as dictionary codes, never decoded
+        (``categorical_batches``); another file is one frame. A file not checked yet is
+        also read with the fields its check needs."""
+        rep = self.report.files[fid]
+        columns = sorted({*columns, *(REQUIRED_FIELDS if fid in self.unchecked else ())})
+        if rep.format == "parquet" and dictionaries:
+            frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows)
+            if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
+                frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
+        else:
+            assert row_groups is None, "row groups are read through the dictionaries"
+            strings = [c for c in ("key", "reduction", "process") if c in columns]
+            whole = self.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical))
+            frames = iter([whole.collect()])
+        for df in frames:
+            yield self.checked(fid, df)
 
     def check_all(self) -> None:
         """Check every unchecked file now (for a query over ``frame`` rather than per file)."""
