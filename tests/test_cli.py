@@ -519,3 +519,23 @@ def test_a_long_read_shows_a_progress_bar_on_a_terminal_and_nothing_in_a_pipe(tm
     assert b"parts" not in stdout
     piped = runner.invoke(app, args)  # stderr not a terminal: no bar
     assert piped.exit_code == 0 and "parts" not in piped.output
+
+
+def test_the_commands_read_parquet_with_pyarrows_jemalloc_where_it_has_one(tmp_path):
+    """pyarrow's jemalloc gives a read file's memory back; a pyarrow built without it gets
+    the system allocator, named without the warning an unknown pool prints."""
+    import os
+    import subprocess
+
+    child = (
+        "from metriclog import tuning; tuning.apply(); import pyarrow as pa; "
+        "print(pa.default_memory_pool().backend_name, 'jemalloc' in pa.supported_memory_backends())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ARROW_DEFAULT_MEMORY_POOL"}
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
+    backend, has_jemalloc = done.stdout.split()
+    assert backend == ("jemalloc" if has_jemalloc == "True" else "system")
+    assert done.stderr == ""
+    env["ARROW_DEFAULT_MEMORY_POOL"] = "mimalloc"  # the user's own choice is kept
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
+    assert done.stdout.split()[0] == "mimalloc"
