@@ -340,7 +340,7 @@ class Accumulator:
             self.spill_dir = tempfile.TemporaryDirectory(prefix="metriclog-values-")
         frame = self._held().sort("bucket", maintain_order=True)
         path = Path(self.spill_dir.name) / f"{len(self.spills) + len(self.spent):05d}.parquet"
-        frame.write_parquet(path, row_group_size=1 << 18, statistics=True)
+        frame.write_parquet(path, row_group_size=1 << 15, statistics=True)
         self.spills.append((path, int(frame["bucket"][0]), int(frame["bucket"][-1])))
         self.value_cells, self.held_values = [], 0
 
