@@ -281,6 +281,10 @@ class _Steps:
     frame: pl.DataFrame
     files: list[int]
     records: int
+    first_step: int
+    last_step: int
+    first_timestamp: float
+    last_timestamp: float
 
     @classmethod
     def merged(cls, parts: list[tuple[int, pl.DataFrame]]) -> _Steps:
@@ -289,23 +293,13 @@ class _Steps:
         records = int(frame["records"].sum())
         if len(parts) > 1:
             frame = frame.group_by("step").agg(pl.col("reached").min(), pl.col("done").max())
-        return cls(frame.select("step", "reached", "done"), sorted({fid for fid, _ in parts}), records)
-
-    @property
-    def first_step(self) -> int:
-        return int(self.frame["step"].min())  # type: ignore[arg-type]
-
-    @property
-    def last_step(self) -> int:
-        return int(self.frame["step"].max())  # type: ignore[arg-type]
-
-    @property
-    def first_timestamp(self) -> float:
-        return float(self.frame["reached"].min())  # type: ignore[arg-type]
-
-    @property
-    def last_timestamp(self) -> float:
-        return float(self.frame["done"].max())  # type: ignore[arg-type]
+        ends = frame.select(
+            pl.col("step").min().alias("first"),
+            pl.col("step").max().alias("last"),
+            pl.col("reached").min(),
+            pl.col("done").max(),
+        ).row(0)
+        return cls(frame.select("step", "reached", "done"), sorted({fid for fid, _ in parts}), records, *ends)
 
 
 Source = tuple[str, int]
