@@ -240,6 +240,37 @@ def test_each_file_is_read_once(many_files, monkeypatch):
         assert result.scan.report.skipped_records == 0
 
 
+@pytest.mark.parametrize("mode", ["global_reduce", "per_rank_no_reduce"])
+def test_by_time_reads_each_file_once_where_the_files_declare_their_first_time(many_files, monkeypatch, mode):
+    """``--by time`` windows start at the first record kept. The writer's segments declare
+    their time ranges, and another tool's footers hold their lowest timestamps and no
+    nulls: no query over the run finds it (the run's lazy frames fail if collected), each
+    row group is read once, and the first window starts at the lowest timestamp there is."""
+    reads: list[tuple[str, int]] = []
+    original = read.categorical_batches
+
+    def counting(path, columns, hashed, row_groups=None, rows=None):
+        groups = range(pq.ParquetFile(path).num_row_groups) if row_groups is None else row_groups
+        reads.extend((Path(path).name, g) for g in groups)
+        return original(path, columns, hashed, row_groups, rows)
+
+    monkeypatch.setattr(read, "categorical_batches", counting)
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    paths = sorted(many_files.glob("*.parquet"))
+    every = sorted((p.name, g) for p in paths for g in range(pq.ParquetFile(p).num_row_groups))
+    first = min(pq.read_table(p, columns=["timestamp"])["timestamp"].to_numpy().min() for p in paths)
+    scan = scan_run(many_files, defer_checks=True)
+    assert len(scan.pending) == 4  # the other tool's files, unchecked
+    poisoned = pl.LazyFrame({"x": [0]}).select(
+        pl.col("x").map_batches(lambda _: pytest.fail("a query over the run's frames"), return_dtype=pl.Int64)
+    )
+    scan.frame, scan.parts = poisoned, dict.fromkeys(scan.parts, poisoned)
+    frame = engine.execute(make_plan(mode=mode, by="time", every=2.0), scan).frame
+    assert sorted(reads) == every
+    assert frame["window_start"].min() == first
+    assert scan.report.skipped_records == 0
+
+
 def test_foreign_parquet_jsonl_and_journals_agree_with_the_writers_files(tmp_path):
     """The same records written by the writer (sealed Parquet, and journals of a killed
     writer), as another tool's Parquet (dictionary strings, integer values, timestamp-typed

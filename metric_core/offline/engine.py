@@ -45,7 +45,7 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import filters, partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
-from metric_core.offline.read.parquet import row_group_lows
+from metric_core.offline.read.parquet import kept_first_time, row_group_lows
 from metric_core.offline.timeorder import Part, in_time_order
 
 T = TypeVar("T")
@@ -125,8 +125,6 @@ def execute(
     """
     if engine not in ENGINES:
         raise PlanError(f"is not one of {', '.join(ENGINES)}", option="engine", value=engine)
-    if plan.by == "time":  # windows start at the first record kept, a query over every file
-        scan.check_all()
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         return _raw(plan, scan, on_progress)
     sources = _single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None
@@ -510,7 +508,14 @@ def _statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
 
 
 def _first_time(plan: ReducePlan, scan: RunScan) -> float:
-    """The earliest timestamp among the records the filters keep: where ``--by time`` windows start."""
+    """The earliest timestamp among the records the filters keep: where ``--by time`` windows
+    start. What the files declare tells it when it is exact (``_declared_first_time``);
+    else a query over every file (another tool's files checked first, in a read of their
+    own) finds it."""
+    declared = _declared_first_time(plan, scan)
+    if declared is not None:
+        return declared
+    scan.check_all()
     lf = plan_filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
     every_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
     per_key = every_key
@@ -522,6 +527,30 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
         seen = filters.Seen(keys=set(every_key["key"].to_list()) if plan.keys else None)
         raise filters.nothing_left(str(scan.run_dir), plan, filters.unmatched(plan, seen))
     return float(t0)  # type: ignore[arg-type]
+
+
+def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
+    """The earliest timestamp of the run, from what its files declare without a read of
+    their records: the writer's time range of each of its segments, another tool's Parquet
+    footer where it shows that record is kept (``kept_first_time``). None when a filter
+    or a restart's rewind drops records, or a file declares nothing exact."""
+    if plan.keys or plan.ranks or plan.steps is not None:
+        return None
+    lows = []
+    for fid in scan.parts:
+        rep = scan.report.files[fid]
+        if rep.replaced_from is not None:
+            return None
+        if fid not in scan.unchecked and rep.timestamps is not None:  # the writer's, trusted
+            lows.append(rep.timestamps[0])
+        elif rep.format == "parquet" and fid in scan.pending:  # another tool's, not checked yet
+            low = kept_first_time(rep.path)
+            if low is None:
+                return None
+            lows.append(low)
+        else:
+            return None
+    return min(lows, default=None)
 
 
 def _check_reductions(

@@ -27,7 +27,7 @@ from metric_core.offline.storage import (
     size_and_mtime,
     source,
 )
-from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
+from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS, TIMESTAMP_RANGE
 from metric_core.segment import SegmentMeta
 
 _EXACT_TYPES = {name: POLARS_SCHEMA[name] for name in REQUIRED_FIELDS}
@@ -234,6 +234,46 @@ def row_group_lows(path: RunPath, column: str = "timestamp") -> list[tuple[float
         raise_store_failure(path, exc)
         return None
     return out
+
+
+def kept_first_time(path: RunPath) -> float | None:
+    """Another tool's file's earliest timestamp, from its footer, when the footer shows
+    that the record holding it is kept: no field's cast can make a null (strings, numbers
+    for values, signed integers for step and rank, float epoch seconds), every row group
+    has statistics, no record field holds a null, and the lowest timestamp is a clock's.
+    Else None (then only reading the records tells)."""
+    import pyarrow as pa
+
+    lows = row_group_lows(path, "timestamp")
+    if not lows:
+        return None
+    try:
+        meta = footer(path)
+        names = meta.schema.names
+        schema = meta.schema.to_arrow_schema()
+        types = {f.name: f.type.value_type if pa.types.is_dictionary(f.type) else f.type for f in schema}
+        integer = (pa.types.is_signed_integer, lambda t: t in (pa.uint8(), pa.uint16(), pa.uint32()))
+        castless = {
+            "key": (pa.types.is_string, pa.types.is_large_string),
+            "reduction": (pa.types.is_string, pa.types.is_large_string),
+            "value": (pa.types.is_integer, pa.types.is_floating),
+            "step": integer,
+            "rank": integer,
+            "timestamp": (pa.types.is_float64,),
+        }
+        if not all(any(ok(types[name]) for ok in oks) for name, oks in castless.items()):
+            return None
+        for g in range(meta.num_row_groups):
+            for name in REQUIRED_FIELDS:
+                stats = meta.row_group(g).column(names.index(name)).statistics
+                if stats is None or not stats.has_null_count or stats.null_count:
+                    return None
+    except Exception as exc:
+        raise_store_failure(path, exc)
+        return None
+    low = min(t for t, _ in lows)
+    lo, hi = TIMESTAMP_RANGE
+    return low if lo <= low < hi else None
 
 
 def _parquet_value(dtype: pl.DataType) -> pl.Expr:
