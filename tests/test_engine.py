@@ -205,9 +205,9 @@ def test_output_is_bit_identical_across_runs_threads_and_file_order(many_files, 
     assert frame.height > 0 and frame["value"].is_not_null().all()
 
 
-def test_each_file_is_read_once(many_files, monkeypatch):
-    """One read of each data file's row groups for a reduce, in every reducing mode: the
-    scan takes only metadata and footers."""
+def row_group_reads(monkeypatch) -> list[tuple[str, int]]:
+    """Every Parquet file is read through its dictionaries; the list fills with each row
+    group read, as (file name, row group)."""
     reads: list[tuple[str, int]] = []
     original = read.categorical_batches
 
@@ -218,6 +218,13 @@ def test_each_file_is_read_once(many_files, monkeypatch):
 
     monkeypatch.setattr(read, "categorical_batches", counting)
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    return reads
+
+
+def test_each_file_is_read_once(many_files, monkeypatch):
+    """One read of each data file's row groups for a reduce, in every reducing mode: the
+    scan takes only metadata and footers."""
+    reads = row_group_reads(monkeypatch)
     every = sorted(
         (p.name, g) for p in many_files.glob("*.parquet") for g in range(pq.ParquetFile(p).num_row_groups)
     )
@@ -246,16 +253,7 @@ def test_by_time_reads_each_file_once_where_the_files_declare_their_first_time(m
     their time ranges, and another tool's footers hold their lowest timestamps and no
     nulls: no query over the run finds it (the run's lazy frames fail if collected), each
     row group is read once, and the first window starts at the lowest timestamp there is."""
-    reads: list[tuple[str, int]] = []
-    original = read.categorical_batches
-
-    def counting(path, columns, hashed, row_groups=None, rows=None):
-        groups = range(pq.ParquetFile(path).num_row_groups) if row_groups is None else row_groups
-        reads.extend((Path(path).name, g) for g in groups)
-        return original(path, columns, hashed, row_groups, rows)
-
-    monkeypatch.setattr(read, "categorical_batches", counting)
-    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    reads = row_group_reads(monkeypatch)
     paths = sorted(many_files.glob("*.parquet"))
     every = sorted((p.name, g) for p in paths for g in range(pq.ParquetFile(p).num_row_groups))
     first = min(pq.read_table(p, columns=["timestamp"])["timestamp"].to_numpy().min() for p in paths)
