@@ -336,3 +336,32 @@ def test_a_malformed_metadata_field_never_makes_a_superseded_journal_count_twice
     assert sorted(scan.frame.collect()["value"].to_list()) == [0.0, 1.0, 2.0]
     assert scan.report.clean_shutdowns() == {("w", 0)}
     assert "malformed field(s) keys: ignored" in scan.report.summary()
+
+
+def test_another_tools_parquet_whose_every_record_is_bad_says_so_in_every_command(tmp_path):
+    """Another tool's files are checked as they are read: when that check skips every
+    record, each command says so (no traceback, no talk of filters); a source whose every
+    record was skipped is not a source of the report when others remain."""
+    bad = {"key": ["a", "a"], "value": [None, 1.0], "reduction": ["mean"] * 2, "step": [0, 1]}
+    bad |= {"timestamp": [1.76e9, -5.0], "rank": [0, 0]}
+    (tmp_path / "bad").mkdir()
+    pq.write_table(pa.table(bad), tmp_path / "bad" / "other.parquet")
+    for args in (
+        ["reduce"],
+        ["reduce", "--mode", "per_rank_reduce"],
+        ["reduce", "--mode", "per_rank_no_reduce"],
+        ["reduce", "--by", "time", "--every", "1s"],
+        ["inspect"],
+        ["upload", "--project", "p", "--dry-run"],
+    ):
+        result = invoke(*args, tmp_path / "bad")
+        assert result.exit_code != 0 and isinstance(result.exception, SystemExit), args
+        assert "every record was skipped" in result.output, args
+        assert "Traceback" not in result.output and "filters" not in result.output, args
+    good = {**bad, "value": [2.0, 3.0], "timestamp": [1.76e9, 1.76e9 + 1], "rank": [1, 1]}
+    pq.write_table(pa.table(good), tmp_path / "bad" / "good.parquet")
+    result = invoke("inspect", tmp_path / "bad", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [(s["rank"], s["records"]) for s in report["sources"]] == [(1, 2)]
+    assert report["skipped_records"] == 2

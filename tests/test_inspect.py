@@ -604,3 +604,28 @@ def test_another_tools_parquet_is_read_once_and_checked_as_it_is_aggregated(tmp_
     again = inspect_run(tmp_path, cache=cache, now=T0 + 30)
     assert sorted(opened) == sorted(files)  # unchanged: not read again
     assert again.to_dict() == report.to_dict()
+
+
+def test_a_scan_read_twice_counts_another_tools_bad_records_once_and_a_changed_file_is_said(tmp_path):
+    """A file checked as it is read is counted once, however often the scan is read; one
+    replaced by a half-written copy between the scan and the read is said as changed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from metric_core.errors import RunChangedError
+
+    rows = {"key": ["a"] * 4, "value": [1.0, None, 2.0, 3.0], "reduction": ["mean"] * 4, "step": [0, 1, 2, 3]}
+    rows |= {"timestamp": [T0, T0 + 1, T0 + 2, T0 + 3], "rank": [0, 1, 0, 1]}  # two sources in the file
+    pq.write_table(pa.table(rows), tmp_path / "other.parquet")
+    scan = scan_run(tmp_path, defer_checks=True)
+    first = inspect_run(scan, now=T0 + 10).to_dict()
+    assert first["skipped_records"] == 1 and [s["records"] for s in first["sources"]] == [2, 1]
+    assert inspect_run(scan, now=T0 + 10).to_dict() == first
+    assert execute(make_plan(), scan).frame["count"].to_list() == [1, 1, 1]  # the null value's step is gone
+    assert scan.report.skipped_records == 1
+
+    scan = scan_run(tmp_path, defer_checks=True)
+    whole = (tmp_path / "other.parquet").read_bytes()
+    (tmp_path / "other.parquet").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(RunChangedError, match="Did a file change"):
+        inspect_run(scan)

@@ -36,6 +36,7 @@ import polars as pl
 
 from metric_core.errors import (
     MixedReductionError,
+    NoDataError,
     PlanError,
     StrictModeError,
     UnknownReductionError,
@@ -44,7 +45,7 @@ from metric_core.errors import (
 from metric_core.metric import LoggingMode
 from metric_core.offline import filters, partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
-from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, all_skipped, changed_files_said, scan_run
 from metric_core.offline.read.parquet import kept_first_time, row_group_lows
 from metric_core.offline.timeorder import Part, in_time_order
 
@@ -170,7 +171,7 @@ def execute(
             acc.close()
         unmatched[:] = filters.unmatched(plan, seen)
         if not recorded:
-            raise filters.nothing_left(str(scan.run_dir), plan, unmatched)
+            raise _nothing_kept(plan, scan, unmatched)
 
     if plan.mode is LoggingMode.PER_RANK_REDUCE and sources is None:  # several sources a file
         return ReduceResult(plan, scan, stream=lambda: _source_by_source(stream()), unmatched=unmatched)
@@ -478,6 +479,14 @@ def _serve(todo: queue.SimpleQueue[int | None], run: Callable[[int], None]) -> N
         run(i)
 
 
+def _nothing_kept(plan: ReducePlan, scan: RunScan, unmatched: list[PlanError]) -> NoDataError:
+    """The error of a result without a record: every record was skipped (another tool's
+    files, checked as they were read), or the filters left none."""
+    if scan.report.records == 0:
+        return all_skipped(scan.report)
+    return filters.nothing_left(str(scan.run_dir), plan, unmatched)
+
+
 def _source_by_source(frames: Iterator[pl.DataFrame]) -> Iterator[pl.DataFrame]:
     """per_rank_reduce frames of several sources each (a run whose files hold several
     sources is reduced as one, step range after step range), a source at a time, in the
@@ -525,7 +534,7 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
     t0 = per_key["timestamp"].min()
     if t0 is None:  # named as the engine names them, with the keys of the records kept
         seen = filters.Seen(keys=set(every_key["key"].to_list()) if plan.keys else None)
-        raise filters.nothing_left(str(scan.run_dir), plan, filters.unmatched(plan, seen))
+        raise _nothing_kept(plan, scan, filters.unmatched(plan, seen))
     return float(t0)  # type: ignore[arg-type]
 
 
@@ -659,7 +668,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
                 on_progress(i + 1, len(sources), done, total)
         unmatched[:] = filters.unmatched(plan, seen)
         if not produced:
-            raise filters.nothing_left(str(scan.run_dir), plan, unmatched)
+            raise _nothing_kept(plan, scan, unmatched)
 
     return ReduceResult(plan, scan, stream=stream, unmatched=unmatched)
 

@@ -36,11 +36,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import in_python, opt, spell
-from metric_core.offline.read import FileReport, OnProgress, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import (
+    FileReport,
+    OnProgress,
+    OnRead,
+    RunScan,
+    all_skipped,
+    changed_files_said,
+    scan_run,
+)
 from metric_core.offline.read.attempts import Attempt
 from metric_core.offline.storage import newest_listed
 from metric_core.schema import KEY_HASH, keys_by_hash
@@ -275,31 +284,47 @@ def _strict_json(report: dict[str, Any]) -> str:
 
 @dataclass
 class _Steps:
-    """One source's steps, across its files: a row a step (``step``, the time of its first
-    record ``reached`` and of its last ``done``)."""
+    """One source's steps, across its files: each ``step``, the time of its first record
+    (``reached``) and of its last (``done``), as arrays (a source's own, no query each)."""
 
-    frame: pl.DataFrame
+    step: np.ndarray
+    reached: np.ndarray
+    done: np.ndarray
     files: list[int]
     records: int
-    first_step: int
-    last_step: int
-    first_timestamp: float
-    last_timestamp: float
 
     @classmethod
-    def merged(cls, parts: list[tuple[int, pl.DataFrame]]) -> _Steps:
-        """From each of its files' steps (file id, frame): a step in two files is one."""
-        frame = pl.concat([f for _, f in parts])
-        records = int(frame["records"].sum())
+    def merged(cls, parts: list[tuple[int, pl.DataFrame]]) -> _Steps | None:
+        """From each of its files' steps (file id, frame): a step in two files is one.
+        None when no record of the source was kept."""
+        frame = parts[0][1] if len(parts) == 1 else pl.concat([f for _, f in parts])
+        step, reached, done = (frame[name].to_numpy() for name in ("step", "reached", "done"))
+        if not len(step):
+            return None
         if len(parts) > 1:
-            frame = frame.group_by("step").agg(pl.col("reached").min(), pl.col("done").max())
-        ends = frame.select(
-            pl.col("step").min().alias("first"),
-            pl.col("step").max().alias("last"),
-            pl.col("reached").min(),
-            pl.col("done").max(),
-        ).row(0)
-        return cls(frame.select("step", "reached", "done"), sorted({fid for fid, _ in parts}), records, *ends)
+            step, where = np.unique(step, return_inverse=True)
+            first, last = np.full(len(step), np.inf), np.full(len(step), -np.inf)
+            np.minimum.at(first, where, reached)
+            np.maximum.at(last, where, done)
+            reached, done = first, last
+        records = int(frame["records"].sum())
+        return cls(step, reached, done, sorted({fid for fid, _ in parts}), records)
+
+    @property
+    def first_step(self) -> int:
+        return int(self.step.min())
+
+    @property
+    def last_step(self) -> int:
+        return int(self.step.max())
+
+    @property
+    def first_timestamp(self) -> float:
+        return float(self.reached.min())
+
+    @property
+    def last_timestamp(self) -> float:
+        return float(self.done.max())
 
 
 Source = tuple[str, int]
@@ -361,17 +386,12 @@ def _aggregate(
     if cache is not None:  # files gone (a journal sealed) leave the cache
         cache.clear()
         cache.update(used)
-    per_key = (
-        pl.concat(by_key)
-        .group_by("process", "rank", "key")
-        .agg(
-            last_value=pl.col("last_value").max_by("last_timestamp"),
-            nonfinite=pl.col("nonfinite").sum(),
-            first_bad_step=pl.col("first_bad_step").min(),
-            first_bad_timestamp=pl.col("first_bad_timestamp").min(),
-        )
-    )
-    return {source: _Steps.merged(parts) for source, parts in per_source.items()}, per_key
+    per_key = _merged_keys(pl.concat(by_key), ["process", "rank", "key"], maintain_order=False)
+    merged = {source: _Steps.merged(per_source.pop(source)) for source in list(per_source)}  # frames freed
+    steps = {source: its for source, its in merged.items() if its is not None}  # not all checked away
+    if not steps:
+        raise all_skipped(scan.report)
+    return steps, per_key
 
 
 def _file_identity(rep: FileReport, source: Any) -> tuple[Any, ...] | None:
@@ -399,22 +419,33 @@ def _batched_aggregates(
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``_file_aggregates`` of a file read in frames: each frame's, merged (the last
     value is the one of the newest timestamp of all, the first in file order of equals)."""
-    parts = [_file_aggregates(df.lazy(), by, key) for df in frames]
-    steps = pl.concat([s for s, _ in parts])
-    keys = pl.concat([k for _, k in parts])
+    parts, keys = [], None
+    for df in frames:
+        steps, found = _file_aggregates(df.lazy(), by, key)
+        parts.append(steps)
+        keys = (
+            found if keys is None else _merged_keys(pl.concat([keys, found]), [*by, key])
+        )  # held: one a key
+    assert keys is not None, "a file read gives a frame at least"
+    steps = pl.concat(parts)
     if len(parts) > 1:
         steps = steps.group_by(*by, "step", maintain_order=True).agg(
             pl.col("records").sum(), pl.col("reached").min(), pl.col("done").max()
         )
-        keys = keys.group_by(*by, key, maintain_order=True).agg(
-            pl.col("last_value").max_by("last_timestamp"),
-            pl.col("last_timestamp").max(),
-            pl.col("nonfinite").sum(),
-            pl.col("first_bad_step").min(),
-            pl.col("first_bad_timestamp").min(),
-        )
     strings = pl.col(pl.Categorical).cast(pl.String)
     return steps.with_columns(strings), keys.with_columns(strings)
+
+
+def _merged_keys(keys: pl.DataFrame, by: list[str], maintain_order: bool = True) -> pl.DataFrame:
+    """Per-key aggregates of parts (in file order) of the same records, as one: the last
+    value is the one of the newest timestamp of all (the first in file order of equals)."""
+    return keys.group_by(*by, maintain_order=maintain_order).agg(
+        pl.col("last_value").max_by("last_timestamp"),
+        pl.col("last_timestamp").max(),
+        pl.col("nonfinite").sum(),
+        pl.col("first_bad_step").min(),
+        pl.col("first_bad_timestamp").min(),
+    )
 
 
 def _file_aggregates(frame: pl.LazyFrame, by: list[str], key: str) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -466,8 +497,8 @@ def _cadence(steps: dict[Source, _Steps]) -> Cadence:
     and how many gaps there were."""
     out: Cadence = {}
     for source, its in steps.items():
-        gaps = its.frame["done"].sort().diff().drop_nulls()
-        out[source] = (gaps.median(), gaps.max(), gaps.len()) if gaps.len() else (None, None, 0)  # type: ignore[assignment]
+        gaps = np.diff(np.sort(its.done))
+        out[source] = (float(np.median(gaps)), float(gaps.max()), len(gaps)) if len(gaps) else (None, None, 0)
     return out
 
 
@@ -531,7 +562,7 @@ def _stragglers(steps: dict[Source, _Steps], cadence: Cadence) -> list[Straggler
         return []
     slow_roles = {_ROLE.sub("", process) for process, _ in slow}
     with_role = pl.concat(  # the sources of the roles with a straggler: a row a step of each
-        its.frame.lazy().select(
+        pl.LazyFrame({"step": its.step, "reached": its.reached}).select(
             pl.lit(process, pl.String).alias("process"),
             pl.lit(rank, pl.Int64).alias("rank"),
             pl.lit(_ROLE.sub("", process)).alias("role"),

@@ -84,6 +84,7 @@ __all__ = [
     "ReadReport",
     "RunScan",
     "Shutdown",
+    "all_skipped",
     "changed_files_said",
     "read_sealed",
     "scan_run",
@@ -169,7 +170,8 @@ class RunScan:
         ``dictionaries``, Parquet is read by pyarrow in frames of at most ``rows`` records
         (None: one frame), its strings kept as dictionary codes, never decoded
         (``categorical_batches``); another file is one frame. A file not checked yet is
-        also read with the fields its check needs."""
+        also read with the fields its check needs; read whole, it is then counted (a later
+        read drops its bad rows without counting them again)."""
         rep = self.report.files[fid]
         columns = sorted({*columns, *(REQUIRED_FIELDS if fid in self.unchecked else ())})
         if rep.format == "parquet" and dictionaries:
@@ -183,6 +185,12 @@ class RunScan:
             frames = iter([whole.collect()])
         for df in frames:
             yield self.checked(fid, df)
+        if row_groups is None and fid in self.pending:  # read whole: its bad rows are counted
+            with self._counting:
+                del self.pending[fid]
+                self.counted.add(fid)
+                self.parts[fid] = self.parts[fid].filter(RECORD_OK)
+                self.frame = pl.concat(list(self.parts.values()), how="vertical")
 
     def check_all(self) -> None:
         """Check every unchecked file now (for a query over ``frame`` rather than per file)."""
@@ -219,9 +227,22 @@ class RunScan:
         return first
 
 
+def all_skipped(report: ReadReport) -> NoDataError:
+    """The error of a run whose every record was skipped, with what the reader skipped (a
+    run whose files are checked as they are read finds it out once they all were)."""
+    extra = report.summary()
+    return NoDataError(str(report.run_dir), "every record was skipped" + (f"\n{extra}" if extra else ""))
+
+
+def _read_failure(exc: Exception) -> bool:
+    """An error of polars or pyarrow reading a file (pyarrow's told by its module, so it
+    is not imported for this), or of the file system."""
+    return isinstance(exc, (pl.exceptions.PolarsError, OSError)) or type(exc).__module__.startswith("pyarrow")
+
+
 def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
-    """Turn a polars error of a query over a scanned run into ``RunChangedError``, and the
-    failure of a store the query read from into ``StorageError``.
+    """Turn a polars or pyarrow error of a read of a scanned run into ``RunChangedError``,
+    and the failure of a store the read was from into ``StorageError``.
 
     The reader checks every file before a query runs, so a query fails only on a file that
     changed (or vanished) since: a live run being sealed, or a copy in progress.
@@ -243,7 +264,9 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
         def stream(*args: Any, **kwargs: Any) -> Any:
             try:
                 return (yield from function(*args, **kwargs))
-            except (pl.exceptions.PolarsError, OSError) as exc:
+            except Exception as exc:
+                if not _read_failure(exc):
+                    raise
                 raise said(exc) from None
 
         return stream  # type: ignore[return-value]
@@ -252,7 +275,9 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return function(*args, **kwargs)
-        except (pl.exceptions.PolarsError, OSError) as exc:
+        except Exception as exc:
+            if not _read_failure(exc):
+                raise
             raise said(exc) from None
 
     return wrapper
@@ -350,10 +375,10 @@ def scan_run(
         run_parquet_checks(frames, checks)
     kept = resolve(report, dict(zip(file_ids, frames, strict=True)), attempts)
     frames = [kept[fid] for fid in file_ids]
+    if not paths:
+        raise NoDataError(str(root), "no *.jsonl or *.parquet file was found")
     if not frames or report.records == 0:
-        why = "no *.jsonl or *.parquet file was found" if not paths else "every record was skipped"
-        extra = report.summary()
-        raise NoDataError(str(root), why + (f"\n{extra}" if extra else ""))
+        raise all_skipped(report)
     return RunScan(
         run_dir=root,
         frame=pl.concat(frames, how="vertical"),
