@@ -775,3 +775,15 @@ def test_per_rank_reduce_of_files_holding_several_sources_is_in_source_order(tmp
     assert frame.equals(frame.sort("process", "rank", "step", "key"))
     wide = pl.concat(list(engine.pivot_wide(run_plan(tmp_path, plan).batches(), plan)))
     assert wide.equals(wide.sort("process", "rank", "step")) and wide.height == 1200
+
+
+def test_by_time_starts_at_the_first_record_kept_when_a_cast_skips_the_earliest(tmp_path):
+    """Another tool's values stored as text: the earliest record's value is not a number, so
+    it is skipped, and the footer's lowest timestamp is not where the windows start."""
+    rows = {"key": ["a"] * 3, "value": ["x", "1.0", "2.0"], "reduction": ["mean"] * 3, "step": [0, 1, 2]}
+    rows |= {"timestamp": [BASE_TIME, BASE_TIME + 1.5, BASE_TIME + 2.5], "rank": [0, 0, 0]}
+    write_foreign(tmp_path / "text.parquet", rows)
+    assert parquet.kept_first_time(tmp_path / "text.parquet") is None
+    result = run_plan(tmp_path, make_plan(by="time", every=1.0))
+    assert result.frame["window_start"].to_list() == [BASE_TIME + 1.5, BASE_TIME + 2.5]
+    assert result.scan.report.skipped_records == 1

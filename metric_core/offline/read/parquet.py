@@ -176,12 +176,10 @@ def categorical_batches(
     their dictionary codes (polars Categorical): what the engine groups on, without
     decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame.
     A frame is decoded as it is asked for, so a large row group is never held whole."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     meta = footer(path)
-    # An empty table made from no batches: ``Schema.empty_table`` imports pandas (0.15 s).
-    schema = pl.DataFrame(pa.Table.from_batches([], meta.schema.to_arrow_schema())).schema
+    schema = _polars_schema(meta)
     exprs = typed_columns(schema, hashed, strings=pl.Categorical)
     wanted = [c for c in columns if c in exprs]
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
@@ -238,30 +236,16 @@ def row_group_lows(path: RunPath, column: str = "timestamp") -> list[tuple[float
 
 def kept_first_time(path: RunPath) -> float | None:
     """Another tool's file's earliest timestamp, from its footer, when the footer shows
-    that the record holding it is kept: no field's cast can make a null (strings, numbers
-    for values, signed integers for step and rank, float epoch seconds), every row group
-    has statistics, no record field holds a null, and the lowest timestamp is a clock's.
-    Else None (then only reading the records tells)."""
-    import pyarrow as pa
-
+    that the record holding it is kept: no field's cast can make a null (``casts_keep``),
+    every row group has statistics, no record field holds a null, and the lowest
+    timestamp is a clock's. Else None (then only reading the records tells)."""
     lows = row_group_lows(path, "timestamp")
     if not lows:
         return None
     try:
         meta = footer(path)
         names = meta.schema.names
-        schema = meta.schema.to_arrow_schema()
-        types = {f.name: f.type.value_type if pa.types.is_dictionary(f.type) else f.type for f in schema}
-        integer = (pa.types.is_signed_integer, lambda t: t in (pa.uint8(), pa.uint16(), pa.uint32()))
-        castless = {
-            "key": (pa.types.is_string, pa.types.is_large_string),
-            "reduction": (pa.types.is_string, pa.types.is_large_string),
-            "value": (pa.types.is_integer, pa.types.is_floating),
-            "step": integer,
-            "rank": integer,
-            "timestamp": (pa.types.is_float64,),
-        }
-        if not all(any(ok(types[name]) for ok in oks) for name, oks in castless.items()):
+        if not casts_keep(_polars_schema(meta)):
             return None
         for g in range(meta.num_row_groups):
             for name in REQUIRED_FIELDS:
@@ -276,8 +260,33 @@ def kept_first_time(path: RunPath) -> float | None:
     return low if lo <= low < hi else None
 
 
+def casts_keep(schema: Mapping[str, pl.DataType]) -> bool:
+    """Whether ``typed_columns``' casts keep every value of a file of this schema (make no
+    null, so skip no record): strings, numeric values, integer steps and ranks that fit
+    int64, numeric times. Other columns are parsed, or may not fit."""
+    return (
+        all(schema[name] in (pl.String, pl.Categorical) for name in ("key", "reduction"))
+        and _numeric(schema["value"])
+        and all(schema[name].is_integer() and schema[name] != pl.UInt64 for name in ("step", "rank"))
+        and _numeric(schema["timestamp"])
+    )
+
+
+def _numeric(dtype: pl.DataType) -> bool:
+    return dtype.is_numeric() or dtype == pl.Boolean
+
+
+def _polars_schema(meta: Any) -> pl.Schema:
+    """The polars types of a Parquet file's columns (dictionary strings: Categorical), from
+    its footer. An empty table made from no batches: ``Schema.empty_table`` imports pandas
+    (0.15 s)."""
+    import pyarrow as pa
+
+    return pl.DataFrame(pa.Table.from_batches([], meta.schema.to_arrow_schema())).schema
+
+
 def _parquet_value(dtype: pl.DataType) -> pl.Expr:
-    if dtype.is_numeric() or dtype == pl.Boolean:
+    if _numeric(dtype):
         return pl.col("value").cast(pl.Float64)
     return pl.col("value").cast(pl.String).pipe(lambda _: number("value"))
 
