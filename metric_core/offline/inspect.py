@@ -292,6 +292,14 @@ class _Steps:
     done: np.ndarray
     files: list[int]
     records: int
+    first_step: int = field(init=False)
+    last_step: int = field(init=False)
+    first_timestamp: float = field(init=False)
+    last_timestamp: float = field(init=False)
+
+    def __post_init__(self) -> None:  # the ends, once
+        self.first_step, self.last_step = int(self.step.min()), int(self.step.max())
+        self.first_timestamp, self.last_timestamp = float(self.reached.min()), float(self.done.max())
 
     @classmethod
     def merged(cls, parts: list[tuple[int, pl.DataFrame]]) -> _Steps | None:
@@ -307,24 +315,7 @@ class _Steps:
             np.minimum.at(first, where, reached)
             np.maximum.at(last, where, done)
             reached, done = first, last
-        records = int(frame["records"].sum())
-        return cls(step, reached, done, sorted({fid for fid, _ in parts}), records)
-
-    @property
-    def first_step(self) -> int:
-        return int(self.step.min())
-
-    @property
-    def last_step(self) -> int:
-        return int(self.step.max())
-
-    @property
-    def first_timestamp(self) -> float:
-        return float(self.reached.min())
-
-    @property
-    def last_timestamp(self) -> float:
-        return float(self.done.max())
+        return cls(step, reached, done, sorted({fid for fid, _ in parts}), int(frame["records"].sum()))
 
 
 Source = tuple[str, int]
