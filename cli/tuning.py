@@ -6,9 +6,9 @@ larger table of groups, and jemalloc with one arena; as fast, measured with
 benchmarks/bench_reduce.py. The engine reads Parquet with pyarrow, whose default
 allocator (mimalloc) keeps what a file needed after it is done: pyarrow's jemalloc, where
 the installed pyarrow has it, gives it back (30-120 MiB less than the system allocator at
-the peak of another tool's 100M records, as fast; benchmarks/bench_engine.py), else the
-system allocator; and glibc's malloc keeps one heap for all threads. A value the user set
-is kept.
+the peak of another tool's 100M records, for 2-4% of the wall time of a 20M-record reduce;
+benchmarks/bench_engine.py), else the system allocator; and glibc's malloc keeps one heap
+for all threads. A value the user set is kept.
 """
 
 from __future__ import annotations
