@@ -377,7 +377,7 @@ def _aggregate(
     if cache is not None:  # files gone (a journal sealed) leave the cache
         cache.clear()
         cache.update(used)
-    per_key = _merged_keys(pl.concat(by_key), ["process", "rank", "key"], maintain_order=False)
+    per_key = _merged_keys(pl.concat(by_key), ["process", "rank", "key"])
     merged = {source: _Steps.merged(per_source.pop(source)) for source in list(per_source)}  # frames freed
     steps = {source: its for source, its in merged.items() if its is not None}  # not all checked away
     if not steps:
@@ -398,7 +398,7 @@ def _recount(scan: RunScan, fid: int, counts: tuple[int, int, dict[str, int]]) -
     them (its check, had it not been read, is not due)."""
     rep = scan.report.files[fid]
     rep.records, rep.skipped, rep.skip_reasons = counts[0], counts[1], dict(counts[2])
-    scan.pending.pop(fid, None)
+    scan.was_counted(fid)
 
 
 # Records of another tool's file aggregated at a time (the file is read once, in frames).
@@ -414,9 +414,7 @@ def _batched_aggregates(
     for df in frames:
         steps, found = _file_aggregates(df.lazy(), by, key)
         parts.append(steps)
-        keys = (
-            found if keys is None else _merged_keys(pl.concat([keys, found]), [*by, key])
-        )  # held: one a key
+        keys = found if keys is None else _merged_keys(pl.concat([keys, found]), [*by, key])  # one a key
     assert keys is not None, "a file read gives a frame at least"
     steps = pl.concat(parts)
     if len(parts) > 1:
@@ -427,10 +425,10 @@ def _batched_aggregates(
     return steps.with_columns(strings), keys.with_columns(strings)
 
 
-def _merged_keys(keys: pl.DataFrame, by: list[str], maintain_order: bool = True) -> pl.DataFrame:
+def _merged_keys(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
     """Per-key aggregates of parts (in file order) of the same records, as one: the last
     value is the one of the newest timestamp of all (the first in file order of equals)."""
-    return keys.group_by(*by, maintain_order=maintain_order).agg(
+    return keys.group_by(*by, maintain_order=True).agg(
         pl.col("last_value").max_by("last_timestamp"),
         pl.col("last_timestamp").max(),
         pl.col("nonfinite").sum(),

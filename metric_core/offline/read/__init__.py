@@ -185,9 +185,14 @@ class RunScan:
             frames = iter([whole.collect()])
         for df in frames:
             yield self.checked(fid, df)
-        if row_groups is None and fid in self.pending:  # read whole: its bad rows are counted
-            with self._counting:
-                del self.pending[fid]
+        if row_groups is None:  # read whole: its bad rows are counted
+            self.was_counted(fid)
+
+    def was_counted(self, fid: int) -> None:
+        """A file not checked yet has had its bad rows counted in the report (read whole,
+        or counted by an earlier read of it): a later read drops them without counting."""
+        with self._counting:
+            if self.pending.pop(fid, False) is not False:
                 self.counted.add(fid)
                 self.parts[fid] = self.parts[fid].filter(RECORD_OK)
                 self.frame = pl.concat(list(self.parts.values()), how="vertical")
