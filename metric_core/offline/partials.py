@@ -307,6 +307,7 @@ class Accumulator:
     held_values: int = 0
     spills: list[tuple[Path, int, int]] = field(default_factory=list)  # (file, first, last bucket)
     spent: list[Path] = field(default_factory=list)  # spilled files no later take needs
+    spilled: int = 0  # the files written so far (each one's name: its number)
     spill_dir: tempfile.TemporaryDirectory[str] | None = None
     taken: int | None = None  # the buckets below this one were taken out
 
@@ -339,7 +340,8 @@ class Accumulator:
         if self.spill_dir is None:
             self.spill_dir = tempfile.TemporaryDirectory(prefix="metriclog-values-")
         frame = self._held().sort("bucket", maintain_order=True)
-        path = Path(self.spill_dir.name) / f"{len(self.spills) + len(self.spent):05d}.parquet"
+        path = Path(self.spill_dir.name) / f"{self.spilled:05d}.parquet"
+        self.spilled += 1
         frame.write_parquet(path, row_group_size=1 << 15, statistics=True)
         self.spills.append((path, int(frame["bucket"][0]), int(frame["bucket"][-1])))
         self.value_cells, self.held_values = [], 0
