@@ -822,3 +822,45 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch):
     for (s, k), values in truth.items():
         want = np.percentile(values, 99 if k[-1] in "024" else 50)
         assert got[s, k] == pytest.approx(want, rel=1e-15, abs=1e-15), (s, k)
+
+
+def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path, monkeypatch):
+    """A partition whose every group is median/pNN keeps its groups' counts alone (their
+    values are kept apart); folded with partitions of other statistics into the same steps,
+    in either order, each statistic still equals numpy's over its records."""
+    rng = np.random.default_rng(3)
+    steps = 40
+    truth: dict[tuple[int, str], list[float]] = {}
+    for name, key, reduction in [("a", "q", "p99"), ("b", "m", "mean"), ("c", "q", "p99"), ("d", "s", "std")]:
+        value = rng.normal(1e6, 2.0, steps * 3)
+        step = np.repeat(np.arange(steps), 3)
+        rows = {"key": [key] * len(step), "value": value, "reduction": [reduction] * len(step), "step": step}
+        write_foreign(
+            tmp_path / f"{name}.parquet", {**rows, "timestamp": BASE_TIME + step, "rank": [0] * len(step)}
+        )
+        for s, v in zip(step.tolist(), value.tolist(), strict=True):
+            truth.setdefault((s, key), []).append(v)
+    blocks: list[int] = []
+    add = engine.partials.Accumulator.add
+
+    def fields(self, p):
+        add(self, p)
+        blocks.append(max(len(b.state) for b in self.blocks.values()))
+
+    monkeypatch.setattr(engine.partials.Accumulator, "add", fields)
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 60)  # each file alone in its partitions
+    got = {
+        (s, k): v
+        for s, k, v in run_plan(tmp_path, make_plan()).frame.select("step", "key", "value").iter_rows()
+    }
+    assert set(got) == set(truth)
+    for (s, k), values in truth.items():
+        want = {"q": lambda v: np.percentile(v, 99), "m": np.mean, "s": np.std}[k](np.array(values))
+        assert got[s, k] == pytest.approx(want, rel=1e-12), (s, k)
+    assert blocks[0] == engine.partials.COUNTED and max(blocks) == engine.partials.UNTIMED
+
+    blocks.clear()
+    quantiles = run_plan(tmp_path, make_plan(reduce=["*=p99"])).frame
+    assert set(blocks) == {engine.partials.COUNTED}  # the whole run: counts alone
+    for s, k, v in quantiles.select("step", "key", "value").iter_rows():
+        assert v == pytest.approx(np.percentile(truth[s, k], 99), rel=1e-15), (s, k)

@@ -54,8 +54,10 @@ FIELDS = (
 _EMPTY = np.array([0, 0, 0, 0, 0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
 N, RAW, SHIFT, DEV, SQ, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
 # The fields up to first_ts are in every state; first and last only where a statistic needs
-# them (a state of 7 fields, not 13, for most runs).
+# them (a state of 7 fields, not 13, for most runs); where every statistic is median or
+# pNN, whose values are kept apart, the count alone.
 UNTIMED = FIRST_TS
+COUNTED = RAW
 _FAMILIES = ("min", "max", "first", "last")  # what only some statistics need
 _DENSE_SLACK = 1 << 16  # a dense index may be this much (plus 4x the rows) larger than the rows
 
@@ -135,17 +137,18 @@ def partition_states(
     stat_of_combo = np.array([names.index(c[-1]) for c in combos], dtype=np.int64)
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, len(combos))
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
+    quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
-    state = _empty_cells(n_groups, len(FIELDS) if timed else UNTIMED)
+    state = _empty_cells(n_groups, COUNTED if quantile.all() else len(FIELDS) if timed else UNTIMED)
     state[N] = count
-    _sums(state, ids, value, need_sq="std" in names)
     stat_codes = stat_of_combo[combo] if len(names) > 1 else None
+    if len(state) > COUNTED:
+        _sums(state, ids, value, need_sq="std" in names)
     for family in _FAMILIES:
         wanted = np.array([s is not None and s.name == family for s in stats])
         if wanted.any():
             subset = None if stat_codes is None else np.flatnonzero(wanted[stat_codes])
             _extreme(state, family, ids, value, df, subset, places)
-    quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     value_group, values = np.empty(0, dtype=np.int64), np.empty(0)
     if quantile.any():
         subset = np.arange(rows) if stat_codes is None else np.flatnonzero(quantile[stat_codes])
@@ -462,7 +465,7 @@ class Accumulator:
         self.taken = hi
         if not parts:
             return pl.DataFrame(), {}, values
-        fields = max(len(part) for part in parts)
+        fields = max(UNTIMED, *(len(part) for part in parts))
         s = np.concatenate([_with_fields(part, fields) for part in parts], axis=1)
         bucket, combo = np.concatenate(buckets), np.concatenate(combos)
         labels = list(self.combos)
@@ -505,6 +508,9 @@ class Accumulator:
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     """Accumulated states ``a`` with one partition's states ``p`` of the same groups folded
     in (``a`` has at least ``p``'s fields)."""
+    if len(p) == COUNTED:
+        a[N] += p[N]
+        return a
     fresh = a[N] == 0
     k = np.where(fresh, p[SHIFT], a[SHIFT])
     n_p, dev_p = p[N], p[DEV]
