@@ -552,6 +552,7 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine, "PARTITION_ROWS", 10_000)
     monkeypatch.setattr(engine.partials, "SPILL_VALUES", 3_000)  # p90's values spill, and are taken back
+    monkeypatch.setattr(engine.partials, "SLICE_VALUES", 1_000)
     monkeypatch.setattr(engine, "TAKEN_GROUPS", 2)  # steps are taken as soon as a block is done
     held: list[int] = []
     add = engine.partials.Accumulator.add
@@ -815,6 +816,7 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine, "PARTITION_ROWS", 500)
     monkeypatch.setattr(engine.partials, "SPILL_VALUES", 700)  # dozens of spill files
+    monkeypatch.setattr(engine.partials, "SLICE_VALUES", 400)  # a take's quantiles in several queries
     monkeypatch.setattr(engine, "TAKEN_GROUPS", 2)  # a take a block of 256 steps
     frame = run_plan(tmp_path, make_plan()).frame
     got = {(s, k): v for s, k, v in frame.select("step", "key", "value").iter_rows()}

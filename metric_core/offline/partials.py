@@ -285,6 +285,10 @@ def _extreme(
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
 # median/pNN values held in memory (24 bytes each) before they go to a temporary file
 SPILL_VALUES = 1_000_000
+# median/pNN values whose groups' quantiles are computed in one query: polars' group_by
+# holds about 80 bytes a value; 500K against 1M is 35 MiB less at the peak of *=p99 on
+# another tool's 100M records, for 8% of its time (benchmarks/bench_engine.py)
+SLICE_VALUES = 500_000
 
 
 @dataclass
@@ -358,7 +362,7 @@ class Accumulator:
     def _value_ranges(self, lo: int | None, hi: int | None) -> list[pl.LazyFrame]:
         """The median/pNN values (with their group: bucket, _combo) of the buckets from
         ``lo`` to below ``hi`` (None: no bound), held or spilled, in slices of whole
-        buckets that each hold about ``SPILL_VALUES`` values; values of later buckets stay."""
+        buckets that each hold about ``SLICE_VALUES`` values; values of later buckets stay."""
         for path in self.spent:  # what the slices of the last take read
             path.unlink(missing_ok=True)
         self.spent = []
@@ -391,7 +395,7 @@ class Accumulator:
         per_bucket = scan.group_by("bucket").len().sort("bucket").collect()
         edges, held_n = [], 0
         for bucket, n in per_bucket.iter_rows():
-            if held_n and held_n + n > SPILL_VALUES:
+            if held_n and held_n + n > SLICE_VALUES:
                 edges.append(bucket)
                 held_n = 0
             held_n += n
