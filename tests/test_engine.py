@@ -790,7 +790,8 @@ def test_by_time_starts_at_the_first_record_kept_when_a_cast_skips_the_earliest(
     assert result.scan.report.skipped_records == 1
 
 
-def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spill", [700, 10**9], ids=["spilled", "held"])
+def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch, spill):
     """median/pNN values spilled to many files, taken back over many takes: every
     group's p99 and median still equal numpy's over its records. (Spill files were once
     named by how many were live, so a spill after a take could take the name of one still
@@ -815,8 +816,16 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch):
             truth.setdefault((s, k), []).append(v)
     monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine, "PARTITION_ROWS", 500)
-    monkeypatch.setattr(engine.partials, "SPILL_VALUES", 700)  # dozens of spill files
+    monkeypatch.setattr(engine.partials, "SPILL_VALUES", spill)  # dozens of spill files, or none
     monkeypatch.setattr(engine.partials, "SLICE_VALUES", 400)  # a take's quantiles in several queries
+    slices = []
+    value_ranges = engine.partials.Accumulator._value_ranges
+
+    def counting(self, lo, hi):
+        slices.append(len(found := value_ranges(self, lo, hi)))
+        return found
+
+    monkeypatch.setattr(engine.partials.Accumulator, "_value_ranges", counting)
     monkeypatch.setattr(engine, "TAKEN_GROUPS", 2)  # a take a block of 256 steps
     frame = run_plan(tmp_path, make_plan()).frame
     got = {(s, k): v for s, k, v in frame.select("step", "key", "value").iter_rows()}
@@ -824,24 +833,28 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch):
     for (s, k), values in truth.items():
         want = np.percentile(values, 99 if k[-1] in "024" else 50)
         assert got[s, k] == pytest.approx(want, rel=1e-15, abs=1e-15), (s, k)
+    assert max(slices) > 1  # held or spilled, a take's values are split into slices
 
 
 def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path, monkeypatch):
     """A partition whose every group is median/pNN keeps its groups' counts alone (their
-    values are kept apart); folded with partitions of other statistics into the same steps,
-    in either order, each statistic still equals numpy's over its records."""
+    values are kept apart); folded with partitions that hold other statistics too (and so
+    sums for the same p99 groups), each statistic and count still equals numpy's over its
+    records."""
     rng = np.random.default_rng(3)
     steps = 40
     truth: dict[tuple[int, str], list[float]] = {}
-    for name, key, reduction in [("a", "q", "p99"), ("b", "m", "mean"), ("c", "q", "p99"), ("d", "s", "std")]:
-        value = rng.normal(1e6, 2.0, steps * 3)
-        step = np.repeat(np.arange(steps), 3)
-        rows = {"key": [key] * len(step), "value": value, "reduction": [reduction] * len(step), "step": step}
+    reductions = {"q": "p99", "m": "mean", "s": "std"}
+    for name, keys in [("a", ["q"]), ("b", ["m", "q"]), ("c", ["q"]), ("d", ["s", "q"])]:
+        value = rng.normal(1e6, 2.0, steps * 3 * len(keys))
+        step = np.repeat(np.arange(steps), 3 * len(keys))
+        key = keys * (steps * 3)
+        rows = {"key": key, "value": value, "reduction": [reductions[k] for k in key], "step": step}
         write_foreign(
             tmp_path / f"{name}.parquet", {**rows, "timestamp": BASE_TIME + step, "rank": [0] * len(step)}
         )
-        for s, v in zip(step.tolist(), value.tolist(), strict=True):
-            truth.setdefault((s, key), []).append(v)
+        for s, k, v in zip(step.tolist(), key, value.tolist(), strict=True):
+            truth.setdefault((s, k), []).append(v)
     blocks: list[int] = []
     add = engine.partials.Accumulator.add
 
@@ -851,18 +864,16 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
 
     monkeypatch.setattr(engine.partials.Accumulator, "add", fields)
     monkeypatch.setattr(engine, "PARTITION_ROWS", 60)  # each file alone in its partitions
-    got = {
-        (s, k): v
-        for s, k, v in run_plan(tmp_path, make_plan()).frame.select("step", "key", "value").iter_rows()
-    }
+    frame = run_plan(tmp_path, make_plan()).frame
+    got = {(s, k): (v, n) for s, k, v, n in frame.select("step", "key", "value", "count").iter_rows()}
     assert set(got) == set(truth)
     for (s, k), values in truth.items():
         want = {"q": lambda v: np.percentile(v, 99), "m": np.mean, "s": np.std}[k](np.array(values))
-        assert got[s, k] == pytest.approx(want, rel=1e-12), (s, k)
-    assert blocks[0] == engine.partials.COUNTED and max(blocks) == engine.partials.UNTIMED
+        assert got[s, k] == (pytest.approx(want, rel=1e-12), len(values)), (s, k)
+    assert blocks[0] == engine.partials.COUNTED and max(blocks) == engine.partials.UNTIMED  # a's, then b's
 
     blocks.clear()
     quantiles = run_plan(tmp_path, make_plan(reduce=["*=p99"])).frame
     assert set(blocks) == {engine.partials.COUNTED}  # the whole run: counts alone
-    for s, k, v in quantiles.select("step", "key", "value").iter_rows():
-        assert v == pytest.approx(np.percentile(truth[s, k], 99), rel=1e-15), (s, k)
+    for s, k, v, n in quantiles.select("step", "key", "value", "count").iter_rows():
+        assert (v, n) == (pytest.approx(np.percentile(truth[s, k], 99), rel=1e-15), len(truth[s, k])), (s, k)

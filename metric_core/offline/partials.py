@@ -17,7 +17,9 @@ The state of a group in one partition, over its values v (n of them):
   first/last  the value with the smallest / largest timestamp, with ``first_at`` /
               ``last_at``, the place in file order of the part it came from (ties: the
               earlier part in file order, then the earlier row)
-  values      for median and pNN only: the group's values themselves
+  values      for median and pNN only: the group's values themselves. Of the fields
+              above, only n of such a group is ever read, so a partition whose groups
+              are all median/pNN keeps n alone
 
 Folding re-centres every partition on one shift K per group (the first partition's):
 sum(v - K) = dev + n (shift - K) and sum((v - K)**2) = sq + 2 (shift - K) dev +
@@ -53,9 +55,9 @@ FIELDS = (
 )  # fmt: skip
 _EMPTY = np.array([0, 0, 0, 0, 0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
 N, RAW, SHIFT, DEV, SQ, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
-# The fields up to first_ts are in every state; first and last only where a statistic needs
-# them (a state of 7 fields, not 13, for most runs); where every statistic is median or
-# pNN, whose values are kept apart, the count alone.
+# A state holds the fields up to first_ts, and first and last only where a statistic needs
+# them (7 fields, not 13, for most runs); a partition whose every statistic is median or
+# pNN (their values are kept apart) holds the count alone.
 UNTIMED = FIRST_TS
 COUNTED = RAW
 _FAMILIES = ("min", "max", "first", "last")  # what only some statistics need
@@ -383,15 +385,15 @@ class Accumulator:
             for path, first, last in self.spills
             if (lo is None or last >= lo) and (hi is None or first < hi)
         ]
-        if not files:
-            return [mine.lazy()]
-        self.spent = [path for path, _, last in self.spills if hi is None or last < hi]
-        self.spills = [s for s in self.spills if s[0] not in self.spent]
-        scan = pl.concat([pl.scan_parquet(files), mine.lazy()])
-        if lo is not None:
-            scan = scan.filter(pl.col("bucket") >= lo)
-        if hi is not None:
-            scan = scan.filter(pl.col("bucket") < hi)
+        scan = mine.lazy()
+        if files:
+            self.spent = [path for path, _, last in self.spills if hi is None or last < hi]
+            self.spills = [s for s in self.spills if s[0] not in self.spent]
+            scan = pl.concat([pl.scan_parquet(files), scan])
+            if lo is not None:
+                scan = scan.filter(pl.col("bucket") >= lo)
+            if hi is not None:
+                scan = scan.filter(pl.col("bucket") < hi)
         per_bucket = scan.group_by("bucket").len().sort("bucket").collect()
         edges, held_n = [], 0
         for bucket, n in per_bucket.iter_rows():
@@ -495,7 +497,7 @@ class Accumulator:
         )
         n, dev, sq, base, raw = s[N], s[DEV], s[SQ], s[SHIFT], s[RAW]
         finite = np.isfinite(raw)
-        with np.errstate(invalid="ignore"):
+        with np.errstate(invalid="ignore", over="ignore"):  # over: sums no statistic reads
             stats = {
                 "count": n.astype(np.int64),
                 "sum": np.where(finite, n * base + dev, raw),
@@ -512,7 +514,7 @@ class Accumulator:
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     """Accumulated states ``a`` with one partition's states ``p`` of the same groups folded
     in (``a`` has at least ``p``'s fields)."""
-    if len(p) == COUNTED:
+    if len(p) == COUNTED:  # median/pNN groups: only their counts are read
         a[N] += p[N]
         return a
     fresh = a[N] == 0
