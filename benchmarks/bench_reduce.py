@@ -120,25 +120,35 @@ def generate(root: Path, name: str) -> Path:
 
 
 def timed(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of one child process.
+    """Wall seconds and peak RSS (MiB) of one child process (``cpu_timed``)."""
+    wall, mib, _ = cpu_timed(cmd)
+    return wall, mib
+
+
+def cpu_timed(cmd: list[str]) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds (user + system, all threads) of one
+    child process.
 
     GNU time reports the RSS of the program it execs; wait4() on a child forked from
     this (large) process would count pages the child only shared before exec.
     """
     start = time.perf_counter()
     if Path("/usr/bin/time").exists():
-        proc = subprocess.run(["/usr/bin/time", "-f", "RSS_KB=%M", *cmd], capture_output=True, text=True)
+        proc = subprocess.run(
+            ["/usr/bin/time", "-f", "RSS_KB=%M CPU=%U+%S", *cmd], capture_output=True, text=True
+        )
         wall = time.perf_counter() - start
         if proc.returncode != 0:
             raise RuntimeError(f"{cmd[:3]} failed: {proc.stderr}")
-        rss_kb = int(proc.stderr.rsplit("RSS_KB=", 1)[1].split()[0])
-        return wall, rss_kb / 1024
+        found = proc.stderr.rsplit("RSS_KB=", 1)[1].split()
+        user, system = found[1].removeprefix("CPU=").split("+")
+        return wall, int(found[0]) / 1024, float(user) + float(system)
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(child.pid, 0)
     wall = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{cmd[:3]} failed: {child.stderr.read().decode() if child.stderr else ''}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime
 
 
 def replay_rows_per_second(run: Path, fmt: str, limit: int = 1_000_000) -> float:
