@@ -877,3 +877,48 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
     assert set(blocks) == {engine.partials.COUNTED}  # the whole run: counts alone
     for s, k, v, n in quantiles.select("step", "key", "value", "count").iter_rows():
         assert (v, n) == (pytest.approx(np.percentile(truth[s, k], 99), rel=1e-15), len(truth[s, k])), (s, k)
+
+
+@pytest.mark.parametrize("stat", ["median", "p50", "p99", "p99.9", "p37.5", "p0", "p100"])
+def test_median_and_percentiles_are_numpys_to_the_bit(tmp_path, stat):
+    """median and pNN equal np.median and np.percentile bit for bit: groups of 1 to 9
+    values of both signs around zero (where a formula that differs rounds far off, in
+    relative terms), huge values whose sum overflows, zeros, and a NaN. (Which of -0.0 and
+    0.0 a tie between them gives depends on the sort, numpy's or polars'.)"""
+    rng = np.random.default_rng(17)
+    steps, key, value = [], [], []
+    for step in range(600):
+        n = 1 + step % 9
+        kind = step % 5
+        if kind == 0:
+            v = rng.normal(0.0, 8.0, n)  # both signs: the two middle values nearly cancel
+        elif kind == 1:
+            v = np.full(n, 1.7e308) * rng.choice([-1.0, 1.0], n)  # their sum overflows
+        elif kind == 2:
+            v = rng.choice([-0.0, 0.0, 1e-300], n)
+        else:
+            v = rng.normal(1e6, 3.0, n)
+        if step == 7:
+            v[0] = np.nan
+        steps += [step] * n
+        key += ["k"] * n
+        value += v.tolist()
+    write_foreign(
+        tmp_path / "part.parquet",
+        {
+            "key": key,
+            "value": value,
+            "reduction": ["mean"] * len(key),
+            "step": steps,
+            "timestamp": BASE_TIME + np.array(steps, dtype=float),
+            "rank": [0] * len(key),
+        },
+    )
+    got = run_plan(tmp_path, make_plan(reduce=[f"*={stat}"])).frame
+    by_step = {s: np.array([v for s2, v in zip(steps, value, strict=True) if s2 == s]) for s in set(steps)}
+    for s, v, n in got.select("step", "value", "count").iter_rows():
+        values = by_step[s]
+        with np.errstate(over="ignore", invalid="ignore"):  # numpy's own, on the huge values
+            want = np.median(values) if stat == "median" else np.percentile(values, float(stat[1:]))
+        assert n == len(values)
+        assert np.array_equal([v], [want], equal_nan=True), (s, values, v, want)  # -0.0 == 0.0: a tie

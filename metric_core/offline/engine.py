@@ -581,8 +581,9 @@ def _check_reductions(
 def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.LazyFrame]) -> np.ndarray:
     """Each group's value: the statistic its reduction names, from the merged states.
 
-    median and pNN sort each group's values (polars' linear quantile, numpy's to an ulp);
-    a group holding NaN gets NaN, as in numpy."""
+    median and pNN take the one or two order statistics they need from each group's
+    sorted values (polars), then combine them as numpy does (``_as_numpy``): the same bits
+    as ``np.median`` and ``np.percentile``. A group holding NaN gets NaN, as in numpy."""
     value = np.full(merged.height, np.nan)
     for name in merged["reduction"].unique().sort():
         stat = Statistic.parse(name)
@@ -590,17 +591,19 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
         if stat.name != "median" and stat.quantile is None:
             value[rows] = stats[stat.name][rows]
             continue
-        q = 0.5 if stat.quantile is None else stat.quantile  # median: 0.5
         combos = merged.filter(rows)["_combo"].unique().implode()
+        n = pl.len().cast(pl.Int64)
+        if stat.quantile is None:  # median: the middle value, or the two middle ones
+            lo, hi = (n - 1) // 2, n // 2
+        else:  # numpy's linear method: between floor((n - 1) q) and the next one
+            lo = ((n - 1).cast(pl.Float64) * stat.quantile).floor().cast(pl.Int64)
+            hi = pl.min_horizontal(lo + 1, n - 1)
+        ordered = pl.col("value").sort()
         found = pl.concat(
             [
                 part.filter(pl.col("_combo").is_in(combos))
                 .group_by("bucket", "_combo")
-                .agg(
-                    q=pl.when(pl.col("value").is_nan().any())
-                    .then(float("nan"))
-                    .otherwise(pl.col("value").quantile(q, interpolation="linear"))
-                )
+                .agg(n=n, lo=ordered.get(lo), hi=ordered.get(hi), nan=pl.col("value").is_nan().any())
                 .collect()
                 for part in values
             ]
@@ -608,8 +611,27 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
         picked = merged.select("bucket", "_combo").join(
             found, on=["bucket", "_combo"], how="left", maintain_order="left"
         )
-        value[rows] = picked["q"].to_numpy()[rows]
+        value[rows] = _as_numpy(picked, stat.quantile)[rows]
     return value
+
+
+def _as_numpy(picked: pl.DataFrame, q: float | None) -> np.ndarray:
+    """A median (q None) or a linear percentile from each group's count ``n`` and its order
+    statistics ``lo`` and ``hi``, computed as numpy 2's ``median`` and ``percentile`` do, to
+    the bit (NaN where the group holds NaN)."""
+    n = picked["n"].to_numpy().astype(np.float64)
+    lo, hi = picked["lo"].to_numpy(), picked["hi"].to_numpy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        if q is None:  # np.median: the mean of the middle one or two
+            out = np.where(n % 2 == 1, lo, (lo + hi) / 2)
+        else:  # np.percentile's virtual index, weight and _lerp
+            virtual = (n - 1) * q
+            gamma = virtual - np.where(virtual >= n - 1, -1.0, np.floor(virtual))
+            diff = hi - lo
+            out = lo + diff * gamma
+            np.subtract(hi, diff * (1 - gamma), out=out, where=gamma >= 0.5)
+    out[picked["nan"].to_numpy().astype(bool)] = np.nan
+    return out
 
 
 def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> ReduceResult:

