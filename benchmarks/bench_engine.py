@@ -21,8 +21,12 @@ Peak RSS is that of the command's process tree (GNU time on the metriclog comman
 engine starts no child). Every mode, inspect and upload's dry run of raw mode are run once per
 size for memory.
 
+With --floors, only this: for each speed target, our start and a bare read of the columns
+the reduction needs (READ_CHILD), against the peer the target is set against, and what
+that leaves a record for reducing.
+
 Usage: python benchmarks/bench_engine.py [--sizes 20M,100M] [--repeats 3] [--dir bench_out]
-       [--skip-modes] [--skip-100M-quantiles]
+       [--skip-modes] [--skip-100M-quantiles] [--floors]
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import argparse
 import hashlib
 import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +100,103 @@ def foreign_run(root: Path, rows: int) -> Path:
         pq.write_table(table, run / f"part-{f:05d}.parquet", row_group_size=1 << 20)
     done.touch()
     return run
+
+
+# Our command's fixed start (imports, the scan of the run) and then a bare read of the
+# columns a reduction needs, on 2 threads, with nothing done to them: pyarrow for Parquet,
+# the engine's own read (polars) for JSONL. What is left of a target for reducing is the
+# target's wall time minus this.
+READ_CHILD = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from cli import tuning
+tuning.apply()
+import pyarrow.parquet as pq
+from metric_core.offline.read import scan_run
+run, fmt, columns = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+scan = scan_run(run, defer_checks=True)
+def read(fid):
+    if fmt == "jsonl":
+        return sum(df.height for df in scan.batches(fid, columns, dictionaries=False))
+    file = pq.ParquetFile(scan.report.files[fid].path)
+    return sum(b.num_rows for b in file.iter_batches(125_000, columns=columns))
+with ThreadPoolExecutor(2) as pool:
+    print(sum(pool.map(read, list(scan.parts))))
+"""
+
+
+# The engine's partial states alone (numpy), over the first 1M records of a run as the
+# engine reads them, on one thread: CPU nanoseconds a record, best of 3.
+STATES_CHILD = """
+import sys, time
+from cli import tuning
+tuning.apply()
+from metric_core.offline import engine, partials
+from metric_core.offline.plan import make_plan
+from metric_core.offline.read import scan_run
+scan = scan_run(sys.argv[1], defer_checks=True)
+plan = make_plan()
+kept, statistic_of = engine._columns_read(plan, scan), engine._statistic_chooser(plan)
+frames, held = [], 0
+for fid in scan.parts:
+    frames += scan.batches(fid, kept, dictionaries=engine._dictionary_read(scan), rows=engine.PARTITION_ROWS)
+    held = sum(df.height for df in frames)
+    if held >= 1_000_000:
+        break
+best = float("inf")
+for _ in range(3):
+    start = time.process_time()
+    for df in frames:
+        partials.partition_states(df, plan, statistic_of, None)
+    best = min(best, time.process_time() - start)
+print(best / held * 1e9)
+"""
+
+
+def floors(runs: list[tuple[str, Path, str]], out_dir: Path, repeats: int) -> None:
+    """Each run's bare read (READ_CHILD) against its target's wall time, interleaved with
+    the peer the target is set against: what is left for the reduction, per record; and
+    what the engine's partial states alone cost a record (STATES_CHILD)."""
+    targets = {"foreign": ("duckdb", 1.0), "own_100M": ("duckdb", 0.8), "jsonl": ("floor", 1.1)}
+    columns = {
+        "foreign": "key,reduction,step,value",
+        "own": "key_hash,step,value",
+        "jsonl": "key,reduction,step,value",
+    }
+    root = Path(__file__).resolve().parent.parent
+    print(f"\nfloors: our start and a bare read of the needed columns (2 threads), medians of {repeats}")
+    heads = [("peer", 8), ("peer s", 9), ("target s", 10), ("read s", 9), ("left s", 9)]
+    heads += [("left cpu ns/rec", 17), ("states ns/rec", 15)]
+    print(f"{'run':<14}" + "".join(f"{h:>{w}}" for h, w in heads))
+    for name, run, fmt in runs:
+        kind = next((k for k in targets if name.startswith(k)), None)
+        if kind is None:
+            continue
+        peer, factor = targets[kind]
+        child = DUCKDB_CHILD if peer == "duckdb" else FLOOR_CHILD
+        peer_s, read_s, records = [], [], 0
+        for _ in range(repeats):
+            peer_s.append(
+                timed([sys.executable, "-c", child, str(run), str(out_dir / "floor_peer.parquet"), fmt])[0]
+            )
+            start = time.perf_counter()
+            command = [sys.executable, "-c", READ_CHILD, str(run), fmt, columns[name.split("_")[0]]]
+            done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=root)
+            read_s.append(time.perf_counter() - start)
+            records = int(done.stdout.split()[-1])
+        command = [sys.executable, "-c", STATES_CHILD, str(run)]
+        states = float(subprocess.run(command, capture_output=True, text=True, check=True, cwd=root).stdout)
+        target = factor * statistics.median(peer_s)
+        left = target - statistics.median(read_s)
+        print(
+            f"{name:<14}{peer:>8}{statistics.median(peer_s):>9.2f}{target:>10.2f}"
+            f"{statistics.median(read_s):>9.2f}{left:>9.2f}{left * 2 / records * 1e9:>17.1f}{states:>15.1f}"
+        )
+    print(
+        "left s: the target's wall time minus the read; left cpu ns/rec: the CPU time that leaves a"
+        " record for reducing, both cores together; states ns/rec: the CPU the engine's numpy partial"
+        " states alone take a record (1M records, one thread), before the fold and the output"
+    )
 
 
 def digest(path: Path) -> str:
@@ -204,6 +307,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=Path("bench_out"))
     parser.add_argument("--skip-modes", action="store_true")
     parser.add_argument("--skip-100M-quantiles", action="store_true")
+    parser.add_argument("--floors", action="store_true", help="only the floors of the speed targets")
     args = parser.parse_args()
     args.dir.mkdir(exist_ok=True)
     compile_sources()
@@ -213,6 +317,9 @@ def main() -> None:
         runs.append((f"foreign_{size}", foreign_run(args.dir, int(size.rstrip("M")) * 1_000_000), "parquet"))
         runs.append((f"own_{size}", generate(args.dir, size), "parquet"))
     runs.append(("jsonl_2M", generate(args.dir, "jsonl"), "jsonl"))
+    if args.floors:
+        floors(runs, args.dir, args.repeats)
+        return
     table = compare(runs, args.dir, args.repeats)
     print(f"\nreduce --mode global_reduce: medians of {args.repeats}; whole processes; RSS = peak")
     heads = [("ours s", 8), ("duckdb s", 10), ("x duckdb", 10), ("floor s", 9), ("x floor", 9)]
