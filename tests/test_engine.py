@@ -247,25 +247,41 @@ def test_each_file_is_read_once(many_files, monkeypatch):
         assert result.scan.report.skipped_records == 0
 
 
-@pytest.mark.parametrize("mode", ["global_reduce", "per_rank_no_reduce"])
-def test_by_time_reads_each_file_once_where_the_files_declare_their_first_time(many_files, monkeypatch, mode):
+@pytest.mark.parametrize(
+    ("mode", "ranks"), [("global_reduce", None), ("per_rank_no_reduce", None), ("global_reduce", "3-7,21")]
+)
+def test_by_time_reads_each_file_once_where_the_files_declare_their_first_time(
+    many_files, monkeypatch, mode, ranks
+):
     """``--by time`` windows start at the first record kept. The writer's segments declare
     their time ranges, and another tool's footers hold their lowest timestamps and no
     nulls: no query over the run finds it (the run's lazy frames fail if collected), each
-    row group is read once, and the first window starts at the lowest timestamp there is."""
+    row group is read once, and the first window starts at the lowest timestamp there is
+    (with ``--ranks``, of the files of those ranks: each file holds one source)."""
     reads = row_group_reads(monkeypatch)
     paths = sorted(many_files.glob("*.parquet"))
     every = sorted((p.name, g) for p in paths for g in range(pq.ParquetFile(p).num_row_groups))
-    first = min(pq.read_table(p, columns=["timestamp"])["timestamp"].to_numpy().min() for p in paths)
+    kept = {*range(3, 8), 21} if ranks else None
+    first = min(
+        float(ts.min())
+        for p in paths
+        for t in [pq.read_table(p, columns=["timestamp", "rank"])]
+        for ts in [
+            t["timestamp"].to_numpy()[np.isin(t["rank"].to_numpy(), list(kept)) if kept else slice(None)]
+        ]
+        if len(ts)
+    )
     scan = scan_run(many_files, defer_checks=True)
     assert len(scan.pending) == 4  # the other tool's files, unchecked
     poisoned = pl.LazyFrame({"x": [0]}).select(
         pl.col("x").map_batches(lambda _: pytest.fail("a query over the run's frames"), return_dtype=pl.Int64)
     )
     scan.frame, scan.parts = poisoned, dict.fromkeys(scan.parts, poisoned)
-    frame = engine.execute(make_plan(mode=mode, by="time", every=2.0), scan).frame
+    plan = make_plan(mode=mode, by="time", every=2.0, **({"ranks": ranks} if ranks else {}))
+    frame = engine.execute(plan, scan).frame
     assert sorted(reads) == every
     assert frame["window_start"].min() == first
+    assert kept is None or set(frame["rank"] if "rank" in frame.columns else kept) <= kept
     assert scan.report.skipped_records == 0
 
 

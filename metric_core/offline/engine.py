@@ -539,14 +539,23 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
 
 
 def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
-    """The earliest timestamp of the run, from what its files declare without a read of
-    their records: the writer's time range of each of its segments, another tool's Parquet
-    footer where it shows that record is kept (``kept_first_time``). None when a filter
-    or a restart's rewind drops records, or a file declares nothing exact."""
-    if plan.keys or plan.ranks or plan.steps is not None:
+    """The earliest timestamp of the records kept, from what the run's files declare
+    without a read of their records: the writer's time range of each of its segments,
+    another tool's Parquet footer where it shows that record is kept (``kept_first_time``).
+    With ``--ranks``, of the files of the ranks kept, where every file holds one source.
+    None when a key or step filter or a restart's rewind drops records, or a file declares
+    nothing exact."""
+    if plan.keys or plan.steps is not None:
         return None
+    fids = list(scan.parts)
+    if plan.ranks:
+        sources = _single_sources(scan)
+        if sources is None:
+            return None
+        kept = [ids for (_, rank), ids in sources.items() if any(lo <= rank <= hi for lo, hi in plan.ranks)]
+        fids = [fid for ids in kept for fid in ids]
     lows = []
-    for fid in scan.parts:
+    for fid in fids:
         rep = scan.report.files[fid]
         if rep.replaced_from is not None:
             return None
