@@ -89,7 +89,11 @@ RayAddress = Annotated[
 ByOpt = Annotated[By, choice("--by", By, "Group by training step or by wall-clock window.")]
 Every = Annotated[
     str | None,
-    typer.Option("--every", metavar="DURATION", help="Window length with --by time: 10s, 500ms, 5m, 1h."),
+    typer.Option(
+        "--every",
+        metavar="DURATION",
+        help="Window length with --by time: 10s, 500ms, 5m, 1h (a bare number: seconds).",
+    ),
 ]
 Reduce = Annotated[
     list[str] | None,
@@ -97,7 +101,8 @@ Reduce = Annotated[
         "--reduce",
         metavar="PATTERN=STAT",
         help="PATTERN=STAT: reduce matching keys with STAT (mean, sum, max, min, std, "
-        "count, median, pNN, first, last). Repeatable; the last match wins.",
+        "count, median, pNN, first, last; pNN: numpy's linear percentile, NN from 0 to 100). "
+        "Repeatable; the last match wins.",
     ),
 ]
 Keys = Annotated[

@@ -368,7 +368,7 @@ def test_skips_are_summarized_and_strict_makes_them_fatal(tmp_path):
         (
             ["--reduce", "loss=avg"],
             "--reduce 'loss=avg' names an unknown statistic 'avg': use one of mean, sum, max, min, std, "
-            "count, median, first, last, pNN (e.g. p99, p99.9)",
+            "count, median, first, last, pNN (NN from 0 to 100, e.g. p99, p99.9)",
         ),
         (["--reduce", "loss"], "--reduce 'loss' is not PATTERN=STAT, e.g. 'trainer/*=p99'"),
         (

@@ -230,7 +230,7 @@ def test_a_single_value_has_zero_std(tmp_path):
         (
             {"reduce": ["k=avg"]},
             "reduce='k=avg' names an unknown statistic 'avg': use one of mean, sum, max, min, std, "
-            "count, median, first, last, pNN (e.g. p99, p99.9)",
+            "count, median, first, last, pNN (NN from 0 to 100, e.g. p99, p99.9)",
         ),
         ({"reduce": ["k"]}, "reduce='k' is not PATTERN=STAT, e.g. 'trainer/*=p99'"),
         ({"ranks": "1-x"}, "ranks='1-x' is not a rank or a range like 2-5"),

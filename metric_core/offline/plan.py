@@ -52,7 +52,7 @@ class Statistic:
             q = float(match.group(1))
             if q <= 100:
                 return cls(name, q / 100)  # as numpy's percentile divides it
-        allowed = ", ".join((*BASIC_STATS, *OFFLINE_STATS, "pNN (e.g. p99, p99.9)"))
+        allowed = ", ".join((*BASIC_STATS, *OFFLINE_STATS, "pNN (NN from 0 to 100, e.g. p99, p99.9)"))
         raise PlanError(f"unknown statistic '{text}': use one of {allowed}")
 
 
