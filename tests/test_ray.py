@@ -37,7 +37,8 @@ def run_cases() -> subprocess.CompletedProcess[str]:
 def test_the_ray_engine_cases_pass():
     done = run_cases()
     if done.returncode != 0 and not SUMMARY.search(done.stdout):  # ended before its report
-        warnings.warn(f"the Ray cases' process ended early; run again:\n{done.stdout[-2000:]}", stacklevel=1)
+        ended = f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+        warnings.warn(f"the Ray cases' process ended early; run again:\n{ended}", stacklevel=1)
         done = run_cases()
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-3000:]
     assert SUMMARY.search(done.stdout), done.stdout

@@ -631,8 +631,8 @@ def _as_numpy(picked: pl.DataFrame, q: float | None) -> np.ndarray:
     n = picked["n"].to_numpy().astype(np.float64)
     lo, hi = picked["lo"].to_numpy(), picked["hi"].to_numpy()
     with np.errstate(invalid="ignore", over="ignore"):
-        if q is None:  # np.median: the mean of the middle one or two
-            out = np.where(n % 2 == 1, lo, (lo + hi) / 2)
+        if q is None:  # np.median: the mean of the middle one or two (its sum starts at 0.0)
+            out = np.where(n % 2 == 1, lo + 0.0, (lo + 0.0 + hi) / 2)
         else:  # np.percentile's virtual index, weight and _lerp
             virtual = (n - 1) * q
             gamma = virtual - np.where(virtual >= n - 1, -1.0, np.floor(virtual))
