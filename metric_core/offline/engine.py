@@ -607,12 +607,20 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
         else:  # numpy's linear method: between floor((n - 1) q) and the next one
             lo = ((n - 1).cast(pl.Float64) * stat.quantile).floor().cast(pl.Int64)
             hi = pl.min_horizontal(lo + 1, n - 1)
-        ordered = pl.col("value").sort()
+        between = pl.col("value").sort().slice(lo, hi - lo + 1)  # one sort for both
         found = pl.concat(
             [
                 part.filter(pl.col("_combo").is_in(combos))
                 .group_by("bucket", "_combo")
-                .agg(n=n, lo=ordered.get(lo), hi=ordered.get(hi), nan=pl.col("value").is_nan().any())
+                .agg(n=n, between=between, nan=pl.col("value").is_nan().any())
+                .select(
+                    "bucket",
+                    "_combo",
+                    "n",
+                    "nan",
+                    lo=pl.col("between").list.first(),
+                    hi=pl.col("between").list.last(),
+                )
                 .collect()
                 for part in values
             ]
