@@ -34,6 +34,8 @@ _EXPORTS = {
     "shutdown": "metric_core.writer.api",
     "get_collector": "metric_core.writer.api",
     "start_sidecar": "metric_core.writer.sidecar",
+    "record_exception": "metric_core.writer.ends",
+    "record": "metric_core.writer.ends",
     "MetricCollector": "metric_core.writer.collector",
     "LoggerBackend": "metric_core.writer.backends",
     # ground floor
@@ -83,6 +85,7 @@ if TYPE_CHECKING:  # the same names, for type checkers
     from metric_core.writer.api import aflush, flush, get_collector, init, record_metric, shutdown
     from metric_core.writer.backends import LoggerBackend
     from metric_core.writer.collector import MetricCollector
+    from metric_core.writer.ends import record, record_exception
     from metric_core.writer.sidecar import start_sidecar
 
 

@@ -2,19 +2,26 @@
 
 ``flush()`` must make records durable without serializing them one by one on the
 training thread, so the open segment is a journal of the collector's own buffer.
-Format 3 (``MLJ3``; ``MLJ2``, the same without F frames, and ``MLJ1`` are still read)::
+Format 4 (``MLJ4``; ``MLJ3``, whose F frames carry no time and which has no H and E
+frames, ``MLJ2``, the same without F frames, and ``MLJ1`` are still read)::
 
-    header   b"MLJ3" u32:len u32:crc JSON{"format": 3, "process", "rank", "created",
-                                           "attempt", "attempt_started", "attempt_first_step"}
+    header   b"MLJ4" u32:len u32:crc JSON{"format": 4, "process", "rank", "created",
+                                           "attempt", "attempt_started", "attempt_first_step",
+                                           "host", "pid", "flush_interval", "restart"}
     frames   u8:type u32:len u32:crc payload
              type K: JSON [[code, key, reduction], ...]     key codes used from here on
              type R: i64:step, then (f64 value, f64 code, f64 timestamp) per record
              type D: JSON {"records", "steps", "timestamps", "reason"}   records the
                      writer had to drop (its backlog was full while writing failed)
              type S: JSON {"timestamp"}                     the source shut down cleanly
-             type F: i64:step    flush(step): the records since the previous F frame
-                     (of this journal) belong to ``step``, whatever step they were
-                     stamped with (the writer thread may write them before the flush)
+             type F: i64:step f64:time   flush(step), ended at ``time``: the records
+                     since the previous F frame (of this journal) belong to ``step``,
+                     whatever step they were stamped with (the writer thread may write
+                     them before the flush)
+             type H: f64:time    a heartbeat: the writer was alive at ``time`` (written
+                     when nothing else was for a flush interval)
+             type E: JSON {"kind", "timestamp", ...}   how the attempt ended, or
+                     something it lived through (``metric_core.life``)
 
 ``crc`` is the CRC-32 (``zlib.crc32``) of the frame's type and length bytes and its
 payload (of the header's JSON for the header). All integers are little-endian.
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -40,11 +48,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from metric_core.life import Life
 from metric_core.records import build_table, int64_array
 from metric_core.schema import KEY_HASH, key_hash
 
-MAGIC = b"MLJ3"  # 3: flush (F) frames and the attempt in the header; 2 is read too
-FORMAT = 3
+MAGIC = b"MLJ4"  # 4: F frames carry their time, H and E frames; 3 and 2 are read too
+FORMAT = 4
+_MAGIC_V3 = b"MLJ3"
 _MAGIC_V2 = b"MLJ2"
 _MAGIC_V1 = b"MLJ1"
 SUFFIX = ".journal"
@@ -53,13 +63,17 @@ _HEAD = struct.Struct("<II")  # header: len, crc
 _FRAME = struct.Struct("<cII")  # frame: type, len, crc
 _FRAME_V1 = struct.Struct("<cI")
 _STEP = struct.Struct("<q")
+_TIME = struct.Struct("<d")
+_FLUSH = struct.Struct("<qd")
 _RECORD_BYTES = 24
 
 KEYS, RECORDS, DROPPED, SHUTDOWN, FLUSH = b"K", b"R", b"D", b"S", b"F"
+HEARTBEAT, EVENT = b"H", b"E"
 
 
 def header(process: str, rank: int, created: float, attempt: dict[str, Any] | None = None) -> bytes:
-    """The header; ``attempt`` is the writer's {"attempt", "attempt_started", "attempt_first_step"}."""
+    """The header; ``attempt`` is the writer's {"attempt", "attempt_started", "attempt_first_step"}
+    and its life's {"host", "pid", "flush_interval", "restart"}."""
     fields = {"format": FORMAT, "process": process, "rank": rank, "created": created, **(attempt or {})}
     body = json.dumps(fields).encode()
     return MAGIC + _HEAD.pack(len(body), zlib.crc32(body)) + body
@@ -81,13 +95,17 @@ def record_frame(step: int, rows: bytes) -> bytes:
     return _frame(RECORDS, _STEP.pack(step), rows)
 
 
-def flush_frame(step: int) -> bytes:
-    return _frame(FLUSH, _STEP.pack(step))
+def flush_frame(step: int, at: float) -> bytes:
+    return _frame(FLUSH, _FLUSH.pack(step, at))
+
+
+def heartbeat_frame(at: float) -> bytes:
+    return _frame(HEARTBEAT, _TIME.pack(at))
 
 
 def event_frame(kind: bytes, body: dict[str, Any]) -> bytes:
-    """A ``D`` (dropped records) or ``S`` (clean shutdown) frame."""
-    return _frame(kind, json.dumps(body).encode())
+    """A ``D`` (dropped records), ``S`` (clean shutdown) or ``E`` (an end event) frame."""
+    return _frame(kind, json.dumps(body, default=str).encode())
 
 
 @dataclass
@@ -115,6 +133,7 @@ class Decoded:
     settled_records: int = 0  # of ``table``'s rows, the first this many
     last_flush: int | None = None  # the step of the last F frame
     version: int = FORMAT  # from format 3 on, F frames label steps: before, every step is final
+    life: Life = field(default_factory=Life)  # the header's host, pid, ...; flush times, heartbeats, ends
 
 
 def decode(data: bytes, after: Decoded | None = None) -> Decoded:
@@ -138,6 +157,7 @@ def decode(data: bytes, after: Decoded | None = None) -> Decoded:
         unknown_codes=0,
         pairs=[],
         settled_records=0,
+        life=dataclasses.replace(after.life, gaps=list(after.life.gaps), ends=list(after.life.ends)),
     )
     out.valid_bytes = after.settled_bytes
     _frames(data, 0, after.settled_bytes, out, v1=after.version == 1)
@@ -149,7 +169,7 @@ def _decode(data: bytes) -> Decoded:
     if not data:
         return out  # created, nothing written yet (or a failed first write, cut back)
     magic = data[:4]
-    if magic not in (MAGIC, _MAGIC_V2, _MAGIC_V1):
+    if magic not in (MAGIC, _MAGIC_V3, _MAGIC_V2, _MAGIC_V1):
         if len(data) < 4 and MAGIC.startswith(data):
             out.truncated = True  # killed while writing the header
         elif magic[:3] == MAGIC[:3]:
@@ -161,7 +181,7 @@ def _decode(data: bytes) -> Decoded:
             out.problems.append("not a metriclog journal (bad magic)")
         return out
     v1 = magic == _MAGIC_V1
-    out.version = {MAGIC: 3, _MAGIC_V2: 2, _MAGIC_V1: 1}[magic]
+    out.version = {MAGIC: 4, _MAGIC_V3: 3, _MAGIC_V2: 2, _MAGIC_V1: 1}[magic]
     head_size = 8 if v1 else 4 + _HEAD.size
     if len(data) < head_size:
         out.truncated = True
@@ -182,6 +202,11 @@ def _decode(data: bytes) -> Decoded:
         out.process = str(head["process"])
         out.rank = int(head["rank"])
         out.attempt = {k: head[k] for k in ("attempt", "attempt_started", "attempt_first_step") if k in head}
+        out.life = (
+            Life.parse({k: head[k] for k in ("host", "pid", "flush_interval", "restart") if k in head})
+            or Life()
+        )
+        out.life.seen(float(head.get("created", math.nan)))
     except (ValueError, KeyError, TypeError):
         out.problems.append("journal header is not valid")
         return out
@@ -234,9 +259,13 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
             elif kind == DROPPED:
                 out.dropped.append(json.loads(payload.tobytes()))
             elif kind == FLUSH:
-                if length != 8:
+                if length == _FLUSH.size:
+                    flushed, at = _FLUSH.unpack_from(data, start)
+                    out.life.flushed(flushed, at)
+                elif length == _STEP.size:  # format 3: no time
+                    (flushed,) = _STEP.unpack_from(data, start)
+                else:
                     raise ValueError(f"flush frame of {length} bytes")
-                (flushed,) = _STEP.unpack_from(data, start)
                 steps[covered:] = [flushed] * (len(steps) - covered)
                 covered = len(steps)
                 out.last_flush = flushed
@@ -244,7 +273,19 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
                     out.first_flush = flushed
             elif kind == SHUTDOWN:
                 out.shutdown = float(json.loads(payload.tobytes())["timestamp"])
+                out.life.seen(out.shutdown)
                 covered = len(steps)  # no F frame relabels anything after a clean end
+            elif kind == HEARTBEAT:
+                if length != _TIME.size:
+                    raise ValueError(f"heartbeat frame of {length} bytes")
+                out.life.seen(_TIME.unpack_from(data, start)[0])
+            elif kind == EVENT:
+                event = json.loads(payload.tobytes())
+                if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
+                    raise ValueError("event frame without a kind")
+                if event not in out.life.ends:  # a follower decodes the unsettled tail again
+                    out.life.ends.append(event)
+                out.life.seen(float(event.get("timestamp", math.nan)))
             else:
                 raise ValueError(f"unknown frame type {kind!r}")
         except (ValueError, TypeError, KeyError) as exc:
@@ -257,6 +298,8 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
             out.settled_records = sum(counts)
     if blocks:
         rows = np.frombuffer(b"".join(blocks), dtype=np.float64).reshape(-1, 3)
+        if len(rows):
+            out.life.seen(float(rows[:, 2].max()))
         step_col = np.repeat(np.asarray(steps, dtype=np.int64), counts)
         out.table = _to_table(rows, step_col, keys, out)
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from metric_core.life import Life
 from metric_core.schema import TIMESTAMP_RANGE
 
 PARQUET_KEY = "metriclog"
@@ -58,6 +59,7 @@ class SegmentMeta:
     attempt: str | None = None  # the writer's attempt id: one per init() of the source
     attempt_started: float | None = None  # when that attempt started
     attempt_first_step: int | None = None  # the step of its first flush(step), once there was one
+    life: Life | None = None  # where it ran, its flush times, pauses and end events (``metric_core.life``)
     # Set by a reader, never written: the fields it found malformed, and the length of the
     # JSONL line the metadata was parsed from.
     ignored: tuple[str, ...] = field(default=(), compare=False)
@@ -65,6 +67,8 @@ class SegmentMeta:
 
     def _fields(self) -> dict[str, Any]:
         out = {k: v for k, v in asdict(self).items() if v is not None and k not in ("ignored", "line_bytes")}
+        if self.life is not None:
+            out["life"] = self.life.to_dict()
         if not self.dropped:
             del out["dropped"]
         return out
@@ -135,6 +139,7 @@ class SegmentMeta:
             attempt=field_of("attempt", lambda v: _typed(v, str)),
             attempt_started=field_of("attempt_started", lambda v: float(_typed(v, (int, float)))),
             attempt_first_step=field_of("attempt_first_step", lambda v: _typed(v, int)),
+            life=field_of("life", _life),
         )
         return dataclasses.replace(meta, ignored=tuple(ignored)) if ignored else meta
 
@@ -144,6 +149,13 @@ def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise TypeError(f"{value!r} is not {kind}")
     return value
+
+
+def _life(value: Any) -> Life:
+    life = Life.parse(value)
+    if life is None:
+        raise ValueError("not a life")
+    return life
 
 
 def _pairs(value: Any) -> tuple[tuple[str, str], ...]:

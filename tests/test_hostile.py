@@ -214,10 +214,10 @@ def test_a_journal_damaged_in_the_middle_is_read_up_to_the_damage_and_said(tmp_p
     data = bytearray(path.read_bytes())
     # The third record frame: the header, one key frame and two steps, each a record frame
     # of 10 records (9 bytes of type, length and CRC, the step, 10 x 24 bytes) and a flush
-    # frame (9 bytes, the step) come before it.
+    # frame (9 bytes, the step and its time) come before it.
     hlen = int.from_bytes(data[4:8], "little")
     klen = int.from_bytes(data[12 + hlen + 1 : 12 + hlen + 5], "little")
-    frame = 12 + hlen + (9 + klen) + 2 * (9 + 8 + 240 + 9 + 8)
+    frame = 12 + hlen + (9 + klen) + 2 * (9 + 8 + 240 + 9 + 16)
     data[frame + 9 + 8 + 5] ^= 0xFF  # a flipped bit in the first value of step 2
     path.write_bytes(bytes(data))
     scan = scan_run(tmp_path)

@@ -354,12 +354,13 @@ def test_seal_interval_seals_an_open_segment(tmp_path):
     c.flush(0)
     deadline = time.time() + 10
 
-    def data() -> list[str]:  # names starting with "." are not data (the writer's lock)
-        return [p.suffix for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    def sealed() -> list[str]:  # the writer's heartbeats go on in a journal of their own
+        return [p.suffix for p in tmp_path.iterdir() if p.is_file() and p.suffix in (".parquet", ".jsonl")]
 
-    while time.time() < deadline and data() != [".parquet"]:
+    while time.time() < deadline and sealed() != [".parquet"]:
         time.sleep(0.02)  # the writer thread seals it
-    assert data() == [".parquet"]
+    assert sealed() == [".parquet"]
+    assert scan_run(tmp_path).report.records == 1  # every record is in the sealed segment, once
     c.shutdown()
     assert read_back(tmp_path)["value"].to_list() == [1.0]
 

@@ -184,6 +184,13 @@ def _mtime_ns(info: dict[str, Any]) -> int:
     return 0
 
 
+def listed_below(folder: UPath) -> list[UPath]:
+    """The objects below ``folder`` that the newest listing of a run holding it found (no
+    request of its own: a run's listing names every object of it)."""
+    below = str(folder).rstrip("/") + "/"
+    return [folder.joinpath(key[len(below) :]) for key in sorted(_listed) if key.startswith(below)]
+
+
 def newest_listed(root: UPath) -> float:
     """When anything below ``root`` was last stored, by its newest listing (epoch seconds;
     the wall clock for a store that lists no times): the time a copy of a live run last

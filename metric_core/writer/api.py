@@ -19,7 +19,7 @@ from metric_core.atomic import create_file
 from metric_core.errors import ConfigError, NotInitializedError, warn
 from metric_core.metric import Reduce
 from metric_core.writer.backends import LoggerBackend
-from metric_core.writer.collector import MetricCollector, _as_float, _now
+from metric_core.writer.collector import HANG_DUMP_AFTER, MetricCollector, _as_float, _now
 from metric_core.writer.segments import MAX_UNWRITTEN
 
 _active: MetricCollector | None = None
@@ -44,6 +44,8 @@ def init(
     on_flush_error: str = "raise",
     max_unwritten: int = MAX_UNWRITTEN,
     sidecar: dict[str, Any] | None = None,
+    catch_signals: bool = True,
+    hang_dump_after: float | None = HANG_DUMP_AFTER,
 ) -> MetricCollector:
     """Start recording this process's metrics into ``run_dir``.
 
@@ -70,6 +72,14 @@ def init(
     durable (a full disk, a deleted run directory): ``"raise"`` a ``WriteError``, or
     ``"warn"`` and go on; either way they stay in memory (at most ``max_unwritten``
     records) and are written when writing works again.
+
+    ``catch_signals`` (on by default) records how the attempt ends: a clean ``shutdown()``,
+    an uncaught exception, a SIGTERM/SIGINT/SIGHUP (with every thread's stack at that
+    moment) or a fatal signal, or an exit without ``shutdown()``; the process then ends
+    exactly as it would have (docs/durability.md). ``hang_dump_after`` seconds without a
+    returned ``flush()`` (300 by default, ``METRICLOG_HANG_DUMP_AFTER`` overrides, 0:
+    never) save every thread's stack into ``stacks/`` once per stall, so ``inspect``
+    tells where a hung rank is stuck.
 
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), rank=0, process_name="trainer")
@@ -98,6 +108,8 @@ def init(
         fsync=fsync,
         on_flush_error=on_flush_error,
         max_unwritten=max_unwritten,
+        catch_signals=catch_signals,
+        hang_dump_after=hang_dump_after,
     )
     if rank == 0:
         _write_run_json(Path(run_dir), world_size=world_size, config=config)

@@ -50,6 +50,7 @@ from metric_core import records
 from metric_core.errors import CollectorClosedError, ConfigError, RecordsDroppedError, WriteError, warn
 from metric_core.metric import Metric, Reduce
 from metric_core.schema import default_process_name
+from metric_core.writer import ends
 from metric_core.writer.backends import Backends, LoggerBackend
 from metric_core.writer.segments import MAX_UNWRITTEN, RawFileWriter
 from metric_core.writer.steps import StepReducer
@@ -62,6 +63,24 @@ _MAX_BACKOFF = 30.0
 ON_FLUSH_ERROR = ("raise", "warn")
 # A first flush(k) this far beyond the initial step, without init(step=...): a restart.
 _RESTART_JUMP = 100
+# Seconds without a returned flush() after which every thread's stack is saved (writer.ends).
+HANG_DUMP_AFTER = 300.0
+HANG_DUMP_ENV = "METRICLOG_HANG_DUMP_AFTER"
+
+
+def _hang_dump_after(given: float | None) -> float | None:
+    """``hang_dump_after``, unless the environment overrides it; 0 or None: never."""
+    raw = os.environ.get(HANG_DUMP_ENV, "").strip()
+    if raw:
+        try:
+            given = float(raw)
+        except ValueError:
+            raise ConfigError(
+                f"environment variable {HANG_DUMP_ENV}={raw!r} is not a number of seconds"
+            ) from None
+    if given is not None and given < 0:
+        raise ConfigError(f"hang_dump_after must be seconds >= 0 (0: never), got {given}")
+    return given or None
 
 
 class MetricCollector:
@@ -95,6 +114,8 @@ class MetricCollector:
         fsync: bool = False,
         on_flush_error: str = "raise",
         max_unwritten: int = MAX_UNWRITTEN,
+        catch_signals: bool = True,
+        hang_dump_after: float | None = HANG_DUMP_AFTER,
     ) -> None:
         if flush_interval <= 0:
             raise ConfigError(f"flush_interval must be positive seconds, got {flush_interval}")
@@ -125,6 +146,7 @@ class MetricCollector:
             seal_interval=seal_interval,
             fsync=fsync,
             max_unwritten=max_unwritten,
+            flush_interval=flush_interval,
         )
         try:
             self._backends = Backends(backends or {}, self.process_name)
@@ -143,12 +165,18 @@ class MetricCollector:
         self._steps = StepReducer(self._code_table, rank=self.rank, process=self.process_name)
         self._background_error: Exception | None = None
         self._closed = False
+        # How the attempt ends, and where it hangs (writer.ends): the stack files it registered.
+        self._stack_files: dict[str, Any] = {}
+        self._last_flush = time.monotonic()  # when the latest flush() returned (or init)
+        self._hang = ends.HangWatch(self, _hang_dump_after(hang_dump_after))
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._background_flush, name=f"metriclog-writer-{self.process_name}", daemon=True
         )
         self._thread.start()
         _open.add(self)
+        if catch_signals:
+            ends.install(self)
 
     @property
     def step(self) -> int:
@@ -233,6 +261,8 @@ class MetricCollector:
                     continue
                 self._writer.write()
                 self._writer.seal_ready()
+                self._writer.heartbeat(self.flush_interval)
+                self._hang.check(self._last_flush)
                 failures = 0
             except Exception as exc:
                 self._background_error = exc
@@ -286,6 +316,7 @@ class MetricCollector:
             else:
                 self._steps.discard()
                 metrics, states = [], {}
+        self._last_flush = time.monotonic()
         return metrics, states, error
 
     def flush(
@@ -355,6 +386,7 @@ class MetricCollector:
             warn(f"{exc}; they are lost at exit")
             self._writer.release()
         self._closed = True
+        ends.uninstall(self)
         self._backends.finish()
 
     @property
@@ -362,13 +394,14 @@ class MetricCollector:
         """Whether ``shutdown()`` or ``abort()`` ended this collector."""
         return self._closed
 
-    def abort(self) -> None:
+    def abort(self, *, exiting: bool = False) -> None:
         """End without recording a clean shutdown: write and seal what was recorded.
 
         For a job that knows it failed (an exception handler), so ``inspect`` does not
         call the source finished; metric_core also does this at interpreter exit for a
-        collector that was not shut down. Errors are not raised: the records that could
-        not be written stay in the journal or are lost with the process.
+        collector that was not shut down (``exiting``: recorded as the attempt's ``exit``
+        end). Errors are not raised: the records that could not be written stay in the
+        journal or are lost with the process.
         """
         if self._closed:
             return
@@ -377,8 +410,11 @@ class MetricCollector:
         self._closed = True
         with contextlib.suppress(Exception):
             self._drain()
+            if exiting:
+                self._writer.end_event({"kind": "exit", "timestamp": time.time()})
             self._writer.close(clean_shutdown=False)
         self._writer.release()
+        ends.uninstall(self)
 
 
 # Collectors not yet ended: at interpreter exit each is aborted, so what it recorded since its
@@ -389,7 +425,7 @@ _open: weakref.WeakSet[MetricCollector] = weakref.WeakSet()
 @atexit.register
 def _abort_open_collectors() -> None:
     for collector in list(_open):
-        collector.abort()
+        collector.abort(exiting=True)
 
 
 def _as_float(key: str, value: Any) -> float:

@@ -34,6 +34,7 @@ import json
 import os
 import re
 import secrets
+import socket
 import threading
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ import pyarrow.parquet as pq
 from metric_core import journal, records
 from metric_core.atomic import create_exclusive, new_hidden_file, publish
 from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, WriteError, warn
+from metric_core.life import restart_count
 from metric_core.metric import BackendRole, Metric
 from metric_core.schema import KEY_HASH, segment_stem
 from metric_core.segment import PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
@@ -85,6 +87,7 @@ class RawFileWriter(LoggerBackend):
         seal_interval: float = 600.0,
         fsync: bool = False,
         max_unwritten: int = MAX_UNWRITTEN,
+        flush_interval: float | None = None,
     ) -> None:
         super().__init__({"logging_mode": "per_rank_no_reduce"})
         if file_format not in FILE_FORMATS:
@@ -109,6 +112,9 @@ class RawFileWriter(LoggerBackend):
         # a new attempt, which replaces the earlier ones' records from its first step on.
         self.attempt = secrets.token_hex(8)
         self.attempt_started = time.time()
+        self.host = socket.gethostname()
+        self.flush_interval = flush_interval
+        self.restart = restart_count()
         self.first_step: int | None = None  # the step of its first flush(step)
         self._flushed = False
         self._lock = SourceLock(self.run_dir, self.stem, process, rank)
@@ -125,13 +131,17 @@ class RawFileWriter(LoggerBackend):
         self._rows = 0
         self._defs_written = 0
         self._code_table: list[tuple[str, str]] = []
-        # (step, rows, count) to write; rows None: a flush(step) that labels what came before
-        self._backlog: collections.deque[tuple[int, bytes | None, int]] = collections.deque()
+        # (step, rows, count, at) to write; rows None: a flush(step) that ended at ``at`` and
+        # labels what came before
+        self._backlog: collections.deque[tuple[int, bytes | None, int, float]] = collections.deque()
         self._backlog_rows = 0
         self._dropped: dict[str, Any] | None = None  # dropped, not yet recorded in a journal
         self._new_drops: dict[str, Any] | None = None  # dropped, not yet told to the caller
         self._last_error = "writing failed"
         self._shutdown_at: float | None = None
+        self._events: list[dict[str, Any]] = []  # end events to write (E frames)
+        self._heartbeat_due = False
+        self._written_at = 0.0  # when a frame was last written (time.time())
         self._closed = False
         self._write_lock = threading.Lock()
         self._to_seal: collections.deque[Path] = collections.deque()
@@ -203,7 +213,7 @@ class RawFileWriter(LoggerBackend):
         with self._write_lock:
             self._code_table = code_table
             if count:
-                self._backlog.append((step, rows, count))
+                self._backlog.append((step, rows, count, 0.0))
                 self._backlog_rows += count
             while self._backlog_rows > self.max_unwritten:
                 # Drop the oldest records, never a flush marker: it labels records written
@@ -211,19 +221,33 @@ class RawFileWriter(LoggerBackend):
                 oldest = next((i for i, e in enumerate(self._backlog) if e[1] is not None), None)
                 if oldest is None or oldest == len(self._backlog) - 1:
                     break  # keep the newest records
-                step, dropped, n = self._backlog[oldest]
+                step, dropped, n, _ = self._backlog[oldest]
                 del self._backlog[oldest]
                 self._drop(step, dropped, n)  # type: ignore[arg-type]
 
     def mark_flush(self, step: int) -> None:
-        """Queue the end of ``flush(step)``: the records queued since the previous one belong to ``step``."""
+        """Queue the end of ``flush(step)``: the records queued since the previous one belong to
+        ``step``. Every flush is kept, with its time, also one that labels nothing: when steps
+        ended is what tells a pause from a slow step."""
         with self._write_lock:
             if self.first_step is None:
                 self.first_step = step
             self._flushed = True
-            if self._backlog and self._backlog[-1][1] is None:
-                return  # no record since the previous marker: this one would label nothing
-            self._backlog.append((step, None, 0))
+            self._backlog.append((step, None, 0, time.time()))
+
+    def end_event(self, event: dict[str, Any]) -> None:
+        """Write an end event (an ``E`` frame, ``metric_core.life``) after what is queued, now."""
+        with self._write_lock:
+            self._events.append(event)
+        self.write()
+
+    def heartbeat(self, interval: float) -> None:
+        """Leave a sign of life (an ``H`` frame) unless a frame was written within ``interval``."""
+        with self._write_lock:
+            if self._closed or time.time() - self._written_at < interval:
+                return
+            self._heartbeat_due = True
+        self.write()
 
     def take_drops(self) -> dict[str, Any] | None:
         """What was dropped since the last call: {"records", "steps", "timestamps", "reason"}."""
@@ -234,7 +258,8 @@ class RawFileWriter(LoggerBackend):
     def write(self) -> None:
         """Make everything queued durable, or raise a ``WriteError`` and keep it queued."""
         with self._write_lock:
-            if not (self._backlog or self._dropped or self._shutdown_at is not None):
+            queued = self._backlog or self._dropped or self._events or self._heartbeat_due
+            if not queued and self._shutdown_at is None:
                 return
             if self._fd is None:
                 self._open_journal()
@@ -251,9 +276,12 @@ class RawFileWriter(LoggerBackend):
                     journal.key_frame([(self._defs_written + i, *pair) for i, pair in enumerate(new)])
                 )
             parts.extend(
-                journal.flush_frame(step) if rows is None else journal.record_frame(step, rows)
-                for step, rows, _ in self._backlog
+                journal.flush_frame(step, at) if rows is None else journal.record_frame(step, rows)
+                for step, rows, _, at in self._backlog
             )
+            parts.extend(journal.event_frame(journal.EVENT, event) for event in self._events)
+            if self._heartbeat_due:
+                parts.append(journal.heartbeat_frame(time.time()))
             at_flush = bool(self._backlog) and self._backlog[-1][1] is None
             if self._shutdown_at is not None:
                 parts.append(journal.event_frame(journal.SHUTDOWN, {"timestamp": self._shutdown_at}))
@@ -275,10 +303,16 @@ class RawFileWriter(LoggerBackend):
             self._backlog_rows = 0
             self._dropped = None
             self._shutdown_at = None
+            self._events.clear()
+            self._heartbeat_due = False
+            self._written_at = time.time()
             # A segment ends at a flush, so a flush frame never has to relabel records sealed
             # into an earlier segment (unless flushes stay away for twice a segment's records).
             # A writer that is never flushed (used on its own) rotates as soon as a segment is full.
-            full = self._rows >= self.segment_records or time.time() - self._opened_at >= self.seal_interval
+            # (A journal of heartbeats alone never rotates: it would seal empty segments.)
+            full = self._rows >= self.segment_records or (
+                self._rows > 0 and time.time() - self._opened_at >= self.seal_interval
+            )
             if (full and (at_flush or not self._flushed)) or self._rows >= 2 * self.segment_records:
                 self._close_journal()
 
@@ -338,7 +372,14 @@ class RawFileWriter(LoggerBackend):
         self._new_drops = _merge_drops(self._new_drops, drop)
 
     def _attempt_fields(self) -> dict[str, Any]:
-        fields: dict[str, Any] = {"attempt": self.attempt, "attempt_started": self.attempt_started}
+        fields: dict[str, Any] = {
+            "attempt": self.attempt,
+            "attempt_started": self.attempt_started,
+            "host": self.host,
+            "pid": os.getpid(),
+            "flush_interval": self.flush_interval,
+            "restart": self.restart,
+        }
         if self.first_step is not None:
             fields["attempt_first_step"] = self.first_step
         return fields
@@ -451,6 +492,7 @@ class RawFileWriter(LoggerBackend):
             attempt=self.attempt,
             attempt_started=self.attempt_started,
             attempt_first_step=decoded.attempt.get("attempt_first_step", decoded.first_flush),
+            life=decoded.life,
         )
         with new_hidden_file(final) as (f, tmp):
             if self.file_format == "parquet":

@@ -52,6 +52,7 @@ from metric_core.offline.read.discover import (
     listed_writer_meta,
     read_run_json,
     superseded_tails,
+    take_attempt,
     writer_meta,
 )
 from metric_core.offline.read.journal import read_journal
@@ -97,17 +98,15 @@ def _fetch_numpy_api() -> None:
     """polars hands arrays to numpy through numpy's C API, which it fetches the first time;
     a Ctrl-C or SIGTERM raised in the Python code of that fetch makes it panic (a Rust
     traceback) where the command would otherwise stop cleanly. Fetched once, here, with
-    a stop that comes meanwhile held until it is done."""
-    held: list[int] = []
-    stops = (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ()
-    before = {s: signal.signal(s, lambda n, _: held.append(n)) for s in stops}
+    a stop that comes meanwhile held (blocked in this thread) until it is done: blocked,
+    not handled, so no handler is replaced, e.g. the writer's in a process that does both
+    (``metric_core.writer.ends``)."""
+    stops = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     try:
         pl.Series([0.0]).to_numpy()
     finally:
-        for s, handler in before.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-        for n in held:
-            signal.raise_signal(n)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 _fetch_numpy_api()
@@ -356,10 +355,7 @@ def scan_run(
         if path in superseded:
             rep.superseded_by = superseded[path]
             continue
-        declared = metas[path]
-        if declared is not None and declared.attempt is not None:
-            rep.attempt, rep.attempt_started = declared.attempt, declared.attempt_started
-            rep.attempt_first_step = declared.attempt_first_step
+        take_attempt(rep, metas[path])
         check: pl.LazyFrame | None = None
         trusted = True
         if suffix == ".parquet":
@@ -401,9 +397,7 @@ def read_sealed(
     checked as ``scan_run`` reads it: its records, or None, and its report (in ``report``)."""
     rep = FileReport(path=path, format=path.suffix.lstrip("."))
     report.files.append(rep)
-    if meta is not None and meta.attempt is not None:
-        rep.attempt, rep.attempt_started = meta.attempt, meta.attempt_started
-        rep.attempt_first_step = meta.attempt_first_step
+    take_attempt(rep, meta)
     if path.suffix == ".parquet":
         frame, trusted, check = scan_parquet(path, meta, rep, report)
         if frame is not None and not trusted:

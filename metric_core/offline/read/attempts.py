@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import polars as pl
 
 from metric_core.errors import PlanError, opt
+from metric_core.life import Life
 from metric_core.offline.read.report import ReadReport
 
 REWIND, ALL = "rewind", "all"
@@ -38,6 +40,18 @@ class Attempt:
     replaced_steps: tuple[int, int] | None = None
     replaced_by: str | None = None  # the attempt that replaced them
     restarted_at: int | None = None  # that attempt's first step
+    # How it ended (``offline.story`` tells it; docs/commands.md): "shutdown", "exception",
+    # "signal", "exit", "died" or "running", and the details of that end.
+    number: int | None = None  # 1, 2, ...: from the launcher's restart count where it set one
+    end: str | None = None
+    exception: dict[str, Any] | None = None  # {"type", "message", "where"}
+    signal: str | None = None
+    ended_at: float | None = None  # the end's time, or its last sign of life
+    last_step: int | None = None  # the last step it flushed
+    stacks: list[str] = field(default_factory=list)  # its stack dumps, relative to the run directory
+    thread_exceptions: list[dict[str, Any]] = field(default_factory=list)
+    host: str | None = None
+    pid: int | None = None
 
 
 def resolve(
@@ -46,9 +60,9 @@ def resolve(
     """Apply ``how`` to the frames of the files (file id -> frame); record it in ``report``."""
     by_source: dict[tuple[str, int], dict[str, Attempt]] = {}
     files: dict[tuple[tuple[str, int], str], list[int]] = {}
-    for fid in frames:
-        rep = report.files[fid]
-        if rep.source is None:
+    lives: dict[tuple[str, int, str], list[Life]] = {}
+    for fid, rep in enumerate(report.files):
+        if rep.source is None or (fid not in frames and rep.life is None):
             continue  # another tool's file of several sources: no attempts
         # Files of metriclog before attempts existed: one attempt, older than every other.
         attempt = rep.attempt or LEGACY
@@ -61,7 +75,11 @@ def resolve(
             a.first_step = (
                 rep.attempt_first_step if a.first_step is None else min(a.first_step, rep.attempt_first_step)
             )
-        files.setdefault((rep.source, attempt), []).append(fid)
+        if rep.life is not None:
+            lives.setdefault((*rep.source, attempt), []).append(rep.life)
+        if fid in frames:
+            files.setdefault((rep.source, attempt), []).append(fid)
+    report.lives = {key: Life.merged(found) for key, found in lives.items()}
     chosen = None if how in (REWIND, ALL) else _chosen(by_source, how)
     out = dict(frames)
     for source, attempts in sorted(by_source.items()):
@@ -78,7 +96,7 @@ def resolve(
                 if later:
                     cutoff, a.replaced_by = min(later)
                     a.restarted_at = cutoff
-            for fid in files[(source, a.attempt)]:
+            for fid in files.get((source, a.attempt), []):
                 if cutoff is not None:
                     out[fid] = _replace(report, fid, out[fid], cutoff, a)
                 a.records += report.files[fid].records

@@ -224,6 +224,14 @@ def listed_writer_meta(path: RunPath, size: int, mtime_ns: int) -> SegmentMeta |
     return writer_meta(path)
 
 
+def take_attempt(rep: FileReport, meta: SegmentMeta | None) -> None:
+    """Which attempt of its source a sealed segment's writer declared, and what it lived."""
+    if meta is not None and meta.attempt is not None:
+        rep.attempt, rep.attempt_started = meta.attempt, meta.attempt_started
+        rep.attempt_first_step = meta.attempt_first_step
+        rep.life = meta.life
+
+
 def take_declared(rep: FileReport, meta: SegmentMeta) -> None:
     """What a sealed segment's writer declared in its metadata."""
     rep.keys = None if meta.keys is None else list(meta.keys)

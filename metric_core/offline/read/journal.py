@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import polars as pl
 
-from metric_core.offline.read.discover import writer_meta
+from metric_core.offline.read.discover import take_attempt, writer_meta
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
@@ -37,6 +37,7 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
     rep.attempt = decoded.attempt.get("attempt")
     rep.attempt_started = decoded.attempt.get("attempt_started")
     rep.attempt_first_step = decoded.attempt.get("attempt_first_step", decoded.first_flush)
+    rep.life = decoded.life
     for problem in decoded.problems:
         rep.skip(problem, 0)
     if decoded.truncated:
@@ -72,8 +73,7 @@ def _read_sealed_replacement(path: RunPath, rep: FileReport, report: ReadReport)
         meta = writer_meta(sealed)
         if isinstance(meta, SegmentMeta) and meta.supersedes == path.name:
             rep.path, rep.format = sealed, suffix.lstrip(".")
-            rep.attempt, rep.attempt_started = meta.attempt, meta.attempt_started
-            rep.attempt_first_step = meta.attempt_first_step
+            take_attempt(rep, meta)
             if suffix == ".parquet":
                 frame, trusted, _ = scan_parquet(sealed, meta, rep, report)
                 return frame if trusted else None

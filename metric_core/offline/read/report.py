@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metric_core.errors import in_python, spell
+from metric_core.life import Life
 from metric_core.offline.storage import RunPath, is_remote
 
 MAX_LINES_KEPT = 1000
@@ -38,6 +39,8 @@ class FileReport:
     attempt: str | None = None
     attempt_started: float | None = None
     attempt_first_step: int | None = None
+    # What its writer recorded of the attempt's life (flush times, heartbeat, end events).
+    life: Life | None = None
     # Its records from this step on are replaced by a later attempt's (and not read).
     replaced_from: int | None = None
     # Another tool's file whose footer says all its records are of one (process, rank):
@@ -90,6 +93,8 @@ class ReadReport:
     skipped_paths: list[tuple[RunPath, str]] = field(default_factory=list)  # (path, why), not read
     notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
     attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
+    # Each attempt's life, its files' merged: (process, rank, attempt id) -> Life.
+    lives: dict[tuple[str, int, str], Life] = field(default_factory=dict)
 
     @property
     def skipped_records(self) -> int:

@@ -1,0 +1,157 @@
+"""What a writer records of its attempt's life beside the records: where it ran, its
+heartbeat, when its steps ended, its pauses, and how it ended.
+
+Both halves use it: the writer's journal decoder fills a ``Life`` from the frames
+(``metric_core.journal``), sealing stores it in the segment's metadata
+(``SegmentMeta.life``), and the reader merges the lives of an attempt's files
+(``Life.merged``) to tell its story (``offline.read.attempts``, ``inspect``).
+
+Each step's flush time is kept at full resolution in the open journal; a sealed segment
+keeps the first and last flush and every **gap** between consecutive flushes of at
+least ``GAP_KEPT_S`` (a bounded list however many steps the segment holds), so a pause
+of a second or more shows in any file, also across steps that recorded nothing.
+
+An end event (``Life.ends``) is one of the writer's ``E`` frames: ``{"kind": ...,
+"timestamp": ...}`` with ``kind`` ``"exception"`` (``exception``: ``{"type", "message",
+"where"}``), ``"signal"`` (``signal``: ``"SIGINT"``, a ``KeyboardInterrupt``),
+``"thread_exception"`` (an uncaught exception of another thread: ``thread`` and
+``exception``), ``"exit"`` (the interpreter exited without ``shutdown()``) or
+``"dump"`` (the writer saved every thread's stack: ``path``, relative to the run
+directory, and ``step``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# Gaps between consecutive flushes that a sealed segment keeps (shorter ones are step time).
+GAP_KEPT_S = 1.0
+# A writer whose heartbeat is older than this many of its flush intervals (and DEAD_AFTER_MIN_S)
+# is taken for dead: its background thread writes one at least every interval.
+DEAD_AFTER_INTERVALS = 10
+DEAD_AFTER_MIN_S = 5.0
+END_KINDS = ("exception", "signal", "exit")
+# Where launchers say how often they restarted the job: an attempt's number is this plus one.
+RESTART_COUNT_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def restart_count() -> int | None:
+    """The launcher's restart count of this process, where it sets one."""
+    for name in RESTART_COUNT_VARS:
+        raw = os.environ.get(name, "")
+        if raw.strip().isdigit():
+            return int(raw)
+    return None
+
+
+@dataclass
+class Life:
+    """One attempt's life as one file (or several, merged) recorded it."""
+
+    host: str | None = None
+    pid: int | None = None
+    flush_interval: float | None = None
+    restart: int | None = None  # the launcher's restart count (TORCHELASTIC_RESTART_COUNT, ...)
+    alive: float | None = None  # the last sign of life: its newest frame's wall time
+    flushes: int = 0
+    first_flush: tuple[int, float] | None = None  # (step, wall time)
+    last_flush: tuple[int, float] | None = None
+    # Each gap between consecutive flushes of GAP_KEPT_S or more: [step in progress, start, seconds].
+    gaps: list[list[Any]] = field(default_factory=list)
+    ends: list[dict[str, Any]] = field(default_factory=list)  # its E frames, in order
+
+    def flushed(self, step: int, at: float) -> None:
+        """One flush(step) that ended at ``at``."""
+        if self.last_flush is not None:
+            gap = at - self.last_flush[1]
+            if gap >= GAP_KEPT_S:
+                self.gaps.append([self.last_flush[0] + 1, self.last_flush[1], gap])
+        else:
+            self.first_flush = (step, at)
+        self.last_flush = (step, at)
+        self.flushes += 1
+        self.seen(at)
+
+    def seen(self, at: float) -> None:
+        if math.isfinite(at) and (self.alive is None or at > self.alive):
+            self.alive = at
+
+    def dead(self, now: float) -> bool:
+        """No heartbeat for long enough that the writer cannot be running."""
+        if self.alive is None:
+            return True
+        interval = self.flush_interval or 1.0
+        return now - self.alive > max(DEAD_AFTER_INTERVALS * interval, DEAD_AFTER_MIN_S)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, [], 0)}
+
+    @classmethod
+    def parse(cls, raw: Any) -> Life | None:
+        """A ``Life`` from its dict (a segment's metadata); None when it is not one."""
+        if not isinstance(raw, dict):
+            return None
+        try:
+            life = cls(
+                host=_opt(raw.get("host"), str),
+                pid=_opt(raw.get("pid"), int),
+                flush_interval=_opt(raw.get("flush_interval"), float),
+                restart=_opt(raw.get("restart"), int),
+                alive=_opt(raw.get("alive"), float),
+                flushes=int(raw.get("flushes", 0)),
+                first_flush=_pair(raw.get("first_flush")),
+                last_flush=_pair(raw.get("last_flush")),
+                gaps=[[int(s), float(a), float(g)] for s, a, g in raw.get("gaps", [])],
+                ends=[
+                    e for e in raw.get("ends", []) if isinstance(e, dict) and isinstance(e.get("kind"), str)
+                ],
+            )
+        except (TypeError, ValueError):
+            return None
+        return life
+
+    @classmethod
+    def merged(cls, lives: list[Life]) -> Life:
+        """The lives of one attempt's files (in any order) as one: gaps between the files
+        count too, ends are kept in time order."""
+        out = cls()
+        ordered = sorted(lives, key=lambda life: life.first_flush[1] if life.first_flush else math.inf)
+        for life in ordered:
+            for name in ("host", "pid", "flush_interval", "restart"):
+                if getattr(out, name) is None:
+                    setattr(out, name, getattr(life, name))
+            if life.alive is not None:
+                out.seen(life.alive)
+            if life.first_flush is not None:
+                if out.last_flush is not None:
+                    gap = life.first_flush[1] - out.last_flush[1]
+                    if gap >= GAP_KEPT_S:
+                        out.gaps.append([out.last_flush[0] + 1, out.last_flush[1], gap])
+                else:
+                    out.first_flush = life.first_flush
+                out.gaps.extend(life.gaps)
+                assert life.last_flush is not None
+                out.last_flush = life.last_flush
+                out.flushes += life.flushes
+            out.ends.extend(life.ends)
+        out.ends.sort(key=lambda e: e.get("timestamp") or 0.0)
+        return out
+
+
+def _opt(value: Any, kind: type) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(value)
+    return kind(value)
+
+
+def _pair(value: Any) -> tuple[int, float] | None:
+    if value is None:
+        return None
+    step, at = value
+    return (int(step), float(at))
