@@ -41,6 +41,7 @@ import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import in_python, opt, spell
+from metric_core.offline import story
 from metric_core.offline.read import (
     FileReport,
     OnProgress,
@@ -52,9 +53,11 @@ from metric_core.offline.read import (
 )
 from metric_core.offline.read.attempts import Attempt
 from metric_core.offline.storage import newest_listed
+from metric_core.offline.story import Failure, Pause
 from metric_core.schema import KEY_HASH, keys_by_hash
 
 QUIET_FACTOR = 10.0
+STALL_MIN_S = 10.0  # no silence shorter than this is a stall: scheduling noise on fast steps
 OWN_GAP_FACTOR = 2.0
 STRAGGLER_RATIO = 1.2
 MIN_STEP_TIMES = 10
@@ -84,9 +87,11 @@ class SourceHealth:
     # Each init() of the source that wrote into the run (a restart is a new one), oldest first.
     attempts: list[Attempt] = field(default_factory=list)
     silent_s: float = 0.0  # the wall clock (the report's checked_at) minus its newest record
-    # Not finished, and silent against the wall clock for longer than the stop rule allows
-    # (judged once it has a cadence): a hang, even when every source hangs together.
+    # Not finished nor over, and silent against the wall clock for ``stall_after_s`` (judged
+    # once it has a cadence): a hang, even when every source hangs together.
     stalled: bool = False
+    stall_after_s: float | None = None  # max(10 s, 10 step times, twice its longest pause), or as asked
+    end: str | None = None  # its newest attempt's end (``offline.story``): "running", "died", ...
 
 
 @dataclass
@@ -147,6 +152,9 @@ class InspectReport:
     checked_at: float = 0.0
     # Every source that stopped early, the first to stop first (``first_to_stop`` is the first).
     stopped_early: list[FirstToStop] = field(default_factory=list)
+    # The earliest attempt end that was not a clean shutdown (``offline.story``).
+    first_failure: Failure | None = None
+    pauses: list[Pause] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -170,11 +178,16 @@ def inspect_run(
     on_progress: OnProgress | None = None,
     now: float | None = None,
     cache: dict[Any, Any] | None = None,
+    pause_after: float | None = None,
+    stall_after: float | None = None,
 ) -> InspectReport:
     """Per-source health and what stopped first, for a run directory (or a scan of one);
     ``on_progress`` is called after each file is read; ``now`` (by default the wall clock,
     or for a run in object storage its newest object's time) is what "still running" and a
-    stall are judged against. ``cache`` (a dict kept between
+    stall are judged against; ``pause_after`` is the silence that makes a pause (default:
+    max(10 s, 10 step times) per source), ``stall_after`` the silence that makes a live
+    source stalled (default: max(10 s, 10 step times, twice its longest pause)). ``cache``
+    (a dict kept between
     calls, as ``watch_run`` does) keeps each file's aggregates while the file is unchanged,
     so a call reads only the files written since the last.
 
@@ -209,6 +222,7 @@ def inspect_run(
     sources = []
     if now is None:  # a copy in a bucket trails its job: judged at the time of its newest object
         now = time.time() if isinstance(scan.run_dir, Path) else newest_listed(scan.run_dir)
+    failure, stacks = story.tell(scan.report, scan.run_dir, now)
     live = False
     for source, its in sorted(steps.items()):
         typical, longest, _ = cadence[source]
@@ -231,15 +245,23 @@ def inspect_run(
                 attempts=[a for a in scan.report.attempts if (a.process, a.rank) == source],
             )
         )
-        silent = now - its.last_timestamp
+        health = sources[-1]
+        health.silent_s = silent = now - its.last_timestamp
+        health.end = health.attempts[-1].end if health.attempts else None
         quiet = _status(False, silent, typical, longest) == "stopped_early"
-        sources[-1].silent_s = silent
-        sources[-1].stalled = sources[-1].status != "finished" and typical is not None and quiet
-        if sources[-1].status == "unfinished" and not quiet:
+        over = health.end in ("exception", "signal", "exit", "died")
+        health.stall_after_s = stall_after or max(
+            STALL_MIN_S, QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0)
+        )
+        health.stalled = (
+            health.status != "finished" and typical is not None and not over and silent > health.stall_after_s
+        )
+        if health.status == "unfinished" and not quiet and not over:
             live = True
     # Only sources that stopped early are named as stopping first: sources that stopped
     # together, or are still writing, differ by noise.
     stopped = _stopped_early(per_key, sources)
+    paused = story.pauses(scan.report, stacks, {s: c[0] for s, c in cadence.items()}, now, pause_after)
     world_size = scan.meta.get("world_size")
     present = {rank for _, rank in steps}
     missing = sorted(set(range(int(world_size))) - present) if isinstance(world_size, int) else []
@@ -260,6 +282,8 @@ def inspect_run(
         still_running=live,
         checked_at=now,
         stopped_early=stopped,
+        first_failure=failure,
+        pauses=paused,
     )
 
 
@@ -583,7 +607,9 @@ def _verdict(report: InspectReport) -> list[str]:
     sources that stopped early, records lost, sources that ended without shutdown() while
     others finished, restarts, non-finite values, stragglers; then what the run as a whole
     looks like (still running, stopped together, finished)."""
-    lines = []
+    lines = story.story_lines(
+        report.first_failure, [a for s in report.sources for a in s.attempts], report.pauses
+    )
     if report.missing_ranks:
         lines.append(
             f"Ranks {', '.join(map(str, report.missing_ranks))} of world_size {report.world_size} "
@@ -653,6 +679,8 @@ def _overall(report: InspectReport, problems: bool) -> list[str]:
             f"old ({local_time(newest)}){pace}."
         ]
     if statuses == {"finished"}:
+        if report.first_failure is not None:
+            return ["The newest attempt of every source recorded a clean shutdown."]
         return (
             ["Every source recorded a clean shutdown."]
             if problems

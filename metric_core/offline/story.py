@@ -1,0 +1,461 @@
+"""The story of a run: how each attempt of each source ended, which failed first, and
+where the job paused (``inspect`` tells it; docs/commands.md describes the fields).
+
+An attempt's ``end`` comes from what its writer recorded (``metric_core.life``, and the
+stack files of ``metric_core.writer.ends`` in ``stacks/``):
+
+* ``shutdown``: a clean ``shutdown()``;
+* ``exception``: an uncaught exception of the main thread (or, when nothing else ended
+  it, of another thread), or one ``record_exception`` recorded;
+* ``signal``: SIGTERM, SIGINT or SIGHUP (a stack file that caught it, or a
+  ``KeyboardInterrupt``), or a fatal signal (SIGSEGV, SIGABRT, ...);
+* ``exit``: the interpreter exited without ``shutdown()``;
+* ``running``: the newest attempt of its source, with a heartbeat recent enough;
+* ``died``: none of these (SIGKILL, the OOM killer, ``os._exit``, a native crash).
+
+Where two ends are recorded (a user's SIGTERM handler that raises), the earlier one is
+the end. An attempt of files without a life (another tool's, metriclog's before format
+4) has no ``end`` unless it shut down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from metric_core.life import Life
+from metric_core.offline.read.attempts import LEGACY, Attempt
+from metric_core.offline.read.report import ReadReport, rel
+from metric_core.offline.storage import RunPath, is_remote, listed_below
+
+STACKS_DIR = "stacks"  # as metric_core.writer.ends writes it (not imported: the writer side)
+CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+_STACK_NAME = re.compile(r"^(?P<stem>.+)\.(?P<attempt>[0-9a-f]{16})\.(?P<what>[A-Za-z0-9-]+)\.txt$")
+_FATAL = {
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+    "Bus error": "SIGBUS",
+    "Floating-point exception": "SIGFPE",
+    "Floating point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
+# Errors a rank raises because a peer died (gloo, NCCL, a barrier): they yield to that death.
+CONSEQUENCE = re.compile(
+    r"closed by peer|reset by peer|remote worker|DistBackendError|BrokenBarrier|broken barrier"
+    r"|communicator was aborted|Broken pipe|Connection refused",
+    re.IGNORECASE,
+)
+# Ends this close together are one event: a consequence yields to the other.
+SAME_EVENT_S = 1.0
+PAUSE_MIN_S = 10.0  # the default --pause-after: this, or PAUSE_STEPS step times if longer
+PAUSE_STEPS = 10.0
+_FRAME = re.compile(r'^\s+File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>.*)$')
+_LIBRARY = re.compile(r"[/\\](site|dist)-packages[/\\]|[/\\]lib[/\\]python\d+(\.\d+)?[/\\]|^<")
+
+
+@dataclass
+class StackFile:
+    """A stack dump of ``writer.ends`` in ``stacks/``: ``what`` is SIGTERM, SIGINT, SIGHUP,
+    ``fatal`` or ``hang-N``."""
+
+    path: RunPath
+    rel: str
+    attempt: str
+    what: str
+    mtime: float | None  # None in object storage (an object's time is its copy's)
+    text: str = ""
+
+    @property
+    def caught(self) -> bool:
+        """Whether it holds a dump (a file whose signal never came holds only its first line)."""
+        return self.text.count("\n") > 1
+
+    @property
+    def signal(self) -> str | None:
+        if self.what in CAUGHT_SIGNALS:
+            return self.what
+        if self.what == "fatal":
+            found = re.search(r"Fatal Python error: ([^\n]+)", self.text)
+            return _FATAL.get(found.group(1).strip(), "fatal signal") if found else "fatal signal"
+        return None
+
+    def where(self) -> str | None:
+        """The innermost frame of the main thread outside the standard library and
+        site-packages (the innermost of all when every one is a library's)."""
+        first, _, rest = self.text.partition("\n")
+        main = re.search(r"main thread (0x[0-9a-f]+)", first)
+        block = None
+        for part in re.split(r"\n\s*\n", rest):
+            head = part.strip().splitlines()[:1]
+            if head and main is not None and main.group(1) in head[0]:
+                block = part
+        if block is None:
+            return None
+        frames = [m for line in block.splitlines() if (m := _FRAME.match(line))]  # innermost first
+        if not frames:
+            return None
+        chosen = next((m for m in frames if not _LIBRARY.search(m.group("file"))), frames[0])
+        return f"{chosen.group('file')}:{chosen.group('line')} in {chosen.group('func')}"
+
+
+@dataclass
+class Failure:
+    """The earliest attempt end that was not a clean shutdown."""
+
+    process: str
+    rank: int
+    attempt: str
+    number: int | None
+    end: str
+    exception: dict[str, Any] | None
+    signal: str | None
+    ended_at: float | None
+    last_step: int | None
+
+
+@dataclass
+class Pause:
+    """A stretch in which sources took no step for at least their pause threshold."""
+
+    step: int
+    start: float
+    seconds: float
+    ongoing: bool
+    sources: list[dict[str, Any]] = field(default_factory=list)  # [{"process", "rank"}]
+    stuck_in: list[dict[str, Any]] = field(default_factory=list)  # [{"where", "sources"}]
+
+
+def list_stacks(root: RunPath) -> dict[str, list[StackFile]]:
+    """The stack files of the run, by attempt id (each read: they are small)."""
+    folder = root / STACKS_DIR
+    out: dict[str, list[StackFile]] = {}
+    found: list[Any]
+    try:
+        if is_remote(root):
+            found = [p for p in listed_below(folder) if p.name.endswith(".txt")]  # type: ignore[arg-type]
+        elif folder.is_dir() and not folder.is_symlink():
+            found = sorted(p for p in folder.iterdir() if p.is_file() and not p.is_symlink())
+        else:
+            return out
+    except (OSError, FileNotFoundError):
+        return out
+    for path in found:
+        match = _STACK_NAME.match(path.name)
+        if match is None:
+            continue
+        mtime = None
+        try:
+            text = path.read_bytes()[: 1 << 20].decode(errors="replace")
+            if isinstance(path, Path):
+                mtime = path.stat().st_mtime
+        except OSError:
+            continue
+        f = StackFile(path, rel(path, root), match["attempt"], match["what"], mtime, text)
+        out.setdefault(f.attempt, []).append(f)
+    return out
+
+
+def tell(report: ReadReport, root: RunPath, now: float) -> tuple[Failure | None, dict[str, list[StackFile]]]:
+    """Fill every attempt's end fields; the first failure of the run."""
+    stacks = list_stacks(root)
+    shutdowns = {(s.process, s.rank, s.attempt): s.timestamp for s in report.shutdowns}
+    newest: dict[tuple[str, int], Attempt] = {}
+    for a in report.attempts:  # oldest first within a source
+        newest[(a.process, a.rank)] = a
+    by_source: dict[tuple[str, int], list[Attempt]] = {}
+    for a in report.attempts:
+        by_source.setdefault((a.process, a.rank), []).append(a)
+    for attempts in by_source.values():
+        for i, a in enumerate(attempts, 1):
+            life = report.lives.get((a.process, a.rank, a.attempt))
+            a.number = life.restart + 1 if life is not None and life.restart is not None else i
+            _end(a, life, stacks.get(a.attempt, []), shutdowns, newest[(a.process, a.rank)] is a, now)
+    return first_failure(report.attempts), stacks
+
+
+def first_failure(attempts: list[Attempt]) -> Failure | None:
+    """The earliest end that was not a shutdown; within ``SAME_EVENT_S`` of it, an end that
+    is a consequence of a peer's death (a SIGTERM, a gloo or NCCL error) yields to another."""
+    failed = sorted(
+        (a for a in attempts if a.end in ("exception", "signal", "exit", "died") and a.ended_at is not None),
+        key=lambda a: (a.ended_at, a.process, a.rank),
+    )
+    if not failed:
+        return None
+    first = failed[0]
+    if _consequence(first):
+        near = [a for a in failed if a.ended_at - first.ended_at <= SAME_EVENT_S]  # type: ignore[operator]
+        first = next((a for a in near if not _consequence(a)), first)
+    return Failure(
+        first.process,
+        first.rank,
+        first.attempt,
+        first.number,
+        first.end,  # type: ignore[arg-type]
+        first.exception,
+        first.signal,
+        first.ended_at,
+        first.last_step,
+    )
+
+
+def _consequence(a: Attempt) -> bool:
+    if a.end == "signal":
+        return a.signal in ("SIGTERM", "SIGHUP", "SIGINT")
+    if a.end == "exception" and a.exception is not None:
+        return bool(CONSEQUENCE.search(f"{a.exception.get('type')}: {a.exception.get('message')}"))
+    return a.end == "exit"
+
+
+def _end(
+    a: Attempt,
+    life: Life | None,
+    stacks: list[StackFile],
+    shutdowns: dict[tuple[str, int, str | None], float | None],
+    newest: bool,
+    now: float,
+) -> None:
+    a.stacks = sorted(f.rel for f in stacks if f.caught)
+    if life is not None:
+        a.host, a.pid = life.host, life.pid
+        a.last_step = life.last_flush[0] if life.last_flush is not None else None
+        a.thread_exceptions = [
+            {"thread": e.get("thread"), **(e.get("exception") or {}), "timestamp": e.get("timestamp")}
+            for e in life.ends
+            if e["kind"] == "thread_exception"
+        ]
+    key = (a.process, a.rank, None if a.attempt == LEGACY else a.attempt)
+    if key in shutdowns or (a.attempt == LEGACY and any(k[:2] == key[:2] for k in shutdowns)):
+        a.end, a.ended_at = "shutdown", shutdowns.get(key)
+        return
+    if life is None:
+        return  # no life recorded (another tool's files, or older ones): the end is not known
+    ended: list[tuple[float, int, str, dict[str, Any] | None, str | None]] = []
+    for e in life.ends:
+        at = float(e.get("timestamp") or math.nan)
+        if e["kind"] == "exception":
+            ended.append((at, 0, "exception", e.get("exception"), None))
+        elif e["kind"] == "signal":
+            ended.append((at, 1, "signal", None, str(e.get("signal"))))
+    for f in stacks:
+        if f.caught and f.signal is not None:
+            at = f.mtime if f.mtime is not None else (life.alive or math.nan)
+            ended.append((at, 1, "signal", None, f.signal))
+    if ended:
+        at, _, a.end, a.exception, a.signal = min(ended, key=lambda e: (_or_inf(e[0]), e[1]))
+        a.ended_at = at if math.isfinite(at) else life.alive
+        return
+    if a.thread_exceptions:
+        a.end, a.exception = (
+            "exception",
+            {k: a.thread_exceptions[0].get(k) for k in ("type", "message", "where")},
+        )
+        a.ended_at = life.alive
+        return
+    exits = [e for e in life.ends if e["kind"] == "exit"]
+    if exits:
+        a.end, a.ended_at = "exit", exits[-1].get("timestamp")
+        return
+    if newest and not life.dead(now) and not process_gone(life):
+        a.end = "running"
+        return
+    a.end, a.ended_at = "died", life.alive
+
+
+def process_gone(life: Life) -> bool:
+    """Its process is known to be gone: written on this host, and no process has its pid."""
+    if life.pid is None or life.host != socket.gethostname():
+        return False
+    try:
+        os.kill(life.pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _or_inf(x: float) -> float:
+    return x if math.isfinite(x) else math.inf
+
+
+def pauses(
+    report: ReadReport,
+    stacks: dict[str, list[StackFile]],
+    step_times: dict[tuple[str, int], float | None],
+    now: float,
+    pause_after: float | None = None,
+) -> list[Pause]:
+    """Every stretch in which a source (or several at once) took no step for at least
+    ``pause_after`` seconds (default: max(PAUSE_MIN_S, PAUSE_STEPS step times) per source),
+    ended or not; overlapping ones are one pause, whose sources are grouped by where
+    their main thread was stuck (a stack dump of the pause, when there is one)."""
+    found: list[tuple[float, float, int, bool, Attempt]] = []  # start, end, step, ongoing, attempt
+    for a in report.attempts:
+        life = report.lives.get((a.process, a.rank, a.attempt))
+        if life is None:
+            continue
+        step_time = step_times.get((a.process, a.rank))
+        if step_time is None and life.flushes > 1 and life.first_flush and life.last_flush:
+            step_time = (life.last_flush[1] - life.first_flush[1]) / (life.flushes - 1)
+        threshold = (
+            pause_after if pause_after is not None else max(PAUSE_MIN_S, PAUSE_STEPS * (step_time or 0.0))
+        )
+        for step, start, seconds in life.gaps:
+            if seconds >= threshold:
+                found.append((start, start + seconds, int(step), False, a))
+        if life.last_flush is not None and a.end != "shutdown":
+            tail_end = now if a.end == "running" else (a.ended_at or life.alive)
+            if tail_end is not None and tail_end - life.last_flush[1] >= threshold:
+                found.append((life.last_flush[1], tail_end, life.last_flush[0] + 1, a.end == "running", a))
+    found.sort(key=lambda p: (p[0], p[4].process, p[4].rank))
+    out: list[Pause] = []
+    members: list[list[tuple[float, float, int, bool, Attempt]]] = []
+    for item in found:
+        if members and item[0] <= out[-1].start + out[-1].seconds:
+            last = out[-1]
+            last.seconds = max(last.seconds, item[1] - last.start)
+            last.step = min(last.step, item[2])
+            last.ongoing |= item[3]
+            members[-1].append(item)
+        else:
+            out.append(Pause(item[2], item[0], item[1] - item[0], item[3]))
+            members.append([item])
+    for pause, items in zip(out, members, strict=True):
+        seen: dict[tuple[str, int], str | None] = {}
+        for start, end, _, _, a in items:
+            seen.setdefault((a.process, a.rank), None)
+            where = _stuck_in(
+                a, report.lives.get((a.process, a.rank, a.attempt)), stacks.get(a.attempt, []), start, end
+            )
+            if where is not None:
+                seen[(a.process, a.rank)] = where
+        pause.sources = [{"process": p, "rank": r} for p, r in sorted(seen)]
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for (p, r), where in sorted(seen.items()):
+            if where is not None:
+                groups.setdefault(where, []).append({"process": p, "rank": r})
+        pause.stuck_in = [
+            {"where": w, "sources": s} for w, s in sorted(groups.items(), key=lambda g: (len(g[1]), g[0]))
+        ]
+    return out
+
+
+def _stuck_in(a: Attempt, life: Life | None, stacks: list[StackFile], start: float, end: float) -> str | None:
+    """Where the attempt's main thread was during a pause: a hang dump the writer made in
+    it, else the stack file of the signal that ended it."""
+    by_rel = {f.rel: f for f in stacks}
+    for e in life.ends if life is not None else []:
+        if e["kind"] == "dump" and start <= float(e.get("timestamp") or -1) <= end + SAME_EVENT_S:
+            f = by_rel.get(str(e.get("path")))
+            if f is not None and (where := f.where()) is not None:
+                return where
+    for f in stacks:
+        if f.caught and f.signal is not None and a.ended_at is not None and start <= a.ended_at <= end + 5:
+            with contextlib.suppress(Exception):
+                if (where := f.where()) is not None:
+                    return where
+    return None
+
+
+def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: list[Pause]) -> list[str]:
+    """The verdict's first lines: each attempt of the job, how it failed (who first, why,
+    who followed) or ended, and where it paused."""
+    from metric_core.clock import duration, local_time
+
+    lines = []
+    numbers = sorted({a.number for a in attempts if a.number is not None and a.end is not None})
+    several = len(numbers) > 1
+    told = []
+    for n in numbers:
+        group = [a for a in attempts if a.number == n]
+        label = f"attempt {n}" if several else ""
+        if n > 1 and several:
+            firsts = [a.first_step for a in group if a.first_step is not None]
+            label += f" restarted from step {min(firsts)} and" if firsts else " restarted and"
+        failed = first_failure(group) if failure is not None else None
+        if failed is None:
+            ends = {a.end for a in group}
+            how = (
+                "finished cleanly"
+                if ends == {"shutdown"}
+                else "is still running"
+                if "running" in ends
+                else None
+            )
+            if how is not None and (several or failure is not None):
+                told.append(f"{label} {how}".strip())
+            continue
+        who = f"{failed.process} (rank {failed.rank})"
+        text = f"{label}{':' if label and not label.endswith('and') else ''} {who} {_what(failed)}".strip()
+        others = [
+            a
+            for a in group
+            if (a.process, a.rank) != (failed.process, failed.rank)
+            and a.end in ("exception", "signal", "exit", "died")
+        ]
+        if others and failed.ended_at is not None:
+            kinds: dict[str, list[Attempt]] = {}
+            for a in others:
+                kinds.setdefault(_what_short(a), []).append(a)
+            for what, members in kinds.items():
+                later = max((a.ended_at or failed.ended_at) - failed.ended_at for a in members)
+                n = len(members)
+                count = (
+                    ("the other rank was" if n == 1 else f"the other {n} ranks were")
+                    if n == len(group) - 1
+                    else ("1 other rank was" if n == 1 else f"{n} other ranks were")
+                )
+                text += f"; {duration(max(later, 0.0))} later {count} {what}"
+        told.append(text)
+    if told:
+        lines.append("; ".join(told) + ".")
+    for p in pauses_found:
+        names = ", ".join(f"{s['process']} (rank {s['rank']})" for s in p.sources)
+        state = "and is still paused" if p.ongoing else f"for {duration(p.seconds)}"
+        lines.append(f"Pause: {names} took no step from {local_time(p.start)} (step {p.step}) {state}.")
+        for stuck in p.stuck_in:
+            stuck_names = ", ".join(f"{s['process']} (rank {s['rank']})" for s in stuck["sources"])
+            lines.append(f"  stuck at {stuck['where']}: {stuck_names}")
+    return lines
+
+
+def _what(f: Failure | Attempt) -> str:
+    step = "" if f.last_step is None else f" in step {f.last_step + 1}"
+    if f.end == "exception" and f.exception is not None:
+        where = f.exception.get("where")
+        return f"raised {f.exception.get('type')}({f.exception.get('message')!r}){step}{_at(where)}"
+    if f.end == "signal":
+        return f"was stopped by {f.signal}{step}"
+    if f.end == "exit":
+        return f"exited without shutdown(){step}"
+    return (
+        f"died{step}: no exception or signal recorded (SIGKILL, the OOM killer, os._exit or a native crash)"
+    )
+
+
+def _what_short(a: Attempt) -> str:
+    """What the others did, after ``were`` / ``was``."""
+    if a.end == "signal":
+        launcher = " (the launcher)" if a.signal in ("SIGTERM", "SIGHUP") else ""
+        return f"stopped by {a.signal}{launcher}"
+    if a.end == "exception" and a.exception is not None:
+        return f"ended by {a.exception.get('type')}({str(a.exception.get('message'))[:80]!r})"
+    if a.end == "exit":
+        return "ended without shutdown()"
+    return "gone with no exception or signal recorded"
+
+
+def _at(where: str | None) -> str:
+    """``/long/path/train.py:88 in step`` as `` at train.py:88 (in step)``."""
+    if not where:
+        return ""
+    place, _, function = where.rpartition(" in ")
+    path, sep, line = place.rpartition(":")
+    return f" at {os.path.basename(path)}{sep}{line} ({function})" if sep else f" at {where}"
