@@ -1,7 +1,7 @@
 """upload --follow beside real writer processes: what the real wandb client wrote offline,
 read back, equals numpy over the values the writers recorded, in every mode; killed and
-started again, it still does, with no row twice; a hung source stops holding the global
-step back once it is stopped early."""
+started again, it still does, with no row twice; a live source holds the global steps
+however long it is silent, a dead one is let go, and the follow ends by itself."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from metric_core import reduce_run
 from tests.wandb_file import find_run_file, history_rows, read_records
 
 METRICLOG = str(Path(sys.executable).with_name("metriclog"))
+pytestmark = pytest.mark.slow  # real writer processes and a follower, for seconds each
 
 # A rank records 3 keys a step, a few values each, with a background flush mid-step (so a
 # step is on disk in parts), and writes what it recorded to truth-<rank>.jsonl.
 WRITER = """
-import json, sys, time
+import json, os, signal, sys, time
 import numpy as np
 import metric_core
 from metric_core import Reduce, record_metric
@@ -39,6 +40,8 @@ with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
     for step in range(c.get("start") or 0, c["steps"]):
         if step == c.get("hang"):
             time.sleep(600)  # alive, silent: a hang
+        if step == c.get("die"):
+            os.kill(os.getpid(), signal.SIGKILL)  # after its flush of the step before
         if step == c.get("pause_at"):
             time.sleep(c["pause_s"])  # an evaluation, a checkpoint
         for i in range(4):
@@ -58,8 +61,10 @@ HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 
 def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1, **more) -> list:
-    """A writer process per rank (``ranks``: how many, or which), ``more``: hang (rank ->
-    step it hangs at), sidecar (rank 0's), start (the step it resumes from), world.
+    """A writer process per rank (``ranks``: how many, or which), ``more``: hang, die and
+    pause_at (rank -> the step it hangs at, SIGKILLs itself at, pauses ``pause_s`` at; or
+    pause_at: the step every rank pauses at), sidecar (rank 0's), start (the step it resumes
+    from), world.
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
@@ -68,16 +73,20 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
     which = range(ranks) if isinstance(ranks, int) else ranks
     world = more.get("world", ranks if isinstance(ranks, int) else len(ranks))
     config = {"run": str(run), "steps": steps, "pause": pause, "world": world}
-    config.update({k: more[k] for k in ("start", "segment_records", "pause_at", "pause_s") if k in more})
+    config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
+    pause_at = more.get("pause_at")
+
+    def of(r: int) -> dict:
+        at = pause_at.get(r) if isinstance(pause_at, dict) else pause_at
+        return {"hang": more.get("hang", {}).get(r), "die": more.get("die", {}).get(r), "pause_at": at}
+
     return [
         subprocess.Popen(
             [
                 sys.executable,
                 "-c",
                 WRITER,
-                json.dumps(
-                    {**config, "rank": r, "hang": more.get("hang", {}).get(r), "sidecar": more.get("sidecar")}
-                ),
+                json.dumps({**config, "rank": r, **of(r), "sidecar": more.get("sidecar")}),
             ],
             cwd=run.parent,  # not the repository: the sidecar must not depend on it
         )
@@ -103,6 +112,26 @@ def command(run: Path, *args: str) -> list[str]:
 def follow(run: Path, *args: str) -> subprocess.Popen:
     """A follower beside the job."""
     return subprocess.Popen(command(run, *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def follow_logged(run: Path, log: Path, *args: str) -> subprocess.Popen:
+    """A follower beside the job whose stderr goes to ``log``, to be read while it runs."""
+    return subprocess.Popen(command(run, *args), stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
+
+
+def wait_for(condition, what: str, timeout: float = 90.0) -> None:
+    """Poll ``condition`` until it holds (a condition, never a fixed wait)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def rows_sent(run: Path) -> int:
+    ledger = run / ".metriclog" / "uploads.json"
+    if not ledger.exists():
+        return 0
+    return max((e["rows_sent"] for e in json.loads(ledger.read_text())["runs"].values()), default=0)
 
 
 def followed(run: Path, *args: str) -> subprocess.CompletedProcess:
@@ -179,10 +208,11 @@ def finish(children: list[subprocess.Popen], timeout: float = 120) -> None:
 def test_global_reduce_followed_live_equals_numpy_over_what_every_rank_recorded(tmp_path):
     run = tmp_path / "run"
     sidecar = follow(run)  # started before the job: it waits for the directory, then run.json's ranks
-    time.sleep(0.5)
+    first = sidecar.stderr.readline()  # blocks until the follower said it (a condition, not a wait)
     ranks = writers(run, steps=40, ranks=3)
     finish(ranks)
     _, err = sidecar.communicate(timeout=120)
+    err = first + err
     assert sidecar.returncode == 0, err
     recorded = truth(run, 3)
     check(rows_of(run, "run"), expected_steps([v for values in recorded.values() for v in values]))
@@ -255,30 +285,53 @@ def test_a_follower_killed_mid_run_and_started_again_misses_no_row_and_sends_non
     assert len(wandb_files) == 1, "the interrupted offline run's files were removed"
 
 
-def test_a_hung_source_stops_holding_the_global_step_once_it_is_stopped_early(tmp_path):
+def test_a_pause_and_a_death_give_the_exact_rows_and_the_follow_ends_by_itself(tmp_path):
     run = tmp_path / "run"
-    run.mkdir()
-    ranks = writers(run, steps=60, ranks=3, hang={2: 10})
-    sidecar = follow(run)
-    ledger = run / ".metriclog" / "uploads.json"
-    deadline = time.monotonic() + 90
-    sent = 0
-    while time.monotonic() < deadline and sent < 60:
-        if ledger.exists():
-            sent = max(e["rows_sent"] for e in json.loads(ledger.read_text())["runs"].values())
-        time.sleep(0.1)
-    assert ranks[2].poll() is None, "the hung rank is still alive"
-    assert sent == 60, "every step went while the hung rank held step 10"
-    ranks[2].kill()
+    ranks = writers(run, steps=30, ranks=3, pause_at={1: 10}, pause_s=8.0, die={2: 15})
+    sidecar = follow(run, "--restart-grace", "1s")
     finish(ranks)
-    sidecar.send_signal(signal.SIGINT)
-    _, err = sidecar.communicate(timeout=60)
-    assert sidecar.returncode == 130, err
-    recorded = truth(run, 3)
-    values = [v for vs in recorded.values() for v in vs]
-    entry = runs_written(run)["run"]
-    rows = history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", entry["id"])))
-    check(rows, expected_steps(values))
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err  # it ended by itself: no --until-idle, no Ctrl-C
+    assert ranks[2].returncode == -signal.SIGKILL
+    assert "Trainer_r2 (rank 2) died" in err and "Trainer_r1 (rank 1) died" not in err
+    assert "came after" not in err and "fresh" not in err, "the paused rank was held, not let go"
+    values = [v for vs in truth(run, 3).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+    plain = reduce_run(run)  # what a plain upload of the finished run hands W&B
+    rows = {r["step"]: r for r in rows_of(run, "run")}
+    for step, key, value in plain.select("step", "key", "value").iter_rows():
+        assert rows[step][key] == pytest.approx(value, rel=1e-12, abs=1e-12)
+
+
+def test_a_hung_rank_holds_the_steps_while_alive_and_its_kill_lets_the_follow_end(tmp_path):
+    run = tmp_path / "run"
+    ranks = writers(run, steps=40, ranks=3, hang={2: 10})
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--restart-grace", "1s")
+    finish(ranks[:2])
+    wait_for(lambda: "is alive but silent" in log.read_text(), "the follower to say it holds the steps")
+    assert ranks[2].poll() is None and rows_sent(run) == 10, "steps 10-39 wait for the live rank"
+    ranks[2].kill()
+    ranks[2].wait()
+    assert sidecar.wait(timeout=120) == 0
+    err = log.read_text()
+    assert "Trainer_r2 (rank 2) died" in err and "the steps go on without it" in err
+    values = [v for vs in truth(run, 3).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+
+
+def test_let_go_after_lets_a_silent_rank_go_and_its_return_writes_fresh_runs(tmp_path):
+    run = tmp_path / "run"
+    ranks = writers(run, steps=40, ranks=3, pause_at={2: 10}, pause_s=4.0)
+    sidecar = follow(run, "--let-go-after", "1s")
+    finish(ranks)
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "Trainer_r2 (rank 2) is silent for" in err and "(--let-go-after 1.0 s)" in err
+    assert "written to fresh W&B runs that hold them" in err
+    values = [v for vs in truth(run, 3).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))  # the newest run: every record, exact
+    assert len(list((run / ".metriclog" / "wandb").rglob("*.wandb"))) == 1, "the earlier run's files went"
 
 
 def test_a_job_starts_its_own_sidecar_with_init_and_shutdown_waits_for_its_last_rows(tmp_path):
@@ -300,7 +353,7 @@ def test_a_rank_restarted_from_a_checkpoint_mid_follow_is_read_as_a_rewind(tmp_p
         time.sleep(0.02)
     ranks[1].send_signal(signal.SIGKILL)  # killed; its job restarts it from the checkpoint of step 15
     ranks[1].wait()
-    time.sleep(1.0)  # meanwhile, the other rank's steps go without it (it stopped early)
+    wait_for(lambda: rows_sent(run) > 26, "the other rank's steps to go without the dead one")
     restarted = writers(run, steps=60, ranks=[1], pause=0.05, start=15, world=2)
     finish([ranks[0], *restarted])
     _, err = sidecar.communicate(timeout=120)
@@ -386,28 +439,6 @@ def test_until_idle_through_a_pause_leaves_the_runs_open_for_the_rest(tmp_path):
     check(rows_of(run, "run"), expected_steps(values))
 
 
-def test_a_rank_that_hangs_after_the_others_finished_is_let_go_against_the_clock(tmp_path):
-    run = tmp_path / "run"
-    ranks = writers(run, steps=20, ranks=3, hang={2: 15})
-    sidecar = follow(run)
-    ledger = run / ".metriclog" / "uploads.json"
-    deadline, sent = time.monotonic() + 60, 0
-    while time.monotonic() < deadline and sent < 20:
-        if ledger.exists():
-            sent = max(e["rows_sent"] for e in json.loads(ledger.read_text())["runs"].values())
-        time.sleep(0.1)
-    assert ranks[2].poll() is None and sent == 20, "steps 15-19 went while rank 2 hung, alone"
-    ranks[2].kill()
-    finish(ranks)
-    sidecar.send_signal(signal.SIGINT)
-    _, err = sidecar.communicate(timeout=60)
-    assert sidecar.returncode == 130, err
-    assert "Trainer_r2 (rank 2) is silent for" in err and "the steps go on without it" in err
-    assert "Trainer_r0" not in err.split("is silent")[0].splitlines()[-1]
-    values = [v for vs in truth(run, 3).values() for v in vs]
-    check(rows_of(run, "run", finished=False), expected_steps(values))
-
-
 def test_a_rank_that_never_writes_keeps_the_run_open_and_is_named(tmp_path):
     run = tmp_path / "run"
     finish(writers(run, steps=10, ranks=[0, 1], world=3))  # run.json says 3; rank 2 never started
@@ -442,7 +473,7 @@ def test_a_second_follower_of_the_same_upload_is_refused_and_another_mode_is_not
     run = tmp_path / "run"
     ranks = writers(run, steps=40, ranks=2)
     first = follow(run)
-    time.sleep(1.5)
+    wait_for(lambda: rows_sent(run) > 0, "the first follower to hold the upload")
     second = followed(run)
     assert second.returncode == 1
     assert "another `metriclog upload --follow` of the same upload" in second.stderr

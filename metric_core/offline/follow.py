@@ -40,7 +40,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from metric_core.clock import duration
+from metric_core.life import END_KINDS, Life
 from metric_core.metric import LoggingMode
+from metric_core.offline import story
 from metric_core.offline.engine import key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
 from metric_core.offline.plan import ReducePlan, key_matcher
@@ -63,15 +66,38 @@ WALL_CLOCK_MIN_S = 5.0
 @dataclass
 class AttemptState:
     """One attempt of a source (an ``init()``): when it started, its first step, its
-    highest complete step, whether it shut down cleanly."""
+    highest complete step, whether it shut down cleanly, and its life as its files
+    recorded it (by journal name: a sealed segment's replaces its journal's)."""
 
     started: float = -math.inf
     first_step: int | None = None
     done: int | None = None
     finished: bool = False
+    lives: dict[str, Life] = field(default_factory=dict)
 
     def flushed(self, step: int) -> None:
         self.done = step if self.done is None else max(self.done, step)
+
+    @property
+    def life(self) -> Life | None:
+        return Life.merged(list(self.lives.values())) if self.lives else None
+
+    def dead(self, now: float) -> str | None:
+        """Why its process is over, though it did not shut down (None: it is alive, or its
+        files record no life: an older writer's)."""
+        life = self.life
+        if self.finished or life is None:
+            return None
+        ended = [e for e in life.ends if e["kind"] in END_KINDS]
+        if ended:
+            e = ended[0]
+            what = (e.get("exception") or {}).get("type") if e["kind"] == "exception" else e.get("signal")
+            return f"it ended ({e['kind']}{': ' + str(what) if what else ''})"
+        if story.process_gone(life):
+            return f"its process (pid {life.pid}) is gone"
+        if life.dead(now):
+            return f"no heartbeat for {duration(now - (life.alive or now))}"
+        return None
 
 
 @dataclass
@@ -129,6 +155,15 @@ class SourceState:
             elif step == self.step_end[0]:
                 self.step_end = (step, max(at, self.step_end[1]))
 
+    def dead(self, now: float) -> str | None:
+        """Why the newest attempt's process is over without a shutdown (None: alive, or not known)."""
+        return None if self.static or not self.attempts else self.newest.dead(now)
+
+    @property
+    def has_life(self) -> bool:
+        """Its writer records heartbeats (format 4 on): its silence is told from its death."""
+        return bool(self.attempts) and bool(self.newest.lives)
+
     def stopped_early(self, newest: float, now: float | None = None) -> bool:
         """``inspect``'s rule, against the newest record of the run; with ``now``, also
         against the wall clock (``watch``'s stall), past at least ``WALL_CLOCK_MIN_S`` (clocks
@@ -144,8 +179,17 @@ class SourceState:
         threshold = max(threshold, QUIET_FACTOR * statistics.median(self.gaps))
         return lag > threshold or silent > max(threshold, WALL_CLOCK_MIN_S)
 
-    def holds(self, newest: float, now: float | None = None) -> bool:
-        return not (self.finished or self.static or self.stopped_early(newest, now))
+    def holds(self, newest: float, now: float, let_go_after: float | None = None) -> bool:
+        """Whether the others' global steps wait for it: while it lives, however long it is
+        silent (unless ``let_go_after`` seconds of silence); a writer that records no life
+        (an older one) by ``inspect``'s stop rule."""
+        if self.finished or self.static:
+            return False
+        if let_go_after is not None and now - self.clock > let_go_after:
+            return False
+        if self.has_life:
+            return self.dead(now) is None
+        return not self.stopped_early(newest, now)
 
 
 @dataclass
@@ -153,6 +197,7 @@ class _Journal:
     decoded: Any  # journal.Decoded of what was read so far
     taken: int = 0  # settled records taken
     size: int = 0  # its bytes when last read
+    progress: tuple[int, int] = (-1, -1)  # its records and flushes when last read
 
 
 class RunTail:
@@ -236,6 +281,8 @@ class RunTail:
                 # inside a step: its last step is complete only at a clean end (or the next flush).
                 a.flushed(meta.steps[1] if meta.clean_shutdown else meta.steps[1] - 1)
             a.finished |= meta.clean_shutdown
+            if meta.life is not None:
+                a.lives[meta.supersedes] = meta.life
             state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
             return frame.with_columns(attempt=pl.lit(attempt))
         for (process, rank), part in frame.group_by("process", "rank", maintain_order=True):
@@ -258,8 +305,6 @@ class RunTail:
         except OSError as exc:
             self._say(f"{rel(path, self.root)}: not read: {exc}")
             return None
-        if tail is None or start + len(data) > tail.size:
-            self.active = True  # written since the last poll, settled or not
         decoded = journal.decode(data, after=None if tail is None else tail.decoded)
         for problem in decoded.problems:
             self._say(f"{rel(path, self.root)}: {problem}")
@@ -267,7 +312,14 @@ class RunTail:
             return None  # nothing whole yet
         if tail is None:
             tail = self.journals[path] = _Journal(decoded)
-        tail.decoded, tail.size = decoded, start + len(data)
+        # Records or steps written since the last poll, settled or not (a heartbeat is neither).
+        progress = (
+            tail.taken + (decoded.table.num_rows if decoded.table is not None else 0),
+            decoded.life.flushes,
+        )
+        if progress != tail.progress:
+            self.active = True
+        tail.decoded, tail.size, tail.progress = decoded, start + len(data), progress
         state = self.source(decoded.process, decoded.rank)
         attempt = decoded.attempt.get("attempt") or ""
         a = state.attempt(attempt, decoded.attempt.get("attempt_started"))
@@ -277,6 +329,8 @@ class RunTail:
         if decoded.last_flush is not None:
             a.flushed(decoded.last_flush)
         a.finished |= decoded.shutdown is not None
+        if decoded.version >= 4:
+            a.lives[path.name] = decoded.life
         # At the end (every source idle), the records no flush covered are taken as they are
         # stamped, as every command reads them; a write the writer's death cut short is said.
         settled = decoded.table.num_rows if decoded.table is not None and final else decoded.settled_records
@@ -321,8 +375,11 @@ class Ready:
 class Follower:
     """Pending records, and the buckets that became complete (``ready``)."""
 
-    def __init__(self, plan: ReducePlan, *, share_run: bool, sources: int | None) -> None:
+    def __init__(
+        self, plan: ReducePlan, *, share_run: bool, sources: int | None, let_go_after: float | None = None
+    ) -> None:
         self.plan = plan
+        self.let_go_after = let_go_after
         self.share_run = share_run
         self.expected = sources
         self.pending = _empty().with_columns(attempt=pl.lit("", pl.String))
@@ -376,7 +433,8 @@ class Follower:
         return pl.col("step").cast(pl.Float64)
 
     def _drop_late(self) -> None:
-        """Records of buckets already handed over: counted (``late``), not sent."""
+        """Records of buckets already handed over (a source let go that came back): counted
+        (``late``), not sent; the follow then writes fresh runs that hold them."""
         if not self.sent or (self.raw and self.per_source):  # a source's records come in order
             return
         if self.per_source:
@@ -443,7 +501,9 @@ class Follower:
             return -math.inf
         newest = max((s.clock for s in sources.values()), default=-math.inf)
         now = time.time()
-        return min((of(s) for s in sources.values() if s.holds(newest, now)), default=math.inf)
+        return min(
+            (of(s) for s in sources.values() if s.holds(newest, now, self.let_go_after)), default=math.inf
+        )
 
     def _rows(self, complete: pl.DataFrame, sources: dict[Source, SourceState]) -> list[Ready]:
         plan, bucket = self.plan, self.plan.bucket

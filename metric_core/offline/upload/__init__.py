@@ -45,13 +45,17 @@ __all__ = ["Destination", "Follow", "PlannedRun", "RunOutcome", "UploadEvents", 
 class Follow:
     """How ``upload_run`` follows a run that is being written: a look every ``interval``
     seconds; the end when every source finished, or ``until_idle`` seconds passed without
-    a new record, or ``stop`` is set; ``sources``: how many sources to wait for before a
-    global step is complete (default: run.json's world_size)."""
+    a new record, or ``stop`` is set, or every source finished or died and no new attempt
+    began within ``restart_grace`` seconds; ``sources``: how many sources to wait for
+    before a global step is complete (default: run.json's world_size). A live source
+    holds the global steps however long it is silent, unless ``let_go_after``."""
 
     interval: float = 2.0
     until_idle: float | None = None
     sources: int | None = None
     stop: threading.Event | None = None
+    let_go_after: float | None = None  # a live source silent this long stops holding the global steps
+    restart_grace: float = 60.0  # every source finished or died: how long a restart is waited for
 
 
 @dataclass
@@ -155,6 +159,8 @@ def upload_run(
             until_idle=follow.until_idle,
             sources=follow.sources,
             stop=follow.stop,
+            let_go_after=follow.let_go_after,
+            restart_grace=follow.restart_grace,
         )
         return UploadResult(upload, state.outcomes, dry_run=dry_run, followed=state)
     prepare = functools.partial(

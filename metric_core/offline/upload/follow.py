@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -35,8 +36,10 @@ from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key,
 from metric_core.offline.upload.send import Destination, RunOutcome, Sender, UploadEvents, decide, find_entry
 
 NEVER = 1 << 62  # rows to skip of a run that is skipped
-# How ``follow_upload`` ended: every source finished, idle for ``until_idle``, or ``stop``.
-FINISHED, IDLE, STOPPED, REPLACED = "finished", "idle", "stopped", "replaced"
+# How ``follow_upload`` ended: every source finished, idle for ``until_idle``, every source
+# finished or died and none restarted within ``restart_grace``, or ``stop``.
+FINISHED, IDLE, OVER, STOPPED, REPLACED = "finished", "idle", "over", "stopped", "replaced"
+RESTART_GRACE = 60.0  # --restart-grace's default: a launcher that restarts the job is waited for
 
 
 @dataclass
@@ -72,6 +75,7 @@ class FollowState:
     late: dict[tuple[str, int], int] = field(default_factory=dict)
     sources: dict[tuple[str, int], SourceState] = field(default_factory=dict)
     expected: int = 1  # sources that must have written (run.json's world_size, --sources)
+    dead: dict[tuple[str, int], str] = field(default_factory=dict)  # sources over without shutdown(): why
 
     @property
     def all_finished(self) -> bool:
@@ -99,9 +103,13 @@ def follow_upload(
     sources: int | None = None,
     stop: threading.Event | None = None,
     init: Callable[..., Any] | None = None,
+    let_go_after: float | None = None,
+    restart_grace: float = RESTART_GRACE,
 ) -> tuple[UploadPlan, FollowState]:
-    """Follow ``root`` until every source finished, ``until_idle`` seconds pass without a
-    new record, or ``stop`` is set (Ctrl-C: what is ready is handed over first)."""
+    """Follow ``root`` until every source finished, every source finished or died and no
+    new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
+    a new record, or ``stop`` is set (Ctrl-C: what is ready is handed over first). A live
+    source holds the global steps however long it is silent, unless ``let_go_after``."""
     stop = stop or threading.Event()
     state = FollowState()
     key = request_key(plan, request, share_run)
@@ -118,7 +126,8 @@ def follow_upload(
             )
             pass_.replacing = replacing
             pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
-            pass_.follower = Follower(plan, share_run=share_run, sources=sources)
+            pass_.follower = Follower(plan, share_run=share_run, sources=sources, let_go_after=let_go_after)
+            pass_.restart_grace = restart_grace
             try:
                 ended = pass_.run(stop, interval, until_idle, state, sources is None)
             except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it read or sent: what was sent stays
@@ -128,7 +137,7 @@ def follow_upload(
                 raise
             # Idle with a source that never shut down: the job may go on (a long pause), so
             # the runs stay open in the ledger, for a later upload to continue.
-            pass_.close(finished=ended == FINISHED or (ended == IDLE and state.all_finished))
+            pass_.close(finished=ended in (FINISHED, OVER) or (ended == IDLE and state.all_finished))
             state.outcomes = [o.outcome for o in pass_.runs.values()]
             if ended != REPLACED:
                 state.ended = ended
@@ -168,6 +177,9 @@ class _Pass:
     quiet_said: bool = False
     replacing: bool = False  # a pass after a restart replaced rows handed over
     let_go: set[tuple[str, int]] = field(default_factory=set)
+    held: set[tuple[str, int]] = field(default_factory=set)  # live, silent sources said to hold the steps
+    restart_grace: float = RESTART_GRACE
+    over_since: float | None = None  # since when every source finished or died
 
     def run(
         self, stop: threading.Event, interval: float, until_idle: float | None, state: FollowState, wait: bool
@@ -188,20 +200,24 @@ class _Pass:
             state.sources = self.tail.sources
             self._notices(first_record, wait)
             state.expected = self.follower.expected or 1
-            self._silences(last_new)
+            self._silences(last_new, state)
+            over = self._over(state)
+            if over and not idle and not state.all_finished:  # the job is over: what no flush covered too
+                records = pl.concat([records, self.tail.poll(final=True)], how="vertical_relaxed")
             self.follower.add(records, self.tail.sources)
             if self.plan.by == "time" and self.follower.t0 is None and self.tail.sources:
                 self.follower.t0 = self._earlier_t0()
             if self.follower.replaced:
                 self.events.message("warning", _replaced(self.follower.replaced, self.to.offline))
                 return REPLACED
-            self._send(self.follower.ready(self.tail.sources, ending=state.all_finished or idle))
-            for source, n in self.follower.late.items():
-                if state.late.get(source) != n:
-                    self.events.message("warning", _late(source, n))
-            state.late = dict(self.follower.late)
-            if state.all_finished or idle:
-                return FINISHED if state.all_finished else IDLE
+            if self.follower.late:
+                self.events.message("warning", _late(self.follower.late, self.to.offline))
+                state.late = dict(self.follower.late)
+                return REPLACED
+            ending = state.all_finished or idle or over
+            self._send(self.follower.ready(self.tail.sources, ending=ending))
+            if ending:
+                return FINISHED if state.all_finished else IDLE if idle else OVER
             try:
                 if stop.wait(interval):
                     raise KeyboardInterrupt
@@ -209,23 +225,73 @@ class _Pass:
                 self._send(self.follower.ready(self.tail.sources))  # what is complete goes first
                 return STOPPED
 
-    def _silences(self, last_new: float) -> None:
-        """Say once when a source stops holding the others back, and when nothing is written."""
+    def _over(self, state: FollowState) -> bool:
+        """Every source finished or died, and no new attempt began within ``restart_grace``."""
+        sources = self.tail.sources
+        done = (
+            bool(sources)
+            and len(sources) >= state.expected
+            and all(s.finished or s.static or key in state.dead for key, s in sources.items())
+        )
+        if not done or not state.dead:
+            self.over_since = None
+            return False
+        if self.over_since is None:
+            self.over_since = time.monotonic()
+            if self.restart_grace > 0:
+                self.events.message(
+                    "note",
+                    f"every source finished or died; waiting {duration(self.restart_grace)} for the job to "
+                    "be restarted (--restart-grace)",
+                )
+        return time.monotonic() - self.over_since >= self.restart_grace
+
+    def _silences(self, last_new: float, state: FollowState) -> None:
+        """Say once when a source dies or is let go, or holds the steps while silent; and
+        when nothing is written."""
         now = time.time()
         newest = max((s.clock for s in self.tail.sources.values()), default=-math.inf)
+        holding = not self.follower.per_source
+        let_go_after = self.follower.let_go_after
         for key, source in self.tail.sources.items():
-            let_go = not (source.finished or source.static) and not source.holds(newest, now)
-            if let_go and key not in self.let_go:
+            who = f"{key[0]} (rank {key[1]})"
+            since = f"since step {source.step_end[0]}" if source.step_end else "since it started"
+            why = source.dead(now)
+            if why is None:
+                state.dead.pop(key, None)
+            elif key not in state.dead:
+                state.dead[key] = why
                 self.events.message(
                     "warning",
-                    f"{key[0]} (rank {key[1]}) is silent for {duration(now - source.clock)} since step "
-                    f"{source.step_end[0] if source.step_end else '?'} (stopped early, by inspect's rule): "
-                    "the steps go on without it",
+                    f"{who} died ({why}) {since}" + (": the steps go on without it" if holding else ""),
+                )
+            let_go = not (source.finished or source.static) and not source.holds(newest, now, let_go_after)
+            if let_go and why is None and key not in self.let_go:
+                rule = (
+                    f"--let-go-after {duration(let_go_after)}"
+                    if let_go_after is not None
+                    else "inspect's rule"
+                )
+                self.events.message(
+                    "warning",
+                    f"{who} is silent for {duration(now - source.clock)} {since} ({rule}): the steps go on "
+                    "without it; if it writes again, the runs are written again under fresh ids",
                 )
             if let_go:
                 self.let_go.add(key)
             elif key in self.let_go and source.finished:
                 self.let_go.discard(key)
+            silent = now - source.clock
+            if holding and not let_go and source.has_life and silent > _hold_said_after(source):
+                if key not in self.held:
+                    self.held.add(key)
+                    self.events.message(
+                        "note",
+                        f"{who} is alive but silent for {duration(silent)} {since}: the global steps wait "
+                        "for it (a long evaluation, or a hang); --let-go-after DURATION lets a silent one go",
+                    )
+            else:
+                self.held.discard(key)
         quiet = time.monotonic() - last_new
         if quiet > QUIET_SAID_S and not self.quiet_said and self.tail.sources:
             self.quiet_said = True
@@ -406,6 +472,7 @@ def _appeared(root: Path, stop: threading.Event, interval: float, events: Upload
 NO_RUN_JSON_WAIT_S = 10.0
 WAITING_SAID_S = 10.0  # a follower that waits this long for run.json's sources says so
 QUIET_SAID_S = 60.0  # a follower with nothing written for this long says so
+HOLD_SAID_S = 10.0  # a live source silent for this long (or 10 step times) is said to hold the steps
 
 
 def _expected(meta: dict[str, Any], first_record: float | None) -> int | None:
@@ -434,12 +501,19 @@ def _identity(tail: RunTail) -> str:
     return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
 
 
-def _late(source: tuple[str, int], n: int) -> str:
+def _hold_said_after(source: SourceState) -> float:
+    """The silence of a live source that is said once: 10 s, 10 step times, twice its longest pause."""
+    typical = statistics.median(source.gaps) if source.gaps else 0.0
+    return max(HOLD_SAID_S, 10 * typical, 2 * source.longest)
+
+
+def _late(late: dict[tuple[str, int], int], offline: bool) -> str:
+    which = ", ".join(f"{p} (rank {r}): {n}" for (p, r), n in sorted(late.items()))
+    where = "its files are removed" if offline else "it is left unfinished in W&B; delete it there"
     return (
-        f"{source[0]} (rank {source[1]}): {n} record(s) came after their step or window was handed to W&B "
-        "(a source that started late, or a clock behind the others'); they are not in the followed runs. "
-        "Start with --sources N to wait for N sources; `metriclog upload --force-new` after the job "
-        "gives the exact rows"
+        f"record(s) came after their step or window was handed to W&B ({which}: a source that was let go, "
+        "or started after --sources were counted); the run is read again and written to fresh W&B runs that "
+        f"hold them. The earlier run lacks them: {where}"
     )
 
 
