@@ -16,7 +16,11 @@ before the loop to just after shutdown, divided by N. Variants, side by side:
               the same, with metric_core as it was at git revision REV, so a change
               is measured against its base in the same run
 
+``--step-every 1`` makes every record a step of its own: the figure is then mostly the
+cost of ``flush(step)``.
+
 Usage: python benchmarks/bench_record.py [--records 2000000] [--repeats 5] [--baseline REV]
+                                         [--step-every 100]
 """
 
 from __future__ import annotations
@@ -39,9 +43,8 @@ STEP_EVERY = 100
 CHILD = textwrap.dedent(
     """
     import json, os, sys, time
-    variant, n, run_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    variant, n, run_dir, step_every = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
     keys = [f"trainer/metric_{i}" for i in range(%(keys)d)]
-    step_every = %(step_every)d
     if variant == "seed":
         from dataclasses import dataclass, field
         from enum import Enum
@@ -124,10 +127,12 @@ CHILD = textwrap.dedent(
     cpu = time.process_time() - start
     print(json.dumps({"cpu_ns": cpu / n * 1e9, "wall_ns": (time.perf_counter() - wall) / n * 1e9}))
     """
-) % {"keys": KEYS, "step_every": STEP_EVERY}
+) % {"keys": KEYS}
 
 
-def run_variant(variant: str, n: int, baseline: Path | None = None) -> dict[str, float]:
+def run_variant(
+    variant: str, n: int, baseline: Path | None = None, step_every: int = STEP_EVERY
+) -> dict[str, float]:
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     if "@" in variant:
         assert baseline is not None
@@ -136,7 +141,7 @@ def run_variant(variant: str, n: int, baseline: Path | None = None) -> dict[str,
         # ahead of the editable install of this checkout
     with tempfile.TemporaryDirectory() as tmp:
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, variant, str(n), tmp],
+            [sys.executable, "-c", CHILD, variant, str(n), tmp, str(step_every)],
             check=True,
             capture_output=True,
             text=True,
@@ -165,6 +170,7 @@ def main() -> None:
     parser.add_argument("--wandb-records", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--baseline", metavar="REV", help="also measure metric_core at this git revision")
+    parser.add_argument("--step-every", type=int, default=STEP_EVERY, help="records a step (1: flush's cost)")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_reduce import compile_sources
@@ -185,9 +191,12 @@ def main() -> None:
     results: dict[str, list[float]] = {v: [] for v in variants}
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
         for variant, n in variants.items():
-            results[variant].append(run_variant(variant, n, baseline)["cpu_ns"])
+            results[variant].append(run_variant(variant, n, baseline, args.step_every)["cpu_ns"])
     med = {v: statistics.median(xs) for v, xs in results.items()}
-    print(f"records: {args.records:,} (wandb: {args.wandb_records:,}); repeats: {args.repeats}; medians")
+    print(
+        f"records: {args.records:,} (wandb: {args.wandb_records:,}), {args.step_every} a step; "
+        f"repeats: {args.repeats}; medians"
+    )
     width = max(10, *(len(v) + 2 for v in variants))
     print(f"{'variant':<{width}}{'CPU ns/record':>15}{'vs seed':>10}{'vs wandb.log':>15}")
     for v in variants:

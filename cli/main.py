@@ -160,6 +160,8 @@ def upload(
     until_idle: o.UntilIdle = None,
     interval: o.Interval = o.FOLLOW_INTERVAL,
     sources: o.Sources = None,
+    let_go_after: o.LetGoAfter = None,
+    restart_grace: o.RestartGrace = o.RESTART_GRACE,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
 ) -> None:
@@ -192,7 +194,7 @@ def upload(
                 follow_symlinks=follow_symlinks,
                 events=events,
                 on_progress=progress,
-                follow=o.follow(follow, interval, until_idle, sources),
+                follow=o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace),
                 engine=engine.value,
                 ray_address=ray_address,
             )
@@ -205,8 +207,10 @@ def inspect(
     follow_symlinks: o.FollowSymlinks = False,
     attempts: o.Attempts = "rewind",
     json_out: o.Json = False,
+    pause_after: o.PauseAfter = None,
 ) -> None:
-    """Tell what happened in a crashed or hung run: per-source health, then a verdict.
+    """Tell what happened in a crashed or hung run: how each attempt of each source ended,
+    which failed first, where the job paused and was stuck; per-source health, then a verdict.
 
     Example:
 
@@ -222,6 +226,7 @@ def inspect(
             attempts=attempts,
             on_read=output.said_skips,
             on_progress=progress,
+            pause_after=pause_after,
         )
         typer.echo(report.to_json()) if json_out else output.print_inspect(report)
 
@@ -275,12 +280,15 @@ def watch(
     interval: o.Interval = 2.0,
     on_stall: o.OnStall = None,
     exit_on_stall: o.ExitOnStall = False,
+    stall_after: o.StallAfter = None,
+    restart_grace: o.RestartGrace = o.RESTART_GRACE,
     attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
 ) -> None:
-    """Follow a run while it is written: its sources' state, and the ones that hang.
+    """Follow a run while it is written: its sources' state, the ones that hang or die.
 
-    Exit 0 once every source finished, 3 on a stall with --exit-on-stall, 130 on Ctrl-C.
+    Exit 0 once every source finished, 4 once every source finished or died and no restart
+    came within --restart-grace, 3 on a stall with --exit-on-stall, 130 on Ctrl-C.
 
     Example:
 
@@ -291,14 +299,18 @@ def watch(
 
     commands = output.StallCommands(on_stall, run_dir)
     with errors_to_exit(), output.WatchDisplay() as show, commands:
+        commands.relay = show.live is not None
         try:
             result = watch_run(
                 run_dir,
                 interval=interval,
                 on_poll=show.poll,
                 on_stall=commands.run,
+                on_note=show.note,
                 on_waiting=show.waiting,
                 exit_on_stall=exit_on_stall,
+                stall_after=stall_after,
+                restart_grace=o.grace(restart_grace),
                 follow_symlinks=follow_symlinks,
                 attempts=attempts,
             )

@@ -211,6 +211,19 @@ def plan(
     )
 
 
+# inspect
+PauseAfter = Annotated[
+    float | None,
+    typer.Option(
+        "--pause-after",
+        metavar="SECONDS",
+        min=1.0,
+        help="A source that takes no step for this long is paused (default: 10 s, or 10 times its step "
+        "time if longer). Steps are timed to the second in sealed files.",
+    ),
+]
+
+
 # watch
 Interval = Annotated[
     float,
@@ -221,8 +234,19 @@ OnStall = Annotated[
     typer.Option(
         "--on-stall",
         metavar="CMD",
-        help="Run CMD (a shell command) once per stalled source, with METRICLOG_PROCESS, METRICLOG_RANK, "
-        "METRICLOG_LAST_STEP, METRICLOG_SILENT_S and METRICLOG_RUN_DIR in its environment.",
+        help="Run CMD (a shell command) once per stall (the sources that went silent together), with "
+        "METRICLOG_PROCESSES (all of them), METRICLOG_PROCESS, METRICLOG_RANK, METRICLOG_LAST_STEP and "
+        "METRICLOG_SILENT_S (the first), METRICLOG_STACKS (stack dumps, when any) and METRICLOG_RUN_DIR.",
+    ),
+]
+StallAfter = Annotated[
+    float | None,
+    typer.Option(
+        "--stall-after",
+        metavar="SECONDS",
+        min=0.1,
+        help="A live source silent this long is stalled (default: 10 s, 10 times its step time, or twice "
+        "its longest pause, whichever is longest).",
     ),
 ]
 ExitOnStall = Annotated[
@@ -261,16 +285,66 @@ Sources = Annotated[
 ]
 
 
-def follow(on: bool, interval: float, until_idle: str | None, sources: int | None) -> Any:
+LetGoAfter = Annotated[
+    str | None,
+    typer.Option(
+        "--let-go-after",
+        metavar="DURATION",
+        help="With --follow: a live source silent for DURATION stops holding the global steps (by default "
+        "it holds them until it steps, dies or finishes). If it writes again, the runs are written anew.",
+    ),
+]
+RestartGrace = Annotated[
+    str,
+    typer.Option(
+        "--restart-grace",
+        metavar="DURATION",
+        help="With --follow (and watch): once every source finished or died, wait this long for the job "
+        "to be restarted before ending.",
+    ),
+]
+RESTART_GRACE = "60s"
+
+
+def follow(
+    on: bool,
+    interval: float,
+    until_idle: str | None,
+    sources: int | None,
+    let_go_after: str | None = None,
+    restart_grace: str = RESTART_GRACE,
+) -> Any:
     """``upload_run``'s ``follow``, or None without ``--follow`` (its options alone are a usage error)."""
     from metric_core.offline.plan import parse_duration
     from metric_core.offline.upload import Follow
 
     if not on:
-        given = [f for f, v in (("--until-idle", until_idle), ("--sources", sources)) if v is not None]
+        given = [
+            f
+            for f, v in (
+                ("--until-idle", until_idle),
+                ("--sources", sources),
+                ("--let-go-after", let_go_after),
+            )
+            if v is not None
+        ]
         given += ["--interval"] if interval != FOLLOW_INTERVAL else []
+        given += ["--restart-grace"] if restart_grace != RESTART_GRACE else []
         if given:
             raise typer.BadParameter(f"{' and '.join(given)} work only with --follow", param_hint=given[0])
         return None
     idle = parse_duration(until_idle, option="until_idle") if until_idle is not None else None
-    return Follow(interval=interval, until_idle=idle, sources=sources)
+    let_go = parse_duration(let_go_after, option="let_go_after") if let_go_after is not None else None
+    grace_s = grace(restart_grace)
+    return Follow(
+        interval=interval, until_idle=idle, sources=sources, let_go_after=let_go, restart_grace=grace_s
+    )
+
+
+def grace(restart_grace: str) -> float:
+    """``--restart-grace`` in seconds (0 allowed: end at once)."""
+    from metric_core.offline.plan import parse_duration
+
+    return (
+        0.0 if restart_grace.strip() in ("0", "0s") else parse_duration(restart_grace, option="restart_grace")
+    )

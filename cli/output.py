@@ -27,8 +27,18 @@ if TYPE_CHECKING:
 MAX_TABLE_ROWS = 40
 
 
+# The display watch redraws in place on a terminal, while it runs: lines are printed above
+# it through its console (written to the terminal beside it, they leave stale copies).
+_live: Any = None
+
+
 def say(kind: str, text: str) -> None:
     """A line on stderr: ``warning: ...`` and ``note: ...``, or plain information."""
+    if _live is not None:
+        from rich.text import Text
+
+        _live.console.print(Text(_line(kind, text)))
+        return
     typer.echo(_line(kind, text), err=True)
 
 
@@ -404,6 +414,13 @@ def print_upload(result: UploadResult) -> int:
         return 130
     if followed is not None and not result.outcomes:
         say("warning", "no record came before the end: nothing was uploaded")
+    if followed is not None and followed.ended == "over":
+        died = "; ".join(f"{p} (rank {r}): {why}" for (p, r), why in sorted(followed.dead.items()))
+        say(
+            "info",
+            f"ended: every source finished or died, and no restart came within --restart-grace ({died}); "
+            "the runs hold every record written",
+        )
     if followed is not None and followed.ended == "idle" and not followed.all_finished:
         unfinished = sorted(
             f"{p} (rank {r})" for (p, r), s in followed.sources.items() if not (s.finished or s.static)
@@ -523,29 +540,37 @@ class WatchDisplay:
         self.states: dict[tuple[str, int], str] = {}
 
     def __enter__(self) -> WatchDisplay:
+        global _live
         if sys.stdout.isatty():
             from rich.live import Live
 
-            self.live = Live(auto_refresh=False, transient=False)
+            self.live = _live = Live(auto_refresh=False, transient=False)
             self.live.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        global _live
         if self.live is not None:
             self.live.stop()
+            _live = None
 
     def poll(self, report: InspectReport) -> None:
         if self.live is not None:
             self.live.update(_watch_table(report), refresh=True)
             return
         from metric_core.clock import local_time
+        from metric_core.offline.watch import state_of
 
         for s in report.sources:
-            state = watch_state(s)
+            state = state_of(s)
             if self.states.get((s.process, s.rank)) != state:
                 self.states[(s.process, s.rank)] = state
                 when = local_time(report.checked_at)
                 print(f"{when} {s.process} (rank {s.rank}) {state} at step {s.last_step}", flush=True)
+
+    def note(self, text: str) -> None:
+        """A death, a restart, a dump: a line on stderr (above the table, on a terminal)."""
+        say("note", text)
 
     def waiting(self, why: str) -> None:
         if self.live is not None:
@@ -557,27 +582,25 @@ class WatchDisplay:
             say("info", f"waiting for records: {why}")
 
 
-def watch_state(s: Any) -> str:
-    """A source as watch names it: running, stalled, finished or stopped_early."""
-    if s.status == "finished":
-        return "finished"
-    if s.stalled:
-        return "stalled"
-    return "stopped_early" if s.status == "stopped_early" else "running"
-
-
 def _watch_table(report: InspectReport) -> Any:
     from rich.table import Table
     from rich.text import Text
 
     from metric_core.clock import duration, local_time
+    from metric_core.offline.watch import state_of
 
     table = Table(title=f"{report.name}: {local_time(report.checked_at)}", title_justify="left")
     for name in ("process", "rank", "state", "step", "silent", "step time"):
         table.add_column(name, justify="right" if name in ("rank", "step", "silent", "step time") else "left")
-    styles = {"stalled": "bold red", "stopped_early": "red", "finished": "green", "running": ""}
+    styles = {
+        "stalled": "bold red",
+        "died": "bold red",
+        "stopped_early": "red",
+        "finished": "green",
+        "running": "",
+    }
     for s in report.sources:
-        state = watch_state(s)
+        state = state_of(s)
         table.add_row(
             s.process,
             str(s.rank),
@@ -590,12 +613,17 @@ def _watch_table(report: InspectReport) -> Any:
 
 
 class StallCommands:
-    """``watch --on-stall CMD``: says each stall, and runs CMD for it (a shell command, not
-    waited for, with the source in its environment); waits for the commands at the end."""
+    """``watch --on-stall CMD``: says each stall (an episode: the sources that went silent
+    together), and runs CMD once for it (a shell command, not waited for, with the sources
+    in its environment); waits for the commands at the end."""
 
     def __init__(self, command: str | None, run_dir: str) -> None:
         self.command, self.run_dir = command, run_dir
         self.children: list[tuple[str, Any]] = []
+        # On a terminal where watch redraws its table, a command's output goes through
+        # this process's stderr (above the table): written straight to the terminal, it
+        # would leave stale copies of the table behind.
+        self.relay = False
 
     def __enter__(self) -> StallCommands:
         return self
@@ -613,19 +641,22 @@ class StallCommands:
             if code:
                 say("warning", f"--on-stall command for {who} exited with {code}")
 
-    def run(self, source: Any) -> None:
+    def run(self, episode: Any) -> None:
         import subprocess
 
         from metric_core.clock import duration
 
+        source = episode.first
         who = f"{source.process} (rank {source.rank})"
         pace = f", steps every {duration(source.cadence_s)}" if source.cadence_s else ""
-        say(
-            "warning",
-            f"{who} stalled at step {source.last_step}: silent for {duration(source.silent_s)}{pace}",
-        )
+        others = episode.sources[1:]
+        also = f"; with it: {', '.join(f'{s.process} (rank {s.rank})' for s in others)}" if others else ""
+        dumps = f"; stack dumps: {', '.join(sorted(episode.stacks))}" if episode.stacks else ""
+        silent = duration(source.silent_s)
+        say("warning", f"{who} stalled at step {source.last_step}: silent for {silent}{pace}{also}{dumps}")
         if self.command is None:
             return
+        root = str(self.run_dir).rstrip("/")
         env = {
             **os.environ,
             "METRICLOG_RUN_DIR": str(self.run_dir),
@@ -633,8 +664,24 @@ class StallCommands:
             "METRICLOG_RANK": str(source.rank),
             "METRICLOG_LAST_STEP": str(source.last_step),
             "METRICLOG_SILENT_S": f"{source.silent_s:.3f}",
+            "METRICLOG_PROCESSES": ",".join(s.process for s in episode.sources),
+            "METRICLOG_STACKS": " ".join(f"{root}/{p}" for p in sorted(episode.stacks)),
         }
-        self.children.append((who, subprocess.Popen(self.command, shell=True, env=env)))
+        if not self.relay:
+            self.children.append((who, subprocess.Popen(self.command, shell=True, env=env)))
+            return
+        import threading
+
+        child = subprocess.Popen(
+            self.command, shell=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+        def relay() -> None:
+            for line in child.stdout or ():
+                say("info", line.rstrip("\n"))
+
+        threading.Thread(target=relay, daemon=True).start()
+        self.children.append((who, child))
 
 
 # How long watch waits, at its end, for the --on-stall commands it started.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -14,18 +16,20 @@ import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
 
+# The suite's own temporary directory, for this process and every one it starts ($TMPDIR):
+# what another metriclog on the machine leaves in the shared one is not the suite's.
+SUITE_TMP = Path(tempfile.mkdtemp(prefix="mls-"))  # short: Ray's socket paths live below it
+os.environ["TMPDIR"] = tempfile.tempdir = str(SUITE_TMP)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def no_temporary_directory_is_left_behind():
     """Every temporary directory metriclog makes ($TMPDIR/metriclog-*) is gone when the
     suite ends."""
-    import tempfile
-
-    root = Path(tempfile.gettempdir())
-    before = set(root.glob("metriclog-*"))
     yield
-    left = sorted(str(p) for p in set(root.glob("metriclog-*")) - before)
+    left = sorted(str(p) for p in SUITE_TMP.glob("metriclog-*"))
     assert not left, f"temporary directories left behind: {left}"
+    shutil.rmtree(SUITE_TMP, ignore_errors=True)
 
 
 BASE_TIME = 1_760_000_000.0

@@ -1,4 +1,6 @@
-"""metriclog watch beside real writer processes: hung sources are caught, healthy ones are not."""
+"""metriclog watch beside real writer processes: hung sources are caught, healthy ones are
+not (fast steps on a loaded machine included), a lockstep hang is one stall, and watch ends
+by itself when the job is over."""
 
 from __future__ import annotations
 
@@ -6,11 +8,15 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.lockstep import run_job
+
+pytestmark = pytest.mark.slow
 METRICLOG = str(Path(sys.executable).with_name("metriclog"))  # the installed command
 STEP_S = 0.2
 
@@ -20,6 +26,7 @@ import metric_core
 from metric_core import Reduce, record_metric
 run, process = sys.argv[1], sys.argv[2]
 rank, steps, hang_at = (int(a) for a in sys.argv[3:6])
+step_s = float(sys.argv[6])
 metric_core.init(run, rank=rank, process_name=process, flush_interval=0.05)
 for step in range(steps):
     if step == hang_at:
@@ -27,16 +34,26 @@ for step in range(steps):
         time.sleep(600)  # alive, silent: a hang
     record_metric("loss", 1.0 / (step + 1), Reduce.MEAN)
     metric_core.flush(step)
-    time.sleep(STEP_S)
+    time.sleep(step_s)
 metric_core.shutdown()
-""".replace("STEP_S", str(STEP_S))
+"""
 
 
-def writers(run: Path, plan: list[tuple[int, int]]) -> list[subprocess.Popen]:
+def writers(run: Path, plan: list[tuple[int, int]], step_s: float = STEP_S) -> list[subprocess.Popen]:
     """One writer process per (steps, step it hangs at: -1 for none)."""
     return [
         subprocess.Popen(
-            [sys.executable, "-c", WRITER, str(run), f"TrainActor_r{rank}", str(rank), str(steps), str(hang)],
+            [
+                sys.executable,
+                "-c",
+                WRITER,
+                str(run),
+                f"TrainActor_r{rank}",
+                str(rank),
+                str(steps),
+                str(hang),
+                str(step_s),
+            ],
             stdout=subprocess.DEVNULL,
         )
         for rank, (steps, hang) in enumerate(plan)
@@ -45,7 +62,7 @@ def writers(run: Path, plan: list[tuple[int, int]]) -> list[subprocess.Popen]:
 
 def watch(run: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
     said = tmp_path / "stalls.txt"
-    command = f'echo "$METRICLOG_PROCESS $METRICLOG_RANK $METRICLOG_LAST_STEP" >> {said}'
+    command = f'echo "$METRICLOG_PROCESS $METRICLOG_RANK $METRICLOG_LAST_STEP|$METRICLOG_PROCESSES" >> {said}'
     done = subprocess.run(
         [METRICLOG, "watch", str(run), "--interval", "0.2", "--on-stall", command, *args],
         capture_output=True,
@@ -66,12 +83,12 @@ def test_watch_runs_its_command_for_a_hung_source_and_not_for_healthy_ones(tmp_p
     run = tmp_path / "run"
     children = writers(run, [(40, -1), (40, 8), (40, -1)])  # rank 1 hangs after step 7
     try:
-        done, stalls = watch(run, tmp_path, "--exit-on-stall")
+        done, stalls = watch(run, tmp_path, "--exit-on-stall", "--stall-after", "2")
         running = [child.poll() is None for child in children]
     finally:
         stop(children)
     assert done.returncode == 3, done.stderr
-    assert stalls == ["TrainActor_r1 1 7"]
+    assert stalls == ["TrainActor_r1 1 7|TrainActor_r1"]
     assert running[0] and running[2]  # the healthy ones were still writing when it was caught
     assert "TrainActor_r1 (rank 1) stalled at step 7: silent for " in done.stderr
     assert "TrainActor_r1 (rank 1) stalled at step 7" in done.stdout  # a line per change
@@ -82,12 +99,14 @@ def test_watch_catches_every_rank_hanging_together(tmp_path):
     run = tmp_path / "run"
     children = writers(run, [(40, 10), (40, 10), (40, 10)])
     try:
-        done, stalls = watch(run, tmp_path, "--exit-on-stall")
+        done, stalls = watch(run, tmp_path, "--exit-on-stall", "--stall-after", "2")
     finally:
         stop(children)
     assert done.returncode == 3, done.stderr
-    # each once; --exit-on-stall stops at the first poll that finds any, which may hold them all
-    assert set(stalls) <= {f"TrainActor_r{r} {r} 9" for r in range(3)} and stalls
+    (stall,) = stalls  # one stall of every source, not one per source
+    first, together = stall.split("|")
+    assert first in {f"TrainActor_r{r} {r} 9" for r in range(3)}
+    assert sorted(together.split(",")) == [f"TrainActor_r{r}" for r in range(3)]
 
 
 def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path):
@@ -113,12 +132,135 @@ def test_watch_waits_for_a_run_that_has_not_started_and_stops_on_ctrl_c(tmp_path
         text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a background job ignores it
     )
-    time.sleep(3)
+    first = child.stderr.readline()  # blocks until watch said it waits (a condition, not a fixed wait)
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=60)
+    err = first + err
     assert child.returncode == 130, err
     assert "waiting for records" in err and "Traceback" not in err
     assert out == ""
+
+
+def test_fast_steps_on_a_loaded_machine_never_stall(tmp_path):
+    run = tmp_path / "run"
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        children = writers(run, [(2000, -1), (2000, -1)], step_s=0.01)  # 10 ms steps for about 20 s
+        try:
+            done, stalls = watch(run, tmp_path)
+        finally:
+            stop(children)
+    finally:
+        stop(hogs)
+    assert done.returncode == 0, done.stderr
+    assert stalls == [] and "stalled" not in done.stdout + done.stderr
+
+
+def test_a_lockstep_hang_is_one_stall_and_a_job_killed_whole_ends_watch(tmp_path):
+    run = tmp_path / "run"
+    job = threading.Thread(
+        target=run_job,
+        args=(run,),
+        kwargs={"world": 4, "steps": 12, "action": ["sleep", "1", "5", "6"], "hang_dump_after": 1.0},
+    )
+    job.start()  # rank 1 sleeps 6 s in step 5; the others wait for it in their collective
+    try:
+        done, stalls = watch(run, tmp_path, "--stall-after", "2")
+    finally:
+        job.join()
+    assert done.returncode == 0, done.stderr  # the job went on and finished
+    (stall,) = stalls
+    assert sorted(stall.split("|")[1].split(",")) == [f"Trainer_r{r}" for r in range(4)]
+    assert done.stderr.count("stalled at step") == 1
+
+
+def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
+    run = tmp_path / "run"
+    children = writers(run, [(400, -1), (400, -1)])
+    watching = subprocess.Popen(
+        [METRICLOG, "watch", str(run), "--interval", "0.2", "--restart-grace", "1s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while len(list(run.glob("*.journal"))) < 2:  # a condition: both are writing
+        time.sleep(0.05)
+    for child in children:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    _, err = watching.communicate(timeout=60)
+    assert watching.returncode == 4, err
+    assert err.count("died at step") == 2 and "heartbeat is gone" in err
+
+
+def test_on_a_terminal_the_table_redraws_in_place_under_the_lines_it_says(tmp_path):
+    """A terminal emulator shows what a user sees: one table, the stall's lines above it,
+    and no stale copies of the table (its command's output included)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    import pyte
+
+    run = tmp_path / "run"
+    children = writers(run, [(30, -1), (30, 10)])  # rank 1 hangs after step 9
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    watching = subprocess.Popen(
+        [
+            METRICLOG,
+            "watch",
+            str(run),
+            "--interval",
+            "0.2",
+            "--stall-after",
+            "1.5",
+            "--restart-grace",
+            "0",
+            "--on-stall",
+            "echo paged $METRICLOG_PROCESSES",
+        ],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**os.environ, "TERM": "xterm-256color"},
+    )
+    os.close(slave)
+    screen = pyte.Screen(120, 40)
+    stream = pyte.ByteStream(screen)
+    shown = bytearray()
+
+    def read() -> None:
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's last writer is gone
+                return
+            if not chunk:
+                return
+            shown.extend(chunk)
+            stream.feed(chunk)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        while b"paged TrainActor_r1" not in shown:  # a condition: the stall's command ran
+            assert watching.poll() is None, bytes(shown).decode(errors="replace")
+            time.sleep(0.05)
+        children[0].wait(timeout=60)
+        children[1].kill()  # the hung rank dies: every source finished or died, watch ends
+        assert watching.wait(timeout=60) == 4
+    finally:
+        stop(children)
+    reader.join(timeout=10)
+    os.close(master)
+    lines = [line.rstrip() for line in screen.display if line.strip()]
+    assert sum(line.startswith("run: ") for line in lines) == 1, "\n".join(lines)
+    assert sum(line.startswith("┏") for line in lines) == 1, "\n".join(lines)
+    said = [line for line in lines if "stalled at step 9" in line or line == "paged TrainActor_r1"]
+    assert len(said) == 2, "\n".join(lines)
+    assert lines.index(said[-1]) < next(i for i, line in enumerate(lines) if line.startswith("run: "))
 
 
 @pytest.fixture(autouse=True)

@@ -1,25 +1,36 @@
-"""``metriclog watch``: a run followed while it is written, and its hung sources caught.
+"""``metriclog watch``: a run followed while it is written, its hung sources caught.
 
-Each poll is ``inspect``'s reading of the run, judged against the wall clock: a source
-is **stalled** when it has not finished and has been silent for longer than ``inspect``'s
-stop rule allows (ten times its usual step time, twice its longest pause), so a job whose
-ranks all hang together (a collective that never returns) is caught as well as one rank
-that hangs. A file unchanged since the last poll is not read again (``inspect_run``'s
-cache): a poll reads the open journals and the segments sealed since.
+Each poll is ``inspect``'s reading of the run, judged against the wall clock. A source is
+
+* **finished**: its newest attempt shut down cleanly;
+* **died**: its newest attempt ended otherwise (an exception, a signal, an exit without
+  ``shutdown()``, or its heartbeat is gone: ``offline.story``);
+* **stalled**: alive (its writer's heartbeat goes on) but silent for ``stall_after``
+  seconds (default: max(10 s, ten times its usual step time, twice its longest pause), so
+  scheduling noise on fast steps never fires), also when every source hangs together (a
+  collective that never returns);
+* **running** otherwise.
+
+Sources that go silent within ``EPISODE_S`` of each other are one **episode**: one
+``on_stall`` call, whatever the number of sources (in a lockstep job where one rank hangs,
+the others soon wait for it); a source that joins it, or a stack dump that appears later,
+is said (``on_note``), never a second ``on_stall``. A new attempt of a source is said as
+a restart. Watching ends by itself once every source finished (``FINISHED``), or every
+source finished or died and no new attempt began within ``restart_grace`` (``OVER``).
+
+A file unchanged since the last poll is not read again (``inspect_run``'s cache).
 
 A run in object storage is a copy that trails its job by the copy's interval: silence
 there is judged against the newest object's time (when the copy last brought anything),
 not the wall clock, so the delay is not taken for a hang; a job that hangs whole, and so
 leaves nothing new to copy, is not caught there (docs/storage.md).
-
-``watch_run`` reports each poll and each new stall through callbacks and returns why it
-ended: every source finished, a stall (with ``exit_on_stall``), or ``stop`` was set.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,18 +39,48 @@ from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
-FINISHED, STALLED, STOPPED = 0, 3, 130
+FINISHED, STALLED, OVER, STOPPED = 0, 3, 4, 130
 # Polls in a row that may find a file changed while it was read before watch gives up.
 CHANGED_POLLS = 5
+# Sources whose silence began this close together stall as one episode.
+EPISODE_S = 5.0
+RESTART_GRACE = 60.0
+OVER_ENDS = ("exception", "signal", "exit", "died")
+
+
+def state_of(s: SourceHealth) -> str:
+    """A source as watch names it: finished, died, stalled, running (or, for a writer that
+    records no life, stopped_early by inspect's rule)."""
+    if s.status == "finished":
+        return "finished"
+    if s.end in OVER_ENDS:
+        return "died"
+    if s.stalled:
+        return "stalled"
+    return "stopped_early" if s.status == "stopped_early" and s.end is None else "running"
+
+
+@dataclass
+class Episode:
+    """Sources that went silent within ``EPISODE_S`` of each other: one stall."""
+
+    sources: list[SourceHealth]
+    since: float  # the newest record of its first source
+    stacks: set[str] = field(default_factory=set)  # dumps said so far, relative to the run directory
+
+    @property
+    def first(self) -> SourceHealth:
+        return self.sources[0]
 
 
 @dataclass
 class WatchResult:
-    """Why watching ended (``FINISHED``, ``STALLED`` or ``STOPPED``), and the last poll."""
+    """Why watching ended (``FINISHED``, ``STALLED``, ``OVER`` or ``STOPPED``), and the last poll."""
 
     code: int
     report: InspectReport | None
     stalled: list[SourceHealth] = field(default_factory=list)  # every source that stalled
+    episodes: list[Episode] = field(default_factory=list)
 
 
 def watch_run(
@@ -47,30 +88,43 @@ def watch_run(
     *,
     interval: float = 2.0,
     on_poll: Callable[[InspectReport], None] | None = None,
-    on_stall: Callable[[SourceHealth], None] | None = None,
+    on_stall: Callable[[Episode], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
     on_waiting: Callable[[str], None] | None = None,
     exit_on_stall: bool = False,
     stop: threading.Event | None = None,
     follow_symlinks: bool = False,
     attempts: str = "rewind",
+    stall_after: float | None = None,
+    restart_grace: float = RESTART_GRACE,
 ) -> WatchResult:
-    """Poll ``run_dir`` every ``interval`` seconds until every source finished (a clean
-    ``shutdown()`` each), or, with ``exit_on_stall``, a source stalled, or ``stop`` is set.
+    """Poll ``run_dir`` every ``interval`` seconds until every source finished, or finished
+    or died with no restart within ``restart_grace`` seconds, or, with ``exit_on_stall``,
+    a stall, or ``stop`` is set.
 
-    ``on_poll`` gets each poll's report, ``on_stall`` each source once, when it stalls
-    (again only if it wrote again since), ``on_waiting`` why there is nothing to show yet
-    (no record so far, or a file changed while it was read: ``CHANGED_POLLS`` such polls in
-    a row raise ``RunChangedError``).
+    ``on_poll`` gets each poll's report, ``on_stall`` each episode once, ``on_note`` what
+    else happened (a death, a restart, a source that joined a stall, a dump that appeared),
+    ``on_waiting`` why there is nothing to show yet (no record so far, or a file changed
+    while it was read: ``CHANGED_POLLS`` such polls in a row raise ``RunChangedError``).
     """
     stop = stop or threading.Event()
+    note = on_note or (lambda _: None)
     changed = 0  # polls in a row that found a file changed under them
     cache: dict[Any, Any] = {}
-    said: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
-    stalled: list[SourceHealth] = []
-    report = None
+    episodes: list[Episode] = []
+    stalled_at: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
+    seen: dict[tuple[str, int], tuple[str, str]] = {}  # a source -> (newest attempt, state)
+    result = WatchResult(FINISHED, None)
+    over_since: float | None = None
     while True:
         try:
-            report = inspect_run(run_dir, follow_symlinks=follow_symlinks, attempts=attempts, cache=cache)
+            report = inspect_run(
+                run_dir,
+                follow_symlinks=follow_symlinks,
+                attempts=attempts,
+                cache=cache,
+                stall_after=stall_after,
+            )
         except NoDataError as exc:  # not started yet: wait for its first records
             if on_waiting is not None:
                 on_waiting(str(exc))
@@ -82,18 +136,106 @@ def watch_run(
                 on_waiting(str(exc))
         else:
             changed = 0
+            result.report = report
             if on_poll is not None:
                 on_poll(report)
-            for source in report.sources:
-                key = (source.process, source.rank)
-                if source.stalled and said.get(key) != source.last_timestamp:
-                    said[key] = source.last_timestamp
-                    stalled.append(source)
-                    if on_stall is not None:
-                        on_stall(source)
-            if all(s.status == "finished" for s in report.sources):
-                return WatchResult(FINISHED, report, stalled)
-            if exit_on_stall and stalled:
-                return WatchResult(STALLED, report, stalled)
+            restarted = _changes(report, seen, note)
+            fresh = _stalls(report, episodes, stalled_at, note)
+            for episode in fresh:
+                result.stalled.extend(episode.sources)
+                result.episodes.append(episode)
+                if on_stall is not None:
+                    on_stall(episode)
+            states = {state_of(s) for s in report.sources}
+            if states == {"finished"}:
+                result.code = FINISHED
+                return result
+            if exit_on_stall and fresh:
+                result.code = STALLED
+                return result
+            if states <= {"finished", "died"} and not restarted:
+                over_since = over_since if over_since is not None else time.monotonic()
+                if time.monotonic() - over_since >= restart_grace:
+                    result.code = OVER
+                    return result
+            else:
+                over_since = None
         if stop.wait(interval):
-            return WatchResult(STOPPED, report, stalled)
+            result.code = STOPPED
+            return result
+
+
+def _changes(
+    report: InspectReport, seen: dict[tuple[str, int], tuple[str, str]], note: Callable[[str], None]
+) -> bool:
+    """Say each restart and each death once; whether a source restarted in this poll."""
+    restarted = False
+    for s in report.sources:
+        key, who = (s.process, s.rank), f"{s.process} (rank {s.rank})"
+        newest = s.attempts[-1] if s.attempts else None
+        attempt, state = (newest.attempt if newest else ""), state_of(s)
+        before = seen.get(key)
+        seen[key] = (attempt, state)
+        if before is not None and before[0] != attempt and newest is not None:
+            restarted = True
+            start = f" from step {newest.first_step}" if newest.first_step is not None else ""
+            note(f"{who} restarted: attempt {newest.number}{start}")
+        if state == "died" and (before is None or before[1] != "died" or before[0] != attempt):
+            note(f"{who} died at step {s.last_step}: {_how(newest)}")
+    return restarted
+
+
+def _how(a: Any) -> str:
+    if a is None:
+        return "no end recorded"
+    if a.end == "exception" and a.exception:
+        return f"raised {a.exception.get('type')}({a.exception.get('message')!r})"
+    if a.end == "signal":
+        return f"stopped by {a.signal}"
+    if a.end == "exit":
+        return "exited without shutdown()"
+    return "no exception or signal recorded, and its heartbeat is gone (SIGKILL, the OOM killer, a crash)"
+
+
+def _stalls(
+    report: InspectReport,
+    episodes: list[Episode],
+    stalled_at: dict[tuple[str, int], float],
+    note: Callable[[str], None],
+) -> list[Episode]:
+    """Sort this poll's stalled sources into episodes; the episodes that began in it."""
+    fresh: list[Episode] = []
+    by_key = {(s.process, s.rank): s for s in report.sources}
+    for key in [
+        k
+        for k, at in stalled_at.items()
+        if k not in by_key or not by_key[k].stalled or by_key[k].last_timestamp != at
+    ]:
+        del stalled_at[key]  # it wrote again, ended, or is gone: a later silence is a new stall
+    for episode in episodes:
+        episode.sources = [s for s in episode.sources if (s.process, s.rank) in stalled_at]
+    episodes[:] = [e for e in episodes if e.sources]
+    for s in sorted((s for s in report.sources if s.stalled), key=lambda s: s.last_timestamp):
+        key = (s.process, s.rank)
+        if key in stalled_at:
+            continue
+        stalled_at[key] = s.last_timestamp
+        joined = next((e for e in episodes if abs(s.last_timestamp - e.since) <= EPISODE_S), None)
+        if joined is None:
+            episode = Episode([s], s.last_timestamp)
+            episodes.append(episode)
+            fresh.append(episode)
+        else:
+            joined.sources.append(s)
+            if joined not in fresh:
+                note(f"{s.process} (rank {s.rank}) stalled too, at step {s.last_step} (the same stall)")
+    for episode in episodes:  # dumps: with the stall's first word, or said as they appear
+        current = {(s.process, s.rank): s for s in report.sources}
+        for member in episode.sources:
+            now = current.get((member.process, member.rank), member)
+            for path in now.attempts[-1].stacks if now.attempts else []:
+                if path not in episode.stacks:
+                    episode.stacks.add(path)
+                    if episode not in fresh:
+                        note(f"stack dump of {now.process} (rank {now.rank}) in the stall: {path}")
+    return fresh
