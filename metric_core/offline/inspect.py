@@ -250,9 +250,7 @@ def inspect_run(
         health.end = health.attempts[-1].end if health.attempts else None
         quiet = _status(False, silent, typical, longest) == "stopped_early"
         over = health.end in ("exception", "signal", "exit", "died")
-        health.stall_after_s = stall_after or max(
-            STALL_MIN_S, QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0)
-        )
+        health.stall_after_s = stall_after or stall_threshold(typical, longest)
         health.stalled = (
             health.status != "finished" and typical is not None and not over and silent > health.stall_after_s
         )
@@ -513,6 +511,12 @@ def _cadence(steps: dict[Source, _Steps]) -> Cadence:
         gaps = np.diff(np.sort(its.done))
         out[source] = (float(np.median(gaps)), float(gaps.max()), len(gaps)) if len(gaps) else (None, None, 0)
     return out
+
+
+def stall_threshold(typical: float | None, longest: float | None) -> float:
+    """How long a live source may be silent before it is stalled: ``STALL_MIN_S``, ten times
+    its usual step time, or twice its longest pause, whichever is longest."""
+    return max(STALL_MIN_S, QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0))
 
 
 def _status(clean: bool, lag: float, typical: float | None, longest: float | None) -> str:

@@ -30,6 +30,7 @@ import polars as pl
 from metric_core.clock import duration
 from metric_core.errors import NoDataError, StrictModeError, UploadError
 from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
+from metric_core.offline.inspect import stall_threshold
 from metric_core.offline.plan import ReducePlan
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_config, run_id_for
@@ -282,7 +283,13 @@ class _Pass:
             elif key in self.let_go and source.finished:
                 self.let_go.discard(key)
             silent = now - source.clock
-            if holding and not let_go and source.has_life and silent > _hold_said_after(source):
+            typical = statistics.median(source.gaps) if source.gaps else None
+            if (
+                holding
+                and not let_go
+                and source.has_life
+                and silent > stall_threshold(typical, source.longest)
+            ):
                 if key not in self.held:
                     self.held.add(key)
                     self.events.message(
@@ -472,7 +479,6 @@ def _appeared(root: Path, stop: threading.Event, interval: float, events: Upload
 NO_RUN_JSON_WAIT_S = 10.0
 WAITING_SAID_S = 10.0  # a follower that waits this long for run.json's sources says so
 QUIET_SAID_S = 60.0  # a follower with nothing written for this long says so
-HOLD_SAID_S = 10.0  # a live source silent for this long (or 10 step times) is said to hold the steps
 
 
 def _expected(meta: dict[str, Any], first_record: float | None) -> int | None:
@@ -499,12 +505,6 @@ def _identity(tail: RunTail) -> str:
         return str(given)
     firsts = [[p, r, s.first] for (p, r), s in sorted(tail.sources.items())]
     return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
-
-
-def _hold_said_after(source: SourceState) -> float:
-    """The silence of a live source that is said once: 10 s, 10 step times, twice its longest pause."""
-    typical = statistics.median(source.gaps) if source.gaps else 0.0
-    return max(HOLD_SAID_S, 10 * typical, 2 * source.longest)
 
 
 def _late(late: dict[tuple[str, int], int], offline: bool) -> str:
