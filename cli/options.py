@@ -212,14 +212,33 @@ def plan(
 
 
 # inspect
+def _duration(least: float) -> Any:
+    """A parser of a duration option (``10s``, ``500ms``, ``2m``; a plain number is seconds)."""
+
+    def parse(text: str) -> float:
+        from metric_core.errors import PlanError
+        from metric_core.offline.plan import parse_duration
+
+        try:
+            seconds = parse_duration(text)
+        except PlanError:
+            raise typer.BadParameter(f"{text!r} is not a duration like 10s, 500ms, 5m or 1h") from None
+        if seconds < least:
+            raise typer.BadParameter(f"{text!r} is shorter than {least:g} s")
+        return seconds
+
+    return parse
+
+
 PauseAfter = Annotated[
     float | None,
     typer.Option(
         "--pause-after",
-        metavar="SECONDS",
-        min=1.0,
+        metavar="DURATION",
+        parser=_duration(1.0),
         help="A source that takes no step for this long is paused (default: 10 s, or 10 times its step "
-        "time if longer). Steps are timed to the second in sealed files.",
+        "time if longer; a plain number is seconds, at least 1). Steps are timed to the second in "
+        "sealed files.",
     ),
 ]
 
@@ -243,10 +262,10 @@ StallAfter = Annotated[
     float | None,
     typer.Option(
         "--stall-after",
-        metavar="SECONDS",
-        min=0.1,
+        metavar="DURATION",
+        parser=_duration(0.1),
         help="A live source silent this long is stalled (default: 10 s, 10 times its step time, or twice "
-        "its longest pause, whichever is longest).",
+        "its longest pause, whichever is longest; a plain number is seconds).",
     ),
 ]
 ExitOnStall = Annotated[
@@ -260,8 +279,9 @@ FollowOpt = Annotated[
     bool,
     typer.Option(
         "--follow",
-        help="Upload the run while its job writes it, and end when every source shut down "
-        "(docs/live.md). Every other option works with it.",
+        help="Upload the run while its job writes it, and end when every source shut down, or every "
+        "source finished or died and no restart came within --restart-grace (docs/live.md). Every other "
+        "option works with it.",
     ),
 ]
 UntilIdle = Annotated[
@@ -299,8 +319,8 @@ RestartGrace = Annotated[
     typer.Option(
         "--restart-grace",
         metavar="DURATION",
-        help="With --follow (and watch): once every source finished or died, wait this long for the job "
-        "to be restarted before ending.",
+        help="Once every source finished or died, wait this long for the job to be restarted (a new "
+        "attempt) before ending (0: end at once). For upload, with --follow.",
     ),
 ]
 RESTART_GRACE = "60s"
@@ -331,7 +351,8 @@ def follow(
         given += ["--interval"] if interval != FOLLOW_INTERVAL else []
         given += ["--restart-grace"] if restart_grace != RESTART_GRACE else []
         if given:
-            raise typer.BadParameter(f"{' and '.join(given)} work only with --follow", param_hint=given[0])
+            verb = "works" if len(given) == 1 else "work"
+            raise typer.BadParameter(f"{' and '.join(given)} {verb} only with --follow", param_hint=given[0])
         return None
     idle = parse_duration(until_idle, option="until_idle") if until_idle is not None else None
     let_go = parse_duration(let_go_after, option="let_go_after") if let_go_after is not None else None

@@ -360,7 +360,7 @@ def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS, **
 # What a narrow terminal loses first of inspect's table (the rest from the right): it
 # keeps each source and its status.
 INSPECT_DROPPED_FIRST = ("files", "keys", "attempts", "truncated", "skipped", "records", "first")
-INSPECT_KEPT = ("rank", "status")
+INSPECT_KEPT = ("rank", "status", "end")
 
 
 def print_inspect(report: InspectReport) -> None:
@@ -372,6 +372,7 @@ def print_inspect(report: InspectReport) -> None:
             "process": s.process,
             "rank": s.rank,
             "status": s.status,
+            "end": s.end or "",  # how its newest attempt ended
             "lag": duration(s.lag_s),
             "steps": f"{s.first_step}-{s.last_step}",
             "last": local_time(s.last_timestamp),
@@ -385,9 +386,10 @@ def print_inspect(report: InspectReport) -> None:
         }
         for s in report.sources
     ]
-    if not any(row["attempts"] for row in rows):  # no restart: no column
-        for row in rows:
-            del row["attempts"]
+    for column in ("attempts", "end"):  # no restart, or no end recorded: no column
+        if not any(row[column] for row in rows):
+            for row in rows:
+                del row[column]
     typer.echo(f"run {report.name} ({report.run_dir}), world_size {report.world_size or 'unknown'}")
     print_rows(
         rows,
@@ -464,7 +466,7 @@ def print_upload(result: UploadResult) -> int:
             say("info", o.message)
         if o.action != "skipped":
             say("info", f"{o.action} {o.run.name} ({o.run_id}): {o.rows_sent} rows, {len(o.run.keys)} keys")
-    if result.sync_dirs and followed is not None and not followed.all_finished:
+    if result.sync_dirs and followed is not None and followed.ended == "idle" and not followed.all_finished:
         say("info", "the offline runs stay open: `wandb sync` them once the same command has finished them")
     elif result.sync_dirs:
         say("info", "offline runs written; upload them with:\n  wandb sync " + " ".join(result.sync_dirs))

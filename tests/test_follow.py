@@ -401,7 +401,7 @@ def test_follow_options_go_with_follow_and_a_dry_run_follows_without_sending(tmp
 
     runner = CliRunner()
     alone = runner.invoke(app, ["upload", "sample_logs/rl_run", "--project", "p", "--until-idle", "1s"])
-    assert alone.exit_code == 2 and "--until-idle work only with --follow" in alone.output
+    assert alone.exit_code == 2 and "--until-idle works only with --follow" in alone.output
     bad = runner.invoke(
         app, ["upload", "sample_logs/rl_run", "--project", "p", "--follow", "--until-idle", "x"]
     )

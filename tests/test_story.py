@@ -68,6 +68,7 @@ def test_a_failed_rank_is_named_first_and_the_restart_told(tmp_path, how, end, s
         assert (tmp_path / survivor["stacks"][0]).read_text().count("\n") > 2
     for rank in range(4):
         assert attempts[(f"Trainer_r{rank}", 2)]["end"] == "shutdown"
+        assert attempts[(f"Trainer_r{rank}", 2)]["last_step"] == 19  # its last flush(19), not shutdown's
     ff = report["first_failure"]
     assert (ff["process"], ff["rank"], ff["number"], ff["end"]) == ("Trainer_r2", 2, 1, end)
     assert ff["last_step"] == 12

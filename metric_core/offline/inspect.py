@@ -254,7 +254,9 @@ def inspect_run(
         health.stalled = (
             health.status != "finished" and typical is not None and not over and silent > health.stall_after_s
         )
-        if health.status == "unfinished" and not quiet and not over:
+        # Still running: its heartbeat goes on (a hang is running too), or, for a writer that
+        # records none, it wrote within its quiet threshold of the wall clock.
+        if health.end == "running" or (health.status == "unfinished" and not quiet and health.end is None):
             live = True
     # Only sources that stopped early are named as stopping first: sources that stopped
     # together, or are still writing, differ by noise.
@@ -635,7 +637,7 @@ def _verdict(report: InspectReport) -> list[str]:
     finished = [s for s in report.sources if s.status == "finished"]
     if finished and not report.still_running:
         for src in report.sources:
-            if src.status == "unfinished":
+            if src.status == "unfinished" and src.end is None:  # an end recorded is in the story
                 lines.append(
                     f"{src.process} (rank {src.rank}) ended without shutdown() while {len(finished)} "
                     f"source(s) finished cleanly: last record at step {src.last_step}, "
@@ -678,6 +680,12 @@ def _overall(report: InspectReport, problems: bool) -> list[str]:
         steps = [s.cadence_s for s in report.sources if s.cadence_s]
         ends = dict.fromkeys([duration(min(steps)), duration(max(steps))]) if steps else {}
         pace = f"; its sources step every {' to '.join(ends)}" if ends else ""
+        live = [s for s in report.sources if s.end == "running"]
+        if live and all(s.stalled for s in live):
+            return [
+                f"The run is still running but hung: its writers are alive, and no source took a step for "
+                f"{duration(report.checked_at - newest)} (since {local_time(newest)}){pace}."
+            ]
         return [
             f"The run looks still running: its newest record is {duration(report.checked_at - newest)} "
             f"old ({local_time(newest)}){pace}."
@@ -692,10 +700,15 @@ def _overall(report: InspectReport, problems: bool) -> list[str]:
         )
     unfinished = [s for s in report.sources if s.status == "unfinished"]
     if not report.stopped_early and len(unfinished) == len(report.sources):
-        spread = newest - min(s.last_timestamp for s in unfinished)
+        # When they ended, where their writers recorded it; else their last records.
+        ended = [
+            s.attempts[-1].ended_at if s.attempts and s.attempts[-1].ended_at else s.last_timestamp
+            for s in unfinished
+        ]
+        spread = max(ended) - min(ended)
         return [
             f"No source stopped before the others: all {len(unfinished)} ended without shutdown() within "
-            f"{duration(spread)} of each other, the newest at {local_time(newest)} (the whole job was "
+            f"{duration(spread)} of each other, the last at {local_time(max(ended))} (the whole job was "
             "stopped, or crashed together)."
         ]
     return []

@@ -117,6 +117,7 @@ class Failure:
     signal: str | None
     ended_at: float | None
     last_step: int | None
+    where: str | None = None  # where its main thread was when it ended
 
 
 @dataclass
@@ -165,17 +166,14 @@ def tell(report: ReadReport, root: RunPath, now: float) -> tuple[Failure | None,
     """Fill every attempt's end fields; the first failure of the run."""
     stacks = list_stacks(root)
     shutdowns = {(s.process, s.rank, s.attempt): s.timestamp for s in report.shutdowns}
-    newest: dict[tuple[str, int], Attempt] = {}
-    for a in report.attempts:  # oldest first within a source
-        newest[(a.process, a.rank)] = a
     by_source: dict[tuple[str, int], list[Attempt]] = {}
-    for a in report.attempts:
+    for a in report.attempts:  # oldest first within a source
         by_source.setdefault((a.process, a.rank), []).append(a)
     for attempts in by_source.values():
         for i, a in enumerate(attempts, 1):
             life = report.lives.get((a.process, a.rank, a.attempt))
             a.number = life.restart + 1 if life is not None and life.restart is not None else i
-            _end(a, life, stacks.get(a.attempt, []), shutdowns, newest[(a.process, a.rank)] is a, now)
+            _end(a, life, stacks.get(a.attempt, []), shutdowns, a is attempts[-1], now)
     return first_failure(report.attempts), stacks
 
 
@@ -202,6 +200,20 @@ def first_failure(attempts: list[Attempt]) -> Failure | None:
         first.signal,
         first.ended_at,
         first.last_step,
+        first.where,
+    )
+
+
+def _together(ended: list[Attempt]) -> bool:
+    """Several attempts that ended the same way within ``SAME_EVENT_S``: one event, no culprit."""
+    times = [a.ended_at for a in ended if a.ended_at is not None]
+    if len(ended) < 2 or len(times) < len(ended):
+        return False
+    same = {(a.end, a.signal) for a in ended}
+    return (
+        len(same) == 1
+        and ended[0].end in ("signal", "died", "exit")
+        and max(times) - min(times) <= SAME_EVENT_S
     )
 
 
@@ -243,20 +255,23 @@ def _end(
             ended.append((at, 0, "exception", e.get("exception"), None))
         elif e["kind"] == "signal":
             ended.append((at, 1, "signal", None, str(e.get("signal"))))
+    wheres: dict[str, str | None] = {}
     for f in stacks:
         if f.caught and f.signal is not None:
             at = f.mtime if f.mtime is not None else (life.alive or math.nan)
             ended.append((at, 1, "signal", None, f.signal))
+            wheres.setdefault(f.signal, f.where())
     if ended:
         at, _, a.end, a.exception, a.signal = min(ended, key=lambda e: (_or_inf(e[0]), e[1]))
         a.ended_at = at if math.isfinite(at) else life.alive
+        a.where = a.exception.get("where") if a.exception else wheres.get(a.signal or "")
         return
     if a.thread_exceptions:
         a.end, a.exception = (
             "exception",
             {k: a.thread_exceptions[0].get(k) for k in ("type", "message", "where")},
         )
-        a.ended_at = life.alive
+        a.ended_at, a.where = life.alive, a.exception.get("where")
         return
     exits = [e for e in life.ends if e["kind"] == "exit"]
     if exits:
@@ -380,6 +395,14 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             firsts = [a.first_step for a in group if a.first_step is not None]
             label += f" restarted from step {min(firsts)} and" if firsts else " restarted and"
         failed = first_failure(group) if failure is not None else None
+        over = [a for a in group if a.end in ("exception", "signal", "exit", "died")]
+        if failed is not None and _together(over) and len(over) == len(group):
+            step = min((a.last_step for a in over if a.last_step is not None), default=None)
+            at = "" if step is None else f" in step {step + 1}"
+            when = f" at {local_time(over[0].ended_at)}" if over[0].ended_at is not None else ""
+            head = f"{label}: " if label and not label.endswith("and") else f"{label} " if label else ""
+            told.append(f"{head}all {len(over)} ranks {_what_short(over[0])} together{at}{when}".strip())
+            continue
         if failed is None:
             ends = {a.end for a in group}
             how = (
@@ -432,7 +455,7 @@ def _what(f: Failure | Attempt) -> str:
         where = f.exception.get("where")
         return f"raised {f.exception.get('type')}({f.exception.get('message')!r}){step}{_at(where)}"
     if f.end == "signal":
-        return f"was stopped by {f.signal}{step}"
+        return f"was stopped by {f.signal}{step}{_at(f.where)}"
     if f.end == "exit":
         return f"exited without shutdown(){step}"
     return (

@@ -168,6 +168,7 @@ class MetricCollector:
         # How the attempt ends, and where it hangs (writer.ends): the stack files it registered.
         self._stack_files: dict[str, Any] = {}
         self._last_flush = time.monotonic()  # when the latest flush() returned (or init)
+        self._unflushed = False  # records drained to the writer since the latest flush()
         self._hang = ends.HangWatch(self, _hang_dump_after(hang_dump_after))
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -228,6 +229,7 @@ class MetricCollector:
         """
         with self._drain_lock:
             n = len(self._buffer)
+            self._unflushed = (self._unflushed or n > 0) and flush is None
             if n:
                 chunk = self._buffer[:n]
                 del self._buffer[:n]
@@ -377,7 +379,8 @@ class MetricCollector:
             return
         self._stop.set()
         self._thread.join()
-        self.flush(self._step)
+        if self._buffer or self._unflushed:  # a last flush labels them; none is a step of its own
+            self.flush(self._step)
         try:
             self._writer.close(clean_shutdown=True)
         except WriteError as exc:
@@ -394,14 +397,14 @@ class MetricCollector:
         """Whether ``shutdown()`` or ``abort()`` ended this collector."""
         return self._closed
 
-    def abort(self, *, exiting: bool = False) -> None:
+    def abort(self) -> None:
         """End without recording a clean shutdown: write and seal what was recorded.
 
         For a job that knows it failed (an exception handler), so ``inspect`` does not
         call the source finished; metric_core also does this at interpreter exit for a
-        collector that was not shut down (``exiting``: recorded as the attempt's ``exit``
-        end). Errors are not raised: the records that could not be written stay in the
-        journal or are lost with the process.
+        collector that was not shut down. Either way the attempt's end is ``exit`` (ended
+        without ``shutdown()``). Errors are not raised: the records that could not be
+        written stay in the journal or are lost with the process.
         """
         if self._closed:
             return
@@ -410,8 +413,7 @@ class MetricCollector:
         self._closed = True
         with contextlib.suppress(Exception):
             self._drain()
-            if exiting:
-                self._writer.end_event({"kind": "exit", "timestamp": time.time()})
+            self._writer.end_event({"kind": "exit", "timestamp": time.time()})
             self._writer.close(clean_shutdown=False)
         self._writer.release()
         ends.uninstall(self)
@@ -425,7 +427,7 @@ _open: weakref.WeakSet[MetricCollector] = weakref.WeakSet()
 @atexit.register
 def _abort_open_collectors() -> None:
     for collector in list(_open):
-        collector.abort(exiting=True)
+        collector.abort()
 
 
 def _as_float(key: str, value: Any) -> float:

@@ -48,6 +48,7 @@ class Attempt:
     signal: str | None = None
     ended_at: float | None = None  # the end's time, or its last sign of life
     last_step: int | None = None  # the last step it flushed
+    where: str | None = None  # where its main thread was when it ended (an exception's, a signal's stacks)
     stacks: list[str] = field(default_factory=list)  # its stack dumps, relative to the run directory
     thread_exceptions: list[dict[str, Any]] = field(default_factory=list)
     host: str | None = None

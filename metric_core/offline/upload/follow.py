@@ -257,6 +257,7 @@ class _Pass:
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
             since = f"since step {source.step_end[0]}" if source.step_end else "since it started"
+            after = f"after step {source.step_end[0]}" if source.step_end else "before its first step"
             why = source.dead(now)
             if why is None:
                 state.dead.pop(key, None)
@@ -264,7 +265,7 @@ class _Pass:
                 state.dead[key] = why
                 self.events.message(
                     "warning",
-                    f"{who} died ({why}) {since}" + (": the steps go on without it" if holding else ""),
+                    f"{who} died {after}: {why}" + ("; the steps go on without it" if holding else ""),
                 )
             let_go = not (source.finished or source.static) and not source.holds(newest, now, let_go_after)
             if let_go and why is None and key not in self.let_go:
@@ -286,7 +287,7 @@ class _Pass:
             typical = statistics.median(source.gaps) if source.gaps else None
             if (
                 holding
-                and not let_go
+                and source.holds(newest, now, let_go_after)
                 and source.has_life
                 and silent > stall_threshold(typical, source.longest)
             ):
