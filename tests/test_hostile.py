@@ -365,3 +365,23 @@ def test_another_tools_parquet_whose_every_record_is_bad_says_so_in_every_comman
     report = json.loads(result.stdout)
     assert [(s["rank"], s["records"]) for s in report["sources"]] == [(1, 2)]
     assert report["skipped_records"] == 2
+
+
+def test_a_fifo_in_the_run_directory_is_skipped_not_opened(tmp_path):
+    """Opening a FIFO blocks until someone writes to it: every command would hang."""
+    import subprocess
+    import sys
+
+    from .conftest import write_collector_run
+
+    run = tmp_path / "run"
+    write_collector_run(run, [("TrainActor_r0", 0)], steps=5)
+    for name in ("pipe.jsonl", "pipe.parquet", "x.r0.00000.journal", "run.json"):
+        os.mkfifo(run / name)
+    metriclog = str(Path(sys.executable).with_name("metriclog"))
+    for command in (["reduce", str(run)], ["inspect", str(run)]):
+        done = subprocess.run([metriclog, *command], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        for name in ("pipe.jsonl", "pipe.parquet", "x.r0.00000.journal"):
+            assert f"{name}: not a regular file (a FIFO, socket or device): not read" in done.stderr
+        assert "run.json: not a regular file" in done.stderr

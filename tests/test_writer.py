@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -559,3 +560,32 @@ c.shutdown()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "still locked"
+
+
+@pytest.mark.parametrize(
+    ("step", "says"),
+    [
+        (1.5, "not 1.5 of type float"),
+        (True, "not True of type bool"),
+        ("7", "not '7' of type str"),
+        (np.float64(3.0), "of type float64"),
+        (-1, "step -1 is out of range"),
+        (2**63 + 5, "step 9223372036854775813 is out of range"),
+    ],
+)
+def test_flush_refuses_a_step_that_is_not_an_int64_and_the_source_goes_on(tmp_path, step, says):
+    c = MetricCollector(tmp_path, process_name="p")
+    c.record("x", 1.0)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        c.flush(step)
+    c.flush(np.int64(4))  # numpy integers (and 0-d integer tensors) are integers
+    c.record("x", 2.0)
+    c.flush(4)  # the same step again is allowed
+    with pytest.raises(ValueError, match="step 3 is below the previous flush's step 4"):
+        c.flush(3)
+    c.record("x", 3.0)
+    c.flush(5)
+    c.shutdown()  # a refused flush left the source able to end cleanly
+    got = read_back(tmp_path).sort("value")
+    assert got["step"].to_list() == [4, 4, 5] and got["value"].to_list() == [1.0, 2.0, 3.0]
+    assert scan_run(tmp_path).report.clean_shutdowns() == {("p", 0)}

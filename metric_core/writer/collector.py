@@ -36,6 +36,7 @@ import array
 import asyncio
 import atexit
 import contextlib
+import operator
 import os
 import threading
 import time
@@ -134,7 +135,7 @@ class MetricCollector:
         self.rank = int(rank)
         self.process_name = process_name or default_process_name(self.rank)
         self.flush_interval = flush_interval
-        self._step = 0 if step is None else int(step)
+        self._step = 0 if step is None else _step_of(step, "init(step=...)")
         self._step_given = step is not None
         self._flushed = False
         self._writer = RawFileWriter(
@@ -333,7 +334,7 @@ class MetricCollector:
         ``return_state`` the accumulator states are returned for a global reduction
         (see ``reduce_metrics_states``).
         """
-        step = self._step if step is None else int(step)
+        step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
         metrics, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
         if metrics:
@@ -341,6 +342,17 @@ class MetricCollector:
         self._step = step + 1
         self._report(error)
         return states if return_state else None
+
+    def _flush_step(self, step: Any) -> int:
+        """``step`` checked before anything changes (a refused call leaves the source as it
+        was): an integer from 0 to 2**63-1, at or above the previous flush's in this attempt."""
+        value = _step_of(step, "flush(step)")
+        if self._flushed and value < self._step - 1:
+            raise ValueError(
+                f"flush(step): step {value} is below the previous flush's step {self._step - 1}; steps of "
+                "an attempt never go back (a restart from a checkpoint is a new init(..., step=...))"
+            )
+        return value
 
     def _first_flush_check(self, step: int) -> None:
         """A restart that did not give init() its step: say that its first records were labelled late."""
@@ -358,7 +370,7 @@ class MetricCollector:
         self, step: int | None = None, *, return_state: bool = False
     ) -> dict[str, dict[str, Any]] | None:
         """``flush`` for asyncio code: file I/O runs in a worker thread."""
-        step = self._step if step is None else int(step)
+        step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
         need = bool(self._backends.reduce) or return_state
         metrics, states, error = await asyncio.to_thread(self._flush_files, step, need)
@@ -428,6 +440,23 @@ _open: weakref.WeakSet[MetricCollector] = weakref.WeakSet()
 def _abort_open_collectors() -> None:
     for collector in list(_open):
         collector.abort()
+
+
+STEP_MAX = 2**63 - 1  # a step is an int64 on disk
+
+
+def _step_of(step: Any, where: str) -> int:
+    """A step as an int: an ``int`` or a type with ``__index__`` (numpy integers, 0-d integer
+    tensors), not a bool or a float, from 0 to ``STEP_MAX``; else a ``ValueError`` naming it."""
+    if isinstance(step, bool) or not hasattr(type(step), "__index__"):
+        raise ValueError(
+            f"{where}: the step must be an integer (an int, a numpy integer or a 0-d integer tensor), "
+            f"not {step!r} of type {type(step).__name__}"
+        )
+    value = operator.index(step)
+    if not 0 <= value <= STEP_MAX:
+        raise ValueError(f"{where}: step {value} is out of range: steps run from 0 to 2**63-1")
+    return value
 
 
 def _as_float(key: str, value: Any) -> float:

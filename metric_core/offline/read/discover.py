@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import json
 import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,9 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
             except OSError as exc:
                 report.skipped_paths.append((path, f"not read ({exc.strerror or exc})"))
                 continue
+            if not stat.S_ISREG(st.st_mode):  # opening a FIFO would block; a device is no file
+                report.skipped_paths.append((path, "not a regular file (a FIFO, socket or device): not read"))
+                continue
             first = seen.get((st.st_dev, st.st_ino))
             if first is not None:
                 report.notices.append(f"{rel(path, root)} is the same file as {rel(first, root)}: read once")
@@ -136,6 +140,9 @@ def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
     """run.json's fields, each checked; a broken file or field is reported and left out."""
     path = root / "run.json"
     if not path.exists():
+        return {}
+    if isinstance(path, Path) and not path.is_file():  # a FIFO would block the read
+        report.notices.append("run.json: not a regular file; its metadata is ignored")
         return {}
     try:
         meta = json.loads(path.read_bytes())
