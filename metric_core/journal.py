@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from metric_core.life import Life
+from metric_core.life import Life, is_event
 from metric_core.records import build_table, int64_array
 from metric_core.schema import KEY_HASH, key_hash
 
@@ -202,10 +202,8 @@ def _decode(data: bytes) -> Decoded:
         out.process = str(head["process"])
         out.rank = int(head["rank"])
         out.attempt = {k: head[k] for k in ("attempt", "attempt_started", "attempt_first_step") if k in head}
-        out.life = (
-            Life.parse({k: head[k] for k in ("host", "pid", "flush_interval", "restart") if k in head})
-            or Life()
-        )
+        fields = ("host", "pid", "pidns", "flush_interval", "restart")
+        out.life = Life.parse({k: head[k] for k in fields if k in head}) or Life()
         out.life.seen(float(head.get("created", math.nan)))
     except (ValueError, KeyError, TypeError):
         out.problems.append("journal header is not valid")
@@ -281,8 +279,8 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
                 out.life.seen(_TIME.unpack_from(data, start)[0])
             elif kind == EVENT:
                 event = json.loads(payload.tobytes())
-                if not isinstance(event, dict) or not isinstance(event.get("kind"), str):
-                    raise ValueError("event frame without a kind")
+                if not is_event(event):
+                    raise ValueError("event frame without a kind and a time")
                 if event not in out.life.ends:  # a follower decodes the unsettled tail again
                     out.life.ends.append(event)
                 out.life.seen(float(event.get("timestamp", math.nan)))

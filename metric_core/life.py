@@ -8,8 +8,9 @@ Both halves use it: the writer's journal decoder fills a ``Life`` from the frame
 
 Each step's flush time is kept at full resolution in the open journal; a sealed segment
 keeps the first and last flush and every **gap** between consecutive flushes of at
-least ``GAP_KEPT_S`` (a bounded list however many steps the segment holds), so a pause
-of a second or more shows in any file, also across steps that recorded nothing.
+least ``GAP_KEPT_S`` (the ``MAX_GAPS`` longest where there are more: a bounded list
+however many steps the segment holds), so a pause of a second or more shows in any
+file, also across steps that recorded nothing.
 
 An end event (``Life.ends``) is one of the writer's ``E`` frames: ``{"kind": ...,
 "timestamp": ...}`` with ``kind`` ``"exception"`` (``exception``: ``{"type", "message",
@@ -28,8 +29,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-# Gaps between consecutive flushes that a sealed segment keeps (shorter ones are step time).
+# Gaps between consecutive flushes that a sealed segment keeps (shorter ones are step time),
+# and how many at most (the longest: a segment of slow steps keeps its pauses, not every step).
 GAP_KEPT_S = 1.0
+MAX_GAPS = 1000
 # A writer whose heartbeat is older than this many of its flush intervals (and DEAD_AFTER_MIN_S)
 # is taken for dead: its background thread writes one at least every interval.
 DEAD_AFTER_INTERVALS = 10
@@ -37,6 +40,14 @@ DEAD_AFTER_MIN_S = 5.0
 END_KINDS = ("exception", "signal", "exit")
 # Where launchers say how often they restarted the job: an attempt's number is this plus one.
 RESTART_COUNT_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+
+
+def pid_namespace() -> str | None:
+    """This process's pid namespace, where the system says (Linux), e.g. ``pid:[4026531836]``."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def restart_count() -> int | None:
@@ -54,6 +65,7 @@ class Life:
 
     host: str | None = None
     pid: int | None = None
+    pidns: str | None = None  # its pid namespace (Linux): a pid means the same process only within it
     flush_interval: float | None = None
     restart: int | None = None  # the launcher's restart count (TORCHELASTIC_RESTART_COUNT, ...)
     alive: float | None = None  # the last sign of life: its newest frame's wall time
@@ -70,11 +82,17 @@ class Life:
             gap = at - self.last_flush[1]
             if gap >= GAP_KEPT_S:
                 self.gaps.append([self.last_flush[0] + 1, self.last_flush[1], gap])
+                if len(self.gaps) > 2 * MAX_GAPS:
+                    self._keep_longest_gaps()
         else:
             self.first_flush = (step, at)
         self.last_flush = (step, at)
         self.flushes += 1
         self.seen(at)
+
+    def _keep_longest_gaps(self) -> None:
+        longest = sorted(self.gaps, key=lambda g: -g[2])[:MAX_GAPS]
+        self.gaps = sorted(longest, key=lambda g: g[1])
 
     def seen(self, at: float) -> None:
         if math.isfinite(at) and (self.alive is None or at > self.alive):
@@ -88,7 +106,9 @@ class Life:
         return now - self.alive > max(DEAD_AFTER_INTERVALS * interval, DEAD_AFTER_MIN_S)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v not in (None, [], 0)}
+        if len(self.gaps) > MAX_GAPS:
+            self._keep_longest_gaps()
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v != []}
 
     @classmethod
     def parse(cls, raw: Any) -> Life | None:
@@ -99,6 +119,7 @@ class Life:
             life = cls(
                 host=_opt(raw.get("host"), str),
                 pid=_opt(raw.get("pid"), int),
+                pidns=_opt(raw.get("pidns"), str),
                 flush_interval=_opt(raw.get("flush_interval"), float),
                 restart=_opt(raw.get("restart"), int),
                 alive=_opt(raw.get("alive"), float),
@@ -106,9 +127,7 @@ class Life:
                 first_flush=_pair(raw.get("first_flush")),
                 last_flush=_pair(raw.get("last_flush")),
                 gaps=[[int(s), float(a), float(g)] for s, a, g in raw.get("gaps", [])],
-                ends=[
-                    e for e in raw.get("ends", []) if isinstance(e, dict) and isinstance(e.get("kind"), str)
-                ],
+                ends=[e for e in raw.get("ends", []) if is_event(e)],
             )
         except (TypeError, ValueError):
             return None
@@ -121,7 +140,7 @@ class Life:
         out = cls()
         ordered = sorted(lives, key=lambda life: life.first_flush[1] if life.first_flush else math.inf)
         for life in ordered:
-            for name in ("host", "pid", "flush_interval", "restart"):
+            for name in ("host", "pid", "pidns", "flush_interval", "restart"):
                 if getattr(out, name) is None:
                     setattr(out, name, getattr(life, name))
             if life.alive is not None:
@@ -140,6 +159,12 @@ class Life:
             out.ends.extend(life.ends)
         out.ends.sort(key=lambda e: e.get("timestamp") or 0.0)
         return out
+
+
+def is_event(e: Any) -> bool:
+    """An end event as the writer writes it: a kind, and a time that is a number."""
+    at = e.get("timestamp", 0.0) if isinstance(e, dict) else None
+    return isinstance(e, dict) and isinstance(e.get("kind"), str) and type(at) in (int, float)
 
 
 def _opt(value: Any, kind: type) -> Any:

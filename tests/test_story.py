@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,24 @@ def child(run):
 
 
 def main(run, how, hang_dump_after):
+    if how == "cycles":  # a handler installed after init(), then init()/shutdown() twice
+        for cycle in range(2):
+            metric_core.init(run, process_name="p", flush_interval=0.1)
+            if cycle == 0:
+                signal.signal(signal.SIGTERM, lambda *_: os._exit(7))
+            metric_core.record_metric("x", 1.0)
+            metric_core.flush(cycle)
+            metric_core.shutdown()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    if how == "finally":
+        metric_core.init(run, process_name="p", flush_interval=0.1)
+        try:
+            metric_core.record_metric("x", 1.0)
+            metric_core.flush(0)
+            raise RuntimeError("in the loop")
+        finally:
+            metric_core.shutdown()
     if how == "spawned":
         p = multiprocessing.get_context("spawn").Process(target=child, args=(run,))
         p.start()
@@ -193,10 +212,23 @@ def main(run, how, hang_dump_after):
     for step in range(3):
         metric_core.record_metric("x", float(step))
         metric_core.flush(step)
-    if how == "thread":
-        threading.Thread(target=lambda: 1 / 0, name="loader").start()
-        time.sleep(0.2)
-        sys.exit(0)
+    if how in ("thread", "thread_alive"):
+        loader = threading.Thread(target=lambda: 1 / 0, name="loader")
+        loader.start()
+        loader.join()
+        if how == "thread":
+            sys.exit(0)
+        metric_core.flush(3)
+        open(run + ".ready", "w").close()
+        time.sleep(120)
+    if how == "fork":  # a forked worker that exits normally: the parent's attempt goes on
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        metric_core.record_metric("x", 9.0)
+        metric_core.flush(3)
+        metric_core.shutdown()
     if how == "exit":
         sys.exit(3)
     if how in ("sigint", "offline"):
@@ -234,6 +266,8 @@ def _ends(tmp_path: Path, how: str, hang_dump_after: str = "0") -> tuple[subproc
         ("sigint", -signal.SIGINT, "signal", "SIGINT"),  # as Python ends on a KeyboardInterrupt
         ("offline", -signal.SIGTERM, "signal", "SIGTERM"),
         ("spawned", 1, "exception", ("KeyError", "'lost shard'")),
+        ("finally", 1, "exception", ("RuntimeError", "in the loop")),  # shutdown() in a finally
+        ("fork", 0, "shutdown", None),
     ],
 )
 def test_each_end_is_recorded_and_the_exit_status_kept(tmp_path, how, code, end, detail):
@@ -244,8 +278,10 @@ def test_each_end_is_recorded_and_the_exit_status_kept(tmp_path, how, code, end,
     assert attempt["end"] == end
     if isinstance(detail, tuple):
         assert (attempt["exception"]["type"], attempt["exception"]["message"]) == detail
-    else:
+    elif end == "signal":
         assert attempt["signal"] == detail
+    if how == "fork":
+        assert attempt["records"] == 4 and attempt["last_step"] == 3
     if how == "thread":
         assert attempt["thread_exceptions"][0]["thread"] == "loader"
     if how == "spawned":  # the framework caught it; @metric_core.record recorded it
@@ -270,19 +306,32 @@ def test_a_stalled_flush_leaves_a_stack_dump_and_a_pause(tmp_path):
     assert not list((run / "stacks").glob("*SIG*")), "the files of signals that never came are gone"
 
 
-def test_a_live_writer_is_running_and_a_killed_one_died(tmp_path):
-    child, run = _ends(tmp_path, "alive")
+def test_a_users_handler_installed_after_init_survives_init_shutdown_cycles(tmp_path):
+    child, _ = _ends(tmp_path, "cycles")
+    assert child.wait(timeout=60) == 7, child.stderr.read()  # its handler ran: os._exit(7)
+
+
+@pytest.mark.parametrize("how", ["alive", "thread_alive"])
+def test_a_live_writer_is_running_and_a_killed_one_died(tmp_path, how):
+    child, run = _ends(tmp_path, how)
     ready = Path(f"{run}.ready")
     while not ready.exists():  # a condition, polled
         with contextlib.suppress(subprocess.TimeoutExpired):
             assert child.wait(timeout=0.05) is None, child.stderr.read()
     first = inspect_json(run)["sources"][0]["attempts"][0]
-    assert first["end"] == "running" and first["ended_at"] is None
+    assert first["end"] == "running" and first["ended_at"] is None  # a thread's error does not end it
+    assert [e["thread"] for e in first["thread_exceptions"]] == (["loader"] if how == "thread_alive" else [])
     child.kill()
     child.wait()
-    second = inspect_json(run)["sources"][0]["attempts"][0]
-    assert second["end"] == "died"
-    assert "no exception or signal recorded" in verdict(run)
+    deadline = time.monotonic() + 60  # dead: its pid gone, and no heartbeat for two intervals
+    while (second := inspect_json(run)["sources"][0]["attempts"][0])["end"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    if how == "alive":
+        assert second["end"] == "died"
+        assert "no exception or signal recorded" in verdict(run)
+    else:  # it ended without shutdown() after its loader thread failed: that is the likely cause
+        assert second["end"] == "exception" and second["exception"]["type"] == "ZeroDivisionError"
 
 
 def test_an_error_that_follows_a_peers_death_yields_to_it_within_a_second():

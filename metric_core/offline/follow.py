@@ -74,13 +74,21 @@ class AttemptState:
     done: int | None = None
     finished: bool = False
     lives: dict[str, Life] = field(default_factory=dict)
+    merged: Life | None = field(default=None, repr=False)  # of ``lives``, until one changes
 
     def flushed(self, step: int) -> None:
         self.done = step if self.done is None else max(self.done, step)
 
+    def lived(self, name: str, life: Life) -> None:
+        """What the file ``name`` (a journal, or the segment that replaced it) recorded."""
+        self.lives[name] = life
+        self.merged = None
+
     @property
     def life(self) -> Life | None:
-        return Life.merged(list(self.lives.values())) if self.lives else None
+        if self.merged is None and self.lives:
+            self.merged = Life.merged(list(self.lives.values()))
+        return self.merged
 
     def dead(self, now: float) -> str | None:
         """Why its process is over, though it did not shut down (None: it is alive, or its
@@ -97,7 +105,7 @@ class AttemptState:
                 return f"it was stopped by {e.get('signal')}"
             return "it exited without shutdown()"
         if story.process_gone(life):
-            return f"its process (pid {life.pid}) is gone, with no exception or signal recorded"
+            return f"its process (pid {life.pid}) is gone"
         if life.dead(now):
             return f"no heartbeat for {duration(now - (life.alive or now))}"
         return None
@@ -285,7 +293,7 @@ class RunTail:
                 a.flushed(meta.steps[1] if meta.clean_shutdown else meta.steps[1] - 1)
             a.finished |= meta.clean_shutdown
             if meta.life is not None:
-                a.lives[meta.supersedes] = meta.life
+                a.lived(meta.supersedes, meta.life)
             state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
             return frame.with_columns(attempt=pl.lit(attempt))
         for (process, rank), part in frame.group_by("process", "rank", maintain_order=True):
@@ -333,7 +341,7 @@ class RunTail:
             a.flushed(decoded.last_flush)
         a.finished |= decoded.shutdown is not None
         if decoded.version >= 4:
-            a.lives[path.name] = decoded.life
+            a.lived(path.name, decoded.life)
         # At the end (every source idle), the records no flush covered are taken as they are
         # stamped, as every command reads them; a write the writer's death cut short is said.
         settled = decoded.table.num_rows if decoded.table is not None and final else decoded.settled_records

@@ -21,6 +21,7 @@ the end. An attempt of files without a life (another tool's, metriclog's before 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -29,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.life import Life
+from metric_core.life import Life, pid_namespace
 from metric_core.offline.read.attempts import LEGACY, Attempt
 from metric_core.offline.read.report import ReadReport, rel
-from metric_core.offline.storage import RunPath, is_remote, listed_below
+from metric_core.offline.storage import RunPath, is_remote, listed_below, size_and_mtime
 
 STACKS_DIR = "stacks"  # as metric_core.writer.ends writes it (not imported: the writer side)
 CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
@@ -152,14 +153,20 @@ def list_stacks(root: RunPath) -> dict[str, list[StackFile]]:
             continue
         mtime = None
         try:
-            text = path.read_bytes()[: 1 << 20].decode(errors="replace")
+            size, mtime_ns = size_and_mtime(path)
+            text = _text(path, size, mtime_ns)  # a file unchanged since the last look is not read again
             if isinstance(path, Path):
-                mtime = path.stat().st_mtime
+                mtime = mtime_ns / 1e9
         except OSError:
             continue
         f = StackFile(path, rel(path, root), match["attempt"], match["what"], mtime, text)
         out.setdefault(f.attempt, []).append(f)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _text(path: RunPath, size: int, mtime_ns: int) -> str:
+    return path.read_bytes()[: 1 << 20].decode(errors="replace")
 
 
 def tell(report: ReadReport, root: RunPath, now: float) -> tuple[Failure | None, dict[str, list[StackFile]]]:
@@ -243,7 +250,10 @@ def _end(
             if e["kind"] == "thread_exception"
         ]
     key = (a.process, a.rank, None if a.attempt == LEGACY else a.attempt)
-    if key in shutdowns or (a.attempt == LEGACY and any(k[:2] == key[:2] for k in shutdowns)):
+    failing = life is not None and any(e.get("in_shutdown") for e in life.ends)  # shutdown() mid-exception
+    if not failing and (
+        key in shutdowns or (a.attempt == LEGACY and any(k[:2] == key[:2] for k in shutdowns))
+    ):
         a.end, a.ended_at = "shutdown", shutdowns.get(key)
         return
     if life is None:
@@ -266,26 +276,28 @@ def _end(
         a.ended_at = at if math.isfinite(at) else life.alive
         a.where = a.exception.get("where") if a.exception else wheres.get(a.signal or "")
         return
-    if a.thread_exceptions:
+    exits = [e for e in life.ends if e["kind"] == "exit"]
+    if not exits and newest and not life.dead(now) and not process_gone(life):
+        a.end = "running"  # a thread's exception does not end a process that goes on
+        return
+    if a.thread_exceptions:  # the process ended without shutdown() after it: the likely cause
         a.end, a.exception = (
             "exception",
             {k: a.thread_exceptions[0].get(k) for k in ("type", "message", "where")},
         )
-        a.ended_at, a.where = life.alive, a.exception.get("where")
+        a.ended_at, a.where = (exits[-1].get("timestamp") if exits else life.alive), a.exception.get("where")
         return
-    exits = [e for e in life.ends if e["kind"] == "exit"]
     if exits:
         a.end, a.ended_at = "exit", exits[-1].get("timestamp")
-        return
-    if newest and not life.dead(now) and not process_gone(life):
-        a.end = "running"
         return
     a.end, a.ended_at = "died", life.alive
 
 
 def process_gone(life: Life) -> bool:
-    """Its process is known to be gone: written on this host, and no process has its pid."""
-    if life.pid is None or life.host != socket.gethostname():
+    """Its process is known to be gone: written on this host and in this pid namespace (a
+    container with this host name but pids of its own is another place), and no process
+    has its pid."""
+    if life.pid is None or life.host != socket.gethostname() or life.pidns != pid_namespace():
         return False
     try:
         os.kill(life.pid, 0)
@@ -416,7 +428,9 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
                 told.append(f"{label} {how}".strip())
             continue
         who = f"{failed.process} (rank {failed.rank})"
-        text = f"{label}{':' if label and not label.endswith('and') else ''} {who} {_what(failed)}".strip()
+        text = (
+            f"{label}{':' if label and not label.endswith('and') else ''} {who} {ended_how(failed)}".strip()
+        )
         others = [
             a
             for a in group
@@ -449,7 +463,10 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
     return lines
 
 
-def _what(f: Failure | Attempt) -> str:
+def ended_how(f: Failure | Attempt) -> str:
+    """How an attempt ended, in words that follow its name: "raised ValueError('bad batch')
+    in step 13 at train.py:25 (step)", "was stopped by SIGTERM in step 31", "died in step 9:
+    no exception or signal recorded (...)"."""
     step = "" if f.last_step is None else f" in step {f.last_step + 1}"
     if f.end == "exception" and f.exception is not None:
         where = f.exception.get("where")

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metric_core.errors import NoDataError, RunChangedError
+from metric_core.offline import story
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
@@ -181,20 +182,9 @@ def _changes(
             start = f" from step {newest.first_step}" if newest.first_step is not None else ""
             note(f"{who} restarted: attempt {newest.number}{start}")
         if state == "died" and (before is None or before[1] != "died" or before[0] != attempt):
-            note(f"{who} died at step {s.last_step}: {_how(newest)}")
+            how = story.ended_how(newest) if newest is not None and newest.end else "ended"
+            note(f"{who} {how}")
     return restarted
-
-
-def _how(a: Any) -> str:
-    if a is None:
-        return "no end recorded"
-    if a.end == "exception" and a.exception:
-        return f"raised {a.exception.get('type')}({a.exception.get('message')!r})"
-    if a.end == "signal":
-        return f"stopped by {a.signal}"
-    if a.end == "exit":
-        return "exited without shutdown()"
-    return "no exception or signal recorded, and its heartbeat is gone (SIGKILL, the OOM killer, a crash)"
 
 
 def _stalls(

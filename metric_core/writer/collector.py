@@ -38,6 +38,7 @@ import atexit
 import contextlib
 import operator
 import os
+import sys
 import threading
 import time
 import weakref
@@ -393,6 +394,9 @@ class MetricCollector:
         self._thread.join()
         if self._buffer or self._unflushed:  # a last flush labels them; none is a step of its own
             self.flush(self._step)
+        failing = sys.exc_info()[1]  # shutdown() in a `finally:` or `except:`: the attempt failed
+        if failing is not None and not isinstance(failing, (SystemExit, GeneratorExit)):
+            self._writer.end_event({**ends.end_of(failing), "in_shutdown": True, "timestamp": time.time()})
         try:
             self._writer.close(clean_shutdown=True)
         except WriteError as exc:
@@ -440,6 +444,11 @@ _open: weakref.WeakSet[MetricCollector] = weakref.WeakSet()
 def _abort_open_collectors() -> None:
     for collector in list(_open):
         collector.abort()
+
+
+# A forked child (a data-loader worker) shares its parent's files: its exit must not end
+# (and seal) the parent's attempt.
+os.register_at_fork(after_in_child=_open.clear)
 
 
 STEP_MAX = 2**63 - 1  # a step is an int64 on disk

@@ -70,7 +70,15 @@ def describe(exc: BaseException) -> dict[str, str | None]:
     ...     describe(e)["type"], describe(e)["message"]
     ('ValueError', 'bad batch')
     """
-    return {"type": type(exc).__name__, "message": str(exc)[:2000], "where": _where(exc.__traceback__)}
+    try:
+        message = str(exc)
+    except Exception:  # an exception whose __str__ fails: its type still says what happened
+        message = f"<{type(exc).__name__} whose message could not be read>"
+    try:
+        where = _where(exc.__traceback__)
+    except Exception:
+        where = None
+    return {"type": type(exc).__name__, "message": message[:2000], "where": where}
 
 
 def record_exception(exc: BaseException) -> None:
@@ -84,7 +92,7 @@ def record_exception(exc: BaseException) -> None:
     ...     metric_core.record_exception(e)
     >>> metric_core.shutdown()
     """
-    _record({"kind": "exception", "exception": describe(exc)})
+    _record(end_of(exc))
 
 
 def record(fn: F) -> F:
@@ -128,14 +136,25 @@ def uninstall(collector: MetricCollector) -> None:
         collector._stack_files = {}
     for name, (f, path, handler_then) in files.items():
         if name in CAUGHT_SIGNALS:
-            sig = getattr(signal, name)
-            # signal.signal() since then replaced faulthandler's handler: leave theirs in place
-            if signal.getsignal(sig) is handler_then:
-                faulthandler.unregister(sig)
+            _unregister(getattr(signal, name), handler_then)
         elif name == FATAL:
             faulthandler.disable()
         _close_empty(f, path)
     _reregister_newest()
+
+
+def _unregister(sig: int, handler_then: Any) -> None:
+    """Give ``sig`` back as it was, but for a handler ``signal.signal()`` installed since
+    (which replaced faulthandler's): that one stays. faulthandler's own unregister puts back
+    the handler it found, so the later one is installed again after it."""
+    current = signal.getsignal(sig)
+    if current is handler_then or current is None:
+        faulthandler.unregister(sig)
+    elif threading.current_thread() is threading.main_thread():
+        faulthandler.unregister(sig)
+        signal.signal(sig, current)
+    # else: outside the main thread the later handler cannot be installed again; faulthandler
+    # keeps its (inactive) registration rather than take it away
 
 
 def main_thread_line(what: str) -> str:
@@ -163,8 +182,8 @@ class HangWatch:
         self.dumps += 1
         c = self.collector
         writer = c._writer
-        path = _stack_path(c, f"hang-{self.dumps}")
         try:
+            path = _stack_path(c, f"hang-{self.dumps}")
             with os.fdopen(create_exclusive(path), "w") as f:
                 f.write(main_thread_line(f"no flush for {overdue:.1f} s, in step {c.step}"))
                 f.flush()
@@ -182,12 +201,16 @@ def _record(event: dict[str, Any]) -> None:
             collector._writer.end_event(event)
 
 
+def end_of(exc: BaseException) -> dict[str, Any]:
+    """The end event an exception makes: a ``KeyboardInterrupt`` is SIGINT."""
+    if isinstance(exc, KeyboardInterrupt):
+        return {"kind": "signal", "signal": "SIGINT"}
+    return {"kind": "exception", "exception": describe(exc)}
+
+
 def _excepthook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     try:
-        if isinstance(exc, KeyboardInterrupt):
-            _record({"kind": "signal", "signal": "SIGINT"})
-        else:
-            _record({"kind": "exception", "exception": describe(exc)})
+        _record(end_of(exc))
     finally:
         _hooks.get("sys", sys.__excepthook__)(kind, exc, tb)
 
@@ -202,11 +225,12 @@ def _thread_excepthook(args: Any) -> None:
 
 
 def _forgotten_in_child() -> None:
-    """A forked child (a data-loader worker) is not the attempt: its signals and ends are its own."""
+    """A forked child (a data-loader worker) is not the attempt: its signals and ends are its
+    own (the collector itself is forgotten there too: ``collector._forget_in_child``)."""
     for collector in _collectors:
-        for name, (f, _, _) in collector._stack_files.items():
+        for name, (f, _, handler_then) in collector._stack_files.items():
             if name in CAUGHT_SIGNALS:
-                faulthandler.unregister(getattr(signal, name))
+                _unregister(getattr(signal, name), handler_then)
             elif name == FATAL:
                 faulthandler.disable()
             with contextlib.suppress(OSError):
@@ -233,10 +257,17 @@ def _open_stack_files(collector: MetricCollector) -> dict[str, tuple[Any, Path, 
         try:
             path = _stack_path(collector, name)
             f = os.fdopen(create_exclusive(path), "w")
-            f.write(main_thread_line(f"{name} signal received" if name != FATAL else "fatal signal"))
-            f.flush()
         except OSError:
             continue  # a read-only run directory: the records matter, these do not
+        try:
+            f.write(main_thread_line(f"{name} signal received" if name != FATAL else "fatal signal"))
+            f.flush()
+        except OSError:  # a full disk
+            with contextlib.suppress(OSError):
+                f.close()  # its buffer cannot be written either
+            with contextlib.suppress(OSError):
+                path.unlink()
+            continue
         if name == FATAL:
             faulthandler.enable(file=f, all_threads=True)
             out[name] = (f, path, None)

@@ -48,7 +48,7 @@ import pyarrow.parquet as pq
 from metric_core import journal, records
 from metric_core.atomic import create_exclusive, new_hidden_file, publish
 from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, WriteError, warn
-from metric_core.life import restart_count
+from metric_core.life import pid_namespace, restart_count
 from metric_core.metric import BackendRole, Metric
 from metric_core.schema import KEY_HASH, segment_stem
 from metric_core.segment import PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
@@ -115,6 +115,7 @@ class RawFileWriter(LoggerBackend):
         self.host = socket.gethostname()
         self.flush_interval = flush_interval
         self.restart = restart_count()
+        self.pidns = pid_namespace()
         self.first_step: int | None = None  # the step of its first flush(step)
         self._flushed = False
         self._lock = SourceLock(self.run_dir, self.stem, process, rank)
@@ -377,6 +378,7 @@ class RawFileWriter(LoggerBackend):
             "attempt_started": self.attempt_started,
             "host": self.host,
             "pid": os.getpid(),
+            "pidns": self.pidns,
             "flush_interval": self.flush_interval,
             "restart": self.restart,
         }

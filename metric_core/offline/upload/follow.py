@@ -194,17 +194,15 @@ class _Pass:
             if records.height and first_record is None:
                 first_record = time.monotonic()
             idle = until_idle is not None and time.monotonic() - last_new >= until_idle
-            if idle:  # the job is over: the records no flush covered are read as they are
+            state.sources = self.tail.sources
+            self._silences(last_new, state)
+            over = self._over(state)  # every source finished or died, and no restart came
+            if idle or over:  # the job is over: the records no flush covered are read as they are
                 records = pl.concat([records, self.tail.poll(final=True)], how="vertical_relaxed")
             state.polls += 1
             state.records += records.height
-            state.sources = self.tail.sources
             self._notices(first_record, wait)
             state.expected = self.follower.expected or 1
-            self._silences(last_new, state)
-            over = self._over(state)
-            if over and not idle and not state.all_finished:  # the job is over: what no flush covered too
-                records = pl.concat([records, self.tail.poll(final=True)], how="vertical_relaxed")
             self.follower.add(records, self.tail.sources)
             if self.plan.by == "time" and self.follower.t0 is None and self.tail.sources:
                 self.follower.t0 = self._earlier_t0()
