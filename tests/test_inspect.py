@@ -299,8 +299,8 @@ def test_inspect_command_table_verdict_and_json(crashed, india):
     story, *verdict = verdict.splitlines()
     assert re.fullmatch(
         r"TrainActor_r1 \(rank 1\) died in step 41: no exception or signal recorded \(SIGKILL, the OOM "
-        r"killer, os\._exit or a native crash\); [\d.]+ (ms|s) later 1 other rank was gone with no exception "
-        r"or signal recorded\.",
+        r"killer, os\._exit or a native crash\); [\d.]+ (ms|s) later 1 other rank died with no exception or "
+        r"signal recorded\.",
         story,
     ), story
     assert verdict == [

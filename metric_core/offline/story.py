@@ -413,7 +413,9 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             at = "" if step is None else f" in step {step + 1}"
             when = f" at {local_time(over[0].ended_at)}" if over[0].ended_at is not None else ""
             head = f"{label}: " if label and not label.endswith("and") else f"{label} " if label else ""
-            told.append(f"{head}all {len(over)} ranks {_what_short(over[0])} together{at}{when}".strip())
+            told.append(
+                f"{head}all {len(over)} ranks {_what_short(over[0], True)} together{at}{when}".strip()
+            )
             continue
         if failed is None:
             ends = {a.end for a in group}
@@ -438,18 +440,18 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             and a.end in ("exception", "signal", "exit", "died")
         ]
         if others and failed.ended_at is not None:
-            kinds: dict[str, list[Attempt]] = {}
+            kinds: dict[tuple[Any, ...], list[Attempt]] = {}
             for a in others:
-                kinds.setdefault(_what_short(a), []).append(a)
-            for what, members in kinds.items():
+                kinds.setdefault((a.end, a.signal, (a.exception or {}).get("type")), []).append(a)
+            for members in kinds.values():
                 later = max((a.ended_at or failed.ended_at) - failed.ended_at for a in members)
                 n = len(members)
                 count = (
-                    ("the other rank was" if n == 1 else f"the other {n} ranks were")
+                    ("the other rank" if n == 1 else f"the other {n} ranks")
                     if n == len(group) - 1
-                    else ("1 other rank was" if n == 1 else f"{n} other ranks were")
+                    else ("1 other rank" if n == 1 else f"{n} other ranks")
                 )
-                text += f"; {duration(max(later, 0.0))} later {count} {what}"
+                text += f"; {duration(max(later, 0.0))} later {count} {_what_short(members[0], n > 1)}"
         told.append(text)
     if told:
         lines.append("; ".join(told) + ".")
@@ -480,16 +482,16 @@ def ended_how(f: Failure | Attempt) -> str:
     )
 
 
-def _what_short(a: Attempt) -> str:
-    """What the others did, after ``were`` / ``was``."""
+def _what_short(a: Attempt, many: bool) -> str:
+    """What ranks that ended as ``a`` did, after their count ("the other 3 ranks ...")."""
     if a.end == "signal":
         launcher = " (the launcher)" if a.signal in ("SIGTERM", "SIGHUP") else ""
-        return f"stopped by {a.signal}{launcher}"
+        return f"{'were' if many else 'was'} stopped by {a.signal}{launcher}"
     if a.end == "exception" and a.exception is not None:
-        return f"ended by {a.exception.get('type')}({str(a.exception.get('message'))[:80]!r})"
+        return f"raised {a.exception.get('type')}({str(a.exception.get('message'))[:80]!r})"
     if a.end == "exit":
         return "ended without shutdown()"
-    return "gone with no exception or signal recorded"
+    return "died with no exception or signal recorded"
 
 
 def _at(where: str | None) -> str:
