@@ -476,7 +476,10 @@ def test_a_second_follower_of_the_same_upload_is_refused_and_another_mode_is_not
     wait_for(lambda: rows_sent(run) > 0, "the first follower to hold the upload")
     second = followed(run)
     assert second.returncode == 1
-    assert "another `metriclog upload --follow` of the same upload" in second.stderr
+    assert (
+        "another `metriclog upload` of the same upload" in second.stderr
+        and f"pid {first.pid} on " in second.stderr
+    )
     other = follow(run, "--mode", "per_rank_reduce")
     finish(ranks)
     for sidecar in (first, other):

@@ -744,3 +744,25 @@ def test_an_upload_stopped_by_sigterm_leaves_no_temporary_directory(tmp_path):
     assert child.returncode != 0
     assert "Traceback" not in stderr, stderr
     assert not list(scratch.glob("metriclog-upload-*"))
+
+
+def test_two_uploads_of_one_run_at_once_make_one_wandb_run_per_source(tmp_path):
+    """Two plain uploads started together: one holds the run's upload, the other is refused
+    (naming it) or, if it came after, skips what was written; never a run twice, and every
+    path either prints exists."""
+    run = tmp_path / "run"
+    write_collector_run(run, [(f"TrainActor_r{r}", r) for r in range(4)], steps=100)
+    metriclog = str(Path(sys.executable).with_name("metriclog"))
+    command = [metriclog, "upload", str(run), "--project", "p", "--offline", "--mode", "per_rank_reduce"]
+    both = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
+    said = "".join(out + err for out, err in (p.communicate(timeout=300) for p in both))
+    codes = sorted(p.returncode for p in both)
+    assert codes in ([0, 0], [0, 1]), said
+    if codes == [0, 1]:
+        assert "another `metriclog upload` of the same upload" in said and re.search(r"\(pid \d+ on ", said)
+    written = sorted((run / ".metriclog" / "wandb").glob("offline-run-*"))
+    assert len(written) == 4, written  # one W&B run per source
+    printed = [p for line in re.findall(r"wandb sync (.+)", said) for p in line.split()]
+    assert printed and all(Path(p).exists() for p in printed), printed

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
 from metric_core.offline.storage import RunPath, is_remote, name_of, run_path
 from metric_core.offline.upload import overlap
-from metric_core.offline.upload.ledger import Ledger
-from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload
+from metric_core.offline.upload.ledger import Ledger, only_upload
+from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload, request_key
 from metric_core.offline.upload.send import (
     Destination,
     RunOutcome,
@@ -199,7 +199,12 @@ def upload_run(
         ledger = Ledger.for_run_dir(root, upload.identity)
         if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
             to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
-        return UploadResult(upload, send_runs(upload, ledger, to, force_new=force_new, events=events))
+        key = request_key(
+            plan, {"entity": to.entity, "project": to.project, "name": name, "group": group}, share_run
+        )
+        with only_upload(ledger.path.parent, key, root):
+            ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
+            return UploadResult(upload, send_runs(upload, ledger, to, force_new=force_new, events=events))
     finally:
         upload.close()
 

@@ -12,7 +12,6 @@ any instant and started again sends no row twice and misses none.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import math
@@ -20,7 +19,7 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,11 @@ from typing import Any
 import polars as pl
 
 from metric_core.clock import duration
-from metric_core.errors import NoDataError, StrictModeError, UploadError
+from metric_core.errors import NoDataError, StrictModeError
 from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.inspect import stall_threshold
 from metric_core.offline.plan import ReducePlan
-from metric_core.offline.upload.ledger import Ledger
+from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import Destination, RunOutcome, Sender, UploadEvents, decide, find_entry
 
@@ -119,7 +118,7 @@ def follow_upload(
         return UploadPlan(runs=[]), state
     with contextlib.ExitStack() as held:
         if not dry_run:
-            held.enter_context(_only_follower(root, key))
+            held.enter_context(only_upload(root / ".metriclog", key, root))
         replacing = False
         while True:
             pass_ = _Pass(
@@ -431,31 +430,6 @@ class _Pass:
                     opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
                 )
                 opened.wb = None
-
-
-@contextlib.contextmanager
-def _only_follower(root: Path, key: str) -> Iterator[None]:
-    """One follower of an upload at a time: two would hand every row over twice."""
-    home = root / ".metriclog"
-    try:
-        if home.is_symlink():
-            raise OSError("a symlink: the ledger refuses it, and says so")
-        home.mkdir(exist_ok=True)
-        lock = os.open(home / f".follow-{key[:16]}.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError:  # not writable: the ledger goes to the user's cache, and no lock is kept
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UploadError(
-                f"another `metriclog upload --follow` of the same upload of {root} is running; two would "
-                "hand every row over twice. Stop it first (or follow another mode or project)"
-            ) from None
-        yield
-    finally:
-        os.close(lock)
 
 
 def _appeared(root: Path, stop: threading.Event, interval: float, events: UploadEvents) -> bool:

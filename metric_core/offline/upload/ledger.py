@@ -7,10 +7,13 @@ replaced atomically on every update.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,3 +146,47 @@ def _refuse_links(*paths: Path) -> None:
                 f"{path} is a symlink (to {os.readlink(path)}): metriclog does not write through "
                 "links it did not make; remove it and upload again"
             )
+
+
+@contextlib.contextmanager
+def only_upload(home: Path, key: str, run: Any) -> Iterator[None]:
+    """One upload of a run to a destination (the same request) at a time, across processes,
+    plain or ``--follow``: two would hand every row over twice and remove each other's
+    unfinished runs. An OS lock on a file beside the ledger (``home``), which names its
+    holder; the kernel drops it when the holder ends, however it ends."""
+    try:
+        if home.is_symlink():
+            raise OSError("a symlink: the ledger refuses it, and says so")
+        home.mkdir(parents=True, exist_ok=True)
+        lock = os.open(home / f".upload-{key[:16]}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError:  # not writable: the ledger goes to the user's cache, and no lock is kept
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UploadError(
+                f"another `metriclog upload` of the same upload of {run} is running ({_holder(lock)}); two "
+                "would hand every row over twice. Wait for it to end, or stop it (or upload another mode "
+                "or project)"
+            ) from None
+        os.ftruncate(lock, 0)
+        os.pwrite(
+            lock,
+            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(),
+            0,
+        )
+        yield
+    finally:
+        os.close(lock)
+
+
+def _holder(lock: int) -> str:
+    """Who holds the lock, as it wrote (it may not have yet)."""
+    try:
+        held = json.loads(os.pread(lock, 4096, 0))
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held["since"])))
+        return f"pid {int(held['pid'])} on {held['host']}, since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its process did not say which it is yet"
