@@ -11,8 +11,11 @@ fails when the target exists: the first writer wins).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -78,3 +81,22 @@ def create_file(target: Path, data: bytes) -> bool:
         with contextlib.suppress(OSError):
             tmp.unlink()
     return True
+
+
+def write_holder(fd: int) -> None:
+    """Write into a lock file who holds it (this process, host, since when), for the message
+    another process that finds it held gives; a failure to write it is no failure to lock."""
+    held = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(held).encode(), 0)
+
+
+def holder(fd: int) -> str:
+    """Who holds a lock file, as ``write_holder`` wrote it (its holder may not have yet)."""
+    try:
+        held = json.loads(os.pread(fd, 4096, 0))
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held["since"])))
+        return f"pid {held['pid']} on {held['host']}, since {since}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it did not say which"

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
-import socket
-import time
 import weakref
 from pathlib import Path
 
+from metric_core.atomic import holder, write_holder
 from metric_core.errors import ConfigError, UnsafePathError, warn
 
 try:
@@ -62,12 +60,12 @@ class SourceLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = _read_holder(fd)
+            held_by = holder(fd)
             os.close(fd)
             if exc.errno in _HELD:
                 raise ConfigError(
                     f"{self.process} (rank {self.rank}) is already being written into {self.path.parent} "
-                    f"by a live process ({holder}): two writers of one source would mix their records. "
+                    f"by a live process ({held_by}): two writers of one source would mix their records. "
                     "Give this process another process_name or rank, or stop the other one"
                 ) from None
             warn(
@@ -84,10 +82,7 @@ class SourceLock:
             return False
         self._fd, self._owner = fd, os.getpid()
         _held.add(self)
-        holder_info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        with contextlib.suppress(OSError):  # who holds it: for the message only
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(holder_info).encode(), 0)
+        write_holder(fd)
         return True
 
     def release(self) -> None:
@@ -119,12 +114,3 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _read_holder(fd: int) -> str:
-    try:
-        info = json.loads(os.pread(fd, 4096, 0))
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(info["since"])))
-        return f"pid {info['pid']} on {info['host']}, since {since}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "it did not say which"

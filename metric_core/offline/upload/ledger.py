@@ -11,13 +11,12 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from metric_core.atomic import new_hidden_file, replace_file
+from metric_core.atomic import holder, new_hidden_file, replace_file, write_holder
 from metric_core.errors import UnsafePathError, UploadError
 from metric_core.offline.storage import is_remote, storage_errors
 
@@ -167,26 +166,11 @@ def only_upload(home: Path, key: str, run: Any) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UploadError(
-                f"another `metriclog upload` of the same upload of {run} is running ({_holder(lock)}); two "
+                f"another `metriclog upload` of the same upload of {run} is running ({holder(lock)}); two "
                 "would hand every row over twice. Wait for it to end, or stop it (or upload another mode "
                 "or project)"
             ) from None
-        os.ftruncate(lock, 0)
-        os.pwrite(
-            lock,
-            json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(),
-            0,
-        )
+        write_holder(lock)
         yield
     finally:
         os.close(lock)
-
-
-def _holder(lock: int) -> str:
-    """Who holds the lock, as it wrote (it may not have yet)."""
-    try:
-        held = json.loads(os.pread(lock, 4096, 0))
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(held["since"])))
-        return f"pid {int(held['pid'])} on {held['host']}, since {since}"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its process did not say which it is yet"
