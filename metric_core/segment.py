@@ -106,7 +106,7 @@ class SegmentMeta:
         """
         try:
             obj = json.loads(raw) if isinstance(raw, (str, builtins.bytes)) else raw
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("supersedes"), str):
             return None

@@ -385,3 +385,46 @@ def test_a_fifo_in_the_run_directory_is_skipped_not_opened(tmp_path):
         for name in ("pipe.jsonl", "pipe.parquet", "x.r0.00000.journal"):
             assert f"{name}: not a regular file (a FIFO, socket or device): not read" in done.stderr
         assert "run.json: not a regular file" in done.stderr
+
+
+def _deep_jsonl_line(run: Path) -> str:
+    (run / "a.jsonl").write_text(json.dumps(GOOD_RECORD) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    return "a.jsonl: 1 record(s) skipped: line 2: JSON nested too deep to be a record"
+
+
+def _deep_run_json(run: Path) -> str:
+    (run / "a.jsonl").write_text(json.dumps(GOOD_RECORD) + "\n")
+    (run / "run.json").write_text("[" * 100_000 + "]" * 100_000)
+    return "run.json: not valid JSON (maximum recursion depth exceeded"
+
+
+def _timestamp_out_of_range(run: Path) -> str:
+    import pyarrow as pa
+
+    times = pa.array([1_700_000_000_000, 2**62], pa.timestamp("ms"))  # the second: 146 million years on
+    table = pa.table({"key": ["k", "k"], "value": [1.0, 2.0], "reduction": ["mean"] * 2, "step": [0, 1]})
+    pq.write_table(
+        table.append_column("rank", pa.array([0, 0])).append_column("timestamp", times), run / "a.parquet"
+    )
+    return "a.parquet: 1 record(s) skipped: 'timestamp' is not Unix epoch seconds from 1970 to 2286"
+
+
+GOOD_RECORD = {"key": "k", "value": 1.0, "reduction": "mean", "step": 0, "timestamp": 1.7e9, "rank": 0}
+
+
+@pytest.mark.parametrize("hostile", [_deep_jsonl_line, _deep_run_json, _timestamp_out_of_range])
+def test_hostile_input_is_skipped_and_said_never_a_traceback(tmp_path, hostile):
+    run = tmp_path / "run"
+    run.mkdir()
+    said = hostile(run)
+    for command in (
+        ["reduce", str(run), "--mode", "per_rank_no_reduce", "--out", str(tmp_path / "o.csv")],
+        ["inspect", str(run)],
+    ):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+        assert said in result.output and "Traceback" not in result.output
+    kept = pl.read_csv(tmp_path / "o.csv")
+    assert kept["value"].to_list() == [1.0] and kept["timestamp"].to_list() == [
+        1.7e9
+    ]  # the good record, exact

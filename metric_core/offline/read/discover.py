@@ -146,7 +146,7 @@ def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
         return {}
     try:
         meta = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         raise_store_failure(path, exc)
         report.notices.append(f"run.json: not valid JSON ({exc}); its metadata is ignored: fix or remove it")
         return {}
@@ -199,7 +199,7 @@ def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Derived | None:
         with open_read(path) as f:
             first = f.readline(_MAX_SEGMENT_LINE)
         obj = json.loads(first)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # JSON nested too deep to decode
         raise_store_failure(path, exc)
         return None
     if not (isinstance(obj, dict) and obj.get("event") == SEGMENT_EVENT):
@@ -217,7 +217,7 @@ def writer_meta(path: RunPath) -> SegmentMeta | Derived | None:
         if marker.is_file():
             try:
                 return Derived(str(json.loads(marker.read_bytes())[DERIVED_KEY]))
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
                 raise_store_failure(path, exc)
                 return Derived("reduce --out")
         return _jsonl_segment_meta(path)

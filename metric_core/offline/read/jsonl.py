@@ -135,7 +135,7 @@ def _binary_kind(data: bytes) -> str | None:
 def _is_json_object(line: bytes) -> bool:
     try:
         return isinstance(json.loads(line), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
@@ -152,6 +152,9 @@ def _jsonl_line_by_line(data: bytes, rep: FileReport) -> tuple[pl.DataFrame, np.
             obj = json.loads(line)
         except ValueError:
             rep.skip("not valid JSON", 1, [number])
+            continue
+        except RecursionError:
+            rep.skip("JSON nested too deep to be a record", 1, [number])
             continue
         if not isinstance(obj, dict):
             rep.skip("not a JSON object", 1, [number])

@@ -302,11 +302,18 @@ def _parquet_integer(col: str, dtype: pl.DataType) -> pl.Expr:
 
 
 def _parquet_timestamp(dtype: pl.DataType) -> pl.Expr:
-    if dtype.is_temporal():
-        # Whole seconds plus the fraction: polars divides by a constant as a multiplication
-        # by its reciprocal, which is off by an ulp in a third of the times.
-        us = pl.col("timestamp").cast(pl.Datetime("us")).dt.epoch("us")
-        return (us // 1_000_000).cast(pl.Float64) + (us % 1_000_000).cast(pl.Float64) / 1e6
+    if isinstance(dtype, pl.Datetime):
+        # From the stored integer in its own unit: converting the unit first overflows (and
+        # panics) on a time far out of range, which the range check then skips. Whole seconds
+        # plus the fraction: polars divides by a constant as a multiplication by its
+        # reciprocal, which is off by an ulp in a third of the times.
+        per = {"ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}[dtype.time_unit or "us"]
+        ticks = pl.col("timestamp").to_physical()
+        return (ticks // per).cast(pl.Float64) + (ticks % per).cast(pl.Float64) / float(per)
+    if isinstance(dtype, pl.Date):
+        return pl.col("timestamp").to_physical().cast(pl.Float64) * 86_400.0
+    if dtype.is_temporal():  # a time of day or a duration: no clock's
+        return pl.lit(float("nan"), pl.Float64)
     return pl.col("timestamp").cast(pl.Float64, strict=False)
 
 
