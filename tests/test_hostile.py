@@ -428,3 +428,35 @@ def test_hostile_input_is_skipped_and_said_never_a_traceback(tmp_path, hostile):
     assert kept["value"].to_list() == [1.0] and kept["timestamp"].to_list() == [
         1.7e9
     ]  # the good record, exact
+
+
+def test_an_integer_value_float64_cannot_hold_is_refused_not_rounded(tmp_path):
+    """Exact or refused: 2**53 + 1 and 2**63 - 1 would become other numbers as float64."""
+    import pyarrow as pa
+
+    run = tmp_path / "run"
+    run.mkdir()
+    big = [5, 2**53 + 1, 2**63 - 1, 2**53]
+    table = pa.table({"key": ["k"] * 4, "value": pa.array(big, pa.int64()), "reduction": ["sum"] * 4})
+    table = table.append_column("step", pa.array([0] * 4)).append_column("rank", pa.array([0] * 4))
+    pq.write_table(table.append_column("timestamp", pa.array([1.7e9] * 4)), run / "a.parquet")
+    lines = ["7", str(2**53 + 1), str(2**63 - 1), "1.5", "123456789012345678901234", str(2**53)]
+    with open(run / "b.jsonl", "w") as f:
+        for v in lines:
+            f.write(f'{{"key":"j","value":{v},"reduction":"sum","step":0,"timestamp":1.7e9,"rank":1}}\n')
+    for command in (
+        ["reduce", str(run), "--mode", "per_rank_no_reduce", "--out", str(tmp_path / "o.csv")],
+        ["inspect", str(run)],
+    ):
+        result = runner.invoke(app, command)
+        assert result.exit_code == 0, result.output
+        assert (
+            "a.parquet: 2 record(s) skipped: 2 x 'value' is null or not a number float64 holds exactly"
+            in result.output
+        )
+        assert (
+            "b.jsonl: 3 record(s) skipped: line 2: 'value' is not a number, or an integer beyond float64"
+            in result.output
+        )
+    kept = pl.read_csv(tmp_path / "o.csv").sort("process", "value")
+    assert kept["value"].to_list() == [5.0, float(2**53), 1.5, 7.0, float(2**53)]  # each exactly as written

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -74,6 +75,8 @@ def read_jsonl(
         return np.flatnonzero(ends > starts) + 1
 
     for schema, typed_input in ((TYPED_SCHEMA, True), (TEXT_SCHEMA, False)):
+        if typed_input and _LONG_INTEGER_VALUE.search(data):
+            continue  # a float64 column would round it: read as text, where it is exact or refused
         try:
             raw = pl.read_ndjson(data, schema=schema)
         except (pl.exceptions.PolarsError, ValueError):
@@ -85,6 +88,10 @@ def read_jsonl(
             return accept(raw, line_numbers, rep, report, typed_input=typed_input).lazy()
     raw, numbers = _jsonl_line_by_line(data, rep)
     return accept(raw, lambda: numbers, rep, report).lazy()
+
+
+# A value written as an integer of 16 digits or more: float64 may not hold it exactly.
+_LONG_INTEGER_VALUE = re.compile(rb'"value"\s*:\s*-?\d{16,}\s*[,}]')
 
 
 def _intact(path: RunPath, meta: SegmentMeta) -> bool:

@@ -267,9 +267,13 @@ def casts_keep(schema: Mapping[str, pl.DataType]) -> bool:
     return (
         all(schema[name] in (pl.String, pl.Categorical) for name in ("key", "reduction"))
         and _numeric(schema["value"])
+        and schema["value"] not in _WIDE_INTEGERS
         and all(schema[name].is_integer() and schema[name] != pl.UInt64 for name in ("step", "rank"))
         and _numeric(schema["timestamp"])
     )
+
+
+_WIDE_INTEGERS = (pl.Int64, pl.UInt64)  # wider than float64's 53-bit mantissa
 
 
 def _numeric(dtype: pl.DataType) -> bool:
@@ -286,6 +290,9 @@ def _polars_schema(meta: Any) -> pl.Schema:
 
 
 def _parquet_value(dtype: pl.DataType) -> pl.Expr:
+    if dtype in _WIDE_INTEGERS:  # exact or refused: an integer float64 cannot hold is null (skipped)
+        as_float = pl.col("value").cast(pl.Float64)
+        return pl.when(as_float.cast(dtype, strict=False) == pl.col("value")).then(as_float)
     if _numeric(dtype):
         return pl.col("value").cast(pl.Float64)
     return pl.col("value").cast(pl.String).pipe(lambda _: number("value"))
@@ -373,8 +380,10 @@ def _parquet_reason() -> pl.Expr:
     reason: pl.Expr = pl.when(~plausible(pl.col("timestamp"))).then(pl.lit(BAD_TIME))
     for name in reversed(REQUIRED_FIELDS):
         what = (
-            "a number"
-            if name in ("value", "timestamp")
+            "a number float64 holds exactly"
+            if name == "value"
+            else "a number"
+            if name == "timestamp"
             else "an integer"
             if name in ("step", "rank")
             else "valid"

@@ -26,15 +26,25 @@ TYPED_SCHEMA = {**POLARS_SCHEMA, "event": pl.String()}
 FrameT = TypeVar("FrameT", pl.DataFrame, pl.LazyFrame)
 
 
+# What a value that is not read says: exact or refused, an integer float64 cannot hold is no value.
+NOT_A_VALUE = "is not a number, or an integer beyond float64's exact range"
+
+
 def number(col: str) -> pl.Expr:
+    """A number from text; an integer float64 cannot hold exactly is null (refused, never rounded)."""
     text = pl.col(col)
     lowered = text.str.to_lowercase()
+    as_float = text.cast(pl.Float64, strict=False)
+    whole = text.str.strip_chars().str.contains(r"^[+-]?\d+$")
+    exact_int = as_float.cast(pl.Int64, strict=False) == text.str.strip_chars().cast(pl.Int64, strict=False)
     return (
         pl.when(lowered == "true")
         .then(pl.lit(1.0))
         .when(lowered == "false")
         .then(pl.lit(0.0))
-        .otherwise(text.cast(pl.Float64, strict=False))
+        .when(whole & ~exact_int.fill_null(False))
+        .then(pl.lit(None, pl.Float64))
+        .otherwise(as_float)
     )
 
 
@@ -65,7 +75,9 @@ def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
     for name in reversed(REQUIRED_FIELDS):
         missing = raw[name].is_null()
         invalid = typed[name].is_null() & ~missing
-        what = "is not a number" if name in ("value", "timestamp") else "is not valid"
+        what = (
+            NOT_A_VALUE if name == "value" else "is not a number" if name == "timestamp" else "is not valid"
+        )
         if name in ("step", "rank"):
             what = "is not an integer"
         reason = (
