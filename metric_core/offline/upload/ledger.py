@@ -165,8 +165,14 @@ def only_upload(home: Path, key: str, run: Any) -> Iterator[None]:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            held_by = holder(lock)
+            for _ in range(20):  # it writes who it is just after it locks: a moment to say so
+                if not held_by.startswith("it did not say"):
+                    break
+                time.sleep(0.05)
+                held_by = holder(lock)
             raise UploadError(
-                f"another `metriclog upload` of the same upload of {run} is running ({holder(lock)}); two "
+                f"another `metriclog upload` of the same upload of {run} is running ({held_by}); two "
                 "would hand every row over twice. Wait for it to end, or stop it (or upload another mode "
                 "or project)"
             ) from None
