@@ -440,7 +440,7 @@ def test_an_integer_value_float64_cannot_hold_is_refused_not_rounded(tmp_path):
     table = pa.table({"key": ["k"] * 4, "value": pa.array(big, pa.int64()), "reduction": ["sum"] * 4})
     table = table.append_column("step", pa.array([0] * 4)).append_column("rank", pa.array([0] * 4))
     pq.write_table(table.append_column("timestamp", pa.array([1.7e9] * 4)), run / "a.parquet")
-    lines = ["7", str(2**53 + 1), str(2**63 - 1), "1.5", "123456789012345678901234", str(2**53)]
+    lines = ["7", str(2**53 + 1), str(2**63 - 1), "1.5", "123456789012345678901234", str(2**53), str(2**64)]
     with open(run / "b.jsonl", "w") as f:
         for v in lines:
             f.write(f'{{"key":"j","value":{v},"reduction":"sum","step":0,"timestamp":1.7e9,"rank":1}}\n')
@@ -455,8 +455,9 @@ def test_an_integer_value_float64_cannot_hold_is_refused_not_rounded(tmp_path):
             in result.output
         )
         assert (
-            "b.jsonl: 3 record(s) skipped: line 2: 'value' is not a number, or an integer beyond float64"
+            "b.jsonl: 3 record(s) skipped: line 2: 'value' is an integer float64 cannot hold exactly"
             in result.output
         )
     kept = pl.read_csv(tmp_path / "o.csv").sort("process", "value")
-    assert kept["value"].to_list() == [5.0, float(2**53), 1.5, 7.0, float(2**53)]  # each exactly as written
+    # each exactly as written (2**64 too: beyond int64, but a float64 holds it)
+    assert kept["value"].to_list() == [5.0, float(2**53), 1.5, 7.0, float(2**53), float(2**64)]

@@ -26,26 +26,37 @@ TYPED_SCHEMA = {**POLARS_SCHEMA, "event": pl.String()}
 FrameT = TypeVar("FrameT", pl.DataFrame, pl.LazyFrame)
 
 
-# What a value that is not read says: exact or refused, an integer float64 cannot hold is no value.
-NOT_A_VALUE = "is not a number, or an integer beyond float64's exact range"
+# Exact or refused: an integer token float64 does not hold exactly is no value.
+INEXACT = "is an integer float64 cannot hold exactly"
+_WHOLE = r"^[+-]?\d+$"
 
 
 def number(col: str) -> pl.Expr:
-    """A number from text; an integer float64 cannot hold exactly is null (refused, never rounded)."""
+    """A number from text; an integer float64 cannot hold exactly is null (refused, never
+    rounded), checked to 38 digits (beyond, an integer token is taken as a float64 wrote it)."""
     text = pl.col(col)
     lowered = text.str.to_lowercase()
     as_float = text.cast(pl.Float64, strict=False)
-    whole = text.str.strip_chars().str.contains(r"^[+-]?\d+$")
-    exact_int = as_float.cast(pl.Int64, strict=False) == text.str.strip_chars().cast(pl.Int64, strict=False)
     return (
         pl.when(lowered == "true")
         .then(pl.lit(1.0))
         .when(lowered == "false")
         .then(pl.lit(0.0))
-        .when(whole & ~exact_int.fill_null(False))
+        .when(_inexact_integer(text, as_float))
         .then(pl.lit(None, pl.Float64))
         .otherwise(as_float)
     )
+
+
+def _inexact_integer(text: pl.Expr, as_float: pl.Expr) -> pl.Expr:
+    digits = (
+        text.str.strip_chars()
+        .str.strip_prefix("+")
+        .str.replace(r"^(-?)0+(\d)", "${1}${2}")
+        .str.replace(r"^-0$", "0")
+    )
+    back = as_float.cast(pl.Int128, strict=False).cast(pl.String)
+    return text.str.strip_chars().str.contains(_WHOLE) & (back != digits).fill_null(False)
 
 
 def integer(col: str) -> pl.Expr:
@@ -75,14 +86,19 @@ def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
     for name in reversed(REQUIRED_FIELDS):
         missing = raw[name].is_null()
         invalid = typed[name].is_null() & ~missing
-        what = (
-            NOT_A_VALUE if name == "value" else "is not a number" if name == "timestamp" else "is not valid"
-        )
+        what = "is not a number" if name in ("value", "timestamp") else "is not valid"
         if name in ("step", "rank"):
             what = "is not an integer"
+        inexact = (
+            invalid & raw[name].str.strip_chars().str.contains(_WHOLE).fill_null(False)
+            if name == "value" and raw[name].dtype == pl.String
+            else pl.Series([False] * len(raw))
+        )
         reason = (
             pl.when(pl.lit(missing))
             .then(pl.lit(f"missing '{name}'"))
+            .when(pl.lit(inexact))
+            .then(pl.lit(f"'{name}' {INEXACT}"))
             .when(pl.lit(invalid))
             .then(pl.lit(f"'{name}' {what}"))
             .otherwise(reason)
