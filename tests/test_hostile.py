@@ -461,3 +461,23 @@ def test_an_integer_value_float64_cannot_hold_is_refused_not_rounded(tmp_path):
     kept = pl.read_csv(tmp_path / "o.csv").sort("process", "value")
     # each exactly as written (2**64 too: beyond int64, but a float64 holds it)
     assert kept["value"].to_list() == [5.0, float(2**53), 1.5, 7.0, float(2**53), float(2**64)]
+
+
+def test_a_format_3_journal_records_no_end_and_is_said_as_such(tmp_path):
+    """A journal of an older writer (format 3: attempts, no heartbeat, no end events): read,
+    and its attempt's end is not known (null), not guessed."""
+    import struct
+    import zlib
+
+    from metric_core import inspect_run, journal
+
+    head = json.dumps(
+        {"format": 3, "process": "old", "rank": 0, "created": 1.7e9, "attempt": "a" * 16}
+    ).encode()
+    rows = struct.pack("<3d", 1.5, 0, 1.7e9) + struct.pack("<3d", 2.5, 0, 1.7e9 + 1)
+    data = b"MLJ3" + struct.pack("<II", len(head), zlib.crc32(head)) + head
+    data += journal.key_frame([(0, "k", "sum")]) + journal.record_frame(7, rows)
+    (tmp_path / "old.r0.00000.journal").write_bytes(data)
+    report = inspect_run(tmp_path)
+    (attempt,) = report.sources[0].attempts
+    assert attempt.records == 2 and attempt.end is None and report.first_failure is None

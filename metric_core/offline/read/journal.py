@@ -37,7 +37,7 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
     rep.attempt = decoded.attempt.get("attempt")
     rep.attempt_started = decoded.attempt.get("attempt_started")
     rep.attempt_first_step = decoded.attempt.get("attempt_first_step", decoded.first_flush)
-    rep.life = decoded.life
+    rep.life = decoded.life if decoded.version >= 4 else None  # older writers record no life
     for problem in decoded.problems:
         rep.skip(problem, 0)
     if decoded.truncated:
