@@ -7,7 +7,7 @@ frames, ``MLJ2``, the same without F frames, and ``MLJ1`` are still read)::
 
     header   b"MLJ4" u32:len u32:crc JSON{"format": 4, "process", "rank", "created",
                                            "attempt", "attempt_started", "attempt_first_step",
-                                           "host", "pid", "flush_interval", "restart"}
+                                           "host", "pid", "pidns", "flush_interval", "restart"}
     frames   u8:type u32:len u32:crc payload
              type K: JSON [[code, key, reduction], ...]     key codes used from here on
              type R: i64:step, then (f64 value, f64 code, f64 timestamp) per record
@@ -73,7 +73,7 @@ HEARTBEAT, EVENT = b"H", b"E"
 
 def header(process: str, rank: int, created: float, attempt: dict[str, Any] | None = None) -> bytes:
     """The header; ``attempt`` is the writer's {"attempt", "attempt_started", "attempt_first_step"}
-    and its life's {"host", "pid", "flush_interval", "restart"}."""
+    and its life's {"host", "pid", "pidns", "flush_interval", "restart"}."""
     fields = {"format": FORMAT, "process": process, "rank": rank, "created": created, **(attempt or {})}
     body = json.dumps(fields).encode()
     return MAGIC + _HEAD.pack(len(body), zlib.crc32(body)) + body

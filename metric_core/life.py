@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,18 @@ MAX_GAPS = 1000
 DEAD_AFTER_INTERVALS = 10
 DEAD_AFTER_MIN_S = 5.0
 END_KINDS = ("exception", "signal", "exit")
+# Stack files (``metric_core.writer.ends`` writes them, ``offline.story`` reads them):
+# ``stacks/{stem}.{attempt}.{what}.txt``, ``what`` a caught signal, ``fatal`` or ``hang-N``.
+STACKS_DIR = "stacks"
+CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+STACK_NAME = re.compile(r"^(?P<stem>.+)\.(?P<attempt>[0-9a-f]{16})\.(?P<what>[A-Za-z0-9-]+)\.txt$")
+
+
+def stack_name(stem: str, attempt: str, what: str) -> str:
+    """The name of a stack file in ``STACKS_DIR`` (``STACK_NAME`` parses it back)."""
+    return f"{stem}.{attempt}.{what}.txt"
+
+
 # Where launchers say how often they restarted the job: an attempt's number is this plus one.
 RESTART_COUNT_VARS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
 

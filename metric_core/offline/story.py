@@ -30,14 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.life import Life, pid_namespace
+from metric_core.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace
 from metric_core.offline.read.attempts import LEGACY, Attempt
 from metric_core.offline.read.report import ReadReport, rel
 from metric_core.offline.storage import RunPath, is_remote, listed_below, size_and_mtime
 
-STACKS_DIR = "stacks"  # as metric_core.writer.ends writes it (not imported: the writer side)
-CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
-_STACK_NAME = re.compile(r"^(?P<stem>.+)\.(?P<attempt>[0-9a-f]{16})\.(?P<what>[A-Za-z0-9-]+)\.txt$")
 _FATAL = {
     "Segmentation fault": "SIGSEGV",
     "Aborted": "SIGABRT",
@@ -148,7 +145,7 @@ def list_stacks(root: RunPath) -> dict[str, list[StackFile]]:
     except (OSError, FileNotFoundError):
         return out
     for path in found:
-        match = _STACK_NAME.match(path.name)
+        match = STACK_NAME.match(path.name)
         if match is None:
             continue
         mtime = None

@@ -80,8 +80,7 @@ class WatchResult:
 
     code: int
     report: InspectReport | None
-    stalled: list[SourceHealth] = field(default_factory=list)  # every source that stalled
-    episodes: list[Episode] = field(default_factory=list)
+    episodes: list[Episode] = field(default_factory=list)  # every stall, its sources
 
 
 def watch_run(
@@ -143,7 +142,6 @@ def watch_run(
             restarted = _changes(report, seen, note)
             fresh = _stalls(report, episodes, stalled_at, note)
             for episode in fresh:
-                result.stalled.extend(episode.sources)
                 result.episodes.append(episode)
                 if on_stall is not None:
                     on_stall(episode)

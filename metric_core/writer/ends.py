@@ -47,12 +47,11 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from metric_core.atomic import create_exclusive
+from metric_core.life import CAUGHT_SIGNALS, STACKS_DIR, stack_name
 
 if TYPE_CHECKING:
     from metric_core.writer.collector import MetricCollector
 
-STACKS_DIR = "stacks"
-CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 FATAL = "fatal"
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -244,7 +243,7 @@ def _stack_path(collector: MetricCollector, what: str) -> Path:
     if folder.is_symlink():  # never written through a link metriclog did not make
         raise OSError(f"{folder} is a symlink")
     folder.mkdir(exist_ok=True)
-    return folder / f"{collector._writer.stem}.{collector._writer.attempt}.{what}.txt"
+    return folder / stack_name(collector._writer.stem, collector._writer.attempt, what)
 
 
 def _open_stack_files(collector: MetricCollector) -> dict[str, tuple[Any, Path, Any]]:

@@ -72,7 +72,6 @@ class FollowState:
     polls: int = 0
     records: int = 0
     outcomes: list[RunOutcome] = field(default_factory=list)
-    late: dict[tuple[str, int], int] = field(default_factory=dict)
     sources: dict[tuple[str, int], SourceState] = field(default_factory=dict)
     expected: int = 1  # sources that must have written (run.json's world_size, --sources)
     dead: dict[tuple[str, int], str] = field(default_factory=dict)  # sources over without shutdown(): why
@@ -210,7 +209,6 @@ class _Pass:
                 return REPLACED
             if self.follower.late:
                 self.events.message("warning", _late(self.follower.late, self.to.offline))
-                state.late = dict(self.follower.late)
                 return REPLACED
             ending = state.all_finished or idle or over
             self._send(self.follower.ready(self.tail.sources, ending=ending))
