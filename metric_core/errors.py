@@ -105,19 +105,6 @@ class FilteredOutError(NoDataError):
         MetricLogError.__init__(self, f"no record in {where} matches the filters{why}")
 
 
-class MixedReductionError(MetricLogError):
-    """The same key was recorded with different reductions by different sources."""
-
-    def __init__(self, key: str, origins: dict[str, list[str]]) -> None:
-        self.key = key
-        self.origins = origins
-        where = "; ".join(f"{red} by {', '.join(srcs)}" for red, srcs in sorted(origins.items()))
-        super().__init__(
-            f"key '{key}' is recorded with more than one reduction ({where}). "
-            f"Choose one with {opt('reduce')}'{key}=STAT'."
-        )
-
-
 class UnknownReductionError(MetricLogError):
     """Records carry a reduction metriclog does not know; ``keys`` maps each such key to it."""
 

@@ -28,7 +28,7 @@ DICT_SCHEMA = pa.schema(
 )
 # Small batches: their intermediate arrays stay in cache and their memory is reused, where
 # large ones cost page faults for fresh memory on every segment (twice the time, measured).
-_JSONL_BATCH_ROWS = 16_384
+JSONL_BATCH_ROWS = 16_384
 
 
 def _numeric(values: np.ndarray, dtype: pa.DataType, np_dtype: type) -> pa.Array:
@@ -135,9 +135,10 @@ def to_jsonl(table: pa.Table) -> bytes:
     return b"".join(jsonl_chunks(table))
 
 
-def jsonl_chunks(table: pa.Table) -> Iterator[pa.Buffer]:
-    """``to_jsonl`` in pieces, to write one after the other without joining them."""
-    for batch in table.to_batches(max_chunksize=_JSONL_BATCH_ROWS):  # string offsets are 32-bit
+def jsonl_chunks(table: pa.Table, rows: int = JSONL_BATCH_ROWS) -> Iterator[pa.Buffer]:
+    """``to_jsonl`` in pieces of at most ``rows`` lines, to write one after the other
+    without joining them."""
+    for batch in table.to_batches(max_chunksize=rows):  # string offsets are 32-bit
         parts: list[pa.Array | str] = []
         for i, (name, column) in enumerate(zip(batch.schema.names, batch.columns, strict=True)):
             prefix = ("{" if i == 0 else ",") + json.dumps(name) + ":"

@@ -4,7 +4,8 @@ The writer stores it as JSON in the Parquet footer (key-value metadata ``metricl
 as the first line of a JSONL segment (``{"event": "segment", ...}``); the reader parses
 it back with ``SegmentMeta.parse``. Files without it (other tools', older versions') are
 read the slow way with the same results; metadata that is not well formed counts as
-none. docs/format.md describes every field.
+none. The writer ends it with a CRC-32 of the rest (``checksum``): metadata that fails it
+is damaged (``Damaged``), and the reader ignores it. docs/format.md describes every field.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import builtins
 import dataclasses
 import json
 import math
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,10 @@ SHUTDOWN_EVENT = "shutdown"
 # skip) a hidden file beside it, ``.{name}.metriclog``, holding the same entry. Its value
 # names the command; no time, host or path, so the same result is the same file.
 DERIVED_KEY = "metriclog_derived"
+# A sealed JSONL segment's data lines come in blocks, each followed by a line
+# ``{"event": "block", "crc32": C, "lines": N}``: the CRC-32 of the block's bytes and its
+# number of lines (docs/format.md).
+BLOCK_EVENT = "block"
 
 
 def derived_marker(path: Path) -> Path:
@@ -60,13 +66,14 @@ class SegmentMeta:
     attempt_started: float | None = None  # when that attempt started
     attempt_first_step: int | None = None  # the step of its first flush(step), once there was one
     life: Life | None = None  # where it ran, its flush times, pauses and end events (``metric_core.life``)
-    # Set by a reader, never written: the fields it found malformed, and the length of the
-    # JSONL line the metadata was parsed from.
+    # Parquet: each row group's records, lowest step and earliest time, in order (what the
+    # footer says too, but outside any checksum)
+    row_groups: tuple[tuple[int, int, float], ...] | None = None
+    # Set by a reader, never written: the fields it found malformed.
     ignored: tuple[str, ...] = field(default=(), compare=False)
-    line_bytes: int | None = field(default=None, compare=False)
 
     def _fields(self) -> dict[str, Any]:
-        out = {k: v for k, v in asdict(self).items() if v is not None and k not in ("ignored", "line_bytes")}
+        out = {k: v for k, v in asdict(self).items() if v is not None and k != "ignored"}
         if self.life is not None:
             out["life"] = self.life.to_dict()
         if not self.dropped:
@@ -74,11 +81,11 @@ class SegmentMeta:
         return out
 
     def to_json(self) -> str:
-        return json.dumps(self._fields())
+        return _signed(self._fields())
 
     def jsonl_line(self) -> builtins.bytes:
         """The first line of a sealed JSONL segment."""
-        return (json.dumps({"event": SEGMENT_EVENT, **self._fields()}) + "\n").encode()
+        return (_signed({"event": SEGMENT_EVENT, **self._fields()}) + "\n").encode()
 
     @property
     def source(self) -> tuple[str, int] | None:
@@ -95,8 +102,9 @@ class SegmentMeta:
         return math.isfinite(first) and math.isfinite(last) and lo <= first and last < hi
 
     @classmethod
-    def parse(cls, raw: str | builtins.bytes | dict[str, Any]) -> SegmentMeta | None:
-        """The metadata from its JSON (or the decoded object); None without a ``supersedes``.
+    def parse(cls, raw: str | builtins.bytes | dict[str, Any]) -> SegmentMeta | Damaged | None:
+        """The metadata from its JSON (or the decoded object); None without a ``supersedes``;
+        ``Damaged`` when it carries a checksum that its text fails.
 
         >>> meta = SegmentMeta("a.r0.00000.journal", 2, "a", 0, keys=(("loss", "mean"),))
         >>> SegmentMeta.parse(meta.to_json()) == meta
@@ -108,7 +116,15 @@ class SegmentMeta:
             obj = json.loads(raw) if isinstance(raw, (str, builtins.bytes)) else raw
         except (ValueError, RecursionError):
             return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("supersedes"), str):
+        if not isinstance(obj, dict):
+            return None
+        if "checksum" in obj and not _checks(obj):
+            supersedes = obj.get("supersedes")
+            return Damaged(
+                "its metriclog metadata fails its checksum",
+                supersedes if isinstance(supersedes, str) else None,
+            )
+        if not isinstance(obj.get("supersedes"), str):
             return None
         ignored: list[str] = []
 
@@ -140,8 +156,35 @@ class SegmentMeta:
             attempt_started=field_of("attempt_started", lambda v: float(_typed(v, (int, float)))),
             attempt_first_step=field_of("attempt_first_step", lambda v: _typed(v, int)),
             life=field_of("life", _life),
+            row_groups=field_of("row_groups", _row_groups),
         )
         return dataclasses.replace(meta, ignored=tuple(ignored)) if ignored else meta
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """Writer metadata that fails its own checksum: the file was changed after it was sealed.
+
+    Its ``supersedes`` is still honoured: reading a journal twice would count its records
+    twice, while a damaged name rarely names another journal that exists."""
+
+    reason: str
+    supersedes: str | None = None
+
+
+def _signed(fields: dict[str, Any]) -> str:
+    """``fields`` as JSON, ending in ``"checksum"``: the CRC-32 of their JSON without it."""
+    return json.dumps({**fields, "checksum": zlib.crc32(json.dumps(fields).encode())})
+
+
+def _checks(obj: dict[str, Any]) -> bool:
+    """Whether decoded metadata matches its ``checksum`` (JSON of the writer's, which
+    ``json`` spells the same when it decodes and encodes it again)."""
+    fields = {k: v for k, v in obj.items() if k != "checksum"}
+    try:
+        return zlib.crc32(json.dumps(fields).encode()) == obj["checksum"]
+    except (ValueError, TypeError, RecursionError):
+        return False
 
 
 def _typed(value: Any, kind: type | tuple[type, ...]) -> Any:
@@ -156,6 +199,10 @@ def _life(value: Any) -> Life:
     if life is None:
         raise ValueError("not a life")
     return life
+
+
+def _row_groups(value: Any) -> tuple[tuple[int, int, float], ...]:
+    return tuple((_typed(n, int), _typed(s, int), float(_typed(t, (int, float)))) for n, s, t in value)
 
 
 def _pairs(value: Any) -> tuple[tuple[str, str], ...]:

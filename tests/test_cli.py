@@ -303,20 +303,25 @@ def test_wide_is_pivoted_a_frame_at_a_time_with_every_key_a_column(tmp_path, mon
     assert made and not any(Path(d).exists() for d in made)
 
 
-def test_mixed_reductions_exit_1_with_the_exact_message(tmp_path):
-    a = MetricCollector(tmp_path, rank=0, process_name="TrainActor_r0")
-    b = MetricCollector(tmp_path, rank=1, process_name="GeneratorActor_r1")
+def test_mixed_reductions_keep_the_first_and_say_the_rest_exactly(tmp_path):
+    run = tmp_path / "run"
+    a = MetricCollector(run, rank=0, process_name="TrainActor_r0")
+    b = MetricCollector(run, rank=1, process_name="GeneratorActor_r1")
     a.record("loss", 1.0, Reduce.MEAN)
     b.record("loss", 2.0, Reduce.SUM)
     a.shutdown()
     b.shutdown()
-    result = invoke("reduce", tmp_path)
-    assert result.exit_code == 1
+    result = invoke("reduce", run, "--mode", "per_rank_reduce", "--out", tmp_path / "o.csv")
+    assert result.exit_code == 0
     assert result.stderr == (
-        "Error: key 'loss' is recorded with more than one reduction (mean by TrainActor_r0 (rank 0); "
-        "sum by GeneratorActor_r1 (rank 1)). Choose one with --reduce 'loss=STAT'.\n"
+        f"warning: skipped 1 record(s) and 0 unreadable file(s) in {run}:\n"
+        "  key 'loss' is recorded under more than one reduction: 1 record(s) under 'sum' (by "
+        "GeneratorActor_r1 (rank 1)) skipped, 'mean' (that of its first record) kept; reduce them all "
+        "with --reduce 'loss=STAT'\n"
+        f"wrote 1 row(s) to {tmp_path / 'o.csv'}\n"
     )
-    assert invoke("reduce", tmp_path, "--reduce", "loss=mean").exit_code == 0
+    every = invoke("reduce", run, "--reduce", "loss=mean", "--out", tmp_path / "all.csv")
+    assert every.exit_code == 0 and "skipped" not in every.stderr
 
 
 def test_empty_directory_is_exit_1(tmp_path):

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import polars as pl
@@ -329,13 +330,26 @@ def test_a_malformed_metadata_field_never_makes_a_superseded_journal_count_twice
     (sealed,) = tmp_path.glob("*.parquet")
     table = pq.read_table(sealed)
     meta = json.loads(pq.read_metadata(sealed).metadata[b"metriclog"])
-    meta["keys"] = [["loss", 1]]  # not a reduction name
-    pq.write_table(table.replace_schema_metadata({"metriclog": json.dumps(meta)}), sealed)
+    del meta["checksum"]
+    meta["keys"] = [["loss", 1]]  # not a reduction name, from a writer that signs it anyway
+    signed = {**meta, "checksum": zlib.crc32(json.dumps(meta).encode())}
+    pq.write_table(table.replace_schema_metadata({"metriclog": json.dumps(signed)}), sealed, **SEALED)
     journal.write_bytes(saved)
     scan = scan_run(tmp_path)
     assert sorted(scan.frame.collect()["value"].to_list()) == [0.0, 1.0, 2.0]
     assert scan.report.clean_shutdowns() == {("w", 0)}
     assert "malformed field(s) keys: ignored" in scan.report.summary()
+    # The same field changed after sealing: the metadata fails its checksum and is ignored,
+    # but the journal it names is still not read twice.
+    unsigned = {**meta, "checksum": signed["checksum"] ^ 1}
+    pq.write_table(table.replace_schema_metadata({"metriclog": json.dumps(unsigned)}), sealed, **SEALED)
+    scan = scan_run(tmp_path)
+    assert sorted(scan.frame.collect()["value"].to_list()) == [0.0, 1.0, 2.0]
+    assert "its metriclog metadata fails its checksum (the file is damaged): ignored" in scan.report.summary()
+
+
+# How the writer cuts a small segment, so its metadata's row groups still describe the file.
+SEALED = {"write_page_checksum": True}
 
 
 def test_another_tools_parquet_whose_every_record_is_bad_says_so_in_every_command(tmp_path):
@@ -409,10 +423,45 @@ def _timestamp_out_of_range(run: Path) -> str:
     return "a.parquet: 1 record(s) skipped: 'timestamp' is not Unix epoch seconds from 1970 to 2286"
 
 
+def _binary_key_not_utf8(run: Path) -> str:
+    import pyarrow as pa
+
+    keys = pa.array([b"k", b"\xff\xfek"], pa.binary())  # the second is no text
+    table = pa.table({"key": keys, "value": [1.0, 2.0], "reduction": ["mean"] * 2, "step": [0, 1]})
+    pq.write_table(
+        table.append_column("rank", pa.array([0, 0])).append_column("timestamp", pa.array([1.7e9] * 2)),
+        run / "a.parquet",
+    )
+    return "a.parquet: 1 record(s) skipped: 'key' is null or not valid"
+
+
+def _integer_key_string_value(run: Path) -> str:
+    """Columns another tool typed otherwise: keys that are numbers, values that are text."""
+    import pyarrow as pa
+
+    table = pa.table(
+        {"key": pa.array([1, 2]), "value": ["1.0", "two"], "reduction": ["mean"] * 2, "step": [0, 1]}
+    )
+    pq.write_table(
+        table.append_column("rank", pa.array([0, 0])).append_column("timestamp", pa.array([1.7e9] * 2)),
+        run / "a.parquet",
+    )
+    return "a.parquet: 1 record(s) skipped: 'value' is null or not a number float64 holds exactly"
+
+
 GOOD_RECORD = {"key": "k", "value": 1.0, "reduction": "mean", "step": 0, "timestamp": 1.7e9, "rank": 0}
 
 
-@pytest.mark.parametrize("hostile", [_deep_jsonl_line, _deep_run_json, _timestamp_out_of_range])
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        _deep_jsonl_line,
+        _deep_run_json,
+        _timestamp_out_of_range,
+        _binary_key_not_utf8,
+        _integer_key_string_value,
+    ],
+)
 def test_hostile_input_is_skipped_and_said_never_a_traceback(tmp_path, hostile):
     run = tmp_path / "run"
     run.mkdir()
@@ -481,3 +530,29 @@ def test_a_format_3_journal_records_no_end_and_is_said_as_such(tmp_path):
     report = inspect_run(tmp_path)
     (attempt,) = report.sources[0].attempts
     assert attempt.records == 2 and attempt.end is None and report.first_failure is None
+
+
+def test_a_file_that_fails_as_it_is_read_is_skipped_and_named_the_rest_read(tmp_path):
+    """Another tool's Parquet whose pages are damaged (its footer intact): the scan takes it,
+    the read fails; the file is skipped and named, never 'run again' (it did not change)."""
+    import pyarrow as pa
+
+    run = tmp_path / "run"
+    run.mkdir()
+    n = 1000
+    table = pa.table({"key": ["loss"] * n, "value": [float(i) for i in range(n)], "reduction": ["mean"] * n})
+    table = table.append_column("step", pa.array(range(n))).append_column("timestamp", pa.array([1.7e9] * n))
+    pq.write_table(table.append_column("rank", pa.array([0] * n)), run / "good.parquet")
+    pq.write_table(table.append_column("rank", pa.array([1] * n)), run / "bad.parquet")
+    data = bytearray((run / "bad.parquet").read_bytes())
+    data[4:60] = b"\xff" * 56  # the first page's header
+    (run / "bad.parquet").write_bytes(bytes(data))
+    out = tmp_path / "o.csv"
+    for command in (["reduce", run, "--mode", "per_rank_no_reduce", "--out", out], ["inspect", run]):
+        result = invoke(*command)
+        assert result.exit_code == 0, result.output
+        assert "bad.parquet: 1000 record(s) skipped: 1000 x unreadable (" in result.stderr
+        assert "Run again" not in result.output and "run again" not in result.output
+    assert pl.read_csv(out)["value"].to_list() == [float(i) for i in range(n)]  # good.parquet, whole
+    strict = invoke("reduce", run, "--strict", "--out", tmp_path / "s.csv")
+    assert strict.exit_code == 1 and "bad.parquet" in strict.stderr

@@ -646,5 +646,5 @@ def test_a_scan_read_twice_counts_another_tools_bad_records_once_and_a_changed_f
     scan = scan_run(tmp_path, defer_checks=True)
     whole = (tmp_path / "other.parquet").read_bytes()
     (tmp_path / "other.parquet").write_bytes(whole[: len(whole) // 2])
-    with pytest.raises(RunChangedError, match="Did a file change"):
+    with pytest.raises(RunChangedError, match="changed while it was read"):
         inspect_run(scan)

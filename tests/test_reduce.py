@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
-from metric_core.errors import MixedReductionError, PlanError
+from metric_core.errors import MetricLogWarning, PlanError
 from metric_core.offline.engine import execute, reduce_run, run_plan
 from metric_core.offline.plan import Statistic, key_matcher, make_plan
 
@@ -189,21 +189,49 @@ def test_offline_global_reduce_equals_merging_live_states(tmp_path):
             assert offline[(step, key)] == pytest.approx(value, rel=1e-9 if key != "d" else 1e-6)
 
 
-def test_same_key_with_two_reductions_names_the_key_and_the_sources(tmp_path):
-    a = MetricCollector(tmp_path, rank=0, process_name="TrainActor_r0")
+def test_a_key_under_two_reductions_keeps_its_first_records_reduction_in_every_mode(tmp_path):
+    """Never a whole run broken: the reduction of the key's first record (by time) is kept,
+    the records under the other are skipped and said, in every mode and whatever the
+    order the sources are read in; --reduce KEY=STAT reduces them all."""
     b = MetricCollector(tmp_path, rank=1, process_name="TrainActor_r1")
-    a.record("loss", 1.0, Reduce.MEAN)
-    b.record("loss", 2.0, Reduce.MAX)
+    a = MetricCollector(tmp_path, rank=0, process_name="TrainActor_r0")
+    b.record("loss", 5.0, Reduce.MAX)  # the first record of 'loss', by time: max
+    for step in range(3):
+        a.record("loss", float(step), Reduce.MEAN)
+        a.record("acc", 1.0, Reduce.MEAN)
+        a.flush(step)
+        b.record("loss", 7.0 + step, Reduce.MAX)
+        b.flush(step)
+    a.record("loss", 1.0, Reduce.MAX)
+    with pytest.warns(
+        MetricLogWarning, match="key 'loss' was recorded with reduction 'mean', and now with 'max'"
+    ):
+        a.flush(3)  # the writer says it, once, at the next flush (never in record)
     a.shutdown()
     b.shutdown()
-    with pytest.raises(MixedReductionError) as err:
-        reduce_run(tmp_path)
-    assert str(err.value) == (
-        "key 'loss' is recorded with more than one reduction (max by TrainActor_r1 (rank 1); "
-        "mean by TrainActor_r0 (rank 0)). Choose one with reduce='loss=STAT'."
+    for mode in ("global_reduce", "per_rank_reduce"):
+        result = run_plan(tmp_path, make_plan(mode=mode))
+        loss = result.frame.filter(pl.col("key") == "loss")
+        assert set(loss["reduction"]) == {"max"} and loss["count"].sum() == 5, mode  # b's 4, a's last
+        mixed = result.scan.report.mixed["loss"]
+        assert (mixed.kept, mixed.skipped) == ("max", {"mean": 3}), mode
+        assert result.frame.filter(pl.col("key") == "acc")["count"].sum() == 3  # other keys untouched
+    summary = result.scan.report.summary()
+    assert (
+        "key 'loss' is recorded under more than one reduction: 3 record(s) under 'mean' (by TrainActor_r0"
+        in summary
     )
-    frame = reduce_run(tmp_path, reduce=["loss=sum"])
-    assert frame.select("value", "reduction", "count").row(0) == (3.0, "sum", 2)
+    every = run_plan(tmp_path, make_plan(reduce=["loss=sum"])).frame.filter(pl.col("key") == "loss")
+    assert (
+        every["value"].sum() == pytest.approx(5.0 + 7 + 8 + 9 + 0 + 1 + 2 + 1) and every["count"].sum() == 8
+    )
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    said = CliRunner().invoke(app, ["reduce", str(tmp_path), "--out", str(tmp_path / "o.csv")])
+    assert said.exit_code == 0 and "--reduce 'loss=STAT'" in said.stderr
+    strict = CliRunner().invoke(app, ["reduce", str(tmp_path), "--strict", "--out", str(tmp_path / "s.csv")])
+    assert strict.exit_code == 1 and "3 record(s) under 'mean' skipped" in strict.stderr
 
 
 def test_nan_makes_a_statistic_nan_as_in_numpy(tmp_path):

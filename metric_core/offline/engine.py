@@ -35,7 +35,6 @@ import numpy as np
 import polars as pl
 
 from metric_core.errors import (
-    MixedReductionError,
     NoDataError,
     PlanError,
     StrictModeError,
@@ -47,6 +46,7 @@ from metric_core.offline import filters, partials
 from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, all_skipped, changed_files_said, scan_run
 from metric_core.offline.read.parquet import kept_first_time, row_group_lows
+from metric_core.offline.read.report import MixedKey
 from metric_core.offline.timeorder import Part, in_time_order
 
 T = TypeVar("T")
@@ -149,7 +149,7 @@ def execute(
 
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
-        recorded: dict[str, str] = {}  # each key's statistic in the frames emitted so far
+        recorded = first_reductions(plan, scan)  # each key's statistic: decided, or in the frames so far
         acc = partials.Accumulator()
         states = states_of([task for _, task in work], [t.size for _, t in work], on_progress)
         try:
@@ -162,7 +162,7 @@ def execute(
                 u = work[i][0]
                 upto = work[i + 1][1].lo if i + 1 < len(work) and work[i + 1][0] == u else math.inf
                 if upto == math.inf or acc.cells_below(upto) >= TAKEN_GROUPS // 2:  # a frame's worth
-                    yield from _finished(plan, scan, acc, t0, recorded, upto)
+                    yield from _finished(plan, scan, acc, t0, recorded, upto, scan.report.mixed)
                 if upto == math.inf:
                     acc.close()
                     acc = partials.Accumulator()
@@ -228,9 +228,10 @@ def _finished(
     t0: float | None,
     recorded: dict[str, str],
     upto: float,
+    mixed: dict[str, MixedKey],
 ) -> Iterator[pl.DataFrame]:
     """The result of the groups folded into ``acc`` below bucket ``upto`` (``take``), in
-    frames of about TAKEN_GROUPS groups."""
+    frames of about TAKEN_GROUPS groups; ``recorded`` and ``mixed`` as ``_kept_reductions``."""
     if plan.by == "time":
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
     else:
@@ -239,11 +240,13 @@ def _finished(
         merged, stats, values = acc.take(cut)
         if merged.height == 0:
             continue
-        _check_reductions(plan, scan, merged, recorded)
+        kept = _kept_reductions(plan, scan, merged, recorded, stats["count"], mixed)
         value = _values(merged, stats, values)
         out = merged.with_columns(
             bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
         )
+        if kept is not None:
+            out = out.filter(pl.Series(kept))
         yield out.select(plan.output_columns).sort(plan.sort_columns)
 
 
@@ -252,17 +255,22 @@ TAKEN_GROUPS = 1 << 17
 
 
 def reduce_records(
-    plan: ReducePlan, records: pl.DataFrame, t0: float | None, recorded: dict[str, str]
+    plan: ReducePlan,
+    records: pl.DataFrame,
+    t0: float | None,
+    recorded: dict[str, str],
+    mixed: dict[str, MixedKey] | None = None,
 ) -> pl.DataFrame:
     """The reduction of ``records`` (in the record schema, every record of each group they
     touch), computed as ``execute`` computes it: one partition's states, taken whole.
     ``t0`` anchors ``--by time`` windows; ``recorded`` holds each key's statistic in earlier
-    results (a key that changes its reduction is an error). For a caller that sees a run
-    a part at a time (``upload --follow``)."""
+    results (a key met under another reduction keeps it, and the records under the other
+    are skipped and counted in ``mixed``). For a caller that sees a run a part at a time
+    (``upload --follow``)."""
     acc = partials.Accumulator()
     try:
         acc.add(partials.partition_states(records, plan, _statistic_chooser(plan), t0))
-        frames = list(_finished(plan, None, acc, t0, recorded, math.inf))
+        frames = list(_finished(plan, None, acc, t0, recorded, math.inf, {} if mixed is None else mixed))
     finally:
         acc.close()
     return pl.concat(frames) if frames else pl.DataFrame()
@@ -571,20 +579,98 @@ def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
     return min(lows, default=None)
 
 
-def _check_reductions(
-    plan: ReducePlan, scan: RunScan | None, merged: pl.DataFrame, recorded: dict[str, str]
-) -> None:
-    """A key recorded with two reductions (and no override) is an error, as is a reduction
-    that is not a statistic; ``recorded`` holds each key's statistic in earlier results."""
+def _kept_reductions(
+    plan: ReducePlan,
+    scan: RunScan | None,
+    merged: pl.DataFrame,
+    recorded: dict[str, str],
+    counts: np.ndarray,
+    mixed: dict[str, MixedKey],
+) -> np.ndarray | None:
+    """Which groups of ``merged`` to keep: a key recorded under more than one reduction
+    (and no ``--reduce`` pattern for it) keeps the reduction of its first record, and its
+    groups under another are dropped, their records (``counts``) counted in ``mixed``.
+    ``recorded`` holds each key's reduction: decided before (``first_reductions``), or met
+    in earlier frames. None: keep every group. A reduction that is not a statistic is an
+    error."""
     per_key = merged.group_by("key").agg(pl.col("reduction").unique().sort()).sort("key")
+    other: dict[str, str] = {}
     for key, reductions in per_key.iter_rows():
-        if len(reductions) > 1 or recorded.setdefault(key, reductions[0]) != reductions[0]:
-            found = sorted({*reductions, recorded.get(key, reductions[0])})
-            origins = _reduction_origins(plan, scan, key) if scan is not None else {}
-            raise MixedReductionError(key, origins if len(origins) > 1 else {r: [] for r in found})
-    unknown = {key: r[0] for key, r in per_key.iter_rows() if not partials.is_statistic(r[0])}
+        if key not in recorded:
+            recorded[key] = reductions[0] if len(reductions) == 1 else _first_reduction(scan, key, merged)
+        if reductions != [recorded[key]]:
+            other[key] = recorded[key]
+    unknown = {
+        key: recorded[key] for key, _ in per_key.iter_rows() if not partials.is_statistic(recorded[key])
+    }
     if unknown:
         raise UnknownReductionError(unknown)
+    if not other:
+        return None
+    keep = (
+        merged.select(pl.col("key").replace_strict(other, default=pl.col("reduction")) == pl.col("reduction"))
+        .to_series()
+        .to_numpy()
+    )
+    dropped = merged.with_columns(count=pl.Series(counts)).filter(pl.Series(~keep))
+    for key, reduction, n in dropped.group_by("key", "reduction").agg(pl.col("count").sum()).iter_rows():
+        entry = mixed.setdefault(key, MixedKey(key, recorded[key]))
+        entry.skipped[reduction] = entry.skipped.get(reduction, 0) + int(n)
+    if "process" in dropped.columns:  # a per-rank mode: who recorded them
+        who = dropped.select("key", "process", "rank").unique().drop_nulls()
+        for key, process, rank in who.iter_rows():
+            mixed[key].sources.add(f"{process} (rank {rank})")
+    return keep
+
+
+def _first_reduction(scan: RunScan | None, key: str, merged: pl.DataFrame) -> str:
+    """The reduction of a key's first record (by time, then name) over the whole run (a
+    query of its own, made only for a key met with two reductions that no file declared);
+    without the run, of its first group in ``merged``."""
+    if scan is not None:
+        found = _first_records(scan, {key}, list(scan.parts))
+        if key in found:
+            return found[key]
+    first = merged.filter(pl.col("key") == key).sort(merged.columns[0], "reduction").row(0, named=True)
+    return str(first["reduction"])
+
+
+def first_reductions(plan: ReducePlan, scan: RunScan) -> dict[str, str]:
+    """Each key that the files declare under more than one reduction, and that no
+    ``--reduce`` pattern reduces, with the reduction of its first record (``_first_records``): decided before any result is handed over, so every
+    mode and filter keeps the same one. Read from the files that declare the key."""
+    declared: dict[str, set[str]] = {}
+    holders: dict[str, list[int]] = {}
+    for fid in scan.parts:
+        for key, reduction in scan.report.files[fid].keys or ():
+            declared.setdefault(key, set()).add(reduction.lower())
+            holders.setdefault(key, []).append(fid)
+    overrides = [key_matcher([pattern]) for pattern, _ in plan.overrides]
+    mixed = {k for k, found in declared.items() if len(found) > 1 and not any(m(k) for m in overrides)}
+    if not mixed:
+        return {}
+    return _first_records(scan, mixed, sorted({fid for k in mixed for fid in holders[k]}))
+
+
+def _first_records(scan: RunScan, keys: set[str], fids: list[int]) -> dict[str, str]:
+    """The reduction of the first record of each of ``keys`` in ``fids``: by time, then
+    step, then rank (records of one time: the lowest rank's), then reduction name."""
+    parts = [
+        scan.parts[fid]
+        .filter(pl.col("key").is_in(list(keys)))
+        .select("key", "reduction", "timestamp", "step", "rank")
+        for fid in fids
+    ]
+    if not parts:
+        return {}
+    firsts = (
+        pl.concat(parts)
+        .sort("key", "timestamp", "step", "rank", "reduction", nulls_last=True)
+        .group_by("key", maintain_order=True)
+        .first()
+        .collect()
+    )
+    return dict(zip(firsts["key"].to_list(), firsts["reduction"].to_list(), strict=True))
 
 
 def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.LazyFrame]) -> np.ndarray:
@@ -744,23 +830,6 @@ def key_matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.Da
     return df.filter(pl.col("key").cast(pl.String).is_in(keys))
 
 
-def _reduction_origins(plan: ReducePlan, scan: RunScan, key: str) -> dict[str, list[str]]:
-    scan.check_all()
-    with_sources = dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE)
-    rows = (
-        plan_filtered(with_sources, scan.frame)
-        .filter(pl.col("key") == key)
-        .select("reduction", "process", "rank")
-        .unique()
-        .collect()
-        .sort("reduction", "process", "rank")
-    )
-    origins: dict[str, list[str]] = {}
-    for reduction, process, rank in rows.iter_rows():
-        origins.setdefault(reduction, []).append(f"{process} (rank {rank})")
-    return origins
-
-
 def reduce_run(
     run_dir: str | os.PathLike[str], *, engine: str = "local", ray_address: str | None = None, **options: Any
 ) -> pl.DataFrame:
@@ -832,6 +901,8 @@ def run_plan(
             yield from stream()
             if strict and result.unmatched:  # before the last frame is taken as the end
                 raise UnmatchedError(result.unmatched)
+            if strict and scan.report.mixed:  # records under a key's second reduction were skipped
+                raise StrictModeError(scan.report.summary())
         finally:
             if on_read is not None:
                 on_read(scan.report)

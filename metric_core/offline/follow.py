@@ -41,6 +41,7 @@ import numpy as np
 import polars as pl
 
 from metric_core.clock import duration
+from metric_core.errors import spell
 from metric_core.life import END_KINDS, Life
 from metric_core.metric import LoggingMode
 from metric_core.offline import story
@@ -49,7 +50,7 @@ from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
 from metric_core.offline.plan import ReducePlan, key_matcher
 from metric_core.offline.read import ReadReport, read_sealed
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
-from metric_core.offline.read.report import rel
+from metric_core.offline.read.report import MixedKey, rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
 from metric_core.segment import SegmentMeta
 
@@ -402,8 +403,20 @@ class Follower:
         self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
         self.t0: float | None = None
         self.recorded: dict[str, str] = {}
+        self.mixed: dict[str, MixedKey] = {}  # keys met under a second reduction (its records skipped)
+        self._mixed_said: dict[str, dict[str, int]] = {}
         self.mapping: dict[str, str] = {}
         self.match = key_matcher(plan.keys) if plan.keys else None
+
+    def mixed_said(self) -> list[str]:
+        """What to say of the keys met under a second reduction since the last call (their
+        records under it skipped), with options spelled as on the command line."""
+        out = []
+        for key, m in sorted(self.mixed.items()):
+            if self._mixed_said.get(key) != m.skipped:
+                self._mixed_said[key] = dict(m.skipped)
+                out.append(spell(m.said(), lambda name: f"--{name} "))
+        return out
 
     def add(self, records: pl.DataFrame, sources: dict[Source, SourceState]) -> None:
         """New settled records; what a restart of a source replaces is dropped (W&B's rewind)."""
@@ -529,7 +542,7 @@ class Follower:
             at = pl.format("{}\x00{}\x00{}", "process", "rank", "attempt")
             out = complete.sort(at.replace_strict(started, default=-math.inf), maintain_order=True)
         else:
-            out = reduce_records(plan, complete, self.t0, self.recorded)
+            out = reduce_records(plan, complete, self.t0, self.recorded, self.mixed)
         self._map_keys(out["key"].unique().to_list())
         key = pl.col("key").replace_strict(self.mapping, return_dtype=pl.String)
         out = out.with_columns(key=pl.format("{}/{}", key, "process") if self.share_run else key)

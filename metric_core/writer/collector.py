@@ -161,6 +161,9 @@ class MetricCollector:
         self._codes: dict[str, tuple[Any, int]] = {}
         self._code_of: dict[tuple[str, Reduce], int] = {}
         self._code_table: list[tuple[str, str]] = []  # code -> (key, reduction)
+        self._reductions_seen = 0  # code table entries looked at by _second_reductions
+        self._first_reduction: dict[str, str] = {}
+        self._said_reductions: set[str] = set()
         self._intern_lock = threading.Lock()
 
         self._drain_lock = threading.Lock()
@@ -337,6 +340,7 @@ class MetricCollector:
         """
         step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
+        self._second_reductions()
         metrics, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
         if metrics:
             self._backends.log_reduced(metrics, step)
@@ -354,6 +358,22 @@ class MetricCollector:
                 "an attempt never go back (a restart from a checkpoint is a new init(..., step=...))"
             )
         return value
+
+    def _second_reductions(self) -> None:
+        """Say once per key, at a flush (never in ``record``), that a key was recorded under
+        a second reduction: a reader keeps its first reduction's records (docs/reading.md)."""
+        table = self._code_table
+        for key, reduction in table[self._reductions_seen : len(table)]:
+            first = self._first_reduction.setdefault(key, reduction)
+            if first != reduction and key not in self._said_reductions:
+                self._said_reductions.add(key)
+                warn(
+                    f"{self.process_name}: key '{key}' was recorded with reduction '{first}', and now "
+                    f"with '{reduction}': a reader keeps one reduction a key, that of its first record "
+                    f"in the run, and skips the records under another, saying so. Give each reduction its "
+                    f"own key, or reduce them all offline with --reduce '{key}=STAT'"
+                )
+        self._reductions_seen = len(table)
 
     def _first_flush_check(self, step: int) -> None:
         """A restart that did not give init() its step: say that its first records were labelled late."""
@@ -373,6 +393,7 @@ class MetricCollector:
         """``flush`` for asyncio code: file I/O runs in a worker thread."""
         step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
+        self._second_reductions()
         need = bool(self._backends.reduce) or return_state
         metrics, states, error = await asyncio.to_thread(self._flush_files, step, need)
         if metrics:

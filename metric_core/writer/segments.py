@@ -37,6 +37,7 @@ import secrets
 import socket
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,7 @@ from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, Writ
 from metric_core.life import pid_namespace, restart_count
 from metric_core.metric import BackendRole, Metric
 from metric_core.schema import KEY_HASH, segment_stem
-from metric_core.segment import PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
+from metric_core.segment import BLOCK_EVENT, PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
 from metric_core.writer.backends import LoggerBackend
 from metric_core.writer.lock import SourceLock
 
@@ -62,7 +63,7 @@ _DICT_COLUMNS = ["key", "reduction", "process", "step", "rank", KEY_HASH]
 # DuckDB or polars skip row groups.
 _STATS_COLUMNS = ["key", "reduction", "process", "step", "rank", "timestamp"]
 # Readers stream a row group at a time; DuckDB's default size, so they hold little at once.
-_ROW_GROUP_RECORDS = 122_880
+ROW_GROUP_RECORDS = 122_880
 # Records kept in memory while writing fails (24 bytes each: about 100 MB); past it the
 # oldest are dropped and counted.
 MAX_UNWRITTEN = 4_000_000
@@ -88,6 +89,7 @@ class RawFileWriter(LoggerBackend):
         fsync: bool = False,
         max_unwritten: int = MAX_UNWRITTEN,
         flush_interval: float | None = None,
+        block_records: int | None = None,
     ) -> None:
         super().__init__({"logging_mode": "per_rank_no_reduce"})
         if file_format not in FILE_FORMATS:
@@ -107,6 +109,10 @@ class RawFileWriter(LoggerBackend):
         self.seal_interval = seal_interval
         self.fsync = fsync
         self.max_unwritten = max_unwritten
+        # the records of each unit a checksum covers: a Parquet row group, a JSONL block
+        self.block_records = block_records or (
+            ROW_GROUP_RECORDS if file_format == "parquet" else records.JSONL_BATCH_ROWS
+        )
         self.stem = segment_stem(process, rank)
         # This writer is one attempt of its source: a job restarted from a checkpoint writes
         # a new attempt, which replaces the earlier ones' records from its first step on.
@@ -498,6 +504,9 @@ class RawFileWriter(LoggerBackend):
         )
         with new_hidden_file(final) as (f, tmp):
             if self.file_format == "parquet":
+                # Every page carries a CRC-32 the reader verifies; the footer, outside them, is
+                # checked against the metadata's own checksum and row-group counts.
+                meta = dataclasses.replace(meta, row_groups=_row_groups(table, self.block_records))
                 with pq.ParquetWriter(
                     f,
                     table.schema,
@@ -505,16 +514,18 @@ class RawFileWriter(LoggerBackend):
                     compression="snappy",
                     use_dictionary=_DICT_COLUMNS,
                     write_statistics=_STATS_COLUMNS,
+                    write_page_checksum=True,
                 ) as w:
-                    w.write_table(table, row_group_size=_ROW_GROUP_RECORDS)
+                    w.write_table(table, row_group_size=self.block_records)
                     w.add_key_value_metadata({PARQUET_KEY: meta.to_json()})
             else:
-                body: list[Any] = list(records.jsonl_chunks(table.drop_columns(KEY_HASH)))
+                body: list[Any] = list(records.jsonl_chunks(table.drop_columns(KEY_HASH), self.block_records))
                 if clean_shutdown:
                     end = {"event": SHUTDOWN_EVENT, "process": self.process, "rank": self.rank}
                     body.append((json.dumps({**end, "timestamp": decoded.shutdown}) + "\n").encode())
+                body = [part for chunk in body for part in (chunk, _block_line(chunk))]
                 finite = pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
-                # A reader then parses values as plain numbers, and checks the size, not each line.
+                # A reader then parses values as plain numbers once each block checks.
                 size = sum(len(b) if isinstance(b, bytes) else b.size for b in body)
                 meta = dataclasses.replace(meta, nonfinite=table.num_rows - finite, bytes=size)
                 f.write(meta.jsonl_line())
@@ -525,6 +536,21 @@ class RawFileWriter(LoggerBackend):
                 os.fsync(f.fileno())
         publish(tmp, final)
         path.unlink()
+
+
+def _row_groups(table: pa.Table, size: int) -> tuple[tuple[int, int, float], ...]:
+    """Each row group's records, lowest step and earliest time, as ``write_table`` cuts them."""
+    out = []
+    for start in range(0, table.num_rows, size):
+        part = table.slice(start, size)
+        out.append((part.num_rows, pc.min(part["step"]).as_py(), pc.min(part["timestamp"]).as_py()))
+    return tuple(out)
+
+
+def _block_line(block: bytes | pa.Buffer) -> bytes:
+    """The line that follows a block of a sealed JSONL segment: its CRC-32 and its lines."""
+    lines = int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8) == ord("\n")))
+    return (json.dumps({"event": BLOCK_EVENT, "crc32": zlib.crc32(block), "lines": lines}) + "\n").encode()
 
 
 def _merge_drops(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:

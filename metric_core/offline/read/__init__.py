@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import polars as pl
+from polars.exceptions import PanicException
 
 from metric_core.errors import NoDataError, RunChangedError, StorageError
 from metric_core.offline.read.attempts import REWIND, resolve
@@ -62,6 +63,7 @@ from metric_core.offline.read.parquet import (
     drop_bad_rows,
     run_parquet_checks,
     scan_parquet,
+    verify,
 )
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import RECORD_OK
@@ -76,7 +78,7 @@ from metric_core.offline.storage import (
     storage_errors,
 )
 from metric_core.schema import KEY_HASH, REQUIRED_FIELDS
-from metric_core.segment import SegmentMeta
+from metric_core.segment import Damaged, SegmentMeta
 
 __all__ = [
     "FileReport",
@@ -132,6 +134,10 @@ class RunScan:
     # Files checked by ``check_all`` (counted in the report): their bad rows are dropped
     # again by a reader that reads the file itself rather than through ``parts``.
     counted: set[int] = field(default_factory=set)
+    # Records handed over per file, and the files that failed as they were read (skipped
+    # from there on, said in the report; ``batches`` reads them no more).
+    taken: dict[int, int] = field(default_factory=dict)
+    failed: set[int] = field(default_factory=set)
     _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:  # to a Ray worker (--engine ray): not the lock
@@ -172,20 +178,67 @@ class RunScan:
         also read with the fields its check needs; read whole, it is then counted (a later
         read drops its bad rows without counting them again)."""
         rep = self.report.files[fid]
+        if fid in self.failed:
+            return
         columns = sorted({*columns, *(REQUIRED_FIELDS if fid in self.unchecked else ())})
-        if rep.format == "parquet" and dictionaries:
-            frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows)
+        given = False
+        try:
+            for df in self._frames(rep, fid, columns, dictionaries, row_groups, rows):
+                df = self.checked(fid, df)
+                self.taken[fid] = self.taken.get(fid, 0) + df.height
+                given = True
+                yield df
+        except (Exception, PanicException) as exc:
+            if not (_read_failure(exc) or isinstance(exc, PanicException)) or is_store_failure(exc):
+                raise
+            self._give_up(fid, exc)
+            if not given:  # a frame of no records, typed as the file's would be
+                schema = self.parts[fid].select(columns).collect_schema()
+                strings = {c: pl.Categorical() for c in ("key", "reduction", "process") if c in schema}
+                yield pl.DataFrame(schema={**dict(schema), **strings})
+            return
+        if row_groups is None:  # read whole: its bad rows are counted
+            self.was_counted(fid)
+
+    def _frames(
+        self,
+        rep: FileReport,
+        fid: int,
+        columns: list[str],
+        dictionaries: bool,
+        row_groups: list[int] | None,
+        rows: int | None,
+    ) -> Iterator[pl.DataFrame]:
+        if rep.format == "parquet" and (dictionaries or rep.row_groups is not None):  # verified by pyarrow
+            frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows, rep)
             if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
                 frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
+            yield from frames
         else:
             assert row_groups is None, "row groups are read through the dictionaries"
             strings = [c for c in ("key", "reduction", "process") if c in columns]
-            whole = self.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical))
-            frames = iter([whole.collect()])
-        for df in frames:
-            yield self.checked(fid, df)
-        if row_groups is None:  # read whole: its bad rows are counted
-            self.was_counted(fid)
+            yield self.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical)).collect()
+
+    def _give_up(self, fid: int, exc: BaseException) -> None:
+        """A file that fails as it is read: the run changed (it did, since it was listed:
+        ``RunChangedError``, run again), or the file cannot be read (its records not read
+        yet are skipped and said, and the rest of the run is read)."""
+        rep = self.report.files[fid]
+        try:
+            now: tuple[int, int] | None = size_and_mtime(rep.path)
+        except OSError:
+            now = None
+        name = rel(rep.path, self.run_dir)
+        if rep.listed is not None and now != rep.listed:
+            raise RunChangedError(
+                f"{name} changed while it was read ({'gone' if now is None else 'its size or time differ'}): "
+                "run again once it is complete"
+            ) from None
+        with self._counting:
+            if fid in self.failed:
+                return
+            self.failed.add(fid)
+            rep.give_up(exc, self.taken.get(fid, 0))
 
     def was_counted(self, fid: int) -> None:
         """A file not checked yet has had its bad rows counted in the report (read whole,
@@ -197,7 +250,18 @@ class RunScan:
                 self.frame = pl.concat(list(self.parts.values()), how="vertical")
 
     def check_all(self) -> None:
-        """Check every unchecked file now (for a query over ``frame`` rather than per file)."""
+        """Check every unchecked file now (for a query over ``frame`` rather than per file),
+        and verify every checksummed segment not verified yet (``frame`` reads them with
+        polars, which checks no page checksum)."""
+        for fid in list(self.parts):
+            rep = self.report.files[fid]
+            if rep.row_groups is not None and not rep.verified:
+                good = _verified(rep)
+                if good is not None:
+                    if rep.replaced_from is not None:  # the rewind of a restart, as ``resolve`` applied it
+                        good = good.filter(pl.col("step") < rep.replaced_from)
+                    self.parts[fid] = _framed(good, rep, fid)
+                    self.frame = pl.concat(list(self.parts.values()), how="vertical")
         if not self.pending:
             return
         fids = list(self.parts)
@@ -327,7 +391,12 @@ def scan_run(
             report.notices.append(
                 f"{rel(path, root)}: a result metriclog wrote ({what.command}), not data: not read"
             )
-    metas = {p: m for p, m in found.items() if not isinstance(m, Derived)}
+        elif isinstance(what, Damaged):
+            report.notices.append(
+                f"{rel(path, root)}: {what.reason} (the file is damaged): ignored; its records are "
+                "read and checked as another tool's"
+            )
+    metas = {p: None if isinstance(m, Damaged) else m for p, m in found.items() if not isinstance(m, Derived)}
     paths = list(metas)
     copied = copies(metas)
     for copy, original in copied.items():
@@ -342,7 +411,9 @@ def scan_run(
                 f"{rel(path, root)}: its metriclog metadata has malformed field(s) "
                 f"{', '.join(declared.ignored)}: ignored; its records are read and checked"
             )
-    superseded = superseded_tails(metas)
+    superseded = superseded_tails(
+        {p: m for p, m in found.items() if p in paths and not isinstance(m, Derived)}
+    )
     frames: list[pl.LazyFrame] = []
     checks: list[tuple[int, FileReport, pl.LazyFrame | None]] = []
     file_ids: list[int] = []
@@ -364,12 +435,12 @@ def scan_run(
             frame = read_journal(path, rep, report)
         else:
             frame = read_jsonl(path, metas[path], rep, report)
+        if frame is not None and rep.row_groups is not None and not defer_checks:
+            frame = _verified(rep) or frame
         if frame is not None:
             if not trusted:
                 checks.append((len(frames), rep, check))
-            if not rep.hashed:
-                frame = frame.with_columns(pl.lit(None, pl.Int64).alias(KEY_HASH))
-            frames.append(frame.with_columns(file_id=pl.lit(len(report.files) - 1, pl.Int32)))
+            frames.append(_framed(frame, rep, len(report.files) - 1))
             file_ids.append(len(report.files) - 1)
     pending = {file_ids[i]: query for i, _, query in checks} if defer_checks else {}
     if not defer_checks:
@@ -390,6 +461,20 @@ def scan_run(
     )
 
 
+def _framed(frame: pl.LazyFrame, rep: FileReport, fid: int) -> pl.LazyFrame:
+    """A file's frame as ``RunScan.parts`` holds it: with ``key_hash`` and ``file_id``."""
+    if not rep.hashed:
+        frame = frame.with_columns(pl.lit(None, pl.Int64).alias(KEY_HASH))
+    return frame.with_columns(file_id=pl.lit(fid, pl.Int32))
+
+
+def _verified(rep: FileReport) -> pl.LazyFrame | None:
+    """``verify`` a checksummed segment once: the frame of its undamaged row groups when
+    one is damaged, else None."""
+    rep.verified = True
+    return verify(rep)
+
+
 def read_sealed(
     path: RunPath, report: ReadReport, meta: SegmentMeta | None
 ) -> tuple[pl.DataFrame | None, FileReport]:
@@ -400,6 +485,8 @@ def read_sealed(
     take_attempt(rep, meta)
     if path.suffix == ".parquet":
         frame, trusted, check = scan_parquet(path, meta, rep, report)
+        if frame is not None and rep.row_groups is not None:
+            frame = _verified(rep) or frame
         if frame is not None and not trusted:
             frames = [frame]
             run_parquet_checks(frames, [(0, rep, check)])

@@ -3,7 +3,6 @@ run.json, and the writer's metadata of each sealed segment."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -14,11 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import polars as pl
+from polars.exceptions import PanicException
 
 from metric_core.offline.read.report import FileReport, ReadReport, rel
 from metric_core.offline.storage import RunPath, listing, open_read, raise_store_failure, source
 from metric_core.schema import DATA_SUFFIXES
-from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, SegmentMeta, derived_marker
+from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, Damaged, SegmentMeta, derived_marker
 
 _MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the segment
 # run.json values past these are not a run's: ignored and said.
@@ -181,10 +181,10 @@ class Derived:
     command: str
 
 
-def _parquet_meta(path: RunPath) -> SegmentMeta | Derived | None:
+def _parquet_meta(path: RunPath) -> SegmentMeta | Derived | Damaged | None:
     try:
         kv = pl.read_parquet_metadata(source(path))
-    except Exception as exc:
+    except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
         return None
     if DERIVED_KEY in kv:
@@ -193,7 +193,7 @@ def _parquet_meta(path: RunPath) -> SegmentMeta | Derived | None:
     return None if raw is None else SegmentMeta.parse(raw)
 
 
-def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Derived | None:
+def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Damaged | None:
     """The writer's first line of a sealed JSONL segment, if this file has one."""
     try:
         with open_read(path) as f:
@@ -204,11 +204,10 @@ def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Derived | None:
         return None
     if not (isinstance(obj, dict) and obj.get("event") == SEGMENT_EVENT):
         return None
-    meta = SegmentMeta.parse(obj)
-    return None if meta is None else dataclasses.replace(meta, line_bytes=len(first))
+    return SegmentMeta.parse(obj)
 
 
-def writer_meta(path: RunPath) -> SegmentMeta | Derived | None:
+def writer_meta(path: RunPath) -> SegmentMeta | Derived | Damaged | None:
     """What metriclog recorded about a file: a sealed segment's metadata, or that it is a result."""
     if path.suffix == ".parquet":
         return _parquet_meta(path)
@@ -225,7 +224,7 @@ def writer_meta(path: RunPath) -> SegmentMeta | Derived | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def listed_writer_meta(path: RunPath, size: int, mtime_ns: int) -> SegmentMeta | Derived | None:
+def listed_writer_meta(path: RunPath, size: int, mtime_ns: int) -> SegmentMeta | Derived | Damaged | None:
     """``writer_meta`` of an object as listed (bytes, mtime): read once per version of it,
     so that polling a run in object storage (``watch``) does not fetch every footer again."""
     return writer_meta(path)
@@ -264,12 +263,12 @@ def copies(metas: dict[Path, SegmentMeta | None]) -> dict[Path, Path]:
     return out
 
 
-def superseded_tails(metas: dict[Path, SegmentMeta | None]) -> dict[Path, str]:
+def superseded_tails(metas: dict[Path, SegmentMeta | Damaged | None]) -> dict[Path, str]:
     """Journals that a sealed segment already holds (a kill between rename and unlink)."""
     present = set(metas)
     out = {}
     for path, meta in metas.items():
-        if meta is not None:
+        if meta is not None and meta.supersedes is not None:
             tail = path.parent / meta.supersedes
             if tail in present:
                 out[tail] = path.name

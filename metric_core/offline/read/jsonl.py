@@ -7,8 +7,10 @@ polars cannot parse at all falls back to a line-by-line pass that finds the bad 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
+import zlib
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -16,7 +18,7 @@ import polars as pl
 from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
-from metric_core.offline.storage import RunPath, open_read, raise_store_failure, source
+from metric_core.offline.storage import RunPath, is_remote, raise_store_failure, source
 from metric_core.schema import spell_float
 from metric_core.segment import SegmentMeta
 
@@ -41,7 +43,7 @@ def read_jsonl(
         and sealed.source is not None
         and sealed.nonfinite == 0
         and (sealed.records == 0 or sealed.plausible_times)
-        and _intact(path, sealed)
+        and _blocks_check(path)
     ):
         return _scan_sealed_jsonl(path, sealed, rep, report)
     try:
@@ -56,6 +58,15 @@ def read_jsonl(
             ": decompress it first (e.g. gunzip)" if kind.endswith("compressed") else ""
         )
         return None
+    if sealed is None and _BLOCK_LINE.search(data):
+        # a sealed segment whose first line, its writer's metadata, did not parse: not a record
+        first = data.find(b"\n") + 1
+        if not _is_json_object(data[:first]):
+            rep.skip("line 1, its writer's metadata, is damaged: ignored", 0)
+        data = b"\n" + data[first:]
+    damaged = _damaged_blocks(data)
+    if damaged:
+        data = _without(data, damaged, rep, sealed)
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
         last = data[cut:]
@@ -92,28 +103,76 @@ def read_jsonl(
 
 # A value written as an integer of 16 digits or more: float64 may not hold it exactly.
 _LONG_INTEGER_VALUE = re.compile(rb'"value"\s*:\s*-?\d{16,}\s*[,}]')
+# The line after each block of a sealed segment (``segment.BLOCK_EVENT``), as its writer spells it.
+_BLOCK_LINE = re.compile(rb'^\{"event": "block", "crc32": (\d{1,10}), "lines": (\d{1,10})\}\n', re.MULTILINE)
+_RECORD_LINE = re.compile(rb'^\{"key":', re.MULTILINE)  # how the writer begins each record's line
 
 
-def _intact(path: RunPath, meta: SegmentMeta) -> bool:
-    """Whether a sealed JSONL segment still has the size its writer gave it, ending in a newline."""
-    if meta.bytes is None or meta.line_bytes is None:
-        return False
+def _blocks_check(path: RunPath) -> bool:
+    """Whether a sealed JSONL segment is blocks, every one of which matches its checksum,
+    from its first line's end to its last byte: then it can be scanned without a check."""
     try:
-        with open_read(path) as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(size - 1)
-            last = f.read(1)
+        if is_remote(path):
+            return _whole_blocks(path.read_bytes())
+        with open(str(path), "rb") as f:  # mapped, not read into memory: a segment may be large
+            if os.fstat(f.fileno()).st_size == 0:
+                return False
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                return _whole_blocks(data)
     except OSError as exc:
         raise_store_failure(path, exc)
         return False
-    return size == meta.line_bytes + meta.bytes and last == b"\n"
+
+
+def _whole_blocks(data: bytes | mmap.mmap) -> bool:
+    return _BLOCK_LINE.search(data) is not None and not _damaged_blocks(data)
+
+
+def _damaged_blocks(data: bytes | mmap.mmap) -> list[tuple[int, int]]:
+    """The byte ranges of a file of blocks (after its first line, the writer's metadata)
+    that fail their checksums: a block whose bytes do not match its line's CRC-32 (with its
+    line), several blocks whose lines between them were damaged, and bytes after the last
+    block line. [] for a file with no block line: another tool's, or an older writer's."""
+    start = data.find(b"\n") + 1
+    pos, out = start, []
+    for m in _BLOCK_LINE.finditer(data, start):
+        if zlib.crc32(memoryview(data)[pos : m.start()]) != int(m[1]):
+            out.append((pos, m.end()))
+        pos = m.end()
+    if pos == start:
+        return []
+    if pos < len(data):
+        out.append((pos, len(data)))
+    return out
+
+
+def _without(data: bytes, damaged: list[tuple[int, int]], rep: FileReport, meta: SegmentMeta | None) -> bytes:
+    """``data`` with each ``damaged`` range's bytes but its newlines removed (so that line
+    numbers stay those of the file), the records in them counted in ``rep`` as skipped."""
+    kept, pos, where = [], 0, []
+    for lo, hi in damaged:
+        first, lines = data.count(b"\n", 0, lo) + 1, data.count(b"\n", lo, hi)
+        where.append(f"{first}" if lines == 1 else f"{first}-{first + lines - 1}")
+        kept += [data[pos:lo], b"\n" * lines]
+        pos = hi
+    kept.append(data[pos:])
+    out = b"".join(kept)
+    # The lines that read as records; with checked metadata, what was written and is not
+    # left (a record line may be what was damaged).
+    lost = sum(len(_RECORD_LINE.findall(data, lo, hi)) for lo, hi in damaged)
+    if meta is not None and meta.records is not None:
+        lost = max(lost, meta.records - len(_RECORD_LINE.findall(out)))
+    one = len(where) == 1 and "-" not in where[0]
+    said = f"line {where[0]} fails its" if one else f"lines {', '.join(where)} fail their"
+    rep.skip(f"{said} block's checksum (the file is damaged)", lost)
+    return out
 
 
 def _scan_sealed_jsonl(
     path: RunPath, meta: SegmentMeta, rep: FileReport, report: ReadReport
 ) -> pl.LazyFrame | None:
-    """A JSONL segment sealed by our writer: typed, finite, whole (it was renamed into place
-    complete), so it is scanned lazily, streaming, without a validation pass."""
+    """A JSONL segment sealed by our writer: typed, finite, every block matching its
+    checksum, so it is scanned lazily, streaming, without a validation pass."""
     assert meta.source is not None and meta.records is not None  # checked by read_jsonl
     rep.source = meta.source
     rep.records += meta.records

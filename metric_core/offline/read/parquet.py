@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import polars as pl
+from polars.exceptions import PanicException
 
 from metric_core.offline.read.discover import take_declared
-from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
+from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import (
     BAD_TIME,
     POLARS_SCHEMA,
@@ -41,10 +43,16 @@ def scan_parquet(
     cast, the query of its null counts after the casts."""
     try:
         schema, rows = _shape(path, *size_and_mtime(path)) if is_remote(path) else _read_shape(path)
-    except Exception as exc:
+    except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None, True, None
+    if own is not None and own.row_groups is not None and _rewritten(path, own):
+        report.notices.append(
+            f"{rel(path, report.run_dir)}: its metriclog metadata does not describe it (rewritten "
+            "by another tool?): ignored; its records are read and checked as another tool's"
+        )
+        own = None
     if own is not None and own.source is not None:
         rep.source = own.source
         if own.clean_shutdown:
@@ -64,6 +72,12 @@ def scan_parquet(
     if rows == 0:
         return None, True, None
     exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
+    if own is not None and own.row_groups is not None:  # its pages carry checksums
+        damage = _footer_damage(path, own, schema)
+        if damage is not None:
+            rep.unreadable = f"the file is damaged: {damage}"
+            return None, True, None
+        rep.row_groups = own.row_groups
     # sealed by our writer, untouched, with clock timestamps
     ours = own is not None and own.records == rows and own.plausible_times
     if own is not None and ours:
@@ -77,6 +91,65 @@ def scan_parquet(
     # Exact-typed files are checked together, from null counts (read from null bitmaps);
     # others per file after casting. Rows are only counted where a null was found.
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
+
+
+# The writer's columns as Parquet stores them (``metric_core.records.DICT_SCHEMA``).
+_PHYSICAL = {
+    "key": "BYTE_ARRAY",
+    "value": "DOUBLE",
+    "reduction": "BYTE_ARRAY",
+    "step": "INT64",
+    "timestamp": "DOUBLE",
+    "rank": "INT64",
+    "process": "BYTE_ARRAY",
+    KEY_HASH: "INT64",
+}
+
+
+def _rewritten(path: RunPath, own: SegmentMeta) -> bool:
+    """Whether a file that carries a checksummed segment's metadata was written again since,
+    by a tool that kept the metadata (other columns, or its records cut into other row
+    groups), rather than damaged (which ``_footer_damage`` tells)."""
+    assert own.row_groups is not None
+    try:
+        meta = footer(path)
+        names = {meta.schema.column(i).name for i in range(meta.num_columns)}
+        counts = [n for g in range(meta.num_row_groups) if (n := meta.row_group(g).num_rows)]
+    except (Exception, PanicException) as exc:
+        raise_store_failure(path, exc)
+        return False
+    declared = [n for n, _, _ in own.row_groups]
+    # (a damaged name is one name changed; damaged counts change the total)
+    renamed = len(names) == len(_PHYSICAL) and len(names - set(_PHYSICAL)) <= 1
+    return not renamed or (counts != declared and sum(counts) == sum(declared))
+
+
+def _footer_damage(path: RunPath, own: SegmentMeta, schema: Mapping[str, pl.DataType]) -> str | None:
+    """What in a checksummed segment's footer (which no page checksum covers) differs from
+    what its writer wrote and declared in its checked metadata; None when nothing does."""
+    assert own.row_groups is not None
+    try:
+        meta = footer(path)
+        columns = {
+            meta.schema.column(i).name: meta.schema.column(i).physical_type for i in range(meta.num_columns)
+        }
+        arrow = {f.name: str(f.type) for f in meta.schema.to_arrow_schema()}
+        counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+    except (Exception, PanicException) as exc:
+        raise_store_failure(path, exc)
+        return f"its footer cannot be read ({f'{type(exc).__name__}: {exc}'.splitlines()[0]})"
+    declared = [n for n, _, _ in own.row_groups]
+    if [n for n in counts if n] != declared:
+        return f"its footer's row groups hold {counts} records, its writer wrote {declared}"
+    written = {**_EXACT_TYPES, "process": pl.String, KEY_HASH: pl.Int64}
+    strings = {"key": "string", "reduction": "string", "process": "string"}
+    if (
+        columns != _PHYSICAL
+        or any(schema.get(n) != t for n, t in written.items())
+        or any(arrow.get(n) != t for n, t in strings.items())
+    ):
+        return "its footer's column types are not its writer's"
+    return None
 
 
 def _read_shape(path: RunPath) -> tuple[dict[str, pl.DataType], int]:
@@ -123,7 +196,7 @@ def _footer_source(path: RunPath, has_process: bool) -> tuple[str, int] | None:
                     return None
                 values.append(stats.min)
             found.add((values[0], values[1] if has_process else None))
-    except Exception as exc:
+    except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
         return None
     if len(found) != 1:
@@ -142,19 +215,19 @@ def typed_columns(
     """Each record field of a Parquet file, from its columns as they are typed in the file
     (``strings``: the type key, reduction and process are read as)."""
     exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
-    process = pl.col("process").cast(strings) if "process" in schema else pl.lit(None, strings)
+    process = _text("process", schema).cast(strings) if "process" in schema else pl.lit(None, strings)
     if exact:
         exprs = {name: pl.col(name) for name in REQUIRED_FIELDS}
         exprs.update(key=pl.col("key").cast(strings), reduction=pl.col("reduction").cast(strings))
         return {**exprs, "process": process, **({KEY_HASH: pl.col(KEY_HASH)} if hashed else {})}
     # Lower-cased per record here; the engine, which keeps dictionary codes, does it per code.
     reduction = (
-        pl.col("reduction").cast(pl.String).str.to_lowercase()
+        _text("reduction", schema).cast(pl.String).str.to_lowercase()
         if strings is pl.String
-        else pl.col("reduction")
+        else _text("reduction", schema)
     )
     return {
-        "key": pl.col("key").cast(strings),
+        "key": _text("key", schema).cast(strings),
         "value": _parquet_value(schema["value"]),
         "reduction": reduction.cast(strings),
         "step": _parquet_integer("step", schema["step"]),
@@ -164,18 +237,43 @@ def typed_columns(
     }
 
 
+def _text(name: str, schema: Mapping[str, pl.DataType]) -> pl.Expr:
+    """A string field's column as text: bytes (a binary column) where they are UTF-8, else
+    null (the record is skipped as its field not valid, never the file failed)."""
+    if schema[name] == pl.Binary:
+        return pl.col(name).map_batches(_utf8_or_null, return_dtype=pl.String)
+    if schema[name] in (pl.String, pl.Categorical):
+        return pl.col(name)
+    return pl.col(name).cast(pl.String)  # numbers, booleans: their text, as JSON lines read them
+
+
+def _utf8_or_null(column: pl.Series) -> pl.Series:
+    def text(raw: bytes) -> str | None:
+        try:
+            return raw.decode()
+        except UnicodeDecodeError:
+            return None
+
+    distinct = column.unique().drop_nulls()  # each distinct value decoded once
+    decoded = pl.Series([text(v) for v in distinct.to_list()], dtype=pl.String)
+    return column.replace_strict(distinct, decoded, default=None, return_dtype=pl.String)
+
+
 def categorical_batches(
     path: RunPath,
     columns: list[str],
     hashed: bool,
     row_groups: list[int] | None = None,
     rows: int | None = None,
+    rep: FileReport | None = None,
 ) -> Iterator[pl.DataFrame]:
     """``columns`` of the records of one Parquet file (or of its ``row_groups``), read once
     with pyarrow, in frames of at most ``rows`` records (None: one frame), strings kept as
     their dictionary codes (polars Categorical): what the engine groups on, without
     decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame.
-    A frame is decoded as it is asked for, so a large row group is never held whole."""
+    A frame is decoded as it is asked for, so a large row group is never held whole; but
+    of a checksummed segment (``rep.row_groups``), a row group is verified whole before
+    any of it is handed over, and one that is damaged is skipped (``checked_groups``)."""
     import pyarrow.parquet as pq
 
     meta = footer(path)
@@ -183,10 +281,12 @@ def categorical_batches(
     exprs = typed_columns(schema, hashed, strings=pl.Categorical)
     wanted = [c for c in columns if c in exprs]
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
-    strings = [c for c in sources if schema[c] in (pl.String, pl.Categorical, pl.Binary)]
+    strings = [
+        c for c in sources & {"key", "reduction", "process"} if schema[c] in (pl.String, pl.Categorical)
+    ]
     with arrow_source(path) as where:  # a remote file, open until the last frame
-        file = pq.ParquetFile(where, metadata=meta, read_dictionary=strings)
-        yield from _frames(file, wanted, exprs, sources, row_groups, rows)
+        file = pq.ParquetFile(where, metadata=meta, read_dictionary=strings, page_checksum_verification=True)
+        yield from _frames(file, wanted, exprs, sources, row_groups, rows, rep)
 
 
 def _frames(
@@ -196,21 +296,94 @@ def _frames(
     sources: set[str],
     row_groups: list[int] | None,
     rows: int | None,
+    rep: FileReport | None,
 ) -> Iterator[pl.DataFrame]:
     """``categorical_batches``' frames, from the open ``file``."""
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
-    if rows is None:
-        tables: Iterable[Any] = [file.read_row_groups(groups, columns=sorted(sources))]
+    if rep is not None and rep.row_groups is not None:
+        tables: Iterable[Any] = checked_groups(file, groups, sorted(sources), rep, rows)
+    elif rows is None:
+        tables = [file.read_row_groups(groups, columns=sorted(sources))]
     else:
         tables = file.iter_batches(rows, row_groups=groups, columns=sorted(sources))
+    empty = True
     for table in tables:
-        frame = pl.from_arrow(table)
-        assert isinstance(frame, pl.DataFrame)
-        df = frame.lazy().select(**{c: exprs[c] for c in wanted})
-        if "process" in wanted:
-            default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
-            df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
-        yield df.collect()
+        empty = False
+        yield _typed_frame(table, wanted, exprs)
+    if empty:  # every row group asked for was damaged: a frame of no records, typed as others
+        yield _typed_frame(file.schema_arrow.empty_table().select(sorted(sources)), wanted, exprs)
+
+
+def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr]) -> pl.DataFrame:
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    df = frame.lazy().select(**{c: exprs[c] for c in wanted})
+    if "process" in wanted:
+        default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
+        df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
+    return df.collect()
+
+
+_damage_lock = threading.Lock()  # the engine reads row groups from several threads
+
+
+def checked_groups(
+    file: Any, groups: list[int], columns: list[str] | None, rep: FileReport, rows: int | None = None
+) -> Iterator[Any]:
+    """The ``groups`` of a checksummed segment's open ``file`` (pyarrow, page checksums
+    verified), each read whole (in batches of ``rows``, or one table) and checked before any
+    of it is handed over: a row group whose pages fail their checksums, fail to decode, or
+    hold other than the records its writer declared is skipped, and counted in ``rep`` once."""
+    assert rep.row_groups is not None
+    for g in groups:
+        if g in rep.damaged_groups:
+            continue
+        written = rep.row_groups[g][0]
+        try:
+            if rows is None:
+                parts = [file.read_row_group(g, columns=columns)]
+            else:
+                parts = list(file.iter_batches(rows, row_groups=[g], columns=columns))
+            for part in parts:  # a dictionary index out of range, say, that decoding let pass
+                part.validate(full=True)
+            found = sum(len(part) for part in parts)
+            why = (
+                None if found == written else f"{found:,} records decoded where its writer wrote {written:,}"
+            )
+        except (
+            Exception,
+            PanicException,
+        ) as exc:  # pyarrow's errors of a damaged page: OSError, ArrowInvalid, ...
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if why is None:
+            yield from parts
+            continue
+        with _damage_lock:
+            if g not in rep.damaged_groups:
+                rep.damaged_groups.add(g)
+                rep.records -= written
+                rep.skip(f"row group {g} is damaged ({why})", written)
+
+
+def verify(rep: FileReport) -> pl.LazyFrame | None:
+    """Read every row group of a checksummed segment to verify it (``checked_groups``);
+    when one is damaged, the frame of the others (typed as ``scan_parquet`` types them),
+    else None: the file's scan stands."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with arrow_source(rep.path) as where:
+        file = pq.ParquetFile(where, metadata=footer(rep.path), page_checksum_verification=True)
+        groups = list(range(file.num_row_groups))
+        for _ in checked_groups(file, groups, None, rep):
+            pass  # verified and let go: damage is rare, and a segment may be large
+        if not rep.damaged_groups:
+            return None
+        tables = list(checked_groups(file, groups, None, rep))
+    table = pa.concat_tables(tables) if tables else file.schema_arrow.empty_table()
+    frame = pl.from_arrow(table)
+    assert isinstance(frame, pl.DataFrame)
+    return with_process(frame.lazy().select(**typed_columns(frame.schema, rep.hashed)))
 
 
 def row_group_lows(path: RunPath, column: str = "timestamp") -> list[tuple[float, int]] | None:
@@ -228,7 +401,7 @@ def row_group_lows(path: RunPath, column: str = "timestamp") -> list[tuple[float
             if chunk.physical_type not in physical or stats is None or not stats.has_min_max:
                 return None
             out.append((float(stats.min), meta.row_group(g).num_rows))
-    except Exception as exc:
+    except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
         return None
     return out
@@ -252,7 +425,7 @@ def kept_first_time(path: RunPath) -> float | None:
                 stats = meta.row_group(g).column(names.index(name)).statistics
                 if stats is None or not stats.has_null_count or stats.null_count:
                     return None
-    except Exception as exc:
+    except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
         return None
     low = min(t for t, _ in lows)
@@ -329,18 +502,23 @@ def run_parquet_checks(
 ) -> None:
     """Find foreign Parquet files with bad rows, count those rows by reason and drop them."""
     exact = [(i, rep) for i, rep, check in checks if check is None]
-    suspects = [
-        (i, rep)
-        for i, rep, check in checks
-        if check is not None and sum(check.collect(engine="streaming").row(0))
-    ]
+    suspects = []
+    for i, rep, check in checks:
+        try:
+            if check is not None and sum(check.collect(engine="streaming").row(0)):
+                suspects.append((i, rep))
+        except (pl.exceptions.PolarsError, PanicException):
+            suspects.append((i, rep))  # the query of its rows says what fails
     if exact:
         bad_rows = pl.scan_parquet([source(rep.path) for _, rep in exact]).select(
             *[pl.col(f).null_count() for f in REQUIRED_FIELDS],
             (~plausible(pl.col("timestamp"))).sum().alias("bad_timestamps"),
         )
-        if sum(bad_rows.collect(engine="streaming").row(0)):
-            suspects += exact
+        try:
+            if sum(bad_rows.collect(engine="streaming").row(0)):
+                suspects += exact
+        except (pl.exceptions.PolarsError, PanicException):
+            suspects += exact  # one of them cannot be read: each is checked on its own
     for index, rep in suspects:
         try:
             counts = (
@@ -351,9 +529,8 @@ def run_parquet_checks(
                 .sort("reason")
                 .collect(engine="streaming")
             )
-        except pl.exceptions.PolarsError as exc:
-            rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            rep.records = 0
+        except (pl.exceptions.PolarsError, PanicException) as exc:
+            rep.give_up(exc)
             frames[index] = frames[index].head(0)
             continue
         for reason, n in counts.iter_rows():

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from metric_core.errors import in_python, spell
+from metric_core.errors import in_python, opt, spell
 from metric_core.life import Life
 from metric_core.offline.storage import RunPath, is_remote
 
@@ -46,6 +46,12 @@ class FileReport:
     # Another tool's file whose footer says all its records are of one (process, rank):
     # the engine reads it with that source's files (attempts do not apply to it).
     single_source: tuple[str, int] | None = None
+    # A sealed Parquet segment whose pages carry checksums: what its (checked) metadata
+    # declares of each row group (records, lowest step, earliest time), and the row groups
+    # found damaged so far (skipped, their records counted in ``skipped``).
+    row_groups: tuple[tuple[int, int, float], ...] | None = None
+    damaged_groups: set[int] = field(default_factory=set)
+    verified: bool = False  # every row group read once to verify it
     # (bytes, mtime in ns) before its records were read: a file that still shows these was
     # read whole (what ``inspect_run``'s cache keys a file's aggregates on).
     listed: tuple[int, int] | None = None
@@ -65,12 +71,38 @@ class FileReport:
     def dropped_records(self) -> int:
         return sum(int(d.get("records", 0)) for d in self.dropped)
 
+    def give_up(self, exc: BaseException, taken: int = 0) -> None:
+        """The file failed as it was read, after ``taken`` of its records: the rest skipped."""
+        lost, self.records = self.records - taken, taken
+        where = f" from record {taken + 1:,} on" if taken else ""
+        self.skip(f"unreadable{where} ({f'{type(exc).__name__}: {exc}'.splitlines()[0]})", max(lost, 0))
+
     def skip(self, reason: str, count: int = 1, lines: list[int] | None = None) -> None:
         self.skipped += count
         self.skip_reasons[reason] = self.skip_reasons.get(reason, 0) + count
         for line in lines or []:
             if len(self.skipped_lines) < MAX_LINES_KEPT:
                 self.skipped_lines.append((line, reason))
+
+
+@dataclass
+class MixedKey:
+    """A key recorded under more than one reduction: the one kept (its first record's),
+    and the records under each other one, skipped."""
+
+    key: str
+    kept: str
+    skipped: dict[str, int] = field(default_factory=dict)
+    sources: set[str] = field(default_factory=set)  # that recorded them, where the mode tells
+
+    def said(self) -> str:
+        others = ", ".join(f"{n:,} record(s) under '{r}'" for r, n in sorted(self.skipped.items()))
+        by = f" (by {', '.join(sorted(self.sources))})" if self.sources else ""
+        return (
+            f"key '{self.key}' is recorded under more than one reduction: {others}{by} skipped, "
+            f"'{self.kept}' (that of its first record) kept; reduce them all with "
+            f"{opt('reduce')}'{self.key}=STAT'"
+        )
 
 
 @dataclass
@@ -95,10 +127,12 @@ class ReadReport:
     attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
     # Each attempt's life, its files' merged: (process, rank, attempt id) -> Life.
     lives: dict[tuple[str, int, str], Life] = field(default_factory=dict)
+    # Keys recorded under more than one reduction (filled as a reduction reads the records).
+    mixed: dict[str, MixedKey] = field(default_factory=dict)
 
     @property
     def skipped_records(self) -> int:
-        return sum(f.skipped for f in self.files)
+        return sum(f.skipped for f in self.files) + sum(sum(m.skipped.values()) for m in self.mixed.values())
 
     @property
     def unreadable_files(self) -> list[FileReport]:
@@ -145,10 +179,10 @@ class ReadReport:
     def _summary(self, max_files: int, max_lines: int) -> str:
         bad = [f for f in self.files if f.skipped or f.unreadable or f.skip_reasons]
         gaps = [f for f in self.files if f.dropped]
-        if not (bad or gaps or self.skipped_paths or self.notices):
+        if not (bad or gaps or self.skipped_paths or self.notices or self.mixed):
             return ""
         not_read = f", {len(self.skipped_paths)} path(s) not read" if self.skipped_paths else ""
-        if bad or self.skipped_paths:
+        if bad or self.skipped_paths or self.mixed:
             head = (
                 f"skipped {self.skipped_records} record(s) and "
                 f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
@@ -161,6 +195,7 @@ class ReadReport:
         if len(self.skipped_paths) > max_files:
             out.append(f"  ... and {len(self.skipped_paths) - max_files} more path(s) not read")
         out.extend(f"  {notice}" for notice in self.notices)
+        out.extend(f"  {m.said()}" for _, m in sorted(self.mixed.items()))
         for f in gaps:
             for d in f.dropped:
                 steps = d.get("steps") or ["?", "?"]

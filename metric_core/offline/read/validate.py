@@ -14,7 +14,7 @@ import polars as pl
 
 from metric_core.offline.read.report import MAX_LINES_KEPT, FileReport, ReadReport, Shutdown
 from metric_core.schema import DEFAULT_PROCESS_PREFIX, FIELDS, REQUIRED_FIELDS, TIMESTAMP_RANGE
-from metric_core.segment import SEGMENT_EVENT, SHUTDOWN_EVENT
+from metric_core.segment import BLOCK_EVENT, SEGMENT_EVENT, SHUTDOWN_EVENT
 
 if TYPE_CHECKING:
     import numpy as np
@@ -139,7 +139,7 @@ def accept(
     keep = None
     if "event" in raw.columns:
         # The writer's own lines; a record may carry an extra field named "event" (docs/format.md).
-        events = raw["event"].is_in([SEGMENT_EVENT, SHUTDOWN_EVENT]) & raw["key"].is_null()
+        events = raw["event"].is_in([SEGMENT_EVENT, SHUTDOWN_EVENT, BLOCK_EVENT]) & raw["key"].is_null()
         if events.any():
             for row in raw.filter(raw["event"] == SEGMENT_EVENT).iter_rows(named=True):
                 rank = _to_int(row.get("rank"))

@@ -212,6 +212,10 @@ class _Pass:
                 return REPLACED
             ending = state.all_finished or idle or over
             self._send(self.follower.ready(self.tail.sources, ending=ending))
+            for text in self.follower.mixed_said():
+                self.events.message("warning", text)
+                if self.strict:
+                    raise StrictModeError(text)
             if ending:
                 return FINISHED if state.all_finished else IDLE if idle else OVER
             try:

@@ -1,0 +1,168 @@
+"""Nothing wrong comes back: single bits flipped anywhere in the writer's own files.
+
+Each trial flips one random bit of a file the writer wrote (sealed Parquet, sealed JSONL,
+an open journal) and reads the run. The ground truth is the records as the test made them,
+not as any reader returned them. Over every trial:
+
+* every record returned was written (a multiset inclusion);
+* the records missing are exactly those of the units the warning names (a Parquet row
+  group, the JSONL lines of a block, the rest of a journal), or of the whole file when it
+  is named unreadable;
+* what was written minus what was returned equals what the report says was skipped
+  (a journal's rest cannot be counted: there, what is missing is a tail, and said).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from metriclog.main import app
+from typer.testing import CliRunner
+
+from metric_core.errors import NoDataError
+from metric_core.offline.engine import make_plan, run_plan
+from metric_core.writer.segments import RawFileWriter
+
+KEYS = [("loss", "mean"), ("grad/norm", "max"), ("tokens", "sum")]
+STEPS, PER_STEP, BLOCK = 10, 50, 100  # 500 records in units of 100
+SOURCE = ("TrainActor_r0", 0)
+TRIALS = {"parquet": 400, "jsonl": 300, "journal": 200}
+
+
+def written_run(root: Path, file_format: str) -> tuple[Path, list[tuple]]:
+    """A run of one source in ``file_format`` (a journal: left open, as after a kill), and
+    its records in the order written: (key, value, step, timestamp, rank, process)."""
+    rng = np.random.default_rng(7)
+    fmt = "parquet" if file_format == "journal" else file_format
+    writer = RawFileWriter(root, process=SOURCE[0], rank=SOURCE[1], file_format=fmt, block_records=BLOCK)
+    truth = []
+    for step in range(STEPS):
+        values = rng.normal(size=PER_STEP)
+        codes = rng.integers(0, len(KEYS), PER_STEP)
+        times = 1.76e9 + step + np.sort(rng.uniform(0, 1, PER_STEP))
+        rows = np.stack([values, codes.astype(np.float64), times], axis=1)
+        writer.append(step, rows.tobytes(), PER_STEP, KEYS)
+        truth += [
+            (KEYS[c][0], v, step, t, *SOURCE[::-1]) for v, c, t in zip(values, codes, times, strict=True)
+        ]
+    if file_format == "journal":
+        writer.release()  # the journal stays, unsealed, as a killed writer leaves it
+    else:
+        writer.close(clean_shutdown=True)
+    return root, [(k, v, s, t, r, p) for k, v, s, t, r, p in truth]
+
+
+def read_back(run: Path) -> tuple[collections.Counter, dict[str, int], int, bool]:
+    """The records read (as a multiset), the report's skip reasons, records skipped, and
+    whether the file was named unreadable."""
+    try:
+        result = run_plan(run, make_plan(mode="per_rank_no_reduce"))
+        frame = result.frame
+    except NoDataError as exc:
+        unreadable = "unreadable" in str(exc) and "0 unreadable" not in str(exc)
+        return collections.Counter(), {"all": 0}, 0, unreadable or "every record" in str(exc)
+    report = result.scan.report
+    rows = frame.select("key", "value", "step", "timestamp", "rank", "process").rows()
+    rows = [(k, v, s, t, r, p) for k, v, s, t, r, p in rows]
+    reasons = {r: n for f in report.files for r, n in f.skip_reasons.items()}
+    return collections.Counter(rows), reasons, report.skipped_records, bool(report.unreadable_files)
+
+
+def named_lost(file_format: str, reasons: dict[str, int], pristine: bytes, truth: list[tuple]) -> list[tuple]:
+    """The written records inside the units the reasons name."""
+    out: list[tuple] = []
+    if file_format == "parquet":
+        for reason in reasons:
+            for g in re.findall(r"row group (\d+) is damaged", reason):
+                out += truth[int(g) * BLOCK : (int(g) + 1) * BLOCK]
+    else:  # the lines of the pristine file; records are its lines that begin '{"key":'
+        records = [i + 1 for i, line in enumerate(pristine.split(b"\n")) if line.startswith(b'{"key":')]
+        where = {line: truth[i] for i, line in enumerate(records)}
+        for reason in reasons:
+            if "block's checksum" in reason:
+                for lo, hi in re.findall(r"(\d+)(?:-(\d+))?", reason.split(" fail")[0]):
+                    out += [where[n] for n in range(int(lo), int(hi or lo) + 1) if n in where]
+    return out
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl", "journal"])
+def test_a_flipped_bit_never_returns_a_record_that_was_not_written(tmp_path, file_format):
+    run, truth = written_run(tmp_path / "run", file_format)
+    (path,) = [p for p in run.iterdir() if p.suffix in (".parquet", ".jsonl", ".journal")]
+    pristine = path.read_bytes()
+    written = collections.Counter(truth)
+    got, reasons, _, _ = read_back(run)
+    assert got == written and not reasons  # the file as written reads whole
+    rng = random.Random(f"flip-{file_format}")
+    outcomes = collections.Counter()
+    for _ in range(TRIALS[file_format]):
+        at, bit = rng.randrange(len(pristine)), rng.randrange(8)
+        damaged = bytearray(pristine)
+        damaged[at] ^= 1 << bit
+        path.write_bytes(bytes(damaged))
+        where = f"bit {bit} of byte {at} of {len(pristine)}"
+        try:
+            got, reasons, skipped, unreadable = read_back(run)
+        except Exception as exc:
+            raise AssertionError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        assert not got - written, (
+            f"{where}: records that were never written came back: {list(got - written)[:3]}"
+        )
+        lost = written - got
+        if not lost:
+            outcomes["nothing lost"] += 1
+            continue
+        if file_format == "journal":  # the rest of the journal from the damage on, said
+            kept = sorted(got.elements(), key=truth.index)
+            assert kept == truth[: len(kept)], f"{where}: a journal loses its tail, never a middle"
+            assert reasons or unreadable, f"{where}: records lost without a word"
+            outcomes["tail said"] += 1
+            continue
+        if unreadable:
+            assert got == collections.Counter(), f"{where}: a file named unreadable gave records"
+            outcomes["file named"] += 1
+            continue
+        assert sum(lost.values()) == skipped, f"{where}: lost {sum(lost.values())}, said {skipped}: {reasons}"
+        assert lost == collections.Counter(named_lost(file_format, reasons, pristine, truth)), (
+            f"{where}: the records lost are not those of the units named: {reasons}"
+        )
+        outcomes["unit named"] += 1
+    path.write_bytes(pristine)
+    # the trials reached damage that is found, not only bytes no reader looks at
+    assert (
+        outcomes["unit named"] + outcomes["file named"] + outcomes["tail said"] > TRIALS[file_format] // 3
+    ), outcomes
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_a_damaged_unit_is_named_exit_0_and_1_with_strict(tmp_path, file_format):
+    run, truth = written_run(tmp_path / "run", file_format)
+    (path,) = [p for p in run.iterdir() if p.suffix == f".{file_format}"]
+    data = bytearray(path.read_bytes())
+    if file_format == "jsonl":
+        at = data.index(b'"rank":0', len(data) // 2)  # a field renamed: rank -> rajk
+        data[at + 3] = ord("j")
+    else:  # a bit of a value in the middle of the file (a data page of the value column)
+        at = len(data) // 2
+        data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    out = tmp_path / "raw.parquet"
+    result = runner.invoke(app, ["reduce", str(run), "--mode", "per_rank_no_reduce", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    unit = "row group" if file_format == "parquet" else "block's checksum"
+    assert path.name in result.stderr and unit in result.stderr and "damaged" in result.stderr
+    import polars as pl
+
+    kept = pl.read_parquet(out).height
+    said = int(re.search(r"skipped (\d+) record", result.stderr).group(1))
+    assert 0 < said < len(truth) and kept + said == len(truth)
+    strict = runner.invoke(app, ["reduce", str(run), "--strict", "--out", str(tmp_path / "s.parquet")])
+    assert strict.exit_code == 1 and "damaged" in strict.stderr
