@@ -637,8 +637,9 @@ def _first_reduction(scan: RunScan | None, key: str, merged: pl.DataFrame) -> st
 
 def first_reductions(plan: ReducePlan, scan: RunScan) -> dict[str, str]:
     """Each key that the files declare under more than one reduction, and that no
-    ``--reduce`` pattern reduces, with the reduction of its first record (``_first_records``): decided before any result is handed over, so every
-    mode and filter keeps the same one. Read from the files that declare the key."""
+    ``--reduce`` pattern reduces, with the reduction of its first record
+    (``_first_records``): decided before any result is handed over, so every mode and
+    filter keeps the same one. Read from the files that declare the key."""
     declared: dict[str, set[str]] = {}
     holders: dict[str, list[int]] = {}
     for fid in scan.parts:
