@@ -135,9 +135,14 @@ def to_jsonl(table: pa.Table) -> bytes:
     return b"".join(jsonl_chunks(table))
 
 
-def jsonl_chunks(table: pa.Table, rows: int = JSONL_BATCH_ROWS) -> Iterator[pa.Buffer]:
-    """``to_jsonl`` in pieces of at most ``rows`` lines, to write one after the other
-    without joining them."""
+def jsonl_chunks(table: pa.Table) -> Iterator[pa.Buffer]:
+    """``to_jsonl`` in pieces, to write one after the other without joining them."""
+    for chunk, _ in jsonl_blocks(table):
+        yield chunk
+
+
+def jsonl_blocks(table: pa.Table, rows: int = JSONL_BATCH_ROWS) -> Iterator[tuple[pa.Buffer, int]]:
+    """``to_jsonl`` in pieces of at most ``rows`` lines, each with its number of lines."""
     for batch in table.to_batches(max_chunksize=rows):  # string offsets are 32-bit
         parts: list[pa.Array | str] = []
         for i, (name, column) in enumerate(zip(batch.schema.names, batch.columns, strict=True)):
@@ -161,7 +166,7 @@ def jsonl_chunks(table: pa.Table, rows: int = JSONL_BATCH_ROWS) -> Iterator[pa.B
         offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[
             lines.offset : lines.offset + len(lines) + 1
         ]
-        yield lines.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        yield lines.buffers()[2].slice(int(offsets[0]), int(offsets[-1] - offsets[0])), batch.num_rows
 
 
 def _quoted(values: pa.Array, prefix: str = "") -> pa.Array:

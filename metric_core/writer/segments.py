@@ -519,11 +519,13 @@ class RawFileWriter(LoggerBackend):
                     w.write_table(table, row_group_size=self.block_records)
                     w.add_key_value_metadata({PARQUET_KEY: meta.to_json()})
             else:
-                body: list[Any] = list(records.jsonl_chunks(table.drop_columns(KEY_HASH), self.block_records))
+                blocks: list[Any] = list(
+                    records.jsonl_blocks(table.drop_columns(KEY_HASH), self.block_records)
+                )
                 if clean_shutdown:
                     end = {"event": SHUTDOWN_EVENT, "process": self.process, "rank": self.rank}
-                    body.append((json.dumps({**end, "timestamp": decoded.shutdown}) + "\n").encode())
-                body = [part for chunk in body for part in (chunk, _block_line(chunk))]
+                    blocks.append(((json.dumps({**end, "timestamp": decoded.shutdown}) + "\n").encode(), 1))
+                body = [part for block, lines in blocks for part in (block, _block_line(block, lines))]
                 finite = pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
                 # A reader then parses values as plain numbers once each block checks.
                 size = sum(len(b) if isinstance(b, bytes) else b.size for b in body)
@@ -547,9 +549,8 @@ def _row_groups(table: pa.Table, size: int) -> tuple[tuple[int, int, float], ...
     return tuple(out)
 
 
-def _block_line(block: bytes | pa.Buffer) -> bytes:
+def _block_line(block: bytes | pa.Buffer, lines: int) -> bytes:
     """The line that follows a block of a sealed JSONL segment: its CRC-32 and its lines."""
-    lines = int(np.count_nonzero(np.frombuffer(block, dtype=np.uint8) == ord("\n")))
     return (json.dumps({"event": BLOCK_EVENT, "crc32": zlib.crc32(block), "lines": lines}) + "\n").encode()
 
 
