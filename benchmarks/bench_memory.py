@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 LIMIT_MIB = 1536
+CAP_MIB = 12 * 1024
 COMMANDS = {
     "global_reduce": ["reduce", "{run}", "--out", "{out}.parquet"],
     "per_rank_reduce": ["reduce", "{run}", "--mode", "per_rank_reduce", "--out", "{out}.parquet"],
@@ -84,9 +85,10 @@ def measure(run: Path, command: list[str], out: Path) -> tuple[float, float, int
     metriclog = str(Path(sys.executable).with_name("metriclog"))
     args = [a.format(run=run, out=out) for a in command]
     start = time.perf_counter()
-    proc = subprocess.run(
-        ["/usr/bin/time", "-f", "RSS_KB=%M", metriclog, *args], capture_output=True, text=True
-    )
+    # An address-space cap well above the target, so a command that would take the machine's
+    # memory fails here instead (it shows as a failure with the peak it reached).
+    cap = f"ulimit -v {CAP_MIB * 1024}; exec /usr/bin/time -f RSS_KB=%M \"$@\""
+    proc = subprocess.run(["bash", "-c", cap, "bash", metriclog, *args], capture_output=True, text=True)
     wall = time.perf_counter() - start
     rss = int(proc.stderr.rsplit("RSS_KB=", 1)[1].split()[0]) / 1024
     last = [line for line in proc.stderr.splitlines() if line and not line.startswith("RSS_KB=")]

@@ -49,6 +49,10 @@ DATA_SUFFIXES = (".jsonl", ".parquet", ".journal")
 # Timestamps a reader accepts, in Unix epoch seconds: 1970-01-01 to 2286-11-20 (UTC).
 # Others (and NaN, infinities) are not a clock's and are skipped as bad records.
 TIMESTAMP_RANGE = (0.0, 1e10)
+# A key (UTF-8 bytes) the writer takes, and a JSON line a reader parses as a record: a
+# record's line is its key plus about 150 bytes, so any line the writer writes is read.
+MAX_KEY_BYTES = 64 * 1024
+MAX_LINE_BYTES = 1024 * 1024
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
 

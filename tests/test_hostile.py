@@ -449,6 +449,16 @@ def _integer_key_string_value(run: Path) -> str:
     return "a.parquet: 1 record(s) skipped: 'value' is null or not a number float64 holds exactly"
 
 
+def _line_over_the_limit(run: Path) -> str:
+    big = {
+        **GOOD_RECORD,
+        "key": "k" * (2 << 20),
+    }  # a 2 MiB key: parsing such lines takes many times their size
+    (run / "a.jsonl").write_text(json.dumps(GOOD_RECORD) + "\n" + json.dumps(big) + "\n")
+    size = len(json.dumps(big))
+    return f"a.jsonl: 1 record(s) skipped: line 2: a line of {size:,} bytes, over the 1,048,576 a record's line"
+
+
 GOOD_RECORD = {"key": "k", "value": 1.0, "reduction": "mean", "step": 0, "timestamp": 1.7e9, "rank": 0}
 
 
@@ -556,3 +566,20 @@ def test_a_file_that_fails_as_it_is_read_is_skipped_and_named_the_rest_read(tmp_
     assert pl.read_csv(out)["value"].to_list() == [float(i) for i in range(n)]  # good.parquet, whole
     strict = invoke("reduce", run, "--strict", "--out", tmp_path / "s.csv")
     assert strict.exit_code == 1 and "bad.parquet" in strict.stderr
+
+
+def test_wide_refuses_more_keys_than_its_limit_naming_it(tmp_path):
+    c = MetricCollector(tmp_path / "run", process_name="w")
+    for i in range(10_001):
+        c.record(f"k{i}", 1.0)
+    c.shutdown()
+    result = invoke("reduce", tmp_path / "run", "--wide", "--out", tmp_path / "w.csv")
+    assert result.exit_code == 1 and not (tmp_path / "w.csv").exists()
+    assert result.stderr == (
+        "Error: --wide makes a column of each key, and the result has more than 10,000 keys: choose "
+        "some with --key PATTERN, or leave it out (a row a key)\n"
+    )
+    assert (
+        invoke("reduce", tmp_path / "run", "--wide", "--key", "k1*", "--out", tmp_path / "w.csv").exit_code
+        == 0
+    )

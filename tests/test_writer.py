@@ -98,6 +98,8 @@ def test_bad_values_keys_and_reductions_are_clear_errors(tmp_path):
         c.record(5, 1.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reduction 'avg' is not one of mean, sum, max, min, std"):
         c.record("x", 1.0, "avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is 70,000 bytes: a key holds at most 65,536 bytes"):
+        c.record("k" * 70_000, 1.0)  # a reader refuses a line that long
     c.record("x", 1.0, "max")  # the string form of a Reduce is accepted
     c.shutdown()
     df = read_back(tmp_path)

@@ -37,9 +37,11 @@ import polars as pl
 from metric_core.errors import (
     NoDataError,
     PlanError,
+    RequestError,
     StrictModeError,
     UnknownReductionError,
     UnmatchedError,
+    opt,
 )
 from metric_core.metric import LoggingMode
 from metric_core.offline import filters, partials
@@ -911,6 +913,11 @@ def run_plan(
     return dataclasses.replace(result, stream=reported)
 
 
+# The keys --wide makes columns of, at most: a row of more is no table anyone reads, and
+# each pivoted frame holds a column per key.
+MAX_WIDE_KEYS = 10_000
+
+
 def pivot_wide(frames: Iterable[pl.DataFrame], plan: ReducePlan) -> Iterator[pl.DataFrame]:
     """One row per step (per source), one column per key, keys in sorted order, as frames.
 
@@ -923,8 +930,14 @@ def pivot_wide(frames: Iterable[pl.DataFrame], plan: ReducePlan) -> Iterator[pl.
         keys: set[str] = set()
         files = []
         for i, frame in enumerate(frames):
+            keys.update(frame["key"].unique().to_list())
+            if len(keys) > MAX_WIDE_KEYS:  # before a pivot would make its columns
+                raise RequestError(
+                    f"{opt('wide', flag=True)} makes a column of each key, and the result has more "
+                    f"than {MAX_WIDE_KEYS:,} keys: choose some with {opt('keys')}PATTERN, or leave it "
+                    "out (a row a key)"
+                )
             wide = frame.pivot(on="key", index=index, values="value")
-            keys.update(c for c in wide.columns if c not in index)
             files.append(Path(tmp) / f"{i:06d}.parquet")
             wide.write_parquet(files[-1])
         for path in files:

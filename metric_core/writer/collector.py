@@ -51,7 +51,7 @@ import pyarrow as pa
 from metric_core import records
 from metric_core.errors import CollectorClosedError, ConfigError, RecordsDroppedError, WriteError, warn
 from metric_core.metric import Metric, Reduce
-from metric_core.schema import default_process_name
+from metric_core.schema import MAX_KEY_BYTES, default_process_name
 from metric_core.writer import ends
 from metric_core.writer.backends import Backends, LoggerBackend
 from metric_core.writer.segments import MAX_UNWRITTEN, RawFileWriter
@@ -209,6 +209,13 @@ class MetricCollector:
     def _intern(self, key: str, reduction: Any) -> int:
         if not isinstance(key, str) or not key:
             raise TypeError(f"metric key must be a non-empty string, got {key!r}")
+        if (
+            len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES
+        ):  # a reader would refuse its line
+            raise ValueError(
+                f"metric key '{key[:40]}...' is {len(key.encode()):,} bytes: a key holds at most "
+                f"{MAX_KEY_BYTES:,} bytes (UTF-8)"
+            )
         try:
             red = Reduce(reduction)
         except ValueError:

@@ -19,7 +19,7 @@ from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
 from metric_core.offline.storage import RunPath, is_remote, raise_store_failure, source
-from metric_core.schema import spell_float
+from metric_core.schema import MAX_LINE_BYTES, spell_float
 from metric_core.segment import SegmentMeta
 
 if TYPE_CHECKING:
@@ -58,6 +58,7 @@ def read_jsonl(
             ": decompress it first (e.g. gunzip)" if kind.endswith("compressed") else ""
         )
         return None
+    data = _without_long_lines(data, rep)
     if sealed is None and _BLOCK_LINE.search(data):
         # a sealed segment whose first line, its writer's metadata, did not parse: not a record
         first = data.find(b"\n") + 1
@@ -106,6 +107,30 @@ _LONG_INTEGER_VALUE = re.compile(rb'"value"\s*:\s*-?\d{16,}\s*[,}]')
 # The line after each block of a sealed segment (``segment.BLOCK_EVENT``), as its writer spells it.
 _BLOCK_LINE = re.compile(rb'^\{"event": "block", "crc32": (\d{1,10}), "lines": (\d{1,10})\}\n', re.MULTILINE)
 _RECORD_LINE = re.compile(rb'^\{"key":', re.MULTILINE)  # how the writer begins each record's line
+
+
+def _without_long_lines(data: bytes, rep: FileReport) -> bytes:
+    """``data`` with each line longer than ``MAX_LINE_BYTES`` refused before any parse
+    (its bytes gone, its newline kept, so line numbers stay): no record is that long, and
+    parsing one could take many times its size in memory."""
+    import numpy as np
+
+    ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
+    starts = np.r_[0, ends + 1]
+    lengths = np.r_[ends, len(data)] - starts
+    long = np.flatnonzero(lengths > MAX_LINE_BYTES)
+    if not len(long):
+        return data
+    kept, pos = [], 0
+    for i in long.tolist():
+        start, size = int(starts[i]), int(lengths[i])
+        rep.skip(
+            f"a line of {size:,} bytes, over the {MAX_LINE_BYTES:,} a record's line may hold", 1, [i + 1]
+        )
+        kept.append(data[pos:start])
+        pos = start + size
+    kept.append(data[pos:])
+    return b"".join(kept)
 
 
 def _blocks_check(path: RunPath) -> bool:
