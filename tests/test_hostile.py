@@ -456,7 +456,7 @@ def _line_over_the_limit(run: Path) -> str:
     }  # a 2 MiB key: parsing such lines takes many times their size
     (run / "a.jsonl").write_text(json.dumps(GOOD_RECORD) + "\n" + json.dumps(big) + "\n")
     size = len(json.dumps(big))
-    return f"a.jsonl: 1 record(s) skipped: line 2: a line of {size:,} bytes, over the 1,048,576 a record's line"
+    return f"a.jsonl: 1 record(s) skipped: line 2: a line of {size:,} bytes, over the 1,048,576 a record's"
 
 
 GOOD_RECORD = {"key": "k", "value": 1.0, "reduction": "mean", "step": 0, "timestamp": 1.7e9, "rank": 0}
