@@ -12,7 +12,8 @@ end (``run_plan(...).batches()``, nothing written), and ``inspect_run``. The bas
 the same files without verifying anything (it knows no checksum), so the ratio is what
 verification costs. The writer's side is measured by ``bench_record.py --baseline REV``.
 
-Usage: python benchmarks/bench_checksums.py [--baseline 1e59228] [--repeats 5] [--dir bench_out]
+Usage: python benchmarks/bench_checksums.py [--baseline b9938ca] [--repeats 5] [--dir bench_out]
+                                           [--commands global_reduce,inspect] [--runs parquet_20M]
 """
 
 from __future__ import annotations
@@ -63,13 +64,16 @@ def measure(run: Path, command: str, code: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", default="1e59228", metavar="REV", help="metric_core before checksums")
+    parser.add_argument("--baseline", default="b9938ca", metavar="REV", help="metric_core before checksums")
+    parser.add_argument("--commands", default=",".join(COMMANDS), help="of: " + ", ".join(COMMANDS))
+    parser.add_argument("--runs", default="parquet_20M,jsonl_2M")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", type=Path, default=Path("bench_out") / "checksums")
     args = parser.parse_args()
     compile_sources()
     args.dir.mkdir(parents=True, exist_ok=True)
-    runs = {"parquet_20M": generate(args.dir, "20M"), "jsonl_2M": generate(args.dir, "jsonl")}
+    made = {"parquet_20M": "20M", "jsonl_2M": "jsonl"}
+    runs = {name: generate(args.dir, made[name]) for name in args.runs.split(",")}
     scratch = Path(tempfile.mkdtemp(prefix="metriclog-baseline-"))
     atexit.register(shutil.rmtree, scratch, True)
     baseline = export_baseline(args.baseline, scratch)
@@ -79,7 +83,7 @@ def main() -> None:
     )
     print(f"{'run':<13}{'command':<20}{'now s':>8}{'before s':>10}{'ratio':>8}{'paired':>8}  rows")
     for name, run in runs.items():
-        for command in COMMANDS:
+        for command in args.commands.split(","):
             now, before, pairs = [], [], []
             for _ in range(args.repeats):
                 a, b = measure(run, command, ROOT), measure(run, command, baseline)
