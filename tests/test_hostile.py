@@ -561,7 +561,7 @@ def test_a_file_that_fails_as_it_is_read_is_skipped_and_named_the_rest_read(tmp_
     for command in (["reduce", run, "--mode", "per_rank_no_reduce", "--out", out], ["inspect", run]):
         result = invoke(*command)
         assert result.exit_code == 0, result.output
-        assert "bad.parquet: 1000 record(s) skipped: 1000 x unreadable (" in result.stderr
+        assert "bad.parquet: 1000 record(s) skipped: 1000 x row group 0 cannot be read (" in result.stderr
         assert "Run again" not in result.output and "run again" not in result.output
     assert pl.read_csv(out)["value"].to_list() == [float(i) for i in range(n)]  # good.parquet, whole
     strict = invoke("reduce", run, "--strict", "--out", tmp_path / "s.csv")

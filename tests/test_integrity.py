@@ -15,15 +15,18 @@ not as any reader returned them. Over every trial:
 from __future__ import annotations
 
 import collections
+import json
 import random
 import re
 from pathlib import Path
 
 import numpy as np
+import polars as pl
 import pytest
 from metriclog.main import app
 from typer.testing import CliRunner
 
+from metric_core import scan_run
 from metric_core.errors import NoDataError
 from metric_core.offline.engine import make_plan, run_plan
 from metric_core.writer.segments import RawFileWriter
@@ -159,10 +162,27 @@ def test_a_damaged_unit_is_named_exit_0_and_1_with_strict(tmp_path, file_format)
     assert result.exit_code == 0, result.output
     unit = "row group" if file_format == "parquet" else "block's checksum"
     assert path.name in result.stderr and unit in result.stderr and "damaged" in result.stderr
-    import polars as pl
-
     kept = pl.read_parquet(out).height
     said = int(re.search(r"skipped (\d+) record", result.stderr).group(1))
     assert 0 < said < len(truth) and kept + said == len(truth)
     strict = runner.invoke(app, ["reduce", str(run), "--strict", "--out", str(tmp_path / "s.parquet")])
     assert strict.exit_code == 1 and "damaged" in strict.stderr
+    # every way in reads the same records: a whole scan (plot's), inspect's, a library read
+    scan = scan_run(run)
+    assert scan.frame.select(pl.len()).collect().item() == kept and scan.report.skipped_records == said
+    seen = runner.invoke(app, ["inspect", str(run), "--json"])
+    assert seen.exit_code == 0 and json.loads(seen.stdout)["sources"][0]["records"] == kept
+
+
+def test_a_jsonl_segment_cut_short_or_missing_a_block_says_what_its_writer_wrote(tmp_path):
+    run, truth = written_run(tmp_path / "run", "jsonl")
+    (path,) = run.glob("*.jsonl")
+    lines = path.read_bytes().split(b"\n")
+    blocks = [i for i, line in enumerate(lines) if line.startswith(b'{"event": "block"')]
+    middle = lines[: blocks[0] + 1] + lines[blocks[1] + 1 :]  # the second block and its line, gone
+    for name, data in (("cut", b"\n".join(lines[: blocks[1] + 1]) + b"\n"), ("middle", b"\n".join(middle))):
+        path.write_bytes(data)
+        result = run_plan(run, make_plan(mode="per_rank_no_reduce"))
+        assert result.frame.height == len(truth) - BLOCK * (3 if name == "cut" else 1), name
+        assert result.scan.report.skipped_records == len(truth) - result.frame.height, name
+        assert "though its writer wrote them" in result.scan.report.summary(), name

@@ -230,6 +230,12 @@ def test_a_key_under_two_reductions_keeps_its_first_records_reduction_in_every_m
 
     said = CliRunner().invoke(app, ["reduce", str(tmp_path), "--out", str(tmp_path / "o.csv")])
     assert said.exit_code == 0 and "--reduce 'loss=STAT'" in said.stderr
+    nothing = CliRunner().invoke(
+        app, ["reduce", str(tmp_path), "--ranks", "5", "--out", str(tmp_path / "n.csv")]
+    )
+    assert (
+        nothing.exit_code == 1 and "matches the filters" in nothing.stderr
+    )  # a filter keeping nothing says so
     strict = CliRunner().invoke(app, ["reduce", str(tmp_path), "--strict", "--out", str(tmp_path / "s.csv")])
     assert strict.exit_code == 1 and "3 record(s) under 'mean' skipped" in strict.stderr
 

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 import polars as pl
+from polars.exceptions import PanicException
 
 from metric_core.errors import (
     NoDataError,
@@ -152,6 +153,9 @@ def execute(
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
         recorded = first_reductions(plan, scan)  # each key's statistic: decided, or in the frames so far
+        for key, reduction in recorded.items():
+            scan.report.mixed.setdefault(key, MixedKey(key, reduction))
+        produced = False
         acc = partials.Accumulator()
         states = states_of([task for _, task in work], [t.size for _, t in work], on_progress)
         try:
@@ -164,7 +168,9 @@ def execute(
                 u = work[i][0]
                 upto = work[i + 1][1].lo if i + 1 < len(work) and work[i + 1][0] == u else math.inf
                 if upto == math.inf or acc.cells_below(upto) >= TAKEN_GROUPS // 2:  # a frame's worth
-                    yield from _finished(plan, scan, acc, t0, recorded, upto, scan.report.mixed)
+                    for frame in _finished(plan, scan, acc, t0, recorded, upto, scan.report.mixed):
+                        produced = produced or frame.height > 0
+                        yield frame
                 if upto == math.inf:
                     acc.close()
                     acc = partials.Accumulator()
@@ -172,7 +178,7 @@ def execute(
             states.close()  # stops the pool's threads, whatever ended the stream
             acc.close()
         unmatched[:] = filters.unmatched(plan, seen)
-        if not recorded:
+        if not produced:
             raise _nothing_kept(plan, scan, unmatched)
 
     if plan.mode is LoggingMode.PER_RANK_REDUCE and sources is None:  # several sources a file
@@ -599,7 +605,11 @@ def _kept_reductions(
     other: dict[str, str] = {}
     for key, reductions in per_key.iter_rows():
         if key not in recorded:
-            recorded[key] = reductions[0] if len(reductions) == 1 else _first_reduction(scan, key, merged)
+            if len(reductions) == 1:
+                recorded[key] = reductions[0]
+            else:  # met with two at once: the first record decides
+                recorded[key] = _first_reduction(scan, key, merged)
+                mixed.setdefault(key, MixedKey(key, recorded[key]))
         if reductions != [recorded[key]]:
             other[key] = recorded[key]
     unknown = {
@@ -616,7 +626,7 @@ def _kept_reductions(
     )
     dropped = merged.with_columns(count=pl.Series(counts)).filter(pl.Series(~keep))
     for key, reduction, n in dropped.group_by("key", "reduction").agg(pl.col("count").sum()).iter_rows():
-        entry = mixed.setdefault(key, MixedKey(key, recorded[key]))
+        entry = mixed.setdefault(key, MixedKey(key, recorded[key], first_record=False))
         entry.skipped[reduction] = entry.skipped.get(reduction, 0) + int(n)
     if "process" in dropped.columns:  # a per-rank mode: who recorded them
         who = dropped.select("key", "process", "rank").unique().drop_nulls()
@@ -635,6 +645,14 @@ def _first_reduction(scan: RunScan | None, key: str, merged: pl.DataFrame) -> st
             return found[key]
     first = merged.filter(pl.col("key") == key).sort(merged.columns[0], "reduction").row(0, named=True)
     return str(first["reduction"])
+
+
+def _firsts(records: pl.LazyFrame) -> pl.LazyFrame:
+    return (
+        records.sort("key", "timestamp", "step", "rank", "reduction", nulls_last=True)
+        .group_by("key", maintain_order=True)
+        .first()
+    )
 
 
 def first_reductions(plan: ReducePlan, scan: RunScan) -> dict[str, str]:
@@ -657,7 +675,9 @@ def first_reductions(plan: ReducePlan, scan: RunScan) -> dict[str, str]:
 
 def _first_records(scan: RunScan, keys: set[str], fids: list[int]) -> dict[str, str]:
     """The reduction of the first record of each of ``keys`` in ``fids``: by time, then
-    step, then rank (records of one time: the lowest rank's), then reduction name."""
+    step, then rank (records of one time: the lowest rank's), then reduction name. (A file
+    that cannot be read is left out here; its reading says so.)"""
+    scan.verify(fids)
     parts = [
         scan.parts[fid]
         .filter(pl.col("key").is_in(list(keys)))
@@ -666,13 +686,15 @@ def _first_records(scan: RunScan, keys: set[str], fids: list[int]) -> dict[str, 
     ]
     if not parts:
         return {}
-    firsts = (
-        pl.concat(parts)
-        .sort("key", "timestamp", "step", "rank", "reduction", nulls_last=True)
-        .group_by("key", maintain_order=True)
-        .first()
-        .collect()
-    )
+    readable = []
+    for part in parts:  # each file's first records, on its own
+        try:
+            readable.append(_firsts(part).collect())
+        except (pl.exceptions.PolarsError, PanicException):
+            continue
+    if not readable:
+        return {}
+    firsts = _firsts(pl.concat(readable).lazy()).collect()
     return dict(zip(firsts["key"].to_list(), firsts["reduction"].to_list(), strict=True))
 
 
@@ -787,7 +809,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
                     window = np.floor((batch["timestamp"].to_numpy() - t0) / float(plan.every or 0))
                     batch = batch.with_columns(window_start=pl.Series(t0 + window * float(plan.every or 0)))
                 produced = True
-                out = batch.select(plan.output_columns)
+                out = _lower_reductions(batch.select(plan.output_columns))
                 for start in range(0, out.height, RAW_BATCH_ROWS):  # a part read whole may be large
                     piece = out.slice(start, RAW_BATCH_ROWS)
                     yield piece.with_columns(pl.col(pl.Categorical).cast(pl.String))
@@ -799,6 +821,18 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
             raise _nothing_kept(plan, scan, unmatched)
 
     return ReduceResult(plan, scan, stream=stream, unmatched=unmatched)
+
+
+def _lower_reductions(df: pl.DataFrame) -> pl.DataFrame:
+    """Reductions in lower case, as every mode reads them (another tool may write ``MEAN``),
+    looking at each distinct one once."""
+    if "reduction" not in df.columns:
+        return df
+    distinct = [r for r in df["reduction"].unique().cast(pl.String).to_list() if r is not None]
+    changed = {r: r.lower() for r in distinct if r != r.lower()}
+    if not changed:
+        return df
+    return df.with_columns(pl.col("reduction").cast(pl.String).replace(changed).cast(df["reduction"].dtype))
 
 
 # per_rank_no_reduce hands over a source's records in frames of at most this many (the
@@ -904,7 +938,7 @@ def run_plan(
             yield from stream()
             if strict and result.unmatched:  # before the last frame is taken as the end
                 raise UnmatchedError(result.unmatched)
-            if strict and scan.report.mixed:  # records under a key's second reduction were skipped
+            if strict and any(m.skipped for m in scan.report.mixed.values()):  # under a second reduction
                 raise StrictModeError(scan.report.summary())
         finally:
             if on_read is not None:

@@ -52,7 +52,7 @@ from metric_core.offline.read import ReadReport, read_sealed
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.report import MixedKey, rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
-from metric_core.segment import SegmentMeta
+from metric_core.segment import Damaged, SegmentMeta
 
 Source = tuple[str, int]
 COLUMNS = ["process", "rank", "step", "key", "value", "reduction", "timestamp"]
@@ -271,7 +271,9 @@ class RunTail:
         if isinstance(meta, Derived):
             return None
         skip = 0
-        if isinstance(meta, SegmentMeta):
+        if isinstance(meta, Damaged):
+            self._say(f"{rel(path, self.root)}: {meta.reason} (the file is damaged): ignored")
+        if meta is not None and meta.supersedes is not None:  # damaged metadata's too, as scan_run
             journal = path.with_name(meta.supersedes)
             tailed = self.journals.pop(journal, None)
             self.done.add(journal)
@@ -281,6 +283,16 @@ class RunTail:
             self._say(f"{rel(path, self.root)}: not read: {rep.unreadable}")
         if frame is None:
             frame = _empty()
+        if skip and (rep.skipped or rep.unreadable):
+            # Its first ``skip`` records were handed over from the journal; with units of it
+            # skipped, which of the rest are new cannot be told apart: none is taken twice.
+            rest = max(frame.height - skip, 0)
+            self.skipped += rest
+            self._say(
+                f"{rel(path, self.root)}: damaged after {skip:,} of its records were read from its "
+                f"journal: its {rest:,} other record(s) are not read"
+            )
+            frame = frame.clear()
         frame = frame.select(COLUMNS).cast(POLARS_SCHEMA).slice(skip)  # type: ignore[arg-type]
         if isinstance(meta, SegmentMeta) and meta.source is not None:
             state = self.source(*meta.source)
@@ -413,7 +425,7 @@ class Follower:
         records under it skipped), with options spelled as on the command line."""
         out = []
         for key, m in sorted(self.mixed.items()):
-            if self._mixed_said.get(key) != m.skipped:
+            if m.skipped and self._mixed_said.get(key) != m.skipped:
                 self._mixed_said[key] = dict(m.skipped)
                 out.append(spell(m.said(), lambda name: f"--{name} "))
         return out

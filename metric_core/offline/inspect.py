@@ -376,7 +376,8 @@ def _aggregate(
             names = hashes if fid in vouched and files[fid].hashed else None
             key = KEY_HASH if names is not None else "key"
             columns = [*by, "step", key, "value", "timestamp"]
-            if fid in scan.unchecked:  # another tool's file: checked as it is read, once
+            # another tool's file: checked as it is read, once; a checksummed segment: verified
+            if fid in scan.unchecked or files[fid].row_groups is not None:
                 found, keys = _batched_aggregates(scan.batches(fid, columns, rows=BATCH_ROWS), by, key)
             else:
                 found, keys = _file_aggregates(frame.select(columns), by, key)

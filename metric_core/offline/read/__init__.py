@@ -65,7 +65,7 @@ from metric_core.offline.read.parquet import (
     scan_parquet,
     verify,
 )
-from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
+from metric_core.offline.read.report import COUNTING, FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import RECORD_OK
 from metric_core.offline.storage import (
     RunPath,
@@ -138,13 +138,13 @@ class RunScan:
     # from there on, said in the report; ``batches`` reads them no more).
     taken: dict[int, int] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
-    _counting: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _counting: threading.Lock = field(default=COUNTING, repr=False)  # one lock for every report's counts
 
     def __getstate__(self) -> dict[str, Any]:  # to a Ray worker (--engine ray): not the lock
         return {k: v for k, v in self.__dict__.items() if k != "_counting"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _counting=threading.Lock())
+        self.__dict__.update(state, _counting=COUNTING)
 
     @property
     def unchecked(self) -> frozenset[int]:
@@ -178,24 +178,24 @@ class RunScan:
         also read with the fields its check needs; read whole, it is then counted (a later
         read drops its bad rows without counting them again)."""
         rep = self.report.files[fid]
-        if fid in self.failed:
-            return
         columns = sorted({*columns, *(REQUIRED_FIELDS if fid in self.unchecked else ())})
+        if fid in self.failed:
+            yield self._no_records(fid, columns)
+            return
         given = False
         try:
             for df in self._frames(rep, fid, columns, dictionaries, row_groups, rows):
                 df = self.checked(fid, df)
-                self.taken[fid] = self.taken.get(fid, 0) + df.height
+                with self._counting:
+                    self.taken[fid] = self.taken.get(fid, 0) + df.height
                 given = True
                 yield df
         except (Exception, PanicException) as exc:
-            if not (_read_failure(exc) or isinstance(exc, PanicException)) or is_store_failure(exc):
+            if not _read_failure(exc) or is_store_failure(exc):
                 raise
             self._give_up(fid, exc)
-            if not given:  # a frame of no records, typed as the file's would be
-                schema = self.parts[fid].select(columns).collect_schema()
-                strings = {c: pl.Categorical() for c in ("key", "reduction", "process") if c in schema}
-                yield pl.DataFrame(schema={**dict(schema), **strings})
+            if not given:
+                yield self._no_records(fid, columns)
             return
         if row_groups is None:  # read whole: its bad rows are counted
             self.was_counted(fid)
@@ -209,7 +209,7 @@ class RunScan:
         row_groups: list[int] | None,
         rows: int | None,
     ) -> Iterator[pl.DataFrame]:
-        if rep.format == "parquet" and (dictionaries or rep.row_groups is not None):  # verified by pyarrow
+        if rep.format == "parquet":  # by pyarrow: page checksums verified, a failing row group skipped
             frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows, rep)
             if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
                 frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
@@ -218,6 +218,12 @@ class RunScan:
             assert row_groups is None, "row groups are read through the dictionaries"
             strings = [c for c in ("key", "reduction", "process") if c in columns]
             yield self.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical)).collect()
+
+    def _no_records(self, fid: int, columns: list[str]) -> pl.DataFrame:
+        """A frame of no records, typed as the file's frames are."""
+        schema = self.parts[fid].select(columns).collect_schema()
+        strings = {c: pl.Categorical() for c in ("key", "reduction", "process") if c in schema}
+        return pl.DataFrame(schema={**dict(schema), **strings})
 
     def _give_up(self, fid: int, exc: BaseException) -> None:
         """A file that fails as it is read: the run changed (it did, since it was listed:
@@ -253,15 +259,7 @@ class RunScan:
         """Check every unchecked file now (for a query over ``frame`` rather than per file),
         and verify every checksummed segment not verified yet (``frame`` reads them with
         polars, which checks no page checksum)."""
-        for fid in list(self.parts):
-            rep = self.report.files[fid]
-            if rep.row_groups is not None and not rep.verified:
-                good = _verified(rep)
-                if good is not None:
-                    if rep.replaced_from is not None:  # the rewind of a restart, as ``resolve`` applied it
-                        good = good.filter(pl.col("step") < rep.replaced_from)
-                    self.parts[fid] = _framed(good, rep, fid)
-                    self.frame = pl.concat(list(self.parts.values()), how="vertical")
+        self.verify(list(self.parts))
         if not self.pending:
             return
         fids = list(self.parts)
@@ -273,6 +271,20 @@ class RunScan:
         self.frame = pl.concat(frames, how="vertical")
         self.counted |= self.pending.keys()
         self.pending = {}
+
+    def verify(self, fids: list[int]) -> None:
+        """Verify the checksummed segments among ``fids`` not verified yet, so that a query
+        over their frames (polars, which checks no page checksum) reads only what checks."""
+        for fid in fids:
+            rep = self.report.files[fid]
+            if rep.row_groups is not None and not rep.verified:
+                rep.verified = True
+                good = verify(rep)
+                if good is not None:
+                    if rep.replaced_from is not None:  # the rewind of a restart, as ``resolve`` applied it
+                        good = good.filter(pl.col("step") < rep.replaced_from)
+                    self.parts[fid] = _framed(good, rep, fid)
+                    self.frame = pl.concat(list(self.parts.values()), how="vertical")
 
     @property
     def name(self) -> str:
@@ -302,10 +314,12 @@ def all_skipped(report: ReadReport) -> NoDataError:
     return NoDataError(str(report.run_dir), "every record was skipped" + (f"\n{extra}" if extra else ""))
 
 
-def _read_failure(exc: Exception) -> bool:
+def _read_failure(exc: BaseException) -> bool:
     """An error of polars or pyarrow reading a file (pyarrow's told by its module, so it
-    is not imported for this), or of the file system."""
-    return isinstance(exc, (pl.exceptions.PolarsError, OSError)) or type(exc).__module__.startswith("pyarrow")
+    is not imported for this; a polars panic too), or of the file system."""
+    return isinstance(exc, (pl.exceptions.PolarsError, OSError, PanicException)) or type(
+        exc
+    ).__module__.startswith("pyarrow")
 
 
 def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
@@ -316,7 +330,7 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     changed (or vanished) since: a live run being sealed, or a copy in progress.
     """
 
-    def said(exc: Exception) -> Exception:
+    def said(exc: BaseException) -> BaseException:
         if is_store_failure(exc):  # polars' or pyarrow's cloud reader, mid-query
             return StorageError(f"reading from object storage failed: {explain_store_failure(exc)}")
         if isinstance(exc, OSError):
@@ -332,7 +346,7 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
         def stream(*args: Any, **kwargs: Any) -> Any:
             try:
                 return (yield from function(*args, **kwargs))
-            except Exception as exc:
+            except (Exception, PanicException) as exc:
                 if not _read_failure(exc):
                     raise
                 raise said(exc) from None
@@ -343,7 +357,7 @@ def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return function(*args, **kwargs)
-        except Exception as exc:
+        except (Exception, PanicException) as exc:
             if not _read_failure(exc):
                 raise
             raise said(exc) from None
@@ -436,7 +450,7 @@ def scan_run(
         else:
             frame = read_jsonl(path, metas[path], rep, report)
         if frame is not None and rep.row_groups is not None and not defer_checks:
-            frame = _verified(rep) or frame
+            frame = _verified(rep, frame)
         if frame is not None:
             if not trusted:
                 checks.append((len(frames), rep, check))
@@ -445,6 +459,11 @@ def scan_run(
     pending = {file_ids[i]: query for i, _, query in checks} if defer_checks else {}
     if not defer_checks:
         run_parquet_checks(frames, checks)
+    restarted = _restarted(report, file_ids)
+    for i, fid in enumerate(file_ids):  # a restart's rewind counts records with polars: verified first
+        rep = report.files[fid]
+        if rep.row_groups is not None and not rep.verified and rep.source in restarted:
+            frames[i] = _framed(_verified(rep, frames[i]), rep, fid)
     kept = resolve(report, dict(zip(file_ids, frames, strict=True)), attempts)
     frames = [kept[fid] for fid in file_ids]
     if not paths:
@@ -461,6 +480,16 @@ def scan_run(
     )
 
 
+def _restarted(report: ReadReport, fids: list[int]) -> set[tuple[str, int]]:
+    """The sources of more than one attempt among the files ``fids``."""
+    attempts: dict[tuple[str, int], set[str | None]] = {}
+    for fid in fids:
+        rep = report.files[fid]
+        if rep.source is not None:
+            attempts.setdefault(rep.source, set()).add(rep.attempt)
+    return {source for source, found in attempts.items() if len(found) > 1}
+
+
 def _framed(frame: pl.LazyFrame, rep: FileReport, fid: int) -> pl.LazyFrame:
     """A file's frame as ``RunScan.parts`` holds it: with ``key_hash`` and ``file_id``."""
     if not rep.hashed:
@@ -468,11 +497,12 @@ def _framed(frame: pl.LazyFrame, rep: FileReport, fid: int) -> pl.LazyFrame:
     return frame.with_columns(file_id=pl.lit(fid, pl.Int32))
 
 
-def _verified(rep: FileReport) -> pl.LazyFrame | None:
-    """``verify`` a checksummed segment once: the frame of its undamaged row groups when
-    one is damaged, else None."""
+def _verified(rep: FileReport, frame: pl.LazyFrame) -> pl.LazyFrame:
+    """A checksummed segment's ``frame``, verified once (``verify``): the frame of its
+    undamaged row groups when one is damaged."""
     rep.verified = True
-    return verify(rep)
+    good = verify(rep)
+    return frame if good is None else good
 
 
 def read_sealed(
@@ -486,7 +516,7 @@ def read_sealed(
     if path.suffix == ".parquet":
         frame, trusted, check = scan_parquet(path, meta, rep, report)
         if frame is not None and rep.row_groups is not None:
-            frame = _verified(rep) or frame
+            frame = _verified(rep, frame)
         if frame is not None and not trusted:
             frames = [frame]
             run_parquet_checks(frames, [(0, rep, check)])

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import polars as pl
+from polars.exceptions import PanicException
 
 from metric_core.errors import PlanError, opt
 from metric_core.life import Life
@@ -122,12 +123,15 @@ def _said(a: Attempt) -> str:
 
 def _replace(report: ReadReport, fid: int, frame: pl.LazyFrame, cutoff: int, a: Attempt) -> pl.LazyFrame:
     gone = pl.col("step") >= cutoff
-    n, lo, hi = (
-        frame.filter(gone)
-        .select(pl.len(), pl.col("step").min().alias("lo"), pl.col("step").max().alias("hi"))
-        .collect()
-        .row(0)
-    )
+    try:
+        n, lo, hi = (
+            frame.filter(gone)
+            .select(pl.len(), pl.col("step").min().alias("lo"), pl.col("step").max().alias("hi"))
+            .collect()
+            .row(0)
+        )
+    except (pl.exceptions.PolarsError, PanicException):  # a file that cannot be read: said when it is
+        n, lo, hi = 0, None, None
     report.files[fid].replaced_from = cutoff
     if n:
         report.files[fid].records -= n

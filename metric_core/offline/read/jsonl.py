@@ -43,7 +43,7 @@ def read_jsonl(
         and sealed.source is not None
         and sealed.nonfinite == 0
         and (sealed.records == 0 or sealed.plausible_times)
-        and _blocks_check(path)
+        and _blocks_check(path, sealed)
     ):
         return _scan_sealed_jsonl(path, sealed, rep, report)
     try:
@@ -53,21 +53,23 @@ def read_jsonl(
         rep.unreadable = str(exc)
         return None
     kind = _binary_kind(data)
+    if kind == "binary" and data.find(_BLOCK_PREFIX) != -1:
+        kind = None  # a sealed segment with a NUL where a bit flipped: its checksums say where
     if kind is not None:
         rep.unreadable = f"{kind} data, not JSON lines" + (
             ": decompress it first (e.g. gunzip)" if kind.endswith("compressed") else ""
         )
         return None
-    data = _without_long_lines(data, rep)
-    if sealed is None and _BLOCK_LINE.search(data):
-        # a sealed segment whose first line, its writer's metadata, did not parse: not a record
+    blocks = data.find(_BLOCK_PREFIX) != -1  # a sealed segment: its first line is its writer's metadata
+    if blocks:
         first = data.find(b"\n") + 1
-        if not _is_json_object(data[:first]):
+        if sealed is None and not _is_json_object(data[:first]):
             rep.skip("line 1, its writer's metadata, is damaged: ignored", 0)
-        data = b"\n" + data[first:]
-    damaged = _damaged_blocks(data)
-    if damaged:
+        data = b"\n" + _without_long_lines(data[first:], rep, first=2)
+        damaged, _ = _blocks(data)
         data = _without(data, damaged, rep, sealed)
+    else:
+        data = _without_long_lines(data, rep)
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
         last = data[cut:]
@@ -106,13 +108,13 @@ def read_jsonl(
 _LONG_INTEGER_VALUE = re.compile(rb'"value"\s*:\s*-?\d{16,}\s*[,}]')
 # The line after each block of a sealed segment (``segment.BLOCK_EVENT``), as its writer spells it.
 _BLOCK_LINE = re.compile(rb'^\{"event": "block", "crc32": (\d{1,10}), "lines": (\d{1,10})\}\n', re.MULTILINE)
-_RECORD_LINE = re.compile(rb'^\{"key":', re.MULTILINE)  # how the writer begins each record's line
 
 
-def _without_long_lines(data: bytes, rep: FileReport) -> bytes:
-    """``data`` with each line longer than ``MAX_LINE_BYTES`` refused before any parse
-    (its bytes gone, its newline kept, so line numbers stay): no record is that long, and
-    parsing one could take many times its size in memory."""
+def _without_long_lines(data: bytes, rep: FileReport, first: int = 1) -> bytes:
+    """``data`` (whose first line is line ``first``) with each line longer than
+    ``MAX_LINE_BYTES`` refused before any parse (its bytes gone, its newline kept, so line
+    numbers stay): no record is that long, and parsing one could take many times its size
+    in memory."""
     import numpy as np
 
     ends = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)
@@ -125,7 +127,7 @@ def _without_long_lines(data: bytes, rep: FileReport) -> bytes:
     for i in long.tolist():
         start, size = int(starts[i]), int(lengths[i])
         rep.skip(
-            f"a line of {size:,} bytes, over the {MAX_LINE_BYTES:,} a record's line may hold", 1, [i + 1]
+            f"a line of {size:,} bytes, over the {MAX_LINE_BYTES:,} a record's line may hold", 1, [i + first]
         )
         kept.append(data[pos:start])
         pos = start + size
@@ -133,47 +135,73 @@ def _without_long_lines(data: bytes, rep: FileReport) -> bytes:
     return b"".join(kept)
 
 
-def _blocks_check(path: RunPath) -> bool:
-    """Whether a sealed JSONL segment is blocks, every one of which matches its checksum,
-    from its first line's end to its last byte: then it can be scanned without a check."""
+def _blocks_check(path: RunPath, meta: SegmentMeta) -> bool:
+    """Whether a sealed JSONL segment is whole: blocks from its first line's end to its last
+    byte, each matching its checksum, as many lines as its writer wrote and the size it
+    gave. Then it can be scanned without a check of each line."""
     try:
         if is_remote(path):
-            return _whole_blocks(path.read_bytes())
+            return _whole(path.read_bytes(), meta)
         with open(str(path), "rb") as f:  # mapped, not read into memory: a segment may be large
             if os.fstat(f.fileno()).st_size == 0:
                 return False
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-                return _whole_blocks(data)
+                return _whole(data, meta)
     except OSError as exc:
         raise_store_failure(path, exc)
         return False
 
 
-def _whole_blocks(data: bytes | mmap.mmap) -> bool:
-    return _BLOCK_LINE.search(data) is not None and not _damaged_blocks(data)
+def _whole(data: bytes | mmap.mmap, meta: SegmentMeta) -> bool:
+    first = data.find(b"\n") + 1
+    damaged, lines = _blocks(data)
+    written = (meta.records or 0) + (1 if meta.clean_shutdown else 0)  # and the shutdown line
+    return bool(lines) and not damaged and lines == written and len(data) - first == meta.bytes
 
 
-def _damaged_blocks(data: bytes | mmap.mmap) -> list[tuple[int, int]]:
+# How the writer begins the line after each block (``segment.BLOCK_EVENT``); a record's line
+# cannot hold it, since JSON escapes the quotes and newlines of a string.
+_BLOCK_PREFIX = b'\n{"event": "block", "crc32": '
+
+
+def _blocks(data: bytes | mmap.mmap) -> tuple[list[tuple[int, int]], int]:
     """The byte ranges of a file of blocks (after its first line, the writer's metadata)
     that fail their checksums: a block whose bytes do not match its line's CRC-32 (with its
     line), several blocks whose lines between them were damaged, and bytes after the last
-    block line. [] for a file with no block line: another tool's, or an older writer's."""
+    block line; and the lines the blocks that match hold. ([], 0) for a file with no block
+    line: another tool's, or an older writer's."""
     start = data.find(b"\n") + 1
-    pos, out = start, []
-    for m in _BLOCK_LINE.finditer(data, start):
-        if zlib.crc32(memoryview(data)[pos : m.start()]) != int(m[1]):
-            out.append((pos, m.end()))
-        pos = m.end()
+    pos, out, lines = start, [], 0
+    at = start - 1
+    while (at := data.find(_BLOCK_PREFIX, at)) != -1:
+        end = data.find(b"\n", at + 1)
+        end = len(data) if end == -1 else end + 1
+        m = _BLOCK_LINE.match(data, at + 1, end)
+        if m is not None:
+            if zlib.crc32(memoryview(data)[pos : at + 1]) == int(m[1]):
+                lines += int(m[2])
+            else:
+                out.append((pos, end))
+            pos = end
+        at = end - 1
     if pos == start:
-        return []
+        return [], 0
     if pos < len(data):
         out.append((pos, len(data)))
-    return out
+    return out, lines
+
+
+def _record_lines(data: bytes, lo: int = 0, hi: int | None = None) -> int:
+    """The lines of ``data[lo:hi]`` that begin as the writer begins a record's."""
+    hi = len(data) if hi is None else hi
+    return data.count(b'\n{"key":', max(lo - 1, 0), hi) + (lo == 0 and data.startswith(b'{"key":'))
 
 
 def _without(data: bytes, damaged: list[tuple[int, int]], rep: FileReport, meta: SegmentMeta | None) -> bytes:
     """``data`` with each ``damaged`` range's bytes but its newlines removed (so that line
-    numbers stay those of the file), the records in them counted in ``rep`` as skipped."""
+    numbers stay those of the file), the records in them counted in ``rep`` as skipped;
+    with its writer's (checked) metadata, what it wrote and is not left is counted too
+    (blocks cut off or lost)."""
     kept, pos, where = [], 0, []
     for lo, hi in damaged:
         first, lines = data.count(b"\n", 0, lo) + 1, data.count(b"\n", lo, hi)
@@ -181,15 +209,17 @@ def _without(data: bytes, damaged: list[tuple[int, int]], rep: FileReport, meta:
         kept += [data[pos:lo], b"\n" * lines]
         pos = hi
     kept.append(data[pos:])
-    out = b"".join(kept)
-    # The lines that read as records; with checked metadata, what was written and is not
-    # left (a record line may be what was damaged).
-    lost = sum(len(_RECORD_LINE.findall(data, lo, hi)) for lo, hi in damaged)
-    if meta is not None and meta.records is not None:
-        lost = max(lost, meta.records - len(_RECORD_LINE.findall(out)))
-    one = len(where) == 1 and "-" not in where[0]
-    said = f"line {where[0]} fails its" if one else f"lines {', '.join(where)} fail their"
-    rep.skip(f"{said} block's checksum (the file is damaged)", lost)
+    out = b"".join(kept) if damaged else data
+    lost = sum(_record_lines(data, lo, hi) for lo, hi in damaged)
+    missing = 0
+    if meta is not None and meta.records is not None:  # a record line may be what was damaged
+        missing = max(meta.records - _record_lines(out) - lost, 0)
+    if damaged:
+        one = len(where) == 1 and "-" not in where[0]
+        said = f"line {where[0]} fails its" if one else f"lines {', '.join(where)} fail their"
+        rep.skip(f"{said} block's checksum (the file is damaged)", lost + missing)
+    elif missing:
+        rep.skip("not in the file, though its writer wrote them (cut short, or blocks lost)", missing)
     return out
 
 

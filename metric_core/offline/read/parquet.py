@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -11,7 +10,7 @@ import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core.offline.read.discover import take_declared
-from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
+from metric_core.offline.read.report import COUNTING, FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import (
     BAD_TIME,
     POLARS_SCHEMA,
@@ -300,7 +299,7 @@ def _frames(
 ) -> Iterator[pl.DataFrame]:
     """``categorical_batches``' frames, from the open ``file``."""
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
-    if rep is not None and rep.row_groups is not None:
+    if rep is not None:
         tables: Iterable[Any] = checked_groups(file, groups, sorted(sources), rep, rows)
     elif rows is None:
         tables = [file.read_row_groups(groups, columns=sorted(sources))]
@@ -324,21 +323,19 @@ def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr]) -> pl
     return df.collect()
 
 
-_damage_lock = threading.Lock()  # the engine reads row groups from several threads
-
-
 def checked_groups(
     file: Any, groups: list[int], columns: list[str] | None, rep: FileReport, rows: int | None = None
 ) -> Iterator[Any]:
-    """The ``groups`` of a checksummed segment's open ``file`` (pyarrow, page checksums
-    verified), each read whole (in batches of ``rows``, or one table) and checked before any
-    of it is handed over: a row group whose pages fail their checksums, fail to decode, or
-    hold other than the records its writer declared is skipped, and counted in ``rep`` once."""
-    assert rep.row_groups is not None
+    """The ``groups`` of an open Parquet ``file`` (pyarrow, page checksums verified where
+    there are some), each read whole (in batches of ``rows``, or one table) and checked
+    before any of it is handed over: a row group whose pages fail their checksums, fail to
+    decode, or hold other than the records its footer (of a checksummed segment: its
+    writer's metadata) declares is skipped, and counted in ``rep`` once. So what a damaged
+    file gives does not depend on which threads read what first."""
     for g in groups:
         if g in rep.damaged_groups:
             continue
-        written = rep.row_groups[g][0]
+        written = rep.row_groups[g][0] if rep.row_groups is not None else file.metadata.row_group(g).num_rows
         try:
             if rows is None:
                 parts = [file.read_row_group(g, columns=columns)]
@@ -358,11 +355,12 @@ def checked_groups(
         if why is None:
             yield from parts
             continue
-        with _damage_lock:
+        with COUNTING:
             if g not in rep.damaged_groups:
                 rep.damaged_groups.add(g)
                 rep.records -= written
-                rep.skip(f"row group {g} is damaged ({why})", written)
+                damaged = "is damaged" if rep.row_groups is not None else "cannot be read"
+                rep.skip(f"row group {g} {damaged} ({why})", written)
 
 
 def verify(rep: FileReport) -> pl.LazyFrame | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,10 @@ from metric_core.life import Life
 from metric_core.offline.storage import RunPath, is_remote
 
 MAX_LINES_KEPT = 1000
+
+
+# Held while a count of a FileReport changes: the engine reads files from several threads.
+COUNTING = threading.Lock()
 
 
 @dataclass
@@ -72,10 +77,15 @@ class FileReport:
         return sum(int(d.get("records", 0)) for d in self.dropped)
 
     def give_up(self, exc: BaseException, taken: int = 0) -> None:
-        """The file failed as it was read, after ``taken`` of its records: the rest skipped."""
-        lost, self.records = self.records - taken, taken
-        where = f" from record {taken + 1:,} on" if taken else ""
-        self.skip(f"unreadable{where} ({f'{type(exc).__name__}: {exc}'.splitlines()[0]})", max(lost, 0))
+        """The file failed as it was read, after ``taken`` of its records: the rest skipped
+        (and the file named unreadable when none of it was read)."""
+        lost, self.records = max(self.records - taken, 0), taken
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if taken:
+            self.skip(f"unreadable from record {taken + 1:,} on ({why})", lost)
+        else:
+            self.unreadable = f"{why}; its {lost:,} record(s) not read"
+            self.skipped += lost
 
     def skip(self, reason: str, count: int = 1, lines: list[int] | None = None) -> None:
         self.skipped += count
@@ -94,14 +104,17 @@ class MixedKey:
     kept: str
     skipped: dict[str, int] = field(default_factory=dict)
     sources: set[str] = field(default_factory=set)  # that recorded them, where the mode tells
+    # kept as that of the key's first record in the run; else the first met as files were
+    # read (another tool's files declare no keys, so a second reduction shows up late)
+    first_record: bool = True
 
     def said(self) -> str:
         others = ", ".join(f"{n:,} record(s) under '{r}'" for r, n in sorted(self.skipped.items()))
         by = f" (by {', '.join(sorted(self.sources))})" if self.sources else ""
+        why = "that of its first record" if self.first_record else "the first one read"
         return (
             f"key '{self.key}' is recorded under more than one reduction: {others}{by} skipped, "
-            f"'{self.kept}' (that of its first record) kept; reduce them all with "
-            f"{opt('reduce')}'{self.key}=STAT'"
+            f"'{self.kept}' ({why}) kept; reduce them all with {opt('reduce')}'{self.key}=STAT'"
         )
 
 
@@ -179,10 +192,11 @@ class ReadReport:
     def _summary(self, max_files: int, max_lines: int) -> str:
         bad = [f for f in self.files if f.skipped or f.unreadable or f.skip_reasons]
         gaps = [f for f in self.files if f.dropped]
-        if not (bad or gaps or self.skipped_paths or self.notices or self.mixed):
+        mixed = any(m.skipped for m in self.mixed.values())
+        if not (bad or gaps or self.skipped_paths or self.notices or mixed):
             return ""
         not_read = f", {len(self.skipped_paths)} path(s) not read" if self.skipped_paths else ""
-        if bad or self.skipped_paths or self.mixed:
+        if bad or self.skipped_paths or mixed:
             head = (
                 f"skipped {self.skipped_records} record(s) and "
                 f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
@@ -195,7 +209,7 @@ class ReadReport:
         if len(self.skipped_paths) > max_files:
             out.append(f"  ... and {len(self.skipped_paths) - max_files} more path(s) not read")
         out.extend(f"  {notice}" for notice in self.notices)
-        out.extend(f"  {m.said()}" for _, m in sorted(self.mixed.items()))
+        out.extend(f"  {m.said()}" for _, m in sorted(self.mixed.items()) if m.skipped)
         for f in gaps:
             for d in f.dropped:
                 steps = d.get("steps") or ["?", "?"]
