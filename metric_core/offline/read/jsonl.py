@@ -68,6 +68,11 @@ def read_jsonl(
         data = b"\n" + _without_long_lines(data[first:], rep, first=2)
         damaged, _ = _blocks(data)
         data = _without(data, damaged, rep, sealed)
+    elif data.startswith(
+        b'{"event": "segment"'
+    ):  # an older writer's segment: its metadata line lists every key
+        first = data.find(b"\n") + 1
+        data = data[:first] + _without_long_lines(data[first:], rep, first=2)
     else:
         data = _without_long_lines(data, rep)
     if data and not data.endswith(b"\n"):
