@@ -179,7 +179,7 @@ class RunScan:
         read drops its bad rows without counting them again)."""
         rep = self.report.files[fid]
         columns = sorted({*columns, *(REQUIRED_FIELDS if fid in self.unchecked else ())})
-        if fid in self.failed:
+        if fid in self.failed or rep.unreadable is not None:  # given up on (by a check of it, say)
             yield self._no_records(fid, columns)
             return
         given = False
