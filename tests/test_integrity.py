@@ -186,3 +186,26 @@ def test_a_jsonl_segment_cut_short_or_missing_a_block_says_what_its_writer_wrote
         assert result.frame.height == len(truth) - BLOCK * (3 if name == "cut" else 1), name
         assert result.scan.report.skipped_records == len(truth) - result.frame.height, name
         assert "though its writer wrote them" in result.scan.report.summary(), name
+
+
+def test_two_sealed_jsonl_segments_joined_read_whole(tmp_path):
+    """`cat a.jsonl b.jsonl > all.jsonl`: the second segment's metadata line starts its
+    blocks again; nothing is damaged, nothing skipped."""
+    a, truth_a = written_run(tmp_path / "a", "jsonl")
+    (seg,) = a.glob("*.jsonl")
+    joined = tmp_path / "joined"
+    joined.mkdir()
+    (joined / "all.jsonl").write_bytes(seg.read_bytes() * 2)
+    result = run_plan(joined, make_plan(mode="per_rank_no_reduce"))
+    assert result.frame.height == 2 * len(truth_a) and not result.scan.report.has_skips
+
+
+def test_a_damaged_shutdown_line_still_ends_the_source_as_its_checked_metadata_says(tmp_path):
+    run, _ = written_run(tmp_path / "run", "jsonl")
+    (path,) = run.glob("*.jsonl")
+    data = path.read_bytes()
+    at = data.index(b'"event": "shutdown"') + 12
+    path.write_bytes(data[:at] + b"X" + data[at + 1 :])
+    report = run_plan(run, make_plan()).scan.report
+    assert report.clean_shutdowns() == {SOURCE}
+    assert "block's checksum (the file is damaged)" in report.summary()

@@ -68,6 +68,9 @@ def read_jsonl(
         data = b"\n" + _without_long_lines(data[first:], rep, first=2)
         damaged, _ = _blocks(data)
         data = _without(data, damaged, rep, sealed)
+        if damaged and sealed is not None and sealed.clean_shutdown and sealed.source is not None:
+            # its shutdown line may be what was damaged: the (checked) metadata says it too
+            report.shutdowns.append(Shutdown(*sealed.source, sealed.timestamp, sealed.attempt))
     elif data.startswith(
         b'{"event": "segment"'
     ):  # an older writer's segment: its metadata line lists every key
@@ -167,6 +170,7 @@ def _whole(data: bytes | mmap.mmap, meta: SegmentMeta) -> bool:
 # How the writer begins the line after each block (``segment.BLOCK_EVENT``); a record's line
 # cannot hold it, since JSON escapes the quotes and newlines of a string.
 _BLOCK_PREFIX = b'\n{"event": "block", "crc32": '
+_SEGMENT_LINE = b'{"event": "segment", '
 
 
 def _blocks(data: bytes | mmap.mmap) -> tuple[list[tuple[int, int]], int]:
@@ -178,7 +182,13 @@ def _blocks(data: bytes | mmap.mmap) -> tuple[list[tuple[int, int]], int]:
     start = data.find(b"\n") + 1
     pos, out, lines = start, [], 0
     at = start - 1
-    while (at := data.find(_BLOCK_PREFIX, at)) != -1:
+    while True:
+        if data[pos : pos + len(_SEGMENT_LINE)] == _SEGMENT_LINE:  # another segment's metadata: files joined
+            end = data.find(b"\n", pos)
+            pos = len(data) if end == -1 else end + 1
+            at = pos - 1
+        if (at := data.find(_BLOCK_PREFIX, at)) == -1:
+            break
         end = data.find(b"\n", at + 1)
         end = len(data) if end == -1 else end + 1
         m = _BLOCK_LINE.match(data, at + 1, end)
