@@ -843,12 +843,17 @@ RAW_BATCH_ROWS = 100_000
 def _parts(scan: RunScan, fids: Sequence[int], row_groups: bool, column: str = "timestamp") -> list[Part]:
     """Files as parts with the lowest value of ``column`` (timestamp or step) they may hold
     (``timeorder``): Parquet row groups by their footer's statistics when read through the
-    dictionaries (``row_groups``), else whole files by their writer's declared range; a file
-    that declares none may hold any value (-inf)."""
+    dictionaries (``row_groups``; a checksummed segment's from its checked metadata, since
+    no checksum covers the footer), else whole files by their writer's declared range; a
+    file that declares none may hold any value (-inf)."""
     out: list[Part] = []
     for fid in fids:
         rep = scan.report.files[fid]
-        groups = row_group_lows(rep.path, column) if row_groups and rep.format == "parquet" else None
+        groups = None
+        if row_groups and rep.row_groups is not None:
+            groups = [(float(t) if column == "timestamp" else s, n) for n, s, t in rep.row_groups]
+        elif row_groups and rep.format == "parquet":
+            groups = row_group_lows(rep.path, column)
         declared = rep.timestamps if column == "timestamp" else rep.steps
         if groups is not None:
             out += [Part(fid, (g,), lo, rows) for g, (lo, rows) in enumerate(groups)]
