@@ -16,6 +16,8 @@ statistic but ``count``, ``first`` and ``last``.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -25,6 +27,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -461,9 +464,11 @@ def _in_order(
             put("error", exc)
 
     # Daemon threads: a stream left half read (kept alive by a traceback, say) never stops
-    # the interpreter from exiting.
+    # the interpreter from exiting; at exit they are stopped and waited for (``_stop_pools``).
     todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     pool = [threading.Thread(target=_serve, args=(todo, run), daemon=True) for _ in range(threads)]
+    live = (stop, todo, pool)
+    _live_pools.append(live)
     for thread in pool:
         thread.start()
     done_bytes, total = 0, sum(sizes)
@@ -487,6 +492,27 @@ def _in_order(
         stop.set()
         for _ in pool:
             todo.put(None)
+        with contextlib.suppress(ValueError):
+            _live_pools.remove(live)
+
+
+# The pools of the streams not finished yet. At exit, before the interpreter tears down,
+# each is stopped and its threads waited for (a moment): a thread left inside pyarrow's
+# C++ while the process exits makes it abort ("terminate called without an active
+# exception") instead of exiting with its status.
+_live_pools: list[tuple[threading.Event, queue.SimpleQueue[int | None], list[threading.Thread]]] = []
+
+
+@atexit.register
+def _stop_pools() -> None:
+    for stop, todo, pool in list(_live_pools):
+        stop.set()
+        for _ in pool:
+            todo.put(None)
+    deadline = time.monotonic() + 10.0
+    for _, _, pool in list(_live_pools):
+        for thread in pool:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _serve(todo: queue.SimpleQueue[int | None], run: Callable[[int], None]) -> None:
