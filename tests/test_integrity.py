@@ -153,8 +153,8 @@ def test_a_damaged_unit_is_named_exit_0_and_1_with_strict(tmp_path, file_format)
     if file_format == "jsonl":
         at = data.index(b'"rank":0', len(data) // 2)  # a field renamed: rank -> rajk
         data[at + 3] = ord("j")
-    else:  # a bit of a value in the middle of the file (a data page of the value column)
-        at = len(data) // 2
+    else:  # a bit of a value in the middle of the run (in a data page of the value column)
+        at = bytes(data).index(np.float64(truth[len(truth) // 2][1]).tobytes())
         data[at] ^= 0x10
     path.write_bytes(bytes(data))
     out = tmp_path / "raw.parquet"
