@@ -602,7 +602,7 @@ def test_another_tools_parquet_is_read_once_and_checked_as_it_is_aggregated(tmp_
     opened: list[str] = []
     batches = read.categorical_batches
     monkeypatch.setattr(
-        read, "categorical_batches", lambda path, *a: opened.append(path.name) or batches(path, *a)
+        read, "categorical_batches", lambda path, *a, **k: opened.append(path.name) or batches(path, *a, **k)
     )
     monkeypatch.setattr(read, "run_parquet_checks", lambda *a: pytest.fail("checked in a read of its own"))
     cache: dict = {}

@@ -251,7 +251,7 @@ def _finished(
         merged, stats, values = acc.take(cut)
         if merged.height == 0:
             continue
-        kept = _kept_reductions(plan, scan, merged, recorded, stats["count"], mixed)
+        kept = _kept_reductions(scan, merged, recorded, stats["count"], mixed)
         value = _values(merged, stats, values)
         out = merged.with_columns(
             bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
@@ -614,7 +614,6 @@ def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
 
 
 def _kept_reductions(
-    plan: ReducePlan,
     scan: RunScan | None,
     merged: pl.DataFrame,
     recorded: dict[str, str],
@@ -662,7 +661,7 @@ def _kept_reductions(
 
 
 def _first_reduction(scan: RunScan | None, key: str, merged: pl.DataFrame) -> str:
-    """The reduction of a key's first record (by time, then name) over the whole run (a
+    """The reduction of a key's first record over the whole run (``_first_records``: a
     query of its own, made only for a key met with two reductions that no file declared);
     without the run, of its first group in ``merged``."""
     if scan is not None:

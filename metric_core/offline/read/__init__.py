@@ -210,7 +210,7 @@ class RunScan:
         rows: int | None,
     ) -> Iterator[pl.DataFrame]:
         if rep.format == "parquet":  # by pyarrow: page checksums verified, a failing row group skipped
-            frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows, rep)
+            frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows, rep=rep)
             if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
                 frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
             yield from frames
@@ -276,15 +276,13 @@ class RunScan:
         """Verify the checksummed segments among ``fids`` not verified yet, so that a query
         over their frames (polars, which checks no page checksum) reads only what checks."""
         for fid in fids:
-            rep = self.report.files[fid]
-            if rep.row_groups is not None and not rep.verified:
-                rep.verified = True
-                good = verify(rep)
-                if good is not None:
-                    if rep.replaced_from is not None:  # the rewind of a restart, as ``resolve`` applied it
-                        good = good.filter(pl.col("step") < rep.replaced_from)
-                    self.parts[fid] = _framed(good, rep, fid)
-                    self.frame = pl.concat(list(self.parts.values()), how="vertical")
+            rep, frame = self.report.files[fid], self.parts[fid]
+            good = _verified(rep, frame)
+            if good is not frame:  # a row group was damaged: the others, as ``resolve`` left them
+                if rep.replaced_from is not None:
+                    good = good.filter(pl.col("step") < rep.replaced_from)
+                self.parts[fid] = _framed(good, rep, fid)
+                self.frame = pl.concat(list(self.parts.values()), how="vertical")
 
     @property
     def name(self) -> str:
@@ -449,7 +447,7 @@ def scan_run(
             frame = read_journal(path, rep, report)
         else:
             frame = read_jsonl(path, metas[path], rep, report)
-        if frame is not None and rep.row_groups is not None and not defer_checks:
+        if frame is not None and not defer_checks:
             frame = _verified(rep, frame)
         if frame is not None:
             if not trusted:
@@ -461,9 +459,8 @@ def scan_run(
         run_parquet_checks(frames, checks)
     restarted = _restarted(report, file_ids)
     for i, fid in enumerate(file_ids):  # a restart's rewind counts records with polars: verified first
-        rep = report.files[fid]
-        if rep.row_groups is not None and not rep.verified and rep.source in restarted:
-            frames[i] = _framed(_verified(rep, frames[i]), rep, fid)
+        if report.files[fid].source in restarted:
+            frames[i] = _framed(_verified(report.files[fid], frames[i]), report.files[fid], fid)
     kept = resolve(report, dict(zip(file_ids, frames, strict=True)), attempts)
     frames = [kept[fid] for fid in file_ids]
     if not paths:
@@ -498,8 +495,10 @@ def _framed(frame: pl.LazyFrame, rep: FileReport, fid: int) -> pl.LazyFrame:
 
 
 def _verified(rep: FileReport, frame: pl.LazyFrame) -> pl.LazyFrame:
-    """A checksummed segment's ``frame``, verified once (``verify``): the frame of its
-    undamaged row groups when one is damaged."""
+    """A file's ``frame``; a checksummed segment's verified first, once (``verify``): the
+    frame of its undamaged row groups when one is damaged."""
+    if rep.row_groups is None or rep.verified:
+        return frame
     rep.verified = True
     good = verify(rep)
     return frame if good is None else good
@@ -515,7 +514,7 @@ def read_sealed(
     take_attempt(rep, meta)
     if path.suffix == ".parquet":
         frame, trusted, check = scan_parquet(path, meta, rep, report)
-        if frame is not None and rep.row_groups is not None:
+        if frame is not None:
             frame = _verified(rep, frame)
         if frame is not None and not trusted:
             frames = [frame]

@@ -52,32 +52,26 @@ def read_jsonl(
         raise_store_failure(path, exc)
         rep.unreadable = str(exc)
         return None
+    blocks = data.find(_BLOCK_PREFIX) != -1  # a sealed segment, with checksums
     kind = _binary_kind(data)
-    if kind == "binary" and data.find(_BLOCK_PREFIX) != -1:
-        kind = None  # a sealed segment with a NUL where a bit flipped: its checksums say where
-    if kind is not None:
+    if kind is not None and not (kind == "binary" and blocks):  # a NUL a flipped bit made: its block says
         rep.unreadable = f"{kind} data, not JSON lines" + (
             ": decompress it first (e.g. gunzip)" if kind.endswith("compressed") else ""
         )
         return None
-    blocks = data.find(_BLOCK_PREFIX) != -1  # a sealed segment: its first line is its writer's metadata
+    # A writer's segment begins with its metadata, a line of every key: no record, and not
+    # held to a record's line limit.
+    first = data.find(b"\n") + 1 if blocks or data.startswith(_SEGMENT_LINE) else 0
+    data = data[:first] + _without_long_lines(data[first:], rep, first=2 if first else 1)
     if blocks:
-        first = data.find(b"\n") + 1
         if sealed is None and not _is_json_object(data[:first]):
             rep.skip("line 1, its writer's metadata, is damaged: ignored", 0)
-        data = b"\n" + _without_long_lines(data[first:], rep, first=2)
+        data = b"\n" + data[first:]  # (line numbers stay the file's)
         damaged, _ = _blocks(data)
         data = _without(data, damaged, rep, sealed)
         if damaged and sealed is not None and sealed.clean_shutdown and sealed.source is not None:
             # its shutdown line may be what was damaged: the (checked) metadata says it too
             report.shutdowns.append(Shutdown(*sealed.source, sealed.timestamp, sealed.attempt))
-    elif data.startswith(
-        b'{"event": "segment"'
-    ):  # an older writer's segment: its metadata line lists every key
-        first = data.find(b"\n") + 1
-        data = data[:first] + _without_long_lines(data[first:], rep, first=2)
-    else:
-        data = _without_long_lines(data, rep)
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
         last = data[cut:]

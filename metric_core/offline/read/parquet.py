@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import polars as pl
@@ -46,12 +46,15 @@ def scan_parquet(
         raise_store_failure(path, exc)
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
         return None, True, None
-    if own is not None and own.row_groups is not None and _rewritten(path, own):
-        report.notices.append(
-            f"{rel(path, report.run_dir)}: its metriclog metadata does not describe it (rewritten "
-            "by another tool?): ignored; its records are read and checked as another tool's"
-        )
-        own = None
+    damage = None
+    if own is not None and own.row_groups is not None:  # its pages carry checksums
+        rewritten, damage = _footer_against(path, own, schema)
+        if rewritten:
+            report.notices.append(
+                f"{rel(path, report.run_dir)}: its metriclog metadata does not describe it (rewritten "
+                "by another tool?): ignored; its records are read and checked as another tool's"
+            )
+            own = None
     if own is not None and own.source is not None:
         rep.source = own.source
         if own.clean_shutdown:
@@ -71,11 +74,10 @@ def scan_parquet(
     if rows == 0:
         return None, True, None
     exact = all(schema[name] == dtype for name, dtype in _EXACT_TYPES.items())
-    if own is not None and own.row_groups is not None:  # its pages carry checksums
-        damage = _footer_damage(path, own, schema)
-        if damage is not None:
-            rep.unreadable = f"the file is damaged: {damage}"
-            return None, True, None
+    if damage is not None:
+        rep.unreadable = f"the file is damaged: {damage}"
+        return None, True, None
+    if own is not None and own.row_groups is not None:
         rep.row_groups = own.row_groups
     # sealed by our writer, untouched, with clock timestamps
     ours = own is not None and own.records == rows and own.plausible_times
@@ -105,27 +107,14 @@ _PHYSICAL = {
 }
 
 
-def _rewritten(path: RunPath, own: SegmentMeta) -> bool:
-    """Whether a file that carries a checksummed segment's metadata was written again since,
-    by a tool that kept the metadata (other columns, or its records cut into other row
-    groups), rather than damaged (which ``_footer_damage`` tells)."""
-    assert own.row_groups is not None
-    try:
-        meta = footer(path)
-        names = {meta.schema.column(i).name for i in range(meta.num_columns)}
-        counts = [n for g in range(meta.num_row_groups) if (n := meta.row_group(g).num_rows)]
-    except (Exception, PanicException) as exc:
-        raise_store_failure(path, exc)
-        return False
-    declared = [n for n, _, _ in own.row_groups]
-    # (a damaged name is one name changed; damaged counts change the total)
-    renamed = len(names) == len(_PHYSICAL) and len(names - set(_PHYSICAL)) <= 1
-    return not renamed or (counts != declared and sum(counts) == sum(declared))
-
-
-def _footer_damage(path: RunPath, own: SegmentMeta, schema: Mapping[str, pl.DataType]) -> str | None:
-    """What in a checksummed segment's footer (which no page checksum covers) differs from
-    what its writer wrote and declared in its checked metadata; None when nothing does."""
+def _footer_against(
+    path: RunPath, own: SegmentMeta, schema: Mapping[str, pl.DataType]
+) -> tuple[bool, str | None]:
+    """A checksummed segment's footer (which no page checksum covers) against its writer's
+    checked metadata: whether the file was written again by a tool that kept the metadata
+    (other columns, or its records cut into other row groups: then the metadata describes
+    another file), and else what in the footer differs from what its writer wrote (the
+    file is damaged), or None."""
     assert own.row_groups is not None
     try:
         meta = footer(path)
@@ -133,13 +122,17 @@ def _footer_damage(path: RunPath, own: SegmentMeta, schema: Mapping[str, pl.Data
             meta.schema.column(i).name: meta.schema.column(i).physical_type for i in range(meta.num_columns)
         }
         arrow = {f.name: str(f.type) for f in meta.schema.to_arrow_schema()}
-        counts = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
+        counts = [n for g in range(meta.num_row_groups) if (n := meta.row_group(g).num_rows)]
     except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
-        return f"its footer cannot be read ({f'{type(exc).__name__}: {exc}'.splitlines()[0]})"
+        return False, f"its footer cannot be read ({f'{type(exc).__name__}: {exc}'.splitlines()[0]})"
     declared = [n for n, _, _ in own.row_groups]
-    if [n for n in counts if n] != declared:
-        return f"its footer's row groups hold {counts} records, its writer wrote {declared}"
+    # A damage changes one name at most, and changes the total of the counts it changes.
+    renamed = len(columns) == len(_PHYSICAL) and len(columns.keys() - _PHYSICAL.keys()) <= 1
+    if not renamed or (counts != declared and sum(counts) == sum(declared)):
+        return True, None
+    if counts != declared:
+        return False, f"its footer's row groups hold {counts} records, its writer wrote {declared}"
     written = {**_EXACT_TYPES, "process": pl.String, KEY_HASH: pl.Int64}
     strings = {"key": "string", "reduction": "string", "process": "string"}
     if (
@@ -147,8 +140,8 @@ def _footer_damage(path: RunPath, own: SegmentMeta, schema: Mapping[str, pl.Data
         or any(schema.get(n) != t for n, t in written.items())
         or any(arrow.get(n) != t for n, t in strings.items())
     ):
-        return "its footer's column types are not its writer's"
-    return None
+        return False, "its footer's column types are not its writer's"
+    return False, None
 
 
 def _read_shape(path: RunPath) -> tuple[dict[str, pl.DataType], int]:
@@ -264,15 +257,16 @@ def categorical_batches(
     hashed: bool,
     row_groups: list[int] | None = None,
     rows: int | None = None,
-    rep: FileReport | None = None,
+    *,
+    rep: FileReport,
 ) -> Iterator[pl.DataFrame]:
     """``columns`` of the records of one Parquet file (or of its ``row_groups``), read once
     with pyarrow, in frames of at most ``rows`` records (None: one frame), strings kept as
     their dictionary codes (polars Categorical): what the engine groups on, without
     decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame.
-    A frame is decoded as it is asked for, so a large row group is never held whole; but
-    of a checksummed segment (``rep.row_groups``), a row group is verified whole before
-    any of it is handed over, and one that is damaged is skipped (``checked_groups``)."""
+    Each row group is read and checked whole before any of it is handed over, and one that
+    fails is skipped and counted in ``rep`` (``checked_groups``); its frames are typed as
+    they are asked for."""
     import pyarrow.parquet as pq
 
     meta = footer(path)
@@ -295,18 +289,12 @@ def _frames(
     sources: set[str],
     row_groups: list[int] | None,
     rows: int | None,
-    rep: FileReport | None,
+    rep: FileReport,
 ) -> Iterator[pl.DataFrame]:
     """``categorical_batches``' frames, from the open ``file``."""
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
-    if rep is not None:
-        tables: Iterable[Any] = checked_groups(file, groups, sorted(sources), rep, rows)
-    elif rows is None:
-        tables = [file.read_row_groups(groups, columns=sorted(sources))]
-    else:
-        tables = file.iter_batches(rows, row_groups=groups, columns=sorted(sources))
     empty = True
-    for table in tables:
+    for table in checked_groups(file, groups, sorted(sources), rep, rows):
         empty = False
         yield _typed_frame(table, wanted, exprs)
     if empty:  # every row group asked for was damaged: a frame of no records, typed as others
@@ -347,10 +335,7 @@ def checked_groups(
             why = (
                 None if found == written else f"{found:,} records decoded where its writer wrote {written:,}"
             )
-        except (
-            Exception,
-            PanicException,
-        ) as exc:  # pyarrow's errors of a damaged page: OSError, ArrowInvalid, ...
+        except (Exception, PanicException) as exc:  # of a damaged page: OSError, ArrowInvalid, ...
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if why is None:
             yield from parts
