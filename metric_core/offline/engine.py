@@ -155,8 +155,8 @@ def execute(
 
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
-        recorded = first_reductions(plan, scan)  # each key's statistic: decided, or in the frames so far
-        for key, reduction in recorded.items():
+        recorded = KeyReductions(first_reductions(plan, scan))  # each key's: decided, or in the frames so far
+        for key, reduction in recorded.decided.items():
             scan.report.mixed.setdefault(key, MixedKey(key, reduction))
         produced = False
         acc = partials.Accumulator()
@@ -225,11 +225,13 @@ class TaskWork:
                     held += pieces[-1].height
                     if held >= rows:
                         yield partials.partition_states(
-                            pl.concat(pieces), plan, statistic_of, self.t0, places
+                            pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, places
                         )
                         pieces, places, held = [], [], 0
         if held:
-            yield partials.partition_states(pl.concat(pieces), plan, statistic_of, self.t0, places)
+            yield partials.partition_states(
+                pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, places
+            )
 
 
 def _finished(
@@ -237,7 +239,7 @@ def _finished(
     scan: RunScan | None,
     acc: partials.Accumulator,
     t0: float | None,
-    recorded: dict[str, str],
+    recorded: KeyReductions,
     upto: float,
     mixed: dict[str, MixedKey],
 ) -> Iterator[pl.DataFrame]:
@@ -269,7 +271,7 @@ def reduce_records(
     plan: ReducePlan,
     records: pl.DataFrame,
     t0: float | None,
-    recorded: dict[str, str],
+    recorded: KeyReductions,
     mixed: dict[str, MixedKey] | None = None,
 ) -> pl.DataFrame:
     """The reduction of ``records`` (in the record schema, every record of each group they
@@ -332,7 +334,8 @@ def _read_part(
 ) -> pl.DataFrame:
     """``_read_batches`` as one frame."""
     return pl.concat(
-        list(_read_batches(plan, scan, fid, dictionaries, kept, row_groups, RAW_BATCH_ROWS, seen))
+        list(_read_batches(plan, scan, fid, dictionaries, kept, row_groups, RAW_BATCH_ROWS, seen)),
+        how="vertical_relaxed",  # keys as Categorical or, past read.interned's budget, text
     )
 
 
@@ -613,10 +616,23 @@ def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
     return min(lows, default=None)
 
 
+@dataclass
+class KeyReductions:
+    """Each key's reduction as far as a stream has read: ``decided`` for a key met under
+    more than one (its first record's), and ``met`` (a frame of key, reduction) for the
+    keys met under one in earlier frames: a run of millions of keys holds them as columns,
+    not as a Python object each."""
+
+    decided: dict[str, str] = field(default_factory=dict)
+    met: pl.DataFrame = field(
+        default_factory=lambda: pl.DataFrame(schema={"key": pl.String, "reduction": pl.String})
+    )
+
+
 def _kept_reductions(
     scan: RunScan | None,
     merged: pl.DataFrame,
-    recorded: dict[str, str],
+    recorded: KeyReductions,
     counts: np.ndarray,
     mixed: dict[str, MixedKey],
 ) -> np.ndarray | None:
@@ -624,34 +640,45 @@ def _kept_reductions(
     (and no ``--reduce`` pattern for it) keeps the reduction of its first record, and its
     groups under another are dropped, their records (``counts``) counted in ``mixed``.
     ``recorded`` holds each key's reduction: decided before (``first_reductions``), or met
-    in earlier frames. None: keep every group. A reduction that is not a statistic is an
-    error."""
-    per_key = merged.group_by("key").agg(pl.col("reduction").unique().sort()).sort("key")
-    other: dict[str, str] = {}
-    for key, reductions in per_key.iter_rows():
-        if key not in recorded:
-            if len(reductions) == 1:
-                recorded[key] = reductions[0]
-            else:  # met with two at once: the first record decides
-                recorded[key] = _first_reduction(scan, key, merged)
-                mixed.setdefault(key, MixedKey(key, recorded[key]))
-        if reductions != [recorded[key]]:
-            other[key] = recorded[key]
-    unknown = {
-        key: recorded[key] for key, _ in per_key.iter_rows() if not partials.is_statistic(recorded[key])
-    }
-    if unknown:
-        raise UnknownReductionError(unknown)
-    if not other:
-        return None
-    keep = (
-        merged.select(pl.col("key").replace_strict(other, default=pl.col("reduction")) == pl.col("reduction"))
-        .to_series()
-        .to_numpy()
+    in earlier frames; this frame's keys are added to it. None: keep every group. A
+    reduction that is not a statistic is an error."""
+    per_key = (
+        merged.group_by("key")
+        .agg(reductions=pl.col("reduction").n_unique(), reduction=pl.col("reduction").min())
+        .join(recorded.met.rename({"reduction": "prior"}), on="key", how="left")
     )
+    # Met with two at once, and never before: the first record decides.
+    fresh_mixed = (
+        (pl.col("reductions") > 1) & pl.col("prior").is_null() & ~pl.col("key").is_in(list(recorded.decided))
+    )
+    for key in per_key.filter(fresh_mixed)["key"].sort().to_list():
+        recorded.decided[key] = _first_reduction(scan, key, merged)
+        mixed.setdefault(key, MixedKey(key, recorded.decided[key]))
+    if len(recorded.decided):
+        first = pl.DataFrame(
+            {"key": list(recorded.decided), "first": list(recorded.decided.values())},
+            schema={"key": pl.String, "first": pl.String},
+        )
+        per_key = per_key.join(first, on="key", how="left").with_columns(prior=pl.coalesce("first", "prior"))
+    fresh = per_key.filter(pl.col("prior").is_null()).select("key", "reduction")
+    if fresh.height:
+        recorded.met = pl.concat([recorded.met, fresh])
+    per_key = per_key.with_columns(prior=pl.coalesce("prior", "reduction"))  # each key's reduction
+    unknown = [r for r in per_key["prior"].unique().to_list() if not partials.is_statistic(r)]
+    if unknown:
+        bad = per_key.filter(pl.col("prior").is_in(unknown)).sort("key")
+        raise UnknownReductionError(dict(zip(bad["key"].to_list(), bad["prior"].to_list(), strict=True)))
+    other = per_key.filter((pl.col("reductions") > 1) | (pl.col("reduction") != pl.col("prior")))
+    if not other.height:
+        return None
+    prior = merged.select("key").join(
+        other.select("key", "prior"), on="key", how="left", maintain_order="left"
+    )
+    keep = (prior["prior"].is_null() | (prior["prior"] == merged["reduction"])).to_numpy()
+    kept_of = dict(zip(other["key"].to_list(), other["prior"].to_list(), strict=True))
     dropped = merged.with_columns(count=pl.Series(counts)).filter(pl.Series(~keep))
     for key, reduction, n in dropped.group_by("key", "reduction").agg(pl.col("count").sum()).iter_rows():
-        entry = mixed.setdefault(key, MixedKey(key, recorded[key], first_record=False))
+        entry = mixed.setdefault(key, MixedKey(key, kept_of[key], first_record=False))
         entry.skipped[reduction] = entry.skipped.get(reduction, 0) + int(n)
     if "process" in dropped.columns:  # a per-rank mode: who recorded them
         who = dropped.select("key", "process", "rank").unique().drop_nulls()
@@ -812,7 +839,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
     @changed_files_said
     def stream() -> Iterator[pl.DataFrame]:
         done = 0
-        held = pl.concat([read(fid) for fid in mixed]) if mixed else None
+        held = pl.concat([read(fid) for fid in mixed], how="vertical_relaxed") if mixed else None
         if held is not None:
             done += sum(sizes[fid] for fid in mixed)
         sources = set(by_source)
@@ -825,7 +852,7 @@ def _raw(plan: ReducePlan, scan: RunScan, on_progress: OnProgress | None) -> Red
                 batches = in_time_order(_parts(scan, fids, dictionaries), read, RAW_BATCH_ROWS)
             else:  # its held rows may fall anywhere in its time: all of it at once
                 mine = held.filter((pl.col("process") == process) & (pl.col("rank") == rank))
-                whole = pl.concat([*(read(fid) for fid in fids), mine])
+                whole = pl.concat([*(read(fid) for fid in fids), mine], how="vertical_relaxed")
                 batches = iter([whole.sort("timestamp", maintain_order=True)])  # ties: file order
             for batch in batches:
                 if batch.height == 0:  # a filter left none of the source's records

@@ -45,7 +45,7 @@ from metric_core.errors import spell
 from metric_core.life import END_KINDS, Life
 from metric_core.metric import LoggingMode
 from metric_core.offline import story
-from metric_core.offline.engine import key_matching, plan_filtered, reduce_records
+from metric_core.offline.engine import KeyReductions, key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
 from metric_core.offline.plan import ReducePlan, key_matcher
 from metric_core.offline.read import ReadReport, read_sealed
@@ -414,7 +414,7 @@ class Follower:
         self.late: dict[Source, int] = {}  # records that came after their bucket was handed over
         self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
         self.t0: float | None = None
-        self.recorded: dict[str, str] = {}
+        self.recorded = KeyReductions()
         self.mixed: dict[str, MixedKey] = {}  # keys met under a second reduction (its records skipped)
         self._mixed_said: dict[str, dict[str, int]] = {}
         self.mapping: dict[str, str] = {}

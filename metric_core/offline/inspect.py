@@ -439,7 +439,11 @@ def _batched_aggregates(
     for df in frames:
         steps, found = _file_aggregates(df.lazy(), by, key)
         parts.append(steps)
-        keys = found if keys is None else _merged_keys(pl.concat([keys, found]), [*by, key])  # one a key
+        keys = (
+            found
+            if keys is None
+            else _merged_keys(pl.concat([keys, found], how="vertical_relaxed"), [*by, key])
+        )
     assert keys is not None, "a file read gives a frame at least"
     steps = pl.concat(parts)
     if len(parts) > 1:

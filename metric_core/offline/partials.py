@@ -69,14 +69,15 @@ class Partial:
     """One partition's states, one entry a group.
 
     ``bucket`` is the group's step (or ``--by time`` window number); ``combo`` indexes
-    ``combos``, the (process, rank, key, statistic) of the group (process and rank None
-    in global_reduce); ``state`` holds the arrays named in the module docstring; for
-    median/pNN groups, ``values`` holds their values and ``value_group`` their groups.
+    the rows of ``labels``: the (process, rank,) key and statistic (column ``reduction``)
+    of the group (global_reduce has no process and rank); ``state`` holds the arrays named
+    in the module docstring; for median/pNN groups, ``values`` holds their values and
+    ``value_group`` their groups.
     """
 
     bucket: np.ndarray
     combo: np.ndarray
-    combos: list[tuple[Any, ...]]
+    labels: pl.DataFrame
     state: np.ndarray  # FIELDS x groups
     value_group: np.ndarray
     values: np.ndarray
@@ -110,7 +111,7 @@ def partition_states(
     rows = df.height
     if rows == 0:
         none = np.empty(0, dtype=np.int64)
-        return Partial(none, none, [], np.empty((len(FIELDS), 0)), none, np.empty(0))
+        return Partial(none, none, pl.DataFrame(), np.empty((len(FIELDS), 0)), none, np.empty(0))
     value = df["value"].to_numpy()
     if plan.by == "time":
         assert t0 is not None and plan.every is not None
@@ -120,24 +121,33 @@ def partition_states(
     # A row's label apart from its bucket: its (process, rank,) key and recorded reduction,
     # as one code; each distinct label is then looked at once, in Python.
     per_source = plan.group_columns[0] == "process"
-    label_columns = [*(("process", "rank") if per_source else ()), "key", "reduction"]
+    source_columns = ["process", "rank"] if per_source else []
+    label_columns = [*source_columns, "key", "reduction"]
     pair, n_pairs = _combine([_codes(df[c]) for c in label_columns], rows)
     pair_rows = _representatives(pair, n_pairs)
     present = np.flatnonzero(pair_rows >= 0)
-    labels = df.select(label_columns)[pair_rows[present]]
-    combos: list[tuple[Any, ...]] = []
-    combo_index: dict[tuple[Any, ...], int] = {}
+    pairs = df.select(label_columns)[pair_rows[present]].with_columns(
+        pl.col(pl.Categorical).cast(pl.String), *([pl.col("rank").cast(pl.Int64)] if per_source else [])
+    )
+    chosen = [
+        statistic_of(key, str(recorded).lower())
+        for key, recorded in zip(pairs["key"].to_list(), pairs["reduction"].to_list(), strict=True)
+    ]
+    # Pairs whose statistic is the same (a --reduce pattern, or MEAN beside mean) are one
+    # combo; combos are numbered in the order their first pair comes.
+    numbered = pairs.select(*source_columns, "key", reduction=pl.Series(chosen, dtype=pl.String))
+    grouped = numbered.with_row_index("_pair").group_by(numbered.columns, maintain_order=True).agg("_pair")
+    labels = grouped.drop("_pair")
     combo_of_pair = np.zeros(n_pairs, dtype=np.int64)
-    for i, row in enumerate(labels.iter_rows()):
-        *source, key, recorded = row
-        combo_label = (*(source or (None, None)), key, statistic_of(key, str(recorded).lower()))
-        combo_of_pair[present[i]] = combo_index.setdefault(combo_label, len(combos))
-        if len(combo_index) > len(combos):
-            combos.append(combo_label)
+    members = grouped["_pair"]
+    combo_of_pair[present[members.explode().to_numpy()]] = np.repeat(
+        np.arange(labels.height), members.list.len().to_numpy()
+    )
     combo = combo_of_pair[pair]
-    names = sorted({c[-1] for c in combos})
-    stat_of_combo = np.array([names.index(c[-1]) for c in combos], dtype=np.int64)
-    ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, len(combos))
+    names = sorted(set(chosen))
+    stat_of_combo = labels["reduction"].replace_strict(names, list(range(len(names))), return_dtype=pl.Int64)
+    stat_of_combo = stat_of_combo.to_numpy()
+    ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
     quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
@@ -155,7 +165,7 @@ def partition_states(
     if quantile.any():
         subset = np.arange(rows) if stat_codes is None else np.flatnonzero(quantile[stat_codes])
         value_group, values = ids[subset], value[subset]
-    return Partial(group_bucket, group_combo, combos, state, value_group, values)
+    return Partial(group_bucket, group_combo, labels, state, value_group, values)
 
 
 def _groups(
@@ -195,8 +205,11 @@ def _codes(series: pl.Series) -> tuple[np.ndarray, int]:
 
 
 def _category_codes(series: pl.Series) -> np.ndarray:
-    """Integer codes of a string column (equal strings, equal codes)."""
-    return series.cast(pl.Categorical).to_physical().to_numpy()
+    """Integer codes of a string column (equal strings, equal codes): its Categorical codes,
+    or those of categories of its own (freed with it: ``read.interned``)."""
+    if series.dtype != pl.Categorical:
+        series = series.cast(pl.Categorical(pl.Categories.random()))
+    return series.to_physical().to_numpy()
 
 
 def _dense(codes: np.ndarray) -> tuple[np.ndarray, int]:
@@ -223,6 +236,8 @@ def _combine(codes: list[tuple[np.ndarray, int]], rows: int) -> tuple[np.ndarray
             ids, span = _dense(ids)
         ids = ids * k + c
         span *= k
+    if span > 4 * rows + _DENSE_SLACK:  # the last column's codes made it sparse
+        ids, span = _dense(ids)
     return ids, span
 
 
@@ -285,6 +300,13 @@ def _extreme(
 
 
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
+# A group's place in its block: its bucket's offset in the block, then its combo
+_COMBO_BITS = 32
+_COMBO_MASK = (1 << _COMBO_BITS) - 1
+# A block's groups met since it was last settled, at most (or a quarter of its groups): each
+# settling copies the block's states once
+LOOSE_GROUPS = 1 << 14
+LOOSE_PARTS = 32  # ... and at most this many partitions' groups (each is one round of folds)
 # median/pNN values held in memory (24 bytes each) before they go to a temporary file
 SPILL_VALUES = 1_000_000
 # median/pNN values whose groups' quantiles are computed in one query: polars' group_by
@@ -293,24 +315,158 @@ SPILL_VALUES = 1_000_000
 SLICE_VALUES = 500_000
 
 
+class _Labels:
+    """The combos folded so far: each one's label (a row of (process, rank,) key and
+    statistic), numbered in the order they came.
+
+    A label is looked up by a hash of its row (``hashes``, sorted, with the combo each
+    numbers), then checked against the row itself; labels whose hash another label has
+    (which 64 bits make rare) are numbered in ``collided`` instead. Memory: the labels, and
+    16 bytes a label, never a Python object each.
+    """
+
+    def __init__(self) -> None:
+        self.table = pl.DataFrame()
+        self.hashes = np.empty(0, dtype=np.uint64)
+        self.numbered = np.empty(0, dtype=np.int64)
+        self.collided: dict[tuple[Any, ...], int] = {}
+        self.collided_hashes = np.empty(0, dtype=np.uint64)  # sorted
+
+    def __len__(self) -> int:
+        return self.table.height
+
+    def numbers(self, labels: pl.DataFrame) -> np.ndarray:
+        """The combo of each row of ``labels`` (distinct rows); labels not met before are
+        numbered next, in row order."""
+        labels = labels.with_columns(
+            pl.col(c).cast(pl.Categorical) for c in ("process", "reduction") if c in labels
+        )
+        h = labels.hash_rows(seed=0).to_numpy()
+        out = np.full(labels.height, -1, dtype=np.int64)
+        at = _found(self.hashes, h)
+        known = np.flatnonzero(at >= 0)
+        combo = self.numbered[at[known]]
+        same = _same_rows(self.table[combo], labels[known])
+        out[known[same]] = combo[same]
+        rest = np.flatnonzero(out < 0)
+        hashed = h[rest]
+        uniq, counts = np.unique(hashed, return_counts=True)
+        odd = (_found(self.hashes, hashed) >= 0) | (_found(self.collided_hashes, hashed) >= 0)
+        odd |= counts[np.searchsorted(uniq, hashed)] > 1
+        for i in rest[odd].tolist():  # a label sharing its hash with another
+            out[i] = self.collided.get(labels.row(i), -1)
+        fresh = np.flatnonzero(out < 0)
+        if not len(fresh):
+            return out
+        out[fresh] = len(self) + np.arange(len(fresh))
+        shares = np.zeros(labels.height, dtype=bool)
+        shares[rest[odd]] = True
+        for i in fresh[shares[fresh]].tolist():
+            self.collided[labels.row(i)] = int(out[i])
+            self.collided_hashes = np.insert(
+                self.collided_hashes, np.searchsorted(self.collided_hashes, h[i]), h[i]
+            )
+        plain = fresh[~shares[fresh]]
+        order = np.argsort(h[plain])
+        where = np.searchsorted(self.hashes, h[plain][order])
+        self.hashes = np.insert(self.hashes, where, h[plain][order])
+        self.numbered = np.insert(self.numbered, where, out[plain][order])
+        self.table = pl.concat([self.table, labels[fresh]]) if len(self) else labels[fresh]
+        if self.table.n_chunks() > 32:
+            self.table = self.table.rechunk()
+        return out
+
+    def rows(self, combo: np.ndarray) -> pl.DataFrame:
+        """The labels of ``combo``, strings as strings."""
+        return self.table[combo].with_columns(pl.col(pl.Categorical).cast(pl.String))
+
+
+def _found(sorted_: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Where each of ``x`` is in ``sorted_``, or -1."""
+    if not len(sorted_):
+        return np.full(len(x), -1, dtype=np.int64)
+    at = np.minimum(np.searchsorted(sorted_, x), len(sorted_) - 1)
+    return np.where(sorted_[at] == x, at, -1)
+
+
+def _same_rows(a: pl.DataFrame, b: pl.DataFrame) -> np.ndarray:
+    """Whether each row of ``a`` equals the same row of ``b`` (nulls equal)."""
+    if not a.height:
+        return np.zeros(0, dtype=bool)
+    same = pl.all_horizontal(pl.col(c).eq_missing(b[c]) for c in a.columns)
+    return a.select(same).to_series().to_numpy()
+
+
 @dataclass
 class _Block:
-    """The states of 2**_BLOCK_BITS consecutive buckets x ``width`` combos, (cells, FIELDS)."""
+    """The groups of 2**_BLOCK_BITS consecutive buckets folded so far: ``ids`` (each
+    group's place: _COMBO_BITS), sorted, and their ``state`` (FIELDS x groups); and, in
+    ``loose``, the states (ids, states) of groups met since the last ``settle``, in the
+    order they came (a group may be there more than once). Memory grows with the groups,
+    not with the combos times the buckets."""
 
-    state: np.ndarray
-    width: int
+    ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    state: np.ndarray = field(default_factory=lambda: np.empty((COUNTED, 0)))
+    loose: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    loose_groups: int = 0
+
+    @property
+    def groups(self) -> int:
+        """The groups held (at most: a loose group may be there more than once)."""
+        return len(self.ids) + self.loose_groups
+
+    def fold(self, ids: np.ndarray, state: np.ndarray) -> None:
+        """One partition's states of the groups ``ids`` (each once) folded in."""
+        if len(state) > len(self.state):
+            self.state = _with_fields(self.state, len(state))
+        at = _found(self.ids, ids)
+        hit = at >= 0
+        if hit.any():
+            at = at[hit]
+            start = int(at[0])
+            if np.array_equal(at, np.arange(start, start + len(at))):  # a run of groups: in place
+                _fold(self.state[:, start : start + len(at)], state[:, hit])
+            else:
+                self.state[:, at] = _fold(self.state[:, at], state[:, hit])
+            ids, state = ids[~hit], state[:, ~hit]
+        if len(ids):
+            self.loose.append((ids, state))
+            self.loose_groups += len(ids)
+            if self.loose_groups > max(len(self.ids) >> 2, LOOSE_GROUPS) or len(self.loose) > LOOSE_PARTS:
+                self.settle()
+
+    def settle(self) -> None:
+        """The loose groups placed among the sorted ones, each folded in the order its
+        states came: the same bits as folding each state as it came."""
+        if not self.loose:
+            return
+        fields = len(self.state)
+        ids = np.concatenate([i for i, _ in self.loose])
+        states = np.concatenate([_with_fields(s, fields) for _, s in self.loose], axis=1)
+        self.loose, self.loose_groups = [], 0
+        order = np.argsort(ids, kind="stable")
+        ids, states = ids[order], states[:, order]
+        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        runs = np.diff(np.r_[starts, len(ids)])
+        merged = _fold(_empty_cells(len(starts), fields), states[:, starts])
+        for j in range(1, int(runs.max())):  # each group's next state, where it has one
+            at = np.flatnonzero(runs > j)
+            merged[:, at] = _fold(merged[:, at], states[:, starts[at] + j])
+        where = np.searchsorted(self.ids, ids[starts])
+        self.ids = np.insert(self.ids, where, ids[starts])
+        self.state = np.insert(self.state, where, merged, axis=1)
 
 
 @dataclass
 class Accumulator:
     """Partitions' states folded in the order they are given, into blocks of buckets.
 
-    Memory grows with the groups (buckets x combos touched) not taken out yet (``take``),
-    not with the records; the values of median/pNN groups are held with them (in a
-    temporary directory past ``SPILL_VALUES``).
+    Memory grows with the groups (bucket and combo) not taken out yet (``take``) and the
+    combos met, not with the records; the values of median/pNN groups are held with them
+    (in a temporary directory past ``SPILL_VALUES``).
     """
 
-    combos: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    labels: _Labels = field(default_factory=_Labels)
     blocks: dict[int, _Block] = field(default_factory=dict)
     value_cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
     held_values: int = 0
@@ -323,21 +479,13 @@ class Accumulator:
     def add(self, p: Partial) -> None:
         if not len(p.bucket):
             return
-        to_global = np.array([self.combos.setdefault(c, len(self.combos)) for c in p.combos], dtype=np.int64)
-        combo = to_global[p.combo]
-        width = len(self.combos)
+        combo = self.labels.numbers(p.labels)[p.combo]
         block_of = p.bucket >> _BLOCK_BITS  # non-decreasing: the groups come in bucket order
         edges = np.flatnonzero(np.diff(block_of)) + 1
         for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
-            cells = (p.bucket[lo:hi] & ((1 << _BLOCK_BITS) - 1)) * width + combo[lo:hi]
-            block = self._block(int(block_of[lo]), width, len(p.state))
-            start = int(cells[0])
-            if int(cells[-1]) - start + 1 == hi - lo and np.array_equal(
-                cells, np.arange(start, start + hi - lo)
-            ):
-                _fold(block.state[:, start : start + hi - lo], p.state[:, lo:hi])  # a run of cells: in place
-            else:
-                block.state[:, cells] = _fold(block.state[:, cells], p.state[:, lo:hi])
+            b = int(block_of[lo])
+            ids = ((p.bucket[lo:hi] - (b << _BLOCK_BITS)) << _COMBO_BITS) | combo[lo:hi]
+            self.blocks.setdefault(b, _Block()).fold(ids, p.state[:, lo:hi])
         if len(p.values):
             self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
             self.held_values += len(p.values)
@@ -416,99 +564,82 @@ class Accumulator:
             self.spill_dir.cleanup()
             self.spill_dir = None
 
-    def _block(self, b: int, width: int, fields: int) -> _Block:
-        """Block ``b``, with ``width`` combos and at least ``fields`` fields."""
-        block = self.blocks.get(b)
-        if block is None:
-            block = self.blocks[b] = _Block(_empty_cells(width << _BLOCK_BITS, fields), width)
-        elif block.width < width or len(block.state) < fields:
-            grown = _empty_cells(width << _BLOCK_BITS, max(fields, len(block.state)))
-            old = np.arange(block.width << _BLOCK_BITS)
-            grown[: len(block.state), (old // block.width) * width + old % block.width] = block.state
-            block.state, block.width = grown, width
-        return block
-
     def cells_below(self, upto: float) -> int:
-        """The cells (groups, and room for them) of the blocks that start below bucket ``upto``."""
-        return sum(block.width << _BLOCK_BITS for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
+        """The groups (at most) of the blocks that start below bucket ``upto``."""
+        return sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
 
     def cuts(self, upto: float, groups: int) -> list[float]:
         """Where to cut the taking of the buckets below ``upto`` (block edges, then ``upto``)
-        so that each take holds at most about ``groups`` groups (cells)."""
+        so that each take holds at most about ``groups`` groups."""
         out: list[float] = []
         held = 0
         for b in sorted(self.blocks):
             if b << _BLOCK_BITS >= upto:
                 break
-            cells = self.blocks[b].width << _BLOCK_BITS
-            if held and held + cells > groups:
+            if held and held + self.blocks[b].groups > groups:
                 out.append(b << _BLOCK_BITS)
                 held = 0
-            held += cells
+            held += self.blocks[b].groups
         return [*out, upto]
 
     def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
         """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out: one
-        row a group (bucket, _combo, process, rank, key, reduction), the merged statistics
-        by name (one value a row), and their median/pNN values (``_value_ranges``), to be
-        read before ``close``."""
+        row a group (bucket, _combo, (process, rank,) key, reduction), the merged statistics
+        their reductions name (and count), one value a row, and their median/pNN values
+        (``_value_ranges``), to be read before ``close``."""
         hi = None if upto == math.inf else math.floor(upto)
         buckets, combos, parts = [], [], []
         for b in sorted(self.blocks):
-            if hi is not None and b << _BLOCK_BITS >= hi:
+            first = b << _BLOCK_BITS
+            if hi is not None and first >= hi:
                 break
             block = self.blocks[b]
-            cells = np.flatnonzero(block.state[N] > 0)
-            if hi is not None and (b + 1) << _BLOCK_BITS > hi:  # the block hi falls in: its first buckets
-                cells = cells[cells // block.width < hi - (b << _BLOCK_BITS)]
-                parts.append(block.state[:, cells])
-                block.state[:, cells] = _EMPTY[: len(block.state), None]
+            block.settle()
+            n = len(block.ids)
+            if hi is not None and first + (1 << _BLOCK_BITS) > hi:  # the block hi falls in: its first buckets
+                n = int(np.searchsorted(block.ids, (hi - first) << _COMBO_BITS))
+            ids, state = block.ids[:n], block.state[:, :n]
+            if n == len(block.ids):
+                del self.blocks[b]
             else:
-                parts.append(self.blocks.pop(b).state[:, cells])
-            buckets.append((b << _BLOCK_BITS) + cells // block.width)
-            combos.append(cells % block.width)
+                block.ids, block.state = block.ids[n:].copy(), block.state[:, n:].copy()
+            parts.append(state)
+            buckets.append(first + (ids >> _COMBO_BITS))
+            combos.append(ids & _COMBO_MASK)
         values = self._value_ranges(self.taken, hi)
         self.taken = hi
         if not parts:
             return pl.DataFrame(), {}, values
-        fields = max(UNTIMED, *(len(part) for part in parts))
-        s = np.concatenate([_with_fields(part, fields) for part in parts], axis=1)
         bucket, combo = np.concatenate(buckets), np.concatenate(combos)
-        labels = list(self.combos)
-        process, rank, key, reduction = (list(col) for col in zip(*labels, strict=True))
-        table = pl.DataFrame(
-            {
-                "_combo": range(len(labels)),
-                "process": process,
-                "rank": rank,
-                "key": key,
-                "reduction": reduction,
-            },
-            schema={
-                "_combo": pl.Int64,
-                "process": pl.String,
-                "rank": pl.Int64,
-                "key": pl.String,
-                "reduction": pl.String,
-            },
-        )
-        frame = pl.DataFrame({"bucket": bucket, "_combo": combo}).join(
-            table, on="_combo", how="left", maintain_order="left"
-        )
-        n, dev, sq, base, raw = s[N], s[DEV], s[SQ], s[SHIFT], s[RAW]
-        finite = np.isfinite(raw)
-        with np.errstate(invalid="ignore", over="ignore"):  # over: sums no statistic reads
-            stats = {
-                "count": n.astype(np.int64),
-                "sum": np.where(finite, n * base + dev, raw),
-                "mean": np.where(finite, base + dev / n, raw / n),
-                "std": np.where(finite, np.sqrt(np.maximum((sq - dev * dev / n) / n, 0.0)), np.nan),
-                "min": s[MIN],
-                "max": s[MAX],
-                "first": s[FIRST] if len(s) > FIRST else np.full(len(n), np.nan),
-                "last": s[LAST] if len(s) > LAST else np.full(len(n), np.nan),
-            }
+        frame = pl.DataFrame({"bucket": bucket, "_combo": combo}).hstack(self.labels.rows(combo))
+        named = {Statistic.parse(r).name for r in frame["reduction"].unique().to_list() if is_statistic(r)}
+        stats = {
+            name: np.concatenate([_statistic(s, name) for s in parts]) for name in sorted({"count", *named})
+        }
         return frame, stats, values
+
+
+def _statistic(s: np.ndarray, name: str) -> np.ndarray:
+    """Statistic ``name`` (not median or pNN: those need the values) of merged states ``s``,
+    one value a group."""
+    if name == "count":
+        return s[N].astype(np.int64)
+    s = _with_fields(s, UNTIMED)  # a median/pNN-only part holds its counts alone
+    n, dev, base, raw = s[N], s[DEV], s[SHIFT], s[RAW]
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # over: sums no statistic reads
+        if name == "sum":
+            return np.where(np.isfinite(raw), n * base + dev, raw)
+        if name == "mean":
+            return np.where(np.isfinite(raw), base + dev / n, raw / n)
+        if name == "std":
+            var = np.maximum((s[SQ] - dev * dev / n) / n, 0.0)
+            return np.where(np.isfinite(raw), np.sqrt(var), np.nan)
+        if name in ("min", "max"):
+            return s[MIN if name == "min" else MAX]
+        if name in ("first", "last"):
+            at = FIRST if name == "first" else LAST
+            return s[at] if len(s) > at else np.full(len(n), np.nan)
+    return np.full(len(n), np.nan)  # median, pNN: from their values
 
 
 def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:

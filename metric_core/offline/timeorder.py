@@ -70,7 +70,7 @@ def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl
         # back last time, so records that overlap are not filtered again and again.
         if pos < len(order) and (fresh < max(batch_rows, kept) or cut == -math.inf):
             continue
-        whole = pl.concat(held)
+        whole = pl.concat(held, how="vertical_relaxed")  # keys Categorical, or text (read.interned)
         held = []
         # The order found once, then what is ready gathered a batch at a time (no sorted
         # copy of the whole), what waits gathered once. Rows held in file order need no

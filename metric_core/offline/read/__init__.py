@@ -56,6 +56,7 @@ from metric_core.offline.read.discover import (
     take_attempt,
     writer_meta,
 )
+from metric_core.offline.read.interned import categorical_keys
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import (
@@ -216,8 +217,11 @@ class RunScan:
             yield from frames
         else:
             assert row_groups is None, "row groups are read through the dictionaries"
-            strings = [c for c in ("key", "reduction", "process") if c in columns]
-            yield self.parts[fid].select(columns).with_columns(pl.col(strings).cast(pl.Categorical)).collect()
+            frame = self.parts[fid].select(columns).collect()
+            strings: list[str] = [c for c in ("reduction", "process") if c in columns]
+            if "key" in columns and categorical_keys(frame["key"].unique()):  # else too many: as text
+                strings.append("key")
+            yield frame.with_columns(pl.col(strings).cast(pl.Categorical))
 
     def _no_records(self, fid: int, columns: list[str]) -> pl.DataFrame:
         """A frame of no records, typed as the file's frames are."""

@@ -10,6 +10,7 @@ import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core.offline.read.discover import take_declared
+from metric_core.offline.read.interned import categorical_keys
 from metric_core.offline.read.report import COUNTING, FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import (
     BAD_TIME,
@@ -272,6 +273,7 @@ def categorical_batches(
     meta = footer(path)
     schema = _polars_schema(meta)
     exprs = typed_columns(schema, hashed, strings=pl.Categorical)
+    text_key = typed_columns(schema, hashed)["key"]  # for a frame of too many keys: interned
     wanted = [c for c in columns if c in exprs]
     sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
     strings = [
@@ -279,13 +281,14 @@ def categorical_batches(
     ]
     with arrow_source(path) as where:  # a remote file, open until the last frame
         file = pq.ParquetFile(where, metadata=meta, read_dictionary=strings, page_checksum_verification=True)
-        yield from _frames(file, wanted, exprs, sources, row_groups, rows, rep)
+        yield from _frames(file, wanted, exprs, text_key, sources, row_groups, rows, rep)
 
 
 def _frames(
     file: Any,
     wanted: list[str],
     exprs: dict[str, pl.Expr],
+    text_key: pl.Expr,
     sources: set[str],
     row_groups: list[int] | None,
     rows: int | None,
@@ -296,12 +299,28 @@ def _frames(
     empty = True
     for table in checked_groups(file, groups, sorted(sources), rep, rows):
         empty = False
-        yield _typed_frame(table, wanted, exprs)
+        yield _typed_frame(table, wanted, exprs, text_key)
     if empty:  # every row group asked for was damaged: a frame of no records, typed as others
-        yield _typed_frame(file.schema_arrow.empty_table().select(sorted(sources)), wanted, exprs)
+        yield _typed_frame(file.schema_arrow.empty_table().select(sorted(sources)), wanted, exprs, text_key)
 
 
-def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr]) -> pl.DataFrame:
+def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr], text_key: pl.Expr) -> pl.DataFrame:
+    """A table (or record batch) read by pyarrow as the record schema's frame: its keys
+    Categorical, unless there are too many (``interned``: then as text, decoded here)."""
+    if "key" in wanted:
+        import pyarrow as pa
+
+        column = table.column("key")
+        chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+        if pa.types.is_dictionary(column.type):
+            distinct = pl.Series(pa.chunked_array([c.dictionary for c in chunks], column.type.value_type))
+        else:
+            distinct = pl.Series(pa.chunked_array(chunks, column.type)).unique()
+        if not categorical_keys(distinct):
+            exprs = {**exprs, "key": text_key}
+            if pa.types.is_dictionary(column.type):
+                at = table.schema.get_field_index("key")
+                table = table.set_column(at, "key", column.cast(column.type.value_type))
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
     df = frame.lazy().select(**{c: exprs[c] for c in wanted})
