@@ -883,7 +883,7 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
 
     def fields(self, p):
         add(self, p)
-        blocks.append(max(len(b.state) for b in self.blocks.values()))
+        blocks.append(max(b.fields for b in self.blocks.values()))
 
     monkeypatch.setattr(engine.partials.Accumulator, "add", fields)
     monkeypatch.setattr(engine, "PARTITION_ROWS", 60)  # each file alone in its partitions
@@ -949,3 +949,88 @@ def test_median_and_percentiles_are_numpys_to_the_bit(tmp_path, stat):
             assert np.array([v]).view(np.int64)[0] == np.array([want]).view(np.int64)[0], (s, values, v, want)
         else:  # a tie of -0.0 and 0.0 gives either, as the sort has it
             assert np.array_equal([v], [want], equal_nan=True), (s, values, v, want)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [{}, {"mode": "per_rank_reduce"}, {"reduce": ["trainer/*=std", "policy/*=p90", "ext/b=first"]}],
+    ids=["global", "per_rank", "overrides"],
+)
+def test_how_groups_are_held_and_keys_typed_changes_no_bit(many_files, monkeypatch, args):
+    """Groups placed a few at a time into chunks of a few (each group folded in the order
+    its states came), and keys handed over as text past the interning budget: the same
+    bits as the defaults, which hold everything in one chunk and keys as Categorical."""
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    want = run_plan(many_files, make_plan(**args)).frame
+    monkeypatch.setattr(engine.partials, "CHUNK_GROUPS", 16)
+    monkeypatch.setattr(engine.partials, "LOOSE_GROUPS", 8)
+    monkeypatch.setattr(engine.partials, "LOOSE_PARTS", 2)
+    monkeypatch.setattr(read.interned, "KEY_BUDGET", 0)  # every frame's keys as text
+    got = run_plan(many_files, make_plan(**args)).frame
+    assert want.height > 100 and got.equals(want)
+
+
+def test_many_distinct_keys_read_as_text_equal_numpy(tmp_path, monkeypatch):
+    """3,000 distinct keys, past a budget of 1,000 interned keys: the first row groups'
+    keys come as Categorical, the later ones' as text, partitions mix both, and every group
+    is numpy's mean."""
+    rng = np.random.default_rng(11)
+    n = 30_000
+    keys = np.char.add("k/", (np.arange(n) // 10).astype("U4"))  # 400 of them a row group
+    steps = rng.integers(0, 3, n)
+    values = rng.standard_normal(n) + 1e6
+    rows = {
+        "key": keys, "value": values, "reduction": ["mean"] * n, "step": steps,
+        "timestamp": BASE_TIME + steps.astype(float), "rank": np.zeros(n, dtype=np.int64),
+    }  # fmt: skip
+    write_foreign(tmp_path / "wide.parquet", rows, dictionary=False, row_group_size=4000)
+    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine, "PARTITION_ROWS", 5000)
+    monkeypatch.setattr(read.interned, "KEY_BUDGET", 1000)
+    monkeypatch.setattr(read.interned, "_admitted", np.empty(0, dtype=np.uint64))
+    admitted = []
+    categorical_keys = read.interned.categorical_keys
+
+    def counting(distinct):
+        admitted.append(categorical_keys(distinct))
+        return admitted[-1]
+
+    monkeypatch.setattr(read.parquet, "categorical_keys", counting)
+    frame = run_plan(tmp_path, make_plan()).frame
+    assert set(admitted) == {True, False}
+    got = {(s, k): v for s, k, v in frame.select("step", "key", "value").iter_rows()}
+    truth = pl.DataFrame({"step": steps, "key": keys, "value": values}).group_by("step", "key").agg("value")
+    assert len(got) == truth.height
+    for s, k, vs in truth.iter_rows():
+        assert got[s, k] == pytest.approx(np.mean(vs), rel=1e-15), (s, k)
+
+
+def test_a_partitions_index_is_the_size_of_its_rows_whatever_the_string_codes():
+    """Keys and a reduction whose Categorical codes came late (after 50,000 other strings):
+    the index of a partition's labels stays the size of its rows (it once allocated the
+    product of the codes' spans: 830 MB here, 24 GB on a run of 1M keys)."""
+    import tracemalloc
+    import uuid
+
+    tag = uuid.uuid4().hex
+    pl.Series([f"{tag}-junk-{i}" for i in range(50_000)]).cast(pl.Categorical)
+    n = 2000
+    records = pl.DataFrame(
+        {
+            "key": [f"{tag}-k{i}" for i in range(n)],
+            "value": np.arange(n, dtype=float),
+            "reduction": [f"{tag}-mean"] * n,
+            "step": np.zeros(n, dtype=np.int64),
+            "timestamp": np.full(n, BASE_TIME),
+            "rank": np.zeros(n, dtype=np.int64),
+        }
+    ).with_columns(pl.col("key", "reduction").cast(pl.Categorical))
+    plan = make_plan(reduce=["*=mean"])
+    tracemalloc.start()
+    try:
+        frame = engine.reduce_records(plan, records, None, engine.KeyReductions())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 * 2**20, f"{peak / 2**20:.0f} MiB traced"
+    assert frame.sort("key")["value"].to_list() == [float(i) for i in sorted(range(n), key=lambda i: f"k{i}")]

@@ -171,7 +171,8 @@ def execute(
                 u = work[i][0]
                 upto = work[i + 1][1].lo if i + 1 < len(work) and work[i + 1][0] == u else math.inf
                 if upto == math.inf or acc.cells_below(upto) >= TAKEN_GROUPS // 2:  # a frame's worth
-                    for frame in _finished(plan, scan, acc, t0, recorded, upto, scan.report.mixed):
+                    last = i + 1 == len(work)
+                    for frame in _finished(plan, scan, acc, t0, recorded, upto, scan.report.mixed, last):
                         produced = produced or frame.height > 0
                         yield frame
                 if upto == math.inf:
@@ -242,18 +243,22 @@ def _finished(
     recorded: KeyReductions,
     upto: float,
     mixed: dict[str, MixedKey],
+    last: bool = False,
 ) -> Iterator[pl.DataFrame]:
     """The result of the groups folded into ``acc`` below bucket ``upto`` (``take``), in
-    frames of about TAKEN_GROUPS groups; ``recorded`` and ``mixed`` as ``_kept_reductions``."""
+    frames of about TAKEN_GROUPS groups; ``recorded`` and ``mixed`` as ``_kept_reductions``
+    (``last``: no frame of the stream follows these)."""
     if plan.by == "time":
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
     else:
         bucket = pl.col("bucket")
-    for cut in acc.cuts(upto, TAKEN_GROUPS):
+    cuts = acc.cuts(upto, TAKEN_GROUPS)
+    for i, cut in enumerate(cuts):
         merged, stats, values = acc.take(cut)
         if merged.height == 0:
             continue
-        kept = _kept_reductions(scan, merged, recorded, stats["count"], mixed)
+        remember = not last or i + 1 < len(cuts)
+        kept = _kept_reductions(scan, merged, recorded, stats["count"], mixed, remember)
         value = _values(merged, stats, values)
         out = merged.with_columns(
             bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
@@ -635,13 +640,21 @@ def _kept_reductions(
     recorded: KeyReductions,
     counts: np.ndarray,
     mixed: dict[str, MixedKey],
+    remember: bool = True,
 ) -> np.ndarray | None:
     """Which groups of ``merged`` to keep: a key recorded under more than one reduction
     (and no ``--reduce`` pattern for it) keeps the reduction of its first record, and its
     groups under another are dropped, their records (``counts``) counted in ``mixed``.
     ``recorded`` holds each key's reduction: decided before (``first_reductions``), or met
-    in earlier frames; this frame's keys are added to it. None: keep every group. A
-    reduction that is not a statistic is an error."""
+    in earlier frames; this frame's keys are added to it (``remember``: a frame follows).
+    None: keep every group. A reduction that is not a statistic is an error."""
+    reductions = merged["reduction"].unique()
+    if len(reductions) == 1 and not recorded.decided and not recorded.met.height:  # no key's to group
+        if not partials.is_statistic(reductions[0]):
+            raise UnknownReductionError(dict.fromkeys(merged["key"].unique().sort().to_list(), reductions[0]))
+        if remember:
+            recorded.met = merged.select(pl.col("key").unique(), reduction=pl.lit(reductions[0], pl.String))
+        return None
     per_key = (
         merged.group_by("key")
         .agg(reductions=pl.col("reduction").n_unique(), reduction=pl.col("reduction").min())
@@ -661,7 +674,7 @@ def _kept_reductions(
         )
         per_key = per_key.join(first, on="key", how="left").with_columns(prior=pl.coalesce("first", "prior"))
     fresh = per_key.filter(pl.col("prior").is_null()).select("key", "reduction")
-    if fresh.height:
+    if fresh.height and remember:
         recorded.met = pl.concat([recorded.met, fresh])
     per_key = per_key.with_columns(prior=pl.coalesce("prior", "reduction"))  # each key's reduction
     unknown = [r for r in per_key["prior"].unique().to_list() if not partials.is_statistic(r)]

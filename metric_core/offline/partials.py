@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -398,49 +398,73 @@ def _same_rows(a: pl.DataFrame, b: pl.DataFrame) -> np.ndarray:
 
 
 @dataclass
-class _Block:
-    """The groups of 2**_BLOCK_BITS consecutive buckets folded so far: ``ids`` (each
-    group's place: _COMBO_BITS), sorted, and their ``state`` (FIELDS x groups); and, in
-    ``loose``, the states (ids, states) of groups met since the last ``settle``, in the
-    order they came (a group may be there more than once). Memory grows with the groups,
-    not with the combos times the buckets."""
+class _Chunk:
+    """Some of a block's groups: ``ids`` (each group's place: _COMBO_BITS), sorted, and
+    their ``state`` (fields x groups)."""
 
-    ids: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-    state: np.ndarray = field(default_factory=lambda: np.empty((COUNTED, 0)))
+    ids: np.ndarray
+    state: np.ndarray
+
+
+@dataclass
+class _Block:
+    """The groups of 2**_BLOCK_BITS consecutive buckets folded so far, in ``chunks`` of
+    consecutive ids (each at most twice CHUNK_GROUPS); and, in ``loose``, the states (ids,
+    states) of groups met since the last ``settle``, in the order they came (a group may be
+    there more than once). Memory grows with the groups, not with the combos times the
+    buckets, and placing new groups copies one chunk at a time."""
+
+    chunks: list[_Chunk] = field(default_factory=list)
+    fields: int = COUNTED
+    held: int = 0  # the groups in chunks
     loose: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
     loose_groups: int = 0
 
     @property
     def groups(self) -> int:
         """The groups held (at most: a loose group may be there more than once)."""
-        return len(self.ids) + self.loose_groups
+        return self.held + self.loose_groups
+
+    def _chunk_of(self, ids: np.ndarray) -> np.ndarray:
+        firsts = np.array([int(c.ids[0]) if len(c.ids) else -1 for c in self.chunks], dtype=np.int64)
+        return np.maximum(np.searchsorted(firsts, ids, side="right") - 1, 0)
 
     def fold(self, ids: np.ndarray, state: np.ndarray) -> None:
         """One partition's states of the groups ``ids`` (each once) folded in."""
-        if len(state) > len(self.state):
-            self.state = _with_fields(self.state, len(state))
-        at = _found(self.ids, ids)
-        hit = at >= 0
-        if hit.any():
-            at = at[hit]
+        if len(state) > self.fields:
+            self.fields = len(state)
+            for chunk in self.chunks:
+                chunk.state = _with_fields(chunk.state, self.fields)
+        hit = np.zeros(len(ids), dtype=bool)
+        for chunk, sel in _by_chunk(
+            self._chunk_of(ids) if len(self.chunks) > 1 else None, self.chunks, len(ids)
+        ):
+            at = _found(chunk.ids, ids[sel])
+            found = at >= 0
+            if not found.any():
+                continue
+            at, rows = at[found], sel[found]
+            hit[rows] = True
             start = int(at[0])
             if np.array_equal(at, np.arange(start, start + len(at))):  # a run of groups: in place
-                _fold(self.state[:, start : start + len(at)], state[:, hit])
+                _fold(chunk.state[:, start : start + len(at)], state[:, rows])
             else:
-                self.state[:, at] = _fold(self.state[:, at], state[:, hit])
-            ids, state = ids[~hit], state[:, ~hit]
-        if len(ids):
-            self.loose.append((ids, state))
-            self.loose_groups += len(ids)
-            if self.loose_groups > max(len(self.ids) >> 2, LOOSE_GROUPS) or len(self.loose) > LOOSE_PARTS:
+                chunk.state[:, at] = _fold(chunk.state[:, at], state[:, rows])
+        if not hit.all():
+            self.loose.append((ids[~hit], state[:, ~hit]))
+            self.loose_groups += int((~hit).sum())
+            if (
+                self.loose_groups > min(max(self.held >> 2, LOOSE_GROUPS), CHUNK_GROUPS)
+                or len(self.loose) > LOOSE_PARTS
+            ):
                 self.settle()
 
     def settle(self) -> None:
-        """The loose groups placed among the sorted ones, each folded in the order its
-        states came: the same bits as folding each state as it came."""
+        """The loose groups placed among the others, each folded in the order its states
+        came: the same bits as folding each state as it came."""
         if not self.loose:
             return
-        fields = len(self.state)
+        fields = self.fields
         ids = np.concatenate([i for i, _ in self.loose])
         states = np.concatenate([_with_fields(s, fields) for _, s in self.loose], axis=1)
         self.loose, self.loose_groups = [], 0
@@ -452,9 +476,75 @@ class _Block:
         for j in range(1, int(runs.max())):  # each group's next state, where it has one
             at = np.flatnonzero(runs > j)
             merged[:, at] = _fold(merged[:, at], states[:, starts[at] + j])
-        where = np.searchsorted(self.ids, ids[starts])
-        self.ids = np.insert(self.ids, where, ids[starts])
-        self.state = np.insert(self.state, where, merged, axis=1)
+        ids = ids[starts]
+        del states
+        if not self.chunks:
+            self.chunks = [_Chunk(np.empty(0, dtype=np.int64), _empty_cells(0, fields))]
+        chunks: list[_Chunk] = []
+        for chunk, sel in _by_chunk(self._chunk_of(ids), self.chunks, len(ids), every=True):
+            if len(sel):
+                where = np.searchsorted(chunk.ids, ids[sel])
+                chunk = _Chunk(
+                    np.insert(chunk.ids, where, ids[sel]),
+                    np.insert(chunk.state, where, merged[:, sel], axis=1),
+                )
+            chunks += _split(chunk)
+        self.chunks = chunks
+        self.held += len(ids)
+
+    def take(self, below: int | None) -> list[_Chunk]:
+        """The groups whose ids are below ``below`` (None: all), taken out."""
+        if below is None:
+            self.settle()
+            out, self.chunks, self.held = self.chunks, [], 0
+            return out
+        self.settle()
+        out = []
+        while self.chunks:
+            chunk = self.chunks[0]
+            n = int(np.searchsorted(chunk.ids, below))
+            if n == len(chunk.ids):
+                out.append(self.chunks.pop(0))
+                continue
+            if n:
+                out.append(_Chunk(chunk.ids[:n], chunk.state[:, :n]))
+                self.chunks[0] = _Chunk(chunk.ids[n:].copy(), chunk.state[:, n:].copy())
+            break
+        self.held -= sum(len(c.ids) for c in out)
+        return out
+
+
+# Groups of a chunk of a block (what placing new groups copies at a time): it splits in
+# two past twice this
+CHUNK_GROUPS = 1 << 20
+
+
+def _by_chunk(
+    which: np.ndarray | None, chunks: list[_Chunk], n: int, every: bool = False
+) -> Iterator[tuple[_Chunk, np.ndarray]]:
+    """Each chunk with the rows (of ``n``) that fall in it (``which``: each row's chunk;
+    None: one chunk, all rows), skipping chunks with none unless ``every``."""
+    if which is None:
+        if chunks:
+            yield chunks[0], np.arange(n)
+        return
+    order = np.argsort(which, kind="stable")
+    bounds = np.searchsorted(which[order], np.arange(len(chunks) + 1))
+    for k, chunk in enumerate(chunks):
+        sel = order[bounds[k] : bounds[k + 1]]
+        if len(sel) or every:
+            yield chunk, sel
+
+
+def _split(chunk: _Chunk) -> list[_Chunk]:
+    """A chunk in pieces of CHUNK_GROUPS, when it grew past twice that."""
+    if len(chunk.ids) <= 2 * CHUNK_GROUPS:
+        return [chunk]
+    cuts = range(0, len(chunk.ids), CHUNK_GROUPS)
+    return [
+        _Chunk(chunk.ids[c : c + CHUNK_GROUPS].copy(), chunk.state[:, c : c + CHUNK_GROUPS].copy())
+        for c in cuts
+    ]
 
 
 @dataclass
@@ -594,24 +684,21 @@ class Accumulator:
             if hi is not None and first >= hi:
                 break
             block = self.blocks[b]
-            block.settle()
-            n = len(block.ids)
-            if hi is not None and first + (1 << _BLOCK_BITS) > hi:  # the block hi falls in: its first buckets
-                n = int(np.searchsorted(block.ids, (hi - first) << _COMBO_BITS))
-            ids, state = block.ids[:n], block.state[:, :n]
-            if n == len(block.ids):
+            part = hi is not None and first + (1 << _BLOCK_BITS) > hi  # the block hi falls in
+            for chunk in block.take((hi - first) << _COMBO_BITS if part and hi is not None else None):
+                parts.append(chunk.state)
+                buckets.append(first + (chunk.ids >> _COMBO_BITS))
+                combos.append(chunk.ids & _COMBO_MASK)
+            if not block.groups:
                 del self.blocks[b]
-            else:
-                block.ids, block.state = block.ids[n:].copy(), block.state[:, n:].copy()
-            parts.append(state)
-            buckets.append(first + (ids >> _COMBO_BITS))
-            combos.append(ids & _COMBO_MASK)
         values = self._value_ranges(self.taken, hi)
         self.taken = hi
         if not parts:
             return pl.DataFrame(), {}, values
         bucket, combo = np.concatenate(buckets), np.concatenate(combos)
         frame = pl.DataFrame({"bucket": bucket, "_combo": combo}).hstack(self.labels.rows(combo))
+        if hi is None:  # every group taken: the labels are not needed again
+            self.labels = _Labels()
         named = {Statistic.parse(r).name for r in frame["reduction"].unique().to_list() if is_statistic(r)}
         stats = {
             name: np.concatenate([_statistic(s, name) for s in parts]) for name in sorted({"count", *named})
