@@ -861,14 +861,14 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch, s
 
 def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path, monkeypatch):
     """A partition whose every group is median/pNN keeps its groups' counts alone (their
-    values are kept apart); folded with partitions that hold other statistics too (and so
-    sums for the same p99 groups), each statistic and count still equals numpy's over its
-    records."""
+    values are kept apart), one of means alone keeps the sums, one with std the squares
+    too; folded together (a mean's groups with and without the squares, p99's with and
+    without sums), each statistic and count still equals numpy's over its records."""
     rng = np.random.default_rng(3)
     steps = 40
     truth: dict[tuple[int, str], list[float]] = {}
     reductions = {"q": "p99", "m": "mean", "s": "std"}
-    for name, keys in [("a", ["q"]), ("b", ["m", "q"]), ("c", ["q"]), ("d", ["s", "q"])]:
+    for name, keys in [("a", ["q"]), ("b", ["m", "q"]), ("c", ["q"]), ("d", ["s", "q", "m"])]:
         value = rng.normal(1e6, 2.0, steps * 3 * len(keys))
         step = np.repeat(np.arange(steps), 3 * len(keys))
         key = keys * (steps * 3)
@@ -893,7 +893,9 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
     for (s, k), values in truth.items():
         want = {"q": lambda v: np.percentile(v, 99), "m": np.mean, "s": np.std}[k](np.array(values))
         assert got[s, k] == (pytest.approx(want, rel=1e-12), len(values)), (s, k)
-    assert blocks[0] == engine.partials.COUNTED and max(blocks) == engine.partials.UNTIMED  # a's, then b's
+    # a's counts, b's sums (mean), d's spread (std): m's groups fold sums with spread
+    assert blocks[0] == engine.partials.COUNTED and max(blocks) == engine.partials.UNTIMED
+    assert engine.partials.SUMS in blocks
 
     blocks.clear()
     quantiles = run_plan(tmp_path, make_plan(reduce=["*=p99"])).frame

@@ -55,10 +55,12 @@ FIELDS = (
 )  # fmt: skip
 _EMPTY = np.array([0, 0, 0, 0, 0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
 N, RAW, SHIFT, DEV, SQ, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
-# A state holds the fields up to first_ts, and first and last only where a statistic needs
-# them (7 fields, not 13, for most runs); a partition whose every statistic is median or
-# pNN (their values are kept apart) holds the count alone.
+# A state holds the fields a partition's statistics need: up to dev for sum and mean
+# (4 fields), up to max where std, min or max is among them (7), first and last only where
+# a statistic needs them (13); a partition whose every statistic is median or pNN (their
+# values are kept apart) holds the count alone.
 UNTIMED = FIRST_TS
+SUMS = SQ
 COUNTED = RAW
 _FAMILIES = ("min", "max", "first", "last")  # what only some statistics need
 _DENSE_SLACK = 1 << 16  # a dense index may be this much (plus 4x the rows) larger than the rows
@@ -151,7 +153,9 @@ def partition_states(
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
     quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
-    state = _empty_cells(n_groups, COUNTED if quantile.all() else len(FIELDS) if timed else UNTIMED)
+    spread = any(s is not None and s.name in ("std", "min", "max") for s in stats)
+    fields = COUNTED if quantile.all() else len(FIELDS) if timed else UNTIMED if spread else SUMS
+    state = _empty_cells(n_groups, fields)
     state[N] = count
     stat_codes = stat_of_combo[combo] if len(names) > 1 else None
     if len(state) > COUNTED:
@@ -711,7 +715,8 @@ def _statistic(s: np.ndarray, name: str) -> np.ndarray:
     one value a group."""
     if name == "count":
         return s[N].astype(np.int64)
-    s = _with_fields(s, UNTIMED)  # a median/pNN-only part holds its counts alone
+    if name in ("std", "min", "max") or len(s) < SUMS:  # a part of fewer fields than it reads
+        s = _with_fields(s, UNTIMED)
     n, dev, base, raw = s[N], s[DEV], s[SHIFT], s[RAW]
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # over: sums no statistic reads
         if name == "sum":
@@ -744,6 +749,8 @@ def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     with np.errstate(invalid="ignore", over="ignore"):  # a non-finite group's sums are not used
         offset = p[SHIFT] - k
         a[DEV] += dev_p + n_p * offset
+        if len(p) == SUMS:
+            return a
         a[SQ] += p[SQ] + 2 * offset * dev_p + n_p * offset * offset
         np.minimum(a[MIN], p[MIN], out=a[MIN])
         np.maximum(a[MAX], p[MAX], out=a[MAX])

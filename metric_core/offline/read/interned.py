@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import polars as pl
 
-KEY_BUDGET = 1 << 20  # distinct keys held as Categorical, at most (about 90 MiB)
+KEY_BUDGET = 1 << 18  # distinct keys held as Categorical, at most (about 24 MiB)
 
 _lock = threading.Lock()
 _admitted = np.empty(0, dtype=np.uint64)  # hashes of the keys admitted, sorted
