@@ -1036,3 +1036,37 @@ def test_a_partitions_index_is_the_size_of_its_rows_whatever_the_string_codes():
         tracemalloc.stop()
     assert peak < 50 * 2**20, f"{peak / 2**20:.0f} MiB traced"
     assert frame.sort("key")["value"].to_list() == [float(i) for i in sorted(range(n), key=lambda i: f"k{i}")]
+
+
+def test_a_step_of_more_percentile_values_than_a_slice_is_taken_in_shares_of_its_keys(tmp_path, monkeypatch):
+    """One step holding 6,000 p90 values of 600 keys, against slices of 500 values: the
+    step's groups are computed a share at a time (its keys' combos modulo 12), and each is
+    numpy's percentile of its values; a median key beside them is taken from the same
+    slices."""
+    rng = np.random.default_rng(23)
+    n = 6000
+    keys = np.array([f"k/{i % 600}" if i % 10 else f"m/{i % 7}" for i in range(n)])
+    values = rng.normal(5.0, 2.0, n)
+    zeros = np.zeros(n, dtype=np.int64)
+    rows = {
+        "key": keys, "value": values, "reduction": np.where(np.char.startswith(keys, "k"), "p90", "median"),
+        "step": zeros, "timestamp": np.full(n, BASE_TIME), "rank": zeros,
+    }  # fmt: skip
+    write_foreign(tmp_path / "one_step.parquet", rows)
+    monkeypatch.setattr(engine.partials, "SLICE_VALUES", 500)
+    slices: list[int] = []
+    value_ranges = engine.partials.Accumulator._value_ranges
+
+    def counting(self, lo, hi):
+        out = value_ranges(self, lo, hi)
+        slices.append(len(out))
+        return out
+
+    monkeypatch.setattr(engine.partials.Accumulator, "_value_ranges", counting)
+    frame = run_plan(tmp_path, make_plan()).frame
+    assert max(slices) == 12
+    assert frame.height == len(set(keys.tolist()))
+    for key, value, count in frame.select("key", "value", "count").iter_rows():
+        mine = values[keys == key]
+        want = np.median(mine) if key.startswith("m/") else np.percentile(mine, 90)
+        assert (value, count) == (want, len(mine)), key

@@ -352,6 +352,25 @@ def test_a_filter_or_pattern_that_matches_nothing_is_said_and_fatal_with_strict(
     assert str(err.value).startswith("strict=True: ranks='9' matches no record (no rank 9); ")
 
 
+def test_patterns_are_matched_against_every_key_though_only_some_are_held_to_name(run, monkeypatch):
+    """Past SAMPLED_KEYS distinct keys, the keys held to name the nearest to a typo are the
+    first few; a pattern that matches only a key never held is still matched."""
+    from metric_core.offline import filters
+
+    root, _ = run
+    monkeypatch.setattr(filters, "SAMPLED_KEYS", 2)
+    plan = make_plan(reduce=["trainer/lss=p99", "trainer/loss=max", "policy/tokens=min"])
+    result = run_plan(root, plan)
+    frame = result.frame
+    assert set(frame.filter(pl.col("key") == "trainer/loss")["reduction"]) == {"max"}
+    assert set(frame.filter(pl.col("key") == "policy/tokens")["reduction"]) == {"min"}
+    (note,) = result.unmatched  # both other patterns matched, whichever two keys were held
+    prefix = "reduce='trainer/lss=p99' matches no key; nearest of the first 2 of the run's keys: "
+    assert str(note).startswith(prefix)
+    named = str(note)[len(prefix) :].split(", ")
+    assert 1 <= len(named) <= 2 and set(named) <= set(frame["key"])
+
+
 def test_the_python_api_names_its_parameters_and_takes_one_string_where_a_list_fits(run):
     root, truth = run
     with pytest.raises(PlanError) as err:

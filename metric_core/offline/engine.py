@@ -583,7 +583,8 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
         per_key = per_key.filter(pl.col("key").map_elements(match, return_dtype=pl.Boolean))
     t0 = per_key["timestamp"].min()
     if t0 is None:  # named as the engine names them, with the keys of the records kept
-        seen = filters.Seen(keys=set(every_key["key"].to_list()) if plan.keys else None)
+        seen = filters.Seen.wanted_by(plan) if plan.keys else filters.Seen()
+        seen.add(None, every_key["key"].to_list())
         raise _nothing_kept(plan, scan, filters.unmatched(plan, seen))
     return float(t0)  # type: ignore[arg-type]
 
@@ -776,7 +777,9 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
         if stat.name != "median" and stat.quantile is None:
             value[rows] = stats[stat.name][rows]
             continue
-        combos = merged.filter(rows)["_combo"].unique().implode()
+        mine = merged.select("bucket", "_combo").with_row_index("_row").filter(pl.Series(rows))
+        # values of other statistics' groups are there too: these groups' combos
+        combos = mine["_combo"].unique().implode() if merged["reduction"].n_unique() > 1 else None
         n = pl.len().cast(pl.Int64)
         if stat.quantile is None:  # median: the middle value, or the two middle ones
             lo, hi = (n - 1) // 2, n // 2
@@ -784,36 +787,30 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
             lo = ((n - 1).cast(pl.Float64) * stat.quantile).floor().cast(pl.Int64)
             hi = pl.min_horizontal(lo + 1, n - 1)
         between = pl.col("value").sort().slice(lo, hi - lo + 1)  # one sort for both
-        found = pl.concat(
-            [
-                part.filter(pl.col("_combo").is_in(combos))
-                .group_by("bucket", "_combo")
+        order = {k: np.full(merged.height, np.nan) for k in ("n", "lo", "hi", "nan")}
+        for part in values:  # a slice of groups at a time, each put at its row of merged
+            if combos is not None:
+                part = part.filter(pl.col("_combo").is_in(combos))
+            found = (
+                part.group_by("bucket", "_combo")
                 .agg(n=n, between=between, nan=pl.col("value").is_nan().any())
-                .select(
-                    "bucket",
-                    "_combo",
-                    "n",
-                    "nan",
-                    lo=pl.col("between").list.first(),
-                    hi=pl.col("between").list.last(),
-                )
                 .collect()
-                for part in values
-            ]
-        )
-        picked = merged.select("bucket", "_combo").join(
-            found, on=["bucket", "_combo"], how="left", maintain_order="left"
-        )
-        value[rows] = _as_numpy(picked, stat.quantile)[rows]
+                .join(mine, on=["bucket", "_combo"], how="inner")
+            )
+            at = found["_row"].to_numpy()
+            order["n"][at] = found["n"].to_numpy()
+            order["nan"][at] = found["nan"].to_numpy()
+            order["lo"][at] = found["between"].list.first().to_numpy()
+            order["hi"][at] = found["between"].list.last().to_numpy()
+        value[rows] = _as_numpy(order, stat.quantile)[rows]
     return value
 
 
-def _as_numpy(picked: pl.DataFrame, q: float | None) -> np.ndarray:
+def _as_numpy(order: dict[str, np.ndarray], q: float | None) -> np.ndarray:
     """A median (q None) or a linear percentile from each group's count ``n`` and its order
     statistics ``lo`` and ``hi``, computed as numpy 2's ``median`` and ``percentile`` do, to
-    the bit (NaN where the group holds NaN)."""
-    n = picked["n"].to_numpy().astype(np.float64)
-    lo, hi = picked["lo"].to_numpy(), picked["hi"].to_numpy()
+    the bit (NaN where the group holds NaN: ``nan``)."""
+    n, lo, hi = order["n"], order["lo"], order["hi"]
     with np.errstate(invalid="ignore", over="ignore"):
         if q is None:  # np.median: the mean of the middle one or two (its sum starts at 0.0)
             out = np.where(n % 2 == 1, lo + 0.0, (lo + 0.0 + hi) / 2)
@@ -823,7 +820,7 @@ def _as_numpy(picked: pl.DataFrame, q: float | None) -> np.ndarray:
             diff = hi - lo
             out = lo + diff * gamma
             np.subtract(hi, diff * (1 - gamma), out=out, where=gamma >= 0.5)
-    out[picked["nan"].to_numpy().astype(bool)] = np.nan
+    out[order["nan"] == 1] = np.nan
     return out
 
 

@@ -13,6 +13,7 @@ import difflib
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from metric_core.errors import FilteredOutError, PlanError, opt
 from metric_core.offline.plan import ReducePlan, key_matcher
@@ -22,28 +23,64 @@ LISTED_KEYS = 6
 NEAREST_KEYS = 3
 
 
+# Keys held to name the nearest to a pattern that matched nothing, at most: a run of
+# millions of keys is not held whole to say which of its keys are near a typo
+SAMPLED_KEYS = 10_000
+
+
 @dataclass
 class Seen:
     """The ranks and keys of the records read, before the filters (each tracked only when a
-    filter or pattern needs it). Safe to fill from several threads."""
+    filter or pattern needs it): the ranks, which of ``patterns`` (key and ``reduce``
+    patterns) matched a key, and the first SAMPLED_KEYS distinct keys (``more_keys``: there
+    were more). Safe to fill from several threads."""
 
     ranks: set[int] | None = None
     keys: set[str] | None = None
+    patterns: tuple[str, ...] = ()
+    matched: set[str] = field(default_factory=set)
+    more_keys: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
     def wanted_by(cls, plan: ReducePlan) -> Seen:
+        tracked = bool(plan.keys or plan.overrides)
         return cls(
             ranks=set() if plan.ranks else None,
-            keys=set() if plan.keys or plan.overrides else None,
+            keys=set() if tracked else None,
+            patterns=(*plan.keys, *(pattern for pattern, _ in plan.overrides)),
         )
 
     def add(self, ranks: Iterable[int] | None, keys: Iterable[str] | None) -> None:
+        """The ranks and the distinct ``keys`` of some records read."""
+        if self.keys is None or keys is None:
+            self._merge(ranks, None, set(), False)
+            return
+        keys = list(keys)
+        matched = {p for p in set(self.patterns) - self.matched if any(map(key_matcher([p]), keys))}
+        self._merge(ranks, keys, matched, False)
+
+    def found(self) -> tuple[Any, ...]:
+        """What was seen, as plain values (to hand to another process's ``Seen``: ``merge``)."""
+        return self.ranks, self.keys, self.matched, self.more_keys
+
+    def merge(self, found: tuple[Any, ...]) -> None:
+        ranks, keys, matched, more = found
+        self._merge(ranks, keys, matched, more)
+
+    def _merge(
+        self, ranks: Iterable[int] | None, keys: list[str] | set[str] | None, matched: set[str], more: bool
+    ) -> None:
         with self._lock:
             if self.ranks is not None and ranks is not None:
                 self.ranks.update(ranks)
-            if self.keys is not None and keys is not None:
-                self.keys.update(keys)
+            if self.keys is None or keys is None:
+                return
+            self.matched |= matched
+            room = SAMPLED_KEYS - len(self.keys)
+            new = [k for k in keys if k not in self.keys] if room < len(keys) else keys
+            self.keys.update(list(new)[: max(room, 0)])
+            self.more_keys = self.more_keys or more or len(new) > room
 
 
 def unmatched(plan: ReducePlan, seen: Seen) -> list[PlanError]:
@@ -63,15 +100,19 @@ def unmatched(plan: ReducePlan, seen: Seen) -> list[PlanError]:
     if seen.keys is not None:
         keys = sorted(seen.keys)
         for pattern in plan.keys:
-            if not any(map(key_matcher([pattern]), keys)):
-                out.append(
-                    PlanError(f"matches no key; {_nearest(pattern, keys)}", option="keys", value=pattern)
-                )
-        for pattern, stat in plan.overrides:
-            if not any(map(key_matcher([pattern]), keys)):
+            if pattern not in seen.matched:
                 out.append(
                     PlanError(
-                        f"matches no key; {_nearest(pattern, keys)}",
+                        f"matches no key; {_nearest(pattern, keys, seen.more_keys)}",
+                        option="keys",
+                        value=pattern,
+                    )
+                )
+        for pattern, stat in plan.overrides:
+            if pattern not in seen.matched:
+                out.append(
+                    PlanError(
+                        f"matches no key; {_nearest(pattern, keys, seen.more_keys)}",
                         option="reduce",
                         value=f"{pattern}={stat.name}",
                     )
@@ -110,10 +151,12 @@ def ranges(values: Iterable[int]) -> str:
     return ", ".join(f"{lo}" if lo == hi else f"{lo}-{hi}" for lo, hi in out)
 
 
-def _nearest(pattern: str, keys: list[str]) -> str:
+def _nearest(pattern: str, keys: list[str], more: bool = False) -> str:
+    """The run's keys (``keys``; ``more``: the first SAMPLED_KEYS of more) nearest to ``pattern``."""
     if not keys:
         return "the run holds no key"
-    if len(keys) <= LISTED_KEYS:
+    if len(keys) <= LISTED_KEYS and not more:
         return "the run's keys: " + ", ".join(keys)
     near = difflib.get_close_matches(pattern, keys, NEAREST_KEYS, cutoff=0.0)
-    return f"nearest of the run's {len(keys)} keys: " + ", ".join(near)
+    among = f"the first {len(keys):,} of the run's keys" if more else f"the run's {len(keys)} keys"
+    return f"nearest of {among}: " + ", ".join(near)

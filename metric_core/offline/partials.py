@@ -637,12 +637,15 @@ class Accumulator:
             if hi is not None:
                 scan = scan.filter(pl.col("bucket") < hi)
         per_bucket = scan.group_by("bucket").len().sort("bucket").collect()
-        edges, held_n = [], 0
+        edges, held_n, shares = [], 0, {}
+        first = per_bucket["bucket"][0] if per_bucket.height else None
         for bucket, n in per_bucket.iter_rows():
             if held_n and held_n + n > SLICE_VALUES:
                 edges.append(bucket)
                 held_n = 0
             held_n += n
+            if n > SLICE_VALUES:  # a bucket of more: in shares of its groups (combo modulo k)
+                shares[bucket] = -(-n // SLICE_VALUES)
         slices = []
         for start, stop in itertools.pairwise([None, *edges, None]):
             part = scan
@@ -650,7 +653,8 @@ class Accumulator:
                 part = part.filter(pl.col("bucket") >= start)
             if stop is not None:
                 part = part.filter(pl.col("bucket") < stop)
-            slices.append(part)
+            k = shares.get(first if start is None else start, 1)
+            slices += [part.filter(pl.col("_combo") % k == r) for r in range(k)] if k > 1 else [part]
         return slices
 
     def close(self) -> None:

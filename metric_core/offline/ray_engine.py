@@ -48,13 +48,13 @@ def in_order(
         submit(window)
         for i in range(len(items)):
             try:
-                states, ranks, keys = ray.get(refs.pop(i))
+                states, found = ray.get(refs.pop(i))
             except ray.exceptions.RayTaskError as exc:
                 if isinstance(exc.cause, MetricLogError):
                     raise exc.cause from None
                 raise
             submit(i + 1 + window)
-            seen.add(ranks, keys)
+            seen.merge(found)
             for state in states:
                 yield i, state
             done_bytes += sizes[i]
@@ -66,7 +66,7 @@ def in_order(
             ray.cancel(ref)
 
 
-def _task(work: TaskWork, task: Task) -> tuple[list[partials.Partial], Any, Any]:
+def _task(work: TaskWork, task: Task) -> tuple[list[partials.Partial], Any]:
     """One task on a Ray worker: its partitions' states, and the ranks and keys it read."""
     from metric_core.offline import filters
     from metric_core.offline.storage import is_remote
@@ -79,7 +79,7 @@ def _task(work: TaskWork, task: Task) -> tuple[list[partials.Partial], Any, Any]
         )
     seen = filters.Seen.wanted_by(work.plan)
     states = list(work(task, seen))
-    return states, seen.ranks, seen.keys
+    return states, seen.found()
 
 
 def connect(address: str | None) -> Any:
