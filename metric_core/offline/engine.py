@@ -777,9 +777,11 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
         if stat.name != "median" and stat.quantile is None:
             value[rows] = stats[stat.name][rows]
             continue
-        mine = merged.select("bucket", "_combo").with_row_index("_row").filter(pl.Series(rows))
+        at, code, buckets = _group_places(merged, rows)
         # values of other statistics' groups are there too: these groups' combos
-        combos = mine["_combo"].unique().implode() if merged["reduction"].n_unique() > 1 else None
+        combos = None
+        if merged["reduction"].n_unique() > 1:
+            combos = pl.Series(np.unique(code & 0xFFFFFFFF)).implode()
         n = pl.len().cast(pl.Int64)
         if stat.quantile is None:  # median: the middle value, or the two middle ones
             lo, hi = (n - 1) // 2, n // 2
@@ -791,19 +793,33 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
         for part in values:  # a slice of groups at a time, each put at its row of merged
             if combos is not None:
                 part = part.filter(pl.col("_combo").is_in(combos))
-            found = (
-                part.group_by("bucket", "_combo")
-                .agg(n=n, between=between, nan=pl.col("value").is_nan().any())
-                .collect()
-                .join(mine, on=["bucket", "_combo"], how="inner")
-            )
-            at = found["_row"].to_numpy()
-            order["n"][at] = found["n"].to_numpy()
-            order["nan"][at] = found["nan"].to_numpy()
-            order["lo"][at] = found["between"].list.first().to_numpy()
-            order["hi"][at] = found["between"].list.last().to_numpy()
+            nan = pl.col("value").is_nan().any()
+            found = part.group_by("bucket", "_combo").agg(n=n, between=between, nan=nan).collect()
+            mine = (np.searchsorted(buckets, found["bucket"].to_numpy()) << 32) | found["_combo"].to_numpy()
+            place = np.minimum(np.searchsorted(code, mine), len(code) - 1)
+            known = code[place] == mine  # a group of this statistic (not one of another's combo)
+            row = at[place[known]]
+            order["n"][row] = found["n"].to_numpy()[known]
+            order["nan"][row] = found["nan"].to_numpy()[known]
+            order["lo"][row] = found["between"].list.first().to_numpy()[known]
+            order["hi"][row] = found["between"].list.last().to_numpy()[known]
         value[rows] = _as_numpy(order, stat.quantile)[rows]
     return value
+
+
+def _group_places(merged: pl.DataFrame, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The groups of ``merged`` where ``rows``, for finding them by (bucket, _combo) without
+    a join: their rows ``at``, in the order of ``code`` (the rank of their bucket among
+    ``buckets``, then their combo), and ``buckets``."""
+    at = np.flatnonzero(rows)
+    bucket, combo = merged["bucket"].to_numpy()[at], merged["_combo"].to_numpy()[at]
+    buckets = np.unique(bucket)
+    code = (np.searchsorted(buckets, bucket) << 32) | combo
+    del bucket, combo
+    if len(code) > 1 and not (code[1:] > code[:-1]).all():  # a take hands them over in this order
+        order = np.argsort(code)
+        at, code = at[order], code[order]
+    return at, code, buckets
 
 
 def _as_numpy(order: dict[str, np.ndarray], q: float | None) -> np.ndarray:
