@@ -215,7 +215,10 @@ def inspect_run(
         first_timestamp=pl.col("first_bad_timestamp"),
         count=pl.col("nonfinite"),
     )
-    keys = {(p, r): n for p, r, n in per_key.group_by("process", "rank").len().iter_rows()}
+    sources_keys = (
+        per_key.select(pl.col("process").cast(pl.Categorical), "rank").group_by("process", "rank").len()
+    )
+    keys = {(p, r): n for p, r, n in sources_keys.iter_rows()}  # grouped on codes: millions of keys
     newest = max(s.last_timestamp for s in steps.values())
     clean = scan.report.clean_shutdowns()
     cadence = _cadence(steps)
@@ -402,7 +405,8 @@ def _aggregate(
     if cache is not None:  # files gone (a journal sealed) leave the cache
         cache.clear()
         cache.update(used)
-    per_key = _merged_keys(pl.concat(by_key), ["process", "rank", "key"])
+    per_key = by_key[0] if len(by_key) == 1 else _merged_keys(pl.concat(by_key), ["process", "rank", "key"])
+    del by_key
     merged = {source: _Steps.merged(per_source.pop(source)) for source in list(per_source)}  # frames freed
     steps = {source: its for source, its in merged.items() if its is not None}  # not all checked away
     if not steps:
@@ -428,6 +432,9 @@ def _recount(scan: RunScan, fid: int, counts: tuple[int, int, dict[str, int]]) -
 
 # Records of another tool's file aggregated at a time (the file is read once, in frames).
 BATCH_ROWS = 500_000
+# Per-key rows of a file's frames held before they are merged (or twice the keys merged):
+# merging at every frame would group a run of millions of keys again and again
+MERGED_KEYS = 500_000
 
 
 def _batched_aggregates(
@@ -435,28 +442,41 @@ def _batched_aggregates(
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """``_file_aggregates`` of a file read in frames: each frame's, merged (the last
     value is the one of the newest timestamp of all, the first in file order of equals)."""
-    parts, keys = [], None
+    parts: list[pl.DataFrame] = []
+    keys: list[pl.DataFrame] = []  # merged so far (the first), then frames' not merged yet
+    held = 0
     for df in frames:
         steps, found = _file_aggregates(df.lazy(), by, key)
         parts.append(steps)
-        keys = (
-            found
-            if keys is None
-            else _merged_keys(pl.concat([keys, found], how="vertical_relaxed"), [*by, key])
-        )
-    assert keys is not None, "a file read gives a frame at least"
+        keys.append(found)
+        held += found.height
+        if len(keys) > 1 and held > max(MERGED_KEYS, 2 * keys[0].height):  # merged as they double
+            keys = [_merged_keys(pl.concat(keys, how="vertical_relaxed"), [*by, key])]
+            held = keys[0].height
+    assert keys, "a file read gives a frame at least"
+    merged = _merged_keys(pl.concat(keys, how="vertical_relaxed"), [*by, key]) if len(keys) > 1 else keys[0]
     steps = pl.concat(parts)
     if len(parts) > 1:
         steps = steps.group_by(*by, "step", maintain_order=True).agg(
             pl.col("records").sum(), pl.col("reached").min(), pl.col("done").max()
         )
     strings = pl.col(pl.Categorical).cast(pl.String)
-    return steps.with_columns(strings), keys.with_columns(strings)
+    return steps.with_columns(strings), merged.with_columns(strings)
 
 
 def _merged_keys(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
     """Per-key aggregates of parts (in file order) of the same records, as one: the last
-    value is the one of the newest timestamp of all (the first in file order of equals)."""
+    value is the one of the newest timestamp of all (the first in file order of equals).
+    Millions of keys are merged in shares (by a hash of the key: ``by``'s last column), a
+    share at a time, so the grouping holds one share."""
+    shares = -(-keys.height // MERGED_KEYS)
+    if shares <= 1:
+        return _merged_share(keys, by)
+    share = keys[by[-1]].hash(seed=0) % shares
+    return pl.concat([_merged_share(keys.filter(share == r), by) for r in range(shares)])
+
+
+def _merged_share(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
     return keys.group_by(*by, maintain_order=True).agg(
         pl.col("last_value").max_by("last_timestamp"),
         pl.col("last_timestamp").max(),
