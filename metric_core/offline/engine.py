@@ -265,7 +265,9 @@ def _finished(
         )
         if kept is not None:
             out = out.filter(pl.Series(kept))
-        yield out.select(plan.output_columns).sort(plan.sort_columns)
+        out = out.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
+        del merged, stats, values, value, kept  # not held while the frame is written
+        yield out.sort(plan.sort_columns)
 
 
 # The groups of one frame of a result, at most (in whole blocks of steps)
@@ -658,7 +660,7 @@ def _kept_reductions(
         return None
     per_key = (
         merged.group_by("key")
-        .agg(reductions=pl.col("reduction").n_unique(), reduction=pl.col("reduction").min())
+        .agg(reductions=pl.col("reduction").n_unique(), reduction=pl.col("reduction").cast(pl.String).min())
         .join(recorded.met.rename({"reduction": "prior"}), on="key", how="left")
     )
     # Met with two at once, and never before: the first record decides.
@@ -688,7 +690,7 @@ def _kept_reductions(
     prior = merged.select("key").join(
         other.select("key", "prior"), on="key", how="left", maintain_order="left"
     )
-    keep = (prior["prior"].is_null() | (prior["prior"] == merged["reduction"])).to_numpy()
+    keep = (prior["prior"].is_null() | (prior["prior"] == merged["reduction"].cast(pl.String))).to_numpy()
     kept_of = dict(zip(other["key"].to_list(), other["prior"].to_list(), strict=True))
     dropped = merged.with_columns(count=pl.Series(counts)).filter(pl.Series(~keep))
     for key, reduction, n in dropped.group_by("key", "reduction").agg(pl.col("count").sum()).iter_rows():

@@ -381,8 +381,8 @@ class _Labels:
         return out
 
     def rows(self, combo: np.ndarray) -> pl.DataFrame:
-        """The labels of ``combo``, strings as strings."""
-        return self.table[combo].with_columns(pl.col(pl.Categorical).cast(pl.String))
+        """The labels of ``combo`` (process and reduction Categorical)."""
+        return self.table[combo]
 
 
 def _found(sorted_: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -682,7 +682,8 @@ class Accumulator:
 
     def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
         """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out: one
-        row a group (bucket, _combo, (process, rank,) key, reduction), the merged statistics
+        row a group (bucket, _combo, (process, rank,) key, reduction; process and reduction
+        Categorical), the merged statistics
         their reductions name (and count), one value a row, and their median/pNN values
         (``_value_ranges``), to be read before ``close``."""
         hi = None if upto == math.inf else math.floor(upto)
