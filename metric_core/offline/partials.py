@@ -440,28 +440,44 @@ class _Block:
             for chunk in self.chunks:
                 chunk.state = _with_fields(chunk.state, self.fields)
         hit = np.zeros(len(ids), dtype=bool)
-        for chunk, sel in _by_chunk(
-            self._chunk_of(ids) if len(self.chunks) > 1 else None, self.chunks, len(ids)
-        ):
-            at = _found(chunk.ids, ids[sel])
+        last = next((int(c.ids[-1]) for c in reversed(self.chunks) if len(c.ids)), -1)
+        if len(ids) and int(ids.min()) > last:  # steps (or combos) past every group held: all new
+            chunks = []
+        else:
+            chunks = list(
+                _by_chunk(self._chunk_of(ids) if len(self.chunks) > 1 else None, self.chunks, len(ids))
+            )
+        for chunk, sel in chunks:
+            mine_ids = ids[sel]
+            start = int(np.searchsorted(chunk.ids, mine_ids[0]))
+            if np.array_equal(chunk.ids[start : start + len(sel)], mine_ids):  # a run of the chunk's groups
+                hit[sel] = True
+                _fold(
+                    chunk.state[:, start : start + len(sel)], state if len(sel) == len(ids) else state[:, sel]
+                )
+                continue
+            at = _found(chunk.ids, mine_ids)
             found = at >= 0
             if not found.any():
                 continue
             at, rows = at[found], sel[found]
             hit[rows] = True
+            mine = state if len(rows) == len(ids) else state[:, rows]  # every group held: not gathered
             start = int(at[0])
-            if np.array_equal(at, np.arange(start, start + len(at))):  # a run of groups: in place
-                _fold(chunk.state[:, start : start + len(at)], state[:, rows])
+            if at[-1] - start + 1 == len(at) and np.array_equal(at, np.arange(start, start + len(at))):
+                _fold(chunk.state[:, start : start + len(at)], mine)  # a run of groups: in place
             else:
-                chunk.state[:, at] = _fold(chunk.state[:, at], state[:, rows])
-        if not hit.all():
-            self.loose.append((ids[~hit], state[:, ~hit]))
-            self.loose_groups += int((~hit).sum())
-            if (
-                self.loose_groups > min(max(self.held >> 2, LOOSE_GROUPS), CHUNK_GROUPS)
-                or len(self.loose) > LOOSE_PARTS
-            ):
-                self.settle()
+                chunk.state[:, at] = _fold(chunk.state[:, at], mine)
+        if hit.all():
+            return
+        new = ~hit
+        self.loose.append((ids, state) if not hit.any() else (ids[new], state[:, new]))
+        self.loose_groups += int(new.sum())
+        if (
+            self.loose_groups > min(max(self.held >> 2, LOOSE_GROUPS), CHUNK_GROUPS)
+            or len(self.loose) > LOOSE_PARTS
+        ):
+            self.settle()
 
     def settle(self) -> None:
         """The loose groups placed among the others, each folded in the order its states
@@ -472,15 +488,18 @@ class _Block:
         ids = np.concatenate([i for i, _ in self.loose])
         states = np.concatenate([_with_fields(s, fields) for _, s in self.loose], axis=1)
         self.loose, self.loose_groups = [], 0
-        order = np.argsort(ids, kind="stable")
-        ids, states = ids[order], states[:, order]
-        starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-        runs = np.diff(np.r_[starts, len(ids)])
-        merged = _fold(_empty_cells(len(starts), fields), states[:, starts])
-        for j in range(1, int(runs.max())):  # each group's next state, where it has one
-            at = np.flatnonzero(runs > j)
-            merged[:, at] = _fold(merged[:, at], states[:, starts[at] + j])
-        ids = ids[starts]
+        if (ids[1:] > ids[:-1]).all():  # each group once, in order (a partition's new steps)
+            merged = _fold(_empty_cells(len(ids), fields), states)
+        else:
+            order = np.argsort(ids, kind="stable")
+            ids, states = ids[order], states[:, order]
+            starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+            runs = np.diff(np.r_[starts, len(ids)])
+            merged = _fold(_empty_cells(len(starts), fields), states[:, starts])
+            for j in range(1, int(runs.max())):  # each group's next state, where it has one
+                at = np.flatnonzero(runs > j)
+                merged[:, at] = _fold(merged[:, at], states[:, starts[at] + j])
+            ids = ids[starts]
         del states
         if not self.chunks:
             self.chunks = [_Chunk(np.empty(0, dtype=np.int64), _empty_cells(0, fields))]
