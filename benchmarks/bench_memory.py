@@ -89,7 +89,7 @@ def measure(run: Path, command: list[str], out: Path) -> tuple[float, float, flo
     start = time.perf_counter()
     # An address-space cap well above the target, so a command that would take the machine's
     # memory fails here instead (it shows as a failure with the peak it reached).
-    cap = f"ulimit -v {CAP_MIB * 1024}; exec /usr/bin/time -f RSS_KB=%M \"$@\""
+    cap = f'ulimit -v {CAP_MIB * 1024}; exec /usr/bin/time -f RSS_KB=%M "$@"'
     proc = subprocess.run(["bash", "-c", cap, "bash", metriclog, *args], capture_output=True, text=True)
     wall = time.perf_counter() - start
     rss = int(proc.stderr.rsplit("RSS_KB=", 1)[1].split()[0]) / 1024
@@ -121,8 +121,8 @@ def main() -> None:
             wall, rss, result, code, note = measure(run, command, args.dir / f"out-{name}-{label}")
             verdict = "" if code == 0 and rss - result <= LIMIT_MIB else "  OVER"
             print(
-                f"{name:<12}{label:<20}{wall:>8.1f}{rss:>10.0f}{result:>8.0f}{rss - result:>8.0f}  {code:>4}  "
-                f"{note}{verdict}",
+                f"{name:<12}{label:<20}{wall:>8.1f}{rss:>10.0f}{result:>8.0f}{rss - result:>8.0f}"
+                f"  {code:>4}  {note}{verdict}",
                 flush=True,
             )
 

@@ -307,10 +307,13 @@ _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
 # A group's place in its block: its bucket's offset in the block, then its combo
 _COMBO_BITS = 32
 _COMBO_MASK = (1 << _COMBO_BITS) - 1
-# A block's groups met since it was last settled, at most (or a quarter of its groups): each
-# settling copies the block's states once
+# A block's groups met since it was last settled, at most (or a quarter of those it holds,
+# up to CHUNK_GROUPS): each settling copies the chunks they fall in
 LOOSE_GROUPS = 1 << 14
 LOOSE_PARTS = 32  # ... and at most this many partitions' groups (each is one round of folds)
+# Groups of a chunk of a block (what placing new groups copies at a time): past twice
+# this, a chunk is split
+CHUNK_GROUPS = 1 << 20
 # median/pNN values held in memory (24 bytes each) before they go to a temporary file
 SPILL_VALUES = 1_000_000
 # median/pNN values whose groups' quantiles are computed in one query: polars' group_by
@@ -456,18 +459,12 @@ class _Block:
                     chunk.state[:, start : start + len(sel)], state if len(sel) == len(ids) else state[:, sel]
                 )
                 continue
-            at = _found(chunk.ids, mine_ids)
+            at = _found(chunk.ids, mine_ids)  # else each looked up
             found = at >= 0
-            if not found.any():
-                continue
-            at, rows = at[found], sel[found]
-            hit[rows] = True
-            mine = state if len(rows) == len(ids) else state[:, rows]  # every group held: not gathered
-            start = int(at[0])
-            if at[-1] - start + 1 == len(at) and np.array_equal(at, np.arange(start, start + len(at))):
-                _fold(chunk.state[:, start : start + len(at)], mine)  # a run of groups: in place
-            else:
-                chunk.state[:, at] = _fold(chunk.state[:, at], mine)
+            if found.any():
+                at, rows = at[found], sel[found]
+                hit[rows] = True
+                chunk.state[:, at] = _fold(chunk.state[:, at], state[:, rows])
         if hit.all():
             return
         new = ~hit
@@ -517,11 +514,10 @@ class _Block:
 
     def take(self, below: int | None) -> list[_Chunk]:
         """The groups whose ids are below ``below`` (None: all), taken out."""
+        self.settle()
         if below is None:
-            self.settle()
             out, self.chunks, self.held = self.chunks, [], 0
             return out
-        self.settle()
         out = []
         while self.chunks:
             chunk = self.chunks[0]
@@ -535,11 +531,6 @@ class _Block:
             break
         self.held -= sum(len(c.ids) for c in out)
         return out
-
-
-# Groups of a chunk of a block (what placing new groups copies at a time): it splits in
-# two past twice this
-CHUNK_GROUPS = 1 << 20
 
 
 def _by_chunk(
