@@ -121,7 +121,7 @@ def main() -> None:
             wall, rss, result, code, note = measure(run, command, args.dir / f"out-{name}-{label}")
             verdict = "" if code == 0 and rss - result <= LIMIT_MIB else "  OVER"
             print(
-                f"{name:<12}{label:<20}{wall:>8.1f}{rss:>10.0f}{result:>8.0f}{rss - result:>8.0f}"
+                f"{name:<12}{label:<20}{wall:>8.1f}{rss:>10.0f}{result:>8.0f}{max(rss - result, 0):>8.0f}"
                 f"  {code:>4}  {note}{verdict}",
                 flush=True,
             )

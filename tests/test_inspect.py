@@ -648,3 +648,32 @@ def test_a_scan_read_twice_counts_another_tools_bad_records_once_and_a_changed_f
     (tmp_path / "other.parquet").write_bytes(whole[: len(whole) // 2])
     with pytest.raises(RunChangedError, match="changed while it was read"):
         inspect_run(scan)
+
+
+def test_a_files_keys_merged_in_shares_count_each_key_once(tmp_path, monkeypatch):
+    """A file read in many frames, its per-key rows merged as they double and in shares of
+    a hash of the key (both made small here): each key is counted once, and a key's NaNs
+    in two frames are one key with two of them, first at the first one's step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from metric_core.offline import inspect as inspect_module
+
+    monkeypatch.setattr(inspect_module, "BATCH_ROWS", 7)
+    monkeypatch.setattr(inspect_module, "MERGED_KEYS", 5)
+    rows = [
+        {"key": f"k{k}", "value": math.nan if k == 3 and step in (1, 4) else 1.0, "step": step}
+        for step in range(6)
+        for k in range(30)
+    ]
+    rows += [{"key": f"once/{i}", "value": 2.0, "step": 6} for i in range(40)]
+    for i, r in enumerate(rows):
+        r.update(timestamp=T0 + i * 0.01, rank=0, reduction="mean")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "keys.parquet", row_group_size=50)
+    report = inspect_run(tmp_path, now=T0 + 30)
+    (source,) = report.sources
+    assert source.keys == 70 and source.records == len(rows)
+    first_nan = next(r for r in rows if r["key"] == "k3" and math.isnan(r["value"]))
+    assert [(b.key, b.first_step, b.first_timestamp, b.count) for b in report.nonfinite] == [
+        ("k3", 1, first_nan["timestamp"], 2)
+    ]

@@ -391,7 +391,11 @@ def _aggregate(
             else:
                 process, rank = sources[fid]  # type: ignore[misc]
                 steps = {(process, rank): found}
-                source = [pl.lit(process, pl.String).alias("process"), pl.lit(rank, pl.Int64).alias("rank")]
+                # a code a key, not a string (millions of keys)
+                source = [
+                    pl.lit(process, pl.Categorical).alias("process"),
+                    pl.lit(rank, pl.Int64).alias("rank"),
+                ]
                 keys = keys.select(*source, pl.all())
             counts = (files[fid].records, files[fid].skipped, dict(files[fid].skip_reasons))
         if known is not None:
@@ -405,7 +409,11 @@ def _aggregate(
     if cache is not None:  # files gone (a journal sealed) leave the cache
         cache.clear()
         cache.update(used)
-    per_key = by_key[0] if len(by_key) == 1 else _merged_keys(pl.concat(by_key), ["process", "rank", "key"])
+    per_key = (
+        by_key[0]
+        if len(by_key) == 1
+        else _merged_keys(pl.concat(by_key, how="vertical_relaxed"), ["process", "rank", "key"])
+    )
     del by_key
     merged = {source: _Steps.merged(per_source.pop(source)) for source in list(per_source)}  # frames freed
     steps = {source: its for source, its in merged.items() if its is not None}  # not all checked away
@@ -472,6 +480,8 @@ def _merged_keys(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
     shares = -(-keys.height // MERGED_KEYS)
     if shares <= 1:
         return _merged_share(keys, by)
+    if keys[by[-1]].n_unique() == keys.height:  # each key once (a run of distinct keys): as it is
+        return keys
     share = keys[by[-1]].hash(seed=0) % shares
     return pl.concat([_merged_share(keys.filter(share == r), by) for r in range(shares)])
 
