@@ -11,6 +11,8 @@ Each command runs in its own process, the two versions interleaved over --repeat
 end (``run_plan(...).batches()``, nothing written), and ``inspect_run``. The baseline reads
 the same files without verifying anything (it knows no checksum), so the ratio is what
 verification costs. The writer's side is measured by ``bench_record.py --baseline REV``.
+Any other revision compares the reader then and now the same way (e.g. ``--baseline
+be33adb``: before the engine's accumulator held groups sparsely, for many keys).
 
 Usage: python benchmarks/bench_checksums.py [--baseline b9938ca] [--repeats 5] [--dir bench_out]
                                            [--commands global_reduce,inspect] [--runs parquet_20M]
@@ -78,7 +80,7 @@ def main() -> None:
     atexit.register(shutil.rmtree, scratch, True)
     baseline = export_baseline(args.baseline, scratch)
     print(
-        f"reading the same files: now against {args.baseline} (no checksums verified); "
+        f"reading the same files: now against {args.baseline}; "
         f"{args.repeats} interleaved rounds, medians"
     )
     print(f"{'run':<13}{'command':<20}{'now s':>8}{'before s':>10}{'ratio':>8}{'paired':>8}  rows")
