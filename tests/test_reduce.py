@@ -11,7 +11,7 @@ import polars as pl
 import pytest
 
 from metric_core import MetricCollector, Reduce, reduce_metrics_states, scan_run
-from metric_core.errors import MetricLogWarning, PlanError
+from metric_core.errors import FilteredOutError, MetricLogWarning, PlanError
 from metric_core.offline.engine import execute, reduce_run, run_plan
 from metric_core.offline.plan import Statistic, key_matcher, make_plan
 
@@ -330,6 +330,16 @@ def test_filters_that_match_nothing_are_no_data_naming_the_filter_and_what_the_r
         f"no record in {root} matches the filters together: keys='trainer/*', ranks='0,9', steps='100000:'; "
         "ranks='9' matches no record (no rank 9); the run's ranks: 0-3"
     )
+
+
+def test_by_time_with_a_key_that_matches_nothing_names_the_key_and_not_the_ranks_kept(run):
+    """--by time looks for its first record with a query of its own; when the keys match
+    nothing, it names them, and ranks that matched are not said to match nothing."""
+    root, _ = run
+    with pytest.raises(FilteredOutError) as err:
+        _ = run_plan(root, make_plan(by="time", every=3.0, keys=["trainer/los"], ranks="0")).frame
+    said = str(err.value)
+    assert "keys='trainer/los' matches no key" in said and "matches no record (no rank" not in said
 
 
 def test_a_filter_or_pattern_that_matches_nothing_is_said_and_fatal_with_strict(run):

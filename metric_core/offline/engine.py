@@ -585,7 +585,8 @@ def _first_time(plan: ReducePlan, scan: RunScan) -> float:
         per_key = per_key.filter(pl.col("key").map_elements(match, return_dtype=pl.Boolean))
     t0 = per_key["timestamp"].min()
     if t0 is None:  # named as the engine names them, with the keys of the records kept
-        seen = filters.Seen.wanted_by(plan) if plan.keys else filters.Seen()
+        # what the keys matched (the ranks are not looked at in this query)
+        seen = dataclasses.replace(filters.Seen.wanted_by(plan), ranks=None) if plan.keys else filters.Seen()
         seen.add(None, every_key["key"].to_list())
         raise _nothing_kept(plan, scan, filters.unmatched(plan, seen))
     return float(t0)  # type: ignore[arg-type]
