@@ -798,9 +798,12 @@ def _values(merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.
                 part = part.filter(pl.col("_combo").is_in(combos))
             nan = pl.col("value").is_nan().any()
             found = part.group_by("bucket", "_combo").agg(n=n, between=between, nan=nan).collect()
-            mine = (np.searchsorted(buckets, found["bucket"].to_numpy()) << 32) | found["_combo"].to_numpy()
+            bucket = found["bucket"].to_numpy()
+            rank = np.minimum(np.searchsorted(buckets, bucket), len(buckets) - 1)
+            mine = (rank << 32) | found["_combo"].to_numpy()
             place = np.minimum(np.searchsorted(code, mine), len(code) - 1)
-            known = code[place] == mine  # a group of this statistic (not one of another's combo)
+            # a group of this statistic (not one of another's combo, nor of a bucket it has not)
+            known = (code[place] == mine) & (buckets[rank] == bucket)
             row = at[place[known]]
             order["n"][row] = found["n"].to_numpy()[known]
             order["nan"][row] = found["nan"].to_numpy()[known]
