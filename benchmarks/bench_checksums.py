@@ -79,10 +79,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="metriclog-baseline-"))
     atexit.register(shutil.rmtree, scratch, True)
     baseline = export_baseline(args.baseline, scratch)
-    print(
-        f"reading the same files: now against {args.baseline}; "
-        f"{args.repeats} interleaved rounds, medians"
-    )
+    print(f"reading the same files: now against {args.baseline}; {args.repeats} interleaved rounds, medians")
     print(f"{'run':<13}{'command':<20}{'now s':>8}{'before s':>10}{'ratio':>8}{'paired':>8}  rows")
     for name, run in runs.items():
         for command in args.commands.split(","):

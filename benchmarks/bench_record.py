@@ -9,6 +9,8 @@ before the loop to just after shutdown, divided by N. Variants, side by side:
               pushed into a per-key accumulator (no I/O at all)
   parquet     metric_core.record_metric, file_format="parquet"
   jsonl       metric_core.record_metric, file_format="jsonl"
+  torchforge  metric_core.torchforge.record_metric (torchforge's semantics: a Metric and a
+              per-rank singleton lookup a call) into metric_core's parquet files
   wandb       every record streamed through wandb.log, offline mode (fewer records,
               since it is slow; the cost per record is what is compared)
 
@@ -112,9 +114,12 @@ CHILD = textwrap.dedent(
         mean = None
     else:
         import metric_core
-        metric_core.init(run_dir, rank=0, process_name="bench", file_format=variant)
+        file_format = "parquet" if variant == "torchforge" else variant
+        metric_core.init(run_dir, rank=0, process_name="bench", file_format=file_format)
         record_metric, flush, shutdown = metric_core.record_metric, metric_core.flush, metric_core.shutdown
         mean = metric_core.Reduce.MEAN
+        if variant == "torchforge":
+            from metric_core.torchforge import record_metric  # records into the collector init started
     start = time.process_time()
     wall = time.perf_counter()
     step = 0
@@ -180,6 +185,7 @@ def main() -> None:
         "seed": args.records,
         "parquet": args.records,
         "jsonl": args.records,
+        "torchforge": args.records,
         "wandb": args.wandb_records,
     }
     baseline = None

@@ -6,8 +6,15 @@ things differ from it on purpose:
 * ``StdAccumulator`` keeps (count, mean, M2) and merges with Chan et al.'s parallel
   formula. torchforge's sqrt(E[x^2] - E[x]^2) cancels catastrophically: for values
   1e8 + N(0, 1) it returns 1.41 where the true std is ~1.
+* An accumulator that saw no value gives NaN (torchforge: 0.0 for the mean and the std,
+  -inf/inf for max/min): a step without values has no mean, and 0.0 would plot as one.
 * Accumulators also take whole numpy arrays (``append_many``), so the collector can
   reduce a drained batch without a Python loop per value.
+
+States use torchforge's names (``sum``/``count``; ``total``; ``max_val``; ``min_val``;
+``sum``/``sum_sq``/``count``), with what is needed beyond them (a ``count`` for sum, max
+and min, ``mean``/``m2`` for std), so ``reduce_metrics_states`` merges torchforge's
+states and these alike (docs/compat.md).
 """
 
 from __future__ import annotations
@@ -82,6 +89,11 @@ class MetricAccumulator:
         self.reduction = reduction
         self.reset()
 
+    @property
+    def reduction_type(self) -> Reduce:
+        """torchforge's name of ``reduction``."""
+        return self.reduction
+
     def reset(self) -> None:
         raise NotImplementedError
 
@@ -123,15 +135,19 @@ class MeanAccumulator(MetricAccumulator):
 
 
 class SumAccumulator(MeanAccumulator):
-    """The mean's state (sum, count); only the reduced value differs."""
+    """The mean's sum and count; the state names the sum ``total``, as torchforge's does."""
+
+    def get_state(self) -> dict[str, Any]:
+        return {"reduction_type": self.reduction.value, "total": self.sum, "count": self.count}
 
     @classmethod
     def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
-        return float(sum(s["sum"] for s in states))
+        return float(sum(s["total"] for s in states))
 
 
 class _ExtremumAccumulator(MetricAccumulator):
     _array_method = "max"  # or "min": the name of the numpy method and of the builtin
+    _field = "max_val"  # the state's name of the value, torchforge's
 
     def reset(self) -> None:
         self.value: float | None = None
@@ -149,11 +165,15 @@ class _ExtremumAccumulator(MetricAccumulator):
         self.count += len(values)
 
     def get_state(self) -> dict[str, Any]:
-        return {"reduction_type": self.reduction.value, "value": self.value, "count": self.count}
+        # An empty state holds torchforge's identity (-inf for max), and count 0 says it is empty.
+        empty = -math.inf if self._array_method == "max" else math.inf
+        value = empty if self.value is None else self.value
+        return {"reduction_type": self.reduction.value, self._field: value, "count": self.count}
 
     @classmethod
     def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
-        values = [s["value"] for s in states if s["value"] is not None]
+        # torchforge's states carry no count: theirs are never taken for empty.
+        values = [s[cls._field] for s in states if s.get("count", 1) > 0]
         if not values:
             return math.nan
         if any(math.isnan(v) for v in values):
@@ -167,18 +187,25 @@ class MaxAccumulator(_ExtremumAccumulator):
 
 class MinAccumulator(_ExtremumAccumulator):
     _array_method = "min"
+    _field = "min_val"
 
 
 _EXTREMA = {"max": max, "min": min}
 
 
 class StdAccumulator(MetricAccumulator):
-    """Population std (ddof=0) from (count, mean, M2), merged with Chan's formula."""
+    """Population std (ddof=0) from (count, mean, M2), merged with Chan's formula.
+
+    The state also carries torchforge's ``sum`` and ``sum_sq``, so torchforge's code can
+    merge it; states that have only those (torchforge's own) are merged from them.
+    """
 
     def reset(self) -> None:
         self.count = 0
         self.mean = 0.0
         self.m2 = 0.0
+        self.sum = 0.0
+        self.sum_sq = 0.0
 
     def append_many(self, values: np.ndarray) -> None:
         if len(values) == 0:
@@ -187,6 +214,8 @@ class StdAccumulator(MetricAccumulator):
         mean_b = float(values.mean())
         m2_b = float(((values - mean_b) ** 2).sum())
         self.count, self.mean, self.m2 = _merge_moments((self.count, self.mean, self.m2), (n_b, mean_b, m2_b))
+        self.sum += float(values.sum())
+        self.sum_sq += float((values * values).sum())
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -194,17 +223,30 @@ class StdAccumulator(MetricAccumulator):
             "count": self.count,
             "mean": self.mean,
             "m2": self.m2,
+            "sum": self.sum,
+            "sum_sq": self.sum_sq,
         }
 
     @classmethod
     def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> float:
         acc: tuple[int, float, float] = (0, 0.0, 0.0)
         for s in states:
-            acc = _merge_moments(acc, (s["count"], s["mean"], s["m2"]))
+            acc = _merge_moments(acc, _moments(s))
         count, _, m2 = acc
         if count == 0:
             return math.nan
         return math.sqrt(max(m2, 0.0) / count)
+
+
+def _moments(state: dict[str, Any]) -> tuple[int, float, float]:
+    """(count, mean, M2) of a std state: ours, or torchforge's (sum, sum_sq, count)."""
+    count = state["count"]
+    if "m2" in state:
+        return count, state["mean"], state["m2"]
+    if count == 0:
+        return 0, 0.0, 0.0
+    mean = state["sum"] / count
+    return count, mean, max(state["sum_sq"] - state["sum"] * mean, 0.0)
 
 
 def _merge_moments(a: tuple[int, float, float], b: tuple[int, float, float]) -> tuple[int, float, float]:
@@ -245,10 +287,11 @@ def reduce_metrics_states(states: Iterable[dict[str, dict[str, Any]]]) -> list[M
             by_key.setdefault(key, []).append(state)
     metrics = []
     for key, key_states in by_key.items():
-        kinds = {s["reduction_type"] for s in key_states}
-        if len(kinds) > 1:
-            raise ValueError(f"key '{key}' has states of several reductions: {sorted(kinds)}")
-        reduction = Reduce(kinds.pop())
+        first = key_states[0]["reduction_type"]
+        other = next((s["reduction_type"] for s in key_states if s["reduction_type"] != first), None)
+        if other is not None:  # torchforge's words, which its users' code may match
+            raise ValueError(f"Mismatched reduction types for key '{key}': {first} vs {other}")
+        reduction = Reduce(first)
         value = reduction.accumulator_class.get_reduced_value_from_states(key_states)
         metrics.append(Metric(key=key, value=value, reduction=reduction))
     return metrics

@@ -43,6 +43,25 @@ def test_a_training_rank_loads_nothing_heavy(tmp_path):
         assert (tmp_path / file_format / f"rank0.r0.00000.{file_format}").exists()  # it was sealed
 
 
+def test_a_torchforge_rank_loads_nothing_heavy(tmp_path):
+    """metric_core.torchforge's path: torchforge's calls, a per-rank console backend."""
+    loaded = loaded_by(
+        "import asyncio, os\n"
+        f"os.environ['METRICLOG_DIR'] = {str(tmp_path / 'run')!r}\n"
+        "from metric_core.torchforge import Reduce, get_or_create_metric_logger, record_metric\n"
+        "async def main():\n"
+        "    mlogger = await get_or_create_metric_logger(process_name='trainer')\n"
+        "    await mlogger.init_backends.call_one({'console': {'logging_mode': 'per_rank_reduce'}})\n"
+        "    for step in range(3):\n"
+        "        record_metric('loss', 0.5, Reduce.MEAN)\n"
+        "        await mlogger.flush.call_one(step, return_state=True)\n"
+        "    await mlogger.shutdown.call_one()\n"
+        "asyncio.run(main())"
+    )
+    assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
+    assert (tmp_path / "run" / "trainer_r0.r0.00000.parquet").exists()  # it was sealed
+
+
 def test_a_rank_that_checks_its_sidecar_options_loads_nothing_heavy():
     loaded = loaded_by(
         "from metric_core.writer.sidecar import sidecar_command\n"
@@ -60,7 +79,11 @@ def test_the_writer_side_and_the_ground_floor_import_no_offline_module():
     allowed = {("sidecar.py", "metric_core.offline.plan")}
     offenders = []
     ground = [p for p in (ROOT / "metric_core").glob("*.py") if p.name != "__init__.py"]
-    for path in [*ground, *(ROOT / "metric_core" / "writer").rglob("*.py")]:
+    writer_side = [
+        *(ROOT / "metric_core" / "writer").rglob("*.py"),
+        *(ROOT / "metric_core" / "torchforge").rglob("*.py"),
+    ]
+    for path in [*ground, *writer_side]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):

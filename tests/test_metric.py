@@ -78,7 +78,7 @@ def test_mixed_reduction_states_are_refused():
     b = Reduce.SUM.accumulator_class(Reduce.SUM)
     a.append(1.0)
     b.append(1.0)
-    with pytest.raises(ValueError, match="'k' has states of several reductions"):
+    with pytest.raises(ValueError, match="Mismatched reduction types for key 'k'"):
         reduce_metrics_states([{"k": a.get_state()}, {"k": b.get_state()}])
 
 

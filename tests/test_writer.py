@@ -218,7 +218,7 @@ class Recording(LoggerBackend):
         self.finished = False
         self.role = None
 
-    async def init(self, role, primary_logger_metadata=None, process_name=None):
+    async def init(self, role, controller_logger_metadata=None, process_name=None):
         self.role = role
 
     async def log_batch(self, metrics, global_step):

@@ -230,6 +230,8 @@ def inspect_run(
     for source, its in sorted(steps.items()):
         typical, longest, _ = cadence[source]
         lag = newest - its.last_timestamp
+        tried = [a for a in scan.report.attempts if (a.process, a.rank) == source]
+        ended_well = source in clean or (bool(tried) and tried[-1].ended_well)
         sources.append(
             SourceHealth(
                 process=source[0],
@@ -243,16 +245,16 @@ def inspect_run(
                 last_timestamp=its.last_timestamp,
                 lag_s=lag,
                 cadence_s=typical,
-                clean_shutdown=source in clean,
-                status=_status(source in clean, lag, typical, longest),
-                attempts=[a for a in scan.report.attempts if (a.process, a.rank) == source],
+                clean_shutdown=ended_well,
+                status=_status(ended_well, lag, typical, longest),
+                attempts=tried,
             )
         )
         health = sources[-1]
         health.silent_s = silent = now - its.last_timestamp
         health.end = health.attempts[-1].end if health.attempts else None
         quiet = _status(False, silent, typical, longest) == "stopped_early"
-        over = health.end in ("exception", "signal", "exit", "died")
+        over = bool(tried) and tried[-1].failed
         health.stall_after_s = stall_after or stall_threshold(typical, longest)
         health.stalled = (
             health.status != "finished" and typical is not None and not over and silent > health.stall_after_s

@@ -185,7 +185,7 @@ def first_failure(attempts: list[Attempt]) -> Failure | None:
     """The earliest end that was not a shutdown; within ``SAME_EVENT_S`` of it, an end that
     is a consequence of a peer's death (a SIGTERM, a gloo or NCCL error) yields to another."""
     failed = sorted(
-        (a for a in attempts if a.end in ("exception", "signal", "exit", "died") and a.ended_at is not None),
+        (a for a in attempts if a.failed and a.ended_at is not None),
         key=lambda a: (a.ended_at, a.process, a.rank),
     )
     if not failed:
@@ -286,6 +286,7 @@ def _end(
         return
     if exits:
         a.end, a.ended_at = "exit", exits[-1].get("timestamp")
+        a.adopted = bool(exits[-1].get("adopted"))
         return
     a.end, a.ended_at = "died", life.alive
 
@@ -404,7 +405,7 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             firsts = [a.first_step for a in group if a.first_step is not None]
             label += f" restarted from step {min(firsts)} and" if firsts else " restarted and"
         failed = first_failure(group) if failure is not None else None
-        over = [a for a in group if a.end in ("exception", "signal", "exit", "died")]
+        over = [a for a in group if a.failed]
         if failed is not None and _together(over) and len(over) == len(group):
             step = min((a.last_step for a in over if a.last_step is not None), default=None)
             at = "" if step is None else f" in step {step + 1}"
@@ -418,7 +419,7 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             ends = {a.end for a in group}
             how = (
                 "finished cleanly"
-                if ends == {"shutdown"}
+                if all(a.ended_well for a in group)
                 else "is still running"
                 if "running" in ends
                 else None
@@ -430,12 +431,7 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
         text = (
             f"{label}{':' if label and not label.endswith('and') else ''} {who} {ended_how(failed)}".strip()
         )
-        others = [
-            a
-            for a in group
-            if (a.process, a.rank) != (failed.process, failed.rank)
-            and a.end in ("exception", "signal", "exit", "died")
-        ]
+        others = [a for a in group if (a.process, a.rank) != (failed.process, failed.rank) and a.failed]
         if others and failed.ended_at is not None:
             kinds: dict[tuple[Any, ...], list[Attempt]] = {}
             for a in others:

@@ -46,7 +46,6 @@ CHANGED_POLLS = 5
 # Sources whose silence began this close together stall as one episode.
 EPISODE_S = 5.0
 RESTART_GRACE = 60.0
-OVER_ENDS = ("exception", "signal", "exit", "died")
 
 
 def state_of(s: SourceHealth) -> str:
@@ -54,7 +53,7 @@ def state_of(s: SourceHealth) -> str:
     records no life, stopped_early by inspect's rule)."""
     if s.status == "finished":
         return "finished"
-    if s.end in OVER_ENDS:
+    if s.attempts and s.attempts[-1].failed:
         return "died"
     if s.stalled:
         return "stalled"

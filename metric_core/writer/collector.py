@@ -170,6 +170,9 @@ class MetricCollector:
         self._steps = StepReducer(self._code_table, rank=self.rank, process=self.process_name)
         self._background_error: Exception | None = None
         self._closed = False
+        # Started by itself, for a process that records without init (metric_core.torchforge
+        # with METRICLOG_DIR): its end at interpreter exit is the expected one.
+        self.adopted = False
         # How the attempt ends, and where it hangs (writer.ends): the stack files it registered.
         self._stack_files: dict[str, Any] = {}
         self._last_flush = time.monotonic()  # when the latest flush() returned (or init)
@@ -202,9 +205,14 @@ class MetricCollector:
 
     def push(self, metric: Metric) -> None:
         """Record a Metric (torchforge's push); its own timestamp is kept."""
-        value = metric.value if type(metric.value) is float else _as_float(metric.key, metric.value)
-        code = self._intern(metric.key, metric.reduction)
-        self._extend((value, code, metric.timestamp))
+        key, value, reduction = metric.key, metric.value, metric.reduction
+        entry = self._codes.get(key)
+        code = entry[1] if entry is not None and entry[0] is reduction else self._intern(key, reduction)
+        at = metric.timestamp if metric.timestamp is not None else _now()
+        try:
+            self._extend((value, code, at))
+        except (TypeError, ValueError, OverflowError):
+            self._extend((_as_float(key, value), code, at))
 
     def _intern(self, key: str, reduction: Any) -> int:
         if not isinstance(key, str) or not key:
@@ -457,7 +465,9 @@ class MetricCollector:
         self._closed = True
         with contextlib.suppress(Exception):
             self._drain()
-            self._writer.end_event({"kind": "exit", "timestamp": time.time()})
+            self._writer.end_event(
+                {"kind": "exit", "timestamp": time.time(), **({"adopted": True} if self.adopted else {})}
+            )
             self._writer.close(clean_shutdown=False)
         self._writer.release()
         ends.uninstall(self)

@@ -161,7 +161,7 @@ class RawFileWriter(LoggerBackend):
     async def init(
         self,
         role: BackendRole,
-        primary_logger_metadata: dict[str, Any] | None = None,
+        controller_logger_metadata: dict[str, Any] | None = None,
         process_name: str | None = None,
     ) -> None:
         """Nothing to do: files are opened on the first write."""

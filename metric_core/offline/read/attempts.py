@@ -27,6 +27,9 @@ REWIND, ALL = "rewind", "all"
 LEGACY = "legacy"  # the attempt of files written before attempts were recorded
 
 
+FAILED_ENDS = ("exception", "signal", "exit", "died")
+
+
 @dataclass
 class Attempt:
     """One attempt of one source, as read."""
@@ -54,6 +57,20 @@ class Attempt:
     thread_exceptions: list[dict[str, Any]] = field(default_factory=list)
     host: str | None = None
     pid: int | None = None
+    # It started recording by itself (metric_core.torchforge with METRICLOG_DIR) and has no
+    # shutdown() to call: its exit at the interpreter's end is how it was meant to end.
+    adopted: bool = False
+
+    @property
+    def failed(self) -> bool:
+        """It ended in a failure: an exception, a signal, a death, or an exit without
+        ``shutdown()`` (but not the exit of an attempt that started by itself)."""
+        return self.end in FAILED_ENDS and not (self.end == "exit" and self.adopted)
+
+    @property
+    def ended_well(self) -> bool:
+        """It shut down cleanly, or started by itself and exited."""
+        return self.end == "shutdown" or (self.end == "exit" and self.adopted)
 
 
 def resolve(

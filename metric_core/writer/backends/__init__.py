@@ -33,11 +33,31 @@ from metric_core.metric import BackendRole, LoggingMode, Metric, Reduce
 
 
 class LoggerBackend(ABC):
-    """Abstract logger backend for metric logging, e.g. wandb, jsonl, console."""
+    """Abstract logger backend for metric logging, e.g. wandb, console.
 
-    def __init__(self, logger_backend_config: dict[str, Any]) -> None:
-        self.logger_backend_config = dict(logger_backend_config)
-        mode = self.logger_backend_config.get("logging_mode", LoggingMode.PER_RANK_REDUCE)
+    Built from a config dict (``ConsoleBackend({"logging_mode": "per_rank_reduce"})``, as in
+    'Metric Logging updates 5/N') or from keywords, as torchforge builds them since #482
+    (``WandbBackend(logging_mode=LoggingMode.PER_RANK_REDUCE, project="p", tags=["a"])``).
+    ``backend_kwargs`` holds what is neither ``logging_mode`` nor ``per_rank_share_run``.
+    """
+
+    def __init__(
+        self,
+        logger_backend_config: dict[str, Any] | None = None,
+        /,
+        *,
+        logging_mode: LoggingMode | str | None = None,
+        per_rank_share_run: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if logger_backend_config is not None:
+            config = dict(logger_backend_config)
+        else:
+            config = {**kwargs, "per_rank_share_run": per_rank_share_run}
+            if logging_mode is not None:
+                config["logging_mode"] = logging_mode
+        self.logger_backend_config = config
+        mode = config.get("logging_mode", LoggingMode.PER_RANK_REDUCE)
         try:
             self.logging_mode = LoggingMode(mode)
         except ValueError:
@@ -45,12 +65,16 @@ class LoggerBackend(ABC):
             raise ConfigError(
                 f"{type(self).__name__}: logging_mode '{mode}' is not one of {allowed}"
             ) from None
+        self.per_rank_share_run = bool(config.get("per_rank_share_run", False))
+        self.backend_kwargs = {
+            k: v for k, v in config.items() if k not in ("logging_mode", "per_rank_share_run")
+        }
 
     @abstractmethod
     async def init(
         self,
         role: BackendRole,
-        primary_logger_metadata: dict[str, Any] | None = None,
+        controller_logger_metadata: dict[str, Any] | None = None,
         process_name: str | None = None,
     ) -> None:
         """Initializes the backend, e.g. wandb.init()."""
@@ -81,7 +105,20 @@ class LoggerBackend(ABC):
 
     def get_metadata_for_secondary_ranks(self) -> dict[str, Any] | None:
         """Sharable state after primary init (e.g. a shared W&B run id)."""
-        return None
+        return {}
+
+
+def get_logger_backend_class(cls_name: str) -> type[LoggerBackend]:
+    """The backend class of a config name (torchforge's factory): ``console`` or ``wandb``."""
+    if cls_name == "console":
+        from metric_core.writer.backends.console import ConsoleBackend
+
+        return ConsoleBackend
+    if cls_name == "wandb":
+        from metric_core.writer.backends.wandb import WandbBackend
+
+        return WandbBackend
+    raise ValueError(f"Unknown logger backend type: {cls_name} (use console or wandb)")
 
 
 def make_backend(name: str, config: dict[str, Any] | LoggerBackend) -> LoggerBackend:
@@ -92,20 +129,16 @@ def make_backend(name: str, config: dict[str, Any] | LoggerBackend) -> LoggerBac
         return config
     if config.get("logging_mode") in (LoggingMode.GLOBAL_REDUCE, LoggingMode.GLOBAL_REDUCE.value):
         raise ConfigError(_global_reduce_message(name))
-    if name == "console":
-        from metric_core.writer.backends.console import ConsoleBackend
-
-        return ConsoleBackend(config)
-    if name == "wandb":
-        from metric_core.writer.backends.wandb import WandbBackend
-
-        return WandbBackend(config)
     if name in ("jsonl", "parquet"):
         raise ConfigError(
             f"backend '{name}': the raw-stream file writer is always on; choose its format "
             "with metric_core.init(run_dir, file_format=...)."
         )
-    raise ConfigError(f"unknown backend '{name}': use console or wandb")
+    try:
+        backend_class = get_logger_backend_class(name)
+    except ValueError:
+        raise ConfigError(f"unknown backend '{name}': use console or wandb") from None
+    return backend_class(config)
 
 
 def _global_reduce_message(name: str) -> str:

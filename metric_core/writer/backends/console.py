@@ -14,7 +14,7 @@ class ConsoleBackend(LoggerBackend):
     async def init(
         self,
         role: BackendRole,
-        primary_logger_metadata: dict[str, Any] | None = None,
+        controller_logger_metadata: dict[str, Any] | None = None,
         process_name: str | None = None,
     ) -> None:
         self.process_name = process_name or "?"

@@ -1,0 +1,54 @@
+"""torchforge's observability API over metric_core: change one import line.
+
+``from forge.observability import record_metric, Reduce, get_or_create_metric_logger``
+becomes ``from metric_core.torchforge import ...``; ``forge.observability.metrics`` and
+``forge.observability.metric_actors`` are ``metric_core.torchforge.metrics`` and
+``metric_core.torchforge.metric_actors``. Every value is also written to the run
+directory named by ``METRICLOG_DIR``, so ``metriclog`` can reduce, upload, inspect and
+plot it later. docs/compat.md says what differs from torchforge, and why.
+"""
+
+from metric_core.torchforge.metric_actors import GlobalLoggingActor, get_or_create_metric_logger
+from metric_core.torchforge.metrics import (
+    BackendRole,
+    ConsoleBackend,
+    LoggerBackend,
+    LoggingMode,
+    MaxAccumulator,
+    MeanAccumulator,
+    Metric,
+    MetricAccumulator,
+    MetricCollector,
+    MinAccumulator,
+    Reduce,
+    StdAccumulator,
+    SumAccumulator,
+    WandbBackend,
+    get_logger_backend_class,
+    get_proc_name_with_rank,
+    record_metric,
+    reduce_metrics_states,
+)
+
+__all__ = [
+    "BackendRole",
+    "ConsoleBackend",
+    "GlobalLoggingActor",
+    "LoggerBackend",
+    "LoggingMode",
+    "MaxAccumulator",
+    "MeanAccumulator",
+    "Metric",
+    "MetricAccumulator",
+    "MetricCollector",
+    "MinAccumulator",
+    "Reduce",
+    "StdAccumulator",
+    "SumAccumulator",
+    "WandbBackend",
+    "get_logger_backend_class",
+    "get_or_create_metric_logger",
+    "get_proc_name_with_rank",
+    "record_metric",
+    "reduce_metrics_states",
+]

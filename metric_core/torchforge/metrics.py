@@ -1,0 +1,374 @@
+"""torchforge's ``forge.observability.metrics``, over metric_core: one process per rank, no monarch.
+
+The names and their behaviour are torchforge's, so a torchforge user changes one import
+line. What is not the same, and why, is in docs/compat.md. Underneath, every value is
+written to the run directory by metric_core's collector, as ``metric_core.record_metric``
+writes it.
+
+``record_metric`` here differs from ``metric_core.record_metric`` as torchforge's does:
+
+* before ``init_backends`` it warns once and drops the value, unless ``METRICLOG_DIR``
+  is set: then the process starts recording there by itself (``MetricCollector.push``);
+* ``FORGE_DISABLE_METRICS=true`` makes it a no-op;
+* it builds a ``Metric`` and looks up the per-rank ``MetricCollector`` at every call,
+  which costs more than ``metric_core.record_metric`` (docs/compat.md has the figures).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+from metric_core.errors import ConfigError, MetricLogError
+from metric_core.metric import (
+    BackendRole,
+    LoggingMode,
+    MaxAccumulator,
+    MeanAccumulator,
+    Metric,
+    MetricAccumulator,
+    MinAccumulator,
+    Reduce,
+    StdAccumulator,
+    SumAccumulator,
+    reduce_metrics_states,
+)
+from metric_core.torchforge.env import FORGE_DISABLE_METRICS, METRICLOG_DIR, METRICLOG_PROCESS
+from metric_core.writer import api
+from metric_core.writer import collector as writer_collector
+from metric_core.writer.backends import LoggerBackend, get_logger_backend_class
+from metric_core.writer.backends.console import ConsoleBackend
+from metric_core.writer.backends.wandb import WandbBackend
+
+__all__ = [
+    "BackendRole",
+    "ConsoleBackend",
+    "LoggerBackend",
+    "LoggingMode",
+    "MaxAccumulator",
+    "MeanAccumulator",
+    "Metric",
+    "MetricAccumulator",
+    "MetricCollector",
+    "MinAccumulator",
+    "Reduce",
+    "StdAccumulator",
+    "SumAccumulator",
+    "WandbBackend",
+    "context",
+    "current_rank",
+    "get_logger_backend_class",
+    "get_proc_name_with_rank",
+    "record_metric",
+    "reduce_metrics_states",
+]
+
+logger = logging.getLogger(__name__)
+
+# Where launchers put a process's rank, first found wins: torchrun, SLURM, Open MPI, MPICH.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "LOCAL_RANK")
+
+
+def _env_rank() -> int:
+    for name in RANK_VARIABLES:
+        raw = os.environ.get(name, "").strip()
+        if raw:
+            try:
+                return int(raw)
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={raw!r} is not an integer rank") from None
+    return 0
+
+
+_rank: SimpleNamespace | None = None  # read once per process (forgotten in a forked child)
+
+
+def current_rank() -> SimpleNamespace:
+    """This process's rank as monarch's ``current_rank()`` gives it (``.rank``), from the
+    launcher's environment (``RANK``, ``SLURM_PROCID``, ...; 0 when none is set)."""
+    global _rank
+    if _rank is None:
+        _rank = SimpleNamespace(rank=_env_rank())
+    return _rank
+
+
+def default_process_name() -> str:
+    """``METRICLOG_PROCESS``, else the running script's name (``train`` for train.py)."""
+    given = METRICLOG_PROCESS.get_value()
+    if given:
+        return str(given)
+    script = Path(sys.argv[0]).stem if sys.argv and sys.argv[0] not in ("", "-c", "-m") else ""
+    return script or "main"
+
+
+def context() -> SimpleNamespace:
+    """monarch's ``context()`` as far as torchforge reads it: ``actor_instance.actor_id.actor_name``."""
+    actor_id = SimpleNamespace(actor_name=default_process_name())
+    return SimpleNamespace(actor_instance=SimpleNamespace(actor_id=actor_id))
+
+
+def get_proc_name_with_rank(proc_name: str | None = None) -> str:
+    """``{process}_r{rank}``, torchforge's name of a rank in logs and per-rank W&B runs."""
+    name = proc_name if proc_name is not None else context().actor_instance.actor_id.actor_name
+    return f"{name}_r{current_rank().rank}"
+
+
+def _disabled() -> bool:
+    """``FORGE_DISABLE_METRICS`` is ``true``, read at every call as torchforge reads it.
+
+    ``os.getenv`` costs 0.8 us (it encodes the name and decodes the value); the environment's
+    own dict of encoded names answers the common case, an unset variable, in 0.05 us.
+    """
+    if _environ_data is not None and _disable_key not in _environ_data:
+        return False
+    return os.getenv(FORGE_DISABLE_METRICS.name, "false").lower() == "true"
+
+
+# CPython's os.environ keeps its variables in ``_data`` under encoded names.
+_environ_data: dict[Any, Any] | None = getattr(os.environ, "_data", None)
+_encodekey = getattr(os.environ, "encodekey", None)
+_disable_key = _encodekey(FORGE_DISABLE_METRICS.name) if _encodekey is not None else None
+if _disable_key is None:
+    _environ_data = None
+
+
+def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None:
+    """Record ``value`` under ``key`` with torchforge's semantics (see the module's text).
+
+    Cheap, but not as cheap as ``metric_core.record_metric``: a ``Metric`` and a
+    collector lookup per call.
+    """
+    if _disabled():
+        return
+    metric = Metric(key=key, value=value, reduction=reduction)
+    collector = MetricCollector()
+    collector.push(metric)
+
+
+class MetricCollector:
+    """torchforge's per-rank singleton: ``MetricCollector()`` is the same object in a rank.
+
+    ``init_backends`` starts metric_core's collector of this process (in ``METRICLOG_DIR``)
+    with the per-rank backends of the config; a ``global_reduce`` wandb backend starts the
+    sidecar (``metriclog upload --follow``) on rank 0, which uploads the global reduction
+    computed from every rank's files. ``push`` records, ``flush`` ends a step,
+    ``shutdown`` ends cleanly.
+    """
+
+    _instances: ClassVar[dict[int, MetricCollector]] = {}
+    _singleton_rank: int
+
+    def __new__(cls) -> MetricCollector:
+        rank = current_rank().rank
+        inst = cls._instances.get(rank)
+        if inst is None:
+            inst = super().__new__(cls)
+            inst._singleton_rank = rank
+            cls._instances[rank] = inst
+        return inst
+
+    def __init__(self) -> None:
+        if hasattr(self, "_is_initialized"):
+            return
+        self.rank = current_rank().rank
+        self.global_step = 0
+        self.proc_name_with_rank: str | None = None
+        self._is_initialized = False
+        self._collector: writer_collector.MetricCollector | None = None
+        self._adopt_tried = False
+        self._warned = False
+
+    async def init_backends(
+        self,
+        metadata_per_controller_backend: dict[str, dict[str, Any]] | None,
+        config: dict[str, Any],
+        global_step: int = 0,
+        process_name: str | None = None,
+    ) -> None:
+        """Start recording this rank into ``METRICLOG_DIR`` with the config's backends.
+
+        ``config`` maps backend names to their configs, each with a ``logging_mode``
+        (a ``LoggingMode`` or its value). ``global_step`` is the step to resume from.
+        """
+        if self._is_initialized:
+            logger.debug("%s: MetricCollector already initialized", self.proc_name_with_rank)
+            return
+        process = process_name or default_process_name()
+        local: dict[str, dict[str, Any] | LoggerBackend] = {}
+        sidecar = None
+        for name, backend_config in config.items():
+            mode = LoggingMode(backend_config["logging_mode"])
+            if mode is LoggingMode.GLOBAL_REDUCE:
+                if name == "wandb" and self.rank == 0:
+                    sidecar = sidecar_options(backend_config)
+                elif name != "wandb":
+                    logger.info(
+                        "%s backend with global_reduce: the global reduction is computed from the run's "
+                        "files; see it with `metriclog reduce %s` (or `metriclog watch`)",
+                        name,
+                        run_dir(),
+                    )
+                continue
+            local[name] = get_logger_backend_class(name)(**{**backend_config, "logging_mode": mode})
+        self._start(process, local, global_step, sidecar, adopted=False)
+        self.global_step = global_step
+
+    def _start(
+        self,
+        process: str,
+        backends: dict[str, dict[str, Any] | LoggerBackend],
+        step: int,
+        sidecar: dict[str, Any] | None,
+        *,
+        adopted: bool,
+    ) -> None:
+        # The source is named as torchforge names a rank, "trainer_r0": its W&B runs and prints too.
+        self.proc_name_with_rank = f"{process}_r{self.rank}"
+        self._collector = api.init(
+            run_dir(),
+            rank=self.rank,
+            process_name=self.proc_name_with_rank,
+            step=step,
+            backends=backends,
+            sidecar=sidecar,
+        )
+        self._collector.adopted = adopted
+        self._is_initialized = True
+
+    def push(self, metric: Metric) -> None:
+        """Record a ``Metric``; before ``init_backends``, see ``record_metric``."""
+        collector = self._collector
+        if collector is None:
+            collector = self._adopt()
+            if collector is None:
+                return
+        if not isinstance(metric, Metric):
+            raise TypeError(f"Expected {Metric} object, got {metric} of type {type(metric)}")
+        collector.push(metric)
+
+    def _adopt(self) -> writer_collector.MetricCollector | None:
+        """The collector a process gets without ``init_backends``: the one ``metric_core.init``
+        started in it, or one of its own in ``METRICLOG_DIR`` (not in a process another started,
+        which would take its parent's name); else None, said once. A forked child's copy of
+        its parent's collector is not in ``_open``: it writes nothing."""
+        if _forked[0] or multiprocessing.parent_process() is not None:
+            self._warn_once(
+                f"this process (pid {os.getpid()}) was started by another process of rank {self.rank}, e.g. "
+                "as a data-loader worker: it records nothing, so as not to take its parent's name. To record "
+                "in it, call metric_core.init(run_dir, process_name=...) in it with a name of its own"
+            )
+            return None
+        if api._active is not None and not api._active.closed:
+            self._collector = api._active
+            self._is_initialized = True
+            return self._collector
+        if not self._adopt_tried and METRICLOG_DIR.get_value():
+            self._adopt_tried = True
+            try:
+                self._start(default_process_name(), {}, 0, None, adopted=True)
+            except MetricLogError as exc:
+                self._warn_once(
+                    f"recording into METRICLOG_DIR failed, and this process records nothing: {exc}"
+                )
+                return None
+            return self._collector
+        self._warn_once(
+            f"Skipping metric collection for {get_proc_name_with_rank()}. Metric logging backends "
+            "(e.g. wandb) were not initialized. This happens when you try to use `record_metric` before "
+            "calling `init_backends`. To record every value, set METRICLOG_DIR to a run directory, or "
+            "call in your main file:\n"
+            "`mlogger = await get_or_create_metric_logger(process_name='Controller')`\n"
+            "`await mlogger.init_backends.call_one(logging_config)`\nor set env variable "
+            "`FORGE_DISABLE_METRICS=True`"
+        )
+        return None
+
+    def _warn_once(self, message: str) -> None:
+        if not self._warned:
+            self._warned = True
+            logger.warning(message)
+
+    async def flush(self, global_step: int, return_state: bool = False) -> dict[str, dict[str, Any]]:
+        """End step ``global_step``: its records are made durable and reduced for the
+        per-rank backends; with ``return_state``, its accumulator states are returned."""
+        if self._collector is None:
+            logger.warning(
+                "Cannot flush collected metrics for %s. MetricCollector.flush() called before "
+                "init_backends().\nPlease call in your main file:\n"
+                "`mlogger = await get_or_create_metric_logger(process_name='Controller')`\n"
+                "`await mlogger.init_backends.call_one(logging_config)`\nbefore calling `flush`",
+                get_proc_name_with_rank(),
+            )
+            return {}
+        states = await self._collector.aflush(global_step, return_state=return_state)
+        self.global_step = global_step + 1
+        return states or {}
+
+    async def shutdown(self) -> None:
+        """Flush, close the backends, wait for the sidecar, and mark the rank finished."""
+        if self._collector is None:
+            return
+        if self._collector is api._active:
+            api.shutdown()
+        else:
+            self._collector.shutdown()
+        self._collector = None
+        self._is_initialized = False
+
+
+# A forked child shares its parent's source: it must not record under its name.
+_forked = [False]
+
+
+def _after_fork_in_child() -> None:
+    global _rank
+    _forked[0] = True
+    _rank = None
+    for inst in MetricCollector._instances.values():
+        inst._collector = None
+        inst._is_initialized = False
+        inst._warned = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def run_dir() -> str:
+    """``METRICLOG_DIR``, or a ``ConfigError`` that says to set it."""
+    path = METRICLOG_DIR.get_value()
+    if not path:
+        raise ConfigError(
+            "metric_core.torchforge writes every value of every rank to a run directory: set "
+            "METRICLOG_DIR (e.g. METRICLOG_DIR=runs/exp1) in the job's environment"
+        )
+    return str(path)
+
+
+def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
+    """The sidecar (``metriclog upload --follow``) options of a global_reduce wandb config.
+
+    W&B's ``mode`` ``offline`` uploads offline; ``disabled`` starts no sidecar. Settings the
+    upload does not take are said once, by name.
+    """
+    kwargs = {k: v for k, v in wandb_config.items() if k not in ("logging_mode", "per_rank_share_run")}
+    mode = kwargs.pop("mode", None)
+    if mode == "disabled":
+        return None
+    options: dict[str, Any] = {"mode": "global_reduce", "offline": mode == "offline"}
+    for name in ("project", "entity", "name", "group"):
+        if kwargs.get(name) is not None:
+            options[name] = kwargs.pop(name)
+    options.setdefault("project", "uncategorized")  # wandb.init's own default
+    kwargs.pop("dir", None)  # the sidecar's wandb files go where WANDB_DIR says, as this process's
+    if kwargs:
+        logger.warning(
+            "wandb (global_reduce): the global run is uploaded by `metriclog upload --follow`, which does "
+            "not pass %s to wandb.init",
+            ", ".join(sorted(kwargs)),
+        )
+    return options

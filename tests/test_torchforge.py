@@ -1,0 +1,267 @@
+"""metric_core.torchforge as a torchforge user meets it: their job, with one import line
+changed, gives W&B the global reduction numpy gives over what every rank recorded; a
+process that records without any setup writes into METRICLOG_DIR and ends as expected;
+torchforge's states merge with ours; extra wandb settings reach the real wandb client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from metric_core import inspect_run, reduce_metrics_states, reduce_run
+from metric_core.metric import MaxAccumulator, MeanAccumulator, MinAccumulator, StdAccumulator, SumAccumulator
+from metric_core.torchforge import LoggingMode, Metric, MetricCollector, Reduce, WandbBackend, record_metric
+from metric_core.torchforge.metric_actors import get_or_create_metric_logger
+
+from .wandb_file import find_run_file, history_rows, read_records, run_record
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A torchforge job: only metric_core.torchforge names, torchforge's calls and config.
+JOB = """
+import asyncio, json, os, sys
+import numpy as np
+from metric_core.torchforge import Reduce, get_or_create_metric_logger, record_metric
+
+async def main():
+    rank, steps = int(os.environ["RANK"]), int(sys.argv[1])
+    mlogger = await get_or_create_metric_logger(process_name="trainer")
+    await mlogger.init_backends.call_one({
+        "wandb": {"logging_mode": "global_reduce", "project": "p", "mode": "offline"},
+    })
+    rng = np.random.default_rng(rank)
+    truth = []
+    for step in range(steps):
+        for _ in range(3):
+            for key, how, value in (
+                ("loss", Reduce.MEAN, 1e6 + rng.normal()),
+                ("tokens", Reduce.SUM, float(rng.integers(0, 1000))),
+                ("grad/max", Reduce.MAX, rng.normal()),
+                ("grad/std", Reduce.STD, rng.normal()),
+            ):
+                record_metric(key, value, how)
+                truth.append([step, key, value])
+        await mlogger.flush.call_one(step)
+    await mlogger.shutdown.call_one()
+    with open(f"truth-{rank}.json", "w") as f:
+        json.dump(truth, f)
+
+asyncio.run(main())
+"""
+HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max, "grad/std": np.std}
+
+
+def job_env(run: Path, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "FORGE_DISABLE_METRICS", "METRICLOG_DIR")}
+    return {**env, "METRICLOG_DIR": str(run), "WANDB_SILENT": "true", "PYTHONPATH": str(REPO), **more}
+
+
+@pytest.mark.slow
+def test_a_torchforge_job_with_a_global_reduce_wandb_config_uploads_numpy_over_every_rank(tmp_path):
+    run, steps, world = tmp_path / "run", 12, 3
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", JOB, str(steps)],
+            cwd=tmp_path,
+            env=job_env(run, RANK=str(r), WORLD_SIZE=str(world)),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    for p in ranks:
+        _, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        assert "sidecar" not in err, err  # rank 0 waited for its sidecar, which ended well
+    recorded = [v for r in range(world) for v in json.loads((tmp_path / f"truth-{r}.json").read_text())]
+    ledger = json.loads((run / ".metriclog" / "uploads.json").read_text())["runs"]
+    ((run_id, entry),) = ledger.items()
+    assert entry["finished"], entry
+    rows = history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", run_id)))
+    assert [row["step"] for row in rows] == list(range(steps))
+    for row in rows:
+        for key, how in HOW.items():
+            values = np.array([v for s, k, v in recorded if s == row["step"] and k == key])
+            assert len(values) == 3 * world
+            assert row[key] == pytest.approx(float(how(values)), rel=1e-12, abs=1e-12), (row["step"], key)
+
+
+ADOPTED = """
+import os, sys
+from metric_core.torchforge import Reduce, record_metric
+for i in range(5):
+    record_metric("loss", float(i), Reduce.MEAN)
+if os.fork() == 0:  # a data-loader worker: records nothing under its parent's name, says so once
+    record_metric("worker/items", 1.0)
+    record_metric("worker/items", 2.0)
+    os._exit(0)
+os.wait()
+record_metric("loss", 5.0)
+"""
+
+
+def test_a_process_that_records_without_setup_writes_into_metriclog_dir_and_ends_as_expected(tmp_path):
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", ADOPTED],
+        cwd=tmp_path,
+        env=job_env(run, RANK="2", METRICLOG_PROCESS="collector"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("records nothing") == 1, done.stderr
+    records = reduce_run(run, mode="per_rank_no_reduce")
+    assert records["key"].to_list() == ["loss"] * 6
+    assert records["value"].to_list() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert set(zip(records["process"], records["rank"], strict=True)) == {("collector_r2", 2)}
+    report = inspect_run(run)
+    ((source,),) = [report.sources]
+    assert source.end == "exit" and source.attempts[-1].adopted
+    assert source.status == "finished" and report.first_failure is None
+
+
+def test_record_metric_before_setup_warns_once_and_drops(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv("METRICLOG_DIR", raising=False)
+    MetricCollector._instances.clear()
+    with caplog.at_level(logging.WARNING):
+        for i in range(3):
+            record_metric("loss", float(i))
+    said = [r for r in caplog.records if "Skipping metric collection" in r.message]
+    assert len(said) == 1
+    assert MetricCollector()._collector is None
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_forge_disable_metrics_records_nothing_even_with_a_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("FORGE_DISABLE_METRICS", "true")
+    MetricCollector._instances.clear()
+
+    async def job():
+        mlogger = await get_or_create_metric_logger(process_name="trainer")
+        await mlogger.init_backends.call_one({"console": {"logging_mode": "per_rank_reduce"}})
+        record_metric("loss", 1.0)
+        await mlogger.shutdown.call_one()
+
+    asyncio.run(job())
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("reduction", [Reduce.MEAN, Reduce.SUM, Reduce.MAX, Reduce.MIN, Reduce.STD])
+def test_torchforge_states_and_ours_merge_to_numpy_over_every_value(reduction):
+    rng = np.random.default_rng(7)
+    parts = [rng.normal(size=n) for n in (5, 1, 9, 4)]
+    ours = {
+        Reduce.MEAN: MeanAccumulator,
+        Reduce.SUM: SumAccumulator,
+        Reduce.MAX: MaxAccumulator,
+        Reduce.MIN: MinAccumulator,
+        Reduce.STD: StdAccumulator,
+    }[reduction]
+    states = []
+    for i, values in enumerate(parts):
+        if i % 2:  # a state as torchforge's accumulators write it, from its formulas
+            s, n = float(sum(values)), len(values)
+            state = {
+                Reduce.MEAN: {"sum": s, "count": n},
+                Reduce.SUM: {"total": s},
+                Reduce.MAX: {"max_val": float(max(values))},
+                Reduce.MIN: {"min_val": float(min(values))},
+                Reduce.STD: {"sum": s, "sum_sq": float(sum(v * v for v in values)), "count": n},
+            }[reduction]
+            states.append({"k": {"reduction_type": reduction.value, **state}})
+        else:
+            acc = ours(reduction)
+            for v in values:
+                acc.append(v)
+            states.append({"k": acc.get_state()})
+    (metric,) = reduce_metrics_states(states)
+    truth = {
+        Reduce.MEAN: np.mean,
+        Reduce.SUM: np.sum,
+        Reduce.MAX: np.max,
+        Reduce.MIN: np.min,
+        Reduce.STD: np.std,
+    }[reduction](np.concatenate(parts))
+    assert metric.value == pytest.approx(float(truth), rel=1e-12)
+
+
+def offline_wandb(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "wandb_root"
+    root.mkdir()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    return root
+
+
+def test_keyword_backends_pass_every_wandb_setting_to_the_real_client(tmp_path, monkeypatch):
+    root = offline_wandb(tmp_path, monkeypatch)
+    monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
+    MetricCollector._instances.clear()
+    config = {
+        "wandb": {
+            "logging_mode": "per_rank_reduce",
+            "project": "p",
+            "name": "exp",
+            "tags": ["rl", "v2"],
+            "notes": "a new reward",
+            "dir": str(root),
+            "mode": "offline",
+        }
+    }
+
+    async def job():
+        mlogger = await get_or_create_metric_logger(process_name="trainer")
+        await mlogger.init_backends.call_one(config)
+        for step in range(3):
+            for v in (1.0, 2.0, 4.0 * step):
+                record_metric("loss", v, Reduce.MEAN)
+            await mlogger.flush.call_one(step)
+        await mlogger.shutdown.call_one()
+
+    asyncio.run(job())
+    (path,) = root.rglob("run-*.wandb")
+    records = read_records(path)
+    run = run_record(records)
+    assert (run.display_name, run.run_group, list(run.tags), run.notes) == (
+        "exp_trainer_r0",
+        "exp",
+        ["rl", "v2"],
+        "a new reward",
+    )
+    rows = [r for r in history_rows(records) if "loss" in r]
+    assert [(r["step"], r["loss"]) for r in rows] == [
+        (s, float(np.mean([1.0, 2.0, 4.0 * s]))) for s in range(3)
+    ]
+
+
+def test_a_global_reduce_backend_starts_no_run_in_a_rank(tmp_path, monkeypatch):
+    root = offline_wandb(tmp_path, monkeypatch)
+    backend = WandbBackend(logging_mode=LoggingMode.GLOBAL_REDUCE, project="p", dir=str(root))
+    from metric_core.metric import BackendRole
+
+    asyncio.run(backend.init(BackendRole.LOCAL, None, "trainer_r0"))
+    asyncio.run(backend.log_batch([Metric("loss", 1.0, Reduce.MEAN)], 0))
+    assert backend.run is None
+    assert list(root.rglob("*.wandb")) == []
+
+
+def test_an_unknown_wandb_setting_is_named(tmp_path, monkeypatch):
+    offline_wandb(tmp_path, monkeypatch)
+    from metric_core.errors import ConfigError
+    from metric_core.metric import BackendRole
+
+    backend = WandbBackend(logging_mode=LoggingMode.PER_RANK_REDUCE, project="p", colour="red")
+    with pytest.raises(ConfigError, match="colour"):
+        asyncio.run(backend.init(BackendRole.LOCAL, None, "trainer_r0"))
