@@ -274,6 +274,43 @@ def plot(
     output.say("info", f"wrote {out}")
 
 
+@app.command(cls=_Command, short_help="List a run's samples (Reduce.SAMPLE), or some per step.")
+def samples(
+    run_dir: o.RunDir,
+    key: o.Keys = None,
+    steps: o.Steps = None,
+    ranks: o.Ranks = None,
+    top: o.Top = 0,
+    bottom: o.Bottom = 0,
+    by: o.By_ = None,
+    random: o.Random = 0,
+    seed: o.Seed = 0,
+    attempts: o.SampleAttempts = "rewind",
+    out: o.OutFile = None,
+) -> None:
+    """List the samples recorded with Reduce.SAMPLE: every one, or some per key and step.
+
+    A row a sample: step, rank, process, timestamp, key, then a column a field (lists and
+    dicts as JSON text). A table on a terminal, CSV into a pipe, or --out FILE.
+
+    Example:
+
+    \b
+        metriclog samples runs/exp1 --key rollout --top 2 --bottom 2 --by reward
+    """
+    from metric_core.offline.samples import select_samples
+
+    with errors_to_exit():
+        check_target(out)
+        frame, read = select_samples(
+            run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,
+            top=top, bottom=bottom, by=by, random=random, seed=seed,
+        )  # fmt: skip
+        for note in read.notes:
+            output.say("warning", note)
+        output.print_samples(frame) if out is None else output.write_frame(frame, out, derived="samples")
+
+
 @app.command(cls=_Command, short_help="Follow a run while it is written; catch hung sources.")
 def watch(
     run_dir: o.RunDir,

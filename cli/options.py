@@ -211,6 +211,39 @@ def plan(
     )
 
 
+# samples
+Top = Annotated[
+    int, typer.Option("--top", metavar="N", min=0, help="Per step, the N samples highest by --by.")
+]
+Bottom = Annotated[
+    int, typer.Option("--bottom", metavar="N", min=0, help="Per step, the N samples lowest by --by.")
+]
+By_ = Annotated[
+    str | None,
+    typer.Option(
+        "--by",
+        metavar="FIELD",
+        help="The field --top and --bottom rank by (samples where it is missing or NaN are left out).",
+    ),
+]
+Random = Annotated[
+    int,
+    typer.Option(
+        "--random", metavar="N", min=0, help="Per step, N samples at random (numpy's default_rng(--seed))."
+    ),
+]
+Seed = Annotated[int, typer.Option("--seed", metavar="S", help="The seed of --random.")]
+SampleAttempts = Annotated[
+    str,
+    typer.Option(
+        "--attempts",
+        metavar="rewind|all",
+        help="A restarted source's attempts: rewind (a restart replaces the samples from its first "
+        "step on) or all.",
+    ),
+]
+
+
 # inspect
 def _duration(least: float) -> Any:
     """A parser of a duration option (``10s``, ``500ms``, ``2m``; a plain number is seconds)."""

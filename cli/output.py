@@ -161,6 +161,24 @@ def print_frames(frames: pl.DataFrame | Iterator[pl.DataFrame], *, max_rows: int
     )
 
 
+def print_samples(frame: pl.DataFrame) -> None:
+    """Samples as a table on a terminal (long text cut to fit), as CSV into a pipe or a file."""
+    if not sys.stdout.isatty():
+        sys.stdout.write(frame.write_csv())
+        return
+    if frame.height == 0:
+        say("info", "no samples (recorded with Reduce.SAMPLE) match")
+        return
+    text = [c for c, t in frame.schema.items() if t == pl_string()]
+    print_table(frame, cut=text, drop_first=("timestamp", "rank"), keep=("step", "key"))
+
+
+def pl_string() -> Any:
+    import polars as pl
+
+    return pl.String
+
+
 # What a narrow terminal loses first of a result's columns (then columns from the right,
 # such as --wide's keys): never what says which row it is, the key, or its value.
 RESULT_DROPPED_FIRST = ("count", "reduction", "rank", "timestamp")

@@ -61,6 +61,8 @@ _EXPORTS = {
     "InspectReport": "metric_core.offline.inspect",
     "plot_run": "metric_core.offline.plot",
     "upload_run": "metric_core.offline.upload",
+    "read_samples": "metric_core.offline.samples",
+    "select_samples": "metric_core.offline.samples",
     "Follow": "metric_core.offline.upload",
 }
 
@@ -81,6 +83,7 @@ if TYPE_CHECKING:  # the same names, for type checkers
     from metric_core.offline.plan import ReducePlan, make_plan
     from metric_core.offline.plot import plot_run
     from metric_core.offline.read import ReadReport, RunScan, scan_run
+    from metric_core.offline.samples import read_samples, select_samples
     from metric_core.offline.upload import Follow, upload_run
     from metric_core.writer.api import aflush, flush, get_collector, init, record_metric, shutdown
     from metric_core.writer.backends import LoggerBackend

@@ -2,10 +2,11 @@
 
 ``flush()`` must make records durable without serializing them one by one on the
 training thread, so the open segment is a journal of the collector's own buffer.
-Format 4 (``MLJ4``; ``MLJ3``, whose F frames carry no time and which has no H and E
-frames, ``MLJ2``, the same without F frames, and ``MLJ1`` are still read)::
+Format 5 (``MLJ5``; ``MLJ4``, the same without P frames, ``MLJ3``, whose F frames carry no
+time and which has no H and E frames, ``MLJ2``, the same without F frames, and ``MLJ1`` are
+still read)::
 
-    header   b"MLJ4" u32:len u32:crc JSON{"format": 4, "process", "rank", "created",
+    header   b"MLJ5" u32:len u32:crc JSON{"format": 5, "process", "rank", "created",
                                            "attempt", "attempt_started", "attempt_first_step",
                                            "host", "pid", "pidns", "flush_interval", "restart"}
     frames   u8:type u32:len u32:crc payload
@@ -22,6 +23,8 @@ frames, ``MLJ2``, the same without F frames, and ``MLJ1`` are still read)::
                      when nothing else was for a flush interval)
              type E: JSON {"kind", "timestamp", ...}   how the attempt ended, or
                      something it lived through (``metric_core.life``)
+             type P: i64:step, then JSON [[key, timestamp, sample], ...]: samples
+                     (``Reduce.SAMPLE``), relabelled by F frames as records are
 
 ``crc`` is the CRC-32 (``zlib.crc32``) of the frame's type and length bytes and its
 payload (of the header's JSON for the header). All integers are little-endian.
@@ -52,8 +55,9 @@ from metric_core.life import Life, is_event
 from metric_core.records import build_table, int64_array
 from metric_core.schema import KEY_HASH, key_hash
 
-MAGIC = b"MLJ4"  # 4: F frames carry their time, H and E frames; 3 and 2 are read too
-FORMAT = 4
+MAGIC = b"MLJ5"  # 5: P frames (samples); 4: F frames carry their time, H and E frames
+FORMAT = 5
+_MAGIC_V4 = b"MLJ4"
 _MAGIC_V3 = b"MLJ3"
 _MAGIC_V2 = b"MLJ2"
 _MAGIC_V1 = b"MLJ1"
@@ -68,7 +72,7 @@ _FLUSH = struct.Struct("<qd")
 _RECORD_BYTES = 24
 
 KEYS, RECORDS, DROPPED, SHUTDOWN, FLUSH = b"K", b"R", b"D", b"S", b"F"
-HEARTBEAT, EVENT = b"H", b"E"
+HEARTBEAT, EVENT, SAMPLES = b"H", b"E", b"P"
 
 
 def header(process: str, rank: int, created: float, attempt: dict[str, Any] | None = None) -> bytes:
@@ -97,6 +101,11 @@ def record_frame(step: int, rows: bytes) -> bytes:
 
 def flush_frame(step: int, at: float) -> bytes:
     return _frame(FLUSH, _FLUSH.pack(step, at))
+
+
+def sample_frame(step: int, samples: bytes) -> bytes:
+    """A ``P`` frame: ``samples`` is the JSON list ``[[key, timestamp, sample], ...]``."""
+    return _frame(SAMPLES, _STEP.pack(step), samples)
 
 
 def heartbeat_frame(at: float) -> bytes:
@@ -134,6 +143,9 @@ class Decoded:
     last_flush: int | None = None  # the step of the last F frame
     version: int = FORMAT  # from format 3 on, F frames label steps: before, every step is final
     life: Life = field(default_factory=Life)  # the header's host, pid, ...; flush times, heartbeats, ends
+    # Samples (P frames): (step, key, timestamp, sample), in the order recorded, steps final
+    # as the records' are.
+    samples: list[tuple[int, str, float, Any]] = field(default_factory=list)
 
 
 def decode(data: bytes, after: Decoded | None = None) -> Decoded:
@@ -156,6 +168,7 @@ def decode(data: bytes, after: Decoded | None = None) -> Decoded:
         truncated_records=0,
         unknown_codes=0,
         pairs=[],
+        samples=[],
         settled_records=0,
         life=dataclasses.replace(after.life, gaps=list(after.life.gaps), ends=list(after.life.ends)),
     )
@@ -169,7 +182,7 @@ def _decode(data: bytes) -> Decoded:
     if not data:
         return out  # created, nothing written yet (or a failed first write, cut back)
     magic = data[:4]
-    if magic not in (MAGIC, _MAGIC_V3, _MAGIC_V2, _MAGIC_V1):
+    if magic not in (MAGIC, _MAGIC_V4, _MAGIC_V3, _MAGIC_V2, _MAGIC_V1):
         if len(data) < 4 and MAGIC.startswith(data):
             out.truncated = True  # killed while writing the header
         elif magic[:3] == MAGIC[:3]:
@@ -181,7 +194,7 @@ def _decode(data: bytes) -> Decoded:
             out.problems.append("not a metriclog journal (bad magic)")
         return out
     v1 = magic == _MAGIC_V1
-    out.version = {MAGIC: 4, _MAGIC_V3: 3, _MAGIC_V2: 2, _MAGIC_V1: 1}[magic]
+    out.version = {MAGIC: 5, _MAGIC_V4: 4, _MAGIC_V3: 3, _MAGIC_V2: 2, _MAGIC_V1: 1}[magic]
     head_size = 8 if v1 else 4 + _HEAD.size
     if len(data) < head_size:
         out.truncated = True
@@ -222,6 +235,8 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
     counts: list[int] = []
     total = 0  # sum(counts), kept as they come (summed at each F frame, it was O(frames^2))
     covered = 0  # record frames before this index are labelled by an F frame already
+    sample_frames: list[tuple[int, list[Any]]] = []  # (step, [[key, timestamp, sample], ...])
+    samples_covered = 0
     view = memoryview(data)
     frame = _FRAME_V1 if v1 else _FRAME
     while pos < len(data):
@@ -268,6 +283,9 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
                     raise ValueError(f"flush frame of {length} bytes")
                 steps[covered:] = [flushed] * (len(steps) - covered)
                 covered = len(steps)
+                for i in range(samples_covered, len(sample_frames)):
+                    sample_frames[i] = (flushed, sample_frames[i][1])
+                samples_covered = len(sample_frames)
                 out.last_flush = flushed
                 if out.first_flush is None:
                     out.first_flush = flushed
@@ -275,6 +293,16 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
                 out.shutdown = float(json.loads(payload.tobytes())["timestamp"])
                 out.life.seen(out.shutdown)
                 covered = len(steps)  # no F frame relabels anything after a clean end
+                samples_covered = len(sample_frames)
+            elif kind == SAMPLES:
+                if length < 8:
+                    raise ValueError(f"sample frame of {length} bytes")
+                listed = json.loads(payload[8:].tobytes())
+                if not isinstance(listed, list) or not all(
+                    isinstance(r, list) and len(r) == 3 for r in listed
+                ):
+                    raise ValueError("sample frame without [key, timestamp, sample] rows")
+                sample_frames.append((_STEP.unpack_from(data, start)[0], listed))
             elif kind == HEARTBEAT:
                 if length != _TIME.size:
                     raise ValueError(f"heartbeat frame of {length} bytes")
@@ -296,6 +324,8 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
         if kind in (FLUSH, SHUTDOWN) or out.version < 3:
             out.settled_bytes = out.valid_bytes
             out.settled_records = total
+    for step, listed in sample_frames:
+        out.samples.extend((step, str(key), float(at), sample) for key, at, sample in listed)
     if blocks:
         rows = np.frombuffer(b"".join(blocks), dtype=np.float64).reshape(-1, 3)
         if len(rows):

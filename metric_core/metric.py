@@ -56,6 +56,9 @@ class Reduce(str, Enum):
     MAX = "max"
     MIN = "min"
     STD = "std"
+    # Not a reduction of numbers: ``record_metric(key, sample_dict, Reduce.SAMPLE)`` keeps the
+    # whole dict, in files of their own (``metriclog samples``; docs/format.md).
+    SAMPLE = "sample"
 
     @property
     def accumulator_class(self) -> type[MetricAccumulator]:
@@ -74,7 +77,7 @@ class Metric:
     """
 
     key: str
-    value: float
+    value: Any  # a number; a list of sample dicts for a reduced Reduce.SAMPLE
     reduction: Reduce = Reduce.MEAN
     timestamp: float = field(default_factory=time.time)
     step: int | None = None
@@ -238,6 +241,62 @@ class StdAccumulator(MetricAccumulator):
         return math.sqrt(max(m2, 0.0) / count)
 
 
+class SampleAccumulator(MetricAccumulator):
+    """A step's samples of one key, as torchforge keeps them: the ``top_k`` and ``bottom_k``
+    by the field ``key`` (``reward``; a sample without it counts as 0.0). Only for live
+    display: every sample is on disk whatever this keeps (``metriclog samples``)."""
+
+    def __init__(self, reduction: Reduce, top_k: int = 1, bottom_k: int = 1, key: str = "reward") -> None:
+        self.top_k, self.bottom_k, self.key = top_k, bottom_k, key
+        super().__init__(reduction)
+
+    def reset(self) -> None:
+        self._top: list[tuple[float, int, dict[str, Any]]] = []  # a min-heap of the largest
+        self._bottom: list[tuple[float, int, dict[str, Any]]] = []  # a min-heap of the negated smallest
+        self._seen = 0
+
+    def append(self, value: Any) -> None:
+        if not isinstance(value, dict):
+            raise ValueError(f"Expected dict, got {type(value)}")
+        import heapq
+
+        score = _score(value.get(self.key, 0.0))
+        self._seen += 1
+        for heap, k, sign in ((self._top, self.top_k, 1.0), (self._bottom, self.bottom_k, -1.0)):
+            if k <= 0:
+                continue
+            item = (sign * score, self._seen, value)
+            if len(heap) < k:
+                heapq.heappush(heap, item)
+            else:
+                heapq.heappushpop(heap, item)
+
+    def append_many(self, values: Any) -> None:
+        for value in values:
+            self.append(value)
+
+    def get_value(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The bottom ones, then the top ones (torchforge's order), each sample once."""
+        bottom = [s for _, _, s in sorted(self._bottom, key=lambda t: (-t[0], t[1]))]
+        top = [s for _, _, s in sorted(self._top)]
+        return bottom + [s for s in top if not any(s is b for b in bottom)]
+
+    def get_state(self) -> dict[str, Any]:
+        return {"reduction_type": self.reduction.value, "samples": self.get_value()}
+
+    @classmethod
+    def get_reduced_value_from_states(cls, states: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [sample for s in states for sample in s.get("samples", [])]
+
+
+def _score(value: Any) -> float:
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return 0.0 if math.isnan(score) else score
+
+
 def _moments(state: dict[str, Any]) -> tuple[int, float, float]:
     """(count, mean, M2) of a std state: ours, or torchforge's (sum, sum_sq, count)."""
     count = state["count"]
@@ -267,6 +326,7 @@ _ACCUMULATORS: dict[Reduce, type[MetricAccumulator]] = {
     Reduce.MAX: MaxAccumulator,
     Reduce.MIN: MinAccumulator,
     Reduce.STD: StdAccumulator,
+    Reduce.SAMPLE: SampleAccumulator,
 }
 
 

@@ -82,7 +82,8 @@ def test_upload_forks_before_polars_loads():
         "from metric_core.offline.upload import send\n"
         "from metriclog import options\n"
         "options.plan(LoggingMode.PER_RANK_REDUCE, By.TIME, '10s', ['p=p99'], ['t/*'], '0-3', '5:9', 'all')\n"
-        "send.has_credentials()\n"
+        "from metric_core.credentials import has_credentials\n"
+        "has_credentials()\n"
         "print('polars' in sys.modules)\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)

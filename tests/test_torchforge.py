@@ -25,6 +25,18 @@ from .wandb_file import find_run_file, history_rows, read_records, run_record
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+@pytest.fixture(autouse=True)
+def a_fresh_process(monkeypatch):
+    """What a process starts with: no per-rank collector, no logger, no name given yet."""
+    from metric_core.torchforge import metric_actors, metrics
+
+    MetricCollector._instances.clear()
+    monkeypatch.setattr(metric_actors, "_global_logger", None)
+    monkeypatch.setattr(metrics, "process_name", None)
+    yield
+    MetricCollector._instances.clear()
+
 # A torchforge job: only metric_core.torchforge names, torchforge's calls and config.
 JOB = """
 import asyncio, json, os, sys
@@ -132,7 +144,6 @@ def test_a_process_that_records_without_setup_writes_into_metriclog_dir_and_ends
 
 def test_record_metric_before_setup_warns_once_and_drops(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("METRICLOG_DIR", raising=False)
-    MetricCollector._instances.clear()
     with caplog.at_level(logging.WARNING):
         for i in range(3):
             record_metric("loss", float(i))
@@ -145,7 +156,6 @@ def test_record_metric_before_setup_warns_once_and_drops(tmp_path, monkeypatch, 
 def test_forge_disable_metrics_records_nothing_even_with_a_run_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
     monkeypatch.setenv("FORGE_DISABLE_METRICS", "true")
-    MetricCollector._instances.clear()
 
     async def job():
         mlogger = await get_or_create_metric_logger(process_name="trainer")
@@ -208,7 +218,6 @@ def offline_wandb(tmp_path, monkeypatch) -> Path:
 def test_keyword_backends_pass_every_wandb_setting_to_the_real_client(tmp_path, monkeypatch):
     root = offline_wandb(tmp_path, monkeypatch)
     monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
-    MetricCollector._instances.clear()
     config = {
         "wandb": {
             "logging_mode": "per_rank_reduce",
@@ -265,3 +274,91 @@ def test_an_unknown_wandb_setting_is_named(tmp_path, monkeypatch):
     backend = WandbBackend(logging_mode=LoggingMode.PER_RANK_REDUCE, project="p", colour="red")
     with pytest.raises(ConfigError, match="colour"):
         asyncio.run(backend.init(BackendRole.LOCAL, None, "trainer_r0"))
+
+
+EARLY = """
+import asyncio, os
+from metric_core.torchforge import get_or_create_metric_logger, record_metric
+record_metric("setup/x", 1.0)  # before any setup: a source of its own, in METRICLOG_DIR
+async def main():
+    mlogger = await get_or_create_metric_logger(process_name="trainer")
+    await mlogger.init_backends.call_one({"console": {"logging_mode": "per_rank_reduce"}})
+    for step in range(2):
+        record_metric("loss", float(step))
+        await mlogger.flush.call_one(step)
+    await mlogger.shutdown.call_one()
+asyncio.run(main())
+if os.fork() == 0:  # a worker that sets itself up, under a name of its own, records
+    import metric_core
+    metric_core.init(os.environ["METRICLOG_DIR"], process_name="worker")
+    record_metric("worker/items", 3.0)
+    metric_core.shutdown()
+    os._exit(0)
+os.wait()
+"""
+
+
+def test_recording_before_init_backends_keeps_those_values_and_then_uses_the_backends(tmp_path):
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", EARLY],
+        cwd=tmp_path,
+        env=job_env(run, METRICLOG_PROCESS="early"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "[trainer_r0] step 0: loss=0" in done.stdout and "[trainer_r0] step 1: loss=1" in done.stdout
+    rows = reduce_run(run, mode="per_rank_no_reduce")
+    got = sorted(zip(rows["process"], rows["key"], rows["value"], strict=True))
+    assert got == [
+        ("early_r0", "setup/x", 1.0),
+        ("trainer_r0", "loss", 0.0),
+        ("trainer_r0", "loss", 1.0),
+        ("worker", "worker/items", 3.0),
+    ]
+    report = inspect_run(run)
+    assert {s.process: s.status for s in report.sources} == {
+        "early_r0": "finished",
+        "trainer_r0": "finished",
+        "worker": "finished",
+    }
+
+
+def test_forge_disable_metrics_spelled_1_disables_recording_and_flushes_quietly(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("FORGE_DISABLE_METRICS", "1")
+
+    async def job():
+        mlogger = await get_or_create_metric_logger(process_name="trainer")
+        await mlogger.init_backends.call_one({"console": {"logging_mode": "per_rank_reduce"}})
+        record_metric("loss", 1.0)
+        await mlogger.flush.call_one(0)
+        await mlogger.shutdown.call_one()
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(job())
+    assert not (tmp_path / "run").exists()
+    assert [r.message for r in caplog.records] == []
+
+
+def test_a_misspelled_global_backend_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
+
+    async def job():
+        mlogger = await get_or_create_metric_logger(process_name="trainer")
+        await mlogger.init_backends.call_one({"wanbd": {"logging_mode": "global_reduce", "project": "rl"}})
+
+    with pytest.raises(ValueError, match="Unknown logger backend type: wanbd"):
+        asyncio.run(job())
+    with pytest.raises(ValueError, match="backend 'console': logging_mode 'per_rank' is not one of"):
+        asyncio.run(_init({"console": {"logging_mode": "per_rank"}}))
+    assert not (tmp_path / "run").exists()
+
+
+async def _init(config):
+    mlogger = await get_or_create_metric_logger(process_name="trainer")
+    await mlogger.init_backends.call_one(config)

@@ -16,8 +16,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from metric_core.metric import LoggingMode
+from metric_core.torchforge import metrics
 from metric_core.torchforge.env import FORGE_DISABLE_METRICS
-from metric_core.torchforge.metrics import MetricCollector, default_process_name
+from metric_core.torchforge.metrics import MetricCollector, _mode_of, default_process_name
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ async def get_or_create_metric_logger(
     if _global_logger is None:
         _global_logger = GlobalLoggingActor()
     if not FORGE_DISABLE_METRICS.get_value():
-        _global_logger.fetchers.setdefault("local", process_name or default_process_name())
+        name = _global_logger.fetchers.setdefault("local", process_name or default_process_name())
+        metrics.process_name = name  # what context() and get_proc_name_with_rank() say from now on
     return _global_logger
 
 
@@ -106,7 +108,7 @@ class GlobalLoggingActor:
                 f"Please specify a logging_mode in your config: one of "
                 f"{', '.join(mode.value for mode in LoggingMode)}."
             )
-        mode = LoggingMode(config["logging_mode"])
+        mode = _mode_of(backend_name, config)
         share_run = bool(config.get("per_rank_share_run", False))
         if mode is LoggingMode.GLOBAL_REDUCE and share_run:
             logger.warning(
@@ -140,6 +142,8 @@ class GlobalLoggingActor:
                 "`mlogger = await get_or_create_metric_logger(process_name='Controller')`\n"
                 "`await mlogger.init_backends.call_one(logging_config)`\n"
             )
+            return None
+        if not self.fetchers:  # FORGE_DISABLE_METRICS: nothing was set up, nothing to flush
             return None
         states = await MetricCollector().flush(global_step, return_state=return_state)
         return states if return_state else None

@@ -97,8 +97,14 @@ def current_rank() -> SimpleNamespace:
     return _rank
 
 
+process_name: str | None = None  # given to get_or_create_metric_logger, once it was called
+
+
 def default_process_name() -> str:
-    """``METRICLOG_PROCESS``, else the running script's name (``train`` for train.py)."""
+    """The name given to ``get_or_create_metric_logger``, else ``METRICLOG_PROCESS``, else the
+    running script's name (``train`` for train.py)."""
+    if process_name:
+        return process_name
     given = METRICLOG_PROCESS.get_value()
     if given:
         return str(given)
@@ -126,7 +132,7 @@ def _disabled() -> bool:
     """
     if _environ_data is not None and _disable_key not in _environ_data:
         return False
-    return os.getenv(FORGE_DISABLE_METRICS.name, "false").lower() == "true"
+    return bool(FORGE_DISABLE_METRICS.get_value())
 
 
 # CPython's os.environ keeps its variables in ``_data`` under encoded names.
@@ -198,23 +204,34 @@ class MetricCollector:
         if self._is_initialized:
             logger.debug("%s: MetricCollector already initialized", self.proc_name_with_rank)
             return
+        if self._collector is not None:
+            if not self._collector.adopted:
+                raise ConfigError(
+                    "metric_core.init() already started this process's collector: give the backends to it, "
+                    "or call init_backends without metric_core.init()"
+                )
+            # Values recorded before init_backends started a source by themselves: it ends here,
+            # cleanly, and this process goes on under the name and backends asked for.
+            api.shutdown()
+            self._collector = None
         process = process_name or default_process_name()
         local: dict[str, dict[str, Any] | LoggerBackend] = {}
         sidecar = None
         for name, backend_config in config.items():
-            mode = LoggingMode(backend_config["logging_mode"])
+            backend_class = get_logger_backend_class(name)  # an unknown name fails, as in torchforge
+            mode = _mode_of(name, backend_config)
             if mode is LoggingMode.GLOBAL_REDUCE:
                 if name == "wandb" and self.rank == 0:
                     sidecar = sidecar_options(backend_config)
                 elif name != "wandb":
-                    logger.info(
+                    logger.warning(
                         "%s backend with global_reduce: the global reduction is computed from the run's "
-                        "files; see it with `metriclog reduce %s` (or `metriclog watch`)",
+                        "files, not in a rank; see it with `metriclog reduce %s` (or `metriclog watch`)",
                         name,
                         run_dir(),
                     )
                 continue
-            local[name] = get_logger_backend_class(name)(**{**backend_config, "logging_mode": mode})
+            local[name] = backend_class(**{**backend_config, "logging_mode": mode})
         self._start(process, local, global_step, sidecar, adopted=False)
         self.global_step = global_step
 
@@ -238,7 +255,7 @@ class MetricCollector:
             sidecar=sidecar,
         )
         self._collector.adopted = adopted
-        self._is_initialized = True
+        self._is_initialized = not adopted
 
     def push(self, metric: Metric) -> None:
         """Record a ``Metric``; before ``init_backends``, see ``record_metric``."""
@@ -256,6 +273,9 @@ class MetricCollector:
         started in it, or one of its own in ``METRICLOG_DIR`` (not in a process another started,
         which would take its parent's name); else None, said once. A forked child's copy of
         its parent's collector is not in ``_open``: it writes nothing."""
+        if api._active is not None and not api._active.closed and api._active in writer_collector._open:
+            self._collector = api._active
+            return self._collector
         if _forked[0] or multiprocessing.parent_process() is not None:
             self._warn_once(
                 f"this process (pid {os.getpid()}) was started by another process of rank {self.rank}, e.g. "
@@ -263,10 +283,6 @@ class MetricCollector:
                 "in it, call metric_core.init(run_dir, process_name=...) in it with a name of its own"
             )
             return None
-        if api._active is not None and not api._active.closed:
-            self._collector = api._active
-            self._is_initialized = True
-            return self._collector
         if not self._adopt_tried and METRICLOG_DIR.get_value():
             self._adopt_tried = True
             try:
@@ -338,6 +354,15 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _mode_of(name: str, config: dict[str, Any]) -> LoggingMode:
+    mode = config.get("logging_mode")
+    try:
+        return LoggingMode(mode)
+    except ValueError:
+        allowed = ", ".join(m.value for m in LoggingMode)
+        raise ValueError(f"backend '{name}': logging_mode {mode!r} is not one of {allowed}") from None
+
+
 def run_dir() -> str:
     """``METRICLOG_DIR``, or a ``ConfigError`` that says to set it."""
     path = METRICLOG_DIR.get_value()
@@ -364,11 +389,10 @@ def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
         if kwargs.get(name) is not None:
             options[name] = kwargs.pop(name)
     options.setdefault("project", "uncategorized")  # wandb.init's own default
-    kwargs.pop("dir", None)  # the sidecar's wandb files go where WANDB_DIR says, as this process's
     if kwargs:
         logger.warning(
             "wandb (global_reduce): the global run is uploaded by `metriclog upload --follow`, which does "
-            "not pass %s to wandb.init",
+            "not pass %s to wandb.init (its files go to WANDB_DIR, else METRICLOG_DIR/.metriclog/wandb)",
             ", ".join(sorted(kwargs)),
         )
     return options

@@ -18,6 +18,7 @@ from typing import Any
 from metric_core.atomic import create_file
 from metric_core.errors import ConfigError, NotInitializedError, warn
 from metric_core.metric import Reduce
+from metric_core.writer import collector as collector_module
 from metric_core.writer.backends import LoggerBackend
 from metric_core.writer.collector import HANG_DUMP_AFTER, MetricCollector, _as_float, _now
 from metric_core.writer.segments import MAX_UNWRITTEN
@@ -87,7 +88,7 @@ def init(
     >>> metric_core.flush(0)
     >>> metric_core.shutdown()
     """
-    if _active is not None and not _active.closed:
+    if _active is not None and not _active.closed and _active in collector_module._open:  # not a fork's copy
         raise ConfigError(
             f"metric_core.init() was already called in this process (for {_active.run_dir}); "
             "call metric_core.shutdown() before initializing again"
@@ -134,7 +135,8 @@ def init(
 def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None:
     """Record one value of ``key`` in the current step. Cheap enough for any loop.
 
-    ``value`` may be a Python number, a bool, a numpy scalar or a 0-d tensor.
+    ``value`` may be a Python number, a bool, a numpy scalar or a 0-d tensor; with
+    ``Reduce.SAMPLE``, a dict of fields kept whole (``MetricCollector.record_sample``).
 
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), process_name="trainer")
@@ -144,7 +146,13 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     # MetricCollector.record, inlined over module globals that init() binds: attribute
     # lookups and a method call would be a third of this function's cost.
     entry = _key_codes.get(key)
-    code = entry[1] if entry is not None and entry[0] is reduction else _intern(key, reduction)
+    if entry is not None and entry[0] is reduction:
+        code = entry[1]
+    elif reduction == "sample":
+        _sample(key, value)
+        return
+    else:
+        code = _intern(key, reduction)
     try:
         _extend((value, code, _now()))  # the array converts int, bool and numpy scalars
     except (TypeError, ValueError, OverflowError):
@@ -158,15 +166,17 @@ def _not_initialized(*_: Any) -> Any:
 _key_codes: dict[str, tuple[Any, int]] = {}
 _intern: Any = _not_initialized
 _extend: Any = _not_initialized
+_sample: Any = _not_initialized
 
 
 def _bind(collector: MetricCollector | None) -> None:
-    global _active, _key_codes, _intern, _extend
+    global _active, _key_codes, _intern, _extend, _sample
     _active = collector
     if collector is None:
-        _key_codes, _intern, _extend = {}, _not_initialized, _not_initialized
+        _key_codes, _intern, _extend, _sample = {}, _not_initialized, _not_initialized, _not_initialized
     else:
         _key_codes, _intern, _extend = collector._codes, collector._intern, collector._extend
+        _sample = collector.record_sample
 
 
 def flush(step: int | None = None, *, return_state: bool = False) -> Any:

@@ -50,7 +50,7 @@ import pyarrow as pa
 
 from metric_core import records
 from metric_core.errors import CollectorClosedError, ConfigError, RecordsDroppedError, WriteError, warn
-from metric_core.metric import Metric, Reduce
+from metric_core.metric import Metric, Reduce, SampleAccumulator
 from metric_core.schema import MAX_KEY_BYTES, default_process_name
 from metric_core.writer import ends
 from metric_core.writer.backends import Backends, LoggerBackend
@@ -158,6 +158,9 @@ class MetricCollector:
 
         self._buffer = array.array("d")
         self._extend = self._buffer.extend
+        # Samples (Reduce.SAMPLE) since the last drain: (key, timestamp, shallow copy of the dict).
+        self._samples: list[tuple[str, float, dict[str, Any]]] = []
+        self._step_samples: list[tuple[str, float, dict[str, Any]]] = []  # for live backends, per step
         self._codes: dict[str, tuple[Any, int]] = {}
         self._code_of: dict[tuple[str, Reduce], int] = {}
         self._code_table: list[tuple[str, str]] = []  # code -> (key, reduction)
@@ -197,7 +200,13 @@ class MetricCollector:
     def record(self, key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None:
         """Record one value. O(1), no I/O: the writer thread serializes it later."""
         entry = self._codes.get(key)
-        code = entry[1] if entry is not None and entry[0] is reduction else self._intern(key, reduction)
+        if entry is not None and entry[0] is reduction:
+            code = entry[1]
+        elif reduction == "sample":
+            self.record_sample(key, value)
+            return
+        else:
+            code = self._intern(key, reduction)
         try:
             self._extend((value, code, _now()))
         except (TypeError, ValueError, OverflowError):
@@ -206,29 +215,40 @@ class MetricCollector:
     def push(self, metric: Metric) -> None:
         """Record a Metric (torchforge's push); its own timestamp is kept."""
         key, value, reduction = metric.key, metric.value, metric.reduction
-        entry = self._codes.get(key)
-        code = entry[1] if entry is not None and entry[0] is reduction else self._intern(key, reduction)
         at = metric.timestamp if metric.timestamp is not None else _now()
+        entry = self._codes.get(key)
+        if entry is not None and entry[0] is reduction:
+            code = entry[1]
+        elif reduction == "sample":
+            self.record_sample(key, value, at)
+            return
+        else:
+            code = self._intern(key, reduction)
         try:
             self._extend((value, code, at))
         except (TypeError, ValueError, OverflowError):
             self._extend((_as_float(key, value), code, at))
 
-    def _intern(self, key: str, reduction: Any) -> int:
-        if not isinstance(key, str) or not key:
-            raise TypeError(f"metric key must be a non-empty string, got {key!r}")
-        if (
-            len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES
-        ):  # a reader would refuse its line
-            raise ValueError(
-                f"metric key '{key[:40]}...' is {len(key.encode()):,} bytes: a key holds at most "
-                f"{MAX_KEY_BYTES:,} bytes (UTF-8)"
+    def record_sample(self, key: str, sample: dict[str, Any], timestamp: float | None = None) -> None:
+        """Record a whole sample (``Reduce.SAMPLE``): a shallow copy of the dict, and no more
+        on this thread; the writer encodes it (``metric_core.sample``). Mutating a nested
+        field of ``sample`` before the next flush may change what is written."""
+        if not isinstance(sample, dict):
+            raise TypeError(
+                f"metric '{key}': a sample (Reduce.SAMPLE) is a dict of fields, not {type(sample).__name__}"
             )
+        _check_key(key)
+        self._samples.append((key, timestamp if timestamp is not None else _now(), dict(sample)))
+
+    def _intern(self, key: str, reduction: Any) -> int:
+        _check_key(key)
         try:
             red = Reduce(reduction)
         except ValueError:
             allowed = ", ".join(r.value for r in Reduce)
             raise ValueError(f"metric '{key}': reduction {reduction!r} is not one of {allowed}") from None
+        if red is Reduce.SAMPLE:  # callers take samples to record_sample first
+            raise ValueError(f"metric '{key}': a sample is recorded with record_sample")
         with self._intern_lock:
             code = self._code_of.get((key, red))
             if code is None:
@@ -258,6 +278,15 @@ class MetricCollector:
                     rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
                     self._backends.log_stream(self._record_table(rows).to_batches()[0], self._step)
                 self._steps.add(chunk)
+            taken = len(self._samples)
+            if taken:  # a slice and a del: a sample appended meanwhile stays for the next drain
+                samples = self._samples[:taken]
+                del self._samples[:taken]
+                if flush is None:
+                    self._unflushed = True
+                self._writer.enqueue_samples(self._step, samples)
+                if self._backends.samples:
+                    self._step_samples.extend(samples)
             if flush is not None:
                 self._writer.mark_flush(flush)
 
@@ -295,6 +324,8 @@ class MetricCollector:
 
     def _report(self, error: WriteError | None) -> None:
         """Raise (or warn about) what writing hit since the previous flush."""
+        for said in self._writer.take_refused():  # samples refused, or fields kept as repr
+            warn(said)
         background, self._background_error = self._background_error, None
         # Drops are said once writing works again: then the gap is recorded, and its size known.
         drops = self._writer.take_drops() if error is None else None
@@ -359,9 +390,21 @@ class MetricCollector:
         metrics, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
         if metrics:
             self._backends.log_reduced(metrics, step)
+        if self._step_samples:
+            self._backends.log_samples(self._take_step_samples(), step)
         self._step = step + 1
         self._report(error)
         return states if return_state else None
+
+    def _take_step_samples(self) -> list[Metric]:
+        """The step's samples for the live backends, as torchforge hands them over: a Metric a
+        key whose value is its top and bottom samples by reward (``SampleAccumulator``)."""
+        with self._drain_lock:
+            taken, self._step_samples = self._step_samples, []
+        by_key: dict[str, SampleAccumulator] = {}
+        for key, _, sample in taken:
+            by_key.setdefault(key, SampleAccumulator(Reduce.SAMPLE)).append(sample)
+        return [Metric(key, acc.get_value(), Reduce.SAMPLE) for key, acc in by_key.items()]
 
     def _flush_step(self, step: Any) -> int:
         """``step`` checked before anything changes (a refused call leaves the source as it
@@ -413,6 +456,8 @@ class MetricCollector:
         metrics, states, error = await asyncio.to_thread(self._flush_files, step, need)
         if metrics:
             await self._backends.alog_reduced(metrics, step)
+        if self._step_samples:
+            await self._backends.alog_samples(self._take_step_samples(), step)
         self._step = step + 1
         self._report(error)
         return states if return_state else None
@@ -428,7 +473,9 @@ class MetricCollector:
             return
         self._stop.set()
         self._thread.join()
-        if self._buffer or self._unflushed:  # a last flush labels them; none is a step of its own
+        if (
+            self._buffer or self._samples or self._unflushed
+        ):  # a last flush labels them; none is a step of its own
             self.flush(self._step)
         failing = sys.exc_info()[1]  # shutdown() in a `finally:` or `except:`: the attempt failed
         if failing is not None and not isinstance(failing, (SystemExit, GeneratorExit)):
@@ -487,6 +534,16 @@ def _abort_open_collectors() -> None:
 # A forked child (a data-loader worker) shares its parent's files: its exit must not end
 # (and seal) the parent's attempt.
 os.register_at_fork(after_in_child=_open.clear)
+
+
+def _check_key(key: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"metric key must be a non-empty string, got {key!r}")
+    if len(key) > MAX_KEY_BYTES // 4 and len(key.encode()) > MAX_KEY_BYTES:  # a reader would refuse its line
+        raise ValueError(
+            f"metric key '{key[:40]}...' is {len(key.encode()):,} bytes: a key holds at most "
+            f"{MAX_KEY_BYTES:,} bytes (UTF-8)"
+        )
 
 
 STEP_MAX = 2**63 - 1  # a step is an int64 on disk

@@ -47,6 +47,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from metric_core import journal, records
+from metric_core import sample as sample_codec
 from metric_core.atomic import create_exclusive, new_hidden_file, publish
 from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, WriteError, warn
 from metric_core.life import pid_namespace, restart_count
@@ -139,14 +140,18 @@ class RawFileWriter(LoggerBackend):
         self._defs_written = 0
         self._code_table: list[tuple[str, str]] = []
         # (step, rows, count, at) to write; rows None: a flush(step) that ended at ``at`` and
-        # labels what came before
-        self._backlog: collections.deque[tuple[int, bytes | None, int, float]] = collections.deque()
+        # labels what came before; rows _Samples: samples (a P frame)
+        self._backlog: collections.deque[tuple[int, bytes | _Samples | None, int, float]] = (
+            collections.deque()
+        )
         self._backlog_rows = 0
         self._dropped: dict[str, Any] | None = None  # dropped, not yet recorded in a journal
         self._new_drops: dict[str, Any] | None = None  # dropped, not yet told to the caller
         self._last_error = "writing failed"
         self._shutdown_at: float | None = None
         self._events: list[dict[str, Any]] = []  # end events to write (E frames)
+        self._said_samples: list[str] = []  # refused samples, fields kept as repr: for the caller
+        self._repr_keys: set[str] = set()
         self._heartbeat_due = False
         self._written_at = 0.0  # when a frame was last written (time.time())
         self._closed = False
@@ -225,12 +230,23 @@ class RawFileWriter(LoggerBackend):
             while self._backlog_rows > self.max_unwritten:
                 # Drop the oldest records, never a flush marker: it labels records written
                 # before it, which would otherwise take the next marker's step.
-                oldest = next((i for i, e in enumerate(self._backlog) if e[1] is not None), None)
+                oldest = next((i for i, e in enumerate(self._backlog) if isinstance(e[1], bytes)), None)
                 if oldest is None or oldest == len(self._backlog) - 1:
                     break  # keep the newest records
                 step, dropped, n, _ = self._backlog[oldest]
                 del self._backlog[oldest]
                 self._drop(step, dropped, n)  # type: ignore[arg-type]
+
+    def enqueue_samples(self, step: int, samples: list[tuple[str, float, dict[str, Any]]]) -> None:
+        """Queue samples (key, timestamp, dict) under ``step``; ``write`` encodes and writes them."""
+        with self._write_lock:
+            self._backlog.append((step, _Samples(samples), 0, 0.0))
+
+    def take_refused(self) -> list[str]:
+        """What was said about samples since the last call: refused ones, fields kept as repr."""
+        with self._write_lock:
+            said, self._said_samples = self._said_samples, []
+        return said
 
     def mark_flush(self, step: int) -> None:
         """Queue the end of ``flush(step)``: the records queued since the previous one belong to
@@ -282,10 +298,7 @@ class RawFileWriter(LoggerBackend):
                 parts.append(
                     journal.key_frame([(self._defs_written + i, *pair) for i, pair in enumerate(new)])
                 )
-            parts.extend(
-                journal.flush_frame(step, at) if rows is None else journal.record_frame(step, rows)
-                for step, rows, _, at in self._backlog
-            )
+            parts.extend(self._frame(step, rows, at) for step, rows, _, at in self._backlog)
             parts.extend(journal.event_frame(journal.EVENT, event) for event in self._events)
             if self._heartbeat_due:
                 parts.append(journal.heartbeat_frame(time.time()))
@@ -322,6 +335,35 @@ class RawFileWriter(LoggerBackend):
             )
             if (full and (at_flush or not self._flushed)) or self._rows >= 2 * self.segment_records:
                 self._close_journal()
+
+    def _frame(self, step: int, rows: bytes | _Samples | None, at: float) -> bytes:
+        if rows is None:
+            return journal.flush_frame(step, at)
+        if isinstance(rows, bytes):
+            return journal.record_frame(step, rows)
+        if rows.encoded is None:  # once: a write that fails is tried again with the same bytes
+            rows.encoded = self._encode_samples(rows.samples)
+        return journal.sample_frame(step, rows.encoded)
+
+    def _encode_samples(self, samples: list[tuple[str, float, dict[str, Any]]]) -> bytes:
+        """The JSON of a P frame; refused samples, and fields kept as their repr (once a key),
+        are said to the caller at the next flush (``take_refused``)."""
+        encoded = []
+        for key, at, sample in samples:
+            unusual: list[str] = []
+            try:
+                text = sample_codec.encode(key, sample, unusual)
+            except sample_codec.Refused as exc:
+                self._said_samples.append(f"{self.process}: {exc}; it was not recorded")
+                continue
+            if unusual and key not in self._repr_keys:
+                self._repr_keys.add(key)
+                self._said_samples.append(
+                    f"{self.process}: sample field(s) {', '.join(sorted(set(unusual)))} of '{key}' are not "
+                    "str, number, bool, None, list or dict: kept as their repr (said once a key)"
+                )
+            encoded.append(f"[{json.dumps(key)}, {at!r}, {text}]")
+        return ("[" + ", ".join(encoded) + "]").encode()
 
     def seal_ready(self) -> None:
         """Seal every closed journal (the writer thread calls this outside the drain lock)."""
@@ -502,6 +544,8 @@ class RawFileWriter(LoggerBackend):
             attempt_first_step=decoded.attempt.get("attempt_first_step", decoded.first_flush),
             life=decoded.life,
         )
+        if decoded.samples:  # first: the journal is unlinked only once both files are in place
+            self._seal_samples(path, decoded, clean_shutdown)
         with new_hidden_file(final) as (f, tmp):
             if self.file_format == "parquet":
                 # Every page carries a CRC-32 the reader verifies; the footer, outside them, is
@@ -538,6 +582,70 @@ class RawFileWriter(LoggerBackend):
                 os.fsync(f.fileno())
         publish(tmp, final)
         path.unlink()
+
+    def _seal_samples(self, path: Path, decoded: journal.Decoded, clean_shutdown: bool) -> None:
+        """``samples/{journal stem}.samples.{format}``: the journal's samples, in the order
+        recorded, with what a reader needs to resolve attempts; checksummed as segments are."""
+        folder = self.run_dir / sample_codec.DIRECTORY
+        if folder.is_symlink():
+            raise OSError(
+                errno.ELOOP, "a symlink where metriclog keeps samples: not written through", str(folder)
+            )
+        folder.mkdir(exist_ok=True)
+        final = folder / f"{path.stem}.samples.{self.file_format}"
+        meta = {
+            "supersedes": path.name,
+            "samples": len(decoded.samples),
+            "process": self.process,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "attempt_started": self.attempt_started,
+            "attempt_first_step": decoded.attempt.get("attempt_first_step", decoded.first_flush),
+            "clean_shutdown": clean_shutdown,
+        }
+        texts = [json.dumps(s, ensure_ascii=False) for _, _, _, s in decoded.samples]
+        with new_hidden_file(final) as (f, tmp):
+            if self.file_format == "parquet":
+                table = pa.table(
+                    {
+                        "step": pa.array([s[0] for s in decoded.samples], pa.int64()),
+                        "rank": pa.array([self.rank] * len(texts), pa.int64()),
+                        "process": pa.array([self.process] * len(texts), pa.string()),
+                        "timestamp": pa.array([s[2] for s in decoded.samples], pa.float64()),
+                        "key": pa.array([s[1] for s in decoded.samples], pa.string()),
+                        "sample": pa.array(texts, pa.string()),
+                    }
+                )
+                with pq.ParquetWriter(f, table.schema, compression="zstd", write_page_checksum=True) as w:
+                    w.write_table(table)
+                    w.add_key_value_metadata({sample_codec.PARQUET_KEY: json.dumps(meta)})
+            else:
+                f.write((json.dumps({"event": sample_codec.SEGMENT_EVENT, **meta}) + "\n").encode())
+                lines = [
+                    (
+                        f'{{"step": {step}, "rank": {self.rank}, "process": {json.dumps(self.process)}, '
+                        f'"timestamp": {at!r}, "key": {json.dumps(key)}, "sample": {text}}}\n'
+                    ).encode()
+                    for (step, key, at, _), text in zip(decoded.samples, texts, strict=True)
+                ]
+                for lo in range(0, len(lines), sample_codec.BLOCK_SAMPLES):
+                    block = b"".join(lines[lo : lo + sample_codec.BLOCK_SAMPLES])
+                    f.write(block)
+                    f.write(_block_line(block, len(lines[lo : lo + sample_codec.BLOCK_SAMPLES])))
+            f.flush()
+            if self.fsync:
+                os.fsync(f.fileno())
+        publish(tmp, final)
+
+
+class _Samples:
+    """Samples queued for a P frame, and its bytes once encoded."""
+
+    __slots__ = ("encoded", "samples")
+
+    def __init__(self, samples: list[tuple[str, float, dict[str, Any]]]) -> None:
+        self.samples = samples
+        self.encoded: bytes | None = None
 
 
 def _row_groups(table: pa.Table, size: int) -> tuple[tuple[int, int, float], ...]:

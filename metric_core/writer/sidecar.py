@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from metric_core.credentials import has_credentials
 from metric_core.errors import ConfigError, MetricLogError, in_python
 
 # upload_run's options as the command line spells them: flags, then options with a value.
@@ -112,6 +113,12 @@ def start_sidecar(run_dir: str | os.PathLike[str], **options: Any) -> subprocess
     defaults to 10 minutes: a job killed before its ranks shut down does not leave the
     sidecar waiting for ever (Ctrl-C reaches it with the job: it hands W&B what it has)."""
     command = sidecar_command(run_dir, {"until_idle": "10m", **options})
+    offline = options.get("offline") or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
+    if not offline and not has_credentials():  # it would stop at once, and the job learn it at its end
+        raise ConfigError(
+            "sidecar: W&B has no credentials here (WANDB_API_KEY, or `wandb login`), so the run would not be "
+            "uploaded: log in, or give offline=True and `wandb sync` the run later"
+        )
     home = Path(run_dir) / ".metriclog"
     home.mkdir(parents=True, exist_ok=True)
     log = os.open(home / "sidecar.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)

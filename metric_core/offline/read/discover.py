@@ -17,6 +17,7 @@ from polars.exceptions import PanicException
 
 from metric_core.offline.read.report import FileReport, ReadReport, rel
 from metric_core.offline.storage import RunPath, listing, open_read, raise_store_failure, source
+from metric_core.sample import is_samples_file
 from metric_core.schema import DATA_SUFFIXES
 from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, Damaged, SegmentMeta, derived_marker
 
@@ -38,7 +39,7 @@ def list_data_files(root: RunPath, report: ReadReport, *, follow_symlinks: bool)
             parts = rel(path, root).split("/")
             if any(part.startswith(".") for part in parts):
                 continue
-            if parts[-1].endswith(DATA_SUFFIXES):
+            if parts[-1].endswith(DATA_SUFFIXES) and not is_samples_file(parts[-1]):
                 found.append(path)
             elif parts[-1] == "run.json" and len(parts) > 1:
                 _another_run(path, root, report)
@@ -95,8 +96,8 @@ def _data_files(root: Path, report: ReadReport, *, follow_symlinks: bool) -> Ite
         for name in sorted(filenames):
             if name == "run.json" and here != root:
                 _another_run(here / name, root, report)
-            if name.startswith(".") or not name.endswith(DATA_SUFFIXES):
-                continue
+            if name.startswith(".") or not name.endswith(DATA_SUFFIXES) or is_samples_file(name):
+                continue  # samples are not records: offline.samples reads them
             path = here / name
             try:
                 if path.is_symlink() and not follow_symlinks and not inside(path.resolve()):

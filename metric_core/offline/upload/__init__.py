@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from metric_core.credentials import has_credentials
 from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
 from metric_core.offline.storage import RunPath, is_remote, name_of, run_path
 from metric_core.offline.upload import overlap
@@ -29,7 +30,6 @@ from metric_core.offline.upload.send import (
     check_names,
     decide,
     find_entry,
-    has_credentials,
     send_runs,
 )
 

@@ -7,7 +7,6 @@ what a resumed upload continues from.
 from __future__ import annotations
 
 import functools
-import netrc
 import os
 import secrets
 import shutil
@@ -16,7 +15,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from metric_core.errors import MetricLogError, PlanError, UploadError, in_python
 from metric_core.offline.upload.ledger import Ledger
@@ -49,20 +47,6 @@ class RunOutcome:
     rows_sent: int
     message: str = ""
     sync_dir: str | None = None
-
-
-def has_credentials() -> bool:
-    """Whether wandb can authenticate without asking: an API key, token file, or netrc entry."""
-    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
-        return True
-    base = os.environ.get("WANDB_BASE_URL")
-    try:
-        hosts = netrc.netrc(os.environ.get("NETRC")).hosts
-    except (OSError, netrc.NetrcParseError):
-        return False
-    if base:
-        return urlparse(base).hostname in hosts
-    return any("wandb" in host for host in hosts)
 
 
 @dataclass

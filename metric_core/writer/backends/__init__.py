@@ -100,6 +100,11 @@ class LoggerBackend(ABC):
             )
             self.log_stream(metric, global_step)
 
+    async def log_samples(self, samples: list[Metric], step: int) -> None:  # noqa: B027
+        """Show a step's samples (``Reduce.SAMPLE``): a Metric a key, whose value is the list of
+        its chosen samples (torchforge's top and bottom by reward). Every sample is on disk
+        whatever a backend shows (``metriclog samples``)."""
+
     async def finish(self) -> None:  # noqa: B027
         """Release resources; called by shutdown()."""
 
@@ -161,6 +166,7 @@ class Backends:
         built = [make_backend(name, cfg) for name, cfg in configs.items()]
         self.stream = [b for b in built if b.logging_mode is LoggingMode.PER_RANK_NO_REDUCE]
         self.reduce = [b for b in built if b.logging_mode is LoggingMode.PER_RANK_REDUCE]
+        self.samples = [b for b in built if type(b).log_samples is not LoggerBackend.log_samples]
         self._loop: asyncio.AbstractEventLoop | None = None
         self._run(self._init(built, process))
 
@@ -174,6 +180,13 @@ class Backends:
 
     async def alog_reduced(self, metrics: list[Metric], step: int) -> None:
         await asyncio.gather(*(b.log_batch(metrics, step) for b in self.reduce))
+
+    def log_samples(self, samples: list[Metric], step: int) -> None:
+        if self.samples:
+            self._run(self.alog_samples(samples, step))
+
+    async def alog_samples(self, samples: list[Metric], step: int) -> None:
+        await asyncio.gather(*(b.log_samples(samples, step) for b in self.samples))
 
     def finish(self) -> None:
         self._run(self._finish())

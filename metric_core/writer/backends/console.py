@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from metric_core.metric import BackendRole, Metric
+from metric_core.sample import to_json
 from metric_core.writer.backends import LoggerBackend
 
 
@@ -24,6 +25,13 @@ class ConsoleBackend(LoggerBackend):
             return
         body = "  ".join(f"{m.key}={m.value:.6g}" for m in sorted(metrics, key=lambda m: m.key))
         print(f"[{self.process_name}] step {global_step}: {body}", flush=True)
+
+    async def log_samples(self, samples: list[Metric], step: int) -> None:
+        """Each key's chosen samples (top and bottom by reward), a JSON line each."""
+        for m in samples:
+            print(f"[{self.process_name}] step {step}: {m.key} ({len(m.value)} samples shown)", flush=True)
+            for sample in m.value:
+                print("  " + to_json(sample), flush=True)
 
     def log_stream(self, metric: Metric, global_step: int) -> None:
         print(f"[{self.process_name}] step {global_step}: {metric.key}={metric.value:.6g}")

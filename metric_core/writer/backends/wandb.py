@@ -22,9 +22,26 @@ from typing import Any
 
 from metric_core.errors import ConfigError, MissingDependencyError
 from metric_core.metric import BackendRole, LoggingMode, Metric
+from metric_core.sample import number_of, to_json
 from metric_core.writer.backends import LoggerBackend
 
 logger = logging.getLogger(__name__)
+
+
+def samples_table(samples: list[dict[str, Any]]) -> Any:
+    """A ``wandb.Table`` of ``samples``: a column per field (their union, sorted), a row each."""
+    columns = sorted({str(name) for sample in samples for name in sample})
+    table = _wandb().Table(columns=columns)
+    for sample in samples:
+        table.add_data(*(_cell(sample.get(c)) for c in columns))
+    return table
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        return to_json(value)
+    inner = number_of(value)
+    return value if inner is None else inner
 
 
 def _wandb() -> Any:
@@ -130,6 +147,16 @@ class WandbBackend(LoggerBackend):
         row: dict[str, Any] = {self._key(m.key): m.value for m in metrics}
         row["step"] = global_step
         self.run.log(row)
+
+    async def log_samples(self, samples: list[Metric], step: int) -> None:
+        """Each key's chosen samples as a ``wandb.Table`` (columns: the union of their fields;
+        lists and dicts as JSON text), logged with the step."""
+        if self.run is None:
+            return
+        row: dict[str, Any] = {self._key(m.key): samples_table(m.value) for m in samples if m.value}
+        if row:
+            row["step"] = step
+            self.run.log(row)
 
     def log_stream(self, metric: Metric, global_step: int) -> None:
         step = global_step if metric.step is None else metric.step

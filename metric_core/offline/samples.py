@@ -1,0 +1,465 @@
+"""Reading samples (``Reduce.SAMPLE``) back, and choosing some per step.
+
+Samples are read from the sealed ``samples/*.samples.parquet|jsonl`` files and from the
+journals of segments not sealed yet (a crashed or running job), each once: a sealed file
+names the journal it supersedes. Damaged parts are left out and said, never guessed at:
+a Parquet file whose page checksum fails, a JSONL block whose CRC fails, a journal frame
+that fails its own. A restarted source's later attempt replaces the samples of its
+earlier ones from its first step on (``attempts="rewind"``, as for records), unless
+``attempts="all"``.
+
+``read_samples`` gives every kept sample in a fixed order: by key, step, then rank,
+process, timestamp and the order recorded. ``choose`` picks per (key, step): the top and
+bottom by a field, or some at random with ``numpy.random.default_rng(seed)``.
+``samples_frame`` turns them into a table: ``step``, ``rank``, ``process``,
+``timestamp``, ``key`` and the union of the samples' fields.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from metric_core import journal
+from metric_core import sample as sample_codec
+from metric_core.errors import PlanError
+from metric_core.offline.plan import key_matcher
+from metric_core.offline.storage import RunPath, listing, open_read, run_path
+
+if TYPE_CHECKING:
+    import polars as pl
+
+FIXED = ("step", "rank", "process", "timestamp", "key")
+_BLOCK_PREFIX = b'{"event": "block", '
+EXACT_FLOAT_INT = 2**53  # integers past this lose digits as float64: such a mixed field is text
+
+
+@dataclass
+class Sample:
+    step: int
+    rank: int
+    process: str
+    timestamp: float
+    key: str
+    fields: dict[str, Any]
+    attempt: str = ""
+    order: int = 0  # within its source: the order recorded
+
+    def sort_key(self) -> tuple[Any, ...]:
+        return (self.key, self.step, self.rank, self.process, self.timestamp, self.order)
+
+
+@dataclass
+class SampleSet:
+    """The samples read, and what could not be read (each note names the file)."""
+
+    samples: list[Sample] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    replaced: int = 0  # left out: a later attempt of their source replaced them
+
+    def keys(self) -> dict[str, int]:
+        """Samples per key."""
+        out: dict[str, int] = {}
+        for s in self.samples:
+            out[s.key] = out.get(s.key, 0) + 1
+        return out
+
+
+@dataclass
+class _Part:
+    """The samples of one file, and the attempt they belong to."""
+
+    process: str
+    rank: int
+    attempt: str
+    started: float
+    first_step: int | None
+    seq: str
+    rows: list[tuple[int, str, float, Any]]  # (step, key, timestamp, sample)
+
+
+def read_samples(
+    run: str | os.PathLike[str],
+    *,
+    keys: Iterable[str] = (),
+    ranks: Iterable[tuple[int, int]] = (),
+    steps: tuple[int | None, int | None] | None = None,
+    attempts: str = "rewind",
+) -> SampleSet:
+    """Every sample of ``run`` that the filters keep (``keys``: globs; ``ranks``: ranges;
+    ``steps``: START:STOP, STOP excluded), in the order ``Sample.sort_key`` gives.
+
+    >>> len(read_samples("sample_logs/rl_run").samples)
+    0
+    """
+    if attempts not in ("rewind", "all"):
+        raise PlanError("must be rewind or all for samples", option="attempts", value=attempts)
+    root = run_path(run)
+    out = SampleSet()
+    parts = _parts(root, out.notes)
+    if attempts == "rewind":
+        out.replaced = _rewind(parts)
+    wanted = key_matcher(keys) if keys else None
+    rank_ranges = tuple(ranks)
+    start, stop = steps if steps is not None else (None, None)
+    recorded: dict[tuple[str, int], int] = {}  # samples of each source so far: the order recorded
+    for part in parts:
+        base = recorded.get((part.process, part.rank), 0)
+        recorded[(part.process, part.rank)] = base + len(part.rows)
+        if rank_ranges and not any(lo <= part.rank <= hi for lo, hi in rank_ranges):
+            continue
+        for order, (step, key, at, fields) in enumerate(part.rows, base):
+            if wanted is not None and not wanted(key):
+                continue
+            if (start is not None and step < start) or (stop is not None and step >= stop):
+                continue
+            if not isinstance(fields, dict):
+                out.notes.append(f"a sample of '{key}' of {part.process} is not a dict: left out")
+                continue
+            out.samples.append(Sample(step, part.rank, part.process, at, key, fields, part.attempt, order))
+    out.samples.sort(key=Sample.sort_key)
+    return out
+
+
+def count_samples(run: str | os.PathLike[str]) -> dict[tuple[str, int], dict[str, int]]:
+    """Samples per source and key, as ``read_samples`` keeps them (for ``inspect``)."""
+    counts: dict[tuple[str, int], dict[str, int]] = {}
+    for s in read_samples(run).samples:
+        per = counts.setdefault((s.process, s.rank), {})
+        per[s.key] = per.get(s.key, 0) + 1
+    return counts
+
+
+def _parts(root: RunPath, notes: list[str]) -> list[_Part]:
+    sealed: list[RunPath] = []
+    journals: list[RunPath] = []
+    for path in _listed(root):
+        name = path.name
+        if sample_codec.is_samples_file(name):
+            sealed.append(path)
+        elif name.endswith(journal.SUFFIX):
+            journals.append(path)
+    parts: list[_Part] = []
+    superseded: set[str] = set()
+    for path in sealed:
+        part = _read_sealed(path, notes)
+        if part is not None:
+            parts.append(part)
+            superseded.add(part.seq)
+    for path in journals:
+        if path.name in superseded:
+            continue  # sealed meanwhile, or a kill between the samples file and the unlink
+        part = _read_journal(path, notes)
+        if part is not None:
+            parts.append(part)
+    # Oldest attempt first; within one, the segments in the order written.
+    parts.sort(key=lambda p: (p.process, p.rank, p.started, p.seq))
+    return parts
+
+
+def _listed(root: RunPath) -> list[RunPath]:
+    if not isinstance(root, Path):
+        return [p for p in listing(root) if not any(part.startswith(".") for part in p.parts[-3:])]
+    found: list[RunPath] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [Path(dirpath) / f for f in sorted(filenames) if not f.startswith(".")]
+    return found
+
+
+def _read_sealed(path: RunPath, notes: list[str]) -> _Part | None:
+    try:
+        if path.name.endswith(".parquet"):
+            meta, rows = _sealed_parquet(path)
+        else:
+            meta, rows = _sealed_jsonl(path, notes)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        notes.append(f"{path}: not read ({exc}); its samples are left out")
+        return None
+    return _Part(
+        str(meta["process"]),
+        int(meta["rank"]),
+        str(meta.get("attempt") or ""),
+        float(meta.get("attempt_started") or 0.0),
+        meta.get("attempt_first_step"),
+        str(meta["supersedes"]),
+        rows,
+    )
+
+
+def _sealed_parquet(path: RunPath) -> tuple[dict[str, Any], list[tuple[int, str, float, Any]]]:
+    import pyarrow.parquet as pq
+
+    with open_read(path) as f:
+        pf = pq.ParquetFile(f, page_checksum_verification=True)
+        kv = pf.metadata.metadata or {}
+        if sample_codec.PARQUET_KEY not in kv:
+            raise ValueError("not a samples file of metriclog (no metriclog.samples metadata)")
+        meta = json.loads(kv[sample_codec.PARQUET_KEY])
+        table = pf.read(columns=["step", "key", "timestamp", "sample"])
+    cols = [table.column(c).to_pylist() for c in ("step", "key", "timestamp", "sample")]
+    rows = [(s, k, t, json.loads(x)) for s, k, t, x in zip(*cols, strict=True)]
+    if len(rows) != meta.get("samples", len(rows)):
+        raise ValueError(f"{len(rows)} samples where its metadata says {meta.get('samples')}")
+    return meta, rows
+
+
+def _sealed_jsonl(
+    path: RunPath, notes: list[str]
+) -> tuple[dict[str, Any], list[tuple[int, str, float, Any]]]:
+    """A sealed JSONL samples file: its metadata line, then blocks of lines, each followed by
+    a line with the block's CRC-32. A block that fails it is left out, and said."""
+    with open_read(path) as f:
+        data = f.read()
+    first = data.find(b"\n") + 1
+    meta = json.loads(data[:first])
+    if meta.get("event") != sample_codec.SEGMENT_EVENT:
+        raise ValueError("not a samples file of metriclog (no samples_segment line)")
+    rows: list[tuple[int, str, float, Any]] = []
+    pos, block_start = first, first
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        end = len(data) if end < 0 else end + 1
+        line = data[pos:end]
+        if line.startswith(_BLOCK_PREFIX):
+            check = json.loads(line)
+            block = data[block_start:pos]
+            if zlib.crc32(block) == check["crc32"]:
+                for text in block.splitlines():
+                    one = json.loads(text)
+                    rows.append((int(one["step"]), str(one["key"]), float(one["timestamp"]), one["sample"]))
+            else:
+                notes.append(
+                    f"{path}: a block of {check['lines']} sample(s) at byte {block_start} fails its "
+                    "checksum (the file is damaged): left out"
+                )
+            block_start = end
+        pos = end
+    if block_start < len(data):
+        notes.append(
+            f"{path}: {len(data) - block_start} byte(s) at its end are not in a checked block: left out"
+        )
+    return meta, rows
+
+
+def _read_journal(path: RunPath, notes: list[str]) -> _Part | None:
+    try:
+        with open_read(path) as f:
+            decoded = journal.decode(f.read())
+    except OSError as exc:
+        notes.append(f"{path}: not read ({exc.strerror or exc}); its samples are left out")
+        return None
+    for problem in decoded.problems:
+        if decoded.samples or "checksum" in problem:
+            notes.append(f"{path}: {problem}")
+    if not decoded.samples or decoded.process is None or decoded.rank is None:
+        return None
+    attempt = decoded.attempt
+    return _Part(
+        decoded.process,
+        decoded.rank,
+        str(attempt.get("attempt") or ""),
+        float(attempt.get("attempt_started") or 0.0),
+        attempt.get("attempt_first_step", decoded.first_flush),
+        path.name,
+        list(decoded.samples),
+    )
+
+
+def _rewind(parts: list[_Part]) -> int:
+    """Leave out what a later attempt of the same source replaced (from its first step on)."""
+    by_source: dict[tuple[str, int], list[_Part]] = {}
+    for part in parts:
+        by_source.setdefault((part.process, part.rank), []).append(part)
+    replaced = 0
+    for group in by_source.values():
+        starts: dict[str, tuple[float, int | None]] = {}
+        for part in group:
+            started, first = starts.get(part.attempt, (part.started, None))
+            starts[part.attempt] = (started, first if first is not None else part.first_step)
+        for part in group:
+            later = [
+                first
+                for attempt, (started, first) in starts.items()
+                if attempt != part.attempt and started > part.started and first is not None
+            ]
+            if later:
+                cut = min(later)
+                kept = [row for row in part.rows if row[0] < cut]
+                replaced += len(part.rows) - len(kept)
+                part.rows = kept
+    return replaced
+
+
+def select_samples(
+    run: str | os.PathLike[str],
+    *,
+    keys: Iterable[str] = (),
+    ranks: str | Iterable[tuple[int, int]] = (),
+    steps: str | tuple[int | None, int | None] | None = None,
+    attempts: str = "rewind",
+    top: int = 0,
+    bottom: int = 0,
+    by: str | None = None,
+    random: int = 0,
+    seed: int = 0,
+) -> tuple[pl.DataFrame, SampleSet]:
+    """``read_samples`` then ``choose``, as a table (``samples_frame``); ``ranks`` and
+    ``steps`` may be given as the command line spells them (``0,2-5``, ``100:200``).
+
+    >>> frame, read = select_samples("sample_logs/rl_run", top=2, by="reward")
+    >>> frame.columns, read.notes
+    (['step', 'rank', 'process', 'timestamp', 'key'], [])
+    """
+    from metric_core.offline.plan import parse_ranks, parse_steps
+
+    for name, count in (("top", top), ("bottom", bottom), ("random", random)):
+        if count < 0:
+            raise PlanError("must be 0 or more", option=name, value=str(count))
+    if isinstance(ranks, str):
+        ranks = parse_ranks(ranks)
+    if isinstance(steps, str):
+        steps = parse_steps(steps)
+    read = read_samples(run, keys=keys, ranks=ranks, steps=steps, attempts=attempts)
+    chosen = choose(read.samples, top=top, bottom=bottom, by=by, random=random, seed=seed)
+    return samples_frame(chosen), read
+
+
+# -- choosing ---------------------------------------------------------------------------
+
+
+def choose(
+    samples: list[Sample],
+    *,
+    top: int = 0,
+    bottom: int = 0,
+    by: str | None = None,
+    random: int = 0,
+    seed: int = 0,
+) -> list[Sample]:
+    """Per (key, step), in ``read_samples``' order: the ``top`` and ``bottom`` by the field
+    ``by`` (samples where it is missing, not a number or NaN are left out; a sample is shown
+    once when it is in both), or ``random`` drawn without replacement by one
+    ``numpy.random.default_rng(seed)``, group after group. None of them: every sample."""
+    if not (top or bottom or random):
+        return samples
+    if random and (top or bottom):
+        raise PlanError("takes --top/--bottom or --random, not both", option="random", value=str(random))
+    if (top or bottom) and not by:
+        raise PlanError("needs the field to rank by: --by FIELD", option="by", value="")
+    import numpy as np
+
+    rng = np.random.default_rng(seed) if random else None
+    chosen: list[Sample] = []
+    for group in _groups(samples):
+        if rng is not None:
+            picked = sorted(rng.choice(len(group), size=min(random, len(group)), replace=False).tolist())
+            chosen += [group[i] for i in picked]
+            continue
+        scored = [
+            (score, i) for i, s in enumerate(group) if (score := _number(s.fields.get(by or ""))) is not None
+        ]
+        high = sorted(scored, key=lambda t: (-t[0], t[1]))[:top] if top else []
+        low = sorted(scored, key=lambda t: (t[0], t[1]))[:bottom] if bottom else []
+        seen: set[int] = set()
+        for _, i in high + low:
+            if i not in seen:
+                seen.add(i)
+                chosen.append(group[i])
+    return chosen
+
+
+def _groups(samples: list[Sample]) -> Iterable[list[Sample]]:
+    group: list[Sample] = []
+    for s in samples:
+        if group and (s.key, s.step) != (group[0].key, group[0].step):
+            yield group
+            group = []
+        group.append(s)
+    if group:
+        yield group
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    number = float(value)
+    return None if math.isnan(number) else number
+
+
+# -- as a table -------------------------------------------------------------------------
+
+
+def field_names(samples: list[Sample]) -> list[str]:
+    """The union of the samples' fields, in the order first met (a field named like a fixed
+    column is prefixed ``sample.``)."""
+    names: dict[str, None] = {}
+    for s in samples:
+        for name in s.fields:
+            names.setdefault(str(name), None)
+    return list(names)
+
+
+def column_name(name: str) -> str:
+    return f"sample.{name}" if name in FIXED else name
+
+
+def samples_frame(samples: list[Sample]) -> pl.DataFrame:
+    """A row a sample: ``step``, ``rank``, ``process``, ``timestamp``, ``key``, then a column a
+    field. A field missing from a sample is null; a field of one kind keeps it (integers
+    exact, as Int64, or text past 64 bits); ints and floats together are Float64 (text if
+    an integer would lose digits); lists and dicts, and any other mix of kinds, are JSON text."""
+    import polars as pl
+
+    columns: dict[str, Any] = {
+        "step": pl.Series("step", [s.step for s in samples], pl.Int64),
+        "rank": pl.Series("rank", [s.rank for s in samples], pl.Int64),
+        "process": pl.Series("process", [s.process for s in samples], pl.String),
+        "timestamp": pl.Series("timestamp", [s.timestamp for s in samples], pl.Float64),
+        "key": pl.Series("key", [s.key for s in samples], pl.String),
+    }
+    for name in field_names(samples):
+        values = [s.fields.get(name) for s in samples]
+        columns[column_name(name)] = _column(column_name(name), values)
+    return pl.DataFrame(columns)
+
+
+def _column(name: str, values: list[Any]) -> pl.Series:
+    import polars as pl
+
+    kinds = {_kind(v) for v in values if v is not None}
+    if kinds == {"bool"}:
+        return pl.Series(name, values, pl.Boolean)
+    if kinds == {"int"} and all(v is None or -(2**63) <= v < 2**63 for v in values):
+        return pl.Series(name, values, pl.Int64)
+    if (
+        kinds
+        and kinds <= {"int", "float"}
+        and all(v is None or isinstance(v, float) or abs(v) <= EXACT_FLOAT_INT for v in values)
+    ):
+        return pl.Series(name, [None if v is None else float(v) for v in values], pl.Float64)
+    if kinds == {"str"}:
+        return pl.Series(name, values, pl.String)
+    return pl.Series(name, [None if v is None else _text(v) for v in values], pl.String)
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    return "json"
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
