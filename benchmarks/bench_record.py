@@ -11,6 +11,9 @@ before the loop to just after shutdown, divided by N. Variants, side by side:
   jsonl       metric_core.record_metric, file_format="jsonl"
   torchforge  metric_core.torchforge.record_metric (torchforge's semantics: a Metric and a
               per-rank singleton lookup a call) into metric_core's parquet files
+  sample      record_metric(key, a 2 KB dict, Reduce.SAMPLE), a tenth as many; besides the
+              process's CPU, the caller's thread alone (``time.thread_time``): what the
+              training loop pays, the writer thread encoding the samples apart
   wandb       every record streamed through wandb.log, offline mode (fewer records,
               since it is slow; the cost per record is what is compared)
 
@@ -114,7 +117,7 @@ CHILD = textwrap.dedent(
         mean = None
     else:
         import metric_core
-        file_format = "parquet" if variant == "torchforge" else variant
+        file_format = "parquet" if variant in ("torchforge", "sample") else variant
         metric_core.init(run_dir, rank=0, process_name="bench", file_format=file_format)
         record_metric, flush, shutdown = metric_core.record_metric, metric_core.flush, metric_core.shutdown
         mean = metric_core.Reduce.MEAN
@@ -123,14 +126,26 @@ CHILD = textwrap.dedent(
     start = time.process_time()
     wall = time.perf_counter()
     step = 0
-    for i in range(n // step_every):
-        for j in range(step_every):
-            record_metric(keys[j %% len(keys)], 0.001 * j + i, mean)
-        flush(step)
-        step += 1
+    caller = 0.0
+    if variant == "sample":
+        sample = {"prompt": "p" * 1000, "response": "r" * 900, "reward": 0.5, "ids": list(range(20))}
+        for i in range(n // step_every):
+            t = time.thread_time()
+            for j in range(step_every):
+                record_metric("rollout/sample", sample, metric_core.Reduce.SAMPLE)
+            caller += time.thread_time() - t
+            flush(step)
+            step += 1
+    else:
+        for i in range(n // step_every):
+            for j in range(step_every):
+                record_metric(keys[j %% len(keys)], 0.001 * j + i, mean)
+            flush(step)
+            step += 1
     shutdown()
     cpu = time.process_time() - start
-    print(json.dumps({"cpu_ns": cpu / n * 1e9, "wall_ns": (time.perf_counter() - wall) / n * 1e9}))
+    print(json.dumps({"cpu_ns": cpu / n * 1e9, "wall_ns": (time.perf_counter() - wall) / n * 1e9,
+                      "caller_ns": caller / n * 1e9}))
     """
 ) % {"keys": KEYS}
 
@@ -154,6 +169,15 @@ def run_variant(
             cwd=tmp,  # not the checkout: `python -c` puts the working directory first on sys.path
         )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _shallow_copy_ns() -> float:
+    """What ``dict(sample)`` of the benchmark's 2 KB sample costs: the floor of a sample's
+    cost in the caller's thread."""
+    import timeit
+
+    sample = {"prompt": "p" * 1000, "response": "r" * 900, "reward": 0.5, "ids": list(range(20))}
+    return min(timeit.repeat(lambda: dict(sample), number=100_000, repeat=5)) / 100_000 * 1e9
 
 
 def export_baseline(rev: str, into: Path) -> Path:
@@ -186,6 +210,7 @@ def main() -> None:
         "parquet": args.records,
         "jsonl": args.records,
         "torchforge": args.records,
+        "sample": args.records // 10,
         "wandb": args.wandb_records,
     }
     baseline = None
@@ -195,9 +220,13 @@ def main() -> None:
         baseline = export_baseline(args.baseline, scratch)
         variants.update({f"parquet@{args.baseline}": args.records, f"jsonl@{args.baseline}": args.records})
     results: dict[str, list[float]] = {v: [] for v in variants}
+    callers: list[float] = []
     for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
         for variant, n in variants.items():
-            results[variant].append(run_variant(variant, n, baseline, args.step_every)["cpu_ns"])
+            measured = run_variant(variant, n, baseline, args.step_every)
+            results[variant].append(measured["cpu_ns"])
+            if variant == "sample":
+                callers.append(measured["caller_ns"])
     med = {v: statistics.median(xs) for v, xs in results.items()}
     print(
         f"records: {args.records:,} (wandb: {args.wandb_records:,}), {args.step_every} a step; "
@@ -215,6 +244,11 @@ def main() -> None:
     print(
         f"wandb.log / parquet = {med['wandb'] / med['parquet']:.0f}x, wandb.log / jsonl = "
         f"{med['wandb'] / med['jsonl']:.0f}x (target >= 50x)"
+    )
+    copy = _shallow_copy_ns()
+    print(
+        f"a 2 KB sample: {statistics.median(callers):.0f} ns in the caller's thread (a shallow copy of the "
+        f"dict alone: {copy:.0f} ns), {med['sample']:.0f} ns of the process's CPU with the writer's encoding"
     )
     if args.baseline:
         for fmt in ("parquet", "jsonl"):

@@ -164,10 +164,18 @@ def upload(
     restart_grace: o.RestartGrace = o.RESTART_GRACE,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
+    sample_top: o.SampleTop = None,
+    sample_bottom: o.SampleBottom = None,
+    sample_by: o.SampleBy = None,
+    sample_random: o.SampleRandom = None,
+    sample_seed: o.SampleSeed = 0,
+    no_samples: o.NoSamples = False,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
 
-    With --follow, upload it live, beside the job that writes it.
+    With --follow, upload it live, beside the job that writes it. Each key of samples
+    (Reduce.SAMPLE) goes as a W&B table per step, in that step's row: by default the top 2
+    and bottom 2 by reward where the samples have it, else 4 at random.
 
     Examples:
 
@@ -197,6 +205,9 @@ def upload(
                 follow=o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace),
                 engine=engine.value,
                 ray_address=ray_address,
+                samples=o.sample_choice(
+                    sample_top, sample_bottom, sample_by, sample_random, sample_seed, no_samples
+                ),
             )
         raise typer.Exit(output.print_upload(result))
 

@@ -244,6 +244,41 @@ SampleAttempts = Annotated[
 ]
 
 
+# upload's samples
+SampleTop = Annotated[
+    int | None,
+    typer.Option(
+        "--sample-top", metavar="N", min=0, help="Samples per step and key: N highest by --sample-by."
+    ),
+]
+SampleBottom = Annotated[
+    int | None, typer.Option("--sample-bottom", metavar="N", min=0, help="... and N lowest by --sample-by.")
+]
+SampleBy = Annotated[
+    str | None,
+    typer.Option("--sample-by", metavar="FIELD", help="The field samples rank by (default: reward)."),
+]
+SampleRandom = Annotated[
+    int | None,
+    typer.Option("--sample-random", metavar="N", min=0, help="Samples per step and key: N at random."),
+]
+SampleSeed = Annotated[
+    int, typer.Option("--sample-seed", metavar="S", help="The seed of the random samples.")
+]
+NoSamples = Annotated[bool, typer.Option("--no-samples", help="Upload no samples (Reduce.SAMPLE).")]
+
+
+def sample_choice(
+    top: int | None, bottom: int | None, by: str | None, random: int | None, seed: int, none: bool
+) -> Any:
+    """upload's sample options as a ``SampleChoice``."""
+    from metric_core.offline.samples import SampleChoice
+
+    if random is not None and (top is not None or bottom is not None):
+        raise typer.BadParameter("give --sample-top/--sample-bottom or --sample-random, not both")
+    return SampleChoice(top=top, bottom=bottom, by=by, random=random, seed=seed, enabled=not none)
+
+
 # inspect
 def _duration(least: float) -> Any:
     """A parser of a duration option (``10s``, ``500ms``, ``2m``; a plain number is seconds)."""

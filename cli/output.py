@@ -417,6 +417,9 @@ def print_inspect(report: InspectReport) -> None:
         cut=("process",),
         whole="--json",
     )
+    if report.samples:
+        counts = ", ".join(f"{key} {n:,}" for key, n in sorted(report.samples.items()))
+        typer.echo(f"samples (Reduce.SAMPLE; `metriclog samples {report.run_dir}` lists them): {counts}")
     typer.echo("")
     for line in report.verdict(on_cli):
         typer.echo(line)

@@ -52,6 +52,7 @@ from metric_core.offline.read import (
     scan_run,
 )
 from metric_core.offline.read.attempts import Attempt
+from metric_core.offline.samples import read_samples
 from metric_core.offline.storage import newest_listed
 from metric_core.offline.story import Failure, Pause
 from metric_core.schema import KEY_HASH, keys_by_hash
@@ -155,6 +156,8 @@ class InspectReport:
     # The earliest attempt end that was not a clean shutdown (``offline.story``).
     first_failure: Failure | None = None
     pauses: list[Pause] = field(default_factory=list)
+    # Samples (Reduce.SAMPLE) per key: not records, read by ``metriclog samples``.
+    samples: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -289,6 +292,7 @@ def inspect_run(
         stopped_early=stopped,
         first_failure=failure,
         pauses=paused,
+        samples=read_samples(scan.run_dir).keys(),
     )
 
 

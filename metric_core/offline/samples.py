@@ -30,7 +30,7 @@ from metric_core import journal
 from metric_core import sample as sample_codec
 from metric_core.errors import PlanError
 from metric_core.offline.plan import key_matcher
-from metric_core.offline.storage import RunPath, listing, open_read, run_path
+from metric_core.offline.storage import RunPath, _is_upath, listing, open_read, run_path
 
 if TYPE_CHECKING:
     import polars as pl
@@ -85,7 +85,7 @@ class _Part:
 
 
 def read_samples(
-    run: str | os.PathLike[str],
+    run: str | os.PathLike[str] | RunPath,
     *,
     keys: Iterable[str] = (),
     ranks: Iterable[tuple[int, int]] = (),
@@ -100,7 +100,7 @@ def read_samples(
     """
     if attempts not in ("rewind", "all"):
         raise PlanError("must be rewind or all for samples", option="attempts", value=attempts)
-    root = run_path(run)
+    root: RunPath = run if _is_upath(run) else run_path(run)  # type: ignore[assignment, arg-type]
     out = SampleSet()
     parts = _parts(root, out.notes)
     if attempts == "rewind":
@@ -463,3 +463,89 @@ def _kind(value: Any) -> str:
 
 def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+# -- for uploads --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SampleChoice:
+    """Which samples an upload sends per step and key: ``top``/``bottom`` by ``by``, or
+    ``random`` (seeded by ``seed``). By default, the top 2 and bottom 2 by ``reward`` where
+    a key's samples have it, else 4 at random; ``enabled=False`` sends none."""
+
+    top: int | None = None
+    bottom: int | None = None
+    by: str | None = None
+    random: int | None = None
+    seed: int = 0
+    enabled: bool = True
+
+    def picks(self, samples: list[Sample]) -> list[Sample]:
+        if self.random is not None or self.top is not None or self.bottom is not None:
+            return choose(
+                samples,
+                top=self.top or 0,
+                bottom=self.bottom or 0,
+                by=self.by or "reward",
+                random=self.random or 0,
+                seed=self.seed,
+            )
+        by = self.by or "reward"
+        if any(_number(s.fields.get(by)) is not None for s in samples):
+            return choose(samples, top=2, bottom=2, by=by)
+        return choose(samples, random=4, seed=self.seed)
+
+
+class SampleTables:
+    """The samples an upload attaches to its history rows: per W&B run (its source's, or
+    every source's) and step, each key's chosen samples as a ``wandb.Table``, logged in the
+    same ``log`` call as that step's scalars. Read again when a step past what was read is
+    asked for (``upload --follow``)."""
+
+    def __init__(
+        self, run: str | os.PathLike[str] | RunPath, plan: Any, choice: SampleChoice, *, share_run: bool
+    ) -> None:
+        self.run, self.plan, self.choice, self.share_run = run, plan, choice, share_run
+        self.by_step: dict[tuple[str | None, int], dict[str, list[Sample]]] = {}
+        self.newest = -1
+        self.attached: set[tuple[str | None, int]] = set()
+        self._read()
+
+    def _read(self) -> None:
+        read = read_samples(
+            self.run, keys=self.plan.keys, ranks=self.plan.ranks, steps=self.plan.steps, attempts="rewind"
+        )
+        groups: dict[tuple[str | None, int], dict[str, list[Sample]]] = {}
+        for s in read.samples:
+            per_source = self.plan.mode.value != "global_reduce"
+            where = (s.process if per_source and not self.share_run else None, s.step)
+            key = f"{s.key}/{s.process}" if per_source and self.share_run else s.key
+            groups.setdefault(where, {}).setdefault(key, []).append(s)
+        self.by_step = groups
+        self.newest = max((step for _, step in groups), default=-1)
+
+    def __bool__(self) -> bool:
+        return bool(self.by_step)
+
+    def tables(self, source: str | None, step: int) -> dict[str, Any]:
+        """``{key: wandb.Table}`` of ``source``'s (None: every source's) samples at ``step``,
+        each once a run."""
+        if step > self.newest:
+            self._read()
+        where = (source, step)
+        if where in self.attached or where not in self.by_step:
+            return {}
+        from metric_core.writer.backends.wandb import samples_table
+
+        self.attached.add(where)
+        out = {}
+        for key, samples in self.by_step[where].items():
+            chosen = self.choice.picks(samples)
+            if chosen:
+                out[key] = samples_table([s.fields for s in chosen])
+        return out
+
+    def unattached(self) -> int:
+        """Steps with samples that no row of any run took (no scalar at that step)."""
+        return len(set(self.by_step) - self.attached)

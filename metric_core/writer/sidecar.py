@@ -26,6 +26,7 @@ _FLAGS = {
     "share_run": "--per-rank-share-run",
     "force_new": "--force-new",
     "strict": "--strict",
+    "no_samples": "--no-samples",
 }
 _VALUES = {
     "project": "--project",
@@ -42,6 +43,11 @@ _VALUES = {
     "interval": "--interval",
     "until_idle": "--until-idle",
     "sources": "--sources",
+    "sample_top": "--sample-top",
+    "sample_bottom": "--sample-bottom",
+    "sample_by": "--sample-by",
+    "sample_random": "--sample-random",
+    "sample_seed": "--sample-seed",
 }
 
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from metric_core.credentials import has_credentials
 from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
+from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import RunPath, is_remote, name_of, run_path
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger, only_upload
@@ -90,6 +91,7 @@ def upload_run(
     follow: Follow | None = None,
     engine: str = "local",
     ray_address: str | None = None,
+    samples: SampleChoice | None = None,
 ) -> UploadResult:
     """Reduce ``run_dir`` by ``plan`` and upload it to ``to`` (with ``dry_run``, only plan it).
 
@@ -98,6 +100,8 @@ def upload_run(
     (in the reading child, when there is one). With ``follow``, the run is uploaded as it
     is written, until its job ends (``Follow``, ``offline.upload.follow``). ``engine`` and
     ``ray_address`` say where the reduction runs (``engine.execute``: the same bits).
+    ``samples`` says which samples (``Reduce.SAMPLE``) go with each step's row, as W&B
+    tables (default ``SampleChoice()``: top and bottom 2 by reward, else 4 at random).
     Raises ``NotLoggedInError`` for an online upload without credentials,
     ``StrictModeError`` when ``strict`` and records were skipped, ``UploadError`` when W&B
     fails for good.
@@ -161,6 +165,7 @@ def upload_run(
             stop=follow.stop,
             let_go_after=follow.let_go_after,
             restart_grace=follow.restart_grace,
+            samples=samples or SampleChoice(),
         )
         return UploadResult(upload, state.outcomes, dry_run=dry_run, followed=state)
     prepare = functools.partial(
@@ -204,9 +209,27 @@ def upload_run(
         )
         with only_upload(ledger.path.parent, key, root):
             ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
-            return UploadResult(upload, send_runs(upload, ledger, to, force_new=force_new, events=events))
+            tables = _sample_tables(root, plan, samples or SampleChoice(), share_run, events)
+            outcomes = send_runs(upload, ledger, to, force_new=force_new, events=events, samples=tables)
+            if tables is not None and tables.unattached():
+                events.message(
+                    "note",
+                    f"{tables.unattached()} step(s) of samples had no row to go with (no scalar at that "
+                    f"step, or {opt('by')}time): not uploaded; `metriclog samples` lists them",
+                )
+            return UploadResult(upload, outcomes)
     finally:
         upload.close()
+
+
+def _sample_tables(
+    root: RunPath, plan: ReducePlan, choice: SampleChoice, share_run: bool, events: UploadEvents
+) -> SampleTables | None:
+    """The run's samples to send with the rows, or None when there are none (or none asked)."""
+    if not choice.enabled:
+        return None
+    tables = SampleTables(root, plan, choice, share_run=share_run)
+    return tables if tables else None
 
 
 def _check_together(plan: ReducePlan, share_run: bool) -> None:

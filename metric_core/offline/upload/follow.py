@@ -31,6 +31,7 @@ from metric_core.errors import NoDataError, StrictModeError
 from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.inspect import stall_threshold
 from metric_core.offline.plan import ReducePlan
+from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import Destination, RunOutcome, Sender, UploadEvents, decide, find_entry
@@ -104,6 +105,7 @@ def follow_upload(
     init: Callable[..., Any] | None = None,
     let_go_after: float | None = None,
     restart_grace: float = RESTART_GRACE,
+    samples: SampleChoice | None = None,
 ) -> tuple[UploadPlan, FollowState]:
     """Follow ``root`` until every source finished, every source finished or died and no
     new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
@@ -127,6 +129,8 @@ def follow_upload(
             pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
             pass_.follower = Follower(plan, share_run=share_run, sources=sources, let_go_after=let_go_after)
             pass_.restart_grace = restart_grace
+            if samples is not None and samples.enabled and not dry_run:
+                pass_.samples = SampleTables(root, plan, samples, share_run=share_run)
             try:
                 ended = pass_.run(stop, interval, until_idle, state, sources is None)
             except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it read or sent: what was sent stays
@@ -178,6 +182,7 @@ class _Pass:
     let_go: set[tuple[str, int]] = field(default_factory=set)
     held: set[tuple[str, int]] = field(default_factory=set)  # live, silent sources said to hold the steps
     restart_grace: float = RESTART_GRACE
+    samples: SampleTables | None = None  # each step's samples, sent with its row
     over_since: float | None = None  # since when every source finished or died
 
     def run(
@@ -342,7 +347,7 @@ class _Pass:
             rows = part.rows[max(0, opened.skip - run.sent) :]
             if opened.wb is not None:
                 assert self.sender is not None
-                opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows)
+                opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows, run.source)
             run.sent += len(part.rows)
         sent = [self.runs[part.run] for part in ready if part.rows and self.runs[part.run].wb is not None]
         if sent and self.sender is not None:  # one ledger write a poll, of the runs that got rows
@@ -405,6 +410,7 @@ class _Pass:
                     self.events,
                     self.init or _wandb_init(),
                     time.sleep,
+                    self.samples,
                 )
             outcome, wb = self.sender.open(run)
             if self.replacing and wb is not None:

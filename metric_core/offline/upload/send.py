@@ -11,14 +11,17 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from metric_core.errors import MetricLogError, PlanError, UploadError, in_python
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan
+
+if TYPE_CHECKING:
+    from metric_core.offline.samples import SampleTables
 
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0)
 LEDGER_EVERY_ROWS = 5_000
@@ -118,13 +121,14 @@ def send_runs(
     events: UploadEvents | None = None,
     init: Callable[..., Any] | None = None,
     sleep: Callable[[float], None] = time.sleep,
+    samples: SampleTables | None = None,
 ) -> list[RunOutcome]:
     """Send every planned run; ``init`` is ``wandb.init`` unless a test gives a fake."""
     if init is None:
         import wandb
 
         init = wandb.init
-    sender = Sender(plan, ledger, to, force_new, events or UploadEvents(), init, sleep)
+    sender = Sender(plan, ledger, to, force_new, events or UploadEvents(), init, sleep, samples)
     return [sender.send(run) for run in plan.runs]
 
 
@@ -221,6 +225,7 @@ class Sender:
     events: UploadEvents
     init: Callable[..., Any]
     sleep: Callable[[float], None]
+    samples: SampleTables | None = None  # each step's chosen samples, as tables in its row
 
     def send(self, run: PlannedRun) -> RunOutcome:
         outcome, wb = self.open(run)
@@ -266,10 +271,10 @@ class Sender:
             wb.define_metric("*", step_metric=run.x_axis)
         return RunOutcome(run, action, run_id, start, message, str(sync_dir) if sync_dir else None), wb
 
-    def log_rows(self, wb: Any, rows: Iterable[dict[str, Any]]) -> int:
-        """Hand ``rows`` to W&B (retrying what heals); how many were handed over."""
+    def log_rows(self, wb: Any, rows: Iterable[dict[str, Any]], source: str | None = None) -> int:
+        """Hand ``rows`` (of ``source``'s run) to W&B (retrying what heals); how many were handed over."""
         n = 0
-        for row in rows:
+        for row in self._with_samples(rows, source):
             self._retry(functools.partial(wb.log, row), "logging to W&B")
             n += 1
         return n
@@ -332,7 +337,7 @@ class Sender:
         tick = self.events.progress(run, start) if self.events.progress else (lambda n: None)
         sent = start
         try:
-            for row in run.history(start):
+            for row in self._with_samples(run.history(start), run.source):
                 self._retry(functools.partial(wb.log, row), "logging to W&B")
                 sent += 1
                 if sent % PROGRESS_EVERY_ROWS == 0:
@@ -346,6 +351,17 @@ class Sender:
             raise
         self.ledger.update(run_id, rows_sent=sent, finished=True)
         return sent
+
+    def _with_samples(self, rows: Iterable[dict[str, Any]], source: str | None) -> Iterator[dict[str, Any]]:
+        """``rows``, the first row of each step also holding that step's sample tables."""
+        if not self.samples:
+            yield from rows
+            return
+        for row in rows:
+            step = row.get("step")
+            if isinstance(step, int):
+                row.update(self.samples.tables(source, step))
+            yield row
 
     def _retry(self, call: Callable[[], Any], what: str, timeout: float | None = None) -> Any:
         """Retry W&B failures (network, 429, 5xx) with exponential backoff, then give up; a call

@@ -1,0 +1,274 @@
+"""Samples (Reduce.SAMPLE) recorded by real rank processes come back exactly as recorded,
+from sealed files and from a killed rank's journal; chosen per step as a sort says; never
+mistaken for records; a damaged block is left out and said."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import metric_core
+from metric_core import Reduce, make_plan, read_samples, record_metric, reduce_run
+from metric_core.offline.samples import choose, samples_frame
+from metric_core.offline.upload import Destination, Follow, upload_run
+
+from .wandb_file import find_run_file, history_rows, read_records
+
+METRICLOG = str(Path(sys.executable).with_name("metriclog"))
+
+# A rank records samples of every kind of field; after each flush it writes what it recorded
+# (as JSON: numpy scalars as the numbers they hold) to truth-<rank>.jsonl.
+RANK = """
+import json, os, signal, sys
+import numpy as np
+import metric_core
+from metric_core import Reduce, record_metric
+run, rank, fmt, steps, die = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+metric_core.init(run, rank=rank, process_name=f"gen_r{rank}", file_format=fmt, flush_interval=0.05)
+rng = np.random.default_rng(rank)
+with open(f"{run}/../truth-{rank}.jsonl", "w") as truth:
+    for step in range(steps):
+        for i in range(5):
+            sample = {
+                "prompt": f"rank {rank} step {step} #{i} \\u00e9",
+                "reward": float(rng.normal()) if i != 3 else float("nan"),
+                "tokens": int(rng.integers(0, 2**60)) * 4,
+                "ok": bool(i % 2),
+                "note": None if i else "first",
+                "ids": [int(x) for x in rng.integers(0, 100, 3)],
+                "meta": {"temperature": 0.7, "stop": ["</s>"]},
+                "np": np.float32(0.5) * i,
+            }
+            if i == 4:
+                del sample["note"]  # a field missing from a sample
+            record_metric("rollout/sample", sample, Reduce.SAMPLE)
+            record_metric("rollout/reward", sample["reward"])
+            sample["np"] = float(sample["np"])
+            truth.write(json.dumps([step, rank, sample]) + "\\n")
+        if step == die:
+            truth.flush()
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-step: this step's samples were never flushed
+        metric_core.flush(step)
+        truth.write(json.dumps(["flushed", step]) + "\\n")
+        truth.flush()
+metric_core.shutdown()
+"""
+
+
+def job(tmp_path: Path, fmt: str, ranks: int = 3, steps: int = 6, die: dict[int, int] | None = None) -> Path:
+    run = tmp_path / "run"
+    run.mkdir()
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(run), str(r), fmt, str(steps), str((die or {}).get(r, -1))],
+            cwd=tmp_path,
+        )
+        for r in range(ranks)
+    ]
+    for child in children:
+        child.wait(timeout=120)
+    return run
+
+
+def truth(tmp_path: Path, ranks: int, flushed_only: bool = True) -> list[tuple[int, int, dict]]:
+    """What each rank recorded; with ``flushed_only``, up to its last returned flush."""
+    out = []
+    for r in range(ranks):
+        pending = []
+        for line in (tmp_path / f"truth-{r}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            if row[0] == "flushed":
+                out += pending
+                pending = []
+            else:
+                pending.append((row[0], row[1], row[2]))
+        if not flushed_only:
+            out += pending
+    return out
+
+
+def same(a: object, b: object) -> bool:
+    """Equal, NaN equal to NaN (json.loads gives NaN for NaN, as recorded)."""
+    if isinstance(a, float) and isinstance(b, float) and np.isnan(a) and np.isnan(b):
+        return True
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_every_sample_of_every_rank_comes_back_exactly_as_recorded(tmp_path, fmt):
+    run = job(tmp_path, fmt)
+    want = truth(tmp_path, 3)
+    got = read_samples(run)
+    assert got.notes == []
+    assert sorted((s.rank, s.step) for s in got.samples) == sorted((r, s) for s, r, _ in want)
+    by_prompt = {s.fields["prompt"]: s for s in got.samples}
+    assert len(by_prompt) == len(want) == 3 * 6 * 5
+    for step, rank, sample in want:
+        back = by_prompt[sample["prompt"]]
+        assert (back.step, back.rank, back.process, back.key) == (
+            step,
+            rank,
+            f"gen_r{rank}",
+            "rollout/sample",
+        )
+        assert same(back.fields, sample), (back.fields, sample)
+    assert list((run / "samples").iterdir()), "sealed into files of their own"
+    # Never records: the scalar reduction sees the scalar key only, and skips no file.
+    reduced = reduce_run(run, mode="per_rank_no_reduce")
+    assert set(reduced["key"]) == {"rollout/reward"}
+    assert reduced.height == 3 * 6 * 5
+
+
+def test_a_killed_ranks_flushed_samples_are_all_there(tmp_path):
+    run = job(tmp_path, "parquet", ranks=2, steps=6, die={1: 3})
+    flushed = truth(tmp_path, 2)
+    recorded = truth(tmp_path, 2, flushed_only=False)
+    got = {s.fields["prompt"] for s in read_samples(run).samples}
+    every = {sample["prompt"] for _, _, sample in recorded}
+    assert {sample["prompt"] for _, _, sample in flushed} <= got <= every  # nothing lost, nothing invented
+    assert any(p.suffix == ".journal" for p in run.iterdir()), "rank 1 left its journal"
+
+
+def test_top_bottom_and_random_choices_equal_a_sort_and_numpys_generator(tmp_path):
+    run = job(tmp_path, "parquet", ranks=3, steps=4)
+    samples = read_samples(run, keys=["rollout/*"]).samples
+    top = choose(samples, top=2, bottom=1, by="reward")
+    for step in range(4):
+        group = [s for s in samples if s.step == step]
+        scored = [s for s in group if not np.isnan(s.fields["reward"])]
+        assert len(scored) == len(group) - 3  # NaN rewards are left out, one a rank
+        rewards = sorted((s.fields["reward"] for s in scored), reverse=True)
+        chosen = [s.fields["reward"] for s in top if s.step == step]
+        assert chosen == [rewards[0], rewards[1], rewards[-1]]
+    drawn = choose(samples, random=3, seed=11)
+    rng = np.random.default_rng(11)
+    for step in range(4):
+        group = [s for s in samples if s.step == step]  # ordered by rank, process, time, order recorded
+        assert group == sorted(group, key=lambda s: (s.rank, s.process, s.timestamp, s.order))
+        picked = sorted(rng.choice(len(group), size=3, replace=False).tolist())
+        assert [s.fields["prompt"] for s in drawn if s.step == step] == [
+            group[i].fields["prompt"] for i in picked
+        ]
+    assert len(choose(samples[:2], top=5, bottom=5, by="reward")) == 2  # fewer than asked: each once
+
+
+def test_the_command_writes_every_chosen_sample_with_the_union_of_fields(tmp_path):
+    run = job(tmp_path, "jsonl", ranks=2, steps=3)
+    done = subprocess.run(
+        [METRICLOG, "samples", str(run), "--top", "1", "--by", "reward", "--ranks", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = list(csv.DictReader(io.StringIO(done.stdout)))
+    want = [s for s in read_samples(run, ranks=[(1, 1)]).samples if not np.isnan(s.fields["reward"])]
+    for step in range(3):
+        best = max((s for s in want if s.step == step), key=lambda s: s.fields["reward"])
+        (row,) = [r for r in rows if r["step"] == str(step)]
+        assert row["prompt"] == best.fields["prompt"] and row["rank"] == "1"
+        assert json.loads(row["ids"]) == best.fields["ids"] and row["tokens"] == str(best.fields["tokens"])
+    fields = ["prompt", "reward", "tokens", "ok", "note", "ids", "meta", "np"]
+    assert list(rows[0]) == ["step", "rank", "process", "timestamp", "key", *fields]
+    out = tmp_path / "all.parquet"
+    done = subprocess.run([METRICLOG, "samples", str(run), "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    import polars as pl
+
+    frame = pl.read_parquet(out)
+    assert frame.height == 2 * 3 * 5
+    assert frame["tokens"].dtype == pl.Int64 and frame["note"].null_count() == frame.height - 6
+
+
+def test_a_flipped_bit_in_a_sealed_block_leaves_that_block_out_and_says_so(tmp_path):
+    run = job(tmp_path, "jsonl", ranks=1, steps=2)
+    (path,) = (run / "samples").iterdir()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"rank 0 step 1 #2")
+    data[at + 5] ^= 0x01  # "step" -> "stdp" in a prompt: still valid JSON, but not what was written
+    path.write_bytes(bytes(data))
+    got = read_samples(run)
+    assert got.samples == [] and "fails its checksum" in got.notes[0] and str(path) in got.notes[0]
+    assert all("stdp" not in s.fields["prompt"] for s in got.samples)
+
+
+def test_a_sample_too_large_is_refused_and_an_odd_field_kept_as_repr_said_once(tmp_path):
+    metric_core.init(tmp_path, process_name="gen")
+    record_metric("big", {"text": "x" * (2 << 20)}, Reduce.SAMPLE)
+    for _ in range(2):
+        record_metric("odd", {"when": object(), "n": 1}, Reduce.SAMPLE)
+    with pytest.warns(metric_core.MetricLogWarning) as said:
+        metric_core.flush(0)
+    metric_core.shutdown()
+    texts = [str(w.message) for w in said]
+    assert any("sample of 'big' is" in t and "not recorded" in t for t in texts), texts
+    assert sum("kept as their repr" in t for t in texts) == 1, texts
+    got = read_samples(tmp_path).samples
+    assert [s.key for s in got] == ["odd", "odd"] and got[0].fields["n"] == 1
+    assert got[0].fields["when"].startswith("<object object")
+
+
+def test_a_sample_must_be_a_dict(tmp_path):
+    metric_core.init(tmp_path, process_name="gen")
+    with pytest.raises(TypeError, match=r"metric 'k': a sample \(Reduce.SAMPLE\) is a dict"):
+        record_metric("k", [1, 2], Reduce.SAMPLE)
+
+
+def test_samples_frame_types_follow_the_values():
+    from metric_core.offline.samples import Sample
+
+    rows = [
+        Sample(0, 0, "p", 1.0, "k", {"a": 1, "b": 2**70, "c": 1, "d": "x", "e": True}),
+        Sample(0, 0, "p", 2.0, "k", {"a": 2, "b": 1, "c": 0.5, "d": 3, "e": None}),
+    ]
+    frame = samples_frame(rows)
+    assert [str(t) for t in frame.dtypes[5:]] == ["Int64", "String", "Float64", "String", "Boolean"]
+    assert frame["b"].to_list() == [str(2**70), "1"]  # past 64 bits: exact, as text
+
+
+def tables_of(run_file: Path, key: str) -> dict[int, list[dict]]:
+    """Each step's table of ``key``, as the real wandb client wrote it: the history row names
+    the table's file, which holds its columns and rows."""
+    out = {}
+    for row in history_rows(read_records(run_file)):
+        path = row[key]["path"] if key in row else row.get(f"{key}/path")  # a key with a slash comes nested
+        if path is not None:
+            table = json.loads((run_file.parent / "files" / path).read_text())
+            out[row["step"]] = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+    return out
+
+
+@pytest.mark.parametrize("follow", [False, True], ids=["upload", "follow"])
+def test_upload_sends_each_steps_chosen_samples_as_a_table_in_its_row(tmp_path, monkeypatch, follow):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = job(tmp_path, "parquet", ranks=2, steps=3)
+    samples = read_samples(run).samples
+    more = {"follow": Follow(interval=0.2)} if follow else {}
+    upload_run(run, make_plan(), Destination("p", offline=True), **more)
+    upload_run(run, make_plan(mode="per_rank_reduce"), Destination("p", offline=True), name="ranks")
+    ledger = json.loads((run / ".metriclog" / "uploads.json").read_text())["runs"]
+    files = {e["name"]: find_run_file(run / ".metriclog" / "wandb", i) for i, e in ledger.items()}
+    for name, source in (("run", None), ("ranks_gen_r0", "gen_r0"), ("ranks_gen_r1", "gen_r1")):
+        tables = tables_of(files[name], "rollout/sample")
+        assert sorted(tables) == [0, 1, 2], name
+        for step, rows in tables.items():
+            group = [s for s in samples if s.step == step and source in (None, s.process)]
+            scored = sorted(
+                (s for s in group if not np.isnan(s.fields["reward"])), key=lambda s: -s.fields["reward"]
+            )
+            want = (
+                scored[:2] + scored[::-1][:2]
+            )  # the default: top 2 by reward, then the bottom 2, lowest first
+            assert [r["prompt"] for r in rows] == [s.fields["prompt"] for s in want], (name, step)
+            assert [json.loads(r["ids"]) for r in rows] == [s.fields["ids"] for s in want]
