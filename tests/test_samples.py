@@ -124,6 +124,19 @@ def test_every_sample_of_every_rank_comes_back_exactly_as_recorded(tmp_path, fmt
         )
         assert same(back.fields, sample), (back.fields, sample)
     assert list((run / "samples").iterdir()), "sealed into files of their own"
+    # The command gives the same, field by field (lists and dicts as JSON text).
+    out = tmp_path / "all.parquet"
+    done = subprocess.run([METRICLOG, "samples", str(run), "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    import polars as pl
+
+    rows = {r["prompt"]: r for r in pl.read_parquet(out).iter_rows(named=True)}
+    assert len(rows) == len(want)
+    for step, rank, sample in want:
+        row = rows[sample["prompt"]]
+        back = {k: json.loads(row[k]) if k in ("ids", "meta") else row[k] for k in sample}
+        assert same(back, sample) and (row["step"], row["rank"]) == (step, rank)
+        assert "note" in sample or row["note"] is None
     # Never records: the scalar reduction sees the scalar key only, and skips no file.
     reduced = reduce_run(run, mode="per_rank_no_reduce")
     assert set(reduced["key"]) == {"rollout/reward"}

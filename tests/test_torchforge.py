@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from metric_core import inspect_run, reduce_metrics_states, reduce_run
+from metric_core import inspect_run, read_samples, reduce_metrics_states, reduce_run
 from metric_core.metric import MaxAccumulator, MeanAccumulator, MinAccumulator, StdAccumulator, SumAccumulator
 from metric_core.torchforge import LoggingMode, Metric, MetricCollector, Reduce, WandbBackend, record_metric
 from metric_core.torchforge.metric_actors import get_or_create_metric_logger
@@ -36,6 +36,7 @@ def a_fresh_process(monkeypatch):
     monkeypatch.setattr(metrics, "process_name", None)
     yield
     MetricCollector._instances.clear()
+
 
 # A torchforge job: only metric_core.torchforge names, torchforge's calls and config.
 JOB = """
@@ -362,3 +363,36 @@ def test_a_misspelled_global_backend_is_refused_before_anything_starts(tmp_path,
 async def _init(config):
     mlogger = await get_or_create_metric_logger(process_name="trainer")
     await mlogger.init_backends.call_one(config)
+
+
+def test_torchforge_samples_are_kept_whole_and_the_live_wandb_backend_shows_top_and_bottom(
+    tmp_path, monkeypatch
+):
+    root = offline_wandb(tmp_path, monkeypatch)
+    monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
+    config = {
+        "wandb": {"logging_mode": "per_rank_reduce", "project": "p", "dir": str(root), "mode": "offline"}
+    }
+    recorded = [
+        {"prompt": f"q{i}", "reward": r, "ids": [i, 2**64]} for i, r in enumerate([0.5, -1.0, 2.0, 0.1])
+    ]
+
+    async def job():
+        mlogger = await get_or_create_metric_logger(process_name="generator")
+        await mlogger.init_backends.call_one(config)
+        for sample in recorded:
+            record_metric("rollout", sample, Reduce.SAMPLE)
+        record_metric("reward", 1.0)
+        await mlogger.flush.call_one(0)
+        await mlogger.shutdown.call_one()
+
+    asyncio.run(job())
+    assert [s.fields for s in read_samples(tmp_path / "run").samples] == recorded
+    (path,) = root.rglob("run-*.wandb")
+    rows = [r for r in history_rows(read_records(path)) if "rollout" in r or "rollout/path" in r]
+    (row,) = rows
+    where = row["rollout"]["path"] if "rollout" in row else row["rollout/path"]  # nested, as wandb writes it
+    table = json.loads((path.parent / "files" / where).read_text())
+    shown = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+    # torchforge's SampleAccumulator: the bottom 1, then the top 1, by reward
+    assert [s["prompt"] for s in shown] == ["q1", "q2"] and row["step"] == 0
