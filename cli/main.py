@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 import typer.core
 
-from metric_core.errors import MetricLogError, PlanError
+from metric_core.errors import MetricLogError, PlanError, spell
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By
 from metric_core.offline.storage import check_target
@@ -307,7 +307,7 @@ def samples(
     Example:
 
     \b
-        metriclog samples runs/exp1 --key rollout --top 2 --bottom 2 --by reward
+        metriclog samples runs/exp1 --key 'rollout/*' --top 2 --bottom 2 --by reward
     """
     from metric_core.offline.samples import select_samples
 
@@ -318,8 +318,11 @@ def samples(
             top=top, bottom=bottom, by=by, random=random, seed=seed,
         )  # fmt: skip
         for note in read.notes:
-            output.say("warning", note)
-        output.print_samples(frame) if out is None else output.write_frame(frame, out, derived="samples")
+            output.say("warning", spell(note, o.on_cli))
+        if out is None:
+            output.print_samples(frame)
+        else:
+            output.write_frame(frame, out, derived="samples", run_dir=run_dir)
 
 
 @app.command(cls=_Command, short_help="Follow a run while it is written; catch hung sources.")

@@ -148,16 +148,17 @@ class Decoded:
     samples: list[tuple[int, str, float, Any]] = field(default_factory=list)
 
 
-def decode(data: bytes, after: Decoded | None = None) -> Decoded:
+def decode(data: bytes, after: Decoded | None = None, *, records: bool = True) -> Decoded:
     """Decode a journal up to its last whole, intact frame; what is wrong is reported, not raised.
 
     With ``after`` (an earlier decode of the same file), ``data`` is the file from
     ``after.settled_bytes`` on: only what follows is decoded, with the header and key
     table ``after`` read, so a reader that follows a growing journal reads each byte about
-    once. Positions and ``settled_bytes`` count from the file's start either way.
+    once. Positions and ``settled_bytes`` count from the file's start either way. Without
+    ``records``, record frames are checked but not decoded (a reader of samples only).
     """
     if after is None:
-        return _decode(data)
+        return _decode(data, records)
     out = dataclasses.replace(
         after,
         table=None,
@@ -177,7 +178,7 @@ def decode(data: bytes, after: Decoded | None = None) -> Decoded:
     return out
 
 
-def _decode(data: bytes) -> Decoded:
+def _decode(data: bytes, records: bool = True) -> Decoded:
     out = Decoded()
     if not data:
         return out  # created, nothing written yet (or a failed first write, cut back)
@@ -222,11 +223,11 @@ def _decode(data: bytes) -> Decoded:
         out.problems.append("journal header is not valid")
         return out
     out.valid_bytes = out.settled_bytes = head_size + hlen
-    _frames(data, head_size + hlen, 0, out, v1=v1)
+    _frames(data, head_size + hlen, 0, out, v1=v1, records=records)
     return out
 
 
-def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None:
+def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records: bool = True) -> None:
     """Decode the frames of ``data`` from ``pos`` into ``out`` (``base``: where ``data``
     starts in the file), up to the last whole, intact frame."""
     keys = out.codes
@@ -267,10 +268,11 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool) -> None
             elif kind == RECORDS:
                 if length < 8 or (length - 8) % _RECORD_BYTES:
                     raise ValueError(f"record frame of {length} bytes")
-                steps.append(_STEP.unpack_from(data, start)[0])
-                counts.append((length - 8) // _RECORD_BYTES)
-                total += counts[-1]
-                blocks.append(view[start + 8 : end])
+                if records:
+                    steps.append(_STEP.unpack_from(data, start)[0])
+                    counts.append((length - 8) // _RECORD_BYTES)
+                    total += counts[-1]
+                    blocks.append(view[start + 8 : end])
             elif kind == DROPPED:
                 out.dropped.append(json.loads(payload.tobytes()))
             elif kind == FLUSH:

@@ -14,6 +14,7 @@ Samples sit in files of their own, never among the records (docs/format.md): the
 from __future__ import annotations
 
 import json
+import zlib
 from typing import Any
 
 from metric_core.schema import MAX_LINE_BYTES
@@ -94,6 +95,13 @@ def _field_of(sample: dict[str, Any], value: Any) -> str:
         if field is value:
             return str(name)
     return "?"  # inside a list or a nested dict
+
+
+def meta_checksum(meta: dict[str, Any]) -> int:
+    """The CRC-32 of a samples file's metadata (its fields but ``checksum`` and a JSONL first
+    line's ``event``, keys sorted): a footer or a first line that no page or block checksum covers."""
+    body = {k: v for k, v in meta.items() if k not in ("checksum", "event")}
+    return zlib.crc32(json.dumps(body, sort_keys=True).encode())
 
 
 def is_samples_file(name: str) -> bool:

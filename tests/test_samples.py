@@ -285,3 +285,98 @@ def test_upload_sends_each_steps_chosen_samples_as_a_table_in_its_row(tmp_path, 
             )  # the default: top 2 by reward, then the bottom 2, lowest first
             assert [r["prompt"] for r in rows] == [s.fields["prompt"] for s in want], (name, step)
             assert [json.loads(r["ids"]) for r in rows] == [s.fields["ids"] for s in want]
+
+
+def one_rank(
+    run: Path, steps: int, *, fmt: str = "parquet", start: int | None = None, samples: bool = True, **more
+):
+    """In this process: a source recording 3 samples and a scalar a step (``samples=False``:
+    the scalar only), from ``start``."""
+    metric_core.init(run, process_name="gen", file_format=fmt, step=start, **more)
+    for step in range(start or 0, steps):
+        for i in range(3):
+            if samples:
+                record_metric("rollout", {"prompt": f"{start}/{step}/{i}", "reward": float(i)}, Reduce.SAMPLE)
+        record_metric("rollout", float(step)) if not samples else record_metric("loss", float(step))
+        metric_core.flush(step)
+    metric_core.shutdown()
+
+
+def test_a_restart_that_records_no_samples_still_replaces_the_earlier_ones_from_its_first_step(tmp_path):
+    one_rank(tmp_path, 10)
+    one_rank(tmp_path, 8, start=5, samples=False)
+    got = read_samples(tmp_path)
+    assert sorted({s.step for s in got.samples}) == [0, 1, 2, 3, 4] and got.replaced == 15
+    assert len(read_samples(tmp_path, attempts="all").samples) == 30
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+def test_damaged_metadata_or_a_cut_file_is_said_never_read_as_other_data(tmp_path, fmt):
+    one_rank(tmp_path / "a", 3, fmt=fmt)
+    (path,) = (tmp_path / "a" / "samples").iterdir()
+    data = path.read_bytes()
+    at = data.index(b'"rank": 0') + len(b'"rank": ')
+    path.write_bytes(data[:at] + b"1" + data[at + 1 :])  # the metadata says another rank
+    got = read_samples(tmp_path / "a")
+    assert got.samples == [] and "not read" in got.notes[0] and path.name in got.notes[0]
+    if fmt == "jsonl":  # a file cut after its first block: the rest is missing, and said
+        one_rank(tmp_path / "b", 3, fmt=fmt)
+        (path,) = (tmp_path / "b" / "samples").iterdir()
+        lines = path.read_bytes().splitlines(keepends=True)
+        path.write_bytes(b"".join(lines[:5]))  # metadata, 3 samples, and half of nothing
+        got = read_samples(tmp_path / "b")
+        assert got.samples == [] and any("9 samples are not in it" in n for n in got.notes), got.notes
+
+
+def test_a_damaged_journal_is_said(tmp_path):
+    script = (
+        "import os, signal, metric_core\n"
+        "from metric_core import Reduce, record_metric\n"
+        f"metric_core.init({str(tmp_path)!r}, process_name='gen')\n"
+        "for step in range(3):\n"
+        "    record_metric('rollout', {'prompt': str(step)}, Reduce.SAMPLE)\n"
+        "    metric_core.flush(step)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], timeout=60)
+    (journal,) = tmp_path.glob("*.journal")
+    data = bytearray(journal.read_bytes())
+    data[data.index(b'"prompt": "1"') + 12] ^= 0x01  # inside the second sample's frame
+    journal.write_bytes(bytes(data))
+    got = read_samples(tmp_path)
+    assert [s.fields["prompt"] for s in got.samples] == ["0"]
+    assert "fails its checksum" in got.notes[0] and journal.name in got.notes[0]
+
+
+def test_a_source_of_samples_only_seals_by_size_and_the_commands_say_what_the_run_holds(tmp_path):
+    one_rank(tmp_path, 4, samples=True, segment_records=5)
+    assert len(list((tmp_path / "samples").iterdir())) >= 2  # a samples file a segment
+    assert len(read_samples(tmp_path).samples) == 12
+    done = subprocess.run([METRICLOG, "inspect", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "rollout 12" in done.stdout
+
+
+def test_a_samples_key_that_is_a_scalar_key_too_goes_beside_it_in_wb(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    one_rank(tmp_path, 2, samples=True)
+    metric_core.init(tmp_path, process_name="gen2")
+    record_metric("rollout", 7.0)  # the samples key, as a scalar
+    metric_core.flush(0)
+    metric_core.shutdown()
+    said = []
+    from metric_core.offline.upload import UploadEvents
+
+    upload_run(
+        tmp_path,
+        make_plan(),
+        Destination("p", offline=True),
+        events=UploadEvents(message=lambda k, t: said.append(t)),
+    )
+    ledger = json.loads((tmp_path / ".metriclog" / "uploads.json").read_text())["runs"]
+    ((run_id, _),) = ledger.items()
+    run_file = find_run_file(tmp_path / ".metriclog" / "wandb", run_id)
+    rows = history_rows(read_records(run_file))
+    assert rows[0]["rollout"] == 7.0 and rows[0]["step"] == 0
+    assert sorted(tables_of(run_file, "rollout_samples")) == [0, 1]
+    assert any("go as 'rollout_samples'" in t for t in said)

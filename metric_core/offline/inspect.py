@@ -292,7 +292,7 @@ def inspect_run(
         stopped_early=stopped,
         first_failure=failure,
         pauses=paused,
-        samples=read_samples(scan.run_dir).keys(),
+        samples=read_samples(scan.run_dir, known=scan.report.attempts).keys(),
     )
 
 

@@ -17,9 +17,11 @@ bottom by a field, or some at random with ``numpy.random.default_rng(seed)``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import stat
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from metric_core import journal
 from metric_core import sample as sample_codec
-from metric_core.errors import PlanError
+from metric_core.errors import NoDataError, PlanError, opt
 from metric_core.offline.plan import key_matcher
 from metric_core.offline.storage import RunPath, _is_upath, listing, open_read, run_path
 
@@ -91,9 +93,14 @@ def read_samples(
     ranks: Iterable[tuple[int, int]] = (),
     steps: tuple[int | None, int | None] | None = None,
     attempts: str = "rewind",
+    sealed: dict[str, _Part] | None = None,
+    known: Iterable[Any] | None = None,
 ) -> SampleSet:
     """Every sample of ``run`` that the filters keep (``keys``: globs; ``ranks``: ranges;
-    ``steps``: START:STOP, STOP excluded), in the order ``Sample.sort_key`` gives.
+    ``steps``: START:STOP, STOP excluded), in the order ``Sample.sort_key`` gives. ``sealed``
+    keeps the sealed files read, by path, for a caller that reads the run again; ``known``:
+    the run's attempts as its records were read (``RunScan.report.attempts``), which may start
+    later than any sample (a restart that records none): read from the run when not given.
 
     >>> len(read_samples("sample_logs/rl_run").samples)
     0
@@ -102,9 +109,9 @@ def read_samples(
         raise PlanError("must be rewind or all for samples", option="attempts", value=attempts)
     root: RunPath = run if _is_upath(run) else run_path(run)  # type: ignore[assignment, arg-type]
     out = SampleSet()
-    parts = _parts(root, out.notes)
+    parts = _parts(root, out.notes, {} if sealed is None else sealed)
     if attempts == "rewind":
-        out.replaced = _rewind(parts)
+        parts, out.replaced = _rewind(parts, record_attempts(root) if known is None else known)
     wanted = key_matcher(keys) if keys else None
     rank_ranges = tuple(ranks)
     start, stop = steps if steps is not None else (None, None)
@@ -127,16 +134,7 @@ def read_samples(
     return out
 
 
-def count_samples(run: str | os.PathLike[str]) -> dict[tuple[str, int], dict[str, int]]:
-    """Samples per source and key, as ``read_samples`` keeps them (for ``inspect``)."""
-    counts: dict[tuple[str, int], dict[str, int]] = {}
-    for s in read_samples(run).samples:
-        per = counts.setdefault((s.process, s.rank), {})
-        per[s.key] = per.get(s.key, 0) + 1
-    return counts
-
-
-def _parts(root: RunPath, notes: list[str]) -> list[_Part]:
+def _parts(root: RunPath, notes: list[str], sealed_read: dict[str, _Part]) -> list[_Part]:
     sealed: list[RunPath] = []
     journals: list[RunPath] = []
     for path in _listed(root):
@@ -148,8 +146,9 @@ def _parts(root: RunPath, notes: list[str]) -> list[_Part]:
     parts: list[_Part] = []
     superseded: set[str] = set()
     for path in sealed:
-        part = _read_sealed(path, notes)
+        part = sealed_read.get(str(path)) or _read_sealed(path, notes)
         if part is not None:
+            sealed_read[str(path)] = part
             parts.append(part)
             superseded.add(part.seq)
     for path in journals:
@@ -166,11 +165,22 @@ def _parts(root: RunPath, notes: list[str]) -> list[_Part]:
 def _listed(root: RunPath) -> list[RunPath]:
     if not isinstance(root, Path):
         return [p for p in listing(root) if not any(part.startswith(".") for part in p.parts[-3:])]
+    if not root.is_dir():
+        raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
     found: list[RunPath] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [Path(dirpath) / f for f in sorted(filenames) if not f.startswith(".")]
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            # Only regular files, never through a symlink: a FIFO would block (the record
+            # reader says what it skips).
+            if not name.startswith(".") and _ours(name) and stat.S_ISREG(os.lstat(path).st_mode):
+                found.append(path)
     return found
+
+
+def _ours(name: str) -> bool:
+    return sample_codec.is_samples_file(name) or name.endswith(journal.SUFFIX)
 
 
 def _read_sealed(path: RunPath, notes: list[str]) -> _Part | None:
@@ -179,8 +189,10 @@ def _read_sealed(path: RunPath, notes: list[str]) -> _Part | None:
             meta, rows = _sealed_parquet(path)
         else:
             meta, rows = _sealed_jsonl(path, notes)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        notes.append(f"{path}: not read ({exc}); its samples are left out")
+        if sample_codec.meta_checksum(meta) != meta.get("checksum"):
+            raise ValueError("its metadata fails its checksum (the file is damaged)")
+    except Exception as exc:  # a damaged file is said and left out, whatever the reader hit
+        notes.append(f"{path}: not read ({_gist(exc)}); its samples are left out")
         return None
     return _Part(
         str(meta["process"]),
@@ -202,10 +214,14 @@ def _sealed_parquet(path: RunPath) -> tuple[dict[str, Any], list[tuple[int, str,
         if sample_codec.PARQUET_KEY not in kv:
             raise ValueError("not a samples file of metriclog (no metriclog.samples metadata)")
         meta = json.loads(kv[sample_codec.PARQUET_KEY])
-        table = pf.read(columns=["step", "key", "timestamp", "sample"])
+        table = pf.read(columns=["step", "rank", "process", "key", "timestamp", "sample"])
+    if set(table.column("process").unique().to_pylist()) - {meta.get("process")} or set(
+        table.column("rank").unique().to_pylist()
+    ) - {meta.get("rank")}:
+        raise ValueError("its rows name another source than its metadata")
     cols = [table.column(c).to_pylist() for c in ("step", "key", "timestamp", "sample")]
     rows = [(s, k, t, json.loads(x)) for s, k, t, x in zip(*cols, strict=True)]
-    if len(rows) != meta.get("samples", len(rows)):
+    if len(rows) != meta.get("samples"):
         raise ValueError(f"{len(rows)} samples where its metadata says {meta.get('samples')}")
     return meta, rows
 
@@ -233,6 +249,8 @@ def _sealed_jsonl(
             if zlib.crc32(block) == check["crc32"]:
                 for text in block.splitlines():
                     one = json.loads(text)
+                    if (one["process"], one["rank"]) != (meta.get("process"), meta.get("rank")):
+                        raise ValueError("its lines name another source than its metadata")
                     rows.append((int(one["step"]), str(one["key"]), float(one["timestamp"]), one["sample"]))
             else:
                 notes.append(
@@ -245,19 +263,26 @@ def _sealed_jsonl(
         notes.append(
             f"{path}: {len(data) - block_start} byte(s) at its end are not in a checked block: left out"
         )
+    missing = int(meta.get("samples", 0)) - len(rows)
+    if missing > 0:
+        notes.append(f"{path}: {missing} of its {meta['samples']} samples are not in it (cut or damaged)")
     return meta, rows
+
+
+def _gist(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def _read_journal(path: RunPath, notes: list[str]) -> _Part | None:
     try:
         with open_read(path) as f:
-            decoded = journal.decode(f.read())
+            decoded = journal.decode(f.read(), records=False)
     except OSError as exc:
         notes.append(f"{path}: not read ({exc.strerror or exc}); its samples are left out")
         return None
-    for problem in decoded.problems:
-        if decoded.samples or "checksum" in problem:
-            notes.append(f"{path}: {problem}")
+    for problem in decoded.problems:  # what follows a damaged frame is not read: samples too
+        notes.append(f"{path}: {problem}")
     if not decoded.samples or decoded.process is None or decoded.rank is None:
         return None
     attempt = decoded.attempt
@@ -272,14 +297,31 @@ def _read_journal(path: RunPath, notes: list[str]) -> _Part | None:
     )
 
 
-def _rewind(parts: list[_Part]) -> int:
-    """Leave out what a later attempt of the same source replaced (from its first step on)."""
+def record_attempts(root: RunPath) -> list[Any]:
+    """The attempts of the run's sources, as its records say (none for a run of samples only)."""
+    from metric_core.errors import MetricLogError
+    from metric_core.offline.read import scan_run
+
+    try:
+        return list(scan_run(str(root), defer_checks=True).report.attempts)
+    except MetricLogError:
+        return []
+
+
+def _rewind(parts: list[_Part], known: Iterable[Any]) -> tuple[list[_Part], int]:
+    """Leave out what a later attempt of the same source replaced (from its first step on):
+    the parts kept (new ones where rows go; a part read is never changed), and how many went."""
     by_source: dict[tuple[str, int], list[_Part]] = {}
     for part in parts:
         by_source.setdefault((part.process, part.rank), []).append(part)
+    from_records: dict[tuple[str, int], dict[str, tuple[float, int | None]]] = {}
+    for a in known:
+        if a.started is not None and math.isfinite(a.started):
+            from_records.setdefault((a.process, a.rank), {})[a.attempt] = (a.started, a.first_step)
     replaced = 0
-    for group in by_source.values():
-        starts: dict[str, tuple[float, int | None]] = {}
+    kept_parts = []
+    for source, group in by_source.items():
+        starts = dict(from_records.get(source, {}))
         for part in group:
             started, first = starts.get(part.attempt, (part.started, None))
             starts[part.attempt] = (started, first if first is not None else part.first_step)
@@ -293,8 +335,9 @@ def _rewind(parts: list[_Part]) -> int:
                 cut = min(later)
                 kept = [row for row in part.rows if row[0] < cut]
                 replaced += len(part.rows) - len(kept)
-                part.rows = kept
-    return replaced
+                part = dataclasses.replace(part, rows=kept)
+            kept_parts.append(part)
+    return kept_parts, replaced
 
 
 def select_samples(
@@ -327,6 +370,14 @@ def select_samples(
     if isinstance(steps, str):
         steps = parse_steps(steps)
     read = read_samples(run, keys=keys, ranks=ranks, steps=steps, attempts=attempts)
+    if (keys or ranks or steps) and not read.samples:
+        every = read_samples(run, attempts=attempts).samples
+        if every:  # the run has samples, and the filters left none: said, as reduce says it
+            names = sorted({s.key for s in every})
+            shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+            read.notes.append(
+                f"the filters left none of the run's {len(every):,} samples; their keys: {shown}"
+            )
     chosen = choose(read.samples, top=top, bottom=bottom, by=by, random=random, seed=seed)
     return samples_frame(chosen), read
 
@@ -347,12 +398,25 @@ def choose(
     ``by`` (samples where it is missing, not a number or NaN are left out; a sample is shown
     once when it is in both), or ``random`` drawn without replacement by one
     ``numpy.random.default_rng(seed)``, group after group. None of them: every sample."""
+    if by and not (top or bottom):
+        raise PlanError(
+            f"ranks {opt('top', flag=True)} and {opt('bottom', flag=True)}: give one of them",
+            option="by",
+            value=by,
+        )
     if not (top or bottom or random):
         return samples
     if random and (top or bottom):
-        raise PlanError("takes --top/--bottom or --random, not both", option="random", value=str(random))
+        raise PlanError(
+            f"takes {opt('top', flag=True)}/{opt('bottom', flag=True)} or {opt('random', flag=True)}, "
+            "not both",
+            option="random",
+            value=str(random),
+        )
     if (top or bottom) and not by:
-        raise PlanError("needs the field to rank by: --by FIELD", option="by", value="")
+        raise PlanError(
+            f"needs the field to rank by: {opt('by')}FIELD", option="top", value=str(top or bottom)
+        )
     import numpy as np
 
     rng = np.random.default_rng(seed) if random else None
@@ -397,8 +461,7 @@ def _number(value: Any) -> float | None:
 
 
 def field_names(samples: list[Sample]) -> list[str]:
-    """The union of the samples' fields, in the order first met (a field named like a fixed
-    column is prefixed ``sample.``)."""
+    """The union of the samples' fields, in the order first met."""
     names: dict[str, None] = {}
     for s in samples:
         for name in s.fields:
@@ -406,8 +469,16 @@ def field_names(samples: list[Sample]) -> list[str]:
     return list(names)
 
 
-def column_name(name: str) -> str:
-    return f"sample.{name}" if name in FIXED else name
+def column_names(names: list[str]) -> dict[str, str]:
+    """Each field's column: its name, or ``sample.{name}`` for one named like a fixed column
+    (again prefixed while that is a field's name too)."""
+    out = {}
+    for name in names:
+        column = name
+        while column in FIXED or (column != name and column in names):
+            column = f"sample.{column}"
+        out[name] = column
+    return out
 
 
 def samples_frame(samples: list[Sample]) -> pl.DataFrame:
@@ -424,9 +495,9 @@ def samples_frame(samples: list[Sample]) -> pl.DataFrame:
         "timestamp": pl.Series("timestamp", [s.timestamp for s in samples], pl.Float64),
         "key": pl.Series("key", [s.key for s in samples], pl.String),
     }
-    for name in field_names(samples):
+    for name, column in column_names(field_names(samples)).items():
         values = [s.fields.get(name) for s in samples]
-        columns[column_name(name)] = _column(column_name(name), values)
+        columns[column] = _column(column, values)
     return pl.DataFrame(columns)
 
 
@@ -446,7 +517,10 @@ def _column(name: str, values: list[Any]) -> pl.Series:
         return pl.Series(name, [None if v is None else float(v) for v in values], pl.Float64)
     if kinds == {"str"}:
         return pl.Series(name, values, pl.String)
-    return pl.Series(name, [None if v is None else _text(v) for v in values], pl.String)
+    # lists, dicts, and fields of mixed kinds: JSON text (a string quoted, so "1" is not 1)
+    return pl.Series(
+        name, [None if v is None else json.dumps(v, ensure_ascii=False) for v in values], pl.String
+    )
 
 
 def _kind(value: Any) -> str:
@@ -459,10 +533,6 @@ def _kind(value: Any) -> str:
     if isinstance(value, str):
         return "str"
     return "json"
-
-
-def _text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
 
 # -- for uploads --------------------------------------------------------------------------
@@ -483,11 +553,12 @@ class SampleChoice:
 
     def picks(self, samples: list[Sample]) -> list[Sample]:
         if self.random is not None or self.top is not None or self.bottom is not None:
+            ranked = bool(self.top or self.bottom)
             return choose(
                 samples,
                 top=self.top or 0,
                 bottom=self.bottom or 0,
-                by=self.by or "reward",
+                by=(self.by or "reward") if ranked else None,
                 random=self.random or 0,
                 seed=self.seed,
             )
@@ -500,21 +571,32 @@ class SampleChoice:
 class SampleTables:
     """The samples an upload attaches to its history rows: per W&B run (its source's, or
     every source's) and step, each key's chosen samples as a ``wandb.Table``, logged in the
-    same ``log`` call as that step's scalars. Read again when a step past what was read is
-    asked for (``upload --follow``)."""
+    same ``log`` call as that step's scalars. ``refresh`` reads them again (``upload
+    --follow``, before each poll's rows)."""
 
     def __init__(
         self, run: str | os.PathLike[str] | RunPath, plan: Any, choice: SampleChoice, *, share_run: bool
     ) -> None:
         self.run, self.plan, self.choice, self.share_run = run, plan, choice, share_run
+        root: RunPath = run if _is_upath(run) else run_path(run)  # type: ignore[assignment, arg-type]
+        self.known = record_attempts(root)  # the records' attempts, read once
         self.by_step: dict[tuple[str | None, int], dict[str, list[Sample]]] = {}
         self.newest = -1
         self.attached: set[tuple[str | None, int]] = set()
-        self._read()
+        self.renamed: set[str] = set()  # samples keys that are scalar keys too (said once)
+        self._sealed: dict[str, _Part] = {}  # sealed files do not change: read once
+        self.refresh()
 
-    def _read(self) -> None:
+    def refresh(self) -> None:
+        """Read the run's samples again (``upload --follow``: before each poll's rows go)."""
         read = read_samples(
-            self.run, keys=self.plan.keys, ranks=self.plan.ranks, steps=self.plan.steps, attempts="rewind"
+            self.run,
+            keys=self.plan.keys,
+            ranks=self.plan.ranks,
+            steps=self.plan.steps,
+            attempts="rewind",
+            sealed=self._sealed,
+            known=self.known,
         )
         groups: dict[tuple[str | None, int], dict[str, list[Sample]]] = {}
         for s in read.samples:
@@ -531,8 +613,7 @@ class SampleTables:
     def tables(self, source: str | None, step: int) -> dict[str, Any]:
         """``{key: wandb.Table}`` of ``source``'s (None: every source's) samples at ``step``,
         each once a run."""
-        if step > self.newest:
-            self._read()
+
         where = (source, step)
         if where in self.attached or where not in self.by_step:
             return {}

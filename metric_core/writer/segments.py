@@ -68,6 +68,8 @@ ROW_GROUP_RECORDS = 122_880
 # Records kept in memory while writing fails (24 bytes each: about 100 MB); past it the
 # oldest are dropped and counted.
 MAX_UNWRITTEN = 4_000_000
+# A journal this large is sealed at the next flush whatever it holds (samples are large).
+JOURNAL_BYTES = 256 << 20
 
 
 class RawFileWriter(LoggerBackend):
@@ -230,7 +232,7 @@ class RawFileWriter(LoggerBackend):
             while self._backlog_rows > self.max_unwritten:
                 # Drop the oldest records, never a flush marker: it labels records written
                 # before it, which would otherwise take the next marker's step.
-                oldest = next((i for i, e in enumerate(self._backlog) if isinstance(e[1], bytes)), None)
+                oldest = next((i for i, e in enumerate(self._backlog) if e[1] is not None), None)
                 if oldest is None or oldest == len(self._backlog) - 1:
                     break  # keep the newest records
                 step, dropped, n, _ = self._backlog[oldest]
@@ -240,7 +242,9 @@ class RawFileWriter(LoggerBackend):
     def enqueue_samples(self, step: int, samples: list[tuple[str, float, dict[str, Any]]]) -> None:
         """Queue samples (key, timestamp, dict) under ``step``; ``write`` encodes and writes them."""
         with self._write_lock:
-            self._backlog.append((step, _Samples(samples), 0, 0.0))
+            # Counted with the records: toward max_unwritten, and toward a segment's size.
+            self._backlog.append((step, _Samples(samples), len(samples), 0.0))
+            self._backlog_rows += len(samples)
 
     def take_refused(self) -> list[str]:
         """What was said about samples since the last call: refused ones, fields kept as repr."""
@@ -330,8 +334,10 @@ class RawFileWriter(LoggerBackend):
             # into an earlier segment (unless flushes stay away for twice a segment's records).
             # A writer that is never flushed (used on its own) rotates as soon as a segment is full.
             # (A journal of heartbeats alone never rotates: it would seal empty segments.)
-            full = self._rows >= self.segment_records or (
-                self._rows > 0 and time.time() - self._opened_at >= self.seal_interval
+            full = (
+                self._rows >= self.segment_records
+                or self._offset >= JOURNAL_BYTES
+                or (self._rows > 0 and time.time() - self._opened_at >= self.seal_interval)
             )
             if (full and (at_flush or not self._flushed)) or self._rows >= 2 * self.segment_records:
                 self._close_journal()
@@ -408,9 +414,12 @@ class RawFileWriter(LoggerBackend):
 
     # -- inside the write lock ---------------------------------------------------------
 
-    def _drop(self, step: int, rows: bytes, count: int) -> None:
+    def _drop(self, step: int, rows: bytes | _Samples, count: int) -> None:
         self._backlog_rows -= count
-        times = np.frombuffer(rows, dtype=np.float64)[2::3]
+        if isinstance(rows, _Samples):
+            times = np.array([at for _, at, _ in rows.samples])
+        else:
+            times = np.frombuffer(rows, dtype=np.float64)[2::3]
         drop = {
             "records": count,
             "steps": [step, step],
@@ -603,6 +612,7 @@ class RawFileWriter(LoggerBackend):
             "attempt_first_step": decoded.attempt.get("attempt_first_step", decoded.first_flush),
             "clean_shutdown": clean_shutdown,
         }
+        meta["checksum"] = sample_codec.meta_checksum(meta)
         texts = [json.dumps(s, ensure_ascii=False) for _, _, _, s in decoded.samples]
         with new_hidden_file(final) as (f, tmp):
             if self.file_format == "parquet":

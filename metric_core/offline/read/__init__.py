@@ -78,6 +78,7 @@ from metric_core.offline.storage import (
     size_and_mtime,
     storage_errors,
 )
+from metric_core.sample import DIRECTORY, is_samples_file
 from metric_core.schema import KEY_HASH, REQUIRED_FIELDS
 from metric_core.segment import Damaged, SegmentMeta
 
@@ -313,7 +314,20 @@ def all_skipped(report: ReadReport) -> NoDataError:
     """The error of a run whose every record was skipped, with what the reader skipped (a
     run whose files are checked as they are read finds it out once they all were)."""
     extra = report.summary()
+    if not extra and _has_samples(report.run_dir):
+        return NoDataError(
+            str(report.run_dir),
+            f"it holds samples (Reduce.SAMPLE) only, no record: `metriclog samples {report.run_dir}` "
+            "lists them",
+        )
     return NoDataError(str(report.run_dir), "every record was skipped" + (f"\n{extra}" if extra else ""))
+
+
+def _has_samples(run_dir: RunPath) -> bool:
+    folder = run_dir / DIRECTORY
+    return (
+        not is_remote(folder) and folder.is_dir() and any(is_samples_file(p.name) for p in folder.iterdir())
+    )
 
 
 def _read_failure(exc: BaseException) -> bool:

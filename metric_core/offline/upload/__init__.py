@@ -214,8 +214,11 @@ def upload_run(
             if tables is not None and tables.unattached():
                 events.message(
                     "note",
-                    f"{tables.unattached()} step(s) of samples had no row to go with (no scalar at that "
-                    f"step, or {opt('by')}time): not uploaded; `metriclog samples` lists them",
+                    spell(
+                        f"{tables.unattached()} step(s) of samples had no row to go with (no scalar at that "
+                        f"step, or {opt('by')}time): not uploaded; `metriclog samples` lists them",
+                        events.spelled,
+                    ),
                 )
             return UploadResult(upload, outcomes)
     finally:

@@ -337,6 +337,8 @@ class _Pass:
             )
 
     def _send(self, ready: list[Ready]) -> None:
+        if self.samples is not None and any(part.rows for part in ready):
+            self.samples.refresh()  # the samples of these rows' steps were flushed before them
         for part in ready:
             if not part.rows:
                 continue
@@ -347,7 +349,7 @@ class _Pass:
             rows = part.rows[max(0, opened.skip - run.sent) :]
             if opened.wb is not None:
                 assert self.sender is not None
-                opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows, run.source)
+                opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows, run)
             run.sent += len(part.rows)
         sent = [self.runs[part.run] for part in ready if part.rows and self.runs[part.run].wb is not None]
         if sent and self.sender is not None:  # one ledger write a poll, of the runs that got rows

@@ -271,10 +271,10 @@ class Sender:
             wb.define_metric("*", step_metric=run.x_axis)
         return RunOutcome(run, action, run_id, start, message, str(sync_dir) if sync_dir else None), wb
 
-    def log_rows(self, wb: Any, rows: Iterable[dict[str, Any]], source: str | None = None) -> int:
-        """Hand ``rows`` (of ``source``'s run) to W&B (retrying what heals); how many were handed over."""
+    def log_rows(self, wb: Any, rows: Iterable[dict[str, Any]], run: PlannedRun | None = None) -> int:
+        """Hand ``rows`` (of ``run``) to W&B (retrying what heals); how many were handed over."""
         n = 0
-        for row in self._with_samples(rows, source):
+        for row in self._with_samples(rows, run):
             self._retry(functools.partial(wb.log, row), "logging to W&B")
             n += 1
         return n
@@ -337,7 +337,7 @@ class Sender:
         tick = self.events.progress(run, start) if self.events.progress else (lambda n: None)
         sent = start
         try:
-            for row in self._with_samples(run.history(start), run.source):
+            for row in self._with_samples(run.history(start), run):
                 self._retry(functools.partial(wb.log, row), "logging to W&B")
                 sent += 1
                 if sent % PROGRESS_EVERY_ROWS == 0:
@@ -352,15 +352,28 @@ class Sender:
         self.ledger.update(run_id, rows_sent=sent, finished=True)
         return sent
 
-    def _with_samples(self, rows: Iterable[dict[str, Any]], source: str | None) -> Iterator[dict[str, Any]]:
-        """``rows``, the first row of each step also holding that step's sample tables."""
-        if not self.samples:
+    def _with_samples(
+        self, rows: Iterable[dict[str, Any]], run: PlannedRun | None
+    ) -> Iterator[dict[str, Any]]:
+        """``rows``, the first row of each step also holding that step's sample tables; a
+        samples key that is a scalar key of the run too goes as ``{key}_samples``."""
+        if not self.samples or run is None:
             yield from rows
             return
+        scalars = set(run.keys)
         for row in rows:
             step = row.get("step")
             if isinstance(step, int):
-                row.update(self.samples.tables(source, step))
+                for key, table in self.samples.tables(run.source, step).items():
+                    if key in scalars or key in row or key in self.samples.renamed:
+                        if key not in self.samples.renamed:
+                            self.samples.renamed.add(key)
+                            self.events.message(
+                                "note",
+                                f"samples of '{key}' go as '{key}_samples': '{key}' is also a scalar key",
+                            )
+                        key = f"{key}_samples"
+                    row[key] = table
             yield row
 
     def _retry(self, call: Callable[[], Any], what: str, timeout: float | None = None) -> Any:

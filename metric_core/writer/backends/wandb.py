@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 def samples_table(samples: list[dict[str, Any]]) -> Any:
-    """A ``wandb.Table`` of ``samples``: a column per field (their union, sorted), a row each."""
-    columns = sorted({str(name) for sample in samples for name in sample})
+    """A ``wandb.Table`` of ``samples``: a column per field (their union, in the order first
+    met), a row each."""
+    columns = list(dict.fromkeys(str(name) for sample in samples for name in sample))
     table = _wandb().Table(columns=columns)
     for sample in samples:
         table.add_data(*(_cell(sample.get(c)) for c in columns))
