@@ -578,8 +578,8 @@ class SampleTables:
         self, run: str | os.PathLike[str] | RunPath, plan: Any, choice: SampleChoice, *, share_run: bool
     ) -> None:
         self.run, self.plan, self.choice, self.share_run = run, plan, choice, share_run
-        root: RunPath = run if _is_upath(run) else run_path(run)  # type: ignore[assignment, arg-type]
-        self.known = record_attempts(root)  # the records' attempts, read once
+        self.root: RunPath = run if _is_upath(run) else run_path(run)  # type: ignore[assignment, arg-type]
+        self.known: list[Any] | None = None  # the records' attempts: read once samples are found
         self.by_step: dict[tuple[str | None, int], dict[str, list[Sample]]] = {}
         self.newest = -1
         self.attached: set[tuple[str | None, int]] = set()
@@ -589,15 +589,10 @@ class SampleTables:
 
     def refresh(self) -> None:
         """Read the run's samples again (``upload --follow``: before each poll's rows go)."""
-        read = read_samples(
-            self.run,
-            keys=self.plan.keys,
-            ranks=self.plan.ranks,
-            steps=self.plan.steps,
-            attempts="rewind",
-            sealed=self._sealed,
-            known=self.known,
-        )
+        read = self._read(self.known or ())
+        if read.samples and self.known is None:  # a run without samples costs no scan of its records
+            self.known = record_attempts(self.root)
+            read = self._read(self.known)
         groups: dict[tuple[str | None, int], dict[str, list[Sample]]] = {}
         for s in read.samples:
             per_source = self.plan.mode.value != "global_reduce"
@@ -606,6 +601,17 @@ class SampleTables:
             groups.setdefault(where, {}).setdefault(key, []).append(s)
         self.by_step = groups
         self.newest = max((step for _, step in groups), default=-1)
+
+    def _read(self, known: Iterable[Any]) -> SampleSet:
+        return read_samples(
+            self.root,
+            keys=self.plan.keys,
+            ranks=self.plan.ranks,
+            steps=self.plan.steps,
+            attempts="rewind",
+            sealed=self._sealed,
+            known=known,
+        )
 
     def __bool__(self) -> bool:
         return bool(self.by_step)

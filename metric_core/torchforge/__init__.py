@@ -8,47 +8,9 @@ directory named by ``METRICLOG_DIR``, so ``metriclog`` can reduce, upload, inspe
 plot it later. docs/compat.md says what differs from torchforge, and why.
 """
 
+from metric_core.torchforge import metrics
 from metric_core.torchforge.metric_actors import GlobalLoggingActor, get_or_create_metric_logger
-from metric_core.torchforge.metrics import (
-    BackendRole,
-    ConsoleBackend,
-    LoggerBackend,
-    LoggingMode,
-    MaxAccumulator,
-    MeanAccumulator,
-    Metric,
-    MetricAccumulator,
-    MetricCollector,
-    MinAccumulator,
-    Reduce,
-    StdAccumulator,
-    SumAccumulator,
-    WandbBackend,
-    get_logger_backend_class,
-    get_proc_name_with_rank,
-    record_metric,
-    reduce_metrics_states,
-)
+from metric_core.torchforge.metrics import *  # noqa: F403 - forge.observability's names, as it exports them
 
-__all__ = [
-    "BackendRole",
-    "ConsoleBackend",
-    "GlobalLoggingActor",
-    "LoggerBackend",
-    "LoggingMode",
-    "MaxAccumulator",
-    "MeanAccumulator",
-    "Metric",
-    "MetricAccumulator",
-    "MetricCollector",
-    "MinAccumulator",
-    "Reduce",
-    "StdAccumulator",
-    "SumAccumulator",
-    "WandbBackend",
-    "get_logger_backend_class",
-    "get_or_create_metric_logger",
-    "get_proc_name_with_rank",
-    "record_metric",
-    "reduce_metrics_states",
-]
+__all__ = ["GlobalLoggingActor", "get_or_create_metric_logger"]
+__all__ += metrics.__all__
