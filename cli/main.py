@@ -96,12 +96,17 @@ def reduce(
     steps: o.Steps = None,
     attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
+    form: o.FormatOpt = None,
+    limit: o.Limit = None,
+    tail: o.Tail = None,
     wide: o.Wide = False,
     strict: o.Strict = False,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
 ) -> None:
     """Compute a logging mode offline from a run's raw records.
+
+    A table on a terminal; CSV into a pipe (every row); --format and --out choose.
 
     Example:
 
@@ -112,9 +117,10 @@ def reduce(
 
     with errors_to_exit():
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        o.rows(limit, tail)
         if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
-        check_target(out)
+        check_target(None if out == "-" else out)
         with output.read_progress() as progress:
             result = run_plan(
                 run_dir,
@@ -127,10 +133,10 @@ def reduce(
                 ray_address=ray_address,
             )
             frames = pivot_wide(result.batches(), plan) if wide else result.batches()  # written as it comes
-            if out is None:
-                output.print_frames(frames)
-            else:
-                output.write_frames(frames, out, derived=f"reduce --mode {mode.value}", run_dir=run_dir)
+            output.emit(
+                frames, form=form and form.value, out=out, limit=limit, tail=tail,
+                derived=f"reduce --mode {mode.value}", run_dir=run_dir,
+            )  # fmt: skip
         for note in result.unmatched:
             output.say("warning", note.said(o.on_cli))
 
@@ -218,10 +224,14 @@ def inspect(
     follow_symlinks: o.FollowSymlinks = False,
     attempts: o.Attempts = "rewind",
     json_out: o.Json = False,
+    form: o.InspectFormat = None,
     pause_after: o.PauseAfter = None,
 ) -> None:
     """Tell what happened in a crashed or hung run: how each attempt of each source ended,
     which failed first, where the job paused and was stuck; per-source health, then a verdict.
+
+    --format json (or --json) prints the whole report as one JSON object; csv and jsonl the
+    per-source table, a row a source.
 
     Example:
 
@@ -239,7 +249,12 @@ def inspect(
             on_progress=progress,
             pause_after=pause_after,
         )
-        typer.echo(report.to_json()) if json_out else output.print_inspect(report)
+        if json_out or form is o.Format.JSON:
+            typer.echo(report.to_json())
+        elif form in (o.Format.CSV, o.Format.JSONL):
+            output.write_stdout(iter([output.sources_frame(report)]), form.value)
+        else:
+            output.print_inspect(report)
 
 
 @app.command(cls=_Command, short_help="Plot keys of a run to a PNG.")
@@ -285,6 +300,42 @@ def plot(
     output.say("info", f"wrote {out}")
 
 
+@app.command(cls=_Command, short_help="List the keys of a run: reductions, records, sources, steps.")
+def keys(
+    run_dir: o.RunDir,
+    follow_symlinks: o.FollowSymlinks = False,
+    attempts: o.Attempts = "rewind",
+    out: o.OutFile = None,
+    form: o.FormatOpt = None,
+    json_out: o.Json = False,
+    limit: o.Limit = None,
+    tail: o.Tail = None,
+) -> None:
+    """List every key of a run: its reduction, records, sources, first and last step and time,
+    and how many of its values are NaN or infinite. Reads every record once.
+
+    --json is --format json. A table on a terminal, CSV into a pipe.
+
+    Example:
+
+    \b
+        metriclog keys runs/exp1 --format json | jq '.[].key'
+    """
+    from metric_core.offline.keys import list_keys
+
+    with errors_to_exit():
+        o.rows(limit, tail)
+        check_target(None if out == "-" else out)
+        with output.read_progress():
+            found = list_keys(
+                run_dir, follow_symlinks=follow_symlinks, attempts=attempts, on_read=output.said_skips
+            )
+        output.emit(
+            found, form="json" if json_out else form and form.value, out=out, limit=limit, tail=tail,
+            derived="keys", run_dir=run_dir,
+        )  # fmt: skip
+
+
 @app.command(cls=_Command, short_help="List a run's samples (Reduce.SAMPLE), or some per step.")
 def samples(
     run_dir: o.RunDir,
@@ -298,11 +349,14 @@ def samples(
     seed: o.Seed = 0,
     attempts: o.SampleAttempts = "rewind",
     out: o.OutFile = None,
+    form: o.FormatOpt = None,
+    limit: o.Limit = None,
+    tail: o.Tail = None,
 ) -> None:
     """List the samples recorded with Reduce.SAMPLE: every one, or some per key and step.
 
     A row a sample: step, rank, process, timestamp, key, then a column a field (lists and
-    dicts as JSON text). A table on a terminal, CSV into a pipe, or --out FILE.
+    dicts as JSON text). A table on a terminal, CSV into a pipe; --format and --out choose.
 
     Example:
 
@@ -312,17 +366,18 @@ def samples(
     from metric_core.offline.samples import select_samples
 
     with errors_to_exit():
-        check_target(out)
+        o.rows(limit, tail)
+        check_target(None if out == "-" else out)
         frame, read = select_samples(
             run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,
             top=top, bottom=bottom, by=by, random=random, seed=seed,
         )  # fmt: skip
         for note in read.notes:
             output.say("warning", spell(note, o.on_cli))
-        if out is None:
-            output.print_samples(frame)
-        else:
-            output.write_frame(frame, out, derived="samples", run_dir=run_dir)
+        output.emit(
+            frame, form=form and form.value, out=out, limit=limit, tail=tail,
+            derived="samples", run_dir=run_dir, table=output.print_samples,
+        )  # fmt: skip
 
 
 @app.command(cls=_Command, short_help="Follow a run while it is written; catch hung sources.")

@@ -117,15 +117,19 @@ Steps = Annotated[
     ),
 ]
 Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
-OUT_SUFFIXES = (".parquet", ".csv", ".jsonl")
+OUT_SUFFIXES = (".parquet", ".csv", ".json", ".jsonl")
 
 
-def _suffixed(*suffixes: str) -> Callable[[str | None], str | None]:
-    """A check that ``--out`` names a file of a type the command writes (before any read)."""
+def _suffixed(*suffixes: str, stdout: bool = False) -> Callable[[str | None], str | None]:
+    """A check that ``--out`` names a file of a type the command writes (before any read);
+    ``stdout``: ``-`` too."""
 
     def check(path: str | None) -> str | None:
-        if path is not None and PurePosixPath(path).suffix.lower() not in suffixes:
-            raise typer.BadParameter(f"'{path}': name a file ending in {', '.join(suffixes)}")
+        if path is None or (stdout and path == "-"):
+            return path
+        if PurePosixPath(path).suffix.lower() not in suffixes:
+            also = " (or - for stdout)" if stdout else ""
+            raise typer.BadParameter(f"'{path}': name a file ending in {', '.join(suffixes)}{also}")
         return path
 
     return check
@@ -136,11 +140,38 @@ OutFile = Annotated[
     typer.Option(
         "--out",
         metavar="FILE",
-        callback=_suffixed(*OUT_SUFFIXES),
-        help="Write to FILE.parquet, .csv or .jsonl (folders are created; an s3://, gs:// or az:// URL "
-        "is written whole at the end).",
+        callback=_suffixed(*OUT_SUFFIXES, stdout=True),
+        help="Write to FILE.parquet, .csv, .json or .jsonl (folders are created; an s3://, gs:// or az:// "
+        "URL is written whole at the end); - writes to stdout in --format (CSV by default).",
     ),
 ]
+
+
+class Format(str, Enum):
+    TABLE = "table"
+    CSV = "csv"
+    JSON = "json"
+    JSONL = "jsonl"
+
+
+FormatOpt = Annotated[
+    Format | None,
+    typer.Option(
+        "--format",
+        help="How rows go to stdout: table (the default on a terminal), csv (the default into a pipe), "
+        "json (an array) or jsonl. Every format but table prints every row.",
+    ),
+]
+Limit = Annotated[int | None, typer.Option("--limit", metavar="N", min=0, help="Only the first N rows.")]
+Tail = Annotated[int | None, typer.Option("--tail", metavar="N", min=0, help="Only the last N rows.")]
+
+
+def rows(limit: int | None, tail: int | None) -> None:
+    """``--limit`` and ``--tail`` exclude each other."""
+    if limit is not None and tail is not None:
+        raise typer.BadParameter("give --limit or --tail, not both")
+
+
 Attempts = Annotated[
     str,
     typer.Option(
@@ -173,6 +204,14 @@ ForceNew = Annotated[bool, typer.Option("--force-new", help="Upload finished run
 
 # inspect and plot
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]
+InspectFormat = Annotated[
+    Format | None,
+    typer.Option(
+        "--format",
+        help="table (the report, the default), json (as --json), or csv/jsonl: the per-source table, a "
+        "row a source.",
+    ),
+]
 PlotKeys = Annotated[
     list[str], typer.Option("--key", metavar="PATTERN", help="Keys to plot (glob). Repeatable.")
 ]

@@ -127,14 +127,21 @@ def _write(
                 rows += frame.height
         return rows
     with open(out, "wb") as f:
+        if suffix == ".json":
+            f.write(b"[")
         for frame in itertools.chain([first], rest):
             if suffix == ".csv":
                 frame.write_csv(f, include_header=frame is first)
-            else:
-                from metric_core.records import to_jsonl  # pyarrow: only for JSONL
+            elif frame.height:
+                from metric_core.records import to_jsonl  # pyarrow: only for JSON
 
-                f.write(to_jsonl(frame.to_arrow()))
+                lines = to_jsonl(frame.to_arrow())
+                if suffix == ".json":
+                    lines = (b",\n" if rows else b"") + lines.rstrip(b"\n").replace(b"\n", b",\n")
+                f.write(lines)
             rows += frame.height
+        if suffix == ".json":
+            f.write(b"]\n")
     return rows
 
 
@@ -161,22 +168,92 @@ def print_frames(frames: pl.DataFrame | Iterator[pl.DataFrame], *, max_rows: int
     )
 
 
-def print_samples(frame: pl.DataFrame) -> None:
-    """Samples as a table on a terminal (long text cut to fit), as CSV into a pipe or a file."""
-    if not sys.stdout.isatty():
-        sys.stdout.write(frame.write_csv())
-        return
+def print_samples(frames: Iterator[pl.DataFrame], max_rows: int = MAX_TABLE_ROWS) -> None:
+    """Samples as a table (long text cut to fit)."""
+    import polars as pl
+
+    frame = pl.concat(list(frames), how="vertical_relaxed")
     if frame.height == 0:
         say("info", "no samples (recorded with Reduce.SAMPLE) match")
         return
-    text = [c for c, t in frame.schema.items() if t == pl_string()]
-    print_table(frame, cut=text, drop_first=("timestamp", "rank"), keep=("step", "key"))
+    text = [c for c, t in frame.schema.items() if t == pl.String]
+    print_table(frame, max_rows=max_rows, cut=text, drop_first=("timestamp",), keep=("step", "key"))
 
 
-def pl_string() -> Any:
-    import polars as pl
+def emit(
+    frames: pl.DataFrame | Iterator[pl.DataFrame],
+    *,
+    form: str | None,
+    out: str | None,
+    limit: int | None,
+    tail: int | None,
+    derived: str,
+    run_dir: str | None,
+    table: Callable[..., None] = print_frames,
+) -> None:
+    """A data command's rows: to ``out`` (a file, by its suffix; ``-``: stdout), else to
+    stdout in ``form``: ``table`` by default on a terminal, ``csv`` into a pipe. Only the
+    ``limit`` first or ``tail`` last rows, in every form; notes go to stderr."""
+    stream = _chosen(iter([frames]) if not isinstance(frames, Iterator) else frames, limit, tail)
+    if out is not None and out != "-":
+        write_frames(stream, out, derived=derived, run_dir=run_dir)
+        return
+    if form is None:
+        form = "table" if out is None and sys.stdout.isatty() else "csv"
+    if form == "table":
+        table(stream, max_rows=limit or tail or MAX_TABLE_ROWS)
+        return
+    write_stdout(stream, form)
 
-    return pl.String
+
+def _chosen(frames: Iterator[pl.DataFrame], limit: int | None, tail: int | None) -> Iterator[pl.DataFrame]:
+    if limit is not None:
+        left = limit
+        for frame in frames:
+            if left <= 0:
+                break
+            yield frame.head(left)
+            left -= min(left, frame.height)
+        return
+    if tail is not None:
+        import polars as pl
+
+        kept: list[pl.DataFrame] = []
+        held = 0
+        for frame in frames:  # the last ``tail`` rows, never more held than that and a frame
+            kept.append(frame)
+            held += frame.height
+            while kept and held - kept[0].height >= tail:
+                held -= kept.pop(0).height
+        if kept:
+            yield pl.concat(kept, how="vertical_relaxed").tail(tail)
+        return
+    yield from frames
+
+
+def write_stdout(frames: Iterator[pl.DataFrame], form: str) -> None:
+    """Rows as CSV, a JSON array or JSON lines on stdout, every one, uncut; NaN and the
+    infinities as docs/format.md spells them (CSV: NaN, inf, -inf; JSON: "NaN", "Infinity")."""
+    from metric_core.records import to_jsonl
+
+    out = sys.stdout.buffer
+    first = True
+    if form == "json":
+        out.write(b"[")
+    for frame in frames:
+        if form == "csv":
+            out.write(frame.write_csv(include_header=first).encode())
+        elif frame.height:
+            lines = to_jsonl(frame.to_arrow())
+            if form == "json":
+                body = lines.rstrip(b"\n").replace(b"\n", b",\n")
+                out.write((b"" if first else b",\n") + body)
+            else:
+                out.write(lines)
+        first = first and (form != "csv" and frame.height == 0)
+    if form == "json":
+        out.write(b"]\n")
+    out.flush()
 
 
 # What a narrow terminal loses first of a result's columns (then columns from the right,
@@ -253,6 +330,7 @@ def print_table(
     keep: Sequence[str] = (),
     cut: Sequence[str] = (),
     whole: str = "--out FILE.csv",
+    notes: Callable[[str], None] | None = None,
 ) -> None:
     """A readable table that fits the terminal (``COLUMNS``, else the width of the terminal
     stdout is; into a pipe or a file with ``COLUMNS`` unset, the table is whole).
@@ -290,14 +368,17 @@ def print_table(
         shortened = True
         text = _rendered(shown)
     print(text)
+    # A data command's notes go to stderr, so stdout holds the table alone; a report (inspect)
+    # keeps them beside its table (``notes``).
+    note = notes or (lambda line: say("note", line))
     if left_out:
         hidden = [c for c in df.columns if c in left_out]  # in the table's order
         named = ", ".join(hidden) if len(hidden) <= 8 else f"{len(hidden)} columns"
-        print(f"columns not shown, for the terminal's width ({width}): {named}; {whole} has them all")
+        note(f"columns not shown, for the terminal's width ({width}): {named}; {whole} has them all")
     if shortened:
-        print(f"long values are cut (…) for the terminal's width ({width}); {whole} has them whole")
+        note(f"long values are cut (…) for the terminal's width ({width}); {whole} has them whole")
     if total > max_rows:
-        print(f"... {total - max_rows} more row(s) not shown ({total} in all); {whole} has them all")
+        note(f"... {total - max_rows} more row(s) not shown ({total} in all); {whole} has them all")
 
 
 # The fewest characters a value is cut to (with its "…") for a narrow terminal.
@@ -381,6 +462,36 @@ INSPECT_DROPPED_FIRST = ("files", "keys", "attempts", "truncated", "skipped", "r
 INSPECT_KEPT = ("rank", "status", "end")
 
 
+def sources_frame(report: InspectReport) -> pl.DataFrame:
+    """inspect's per-source table as data: a row a source, numbers as numbers."""
+    import polars as pl
+
+    return pl.DataFrame(
+        [
+            {
+                "process": s.process,
+                "rank": s.rank,
+                "status": s.status,
+                "end": s.end,
+                "lag_s": s.lag_s,
+                "first_step": s.first_step,
+                "last_step": s.last_step,
+                "first_timestamp": s.first_timestamp,
+                "last_timestamp": s.last_timestamp,
+                "records": s.records,
+                "skipped": s.skipped,
+                "truncated": s.truncated,
+                "files": s.files,
+                "keys": s.keys,
+                "attempts": len(s.attempts),
+                "stalled": s.stalled,
+            }
+            for s in report.sources
+        ],
+        schema_overrides={"end": pl.String},
+    )
+
+
 def print_inspect(report: InspectReport) -> None:
     """The per-source table, then the verdict."""
     from metric_core.clock import duration, local_time
@@ -416,6 +527,7 @@ def print_inspect(report: InspectReport) -> None:
         keep=INSPECT_KEPT,
         cut=("process",),
         whole="--json",
+        notes=typer.echo,
     )
     if report.samples:
         counts = ", ".join(f"{key} {n:,}" for key, n in sorted(report.samples.items()))

@@ -62,6 +62,7 @@ _EXPORTS = {
     "plot_run": "metric_core.offline.plot",
     "upload_run": "metric_core.offline.upload",
     "read_samples": "metric_core.offline.samples",
+    "list_keys": "metric_core.offline.keys",
     "select_samples": "metric_core.offline.samples",
     "Follow": "metric_core.offline.upload",
 }
@@ -80,6 +81,7 @@ if TYPE_CHECKING:  # the same names, for type checkers
     from metric_core.metric import LoggingMode, Metric, Reduce, reduce_metrics_states
     from metric_core.offline.engine import execute, reduce_run
     from metric_core.offline.inspect import InspectReport, inspect_run
+    from metric_core.offline.keys import list_keys
     from metric_core.offline.plan import ReducePlan, make_plan
     from metric_core.offline.plot import plot_run
     from metric_core.offline.read import ReadReport, RunScan, scan_run

@@ -97,9 +97,12 @@ def test_tables_fit_the_terminal_and_say_every_cut(tmp_path):
     c.shutdown()
 
     def reduce(*args: str, columns: str = "80"):
-        result = runner.invoke(app, ["reduce", str(run), *args], env={"COLUMNS": columns})
+        result = runner.invoke(
+            app, ["reduce", str(run), "--format", "table", *args], env={"COLUMNS": columns}
+        )
         assert result.exit_code == 0, result.output
-        return result.stdout
+        assert "not shown" not in result.stdout and "are cut" not in result.stdout  # notes: on stderr
+        return result.output
 
     wide = reduce("--wide")
     assert max(map(len, table_lines(wide))) <= 80
@@ -125,7 +128,9 @@ def test_a_narrow_terminal_keeps_what_identifies_a_row_and_never_cuts_a_number(t
     for mode in ("per_rank_reduce", "per_rank_no_reduce"):
         keys = ["--key", "trainer/loss", "--key", "评估/*"]
         result = runner.invoke(
-            app, ["reduce", str(run), "--mode", mode, *keys], env={"COLUMNS": str(columns)}
+            app,
+            ["reduce", str(run), "--mode", mode, "--format", "table", *keys],
+            env={"COLUMNS": str(columns)},
         )
         assert result.exit_code == 0, result.output
         lines = table_lines(result.stdout)
@@ -145,7 +150,7 @@ def test_times_print_as_local_iso_8601_with_the_offset(tmp_path, india):
 
     run = tmp_path / "run"
     write_collector_run(run, [("TrainActor_r0", 0)], steps=3)
-    raw = invoke("reduce", run, "--key", "trainer/loss", "--mode", "per_rank_no_reduce")
+    raw = invoke("reduce", run, "--key", "trainer/loss", "--mode", "per_rank_no_reduce", "--format", "table")
     stamps = pl.read_parquet(next(run.glob("*.parquet"))).filter(pl.col("key") == "trainer/loss")["timestamp"]
     india_time = timezone(timedelta(hours=5, minutes=30))
     for t in stamps:
@@ -212,7 +217,7 @@ def test_plot_creates_the_folders_of_its_out_file_as_reduce_does_and_says_a_key_
 
 def test_reduce_prints_a_table(run):
     root, _ = run
-    result = invoke("reduce", root, "--key", "trainer/loss", "--steps", "0:2")
+    result = invoke("reduce", root, "--key", "trainer/loss", "--steps", "0:2", "--format", "table")
     assert result.exit_code == 0, result.output
     assert "trainer/loss" in result.stdout
     assert "count" in result.stdout
@@ -261,7 +266,7 @@ def test_jsonl_output_spells_non_finite_values_as_documented_and_the_documented_
 
 def test_wide_pivots_one_column_per_key(run):
     root, _ = run
-    result = invoke("reduce", root, "--wide", "--steps", "0:1")
+    result = invoke("reduce", root, "--wide", "--steps", "0:1", "--format", "table")
     assert result.exit_code == 0
     header = result.stdout.splitlines()[1]
     for key in ("policy/latency_s", "policy/tokens", "trainer/grad_norm", "trainer/loss"):
@@ -408,7 +413,8 @@ def test_bad_option_syntax_is_a_usage_error_naming_the_flag(run, args, message):
         ),
         (
             ["--out", "out.txt"],
-            "Invalid value for '--out': 'out.txt': name a file ending in .parquet, .csv, .jsonl",
+            "Invalid value for '--out': 'out.txt': name a file ending in .parquet, .csv, .json, .jsonl "
+            "(or - for stdout)",
         ),
     ],
 )
@@ -422,9 +428,9 @@ def test_a_bad_choice_or_output_type_is_a_usage_error_before_anything_is_read(tm
 
 def test_long_results_are_cut_and_the_cut_is_said(run):
     root, _ = run
-    result = invoke("reduce", root, "--mode", "per_rank_no_reduce")
+    result = invoke("reduce", root, "--mode", "per_rank_no_reduce", "--format", "table")
     assert result.exit_code == 0
-    assert "more row(s) not shown" in result.stdout
+    assert "more row(s) not shown" in result.stderr and "not shown" not in result.stdout
 
 
 def test_sample_run_reduces_and_reports_its_killed_generator():
@@ -544,3 +550,74 @@ def test_the_commands_read_parquet_with_pyarrows_jemalloc_where_it_has_one(tmp_p
     env["ARROW_DEFAULT_MEMORY_POOL"] = "mimalloc"  # the user's own choice is kept
     done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True, check=True)
     assert done.stdout.split()[0] == "mimalloc"
+
+
+def piped(*args: object) -> tuple[bytes, str]:
+    """The installed command with stdout and stderr on pipes: what a shell pipe gets."""
+    import subprocess
+
+    done = subprocess.run([METRICLOG, *map(str, args)], capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout, done.stderr.decode()
+
+
+def test_every_format_and_out_dash_give_the_rows_of_the_csv_file_and_stdout_holds_data_only(run, tmp_path):
+    import io
+
+    root, _ = run
+    base = ["reduce", root, "--mode", "per_rank_reduce"]
+    piped(*base, "--out", tmp_path / "x.csv")
+    want = pl.read_csv(tmp_path / "x.csv").to_dicts()
+    assert len(want) > 40  # more than a table shows: every row goes to a pipe
+    parse = {
+        "csv": lambda b: pl.read_csv(io.BytesIO(b)).to_dicts(),
+        "json": lambda b: json.loads(b),
+        "jsonl": lambda b: [json.loads(line) for line in b.splitlines()],
+    }
+    for args, form in [
+        ([], "csv"),  # into a pipe, CSV by default
+        (["--format", "csv"], "csv"),
+        (["--format", "json"], "json"),
+        (["--format", "jsonl"], "jsonl"),
+        (["--out", "-"], "csv"),
+        (["--out", "-", "--format", "jsonl"], "jsonl"),
+    ]:
+        out, err = piped(*base, *args)
+        assert parse[form](out) == want, args
+        assert "not shown" not in err
+    piped(*base, "--out", tmp_path / "x.json")
+    assert json.loads((tmp_path / "x.json").read_text()) == want
+    assert parse["jsonl"](piped(*base, "--format", "jsonl", "--limit", "3")[0]) == want[:3]
+    assert parse["csv"](piped(*base, "--tail", "2")[0]) == want[-2:]
+    table, notes = piped(*base, "--format", "table")
+    assert "more row(s) not shown" in notes and "not shown" not in table.decode()
+
+
+def test_keys_lists_every_key_as_the_records_written_say(run):
+    root, truth = run
+    listed = {row["key"]: row for row in json.loads(piped("keys", root, "--json")[0])}
+    assert sorted(listed) == sorted({r["key"] for r in truth})
+    for key, row in listed.items():
+        mine = [r for r in truth if r["key"] == key]
+        assert row["records"] == len(mine)
+        assert row["reductions"] == mine[0]["reduction"]
+        assert row["sources"] == len({(r["process"], r["rank"]) for r in mine})
+        assert (row["first_step"], row["last_step"]) == (
+            min(r["step"] for r in mine),
+            max(r["step"] for r in mine),
+        )
+        assert row["first_time"] == min(r["timestamp"] for r in mine)
+        assert row["last_time"] == max(r["timestamp"] for r in mine)
+        assert row["nonfinite"] == int(np.sum(~np.isfinite([r["value"] for r in mine])))
+
+
+def test_inspect_gives_its_sources_table_as_data(run):
+    root, _ = run
+    rows = [json.loads(line) for line in piped("inspect", root, "--format", "jsonl")[0].splitlines()]
+    assert [(r["process"], r["rank"], r["status"]) for r in rows] == [
+        ("TrainActor_r0", 0, "finished"),
+        ("TrainActor_r1", 1, "finished"),
+    ]
+    assert (
+        json.loads(piped("inspect", root, "--format", "json")[0])["sources"][0]["process"] == "TrainActor_r0"
+    )
