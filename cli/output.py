@@ -450,10 +450,11 @@ def _shortened(col: pl.Expr, chars: int) -> pl.Expr:
 
 
 def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS, **fit: Any) -> None:
-    """``print_table`` of rows of plain values (``fit``: its ``drop_first`` and ``whole``)."""
+    """``print_table`` of a report's rows of plain values (``fit``: its ``drop_first`` and
+    ``whole``); a report's notes stay beside its table, on stdout."""
     import polars as pl
 
-    print_table(pl.DataFrame(rows), max_rows=max_rows, **fit)
+    print_table(pl.DataFrame(rows), max_rows=max_rows, notes=typer.echo, **fit)
 
 
 # What a narrow terminal loses first of inspect's table (the rest from the right): it
@@ -527,7 +528,6 @@ def print_inspect(report: InspectReport) -> None:
         keep=INSPECT_KEPT,
         cut=("process",),
         whole="--json",
-        notes=typer.echo,
     )
     if report.samples:
         counts = ", ".join(f"{key} {n:,}" for key, n in sorted(report.samples.items()))
