@@ -40,7 +40,7 @@ app = typer.Typer(
     name="metriclog",
     help="Reduce, upload and diagnose the raw metric streams that metric_core writes.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion, --show-completion
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
@@ -168,6 +168,8 @@ def upload(
     sources: o.Sources = None,
     let_go_after: o.LetGoAfter = None,
     restart_grace: o.RestartGrace = o.RESTART_GRACE,
+    wait: o.Wait = False,
+    connect_timeout: o.ConnectTimeout = 10.0,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
     sample_top: o.SampleTop = None,
@@ -198,7 +200,7 @@ def upload(
             result = upload_run(
                 run_dir,
                 o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
-                Destination(project, entity, offline),
+                Destination(project, entity, offline, connect_timeout=connect_timeout),
                 name=name,
                 group=group,
                 share_run=per_rank_share_run,
@@ -208,7 +210,7 @@ def upload(
                 follow_symlinks=follow_symlinks,
                 events=events,
                 on_progress=progress,
-                follow=o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace),
+                follow=o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait),
                 engine=engine.value,
                 ray_address=ray_address,
                 samples=o.sample_choice(
@@ -390,6 +392,7 @@ def watch(
     restart_grace: o.RestartGrace = o.RESTART_GRACE,
     attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
+    wait: o.Wait = False,
 ) -> None:
     """Follow a run while it is written: its sources' state, the ones that hang or die.
 
@@ -419,6 +422,7 @@ def watch(
                 restart_grace=o.grace(restart_grace),
                 follow_symlinks=follow_symlinks,
                 attempts=attempts,
+                wait=wait,
             )
         except KeyboardInterrupt:
             raise typer.Exit(STOPPED) from None

@@ -433,6 +433,27 @@ RestartGrace = Annotated[
 RESTART_GRACE = "60s"
 
 
+Wait = Annotated[
+    bool,
+    typer.Option(
+        "--wait",
+        help="Wait for RUN_DIR to be created (the job may not have started); without it, a path that "
+        "does not exist is an error.",
+    ),
+]
+
+
+ConnectTimeout = Annotated[
+    float,
+    typer.Option(
+        "--connect-timeout",
+        metavar="SECONDS",
+        min=0.5,
+        help="How long W&B may take to start a run before it is called unreachable (default 10).",
+    ),
+]
+
+
 def follow(
     on: bool,
     interval: float,
@@ -440,6 +461,7 @@ def follow(
     sources: int | None,
     let_go_after: str | None = None,
     restart_grace: str = RESTART_GRACE,
+    wait: bool = False,
 ) -> Any:
     """``upload_run``'s ``follow``, or None without ``--follow`` (its options alone are a usage error)."""
     from metric_core.offline.plan import parse_duration
@@ -456,6 +478,7 @@ def follow(
             if v is not None
         ]
         given += ["--interval"] if interval != FOLLOW_INTERVAL else []
+        given += ["--wait"] if wait else []
         given += ["--restart-grace"] if restart_grace != RESTART_GRACE else []
         if given:
             verb = "works" if len(given) == 1 else "work"
@@ -465,7 +488,12 @@ def follow(
     let_go = parse_duration(let_go_after, option="let_go_after") if let_go_after is not None else None
     grace_s = grace(restart_grace)
     return Follow(
-        interval=interval, until_idle=idle, sources=sources, let_go_after=let_go, restart_grace=grace_s
+        interval=interval,
+        until_idle=idle,
+        sources=sources,
+        let_go_after=let_go,
+        restart_grace=grace_s,
+        wait=wait,
     )
 
 

@@ -621,3 +621,37 @@ def test_inspect_gives_its_sources_table_as_data(run):
     assert (
         json.loads(piped("inspect", root, "--format", "json")[0])["sources"][0]["process"] == "TrainActor_r0"
     )
+
+
+def test_negative_steps_count_back_from_the_last_step_of_the_sources_kept(run):
+    import io
+
+    root, truth = run
+    last = max(r["step"] for r in truth)
+    for steps, want in [("-3:", (last - 2, last + 1)), (":-6", (0, last - 5)), ("-4:-1", (last - 3, last))]:
+        out, _ = piped("reduce", root, "--mode", "per_rank_no_reduce", "--steps", steps)
+        got = pl.read_csv(io.BytesIO(out))
+        assert sorted(set(got["step"])) == list(range(*want)), steps
+        assert got.height == sum(1 for r in truth if want[0] <= r["step"] < want[1])
+    rank1 = [r for r in truth if r["rank"] == 1]
+    out, _ = piped("reduce", root, "--ranks", "1", "--steps", "-1:", "--mode", "per_rank_reduce")
+    assert set(pl.read_csv(io.BytesIO(out))["step"]) == {max(r["step"] for r in rank1)}
+
+
+def test_the_readmes_first_commands_run_as_written_against_the_installed_package():
+    import re
+    import shlex
+    import subprocess
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## The first five minutes", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```sh\n(.*?)```", section, re.S).group(1)
+    commands = [shlex.split(line) for line in block.splitlines() if line.strip()]
+    assert len(commands) >= 4 and all(c[0] == ".venv/bin/metriclog" for c in commands)
+    before = sorted(p.relative_to(SAMPLE) for p in SAMPLE.rglob("*"))
+    for command in commands:
+        command[0] = str(Path(sys.executable).with_name("metriclog"))  # the installed package's
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (command, done.stderr)
+        assert "Traceback" not in done.stderr
+    assert sorted(p.relative_to(SAMPLE) for p in SAMPLE.rglob("*")) == before  # nothing written there

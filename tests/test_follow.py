@@ -103,6 +103,7 @@ def command(run: Path, *args: str) -> list[str]:
         "p",
         "--offline",
         "--follow",
+        "--wait",  # started before the job: it waits for the directory
         "--interval",
         "0.2",
         *args,

@@ -707,9 +707,6 @@ def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(t
 
 def test_a_server_that_cannot_be_reached_is_said_at_once_naming_it(tmp_path, planned, monkeypatch):
     """A wandb.init that times out is not retried: one error, naming the server and --offline."""
-    from metric_core.offline.upload import send
-
-    monkeypatch.setitem(send.REPLAY_SETTINGS, "init_timeout", 0.2)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     calls = []
 
@@ -718,9 +715,16 @@ def test_a_server_that_cannot_be_reached_is_said_at_once_naming_it(tmp_path, pla
         time.sleep(0.25)  # as long as the timeout: the server did not answer
         raise ConnectionError("timed out")
 
-    with pytest.raises(UploadError, match=r"could not reach W&B \(http://127.0.0.1:9\).*--offline"):
-        send_runs(planned, Ledger(tmp_path / "uploads.json"), Destination("p"), init=unreachable)
-    assert len(calls) == 1
+    with pytest.raises(
+        UploadError, match=r"could not reach W&B \(http://127.0.0.1:9\) within 0.2 s.*offline"
+    ):
+        send_runs(
+            planned,
+            Ledger(tmp_path / "uploads.json"),
+            Destination("p", connect_timeout=0.2),
+            init=unreachable,
+        )
+    assert len(calls) == 1 and calls[0]["settings"]["init_timeout"] == 0.2
 
 
 def test_an_upload_stopped_by_sigterm_leaves_no_temporary_directory(tmp_path):
@@ -766,3 +770,28 @@ def test_two_uploads_of_one_run_at_once_make_one_wandb_run_per_source(tmp_path):
     assert len(written) == 4, written  # one W&B run per source
     printed = [p for line in re.findall(r"wandb sync (.+)", said) for p in line.split()]
     assert printed and all(Path(p).exists() for p in printed), printed
+
+
+def test_an_unreachable_wandb_fails_a_plain_upload_with_one_line_that_says_what_to_do(tmp_path):
+    run_dir = tmp_path / "exp1"
+    write_collector_run(run_dir, [("TrainActor_r0", 0)], steps=3)
+    env = {
+        **os.environ,
+        "WANDB_BASE_URL": "http://127.0.0.1:9",  # nothing listens there
+        "WANDB_API_KEY": "0123456789" * 4,
+        "WANDB_SILENT": "true",
+    }
+    env.pop("WANDB_MODE", None)
+    done = subprocess.run(
+        [METRICLOG, "upload", str(run_dir), "--project", "p", "--connect-timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert errors[0].startswith("Error: could not reach W&B (http://127.0.0.1:9) within 1 s (")
+    assert errors[0].endswith("or write offline runs with --offline and `wandb sync` them later")
+    assert "init_timeout" not in done.stderr  # wandb's advice, meaningless on a command line

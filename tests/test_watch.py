@@ -127,9 +127,22 @@ def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path
     assert lines[-2:] == sorted(lines[-2:]) and all("finished at step" in line for line in lines[-2:])
 
 
+def test_a_mistyped_path_is_an_error_at_once_unless_wait_is_given(tmp_path):
+    for command in (
+        ["watch", str(tmp_path / "typo")],
+        ["upload", str(tmp_path / "typo"), "--project", "p", "--follow"],
+    ):
+        done = subprocess.run([METRICLOG, *command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.strip().splitlines()[-1] == (
+            f"Error: no readable metric record in {tmp_path / 'typo'}: it does not exist: check the path, or "
+            "give --wait to wait for the job to create it"
+        )
+
+
 def test_watch_waits_for_a_run_that_has_not_started_and_stops_on_ctrl_c(tmp_path):
     child = subprocess.Popen(
-        [METRICLOG, "watch", str(tmp_path / "later"), "--interval", "0.1"],
+        [METRICLOG, "watch", str(tmp_path / "later"), "--interval", "0.1", "--wait"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -49,7 +49,7 @@ from metric_core.errors import (
 )
 from metric_core.metric import LoggingMode
 from metric_core.offline import filters, partials
-from metric_core.offline.plan import ReducePlan, Statistic, key_matcher, make_plan
+from metric_core.offline.plan import ReducePlan, Statistic, counts_back, key_matcher, last_steps, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, all_skipped, changed_files_said, scan_run
 from metric_core.offline.read.parquet import kept_first_time, row_group_lows
 from metric_core.offline.read.report import MixedKey
@@ -107,6 +107,14 @@ def plan_filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | No
     return lf
 
 
+def _last_step(plan: ReducePlan, scan: RunScan) -> int:
+    """The highest step of the sources ``plan`` keeps (its ranks), -1 for none."""
+    ranks_only = dataclasses.replace(plan, steps=None)
+    found = plan_filtered(ranks_only, scan.frame, ["rank", "step"]).select(pl.col("step").max()).collect()
+    last = found.item()
+    return -1 if last is None else int(last)
+
+
 @changed_files_said
 def execute(
     plan: ReducePlan,
@@ -132,6 +140,8 @@ def execute(
     """
     if engine not in ENGINES:
         raise PlanError(f"is not one of {', '.join(ENGINES)}", option="engine", value=engine)
+    if counts_back(plan.steps):  # --steps -5: the last 5 steps of the sources kept
+        plan = dataclasses.replace(plan, steps=last_steps(plan.steps, _last_step(plan, scan)))  # type: ignore[arg-type]
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         return _raw(plan, scan, on_progress)
     sources = _single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None

@@ -159,15 +159,35 @@ def _holds(part: str, text: str) -> str:
 
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``100:200`` -> (100, 200), the steps 100 to 199; ``100:`` and ``:200`` leave an end open."""
+    """``100:200`` -> (100, 200), the steps 100 to 199; ``100:`` and ``:200`` leave an end open;
+    a negative end counts from the run's last step (``-5:``: the last 5, see ``last_steps``)."""
     m = re.fullmatch(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*", text)
     if not m or ":" not in text:
         raise PlanError("is not START:STOP, e.g. 100:200 (steps 100 to 199)", option="steps", value=text)
     start = int(m.group(1)) if m.group(1) else None
     stop = int(m.group(2)) if m.group(2) else None
-    if start is not None and stop is not None and stop <= start:
+    if start is not None and stop is not None and (start < 0) == (stop < 0) and stop <= start:
         raise PlanError("has STOP at or before START: STOP is excluded", option="steps", value=text)
     return start, stop
+
+
+def last_steps(steps: tuple[int | None, int | None], last: int) -> tuple[int | None, int | None]:
+    """``steps`` with a negative end counted back from ``last``, the run's highest step, as
+    Python slices count: ``-5:`` is the last 5 steps, ``:-1`` all but the last.
+
+    >>> last_steps((-5, None), 99), last_steps((None, -1), 99), last_steps((10, 20), 99)
+    ((95, None), (None, 99), (10, 20))
+    """
+    start, stop = steps
+    return (
+        last + 1 + start if start is not None and start < 0 else start,
+        last + 1 + stop if stop is not None and stop < 0 else stop,
+    )
+
+
+def counts_back(steps: tuple[int | None, int | None] | None) -> bool:
+    """Whether ``steps`` has an end counted back from the run's last step."""
+    return steps is not None and any(v is not None and v < 0 for v in steps)
 
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}

@@ -360,7 +360,7 @@ def select_samples(
     >>> frame.columns, read.notes
     (['step', 'rank', 'process', 'timestamp', 'key'], [])
     """
-    from metric_core.offline.plan import parse_ranks, parse_steps
+    from metric_core.offline.plan import counts_back, last_steps, parse_ranks, parse_steps
 
     for name, count in (("top", top), ("bottom", bottom), ("random", random)):
         if count < 0:
@@ -369,6 +369,9 @@ def select_samples(
         ranks = parse_ranks(ranks)
     if isinstance(steps, str):
         steps = parse_steps(steps)
+    if counts_back(steps):  # counted back from the last step of the samples' sources kept
+        kept = read_samples(run, keys=keys, ranks=ranks, attempts=attempts).samples
+        steps = last_steps(steps, max((s.step for s in kept), default=-1))  # type: ignore[arg-type]
     read = read_samples(run, keys=keys, ranks=ranks, steps=steps, attempts=attempts)
     if (keys or ranks or steps) and not read.samples:
         every = read_samples(run, attempts=attempts).samples

@@ -32,6 +32,7 @@ from metric_core.errors import (
     RequestError,
     RunChangedError,
     StorageError,
+    opt,
 )
 
 if TYPE_CHECKING:
@@ -182,6 +183,25 @@ def _mtime_ns(info: dict[str, Any]) -> int:
         if isinstance(value, datetime.datetime):
             return int(value.timestamp() * 1e9)
     return 0
+
+
+def missing_run(root: RunPath) -> NoDataError | None:
+    """The error of a run directory that is not there (a bucket prefix is there once an
+    object is below it), with ``--wait`` as the way to wait for its job; None when it is."""
+    if isinstance(root, Path):
+        there = root.exists()
+    else:
+        try:
+            there = next(iter(listing(root)), None) is not None
+        except NoDataError:
+            there = False
+    if there:
+        return None
+    return NoDataError(
+        str(root),
+        f"it does not exist: check the path, or give {opt('wait', flag=True)} to wait for the job to "
+        "create it",
+    )
 
 
 def listed_below(folder: UPath) -> list[UPath]:

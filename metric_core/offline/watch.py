@@ -38,6 +38,7 @@ from typing import Any
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run
+from metric_core.offline.storage import missing_run, run_path
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
 FINISHED, STALLED, OVER, STOPPED = 0, 3, 4, 130
@@ -96,6 +97,7 @@ def watch_run(
     attempts: str = "rewind",
     stall_after: float | None = None,
     restart_grace: float = RESTART_GRACE,
+    wait: bool = False,
 ) -> WatchResult:
     """Poll ``run_dir`` every ``interval`` seconds until every source finished, or finished
     or died with no restart within ``restart_grace`` seconds, or, with ``exit_on_stall``,
@@ -105,7 +107,12 @@ def watch_run(
     else happened (a death, a restart, a source that joined a stall, a dump that appeared),
     ``on_waiting`` why there is nothing to show yet (no record so far, or a file changed
     while it was read: ``CHANGED_POLLS`` such polls in a row raise ``RunChangedError``).
+    A ``run_dir`` that does not exist is a ``NoDataError`` (a mistyped path never waits),
+    unless ``wait``: then it is waited for, as the job that creates it may not have started.
     """
+    missing = None if wait else missing_run(run_path(run_dir))
+    if missing is not None:
+        raise missing
     stop = stop or threading.Event()
     note = on_note or (lambda _: None)
     changed = 0  # polls in a row that found a file changed under them

@@ -54,10 +54,10 @@ _VALUES = {
 def sidecar_command(run_dir: str | os.PathLike[str], options: dict[str, Any]) -> list[str]:
     """The ``metriclog upload --follow`` command line of ``options`` (``upload_run``'s names).
 
-    >>> sidecar_command("runs/a", {"project": "rl", "keys": ["loss", "reward/*"], "offline": True})[3:]
-    ['upload', 'runs/a', '--follow', '--project', 'rl', '--key', 'loss', '--key', 'reward/*', '--offline']
+    >>> sidecar_command("runs/a", {"project": "rl", "keys": ["loss", "reward/*"], "offline": True})[4:]
+    ['runs/a', '--follow', '--wait', '--project', 'rl', '--key', 'loss', '--key', 'reward/*', '--offline']
     >>> options = {"project": "rl", "reduce": {"lat": "p99"}, "ranks": [0, (2, 5)], "steps": (0, 100)}
-    >>> sidecar_command("runs/a", options)[6:]
+    >>> sidecar_command("runs/a", options)[7:]
     ['--project', 'rl', '--reduce', 'lat=p99', '--ranks', '0,2-5', '--steps', '0:100']
     """
     unknown = [name for name in options if name not in (*_FLAGS, *_VALUES, "wait")]
@@ -68,7 +68,7 @@ def sidecar_command(run_dir: str | os.PathLike[str], options: dict[str, Any]) ->
         raise ConfigError(f"sidecar: no option {unknown[0]!r}; {hint}the options are {known}")
     if "project" not in options:
         raise ConfigError("sidecar: give the W&B project, e.g. sidecar={'project': 'my-project'}")
-    command = [sys.executable, "-m", "metriclog", "upload", str(run_dir), "--follow"]
+    command = [sys.executable, "-m", "metriclog", "upload", str(run_dir), "--follow", "--wait"]
     spelled: dict[str, list[str]] = {}
     for name, value in options.items():
         if name in _FLAGS:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from metric_core.credentials import has_credentials
 from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
 from metric_core.offline.samples import SampleChoice, SampleTables
-from metric_core.offline.storage import RunPath, is_remote, name_of, run_path
+from metric_core.offline.storage import RunPath, is_remote, missing_run, name_of, run_path
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload, request_key
@@ -57,6 +57,7 @@ class Follow:
     stop: threading.Event | None = None
     let_go_after: float | None = None  # a live source silent this long stops holding the global steps
     restart_grace: float = 60.0  # every source finished or died: how long a restart is waited for
+    wait: bool = False  # a run directory not there yet is waited for (else: an error at once)
 
 
 @dataclass
@@ -114,6 +115,9 @@ def upload_run(
     events = events or UploadEvents()
     check_names(project=to.project, entity=to.entity, group=group, name=name)
     root = run_path(run_dir)
+    missing = None if follow is not None and follow.wait else missing_run(root)
+    if missing is not None:  # said before anything else (credentials, W&B): a mistyped path
+        raise missing
     if follow is not None and is_remote(root):
         raise RequestError(
             f"{root}: {opt('follow', flag=True)} reads a run while its writers append to it, on a local or "
@@ -142,7 +146,16 @@ def upload_run(
     if not dry_run and not to.offline and not has_credentials():
         raise NotLoggedInError()
     if follow is not None:
+        from metric_core.offline.plan import counts_back
         from metric_core.offline.upload.follow import follow_upload
+
+        if counts_back(plan.steps):
+            raise PlanError(
+                "counts back from the run's last step, which a run still being written does not have yet: "
+                "give steps from the start",
+                option="steps",
+                value=":".join("" if v is None else str(v) for v in plan.steps),  # type: ignore[union-attr]
+            )
 
         assert isinstance(root, Path)
 
@@ -166,6 +179,7 @@ def upload_run(
             let_go_after=follow.let_go_after,
             restart_grace=follow.restart_grace,
             samples=samples or SampleChoice(),
+            wait=follow.wait,
         )
         return UploadResult(upload, state.outcomes, dry_run=dry_run, followed=state)
     prepare = functools.partial(

@@ -12,6 +12,7 @@ any instant and started again sends no row twice and misses none.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -32,6 +33,7 @@ from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, ex
 from metric_core.offline.inspect import stall_threshold
 from metric_core.offline.plan import ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
+from metric_core.offline.storage import missing_run
 from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import Destination, RunOutcome, Sender, UploadEvents, decide, find_entry
@@ -106,6 +108,7 @@ def follow_upload(
     let_go_after: float | None = None,
     restart_grace: float = RESTART_GRACE,
     samples: SampleChoice | None = None,
+    wait: bool = False,
 ) -> tuple[UploadPlan, FollowState]:
     """Follow ``root`` until every source finished, every source finished or died and no
     new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
@@ -114,6 +117,8 @@ def follow_upload(
     stop = stop or threading.Event()
     state = FollowState()
     key = request_key(plan, request, share_run)
+    if not wait and not root.exists():  # a mistyped path never waits
+        raise missing_run(root)  # type: ignore[misc]
     if not _appeared(root, stop, interval, events):
         state.ended = STOPPED
         return UploadPlan(runs=[]), state
@@ -403,7 +408,7 @@ class _Pass:
                 ledger = Ledger.for_run_dir(self.root, identity)
                 to = self.to
                 if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
-                    to = Destination(to.project, to.entity, to.offline, ledger.path.parent)
+                    to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
                 self.sender = Sender(
                     self.upload,
                     ledger,

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metric_core.errors import MetricLogError, PlanError, UploadError, in_python
+from metric_core.errors import MetricLogError, PlanError, UploadError, in_python, opt
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan
 
@@ -36,8 +36,10 @@ REPLAY_SETTINGS = {
     "disable_git": True,
     "disable_code": True,
     "save_code": False,
-    "init_timeout": 30.0,  # an unreachable server is said within 30 s, not after 90
 }
+# How long wandb.init may take before W&B is called unreachable (wandb's own default is 90 s):
+# a plain upload fails within 15 s with what to do (Destination.connect_timeout).
+CONNECT_TIMEOUT = 10.0
 
 
 @dataclass
@@ -75,6 +77,7 @@ class Destination:
     entity: str | None = None
     offline: bool = False
     wandb_dir: Path | None = None
+    connect_timeout: float = CONNECT_TIMEOUT  # seconds wandb.init may take online
 
 
 # W&B's rules for project, entity and run names, checked before anything is read or sent
@@ -287,7 +290,7 @@ class Sender:
             self.ledger.update(outcome.run_id, rows_sent=outcome.rows_sent, finished=finished, **fields)
 
     def _start(self, run: PlannedRun, run_id: str, resume: str | None) -> Any:
-        timeout = 0.9 * float(REPLAY_SETTINGS["init_timeout"])
+        timeout = 0.9 * self.to.connect_timeout
         began = time.monotonic()
         try:
             return self._retry(
@@ -297,9 +300,13 @@ class Sender:
             if self.to.offline or time.monotonic() - began < timeout:
                 raise
             host = os.environ.get("WANDB_BASE_URL") or "W&B's default server"
+            why = (
+                str(exc.__cause__ or exc).split("Consider increasing")[0].strip().splitlines()[0].rstrip(".")
+            )
             raise UploadError(
-                f"could not reach W&B ({host}): {exc.__cause__ or exc}. Check the network, or write "
-                "offline runs with --offline and `wandb sync` them later"
+                f"could not reach W&B ({host}) within {self.to.connect_timeout:g} s ({why}): check the "
+                f"network ({opt('connect_timeout')}SECONDS waits longer), or write offline runs with "
+                f"{opt('offline', flag=True)} and `wandb sync` them later"
             ) from None
 
     def remove_partial(self, entry: dict[str, Any]) -> str:
@@ -324,7 +331,7 @@ class Sender:
             "mode": "offline" if self.to.offline else "online",
             "reinit": "create_new",
             "dir": str(self.to.wandb_dir) if self.to.wandb_dir else None,
-            "settings": REPLAY_SETTINGS,
+            "settings": {**REPLAY_SETTINGS, "init_timeout": self.to.connect_timeout},
         }
         if resume and resume.startswith("from:"):  # W&B's rewind: drop the rows from there on
             args["resume_from"] = f"{run_id}?_step={resume.removeprefix('from:')}"
