@@ -115,9 +115,6 @@ def upload_run(
     events = events or UploadEvents()
     check_names(project=to.project, entity=to.entity, group=group, name=name)
     root = run_path(run_dir)
-    missing = None if follow is not None and follow.wait else missing_run(root)
-    if missing is not None:  # said before anything else (credentials, W&B): a mistyped path
-        raise missing
     if follow is not None and is_remote(root):
         raise RequestError(
             f"{root}: {opt('follow', flag=True)} reads a run while its writers append to it, on a local or "
@@ -130,6 +127,9 @@ def upload_run(
             f"reduces each poll's new records here; {opt('engine')}ray applies to a whole upload only",
             option="follow",
         )
+    missing = None if follow is not None and follow.wait else missing_run(root)
+    if missing is not None:  # after the usage errors, before credentials and W&B: a mistyped path
+        raise missing
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "dryrun") and not to.offline:
         events.message(
