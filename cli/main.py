@@ -259,7 +259,7 @@ def inspect(
             output.print_inspect(report)
 
 
-@app.command(cls=_Command, short_help="Plot keys of a run to a PNG.")
+@app.command(cls=_Command, short_help="Plot keys of a run to a PNG, SVG or PDF.")
 def plot(
     run_dir: o.RunDir,
     key: o.PlotKeys,
@@ -272,10 +272,12 @@ def plot(
     steps: o.Steps = None,
     attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
+    smooth: o.Smooth = 0.0,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
 ) -> None:
-    """Plot keys of a run to a PNG, marking where sources stopped and values went non-finite.
+    """Plot keys of a run to a PNG, SVG or PDF, marking where sources stopped and values went
+    non-finite.
 
     Example:
 
@@ -298,6 +300,7 @@ def plot(
             spelled=o.on_cli,
             engine=engine.value,
             ray_address=ray_address,
+            smooth=smooth,
         )
     output.say("info", f"wrote {out}")
 

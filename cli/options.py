@@ -219,10 +219,21 @@ PngFile = Annotated[
     str,
     typer.Option(
         "--out",
-        metavar="FILE.png",
-        callback=_suffixed(".png"),
-        help="Where to write the PNG (folders are created; an s3://, gs:// or az:// URL is written whole "
-        "at the end).",
+        metavar="FILE",
+        callback=_suffixed(".png", ".svg", ".pdf"),
+        help="Where to write the plot: FILE.png, .svg or .pdf (folders are created; an s3://, gs:// or "
+        "az:// URL is written whole at the end).",
+    ),
+]
+Smooth = Annotated[
+    float,
+    typer.Option(
+        "--smooth",
+        metavar="W",
+        min=0.0,
+        max=0.999,
+        help="Smooth each line as TensorBoard's slider does (W: the weight of the past, 0 to 0.999); the "
+        "line as recorded stays, faint.",
     ),
 ]
 

@@ -1,17 +1,20 @@
-"""``metriclog plot``: a PNG of some keys, with where sources stopped and where values went bad.
+"""``metriclog plot``: a PNG, SVG or PDF of some keys, with where sources stopped and where
+values went bad.
 
 * ``global_reduce``: a line per key, with the band of its sources' own values of the same
   statistic (lowest to highest; none for ``sum``, ``count`` and ``std``, whose whole is no
   source's);
-* ``per_rank_reduce``: a line per source;
+* ``per_rank_reduce``: a line per source; past MAX_LINES sources in a panel, their median,
+  the band from their 10th to 90th percentile, and their lowest and highest, per step;
 * ``per_rank_no_reduce``: the raw points over wall-clock time, a colour per source; past
   RAW_POINTS points, each source's lowest and highest value in each of BINS time bins
   (the x label says so), so memory does not grow with the run.
 
 A source that did not shut down cleanly gets a dashed vertical line where it stopped; the
 first non-finite value of a source gets a dotted red line. One subplot per key, one legend
-for the figure below them, wall-clock axes as local dates and times, a line of few points
-with its points marked.
+for the figure below them, wall-clock axes as local dates and times in one format, a line
+of few points with its points marked. ``smooth`` draws each line as TensorBoard's
+smoothing slider does (``ema``), the line as recorded faint behind it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_
 from metric_core.offline.storage import run_path, written_at
 
 MAX_KEYS = 12
+FORMATS = (".png", ".svg", ".pdf")
+MAX_LINES = 8  # sources drawn a line each in a panel; past them, their spread
 # per_rank_no_reduce draws every point up to this many; past it, each source's lowest and
 # highest value in each of BINS equal bins of the run's time (the shape a screen can show).
 RAW_POINTS = 200_000
@@ -55,9 +60,11 @@ def plot_run(
     spelled: Callable[[str], str] = in_python,
     engine: str = "local",
     ray_address: str | None = None,
+    smooth: float = 0.0,
 ) -> Any:
-    """Draw ``plan``'s keys of a run (a directory, or a scan of one); save a PNG to ``out``
-    if given; return the matplotlib Figure. ``on_progress`` follows the reduction's read;
+    """Draw ``plan``'s keys of a run (a directory, or a scan of one); save it to ``out`` (a
+    .png, .svg or .pdf) if given; return the matplotlib Figure. ``smooth`` in [0, 1):
+    TensorBoard's smoothing weight (``ema``). ``on_progress`` follows the reduction's read;
     ``on_warning`` gets what the plot cannot show and the filters that matched nothing (a
     ``MetricLogWarning`` by default), naming options as ``spelled`` does (``MetricLogError.said``).
     ``engine`` and ``ray_address`` say where the reductions run (``engine.execute``).
@@ -67,8 +74,12 @@ def plot_run(
     >>> fig.axes[0].get_ylabel().splitlines()  # the key, and the statistic its line shows
     ['trainer/loss', '(mean)']
     """
-    if out is not None and PurePosixPath(str(out)).suffix.lower() != ".png":
-        raise PlanError("is not a PNG file: name it FILE.png", option="out", value=str(out))
+    if out is not None and PurePosixPath(str(out)).suffix.lower() not in FORMATS:
+        raise PlanError("is not a .png, .svg or .pdf file", option="out", value=str(out))
+    if not 0.0 <= smooth < 1.0:
+        raise PlanError(
+            "is a weight of the past from 0 (none) to below 1", option="smooth", value=str(smooth)
+        )
     scan = (
         run
         if isinstance(run, RunScan)
@@ -119,7 +130,7 @@ def plot_run(
     with plt.rc_context({"font.family": ["DejaVu Sans", *families]}), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Glyph .* missing from font")  # said once, above
         band = _band(plan, scan, result, where) if plan.mode is LoggingMode.GLOBAL_REDUCE else None
-        return _figure(plt, plan, scan, result, health, recorders, keys, decimated, band, out)
+        return _figure(plt, plan, scan, result, health, recorders, keys, decimated, band, out, smooth)
 
 
 def _figure(
@@ -133,6 +144,7 @@ def _figure(
     decimated: bool,
     band: dict[str, tuple[pl.DataFrame, str]] | None,
     out: str | os.PathLike[str] | None,
+    smooth: float = 0.0,
 ) -> Any:
     """One subplot per key (``result``'s rows of it), the marks of ``health``, ``band``
     (global_reduce), one legend."""
@@ -149,7 +161,7 @@ def _figure(
         if mode is LoggingMode.GLOBAL_REDUCE:
             x, y = x_of(data[x_col].to_numpy()), data["value"].to_numpy()
             stat = data["reduction"][0]
-            ax.plot(x, y, marker=_marker(x), label=f"_{key}")  # the axis names it: not in the legend
+            _line(ax, x, y, smooth, color="C0", label=f"_{key}")  # the axis names it: not in the legend
             if band is not None and key in band:
                 b, _ = band[key]
                 ax.fill_between(
@@ -160,6 +172,8 @@ def _figure(
                     color="C0",
                     label="lowest to highest of the sources' own values of the statistic",
                 )
+        elif mode is LoggingMode.PER_RANK_REDUCE and data.select("process", "rank").n_unique() > MAX_LINES:
+            _spread(ax, data, x_col, x_of, smooth)
         else:
             for i, ((process, rank), part) in enumerate(
                 data.partition_by("process", "rank", as_dict=True, maintain_order=True).items()
@@ -167,7 +181,7 @@ def _figure(
                 x, y = x_of(part[x_col].to_numpy()), part["value"].to_numpy()
                 style = {"color": f"C{i % 10}", "label": f"{process} (rank {rank})"}
                 if mode is LoggingMode.PER_RANK_REDUCE:
-                    ax.plot(x, y, marker=_marker(x), **style)
+                    _line(ax, x, y, smooth, **style)
                 else:
                     ax.plot(x, y, linestyle="none", marker=".", markersize=3, **style)
         _mark(ax, health, key, x_col, recorders.get(key, set()), x_of)
@@ -183,14 +197,84 @@ def _figure(
     axes[-1, 0].set_xlabel(
         x_label[x_col]
         + (f"; decimated: lowest and highest of {BINS:,} time bins per source" if decimated else "")
+        + (f"; lines smoothed as TensorBoard does (weight {smooth:g}), faint: as recorded" if smooth else "")
     )
     _one_legend(fig, axes[:, 0])
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
     if out is not None:
         with written_at(run_path(out)) as local:
             local.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(local, dpi=110)
+            fig.savefig(local, dpi=110)  # the format by the suffix: PNG, SVG or PDF
     return fig
+
+
+def ema(values: Any, weight: float) -> Any:
+    """TensorBoard's smoothing of a line: an exponential moving average with ``weight`` of
+    the past, debiased (the first points are not pulled toward 0); a non-finite value is
+    kept as it is and skipped by the average; a constant line is kept as it is.
+
+    >>> ema([1.0, 2.0, float("nan"), 3.0], 0.5).tolist()
+    [1.0, 1.6666666666666667, nan, 2.4285714285714284]
+    """
+    import numpy as np
+
+    y = np.asarray(values, dtype=np.float64)
+    out = y.copy()
+    if len(y) == 0 or weight == 0 or bool((y == y[0]).all()):
+        return out
+    last, n = 0.0, 0
+    for i, v in enumerate(y):
+        if np.isfinite(v):
+            last = last * weight + (1 - weight) * v
+            n += 1
+            out[i] = last / (1 - weight**n)
+    return out
+
+
+def _line(ax: Any, x: Any, y: Any, smooth: float, **style: Any) -> None:
+    """A line as recorded, or smoothed with the recorded one faint behind it."""
+    if not smooth:
+        ax.plot(x, y, marker=_marker(x), **style)
+        return
+    ax.plot(x, y, alpha=0.25, linewidth=1, color=style.get("color"), label="_raw")
+    ax.plot(x, ema(y, smooth), **style)
+
+
+def _spread(ax: Any, data: pl.DataFrame, x_col: str, x_of: Callable[[Any], Any], smooth: float) -> None:
+    """Many sources in a panel: per x, their finite values' median, the band from their 10th
+    to 90th percentile, and their lowest and highest (said in the legend)."""
+    n = data.select("process", "rank").n_unique()
+    v = pl.col("value").filter(pl.col("value").is_finite())  # a non-finite value has its own mark
+    per = (
+        data.group_by(x_col)
+        .agg(
+            mid=v.median(),
+            p10=v.quantile(0.1, "linear"),
+            p90=v.quantile(0.9, "linear"),
+            lo=v.min(),
+            hi=v.max(),
+        )
+        .sort(x_col)
+    )
+    x = x_of(per[x_col].to_numpy())
+    ax.fill_between(
+        x,
+        per["p10"].to_numpy(),
+        per["p90"].to_numpy(),
+        alpha=0.25,
+        color="C0",
+        label=f"10-90% of {n} sources",
+    )
+    ax.plot(
+        x,
+        per["lo"].to_numpy(),
+        color="C0",
+        linewidth=0.6,
+        linestyle="--",
+        label=f"lowest and highest of {n} sources",
+    )
+    ax.plot(x, per["hi"].to_numpy(), color="C0", linewidth=0.6, linestyle="--", label="_hi")
+    _line(ax, x, per["mid"].to_numpy(), smooth, color="C0", label=f"median of {n} sources")
 
 
 # Statistics whose per-source values bracket the global one (and pNN). A sum or a count of
@@ -239,7 +323,10 @@ def _date_axis(ax: Any) -> None:
 
     locator = mdates.AutoDateLocator(tz=tz.tzlocal())
     ax.xaxis.set_major_locator(locator)
-    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator, tz=tz.tzlocal()))
+    low, high = ax.get_xlim()  # days: one format for every tick, by the span shown
+    span = (high - low) * 86400.0
+    shape = "%H:%M:%S" if span < 600 else "%H:%M" if span < 86400 else "%m-%d %H:%M"
+    ax.xaxis.set_major_formatter(mdates.DateFormatter(shape, tz=tz.tzlocal()))
 
 
 def _one_legend(fig: Any, axes: Any) -> None:
