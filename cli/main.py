@@ -141,10 +141,12 @@ def reduce(
             output.say("warning", note.said(o.on_cli))
 
 
-@app.command(cls=_Command, short_help="Upload a logging mode of a run to Weights & Biases.")
+@app.command(cls=_Command, short_help="Upload a logging mode of a run to W&B, or to TensorBoard files.")
 def upload(
     run_dir: o.RunDir,
-    project: o.Project,
+    project: o.Project = None,
+    to: o.ToOpt = o.To.WANDB,
+    logdir: o.Logdir = None,
     entity: o.Entity = None,
     group: o.Group = None,
     name: o.Name = None,
@@ -190,8 +192,9 @@ def upload(
     \b
         metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
         metriclog upload runs/exp1 --project rl --follow
+        metriclog upload runs/exp1 --to tensorboard --logdir tb --mode per_rank_reduce
     """
-    from metric_core.offline.upload import Destination, upload_run
+    from metric_core.offline.upload import upload_run
 
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
@@ -200,7 +203,7 @@ def upload(
             result = upload_run(
                 run_dir,
                 o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
-                Destination(project, entity, offline, connect_timeout=connect_timeout),
+                o.destination(to, project, entity, offline, connect_timeout, logdir),
                 name=name,
                 group=group,
                 share_run=per_rank_share_run,

@@ -184,7 +184,51 @@ Attempts = Annotated[
 Wide = Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")]
 
 # upload
-Project = Annotated[str, typer.Option("--project", metavar="PROJECT", help="W&B project.")]
+Project = Annotated[
+    str | None, typer.Option("--project", metavar="PROJECT", help="W&B project (needed with --to wandb).")
+]
+
+
+class To(str, Enum):
+    WANDB = "wandb"
+    TENSORBOARD = "tensorboard"
+
+
+ToOpt = Annotated[
+    To,
+    typer.Option(
+        "--to", help="Where the runs go: W&B (the default), or TensorBoard event files under --logdir."
+    ),
+]
+Logdir = Annotated[
+    str | None,
+    typer.Option("--logdir", metavar="DIR", help="With --to tensorboard: the folder TensorBoard reads."),
+]
+
+
+def destination(
+    to: To, project: str | None, entity: str | None, offline: bool, connect_timeout: float, logdir: str | None
+) -> Any:
+    """``upload_run``'s ``to`` from upload's options; a misused one is a usage error."""
+    from pathlib import Path
+
+    from metric_core.offline.upload import Destination
+    from metric_core.offline.upload.tensorboard import TensorBoard
+
+    if to is To.TENSORBOARD:
+        given = [f for f, v in (("--project", project), ("--entity", entity), ("--offline", offline)) if v]
+        if logdir is None:
+            raise typer.BadParameter("--to tensorboard writes under --logdir DIR: give it", param_hint="--to")
+        if given:
+            raise typer.BadParameter(f"{given[0]} is W&B's: not with --to tensorboard", param_hint=given[0])
+        return TensorBoard(Path(logdir))
+    if logdir is not None:
+        raise typer.BadParameter("--logdir works only with --to tensorboard", param_hint="--logdir")
+    if project is None:
+        raise typer.BadParameter("name the W&B project: --project P", param_hint="--project")
+    return Destination(project, entity, offline, connect_timeout=connect_timeout)
+
+
 Entity = Annotated[str | None, typer.Option("--entity", metavar="ENTITY", help="W&B entity (team or user).")]
 Group = Annotated[
     str | None,

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from metric_core.credentials import has_credentials
 from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
@@ -33,6 +33,7 @@ from metric_core.offline.upload.send import (
     find_entry,
     send_runs,
 )
+from metric_core.offline.upload.tensorboard import TensorBoard
 
 if TYPE_CHECKING:
     from metric_core.offline.plan import ReducePlan
@@ -78,7 +79,7 @@ class UploadResult:
 def upload_run(
     run_dir: str | os.PathLike[str],
     plan: ReducePlan,
-    to: Destination,
+    to: Destination | TensorBoard,
     *,
     name: str | None = None,
     group: str | None = None,
@@ -113,7 +114,10 @@ def upload_run(
     [('rl_run', 300)]
     """
     events = events or UploadEvents()
-    check_names(project=to.project, entity=to.entity, group=group, name=name)
+    if isinstance(to, TensorBoard):
+        check_names(group=group, name=name)
+    else:
+        check_names(project=to.project, entity=to.entity, group=group, name=name)
     root = run_path(run_dir)
     if follow is not None and is_remote(root):
         raise RequestError(
@@ -130,6 +134,12 @@ def upload_run(
     missing = None if follow is not None and follow.wait else missing_run(root)
     if missing is not None:  # after the usage errors, before credentials and W&B: a mistyped path
         raise missing
+    if isinstance(to, TensorBoard):
+        return _to_tensorboard(
+            root, plan, to, follow, dry_run, force_new, events,
+            strict=strict, follow_symlinks=follow_symlinks, on_progress=on_progress, engine=engine,
+            ray_address=ray_address, name=name or name_of(root), group=group, share_run=share_run,
+        )  # fmt: skip
     mode = os.environ.get("WANDB_MODE", "").strip().lower()
     if mode in ("offline", "dryrun") and not to.offline:
         events.message(
@@ -235,6 +245,32 @@ def upload_run(
                     ),
                 )
             return UploadResult(upload, outcomes)
+    finally:
+        upload.close()
+
+
+def _to_tensorboard(
+    root: RunPath,
+    plan: ReducePlan,
+    to: TensorBoard,
+    follow: Follow | None,
+    dry_run: bool,
+    force_new: bool,
+    events: UploadEvents,
+    **read: Any,
+) -> UploadResult:
+    """``upload_run`` to TensorBoard event files (``offline.upload.tensorboard``)."""
+    from metric_core.offline.upload import tensorboard
+
+    if follow is not None:
+        raise PlanError("writes to W&B only: upload to TensorBoard once the job ended", option="follow")
+    request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
+    upload = _received(functools.partial(_prepare, root, plan, request=request, **read), events)
+    try:
+        _said(upload, events)
+        if dry_run:
+            return UploadResult(upload, tensorboard.would_be(upload, to, force_new), dry_run=True)
+        return UploadResult(upload, tensorboard.write_runs(upload, to, force_new=force_new, events=events))
     finally:
         upload.close()
 
