@@ -795,3 +795,35 @@ def test_an_unreachable_wandb_fails_a_plain_upload_with_one_line_that_says_what_
     assert errors[0].startswith("Error: could not reach W&B (http://127.0.0.1:9) within 1 s (")
     assert errors[0].endswith("or write offline runs with --offline and `wandb sync` them later")
     assert "init_timeout" not in done.stderr  # wandb's advice, meaningless on a command line
+
+
+def test_a_follow_tries_an_unreachable_wandb_again_with_backoff_and_says_so(tmp_path, planned, monkeypatch):
+    """The sidecar outlasts a network outage: each failed start is said, then tried again."""
+    from metric_core.offline.upload.send import Sender, UploadEvents
+
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    run = FakeRun()
+    outages = [2]
+
+    def flaky(**kwargs):
+        if outages[0]:
+            outages[0] -= 1
+            time.sleep(0.06)  # as long as the timeout: the server did not answer
+            raise ConnectionError("timed out")
+        return run
+
+    said, slept = [], []
+    events = UploadEvents(message=lambda kind, text: said.append(text))
+    to = Destination("p", connect_timeout=0.05)
+    sender = Sender(
+        planned, Ledger(tmp_path / "uploads.json"), to, False, events, flaky, slept.append, patience=600
+    )
+    (outcome,) = [sender.send(r) for r in planned.runs]
+    assert outcome.rows_sent == planned.runs[0].rows and run.finished
+    assert slept == [1.0, 2.0]  # backing off
+    tries = [t for t in said if t.startswith("could not reach W&B (http://127.0.0.1:9)")]
+    assert len(tries) == 2 and all("trying again in" in t for t in tries)
+    impatient = Sender(planned, Ledger(tmp_path / "u2.json"), to, False, events, flaky, slept.append)
+    outages[0] = 1
+    with pytest.raises(UploadError, match="could not reach W&B"):
+        impatient.send(planned.runs[0])

@@ -36,7 +36,15 @@ from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
 from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_config, run_id_for
-from metric_core.offline.upload.send import Destination, RunOutcome, Sender, UploadEvents, decide, find_entry
+from metric_core.offline.upload.send import (
+    FOLLOW_PATIENCE,
+    Destination,
+    RunOutcome,
+    Sender,
+    UploadEvents,
+    decide,
+    find_entry,
+)
 
 NEVER = 1 << 62  # rows to skip of a run that is skipped
 # How ``follow_upload`` ended: every source finished, idle for ``until_idle``, every source
@@ -418,6 +426,7 @@ class _Pass:
                     self.init or _wandb_init(),
                     time.sleep,
                     self.samples,
+                    patience=FOLLOW_PATIENCE,  # a sidecar outlasts a network outage
                 )
             outcome, wb = self.sender.open(run)
             if self.replacing and wb is not None:

@@ -40,6 +40,9 @@ REPLAY_SETTINGS = {
 # How long wandb.init may take before W&B is called unreachable (wandb's own default is 90 s):
 # a plain upload fails within 15 s with what to do (Destination.connect_timeout).
 CONNECT_TIMEOUT = 10.0
+# upload --follow tries an unreachable W&B again for this long, backing off up to a minute.
+FOLLOW_PATIENCE = 1800.0
+FOLLOW_BACKOFF_MAX = 60.0
 
 
 @dataclass
@@ -229,6 +232,7 @@ class Sender:
     init: Callable[..., Any]
     sleep: Callable[[float], None]
     samples: SampleTables | None = None  # each step's chosen samples, as tables in its row
+    patience: float | None = None  # seconds an unreachable W&B is tried again (upload --follow)
 
     def send(self, run: PlannedRun) -> RunOutcome:
         outcome, wb = self.open(run)
@@ -290,24 +294,41 @@ class Sender:
             self.ledger.update(outcome.run_id, rows_sent=outcome.rows_sent, finished=finished, **fields)
 
     def _start(self, run: PlannedRun, run_id: str, resume: str | None) -> Any:
+        """``wandb.init`` of ``run``. A server that does not answer within the connect timeout
+        fails at once, or, with ``patience`` (``upload --follow``), is tried again with
+        backoff, saying so, for that many seconds."""
         timeout = 0.9 * self.to.connect_timeout
-        began = time.monotonic()
-        try:
-            return self._retry(
-                lambda: self.init(**self._init_args(run, run_id, resume)), "starting the W&B run", timeout
+        waited, delay = 0.0, 1.0
+        while True:
+            began = time.monotonic()
+            try:
+                return self._retry(
+                    lambda: self.init(**self._init_args(run, run_id, resume)), "starting the W&B run", timeout
+                )
+            except UploadError as exc:
+                if self.to.offline or time.monotonic() - began < timeout:
+                    raise
+                error = self._unreachable(exc)
+                waited += time.monotonic() - began
+                if self.patience is None or waited >= self.patience:
+                    raise error from None
+            self.events.message(
+                "warning",
+                f"{error.said(self.events.spelled)}; trying again in {delay:.0f} s "
+                f"(for {(self.patience or 0) / 60:.0f} min in all)",
             )
-        except UploadError as exc:
-            if self.to.offline or time.monotonic() - began < timeout:
-                raise
-            host = os.environ.get("WANDB_BASE_URL") or "W&B's default server"
-            why = (
-                str(exc.__cause__ or exc).split("Consider increasing")[0].strip().splitlines()[0].rstrip(".")
-            )
-            raise UploadError(
-                f"could not reach W&B ({host}) within {self.to.connect_timeout:g} s ({why}): check the "
-                f"network ({opt('connect_timeout')}SECONDS waits longer), or write offline runs with "
-                f"{opt('offline', flag=True)} and `wandb sync` them later"
-            ) from None
+            self.sleep(delay)
+            waited += delay
+            delay = min(2 * delay, FOLLOW_BACKOFF_MAX)
+
+    def _unreachable(self, exc: UploadError) -> UploadError:
+        host = os.environ.get("WANDB_BASE_URL") or "W&B's default server"
+        why = str(exc.__cause__ or exc).split("Consider increasing")[0].strip().splitlines()[0].rstrip(".")
+        return UploadError(
+            f"could not reach W&B ({host}) within {self.to.connect_timeout:g} s ({why}): check the "
+            f"network ({opt('connect_timeout')}SECONDS waits longer), or write offline runs with "
+            f"{opt('offline', flag=True)} and `wandb sync` them later"
+        )
 
     def remove_partial(self, entry: dict[str, Any]) -> str:
         """The files of an interrupted offline run: `wandb sync` would send them beside the redo."""
