@@ -117,7 +117,7 @@ def reduce(
 
     with errors_to_exit():
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
-        o.rows(limit, tail)
+        o.rows(limit, tail, out, form)
         if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
         check_target(None if out == "-" else out)
@@ -171,7 +171,7 @@ def upload(
     let_go_after: o.LetGoAfter = None,
     restart_grace: o.RestartGrace = o.RESTART_GRACE,
     wait: o.Wait = False,
-    connect_timeout: o.ConnectTimeout = 10.0,
+    connect_timeout: o.ConnectTimeout = None,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
     sample_top: o.SampleTop = None,
@@ -332,7 +332,7 @@ def keys(
     from metric_core.offline.keys import list_keys
 
     with errors_to_exit():
-        o.rows(limit, tail)
+        o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         with output.read_progress():
             found = list_keys(
@@ -374,7 +374,7 @@ def samples(
     from metric_core.offline.samples import select_samples
 
     with errors_to_exit():
-        o.rows(limit, tail)
+        o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         frame, read = select_samples(
             run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,

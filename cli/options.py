@@ -166,10 +166,16 @@ Limit = Annotated[int | None, typer.Option("--limit", metavar="N", min=0, help="
 Tail = Annotated[int | None, typer.Option("--tail", metavar="N", min=0, help="Only the last N rows.")]
 
 
-def rows(limit: int | None, tail: int | None) -> None:
-    """``--limit`` and ``--tail`` exclude each other."""
+def rows(limit: int | None, tail: int | None, out: str | None = None, form: Format | None = None) -> None:
+    """``--limit`` and ``--tail`` exclude each other; ``--format`` is stdout's, and a file's
+    format comes from its suffix."""
     if limit is not None and tail is not None:
         raise typer.BadParameter("give --limit or --tail, not both")
+    if form is not None and out not in (None, "-"):
+        raise typer.BadParameter(
+            f"--format chooses what goes to stdout; --out {out} writes by its suffix: give one of them",
+            param_hint="--format",
+        )
 
 
 Attempts = Annotated[
@@ -207,7 +213,12 @@ Logdir = Annotated[
 
 
 def destination(
-    to: To, project: str | None, entity: str | None, offline: bool, connect_timeout: float, logdir: str | None
+    to: To,
+    project: str | None,
+    entity: str | None,
+    offline: bool,
+    connect_timeout: float | None,
+    logdir: str | None,
 ) -> Any:
     """``upload_run``'s ``to`` from upload's options; a misused one is a usage error."""
     from pathlib import Path
@@ -216,7 +227,16 @@ def destination(
     from metric_core.offline.upload.tensorboard import TensorBoard
 
     if to is To.TENSORBOARD:
-        given = [f for f, v in (("--project", project), ("--entity", entity), ("--offline", offline)) if v]
+        given = [
+            f
+            for f, v in (
+                ("--project", project),
+                ("--entity", entity),
+                ("--offline", offline or None),
+                ("--connect-timeout", connect_timeout),
+            )
+            if v is not None
+        ]
         if logdir is None:
             raise typer.BadParameter("--to tensorboard writes under --logdir DIR: give it", param_hint="--to")
         if given:
@@ -226,6 +246,8 @@ def destination(
         raise typer.BadParameter("--logdir works only with --to tensorboard", param_hint="--logdir")
     if project is None:
         raise typer.BadParameter("name the W&B project: --project P", param_hint="--project")
+    if connect_timeout is None:
+        return Destination(project, entity, offline)
     return Destination(project, entity, offline, connect_timeout=connect_timeout)
 
 
@@ -499,7 +521,7 @@ Wait = Annotated[
 
 
 ConnectTimeout = Annotated[
-    float,
+    float | None,
     typer.Option(
         "--connect-timeout",
         metavar="SECONDS",

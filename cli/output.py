@@ -209,10 +209,10 @@ def emit(
 def _chosen(frames: Iterator[pl.DataFrame], limit: int | None, tail: int | None) -> Iterator[pl.DataFrame]:
     if limit is not None:
         left = limit
-        for frame in frames:
-            if left <= 0:
+        for i, frame in enumerate(frames):
+            if left <= 0 and i:
                 break
-            yield frame.head(left)
+            yield frame.head(left)  # the first frame always, if empty: its columns
             left -= min(left, frame.height)
         return
     if tail is not None:
@@ -223,10 +223,10 @@ def _chosen(frames: Iterator[pl.DataFrame], limit: int | None, tail: int | None)
         for frame in frames:  # the last ``tail`` rows, never more held than that and a frame
             kept.append(frame)
             held += frame.height
-            while kept and held - kept[0].height >= tail:
+            while len(kept) > 1 and held - kept[0].height >= tail:
                 held -= kept.pop(0).height
         if kept:
-            yield pl.concat(kept, how="vertical_relaxed").tail(tail)
+            yield pl.concat(kept, how="vertical_relaxed").tail(tail)  # --tail 0: the columns alone
         return
     yield from frames
 
@@ -403,7 +403,7 @@ def _readable(df: pl.DataFrame) -> pl.DataFrame:
     out = []
     for name, dtype in df.schema.items():
         col = pl.col(name)
-        if name in ("timestamp", "window_start") and dtype == pl.Float64:
+        if (name in ("timestamp", "window_start") or name.endswith("_time")) and dtype == pl.Float64:
             col = col.map_elements(time, return_dtype=pl.String)
         elif dtype == pl.Float64:
             col = col.map_elements(lambda v: f"{v:.7g}", return_dtype=pl.String)

@@ -655,3 +655,15 @@ def test_the_readmes_first_commands_run_as_written_against_the_installed_package
         assert done.returncode == 0, (command, done.stderr)
         assert "Traceback" not in done.stderr
     assert sorted(p.relative_to(SAMPLE) for p in SAMPLE.rglob("*")) == before  # nothing written there
+
+
+def test_limit_and_tail_of_zero_give_the_columns_alone_and_a_clash_is_a_usage_error(run, tmp_path):
+    root, _ = run
+    for args in (["--limit", "0"], ["--tail", "0"]):
+        out, _ = piped("reduce", root, *args)
+        assert out.decode().splitlines() == ["step,key,value,reduction,count"], args
+        assert json.loads(piped("keys", root, *args, "--format", "json")[0]) == []
+    piped("keys", root, "--limit", "0", "--out", tmp_path / "k.csv")
+    assert pl.read_csv(tmp_path / "k.csv").height == 0
+    clash = invoke("reduce", root, "--out", tmp_path / "x.json", "--format", "csv")
+    assert clash.exit_code == 2 and "--format chooses what goes to stdout" in clash.stderr

@@ -237,7 +237,7 @@ def _line(ax: Any, x: Any, y: Any, smooth: float, **style: Any) -> None:
         ax.plot(x, y, marker=_marker(x), **style)
         return
     ax.plot(x, y, alpha=0.25, linewidth=1, color=style.get("color"), label="_raw")
-    ax.plot(x, ema(y, smooth), **style)
+    ax.plot(x, ema(y, smooth), marker=_marker(x), **style)
 
 
 def _spread(ax: Any, data: pl.DataFrame, x_col: str, x_of: Callable[[Any], Any], smooth: float) -> None:

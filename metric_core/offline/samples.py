@@ -32,7 +32,7 @@ from metric_core import journal
 from metric_core import sample as sample_codec
 from metric_core.errors import NoDataError, PlanError, opt
 from metric_core.offline.plan import key_matcher
-from metric_core.offline.storage import RunPath, _is_upath, listing, open_read, run_path
+from metric_core.offline.storage import RunPath, _is_upath, arrow_source, listing, open_read, run_path
 
 if TYPE_CHECKING:
     import polars as pl
@@ -208,13 +208,15 @@ def _read_sealed(path: RunPath, notes: list[str]) -> _Part | None:
 def _sealed_parquet(path: RunPath) -> tuple[dict[str, Any], list[tuple[int, str, float, Any]]]:
     import pyarrow.parquet as pq
 
-    with open_read(path) as f:
-        pf = pq.ParquetFile(f, page_checksum_verification=True)
+    # Read by arrow's own file (never a Python file object, whose buffers arrow's threads
+    # would release at the interpreter's exit), on this thread.
+    with arrow_source(path) as source:
+        pf = pq.ParquetFile(source, page_checksum_verification=True)
         kv = pf.metadata.metadata or {}
         if sample_codec.PARQUET_KEY not in kv:
             raise ValueError("not a samples file of metriclog (no metriclog.samples metadata)")
         meta = json.loads(kv[sample_codec.PARQUET_KEY])
-        table = pf.read(columns=["step", "rank", "process", "key", "timestamp", "sample"])
+        table = pf.read(columns=["step", "rank", "process", "key", "timestamp", "sample"], use_threads=False)
     if set(table.column("process").unique().to_pylist()) - {meta.get("process")} or set(
         table.column("rank").unique().to_pylist()
     ) - {meta.get("rank")}:

@@ -263,7 +263,10 @@ def _to_tensorboard(
     from metric_core.offline.upload import tensorboard
 
     if follow is not None:
-        raise PlanError("writes to W&B only: upload to TensorBoard once the job ended", option="follow")
+        raise RequestError(
+            f"{opt('follow', flag=True)} writes to W&B only: write TensorBoard files once the job ended "
+            "(or as often as you like: each time writes the runs that changed)"
+        )
     request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
     upload = _received(functools.partial(_prepare, root, plan, request=request, **read), events)
     try:

@@ -427,6 +427,7 @@ class _Pass:
                     time.sleep,
                     self.samples,
                     patience=FOLLOW_PATIENCE,  # a sidecar outlasts a network outage
+                    after_timeout=None if self.init is not None else _wandb_teardown,
                 )
             outcome, wb = self.sender.open(run)
             if self.replacing and wb is not None:
@@ -454,6 +455,12 @@ class _Pass:
                     opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
                 )
                 opened.wb = None
+
+
+def _wandb_teardown() -> None:
+    import wandb
+
+    wandb.teardown()
 
 
 def _appeared(root: Path, stop: threading.Event, interval: float, events: UploadEvents) -> bool:

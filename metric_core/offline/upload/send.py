@@ -233,6 +233,9 @@ class Sender:
     sleep: Callable[[float], None]
     samples: SampleTables | None = None  # each step's chosen samples, as tables in its row
     patience: float | None = None  # seconds an unreachable W&B is tried again (upload --follow)
+    # Called after a start that timed out, before the next try: wandb's service still holds
+    # the run id of a start it gave up on ("run ID ... is in use") until it is torn down.
+    after_timeout: Callable[[], None] | None = None
 
     def send(self, run: PlannedRun) -> RunOutcome:
         outcome, wb = self.open(run)
@@ -317,6 +320,8 @@ class Sender:
                 f"{error.said(self.events.spelled)}; trying again in {delay:.0f} s "
                 f"(for {(self.patience or 0) / 60:.0f} min in all)",
             )
+            if self.after_timeout is not None:
+                self.after_timeout()
             self.sleep(delay)
             waited += delay
             delay = min(2 * delay, FOLLOW_BACKOFF_MAX)

@@ -21,6 +21,7 @@ counted, and said.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -83,6 +84,16 @@ def write_runs(
     logdir = Path(to.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     ledger = _ledger(logdir)
+    ours = {run.run_id for run in upload.runs}
+    for run in upload.runs:
+        other = next((e for i, e in ledger.items() if e.get("name") == run.name and i not in ours), None)
+        if other is not None:  # another mode or filter, written under the same folder name
+            events.message(
+                "warning",
+                f"{logdir / run.name} holds a run another upload wrote (another mode or other filters): "
+                "TensorBoard shows both under the same tags; give this upload a --name of its own",
+            )
+    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a NaN is a value here
     outcomes = []
     for run in upload.runs:
         if _done(ledger, run, logdir) and not force_new:
