@@ -1,12 +1,14 @@
 """The three logging modes, computed offline from a run's raw records.
 
 A ``ReducePlan`` (``metric_core.offline.plan``) says what to compute and knows nothing about
-how. ``execute`` cuts the run's files into partitions (``partitions``: fixed by the files,
-not by the machine), reads each once on a pool of threads, reduces it to partial states
-(``metric_core.offline.partials``) and folds those in partition order, so the output is
-the same bits whatever the thread count. Memory grows with the number of output groups
-(and with the values of median/pNN keys), not with the records. Another engine can run
-the same plan over the same partitions (docs/modes.md, "How results are computed").
+how. ``execute`` cuts the run's files into tasks (``tasks``: files, or their row groups,
+in the order of the first step or window each may hold; fixed by the files, not by the
+machine), reads each once on a pool of threads as partitions of about PARTITION_ROWS
+records, reduces each to partial states (``metric_core.offline.partials``) and folds
+those in that fixed order, so the output is the same bits whatever the thread count.
+Memory grows with the number of output groups (and with the values of median/pNN keys),
+not with the records. Another engine can run the same plan over the same tasks
+(docs/modes.md, "How results are computed").
 
 Statistics follow numpy over all raw values of a group: ``mean`` is sum/count over
 every value (not a mean of rank means), ``std`` is the population std (ddof=0), ``pNN``

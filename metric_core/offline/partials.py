@@ -1,11 +1,12 @@
 """Mergeable partial states: each partition reduced on its own, then folded in a fixed order.
 
 This is GLOBAL_REDUCE as the seed runs it live (each rank's state, merged by the
-controller), done offline. A partition (one file of the run) is reduced to one row of
-state per group (``partition_states``), and an ``Accumulator`` folds the partitions'
-states in the plan's partition order (the files' sorted paths), so the result does not
-depend on the thread count, on which partition finished first, or on the order the
-files were listed in.
+controller), done offline. A partition (a piece of about 125,000 records of one task: a
+file, or a row group of one, see ``engine.tasks``) is reduced to one row of state per
+group (``partition_states``), and an ``Accumulator`` folds the partitions' states in a
+fixed order (the tasks in the order of the first step or window each may hold, then the
+pieces in file order), so the result does not depend on the thread count or on which
+partition finished first.
 
 The state of a group in one partition, over its values v (n of them):
 
@@ -25,8 +26,8 @@ Folding re-centres every partition on one shift K per group (the first partition
 sum(v - K) = dev + n (shift - K) and sum((v - K)**2) = sq + 2 (shift - K) dev +
 n (shift - K)**2, where shift - K is exact for partitions whose means are close. Then
 sum = n K + sum(v - K), mean = K + sum(v - K) / n, and the population variance is
-(sum((v - K)**2) - sum(v - K)**2 / n) / n. ``tests/test_exact.py`` holds these against
-``fractions`` on values of 1e12 + N(0, 1).
+(sum((v - K)**2) - sum(v - K)**2 / n) / n. ``tests/test_engine.py``
+(``test_sum_mean_and_std_are_exact_to_1e_12``) holds these against ``fractions``.
 
 Every computation is numpy over a partition's columns in row order (``bincount`` and
 ``ufunc.at`` add in index order), so a partition's state is the same on every run.
