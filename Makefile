@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench samples clean
+.PHONY: demo test test-fast lint bench samples clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest -q
+
+# The edit loop, under a minute: the record, writer, reader, reductions, samples, the
+# torchforge drop-in and the command line, without the slow cases (real jobs of several
+# processes, object storage, Ray, kills, follows). `make test` runs everything.
+FAST := tests/test_metric.py tests/test_writer.py tests/test_reader.py tests/test_reduce.py \
+	tests/test_cli.py tests/test_samples.py tests/test_torchforge.py tests/torchforge \
+	tests/test_layout.py tests/test_plot.py tests/test_tensorboard.py tests/test_story.py
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow" $(FAST)
 
 lint: $(STAMP)
 	$(BIN)/ruff check metric_core cli tests benchmarks scripts
