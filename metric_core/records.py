@@ -27,7 +27,7 @@ DICT_SCHEMA = pa.schema(
     ]
 )
 # Small batches: their intermediate arrays stay in cache and their memory is reused, where
-# large ones cost page faults for fresh memory on every segment (twice the time, measured).
+# large ones cost page faults for fresh memory on every segment (benchmarks/bench_record.py).
 JSONL_BATCH_ROWS = 16_384
 
 

@@ -931,8 +931,8 @@ def _lower_reductions(df: pl.DataFrame) -> pl.DataFrame:
     return df.with_columns(pl.col("reduction").cast(pl.String).replace(changed).cast(df["reduction"].dtype))
 
 
-# per_rank_no_reduce hands over a source's records in frames of at most this many (the
-# writer of the 100M-record raw output peaks at 375 MiB with 100K, 660 MiB with 250K).
+# per_rank_no_reduce hands over a source's records in frames of at most this many: the
+# peak memory of the raw output's writer grows with it (benchmarks/bench_memory.py).
 RAW_BATCH_ROWS = 100_000
 
 

@@ -318,8 +318,8 @@ CHUNK_GROUPS = 1 << 20
 # median/pNN values held in memory (24 bytes each) before they go to a temporary file
 SPILL_VALUES = 1_000_000
 # median/pNN values whose groups' quantiles are computed in one query: polars' group_by
-# holds about 80 bytes a value; 500K against 1M is 35 MiB less at the peak of *=p99 on
-# another tool's 100M records, for 8% of its time (benchmarks/bench_engine.py)
+# holds about 80 bytes a value, so a smaller slice lowers the peak of *=p99 over many
+# values, for some time (benchmarks/bench_engine.py and bench_memory.py measure both)
 SLICE_VALUES = 500_000
 
 
