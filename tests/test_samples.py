@@ -19,7 +19,7 @@ from metric_core import Reduce, make_plan, read_samples, record_metric, reduce_r
 from metric_core.offline.samples import choose, samples_frame
 from metric_core.offline.upload import Destination, Follow, upload_run
 
-from .wandb_file import find_run_file, history_rows, read_records
+from .wandb_file import find_run_file, history_rows, read_records, tables_of
 
 METRICLOG = str(Path(sys.executable).with_name("metriclog"))
 
@@ -248,18 +248,6 @@ def test_samples_frame_types_follow_the_values():
     frame = samples_frame(rows)
     assert [str(t) for t in frame.dtypes[5:]] == ["Int64", "String", "Float64", "String", "Boolean"]
     assert frame["b"].to_list() == [str(2**70), "1"]  # past 64 bits: exact, as text
-
-
-def tables_of(run_file: Path, key: str) -> dict[int, list[dict]]:
-    """Each step's table of ``key``, as the real wandb client wrote it: the history row names
-    the table's file, which holds its columns and rows."""
-    out = {}
-    for row in history_rows(read_records(run_file)):
-        path = row[key]["path"] if key in row else row.get(f"{key}/path")  # a key with a slash comes nested
-        if path is not None:
-            table = json.loads((run_file.parent / "files" / path).read_text())
-            out[row["step"]] = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
-    return out
 
 
 @pytest.mark.parametrize("follow", [False, True], ids=["upload", "follow"])

@@ -21,7 +21,7 @@ from metric_core.metric import MaxAccumulator, MeanAccumulator, MinAccumulator, 
 from metric_core.torchforge import LoggingMode, Metric, MetricCollector, Reduce, WandbBackend, record_metric
 from metric_core.torchforge.metric_actors import get_or_create_metric_logger
 
-from .wandb_file import find_run_file, history_rows, read_records, run_record
+from .wandb_file import find_run_file, history_rows, read_records, run_record, tables_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -389,10 +389,6 @@ def test_torchforge_samples_are_kept_whole_and_the_live_wandb_backend_shows_top_
     asyncio.run(job())
     assert [s.fields for s in read_samples(tmp_path / "run").samples] == recorded
     (path,) = root.rglob("run-*.wandb")
-    rows = [r for r in history_rows(read_records(path)) if "rollout" in r or "rollout/path" in r]
-    (row,) = rows
-    where = row["rollout"]["path"] if "rollout" in row else row["rollout/path"]  # nested, as wandb writes it
-    table = json.loads((path.parent / "files" / where).read_text())
-    shown = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+    ((step, shown),) = tables_of(path, "rollout").items()
     # torchforge's SampleAccumulator: the bottom 1, then the top 1, by reward
-    assert [s["prompt"] for s in shown] == ["q1", "q2"] and row["step"] == 0
+    assert [s["prompt"] for s in shown] == ["q1", "q2"] and step == 0

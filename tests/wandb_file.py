@@ -113,3 +113,15 @@ def find_run_file(root: Path, run_id: str) -> Path:
     matches = list(Path(root).rglob(f"run-{run_id}.wandb"))
     assert matches, f"no run-{run_id}.wandb below {root}"
     return matches[0]
+
+
+def tables_of(run_file: Path, key: str) -> dict[int, list[dict]]:
+    """Each step's ``wandb.Table`` of ``key``, as the real client wrote it: the history row
+    names the table's file (a key with a slash comes nested), which holds columns and rows."""
+    out = {}
+    for row in history_rows(read_records(run_file)):
+        path = row[key]["path"] if key in row else row.get(f"{key}/path")
+        if path is not None:
+            table = json.loads((Path(run_file).parent / "files" / path).read_text())
+            out[row["step"]] = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+    return out

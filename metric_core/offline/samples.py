@@ -112,26 +112,39 @@ def read_samples(
     parts = _parts(root, out.notes, {} if sealed is None else sealed)
     if attempts == "rewind":
         parts, out.replaced = _rewind(parts, record_attempts(root) if known is None else known)
-    wanted = key_matcher(keys) if keys else None
-    rank_ranges = tuple(ranks)
-    start, stop = steps if steps is not None else (None, None)
     recorded: dict[tuple[str, int], int] = {}  # samples of each source so far: the order recorded
     for part in parts:
         base = recorded.get((part.process, part.rank), 0)
         recorded[(part.process, part.rank)] = base + len(part.rows)
-        if rank_ranges and not any(lo <= part.rank <= hi for lo, hi in rank_ranges):
-            continue
         for order, (step, key, at, fields) in enumerate(part.rows, base):
-            if wanted is not None and not wanted(key):
-                continue
-            if (start is not None and step < start) or (stop is not None and step >= stop):
-                continue
             if not isinstance(fields, dict):
                 out.notes.append(f"a sample of '{key}' of {part.process} is not a dict: left out")
                 continue
             out.samples.append(Sample(step, part.rank, part.process, at, key, fields, part.attempt, order))
+    out.samples = kept(out.samples, keys=keys, ranks=ranks, steps=steps)
     out.samples.sort(key=Sample.sort_key)
     return out
+
+
+def kept(
+    samples: list[Sample],
+    *,
+    keys: Iterable[str] = (),
+    ranks: Iterable[tuple[int, int]] = (),
+    steps: tuple[int | None, int | None] | None = None,
+) -> list[Sample]:
+    """The samples the filters keep (``keys``: globs; ``ranks``: ranges; ``steps``: START:STOP)."""
+    wanted = key_matcher(keys) if keys else None
+    rank_ranges = tuple(ranks)
+    start, stop = steps if steps is not None else (None, None)
+    return [
+        s
+        for s in samples
+        if (wanted is None or wanted(s.key))
+        and (not rank_ranges or any(lo <= s.rank <= hi for lo, hi in rank_ranges))
+        and (start is None or s.step >= start)
+        and (stop is None or s.step < stop)
+    ]
 
 
 def _parts(root: RunPath, notes: list[str], sealed_read: dict[str, _Part]) -> list[_Part]:
@@ -371,18 +384,16 @@ def select_samples(
         ranks = parse_ranks(ranks)
     if isinstance(steps, str):
         steps = parse_steps(steps)
+    read = read_samples(run, attempts=attempts)  # once: the filters choose in memory
+    every = read.samples
+    sources_kept = kept(every, keys=keys, ranks=ranks)
     if counts_back(steps):  # counted back from the last step of the samples' sources kept
-        kept = read_samples(run, keys=keys, ranks=ranks, attempts=attempts).samples
-        steps = last_steps(steps, max((s.step for s in kept), default=-1))  # type: ignore[arg-type]
-    read = read_samples(run, keys=keys, ranks=ranks, steps=steps, attempts=attempts)
-    if (keys or ranks or steps) and not read.samples:
-        every = read_samples(run, attempts=attempts).samples
-        if every:  # the run has samples, and the filters left none: said, as reduce says it
-            names = sorted({s.key for s in every})
-            shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
-            read.notes.append(
-                f"the filters left none of the run's {len(every):,} samples; their keys: {shown}"
-            )
+        steps = last_steps(steps, max((s.step for s in sources_kept), default=-1))  # type: ignore[arg-type]
+    read.samples = kept(sources_kept, steps=steps)
+    if (keys or ranks or steps) and every and not read.samples:  # said, as reduce says it
+        names = sorted({s.key for s in every})
+        shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+        read.notes.append(f"the filters left none of the run's {len(every):,} samples; their keys: {shown}")
     chosen = choose(read.samples, top=top, bottom=bottom, by=by, random=random, seed=seed)
     return samples_frame(chosen), read
 
