@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,6 +152,35 @@ def test_a_killed_ranks_flushed_samples_are_all_there(tmp_path):
     every = {sample["prompt"] for _, _, sample in recorded}
     assert {sample["prompt"] for _, _, sample in flushed} <= got <= every  # nothing lost, nothing invented
     assert any(p.suffix == ".journal" for p in run.iterdir()), "rank 1 left its journal"
+
+
+@pytest.mark.parametrize("sealed_when", ["listed", "about to be read"])
+def test_a_journal_sealed_while_the_run_is_read_loses_none_of_its_samples(tmp_path, monkeypatch, sealed_when):
+    """The writer seals a journal (samples file first, then the unlink) between the reader's
+    listing and its reading: the sidecar met this live and stopped with "No such file"."""
+    run = tmp_path / "run"
+    metric_core.init(run, rank=0, process_name="gen", catch_signals=False)
+    recorded = []
+    for step in range(3):
+        for i in range(4):
+            recorded.append({"prompt": f"p{step}-{i}", "reward": float(step * 10 + i)})
+            record_metric("rollout", recorded[-1], Reduce.SAMPLE)
+        metric_core.flush(step)
+    journal = next(run.glob("*.journal"))
+    walk = os.walk
+
+    def walk_and_seal(top, *args, **kwargs):
+        for entry in walk(top, *args, **kwargs):
+            if sealed_when == "listed" and journal.name in entry[2]:
+                metric_core.shutdown()  # after the listing named the journal, before its lstat
+            yield entry
+        if sealed_when == "about to be read" and journal.exists():
+            metric_core.shutdown()
+
+    monkeypatch.setattr(os, "walk", walk_and_seal)
+    got = read_samples(run)
+    assert not journal.exists(), "the journal was sealed as the run was read"
+    assert [s.fields for s in got.samples] == recorded and not got.notes
 
 
 def test_top_bottom_and_random_choices_equal_a_sort_and_numpys_generator(tmp_path):

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from metric_core import journal
 from metric_core import sample as sample_codec
-from metric_core.errors import NoDataError, PlanError, opt
+from metric_core.errors import MetricLogError, NoDataError, PlanError, opt
 from metric_core.offline.plan import key_matcher
 from metric_core.offline.storage import RunPath, _is_upath, arrow_source, listing, open_read, run_path
 
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
 FIXED = ("step", "rank", "process", "timestamp", "key")
 _BLOCK_PREFIX = b'{"event": "block", '
+LISTINGS = 10  # a run whose journals vanish after this many listings in a row is being moved
 EXACT_FLOAT_INT = 2**53  # integers past this lose digits as float64: such a mixed field is text
 
 
@@ -148,6 +149,21 @@ def kept(
 
 
 def _parts(root: RunPath, notes: list[str], sealed_read: dict[str, _Part]) -> list[_Part]:
+    """The run's sealed samples files and the journals none of them supersedes. A journal
+    that vanishes between the listing and its reading was sealed meanwhile (its samples
+    file is written before it goes): the run is listed again, where that file now is."""
+    for _ in range(LISTINGS):
+        parts = _parts_listed(root, notes, sealed_read)
+        if parts is not None:
+            return parts
+    raise MetricLogError(
+        f"{root}: journals kept vanishing while they were read ({LISTINGS} listings): is another "
+        "process moving the run's files? Read it again once the job is done"
+    )
+
+
+def _parts_listed(root: RunPath, notes: list[str], sealed_read: dict[str, _Part]) -> list[_Part] | None:
+    """None: a journal listed was sealed before it was read."""
     sealed: list[RunPath] = []
     journals: list[RunPath] = []
     for path in _listed(root):
@@ -167,7 +183,10 @@ def _parts(root: RunPath, notes: list[str], sealed_read: dict[str, _Part]) -> li
     for path in journals:
         if path.name in superseded:
             continue  # sealed meanwhile, or a kill between the samples file and the unlink
-        part = _read_journal(path, notes)
+        try:
+            part = _read_journal(path, notes)
+        except FileNotFoundError:
+            return None
         if part is not None:
             parts.append(part)
     # Oldest attempt first; within one, the segments in the order written.
@@ -187,8 +206,13 @@ def _listed(root: RunPath) -> list[RunPath]:
             path = Path(dirpath) / name
             # Only regular files, never through a symlink: a FIFO would block (the record
             # reader says what it skips).
-            if not name.startswith(".") and _ours(name) and stat.S_ISREG(os.lstat(path).st_mode):
-                found.append(path)
+            if name.startswith(".") or not _ours(name):
+                continue
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    found.append(path)
+            except FileNotFoundError:  # a journal sealed since it was listed: its samples file
+                found.append(path)  # may not be listed yet, so reading it says to list again
     return found
 
 
@@ -293,6 +317,8 @@ def _read_journal(path: RunPath, notes: list[str]) -> _Part | None:
     try:
         with open_read(path) as f:
             decoded = journal.decode(f.read(), records=False)
+    except FileNotFoundError:
+        raise  # sealed since it was listed: the caller lists the run again
     except OSError as exc:
         notes.append(f"{path}: not read ({exc.strerror or exc}); its samples are left out")
         return None
