@@ -136,10 +136,11 @@ from metric_core.offline.plan import make_plan
 from metric_core.offline.read import scan_run
 scan = scan_run(sys.argv[1], defer_checks=True)
 plan = make_plan()
-kept, statistic_of = engine._columns_read(plan, scan), engine._statistic_chooser(plan)
+kept, statistic_of = engine.reading.columns_read(plan, scan), engine.reading.statistic_chooser(plan)
 frames, held = [], 0
 for fid in scan.parts:
-    frames += scan.batches(fid, kept, dictionaries=engine._dictionary_read(scan), rows=engine.PARTITION_ROWS)
+    dictionaries = engine.reading.reads_dictionaries(scan)
+    frames += scan.batches(fid, kept, dictionaries=dictionaries, rows=engine.reading.PARTITION_ROWS)
     held = sum(df.height for df in frames)
     if held >= 1_000_000:
         break

@@ -45,7 +45,8 @@ def tasks_of(run: Path) -> tuple[int, float]:
     from metric_core.offline import engine
 
     scan = scan_run(run, defer_checks=True)
-    found = engine.tasks(make_plan(), scan, list(scan.parts), None, engine._dictionary_read(scan))
+    dictionaries = engine.reading.reads_dictionaries(scan)
+    found = engine.reading.tasks(make_plan(), scan, list(scan.parts), None, dictionaries)
     return len(found), scan.report.records / max(1, len(found))
 
 
@@ -58,10 +59,10 @@ from metric_core.offline import engine, filters
 plan = make_plan(mode=sys.argv[2], reduce=sys.argv[3:])
 scan = scan_run(sys.argv[1])
 scan.check_all()
-dictionaries = engine._dictionary_read(scan)
-found = engine.tasks(plan, scan, list(scan.parts), None, dictionaries)[:16]
-kept = engine._columns_read(plan, scan)
-work = engine.TaskWork(plan, scan, dictionaries, kept, None, engine.PARTITION_ROWS)
+dictionaries = engine.reading.reads_dictionaries(scan)
+found = engine.reading.tasks(plan, scan, list(scan.parts), None, dictionaries)[:16]
+kept = engine.reading.columns_read(plan, scan)
+work = engine.reading.TaskWork(plan, scan, dictionaries, kept, None, engine.reading.PARTITION_ROWS)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cpu = time.process_time()
 records = sum(t.size for t in found)

@@ -65,7 +65,7 @@ def runs(tmp_path_factory, local_ray):
 def test_ray_gives_the_local_engines_bits(runs, options, monkeypatch):
     from metric_core.offline import engine
 
-    monkeypatch.setattr(engine, "PARTITION_ROWS", 300)  # many tasks, several partitions each
+    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 300)  # many tasks, several partitions each
     for run in runs:
         local = reduce_run(run, **options)
         on_ray = reduce_run(run, engine="ray", **options)
@@ -79,7 +79,7 @@ def test_the_command_line_writes_the_same_file_with_either_engine(runs, tmp_path
     from cli.main import app
     from metric_core.offline import engine
 
-    monkeypatch.setattr(engine, "PARTITION_ROWS", 300)
+    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 300)
     own, _ = runs
     files = {}
     for name in ("local", "ray"):
@@ -99,7 +99,7 @@ def test_plot_and_upload_on_ray_give_the_local_engines_bits(runs, tmp_path, monk
     from metric_core.offline.upload import Destination
     from tests.wandb_file import find_run_file, history_rows, read_records
 
-    monkeypatch.setattr(engine, "PARTITION_ROWS", 300)
+    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 300)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)

@@ -298,7 +298,7 @@ def test_wide_is_pivoted_a_frame_at_a_time_with_every_key_a_column(tmp_path, mon
         return d
 
     monkeypatch.setattr(tempfile, "TemporaryDirectory", recording)
-    monkeypatch.setattr(engine, "TAKEN_GROUPS", 1)  # a frame a block of 256 steps
+    monkeypatch.setattr(engine.finish, "TAKEN_GROUPS", 1)  # a frame a block of 256 steps
     assert invoke("reduce", tmp_path / "run", "--mode", mode, "--wide", "--out", wide_out).exit_code == 0
     index = ["step"] if mode == "global_reduce" else ["process", "rank", "step"]
     want = pl.read_parquet(long_out).pivot(on="key", index=index, values="value").sort(index)

@@ -449,8 +449,8 @@ def test_a_raw_run_counts_the_points_of_its_busiest_key_over_every_frame(tmp_pat
     summed over frames, and the rows are the records, in time order."""
     from metric_core.offline import engine
 
-    monkeypatch.setattr(engine, "RAW_BATCH_ROWS", 4)
-    monkeypatch.setattr(engine, "DICTIONARY_READ_RECORDS", 0)  # row groups, each with its times
+    monkeypatch.setattr(engine.raw, "RAW_BATCH_ROWS", 4)
+    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)  # row groups, each with its times
     monkeypatch.setattr(upload_plan_module, "MAX_POINTS_PER_METRIC", 20)
     lines = [
         {"key": key, "value": float(i), "reduction": "mean", "step": i, "timestamp": BASE_TIME + i, "rank": 0}

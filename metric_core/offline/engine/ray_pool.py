@@ -19,11 +19,11 @@ from metric_core.errors import MetricLogError, MissingDependencyError, NoDataErr
 
 if TYPE_CHECKING:
     from metric_core.offline import filters, partials
-    from metric_core.offline.engine import Task, TaskWork
+    from metric_core.offline.engine.reading import Task, TaskWork
     from metric_core.offline.read import OnProgress
 
 
-def in_order(
+def on_ray(
     work: TaskWork,
     items: list[Task],
     sizes: list[int],

@@ -1,0 +1,283 @@
+"""The three logging modes, computed offline from a run's raw records.
+
+A ``ReducePlan`` (``metric_core.offline.plan``) says what to compute and knows nothing about
+how. ``execute`` cuts the run's files into tasks (``tasks``: files, or their row groups,
+in the order of the first step or window each may hold; fixed by the files, not by the
+machine), reads each once on a pool of threads as partitions of about PARTITION_ROWS
+records, reduces each to partial states (``metric_core.offline.partials``) and folds
+those in that fixed order, so the output is the same bits whatever the thread count.
+Memory grows with the number of output groups (and with the values of median/pNN keys),
+not with the records. Another engine can run the same plan over the same tasks
+(docs/modes.md, "How results are computed").
+
+Statistics follow numpy over all raw values of a group: ``mean`` is sum/count over
+every value (not a mean of rank means), ``std`` is the population std (ddof=0), ``pNN``
+is numpy's default (linear) percentile, and a group holding a NaN gives NaN for every
+statistic but ``count``, ``first`` and ``last``.
+
+One idea a module: ``reading`` (the filters; the files cut into tasks, in an order their
+data fixes; the columns read; where time windows start), ``pool`` and ``ray_pool`` (tasks
+computed on threads or as Ray tasks, handed over in order), ``finish`` (result frames from
+the folded states; median and pNN), ``reductions`` (which reduction a key recorded under
+several keeps), ``raw`` (per_rank_no_reduce), ``shape`` (``--wide``; per-rank frames put
+in source order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import polars as pl
+
+from metric_core.errors import PlanError, StrictModeError, UnmatchedError
+from metric_core.metric import LoggingMode
+from metric_core.offline import filters, partials
+from metric_core.offline.engine import finish, reading
+from metric_core.offline.engine.finish import finished_frames, reduce_records
+from metric_core.offline.engine.pool import on_threads
+from metric_core.offline.engine.raw import raw_mode
+from metric_core.offline.engine.reading import (
+    TaskWork,
+    columns_read,
+    first_time,
+    key_matching,
+    nothing_kept,
+    plan_filtered,
+    reads_dictionaries,
+    single_sources,
+    tasks,
+)
+from metric_core.offline.engine.reductions import KeyReductions, first_reductions
+from metric_core.offline.engine.shape import pivot_wide, source_by_source
+from metric_core.offline.plan import ReducePlan, counts_back, last_steps, make_plan
+from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read.report import MixedKey
+
+__all__ = [
+    "ENGINES",
+    "KeyReductions",
+    "ReduceResult",
+    "execute",
+    "key_matching",
+    "make_plan",
+    "pivot_wide",
+    "plan_filtered",
+    "reduce_records",
+    "reduce_run",
+    "run_plan",
+]
+
+ENGINES = ("local", "ray")
+
+
+@dataclass
+class ReduceResult:
+    """A reduction and the scan it came from (for the health report).
+
+    The result is a stream of frames (in output order: one source after another in the
+    per-rank modes, steps in order within), read when ``batches()`` is iterated, so writing
+    it holds a few frames, not the result; ``frame`` gathers them into one frame.
+    """
+
+    plan: ReducePlan
+    scan: RunScan
+    stream: Callable[[], Iterator[pl.DataFrame]]
+    # The filters and --reduce patterns that matched no record: known once the stream ended.
+    unmatched: list[PlanError] = field(default_factory=list)
+    table: pl.DataFrame | None = None  # the frames gathered, once ``frame`` read them
+
+    @property
+    def frame(self) -> pl.DataFrame:
+        if self.table is None:
+            self.table = pl.concat(list(self.stream()))
+        return self.table
+
+    def batches(self) -> Iterator[pl.DataFrame]:
+        if self.table is not None:
+            yield self.table
+        else:
+            yield from self.stream()
+
+
+def reduce_run(
+    run_dir: str | os.PathLike[str], *, engine: str = "local", ray_address: str | None = None, **options: Any
+) -> pl.DataFrame:
+    """Reduce a run directory in one of the three logging modes; a polars DataFrame.
+
+    ``options`` are those of ``make_plan``: mode, by, every, reduce, keys, ranks, steps;
+    ``engine`` is ``"local"`` or ``"ray"`` (the same bits, see ``execute``).
+
+    >>> df = reduce_run("sample_logs/rl_run", keys=["trainer/loss"], steps="0:2")
+    >>> df.columns
+    ['step', 'key', 'value', 'reduction', 'count']
+    >>> df["count"].to_list()
+    [8, 8]
+    """
+    known = list(inspect.signature(make_plan).parameters)
+    for name in options:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, 1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            raise PlanError(f"reduce_run() takes no option '{name}': {hint}it takes {', '.join(known)}")
+    return run_plan(run_dir, make_plan(**options), engine=engine, ray_address=ray_address).frame
+
+
+def run_plan(
+    run_dir: str | os.PathLike[str],
+    plan: ReducePlan,
+    *,
+    strict: bool = False,
+    follow_symlinks: bool = False,
+    on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
+) -> ReduceResult:
+    """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
+
+    The result is a stream, read when iterated (``frame`` reads it whole). ``on_read`` gets
+    the health report once the run is read (when the stream ends, or the plan fails),
+    ``on_progress`` the progress of the read. Raises ``StrictModeError`` when ``strict``
+    and the reader skipped anything, before reading the records; with ``strict``, a filter
+    or ``reduce`` pattern that matched no record (``result.unmatched``, a warning
+    otherwise) raises ``UnmatchedError`` as the stream ends.
+
+    >>> result = run_plan("sample_logs/rl_run", make_plan(mode="per_rank_reduce", keys=["policy/reward"]))
+    >>> result.frame.select("process", "step", "count").head(2).rows()
+    [('GeneratorActor_r0', 0, 8), ('GeneratorActor_r0', 1, 8)]
+    >>> result.scan.report.skipped_records  # the killed generator's last, half-written frame
+    21
+    """
+    # Another tool's files are checked as the engine reads them (one pass), so the report
+    # is whole once the plan ran; it is handed over even when the plan fails.
+    scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts, defer_checks=True)
+    if strict:  # fail before anything is written
+        scan.check_all()
+        if scan.report.has_skips:  # notices (a restart rewound, a copy read once) are not skips
+            if on_read is not None:
+                on_read(scan.report)
+            raise StrictModeError(scan.report.summary())
+    try:
+        result = execute(plan, scan, on_progress=on_progress, engine=engine, ray_address=ray_address)
+    except BaseException:
+        if on_read is not None:
+            on_read(scan.report)
+        raise
+    stream = result.stream
+
+    def reported() -> Iterator[pl.DataFrame]:
+        try:
+            yield from stream()
+            if strict and result.unmatched:  # before the last frame is taken as the end
+                raise UnmatchedError(result.unmatched)
+            if strict and any(m.skipped for m in scan.report.mixed.values()):  # under a second reduction
+                raise StrictModeError(scan.report.summary())
+        finally:
+            if on_read is not None:
+                on_read(scan.report)
+
+    return dataclasses.replace(result, stream=reported)
+
+
+@changed_files_said
+def execute(
+    plan: ReducePlan,
+    scan: RunScan,
+    *,
+    on_progress: OnProgress | None = None,
+    engine: str = "local",
+    ray_address: str | None = None,
+) -> ReduceResult:
+    """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served.
+
+    A reducing mode runs as partial states (``metric_core.offline.partials``): the run's
+    files (or their Parquet row groups) are cut into tasks in the order of their first
+    step (``tasks``), each task's states are computed on a pool of threads and folded in
+    that fixed order, and the groups no task still to come can touch are handed over as
+    a frame and dropped. So the output is the same bits whatever the thread count or the
+    order the files were listed in, and memory holds the groups of the steps in flight.
+    The result is a stream, read when it is iterated.
+
+    ``engine="ray"`` computes the tasks' states as Ray tasks (``engine.ray_pool``, on
+    the cluster at ``ray_address``, ``RAY_ADDRESS``, or a local one) and folds them here in
+    the same order: the same bits. Raw mode has nothing to reduce and is read here.
+    """
+    if engine not in ENGINES:
+        raise PlanError(f"is not one of {', '.join(ENGINES)}", option="engine", value=engine)
+    if counts_back(plan.steps):  # --steps -5: the last 5 steps of the sources kept
+        plan = dataclasses.replace(plan, steps=last_steps(plan.steps, _last_step(plan, scan)))  # type: ignore[arg-type]
+    if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+        raw, unmatched_raw = raw_mode(plan, scan, on_progress)
+        return ReduceResult(plan, scan, stream=raw, unmatched=unmatched_raw)
+    sources = single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None
+    t0 = first_time(plan, scan) if plan.by == "time" else None
+    dictionaries = reads_dictionaries(scan)
+    kept = columns_read(plan, scan)
+    seen, unmatched = filters.Seen.wanted_by(plan), list[PlanError]()
+    # What is reduced together: the whole run, or (per_rank_reduce, every file of one
+    # source) each source on its own, emitted in order.
+    units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
+    work = [(u, task) for u, fids in enumerate(units) for task in tasks(plan, scan, fids, t0, dictionaries)]
+
+    reduce_task = TaskWork(plan, scan, dictionaries, kept, t0, reading.PARTITION_ROWS)
+    if engine == "ray":
+        from metric_core.offline.engine.ray_pool import on_ray
+
+        scan.check_all()  # a task's counts of bad rows could not reach this process's report
+        states_of = functools.partial(on_ray, reduce_task, seen=seen, address=ray_address)
+    else:
+        states_of = functools.partial(on_threads, functools.partial(reduce_task, seen=seen))
+
+    @changed_files_said
+    def stream() -> Iterator[pl.DataFrame]:
+        recorded = KeyReductions(first_reductions(plan, scan))  # each key's: decided, or in the frames so far
+        for key, reduction in recorded.decided.items():
+            scan.report.mixed.setdefault(key, MixedKey(key, reduction))
+        produced = False
+        acc = partials.Accumulator()
+        states = states_of([task for _, task in work], [t.size for _, t in work], on_progress)
+        try:
+            for i, state in states:
+                if state is not None:  # a partition of task i
+                    acc.add(state)
+                    continue
+                # Task i is done: every task still to come of its unit starts at the next one's
+                # first bucket.
+                u = work[i][0]
+                upto = work[i + 1][1].lo if i + 1 < len(work) and work[i + 1][0] == u else math.inf
+                if upto == math.inf or acc.cells_below(upto) >= finish.TAKEN_GROUPS // 2:  # a frame's worth
+                    last = i + 1 == len(work)
+                    for frame in finished_frames(
+                        plan, scan, acc, t0, recorded, upto, scan.report.mixed, last
+                    ):
+                        produced = produced or frame.height > 0
+                        yield frame
+                if upto == math.inf:
+                    acc.close()
+                    acc = partials.Accumulator()
+        finally:
+            states.close()  # stops the pool's threads, whatever ended the stream
+            acc.close()
+        unmatched[:] = filters.unmatched(plan, seen)
+        if not produced:
+            raise nothing_kept(plan, scan, unmatched)
+
+    if plan.mode is LoggingMode.PER_RANK_REDUCE and sources is None:  # several sources a file
+        return ReduceResult(plan, scan, stream=lambda: source_by_source(stream()), unmatched=unmatched)
+    return ReduceResult(plan, scan, stream=stream, unmatched=unmatched)
+
+
+def _last_step(plan: ReducePlan, scan: RunScan) -> int:
+    """The highest step of the sources ``plan`` keeps (its ranks), -1 for none."""
+    ranks_only = dataclasses.replace(plan, steps=None)
+    found = plan_filtered(ranks_only, scan.frame, ["rank", "step"]).select(pl.col("step").max()).collect()
+    last = found.item()
+    return -1 if last is None else int(last)

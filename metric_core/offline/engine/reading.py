@@ -1,0 +1,375 @@
+"""What a plan reads, and in which order: the filters, the files cut into tasks of about
+PARTITION_ROWS records in an order their data fixes, the columns read, and where
+``--by time`` windows start."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import polars as pl
+
+from metric_core.errors import NoDataError, PlanError
+from metric_core.metric import LoggingMode
+from metric_core.offline import filters, partials
+from metric_core.offline.plan import ReducePlan, key_matcher
+from metric_core.offline.read import RunScan, all_skipped
+from metric_core.offline.read.parquet import kept_first_time, row_group_lows
+from metric_core.offline.storage import RunPath, open_read
+from metric_core.offline.timeorder import Part
+from metric_core.schema import default_process_name
+
+# Records a partition holds (its states are made and folded as one): smaller partitions
+# lower the peak memory on another tool's large files, for no speed (bench_memory.py).
+PARTITION_ROWS = 125_000
+
+
+# From about this many Parquet records on, reading them with pyarrow's dictionaries beats
+# decoding every string with polars by more than pyarrow's import (0.1 s) costs.
+DICTIONARY_READ_RECORDS = 2_000_000
+
+
+@dataclass(frozen=True)
+class Task:
+    """What one thread reduces: ``reads`` (file id, row groups or None for the whole file,
+    place in file order of the first of them), in file order; ``lo``, the first bucket
+    they may hold; ``size``, their bytes (what progress counts)."""
+
+    reads: list[tuple[int, list[int] | None, int]]
+    lo: float
+    size: int
+
+
+def tasks(
+    plan: ReducePlan,
+    scan: RunScan,
+    fids: Sequence[int],
+    t0: float | None,
+    row_groups: bool,
+    rows: int | None = None,
+) -> list[Task]:
+    """The files ``fids`` cut into tasks of about ``rows`` records, in the order of the
+    first bucket (step, or ``--by time`` window) each may hold, then of ``data_order``.
+
+    A part is a Parquet row group when the files are read through the dictionaries
+    (``row_groups``) and its footer has the statistics, else a whole file with the range
+    its writer declared (or none: it may hold any bucket, and goes first). Tasks depend on
+    the files' contents alone, never on the thread count or the files' names, and are
+    folded in this order.
+    """
+    rows = PARTITION_ROWS if rows is None else rows
+    column = "timestamp" if plan.by == "time" else "step"
+    parts = parts_of(scan, data_order(scan, fids), row_groups, column)
+    if plan.by == "time":
+        assert t0 is not None and plan.every is not None
+        every = float(plan.every)
+        parts = [
+            dataclasses.replace(p, lo=math.floor((p.lo - t0) / every) if p.lo > -math.inf else p.lo)
+            for p in parts
+        ]
+    order = sorted(range(len(parts)), key=lambda i: (parts[i].lo, i))
+    chunks: list[list[int]] = []
+    held = 0
+    for i in order:
+        if not chunks or (held and held + parts[i].rows > rows):
+            chunks.append([])
+            held = 0
+        chunks[-1].append(i)
+        held += parts[i].rows
+    out = []
+    for chunk in chunks:
+        reads: list[tuple[int, list[int] | None, int]] = []
+        size = 0
+        for i in sorted(chunk):
+            p, rep = parts[i], scan.report.files[parts[i].fid]
+            size += rep.size * p.rows // max(rep.records, 1) if p.groups is not None else rep.size
+            last = reads[-1] if reads else None
+            if last is not None and p.groups is not None and last[0] == p.fid and last[1] is not None:
+                last[1].extend(p.groups)  # the next row groups of the same file: one read
+            else:
+                reads.append((p.fid, None if p.groups is None else list(p.groups), i))
+        out.append(Task(reads, parts[chunk[0]].lo, size))
+    return out
+
+
+def data_order(scan: RunScan, fids: Sequence[int]) -> list[int]:
+    """``fids`` in an order their contents fix, whatever the files are named or wherever
+    they were copied: by source, attempt, first step and time, records and bytes; files
+    alike in all of these by a digest of their bytes (read only for them). Sums are folded
+    in this order, so a renamed run gives the same bits."""
+
+    def described(fid: int) -> tuple[Any, ...]:
+        rep = scan.report.files[fid]
+        process, rank = rep.source or rep.single_source or _first_source(rep.path) or ("", -1)
+        return (
+            process,
+            rank,
+            rep.attempt_started or 0.0,
+            rep.attempt or "",
+            _known(rep.steps),
+            _known(rep.timestamps),
+            rep.records,
+            rep.format,
+            rep.size,
+        )
+
+    keys = {fid: described(fid) for fid in fids}
+    counts = Counter(keys.values())
+    for fid, key in keys.items():
+        if counts[key] > 1:  # as alike as their descriptions go: their bytes tell them apart
+            keys[fid] = (*key, _digest(scan.report.files[fid].path))
+    return sorted(fids, key=lambda fid: keys[fid])
+
+
+def _known(declared: tuple[Any, Any] | None) -> tuple[Any, ...]:
+    """A declared range as a sort key: none sorts first."""
+    return () if declared is None else (declared,)
+
+
+def _first_source(path: RunPath) -> tuple[str, int] | None:
+    """The source of another tool's JSON lines file's first record (its footer-less kin of
+    ``single_source``), so its place among the files is the same as a Parquet copy's."""
+    if not path.name.endswith(".jsonl"):
+        return None
+    try:
+        with open_read(path) as f:
+            first = json.loads(f.readline(1 << 16))
+        rank = first["rank"]
+        if not isinstance(rank, int) or isinstance(rank, bool):
+            return None
+        return str(first.get("process") or default_process_name(rank)), rank
+    except (OSError, ValueError, KeyError, TypeError):  # its reading says what is wrong
+        return None
+
+
+def _digest(path: RunPath) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    try:
+        with open_read(path) as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    except OSError:  # gone or unreadable: its reading says so; here it only goes last
+        return "~"
+    return digest.hexdigest()
+
+
+def parts_of(scan: RunScan, fids: Sequence[int], row_groups: bool, column: str = "timestamp") -> list[Part]:
+    """Files as parts with the lowest value of ``column`` (timestamp or step) they may hold
+    (``timeorder``): Parquet row groups by their footer's statistics when read through the
+    dictionaries (``row_groups``; a checksummed segment's from its checked metadata, since
+    no checksum covers the footer), else whole files by their writer's declared range; a
+    file that declares none may hold any value (-inf)."""
+    out: list[Part] = []
+    for fid in fids:
+        rep = scan.report.files[fid]
+        groups = None
+        if row_groups and rep.row_groups is not None:
+            groups = [(float(t) if column == "timestamp" else s, n) for n, s, t in rep.row_groups]
+        elif row_groups and rep.format == "parquet":
+            groups = row_group_lows(rep.path, column)
+        declared = rep.timestamps if column == "timestamp" else rep.steps
+        if groups is not None:
+            out += [Part(fid, (g,), lo, rows) for g, (lo, rows) in enumerate(groups)]
+        elif declared is not None:
+            out.append(Part(fid, None, declared[0], rep.records))
+        else:
+            out.append(Part(fid, None, -math.inf, rep.records))
+    return out
+
+
+@dataclass
+class TaskWork:
+    """What reduces one task's records, wherever it runs (a thread here, or a Ray worker:
+    it pickles; the filters and the statistic chooser are made from the plan where it runs).
+
+    Called with a task, it yields the task's records as partitions of about PARTITION_ROWS
+    (cut where the reads' frames end, which the files fix), each reduced as soon as it is
+    read; ``seen`` gathers the ranks and keys read."""
+
+    plan: ReducePlan
+    scan: RunScan
+    dictionaries: bool
+    kept: list[str]
+    t0: float | None
+    rows: int  # a partition's records (PARTITION_ROWS, as this process has it)
+
+    def __call__(self, task: Task, seen: filters.Seen) -> Iterator[partials.Partial]:
+        plan = self.plan
+        match = key_matcher(plan.keys) if plan.keys else None
+        statistic_of = statistic_chooser(plan)
+        rows = self.rows
+        pieces: list[pl.DataFrame] = []
+        places: list[tuple[int, int]] = []
+        held = 0
+        for fid, groups, at in task.reads:
+            batches = read_batches(plan, self.scan, fid, self.dictionaries, self.kept, groups, rows, seen)
+            for frame in batches:
+                for start in range(0, frame.height, rows):  # a whole file read at once, too
+                    pieces.append(key_matching(frame.slice(start, rows), match))
+                    places.append((at, pieces[-1].height))
+                    held += pieces[-1].height
+                    if held >= rows:
+                        yield partials.partition_states(
+                            pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, places
+                        )
+                        pieces, places, held = [], [], 0
+        if held:
+            yield partials.partition_states(
+                pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, places
+            )
+
+
+def read_batches(
+    plan: ReducePlan,
+    scan: RunScan,
+    fid: int,
+    dictionaries: bool,
+    kept: list[str],
+    row_groups: list[int] | None,
+    rows: int | None,
+    seen: filters.Seen,
+) -> Iterator[pl.DataFrame]:
+    """One file's ``kept`` columns (``columns_read``; or those of its ``row_groups``) as
+    ``RunScan.batches`` reads them, the plan's rank and step filters applied. The ranks and
+    keys read are noted in ``seen`` before the filters drop any."""
+    for df in scan.batches(fid, kept, dictionaries=dictionaries, row_groups=row_groups, rows=rows):
+        seen.add(
+            df["rank"].unique() if seen.ranks is not None else None,
+            df["key"].unique().cast(pl.String) if seen.keys is not None else None,
+        )
+        yield plan_filtered(plan, df.lazy(), kept).collect()
+
+
+def columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:
+    """The plan's input columns, and the timestamp wherever a file's recorded reductions
+    may be first or last (so every file of a run gives the same columns)."""
+    first_last = any(
+        rep.keys is None or any(r in ("first", "last") for _, r in rep.keys) for rep in scan.report.files
+    )
+    return sorted({*plan.input_columns, *(("timestamp",) if first_last else ())})
+
+
+def reads_dictionaries(scan: RunScan) -> bool:
+    return sum(f.records for f in scan.report.files if f.format == "parquet") >= DICTIONARY_READ_RECORDS
+
+
+def single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
+    """Each source's files, when every file holds one source (the writer's, or another
+    tool's whose footer says so); else None."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for fid in scan.parts:
+        rep = scan.report.files[fid]
+        source = rep.source or rep.single_source
+        if source is None:
+            return None
+        out.setdefault(source, []).append(fid)
+    return out
+
+
+def plan_filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | None = None) -> pl.LazyFrame:
+    """``columns`` (the plan's input columns by default) with the plan's rank and step
+    filters applied (``--key`` is applied per file: ``key_matching``)."""
+    lf = frame.select(plan.input_columns if columns is None else columns)
+    if plan.ranks:
+        rank = pl.col("rank")
+        cond = pl.lit(False)
+        for lo, hi in plan.ranks:
+            cond = cond | rank.is_between(lo, hi)
+        lf = lf.filter(cond)
+    if plan.steps is not None:
+        start, stop = plan.steps
+        if start is not None:
+            lf = lf.filter(pl.col("step") >= start)
+        if stop is not None:
+            lf = lf.filter(pl.col("step") < stop)
+    return lf
+
+
+def key_matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.DataFrame:
+    """The records whose key a ``--key`` pattern matches (each distinct key tested once)."""
+    if match is None or df.height == 0:
+        return df
+    keys = [k for k in df["key"].unique().cast(pl.String) if match(k)]
+    return df.filter(pl.col("key").cast(pl.String).is_in(keys))
+
+
+def statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
+    """The statistic of a key: the last ``--reduce`` pattern that matches it, or its recorded reduction."""
+    overrides = [(key_matcher([pattern]), stat.name) for pattern, stat in plan.overrides]
+
+    def statistic_of(key: str, recorded: str) -> str:
+        chosen = [name for match, name in overrides if match(key)]
+        return chosen[-1] if chosen else recorded
+
+    return statistic_of
+
+
+def first_time(plan: ReducePlan, scan: RunScan) -> float:
+    """The earliest timestamp among the records the filters keep: where ``--by time`` windows
+    start. What the files declare tells it when it is exact (``_declared_first_time``);
+    else a query over every file (another tool's files checked first, in a read of their
+    own) finds it."""
+    declared = _declared_first_time(plan, scan)
+    if declared is not None:
+        return declared
+    scan.check_all()
+    lf = plan_filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
+    every_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
+    per_key = every_key
+    if plan.keys:
+        match = key_matcher(plan.keys)
+        per_key = per_key.filter(pl.col("key").map_elements(match, return_dtype=pl.Boolean))
+    t0 = per_key["timestamp"].min()
+    if t0 is None:  # named as the engine names them, with the keys of the records kept
+        # what the keys matched (the ranks are not looked at in this query)
+        seen = dataclasses.replace(filters.Seen.wanted_by(plan), ranks=None) if plan.keys else filters.Seen()
+        seen.add(None, every_key["key"].to_list())
+        raise nothing_kept(plan, scan, filters.unmatched(plan, seen))
+    return float(t0)  # type: ignore[arg-type]
+
+
+def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
+    """The earliest timestamp of the records kept, from what the run's files declare
+    without a read of their records: the writer's time range of each of its segments,
+    another tool's Parquet footer where it shows that record is kept (``kept_first_time``).
+    With ``--ranks``, of the files of the ranks kept, where every file holds one source.
+    None when a key or step filter or a restart's rewind drops records, or a file declares
+    nothing exact."""
+    if plan.keys or plan.steps is not None:
+        return None
+    fids = list(scan.parts)
+    if plan.ranks:
+        sources = single_sources(scan)
+        if sources is None:
+            return None
+        kept = [ids for (_, rank), ids in sources.items() if any(lo <= rank <= hi for lo, hi in plan.ranks)]
+        fids = [fid for ids in kept for fid in ids]
+    lows = []
+    for fid in fids:
+        rep = scan.report.files[fid]
+        if rep.replaced_from is not None:
+            return None
+        if fid not in scan.unchecked and rep.timestamps is not None:  # the writer's, trusted
+            lows.append(rep.timestamps[0])
+        elif rep.format == "parquet" and fid in scan.pending:  # another tool's, not checked yet
+            low = kept_first_time(rep.path)
+            if low is None:
+                return None
+            lows.append(low)
+        else:
+            return None
+    return min(lows, default=None)
+
+
+def nothing_kept(plan: ReducePlan, scan: RunScan, unmatched: list[PlanError]) -> NoDataError:
+    """The error of a result without a record: every record was skipped (another tool's
+    files, checked as they were read), or the filters left none."""
+    if scan.report.records == 0:
+        return all_skipped(scan.report)
+    return filters.nothing_left(str(scan.run_dir), plan, unmatched)
