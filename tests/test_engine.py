@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
-from metric_core.offline import engine, read
+from metric_core.offline import accumulator, engine, partials, read
 from metric_core.offline.engine import reduce_run, run_plan
 from metric_core.offline.plan import make_plan
 from metric_core.offline.read import parquet, scan_run
@@ -409,8 +409,6 @@ def test_another_tools_file_of_one_rank_is_streamed_with_its_source(tmp_path):
 def test_percentile_values_spill_to_a_temporary_directory_and_give_the_same_bits(many_files, monkeypatch):
     import tempfile
 
-    from metric_core.offline import partials
-
     plan = make_plan(reduce=["trainer/*=p90", "policy/*=median", "ext/*=p10"])
     held = run_plan(many_files, plan).frame
     made: list[str] = []
@@ -420,7 +418,7 @@ def test_percentile_values_spill_to_a_temporary_directory_and_give_the_same_bits
         made.append((d := real(*args, **kwargs)).name)
         return d
 
-    monkeypatch.setattr(partials, "SPILL_VALUES", 500)
+    monkeypatch.setattr(accumulator, "SPILL_VALUES", 500)
     monkeypatch.setattr(tempfile, "TemporaryDirectory", recording)
     spilled = run_plan(many_files, plan).frame
     assert made and not any(Path(d).exists() for d in made)  # spilled, then removed
@@ -574,17 +572,17 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
         records += [dict(zip(rows, r, strict=True)) for r in zip(*rows.values(), strict=True)]
     monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 10_000)
-    monkeypatch.setattr(engine.partials, "SPILL_VALUES", 3_000)  # p90's values spill, and are taken back
-    monkeypatch.setattr(engine.partials, "SLICE_VALUES", 1_000)
+    monkeypatch.setattr(accumulator, "SPILL_VALUES", 3_000)  # p90's values spill, and are taken back
+    monkeypatch.setattr(accumulator, "SLICE_VALUES", 1_000)
     monkeypatch.setattr(engine.finish, "TAKEN_GROUPS", 2)  # steps are taken as soon as a block is done
     held: list[int] = []
-    add = engine.partials.Accumulator.add
+    add = accumulator.Accumulator.add
 
     def counting(self, p):
         add(self, p)
         held.append(len(self.blocks))
 
-    monkeypatch.setattr(engine.partials.Accumulator, "add", counting)
+    monkeypatch.setattr(accumulator.Accumulator, "add", counting)
 
     def truth(group: list[dict]) -> float:  # the records in file order
         values = np.array([r["value"] for r in group])
@@ -645,13 +643,13 @@ def test_a_large_row_group_is_reduced_a_partition_at_a_time(tmp_path, monkeypatc
     monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 1000)
     sizes: list[int] = []
-    states = engine.partials.partition_states
+    states = partials.partition_states
 
     def recording(df, *args, **kwargs):
         sizes.append(df.height)
         return states(df, *args, **kwargs)
 
-    monkeypatch.setattr(engine.partials, "partition_states", recording)
+    monkeypatch.setattr(partials, "partition_states", recording)
     frame = run_plan(tmp_path, make_plan()).frame
     assert max(sizes) <= 1000 and sum(sizes) == len(step)
     values = np.asarray(rows["value"])
@@ -839,16 +837,16 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch, s
             truth.setdefault((s, k), []).append(v)
     monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
     monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 500)
-    monkeypatch.setattr(engine.partials, "SPILL_VALUES", spill)  # dozens of spill files, or none
-    monkeypatch.setattr(engine.partials, "SLICE_VALUES", 400)  # a take's quantiles in several queries
+    monkeypatch.setattr(accumulator, "SPILL_VALUES", spill)  # dozens of spill files, or none
+    monkeypatch.setattr(accumulator, "SLICE_VALUES", 400)  # a take's quantiles in several queries
     slices = []
-    value_ranges = engine.partials.Accumulator._value_ranges
+    value_ranges = accumulator.Accumulator._value_ranges
 
     def counting(self, lo, hi):
         slices.append(len(found := value_ranges(self, lo, hi)))
         return found
 
-    monkeypatch.setattr(engine.partials.Accumulator, "_value_ranges", counting)
+    monkeypatch.setattr(accumulator.Accumulator, "_value_ranges", counting)
     monkeypatch.setattr(engine.finish, "TAKEN_GROUPS", 2)  # a take a block of 256 steps
     frame = run_plan(tmp_path, make_plan()).frame
     got = {(s, k): v for s, k, v in frame.select("step", "key", "value").iter_rows()}
@@ -879,13 +877,13 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
         for s, k, v in zip(step.tolist(), key, value.tolist(), strict=True):
             truth.setdefault((s, k), []).append(v)
     blocks: list[int] = []
-    add = engine.partials.Accumulator.add
+    add = accumulator.Accumulator.add
 
     def fields(self, p):
         add(self, p)
         blocks.append(max(b.fields for b in self.blocks.values()))
 
-    monkeypatch.setattr(engine.partials.Accumulator, "add", fields)
+    monkeypatch.setattr(accumulator.Accumulator, "add", fields)
     monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 60)  # each file alone in its partitions
     frame = run_plan(tmp_path, make_plan()).frame
     got = {(s, k): (v, n) for s, k, v, n in frame.select("step", "key", "value", "count").iter_rows()}
@@ -894,12 +892,12 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
         want = {"q": lambda v: np.percentile(v, 99), "m": np.mean, "s": np.std}[k](np.array(values))
         assert got[s, k] == (pytest.approx(want, rel=1e-12), len(values)), (s, k)
     # a's counts, b's sums (mean), d's spread (std): m's groups fold sums with spread
-    assert blocks[0] == engine.partials.COUNTED and max(blocks) == engine.partials.UNTIMED
-    assert engine.partials.SUMS in blocks
+    assert blocks[0] == partials.COUNTED and max(blocks) == partials.UNTIMED
+    assert partials.SUMS in blocks
 
     blocks.clear()
     quantiles = run_plan(tmp_path, make_plan(reduce=["*=p99"])).frame
-    assert set(blocks) == {engine.partials.COUNTED}  # the whole run: counts alone
+    assert set(blocks) == {partials.COUNTED}  # the whole run: counts alone
     for s, k, v, n in quantiles.select("step", "key", "value", "count").iter_rows():
         assert (v, n) == (pytest.approx(np.percentile(truth[s, k], 99), rel=1e-15), len(truth[s, k])), (s, k)
 
@@ -964,9 +962,9 @@ def test_how_groups_are_held_and_keys_typed_changes_no_bit(many_files, monkeypat
     bits as the defaults, which hold everything in one chunk and keys as Categorical."""
     monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
     want = run_plan(many_files, make_plan(**args)).frame
-    monkeypatch.setattr(engine.partials, "CHUNK_GROUPS", 16)
-    monkeypatch.setattr(engine.partials, "LOOSE_GROUPS", 8)
-    monkeypatch.setattr(engine.partials, "LOOSE_PARTS", 2)
+    monkeypatch.setattr(accumulator, "CHUNK_GROUPS", 16)
+    monkeypatch.setattr(accumulator, "LOOSE_GROUPS", 8)
+    monkeypatch.setattr(accumulator, "LOOSE_PARTS", 2)
     monkeypatch.setattr(read.interned, "KEY_BUDGET", 0)  # every frame's keys as text
     got = run_plan(many_files, make_plan(**args)).frame
     assert want.height > 100 and got.equals(want)
@@ -1053,16 +1051,16 @@ def test_a_step_of_more_percentile_values_than_a_slice_is_taken_in_shares_of_its
         "step": zeros, "timestamp": np.full(n, BASE_TIME), "rank": zeros,
     }  # fmt: skip
     write_foreign(tmp_path / "one_step.parquet", rows)
-    monkeypatch.setattr(engine.partials, "SLICE_VALUES", 500)
+    monkeypatch.setattr(accumulator, "SLICE_VALUES", 500)
     slices: list[int] = []
-    value_ranges = engine.partials.Accumulator._value_ranges
+    value_ranges = accumulator.Accumulator._value_ranges
 
     def counting(self, lo, hi):
         out = value_ranges(self, lo, hi)
         slices.append(len(out))
         return out
 
-    monkeypatch.setattr(engine.partials.Accumulator, "_value_ranges", counting)
+    monkeypatch.setattr(accumulator.Accumulator, "_value_ranges", counting)
     frame = run_plan(tmp_path, make_plan()).frame
     assert max(slices) == 12
     assert frame.height == len(set(keys.tolist()))

@@ -2,11 +2,11 @@
 
 This is GLOBAL_REDUCE as the seed runs it live (each rank's state, merged by the
 controller), done offline. A partition (a piece of about 125,000 records of one task: a
-file, or a row group of one, see ``engine.tasks``) is reduced to one row of state per
-group (``partition_states``), and an ``Accumulator`` folds the partitions' states in a
-fixed order (the tasks in the order of the first step or window each may hold, then the
-pieces in file order), so the result does not depend on the thread count or on which
-partition finished first.
+file, or a row group of one, see ``engine.reading.tasks``) is reduced to one row of state
+per group (``partition_states``), and an ``Accumulator`` (``offline.accumulator``) folds
+the partitions' states with ``fold`` in a fixed order (the tasks in the order of the first
+step or window each may hold, then of the files' contents), so the result does not depend
+on the thread count, the files' names or on which partition finished first.
 
 The state of a group in one partition, over its values v (n of them):
 
@@ -16,8 +16,8 @@ The state of a group in one partition, over its values v (n of them):
               so these lose almost nothing to rounding
   min, max    NaN-propagating, as numpy's
   first/last  the value with the smallest / largest timestamp, with ``first_at`` /
-              ``last_at``, the place in file order of the part it came from (ties: the
-              earlier part in file order, then the earlier row)
+              ``last_at``, the place in that order of the part it came from (ties: the
+              earlier part, then the earlier row)
   values      for median and pNN only: the group's values themselves. Of the fields
               above, only n of such a group is ever read, so a partition whose groups
               are all median/pNN keeps n alone
@@ -35,13 +35,8 @@ Every computation is numpy over a partition's columns in row order (``bincount``
 
 from __future__ import annotations
 
-import itertools
-import math
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
@@ -103,8 +98,8 @@ def partition_states(
 ) -> Partial:
     """Reduce one partition's records (a collected frame with the plan's input columns).
 
-    ``places`` are the (place in file order, rows) of the parts ``df`` was concatenated
-    from, in file order (none: one part, place 0): what breaks ties of first and last.
+    ``places`` are the (place in the files' order, rows) of the parts ``df`` was concatenated
+    from, in that order (none: one part, place 0): what breaks ties of first and last.
 
     ``statistic_of(key, recorded_reduction)`` names the statistic a key gets; it is part
     of the group, so records of one key with different recorded reductions form one group
@@ -156,7 +151,7 @@ def partition_states(
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
     spread = any(s is not None and s.name in ("std", "min", "max") for s in stats)
     fields = COUNTED if quantile.all() else len(FIELDS) if timed else UNTIMED if spread else SUMS
-    state = _empty_cells(n_groups, fields)
+    state = empty_cells(n_groups, fields)
     state[N] = count
     stat_codes = stat_of_combo[combo] if len(names) > 1 else None
     if len(state) > COUNTED:
@@ -304,435 +299,13 @@ def _extreme(
     state[FIRST_AT if lowest else LAST_AT, uniq] = at
 
 
-_BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
-# A group's place in its block: its bucket's offset in the block, then its combo
-_COMBO_BITS = 32
-_COMBO_MASK = (1 << _COMBO_BITS) - 1
-# A block's groups met since it was last settled, at most (or a quarter of those it holds,
-# up to CHUNK_GROUPS): each settling copies the chunks they fall in
-LOOSE_GROUPS = 1 << 14
-LOOSE_PARTS = 32  # ... and at most this many partitions' groups (each is one round of folds)
-# Groups of a chunk of a block (what placing new groups copies at a time): past twice
-# this, a chunk is split
-CHUNK_GROUPS = 1 << 20
-# median/pNN values held in memory (24 bytes each) before they go to a temporary file
-SPILL_VALUES = 1_000_000
-# median/pNN values whose groups' quantiles are computed in one query: polars' group_by
-# holds about 80 bytes a value, so a smaller slice lowers the peak of *=p99 over many
-# values, for some time (benchmarks/bench_engine.py and bench_memory.py measure both)
-SLICE_VALUES = 500_000
-
-
-class _Labels:
-    """The combos folded so far: each one's label (a row of (process, rank,) key and
-    statistic), numbered in the order they came.
-
-    A label is looked up by a hash of its row (``hashes``, sorted, with the combo each
-    numbers), then checked against the row itself; labels whose hash another label has
-    (which 64 bits make rare) are numbered in ``collided`` instead. Memory: the labels, and
-    16 bytes a label, never a Python object each.
-    """
-
-    def __init__(self) -> None:
-        self.table = pl.DataFrame()
-        self.hashes = np.empty(0, dtype=np.uint64)
-        self.numbered = np.empty(0, dtype=np.int64)
-        self.collided: dict[tuple[Any, ...], int] = {}
-        self.collided_hashes = np.empty(0, dtype=np.uint64)  # sorted
-
-    def __len__(self) -> int:
-        return self.table.height
-
-    def numbers(self, labels: pl.DataFrame) -> np.ndarray:
-        """The combo of each row of ``labels`` (distinct rows); labels not met before are
-        numbered next, in row order."""
-        labels = labels.with_columns(
-            pl.col(c).cast(pl.Categorical) for c in ("process", "reduction") if c in labels
-        )
-        h = labels.hash_rows(seed=0).to_numpy()
-        out = np.full(labels.height, -1, dtype=np.int64)
-        at = _found(self.hashes, h)
-        known = np.flatnonzero(at >= 0)
-        combo = self.numbered[at[known]]
-        same = _same_rows(self.table[combo], labels[known])
-        out[known[same]] = combo[same]
-        rest = np.flatnonzero(out < 0)
-        hashed = h[rest]
-        uniq, counts = np.unique(hashed, return_counts=True)
-        odd = (_found(self.hashes, hashed) >= 0) | (_found(self.collided_hashes, hashed) >= 0)
-        odd |= counts[np.searchsorted(uniq, hashed)] > 1
-        for i in rest[odd].tolist():  # a label sharing its hash with another
-            out[i] = self.collided.get(labels.row(i), -1)
-        fresh = np.flatnonzero(out < 0)
-        if not len(fresh):
-            return out
-        out[fresh] = len(self) + np.arange(len(fresh))
-        shares = np.zeros(labels.height, dtype=bool)
-        shares[rest[odd]] = True
-        for i in fresh[shares[fresh]].tolist():
-            self.collided[labels.row(i)] = int(out[i])
-            self.collided_hashes = np.insert(
-                self.collided_hashes, np.searchsorted(self.collided_hashes, h[i]), h[i]
-            )
-        plain = fresh[~shares[fresh]]
-        order = np.argsort(h[plain])
-        where = np.searchsorted(self.hashes, h[plain][order])
-        self.hashes = np.insert(self.hashes, where, h[plain][order])
-        self.numbered = np.insert(self.numbered, where, out[plain][order])
-        self.table = pl.concat([self.table, labels[fresh]]) if len(self) else labels[fresh]
-        if self.table.n_chunks() > 32:
-            self.table = self.table.rechunk()
-        return out
-
-    def rows(self, combo: np.ndarray) -> pl.DataFrame:
-        """The labels of ``combo`` (process and reduction Categorical)."""
-        return self.table[combo]
-
-
-def _found(sorted_: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Where each of ``x`` is in ``sorted_``, or -1."""
-    if not len(sorted_):
-        return np.full(len(x), -1, dtype=np.int64)
-    at = np.minimum(np.searchsorted(sorted_, x), len(sorted_) - 1)
-    return np.where(sorted_[at] == x, at, -1)
-
-
-def _same_rows(a: pl.DataFrame, b: pl.DataFrame) -> np.ndarray:
-    """Whether each row of ``a`` equals the same row of ``b`` (nulls equal)."""
-    if not a.height:
-        return np.zeros(0, dtype=bool)
-    same = pl.all_horizontal(pl.col(c).eq_missing(b[c]) for c in a.columns)
-    return a.select(same).to_series().to_numpy()
-
-
-@dataclass
-class _Chunk:
-    """Some of a block's groups: ``ids`` (each group's place: _COMBO_BITS), sorted, and
-    their ``state`` (fields x groups)."""
-
-    ids: np.ndarray
-    state: np.ndarray
-
-
-@dataclass
-class _Block:
-    """The groups of 2**_BLOCK_BITS consecutive buckets folded so far, in ``chunks`` of
-    consecutive ids (each at most twice CHUNK_GROUPS); and, in ``loose``, the states (ids,
-    states) of groups met since the last ``settle``, in the order they came (a group may be
-    there more than once). Memory grows with the groups, not with the combos times the
-    buckets, and placing new groups copies one chunk at a time."""
-
-    chunks: list[_Chunk] = field(default_factory=list)
-    fields: int = COUNTED
-    held: int = 0  # the groups in chunks
-    loose: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-    loose_groups: int = 0
-
-    @property
-    def groups(self) -> int:
-        """The groups held (at most: a loose group may be there more than once)."""
-        return self.held + self.loose_groups
-
-    def _chunk_of(self, ids: np.ndarray) -> np.ndarray:
-        firsts = np.array([int(c.ids[0]) if len(c.ids) else -1 for c in self.chunks], dtype=np.int64)
-        return np.maximum(np.searchsorted(firsts, ids, side="right") - 1, 0)
-
-    def fold(self, ids: np.ndarray, state: np.ndarray) -> None:
-        """One partition's states of the groups ``ids`` (each once) folded in."""
-        if len(state) > self.fields:
-            self.fields = len(state)
-            for chunk in self.chunks:
-                chunk.state = _with_fields(chunk.state, self.fields)
-        hit = np.zeros(len(ids), dtype=bool)
-        last = next((int(c.ids[-1]) for c in reversed(self.chunks) if len(c.ids)), -1)
-        if len(ids) and int(ids.min()) > last:  # steps (or combos) past every group held: all new
-            chunks = []
-        else:
-            chunks = list(
-                _by_chunk(self._chunk_of(ids) if len(self.chunks) > 1 else None, self.chunks, len(ids))
-            )
-        for chunk, sel in chunks:
-            mine_ids = ids[sel]
-            start = int(np.searchsorted(chunk.ids, mine_ids[0]))
-            if np.array_equal(chunk.ids[start : start + len(sel)], mine_ids):  # a run of the chunk's groups
-                hit[sel] = True
-                _fold(
-                    chunk.state[:, start : start + len(sel)], state if len(sel) == len(ids) else state[:, sel]
-                )
-                continue
-            at = _found(chunk.ids, mine_ids)  # else each looked up
-            found = at >= 0
-            if found.any():
-                at, rows = at[found], sel[found]
-                hit[rows] = True
-                chunk.state[:, at] = _fold(chunk.state[:, at], state[:, rows])
-        if hit.all():
-            return
-        new = ~hit
-        self.loose.append((ids, state) if not hit.any() else (ids[new], state[:, new]))
-        self.loose_groups += int(new.sum())
-        if (
-            self.loose_groups > min(max(self.held >> 2, LOOSE_GROUPS), CHUNK_GROUPS)
-            or len(self.loose) > LOOSE_PARTS
-        ):
-            self.settle()
-
-    def settle(self) -> None:
-        """The loose groups placed among the others, each folded in the order its states
-        came: the same bits as folding each state as it came."""
-        if not self.loose:
-            return
-        fields = self.fields
-        ids = np.concatenate([i for i, _ in self.loose])
-        states = np.concatenate([_with_fields(s, fields) for _, s in self.loose], axis=1)
-        self.loose, self.loose_groups = [], 0
-        if (ids[1:] > ids[:-1]).all():  # each group once, in order (a partition's new steps)
-            merged = _fold(_empty_cells(len(ids), fields), states)
-        else:
-            order = np.argsort(ids, kind="stable")
-            ids, states = ids[order], states[:, order]
-            starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
-            runs = np.diff(np.r_[starts, len(ids)])
-            merged = _fold(_empty_cells(len(starts), fields), states[:, starts])
-            for j in range(1, int(runs.max())):  # each group's next state, where it has one
-                at = np.flatnonzero(runs > j)
-                merged[:, at] = _fold(merged[:, at], states[:, starts[at] + j])
-            ids = ids[starts]
-        del states
-        if not self.chunks:
-            self.chunks = [_Chunk(np.empty(0, dtype=np.int64), _empty_cells(0, fields))]
-        chunks: list[_Chunk] = []
-        for chunk, sel in _by_chunk(self._chunk_of(ids), self.chunks, len(ids), every=True):
-            if len(sel):
-                where = np.searchsorted(chunk.ids, ids[sel])
-                chunk = _Chunk(
-                    np.insert(chunk.ids, where, ids[sel]),
-                    np.insert(chunk.state, where, merged[:, sel], axis=1),
-                )
-            chunks += _split(chunk)
-        self.chunks = chunks
-        self.held += len(ids)
-
-    def take(self, below: int | None) -> list[_Chunk]:
-        """The groups whose ids are below ``below`` (None: all), taken out."""
-        self.settle()
-        if below is None:
-            out, self.chunks, self.held = self.chunks, [], 0
-            return out
-        out = []
-        while self.chunks:
-            chunk = self.chunks[0]
-            n = int(np.searchsorted(chunk.ids, below))
-            if n == len(chunk.ids):
-                out.append(self.chunks.pop(0))
-                continue
-            if n:
-                out.append(_Chunk(chunk.ids[:n], chunk.state[:, :n]))
-                self.chunks[0] = _Chunk(chunk.ids[n:].copy(), chunk.state[:, n:].copy())
-            break
-        self.held -= sum(len(c.ids) for c in out)
-        return out
-
-
-def _by_chunk(
-    which: np.ndarray | None, chunks: list[_Chunk], n: int, every: bool = False
-) -> Iterator[tuple[_Chunk, np.ndarray]]:
-    """Each chunk with the rows (of ``n``) that fall in it (``which``: each row's chunk;
-    None: one chunk, all rows), skipping chunks with none unless ``every``."""
-    if which is None:
-        if chunks:
-            yield chunks[0], np.arange(n)
-        return
-    order = np.argsort(which, kind="stable")
-    bounds = np.searchsorted(which[order], np.arange(len(chunks) + 1))
-    for k, chunk in enumerate(chunks):
-        sel = order[bounds[k] : bounds[k + 1]]
-        if len(sel) or every:
-            yield chunk, sel
-
-
-def _split(chunk: _Chunk) -> list[_Chunk]:
-    """A chunk in pieces of CHUNK_GROUPS, when it grew past twice that."""
-    if len(chunk.ids) <= 2 * CHUNK_GROUPS:
-        return [chunk]
-    cuts = range(0, len(chunk.ids), CHUNK_GROUPS)
-    return [
-        _Chunk(chunk.ids[c : c + CHUNK_GROUPS].copy(), chunk.state[:, c : c + CHUNK_GROUPS].copy())
-        for c in cuts
-    ]
-
-
-@dataclass
-class Accumulator:
-    """Partitions' states folded in the order they are given, into blocks of buckets.
-
-    Memory grows with the groups (bucket and combo) not taken out yet (``take``) and the
-    combos met, not with the records; the values of median/pNN groups are held with them
-    (in a temporary directory past ``SPILL_VALUES``).
-    """
-
-    labels: _Labels = field(default_factory=_Labels)
-    blocks: dict[int, _Block] = field(default_factory=dict)
-    value_cells: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)
-    held_values: int = 0
-    spills: list[tuple[Path, int, int]] = field(default_factory=list)  # (file, first, last bucket)
-    spent: list[Path] = field(default_factory=list)  # spilled files no later take needs
-    spilled: int = 0  # the files written so far (each one's name: its number)
-    spill_dir: tempfile.TemporaryDirectory[str] | None = None
-    taken: int | None = None  # the buckets below this one were taken out
-
-    def add(self, p: Partial) -> None:
-        if not len(p.bucket):
-            return
-        combo = self.labels.numbers(p.labels)[p.combo]
-        block_of = p.bucket >> _BLOCK_BITS  # non-decreasing: the groups come in bucket order
-        edges = np.flatnonzero(np.diff(block_of)) + 1
-        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
-            b = int(block_of[lo])
-            ids = ((p.bucket[lo:hi] - (b << _BLOCK_BITS)) << _COMBO_BITS) | combo[lo:hi]
-            self.blocks.setdefault(b, _Block()).fold(ids, p.state[:, lo:hi])
-        if len(p.values):
-            self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
-            self.held_values += len(p.values)
-            if self.held_values > SPILL_VALUES:
-                self._spill()
-
-    def _spill(self) -> None:
-        """The median/pNN values held so far, to a temporary Parquet file sorted by bucket."""
-        if self.spill_dir is None:
-            self.spill_dir = tempfile.TemporaryDirectory(prefix="metriclog-values-")
-        frame = self._held().sort("bucket", maintain_order=True)
-        path = Path(self.spill_dir.name) / f"{self.spilled:05d}.parquet"
-        self.spilled += 1
-        frame.write_parquet(path, row_group_size=1 << 15, statistics=True)
-        self.spills.append((path, int(frame["bucket"][0]), int(frame["bucket"][-1])))
-        self.value_cells, self.held_values = [], 0
-
-    def _held(self) -> pl.DataFrame:
-        if not self.value_cells:
-            return pl.DataFrame(schema={"bucket": pl.Int64, "_combo": pl.Int64, "value": pl.Float64})
-        bucket, combo, values = (np.concatenate(parts) for parts in zip(*self.value_cells, strict=True))
-        return pl.DataFrame({"bucket": bucket, "_combo": combo, "value": values})
-
-    def _value_ranges(self, lo: int | None, hi: int | None) -> list[pl.LazyFrame]:
-        """The median/pNN values (with their group: bucket, _combo) of the buckets from
-        ``lo`` to below ``hi`` (None: no bound), held or spilled, in slices of whole
-        buckets that each hold about ``SLICE_VALUES`` values; values of later buckets stay."""
-        for path in self.spent:  # what the slices of the last take read
-            path.unlink(missing_ok=True)
-        self.spent = []
-        if not self.value_cells and not self.spills:  # no median/pNN values: nothing to split
-            return [self._held().lazy()]
-        held = self._held()
-        mine = held
-        if hi is not None:
-            later = pl.Series(held["bucket"].to_numpy() >= hi)
-            mine, rest = held.filter(~later), held.filter(later)
-            columns = (rest["bucket"].to_numpy(), rest["_combo"].to_numpy(), rest["value"].to_numpy())
-            self.value_cells = [columns] if rest.height else []
-        else:
-            self.value_cells = []
-        self.held_values = held.height - mine.height
-        files = [
-            path
-            for path, first, last in self.spills
-            if (lo is None or last >= lo) and (hi is None or first < hi)
-        ]
-        scan = mine.lazy()
-        if files:
-            self.spent = [path for path, _, last in self.spills if hi is None or last < hi]
-            self.spills = [s for s in self.spills if s[0] not in self.spent]
-            scan = pl.concat([pl.scan_parquet(files), scan])
-            if lo is not None:
-                scan = scan.filter(pl.col("bucket") >= lo)
-            if hi is not None:
-                scan = scan.filter(pl.col("bucket") < hi)
-        per_bucket = scan.group_by("bucket").len().sort("bucket").collect()
-        edges, held_n, shares = [], 0, {}
-        first = per_bucket["bucket"][0] if per_bucket.height else None
-        for bucket, n in per_bucket.iter_rows():
-            if held_n and held_n + n > SLICE_VALUES:
-                edges.append(bucket)
-                held_n = 0
-            held_n += n
-            if n > SLICE_VALUES:  # a bucket of more: in shares of its groups (combo modulo k)
-                shares[bucket] = -(-n // SLICE_VALUES)
-        slices = []
-        for start, stop in itertools.pairwise([None, *edges, None]):
-            part = scan
-            if start is not None:
-                part = part.filter(pl.col("bucket") >= start)
-            if stop is not None:
-                part = part.filter(pl.col("bucket") < stop)
-            k = shares.get(first if start is None else start, 1)
-            slices += [part.filter(pl.col("_combo") % k == r) for r in range(k)] if k > 1 else [part]
-        return slices
-
-    def close(self) -> None:
-        if self.spill_dir is not None:
-            self.spill_dir.cleanup()
-            self.spill_dir = None
-
-    def cells_below(self, upto: float) -> int:
-        """The groups (at most) of the blocks that start below bucket ``upto``."""
-        return sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
-
-    def cuts(self, upto: float, groups: int) -> list[float]:
-        """Where to cut the taking of the buckets below ``upto`` (block edges, then ``upto``)
-        so that each take holds at most about ``groups`` groups."""
-        out: list[float] = []
-        held = 0
-        for b in sorted(self.blocks):
-            if b << _BLOCK_BITS >= upto:
-                break
-            if held and held + self.blocks[b].groups > groups:
-                out.append(b << _BLOCK_BITS)
-                held = 0
-            held += self.blocks[b].groups
-        return [*out, upto]
-
-    def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
-        """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out: one
-        row a group (bucket, _combo, (process, rank,) key, reduction; process and reduction
-        Categorical), the merged statistics
-        their reductions name (and count), one value a row, and their median/pNN values
-        (``_value_ranges``), to be read before ``close``."""
-        hi = None if upto == math.inf else math.floor(upto)
-        buckets, combos, parts = [], [], []
-        for b in sorted(self.blocks):
-            first = b << _BLOCK_BITS
-            if hi is not None and first >= hi:
-                break
-            block = self.blocks[b]
-            part = hi is not None and first + (1 << _BLOCK_BITS) > hi  # the block hi falls in
-            for chunk in block.take((hi - first) << _COMBO_BITS if part and hi is not None else None):
-                parts.append(chunk.state)
-                buckets.append(first + (chunk.ids >> _COMBO_BITS))
-                combos.append(chunk.ids & _COMBO_MASK)
-            if not block.groups:
-                del self.blocks[b]
-        values = self._value_ranges(self.taken, hi)
-        self.taken = hi
-        if not parts:
-            return pl.DataFrame(), {}, values
-        bucket, combo = np.concatenate(buckets), np.concatenate(combos)
-        frame = pl.DataFrame({"bucket": bucket, "_combo": combo}).hstack(self.labels.rows(combo))
-        if hi is None:  # every group taken: the labels are not needed again
-            self.labels = _Labels()
-        named = {Statistic.parse(r).name for r in frame["reduction"].unique().to_list() if is_statistic(r)}
-        stats = {
-            name: np.concatenate([_statistic(s, name) for s in parts]) for name in sorted({"count", *named})
-        }
-        return frame, stats, values
-
-
-def _statistic(s: np.ndarray, name: str) -> np.ndarray:
+def statistic(s: np.ndarray, name: str) -> np.ndarray:
     """Statistic ``name`` (not median or pNN: those need the values) of merged states ``s``,
     one value a group."""
     if name == "count":
         return s[N].astype(np.int64)
     if name in ("std", "min", "max") or len(s) < SUMS:  # a part of fewer fields than it reads
-        s = _with_fields(s, UNTIMED)
+        s = with_fields(s, UNTIMED)
     n, dev, base, raw = s[N], s[DEV], s[SHIFT], s[RAW]
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # over: sums no statistic reads
         if name == "sum":
@@ -750,7 +323,7 @@ def _statistic(s: np.ndarray, name: str) -> np.ndarray:
     return np.full(len(n), np.nan)  # median, pNN: from their values
 
 
-def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
+def fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     """Accumulated states ``a`` with one partition's states ``p`` of the same groups folded
     in (``a`` has at least ``p``'s fields)."""
     if len(p) == COUNTED:  # median/pNN groups: only their counts are read
@@ -772,7 +345,7 @@ def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
         np.maximum(a[MAX], p[MAX], out=a[MAX])
     if len(p) == UNTIMED:
         return a
-    earlier = p[FIRST_AT] < a[FIRST_AT]  # ties: the earlier part in file order
+    earlier = p[FIRST_AT] < a[FIRST_AT]  # ties: the earlier part in the files' order
     take = (p[FIRST_TS] < a[FIRST_TS]) | ((p[FIRST_TS] == a[FIRST_TS]) & earlier)
     a[FIRST_TS : FIRST_AT + 1, take] = p[FIRST_TS : FIRST_AT + 1, take]
     earlier = p[LAST_AT] < a[LAST_AT]
@@ -781,14 +354,14 @@ def _fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     return a
 
 
-def _empty_cells(size: int, fields: int = len(FIELDS)) -> np.ndarray:
+def empty_cells(size: int, fields: int = len(FIELDS)) -> np.ndarray:
     cells = np.empty((fields, size))
     cells[:] = _EMPTY[:fields, None]
     return cells
 
 
-def _with_fields(state: np.ndarray, fields: int) -> np.ndarray:
+def with_fields(state: np.ndarray, fields: int) -> np.ndarray:
     """``state`` with ``fields`` fields, those it lacks empty."""
     if len(state) >= fields:
         return state
-    return np.concatenate([state, _empty_cells(state.shape[1], fields)[len(state) :]])
+    return np.concatenate([state, empty_cells(state.shape[1], fields)[len(state) :]])

@@ -39,7 +39,8 @@ import polars as pl
 
 from metric_core.errors import PlanError, StrictModeError, UnmatchedError
 from metric_core.metric import LoggingMode
-from metric_core.offline import filters, partials
+from metric_core.offline import filters
+from metric_core.offline.accumulator import Accumulator
 from metric_core.offline.engine import finish, reading
 from metric_core.offline.engine.finish import finished_frames, reduce_records
 from metric_core.offline.engine.pool import on_threads
@@ -242,7 +243,7 @@ def execute(
         for key, reduction in recorded.decided.items():
             scan.report.mixed.setdefault(key, MixedKey(key, reduction))
         produced = False
-        acc = partials.Accumulator()
+        acc = Accumulator()
         states = states_of([task for _, task in work], [t.size for _, t in work], on_progress)
         try:
             for i, state in states:
@@ -262,7 +263,7 @@ def execute(
                         yield frame
                 if upto == math.inf:
                     acc.close()
-                    acc = partials.Accumulator()
+                    acc = Accumulator()
         finally:
             states.close()  # stops the pool's threads, whatever ended the stream
             acc.close()

@@ -10,6 +10,7 @@ import numpy as np
 import polars as pl
 
 from metric_core.offline import partials
+from metric_core.offline.accumulator import Accumulator
 from metric_core.offline.engine.reading import statistic_chooser
 from metric_core.offline.engine.reductions import KeyReductions, kept_reductions
 from metric_core.offline.plan import ReducePlan, Statistic
@@ -23,7 +24,7 @@ TAKEN_GROUPS = 1 << 17
 def finished_frames(
     plan: ReducePlan,
     scan: RunScan | None,
-    acc: partials.Accumulator,
+    acc: Accumulator,
     t0: float | None,
     recorded: KeyReductions,
     upto: float,
@@ -68,7 +69,7 @@ def reduce_records(
     results (a key met under another reduction keeps it, and the records under the other
     are skipped and counted in ``mixed``). For a caller that sees a run a part at a time
     (``upload --follow``)."""
-    acc = partials.Accumulator()
+    acc = Accumulator()
     try:
         acc.add(partials.partition_states(records, plan, statistic_chooser(plan), t0))
         frames = list(

@@ -72,7 +72,9 @@ def raw_mode(
             else:  # its held rows may fall anywhere in its time: all of it at once
                 mine = held.filter((pl.col("process") == process) & (pl.col("rank") == rank))
                 whole = pl.concat([*(read(fid) for fid in fids), mine], how="vertical_relaxed")
-                batches = iter([whole.sort("timestamp", maintain_order=True)])  # ties: file order
+                batches = iter(
+                    [whole.sort("timestamp", maintain_order=True)]
+                )  # ties: the files' order (data_order)
             for batch in batches:
                 if batch.height == 0:  # a filter left none of the source's records
                     continue

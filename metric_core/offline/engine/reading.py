@@ -38,7 +38,7 @@ DICTIONARY_READ_RECORDS = 2_000_000
 @dataclass(frozen=True)
 class Task:
     """What one thread reduces: ``reads`` (file id, row groups or None for the whole file,
-    place in file order of the first of them), in file order; ``lo``, the first bucket
+    place in the files' order (``data_order``) of the first of them), in that order; ``lo``, the first bucket
     they may hold; ``size``, their bytes (what progress counts)."""
 
     reads: list[tuple[int, list[int] | None, int]]
