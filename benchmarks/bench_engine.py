@@ -121,7 +121,7 @@ def read(fid):
     file = pq.ParquetFile(scan.report.files[fid].path)
     return sum(b.num_rows for b in file.iter_batches(125_000, columns=columns))
 with ThreadPoolExecutor(2) as pool:
-    print(sum(pool.map(read, list(scan.parts))))
+    print(sum(pool.map(read, scan.file_ids)))
 """
 
 
@@ -138,7 +138,7 @@ scan = scan_run(sys.argv[1], defer_checks=True)
 plan = make_plan()
 kept, statistic_of = engine.reading.columns_read(plan, scan), engine.reading.statistic_chooser(plan)
 frames, held = [], 0
-for fid in scan.parts:
+for fid in scan.file_ids:
     dictionaries = engine.reading.reads_dictionaries(scan)
     frames += scan.batches(fid, kept, dictionaries=dictionaries, rows=engine.reading.PARTITION_ROWS)
     held = sum(df.height for df in frames)

@@ -46,7 +46,7 @@ def tasks_of(run: Path) -> tuple[int, float]:
 
     scan = scan_run(run, defer_checks=True)
     dictionaries = engine.reading.reads_dictionaries(scan)
-    found = engine.reading.tasks(make_plan(), scan, list(scan.parts), None, dictionaries)
+    found = engine.reading.tasks(make_plan(), scan, scan.file_ids, None, dictionaries)
     return len(found), scan.report.records / max(1, len(found))
 
 
@@ -58,9 +58,9 @@ from metric_core import make_plan, scan_run
 from metric_core.offline import engine, filters
 plan = make_plan(mode=sys.argv[2], reduce=sys.argv[3:])
 scan = scan_run(sys.argv[1])
-scan.check_all()
+scan = scan.for_other_processes()
 dictionaries = engine.reading.reads_dictionaries(scan)
-found = engine.reading.tasks(plan, scan, list(scan.parts), None, dictionaries)[:16]
+found = engine.reading.tasks(plan, scan, scan.file_ids, None, dictionaries)[:16]
 kept = engine.reading.columns_read(plan, scan)
 work = engine.reading.TaskWork(plan, scan, dictionaries, kept, None, engine.reading.PARTITION_ROWS)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -65,8 +65,13 @@ def _root(
 
 
 @contextmanager
-def errors_to_exit() -> Iterator[None]:
-    """Expected failures: one line on stderr and an exit code, never a traceback."""
+def command_run() -> Iterator[None]:
+    """A command's work. First, polars' hand-over to numpy, which a stop landing in it would
+    turn into a panic (``fetch_numpy_api``); then expected failures become one line on
+    stderr and an exit code, never a traceback."""
+    from metric_core.offline.read import fetch_numpy_api
+
+    fetch_numpy_api()
     try:
         yield
     except PlanError as exc:
@@ -115,7 +120,7 @@ def reduce(
     """
     from metric_core.offline.engine import pivot_wide, run_plan
 
-    with errors_to_exit():
+    with command_run():
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
         o.rows(limit, tail, out, form)
         if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
@@ -198,7 +203,7 @@ def upload(
 
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
-    with errors_to_exit():
+    with command_run():
         with output.upload_events() as events, output.read_progress() as progress:
             result = upload_run(
                 run_dir,
@@ -245,7 +250,7 @@ def inspect(
     """
     from metric_core.offline.inspect import inspect_run
 
-    with errors_to_exit(), output.read_progress() as progress:
+    with command_run(), output.read_progress() as progress:
         report = inspect_run(
             run_dir,
             follow_symlinks=follow_symlinks,
@@ -289,7 +294,7 @@ def plot(
     """
     from metric_core.offline.plot import plot_run
 
-    with errors_to_exit(), output.read_progress() as progress:
+    with command_run(), output.read_progress() as progress:
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
         check_target(out)
         plot_run(
@@ -331,7 +336,7 @@ def keys(
     """
     from metric_core.offline.keys import list_keys
 
-    with errors_to_exit():
+    with command_run():
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         with output.read_progress():
@@ -373,7 +378,7 @@ def samples(
     """
     from metric_core.offline.samples import select_samples
 
-    with errors_to_exit():
+    with command_run():
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         frame, read = select_samples(
@@ -413,7 +418,7 @@ def watch(
     from metric_core.offline.watch import STOPPED, watch_run
 
     commands = output.StallCommands(on_stall, run_dir)
-    with errors_to_exit(), output.WatchDisplay() as show, commands:
+    with command_run(), output.WatchDisplay() as show, commands:
         commands.relay = show.live is not None
         try:
             result = watch_run(

@@ -22,7 +22,7 @@ from metric_core import Metric, MetricCollector, Reduce
 from metric_core.offline import accumulator, engine, partials, read
 from metric_core.offline.engine import reduce_run, run_plan
 from metric_core.offline.plan import make_plan
-from metric_core.offline.read import parquet, scan_run
+from metric_core.offline.read import RunScan, parquet, scan_run
 
 from .conftest import BASE_TIME, killed_after, write_collector_run
 
@@ -209,14 +209,14 @@ def row_group_reads(monkeypatch) -> list[tuple[str, int]]:
     """Every Parquet file is read through its dictionaries; the list fills with each row
     group read, as (file name, row group)."""
     reads: list[tuple[str, int]] = []
-    original = read.categorical_batches
+    original = read.scan.categorical_batches
 
     def counting(path, columns, hashed, row_groups=None, rows=None, *, rep):
         groups = range(pq.ParquetFile(path).num_row_groups) if row_groups is None else row_groups
         reads.extend((Path(path).name, g) for g in groups)
         return original(path, columns, hashed, row_groups, rows, rep=rep)
 
-    monkeypatch.setattr(read, "categorical_batches", counting)
+    monkeypatch.setattr(read.scan, "categorical_batches", counting)
     monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
     return reads
 
@@ -278,11 +278,13 @@ def test_by_time_reads_each_file_once_where_the_files_declare_their_first_time(
         if len(ts)
     )
     scan = scan_run(many_files, defer_checks=True)
-    assert len(scan.pending) == 4  # the other tool's files, unchecked
-    poisoned = pl.LazyFrame({"x": [0]}).select(
-        pl.col("x").map_batches(lambda _: pytest.fail("a query over the run's frames"), return_dtype=pl.Int64)
-    )
-    scan.frame, scan.parts = poisoned, dict.fromkeys(scan.parts, poisoned)
+    assert sum(not scan.trusted(fid) for fid in scan.file_ids) == 4  # the other tool's files, unchecked
+
+    def no_query(*_):
+        pytest.fail("a query over the run's frames")
+
+    monkeypatch.setattr(RunScan, "frame", property(no_query))
+    monkeypatch.setattr(RunScan, "file_frame", no_query)
     plan = make_plan(mode=mode, by="time", every=2.0, **({"ranks": ranks} if ranks else {}))
     frame = engine.execute(plan, scan).frame
     assert sorted(reads) == every

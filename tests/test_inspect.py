@@ -600,11 +600,14 @@ def test_another_tools_parquet_is_read_once_and_checked_as_it_is_aggregated(tmp_
         pq.write_table(table, tmp_path / name, row_group_size=10)
 
     opened: list[str] = []
-    batches = read.categorical_batches
-    monkeypatch.setattr(
-        read, "categorical_batches", lambda path, *a, **k: opened.append(path.name) or batches(path, *a, **k)
-    )
-    monkeypatch.setattr(read, "run_parquet_checks", lambda *a: pytest.fail("checked in a read of its own"))
+    batches = read.scan.categorical_batches
+
+    def counting(path, *a, **k):
+        opened.append(path.name)
+        return batches(path, *a, **k)
+
+    monkeypatch.setattr(read.scan, "categorical_batches", counting)
+    monkeypatch.setattr(read.scan, "run_parquet_checks", lambda *a: pytest.fail("checked in its own read"))
     cache: dict = {}
     report = inspect_run(tmp_path, cache=cache, now=T0 + 30)
     assert sorted(opened) == sorted(files)  # each file once

@@ -44,7 +44,7 @@ def run(request, tmp_path_factory):
     truth += write_collector_run(root, [("TrainActor_r3", 3)], steps=9, seed=3, shutdown=None)
     assert list(root.glob("TrainActor_r3.*.journal"))
     scan = scan_run(root)
-    assert all(scan.report.files[i].hashed for i in scan.parts) is (request.param == "parquet")
+    assert all(scan.report.files[i].hashed for i in scan.file_ids) is (request.param == "parquet")
     return root, truth
 
 
@@ -416,7 +416,7 @@ def test_a_foreign_file_among_the_writers_files_is_grouped_by_key_strings(tmp_pa
     foreign = [dict(r, rank=7, process="external") for r in truth if r["rank"] == 0]
     pl.DataFrame(foreign).write_parquet(tmp_path / "external.parquet")
     scan = scan_run(tmp_path)
-    assert not all(scan.report.files[i].hashed for i in scan.parts)
+    assert not all(scan.report.files[i].hashed for i in scan.file_ids)
     check(execute(make_plan(), scan).frame, expected(truth + foreign))
 
 

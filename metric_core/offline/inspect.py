@@ -366,30 +366,30 @@ def _aggregate(
     process and rank as well.
     """
     files = scan.report.files
-    sources = {i: files[i].source or files[i].single_source for i in scan.parts}
+    sources = {i: files[i].source or files[i].single_source for i in scan.file_ids}
     vouched = {i for i, source in sources.items() if source is not None}
     # the writer's files group on its key hashes (another tool's file of one source, on strings)
     hashes = _key_hashes([files[i] for i in vouched if files[i].hashed])
-    sizes = {fid: files[fid].size for fid in scan.parts}
+    sizes = {fid: files[fid].size for fid in scan.file_ids}
     per_source: dict[Source, list[tuple[int, pl.DataFrame]]] = {}
     by_key = []
     done = 0
     used = {}
-    for n, (fid, frame) in enumerate(scan.parts.items(), 1):
+    for n, fid in enumerate(scan.file_ids, 1):
         known = _file_identity(files[fid], sources[fid]) if cache is not None else None
         if known is not None and known in cache:  # type: ignore[operator]
             steps, keys, counts = used[known] = cache[known]  # type: ignore[index]
-            _recount(scan, fid, counts)
+            scan.counted_before(fid, *counts)  # as the call that read it counted them
         else:
             by = [] if fid in vouched else ["process", "rank"]
             names = hashes if fid in vouched and files[fid].hashed else None
             key = KEY_HASH if names is not None else "key"
             columns = [*by, "step", key, "value", "timestamp"]
             # another tool's file: checked as it is read, once; a checksummed segment: verified
-            if fid in scan.unchecked or files[fid].row_groups is not None:
+            if scan.checks_as_read(fid):
                 found, keys = _batched_aggregates(scan.batches(fid, columns, rows=BATCH_ROWS), by, key)
             else:
-                found, keys = _file_aggregates(frame.select(columns), by, key)
+                found, keys = _file_aggregates(scan.file_frame(fid).select(columns), by, key)
             if names is not None:
                 keys = keys.join(names, on=KEY_HASH).select("key", *keys.columns[1:])
             if by:
@@ -411,7 +411,7 @@ def _aggregate(
         by_key.append(keys)
         done += sizes[fid]
         if on_progress is not None:
-            on_progress(n, len(scan.parts), done, sum(sizes.values()))
+            on_progress(n, len(sizes), done, sum(sizes.values()))
     if cache is not None:  # files gone (a journal sealed) leave the cache
         cache.clear()
         cache.update(used)
@@ -434,14 +434,6 @@ def _file_identity(rep: FileReport, source: Any) -> tuple[Any, ...] | None:
     if rep.listed is None:
         return None
     return (str(rep.path), *rep.listed, rep.replaced_from, rep.hashed, source)
-
-
-def _recount(scan: RunScan, fid: int, counts: tuple[int, int, dict[str, int]]) -> None:
-    """A file unchanged since an earlier call: its records and skips as that call counted
-    them (its check, had it not been read, is not due)."""
-    rep = scan.report.files[fid]
-    rep.records, rep.skipped, rep.skip_reasons = counts[0], counts[1], dict(counts[2])
-    scan.was_counted(fid)
 
 
 # Records of another tool's file aggregated at a time (the file is read once, in frames).

@@ -160,12 +160,11 @@ def run_plan(
     # Another tool's files are checked as the engine reads them (one pass), so the report
     # is whole once the plan ran; it is handed over even when the plan fails.
     scan = scan_run(run_dir, follow_symlinks=follow_symlinks, attempts=plan.attempts, defer_checks=True)
-    if strict:  # fail before anything is written
-        scan.check_all()
-        if scan.report.has_skips:  # notices (a restart rewound, a copy read once) are not skips
-            if on_read is not None:
-                on_read(scan.report)
-            raise StrictModeError(scan.report.summary())
+    # fail before anything is written; notices (a restart rewound, a copy read once) are not skips
+    if strict and scan.full_report.has_skips:
+        if on_read is not None:
+            on_read(scan.report)
+        raise StrictModeError(scan.report.summary())
     try:
         result = execute(plan, scan, on_progress=on_progress, engine=engine, ray_address=ray_address)
     except BaseException:
@@ -225,14 +224,15 @@ def execute(
     seen, unmatched = filters.Seen.wanted_by(plan), list[PlanError]()
     # What is reduced together: the whole run, or (per_rank_reduce, every file of one
     # source) each source on its own, emitted in order.
-    units = [list(scan.parts)] if sources is None else [fids for _, fids in sorted(sources.items())]
+    units = [scan.file_ids] if sources is None else [fids for _, fids in sorted(sources.items())]
     work = [(u, task) for u, fids in enumerate(units) for task in tasks(plan, scan, fids, t0, dictionaries)]
 
     reduce_task = TaskWork(plan, scan, dictionaries, kept, t0, reading.PARTITION_ROWS)
     if engine == "ray":
         from metric_core.offline.engine.ray_pool import on_ray
 
-        scan.check_all()  # a task's counts of bad rows could not reach this process's report
+        # a task's counts of bad rows could not reach this process's report: counted first
+        reduce_task.scan = scan.for_other_processes()
         states_of = functools.partial(on_ray, reduce_task, seen=seen, address=ray_address)
     else:
         states_of = functools.partial(on_threads, functools.partial(reduce_task, seen=seen))

@@ -45,11 +45,11 @@ def raw_mode(
     seen, unmatched = filters.Seen.wanted_by(plan), list[PlanError]()
     by_source: dict[tuple[str, int], list[int]] = {}
     mixed: list[int] = []
-    for fid in data_order(scan, list(scan.parts)):  # records of one time: in this order
+    for fid in data_order(scan, scan.file_ids):  # records of one time: in this order
         rep = scan.report.files[fid]
         source = rep.source or rep.single_source
         (by_source.setdefault(source, []) if source is not None else mixed).append(fid)
-    sizes = {fid: scan.report.files[fid].size for fid in scan.parts}
+    sizes = {fid: scan.report.files[fid].size for fid in scan.file_ids}
     total = sum(sizes.values())
 
     def read(fid: int, groups: list[int] | None = None) -> pl.DataFrame:

@@ -263,7 +263,7 @@ def single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
     """Each source's files, when every file holds one source (the writer's, or another
     tool's whose footer says so); else None."""
     out: dict[tuple[str, int], list[int]] = {}
-    for fid in scan.parts:
+    for fid in scan.file_ids:
         rep = scan.report.files[fid]
         source = rep.source or rep.single_source
         if source is None:
@@ -318,7 +318,6 @@ def first_time(plan: ReducePlan, scan: RunScan) -> float:
     declared = _declared_first_time(plan, scan)
     if declared is not None:
         return declared
-    scan.check_all()
     lf = plan_filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
     every_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
     per_key = every_key
@@ -343,7 +342,7 @@ def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
     nothing exact."""
     if plan.keys or plan.steps is not None:
         return None
-    fids = list(scan.parts)
+    fids = scan.file_ids
     if plan.ranks:
         sources = single_sources(scan)
         if sources is None:
@@ -355,9 +354,9 @@ def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
         rep = scan.report.files[fid]
         if rep.replaced_from is not None:
             return None
-        if fid not in scan.unchecked and rep.timestamps is not None:  # the writer's, trusted
+        if scan.trusted(fid) and rep.timestamps is not None:  # the writer's, trusted
             lows.append(rep.timestamps[0])
-        elif rep.format == "parquet" and fid in scan.pending:  # another tool's, not checked yet
+        elif rep.format == "parquet" and not scan.trusted(fid):  # another tool's: its footer
             low = kept_first_time(rep.path)
             if low is None:
                 return None

@@ -102,7 +102,7 @@ def _first_reduction(scan: RunScan | None, key: str, merged: pl.DataFrame) -> st
     query of its own, made only for a key met with two reductions that no file declared);
     without the run, of its first group in ``merged``."""
     if scan is not None:
-        found = _first_records(scan, {key}, list(scan.parts))
+        found = _first_records(scan, {key}, scan.file_ids)
         if key in found:
             return found[key]
     first = merged.filter(pl.col("key") == key).sort(merged.columns[0], "reduction").row(0, named=True)
@@ -124,7 +124,7 @@ def first_reductions(plan: ReducePlan, scan: RunScan) -> dict[str, str]:
     filter keeps the same one. Read from the files that declare the key."""
     declared: dict[str, set[str]] = {}
     holders: dict[str, list[int]] = {}
-    for fid in scan.parts:
+    for fid in scan.file_ids:
         for key, reduction in scan.report.files[fid].keys or ():
             declared.setdefault(key, set()).add(reduction.lower())
             holders.setdefault(key, []).append(fid)
@@ -139,9 +139,8 @@ def _first_records(scan: RunScan, keys: set[str], fids: list[int]) -> dict[str, 
     """The reduction of the first record of each of ``keys`` in ``fids``: by time, then
     step, then rank (records of one time: the lowest rank's), then reduction name. (A file
     that cannot be read is left out here; its reading says so.)"""
-    scan.verify(fids)
     parts = [
-        scan.parts[fid]
+        scan.file_frame(fid)
         .filter(pl.col("key").is_in(list(keys)))
         .select("key", "reduction", "timestamp", "step", "rank")
         for fid in fids

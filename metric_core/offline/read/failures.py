@@ -1,0 +1,90 @@
+"""What a failed read says: a run whose every record was skipped, and a polars or pyarrow
+error of a read turned into ``RunChangedError`` (or ``StorageError``)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import polars as pl
+from polars.exceptions import PanicException
+
+from metric_core.errors import NoDataError, RunChangedError, StorageError
+from metric_core.offline.read.report import ReadReport
+from metric_core.offline.storage import RunPath, explain_store_failure, is_remote, is_store_failure
+from metric_core.sample import DIRECTORY, is_samples_file
+
+T = TypeVar("T")
+
+
+def all_skipped(report: ReadReport) -> NoDataError:
+    """The error of a run whose every record was skipped, with what the reader skipped (a
+    run whose files are checked as they are read finds it out once they all were)."""
+    extra = report.summary()
+    if not extra and _has_samples(report.run_dir):
+        return NoDataError(
+            str(report.run_dir),
+            f"it holds samples (Reduce.SAMPLE) only, no record: `metriclog samples {report.run_dir}` "
+            "lists them",
+        )
+    return NoDataError(str(report.run_dir), "every record was skipped" + (f"\n{extra}" if extra else ""))
+
+
+def _has_samples(run_dir: RunPath) -> bool:
+    folder = run_dir / DIRECTORY
+    return (
+        not is_remote(folder) and folder.is_dir() and any(is_samples_file(p.name) for p in folder.iterdir())
+    )
+
+
+def is_read_failure(exc: BaseException) -> bool:
+    """An error of polars or pyarrow reading a file (pyarrow's told by its module, so it
+    is not imported for this; a polars panic too), or of the file system."""
+    return isinstance(exc, (pl.exceptions.PolarsError, OSError, PanicException)) or type(
+        exc
+    ).__module__.startswith("pyarrow")
+
+
+def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
+    """Turn a polars or pyarrow error of a read of a scanned run into ``RunChangedError``,
+    and the failure of a store the read was from into ``StorageError``.
+
+    The reader checks every file before a query runs, so a query fails only on a file that
+    changed (or vanished) since: a live run being sealed, or a copy in progress.
+    """
+
+    def said(exc: BaseException) -> BaseException:
+        if is_store_failure(exc):  # polars' or pyarrow's cloud reader, mid-query
+            return StorageError(f"reading from object storage failed: {explain_store_failure(exc)}")
+        if isinstance(exc, OSError):
+            return exc  # a local file's error, as it is
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return RunChangedError(
+            f"reading the run failed: {first}. Did a file change during the read? Run again."
+        )
+
+    if inspect.isgeneratorfunction(function):  # a stream fails as it is read
+
+        @functools.wraps(function)
+        def stream(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return (yield from function(*args, **kwargs))
+            except (Exception, PanicException) as exc:
+                if not is_read_failure(exc):
+                    raise
+                raise said(exc) from None
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return function(*args, **kwargs)
+        except (Exception, PanicException) as exc:
+            if not is_read_failure(exc):
+                raise
+            raise said(exc) from None
+
+    return wrapper
