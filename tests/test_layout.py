@@ -158,3 +158,18 @@ def test_the_command_line_loads_only_what_a_command_needs(tmp_path):
         f"app(['reduce', {str(run)!r}, '--out', {str(tmp_path / 'x.parquet')!r}], standalone_mode=False)"
     )
     assert "polars" in loaded and not loaded & {"wandb", "pandas"}
+
+
+def test_every_package_of_the_source_is_in_the_package_list():
+    """pyproject.toml lists the packages a wheel holds: one left out installs without it
+    (an editable install, as the tests run, would not notice)."""
+    listed = re.search(r"^packages = \[(.*?)\]", (ROOT / "pyproject.toml").read_text(), re.M | re.S)
+    assert listed is not None
+    named = set(re.findall(r'"([\w.]+)"', listed.group(1)))
+    found = {".".join(i.parent.relative_to(ROOT).parts) for i in (ROOT / "metric_core").rglob("__init__.py")}
+    # cli/ installs as metriclog (package-dir)
+    found |= {
+        ".".join(("metriclog", *i.parent.relative_to(ROOT / "cli").parts))
+        for i in (ROOT / "cli").rglob("__init__.py")
+    }
+    assert found == named

@@ -215,8 +215,8 @@ def test_rerun_of_a_finished_upload_is_skipped_and_force_new_uploads_again(tmp_p
     assert again.exit_code == 0
     ((run_id, entry),) = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"].items()
     assert again.stderr.endswith(
-        f"already written offline ({entry['rows_sent']} rows, id {run_id}); sync it with: wandb sync "
-        f"{entry['sync_dir']}; skipped. Use --force-new to upload again under fresh ids\n"
+        f"already written offline ({entry['rows_sent']} rows, id {run_id}): skipped (--force-new uploads "
+        f"again under fresh ids); sync it with: wandb sync {entry['sync_dir']}\n"
     )
     forced = upload_cli(run_dir, "--offline", "--force-new")
     assert forced.exit_code == 0

@@ -170,13 +170,14 @@ def decide(
     done = "written offline" if entry.get("offline") else "uploaded"
     if entry.get("finished") and not restarted:
         sent = entry.get("rows_sent", 0)
+        # the command to copy last on its line: nothing of the sentence sticks to the path
         where = f"; sync it with: wandb sync {entry['sync_dir']}" if entry.get("sync_dir") else ""
         return (
             "skipped",
             run.run_id,
             None,
-            f"already {done} ({sent} rows, id {entry.get('id', run.run_id)}){where}; skipped. "
-            "Use --force-new to upload again under fresh ids",
+            f"already {done} ({sent} rows, id {entry.get('id', run.run_id)}): skipped (--force-new "
+            f"uploads again under fresh ids){where}",
         )
     new = [
         run.first_steps[a]
