@@ -19,6 +19,8 @@ BATCH_ROWS = 500_000
 # merging at every frame would group a run of millions of keys again and again
 MERGED_KEYS = 500_000
 
+Source = tuple[str, int]  # (process, rank)
+
 
 @dataclass
 class SourceSteps:
@@ -54,9 +56,6 @@ class SourceSteps:
             np.maximum.at(last, where, done)
             reached, done = first, last
         return cls(step, reached, done, sorted({fid for fid, _ in parts}), int(frame["records"].sum()))
-
-
-Source = tuple[str, int]
 
 
 def aggregate(

@@ -33,6 +33,7 @@ class SamplesPart:
 
 
 def samples_files_and_journals(root: RunPath) -> list[RunPath]:
+    """The run's sealed samples files and journals, in every folder but hidden ones."""
     if not isinstance(root, Path):
         return [p for p in listing(root) if not any(part.startswith(".") for part in p.parts[-3:])]
     if not root.is_dir():
@@ -59,6 +60,7 @@ def _ours(name: str) -> bool:
 
 
 def read_samples_file(path: RunPath, notes: list[str]) -> SamplesPart | None:
+    """A sealed samples file's samples; None when it cannot be read (said in ``notes``)."""
     try:
         if path.name.endswith(".parquet"):
             meta, rows = _sealed_parquet(path)
@@ -152,6 +154,8 @@ def _gist(exc: BaseException) -> str:
 
 
 def read_journal_samples(path: RunPath, notes: list[str]) -> SamplesPart | None:
+    """A journal's samples up to its first damaged frame (said in ``notes``), None when it
+    holds none; ``FileNotFoundError`` when it was sealed since it was listed."""
     try:
         with open_read(path) as f:
             decoded = journal.decode(f.read(), records=False)
