@@ -530,12 +530,12 @@ def test_plot_of_raw_points_by_time_windows(crashed, tmp_path, monkeypatch, raw_
 
 
 def test_a_cache_kept_between_calls_reads_only_the_files_written_since(tmp_path, monkeypatch):
-    from metric_core.offline import inspect as inspect_module
+    from metric_core.offline.inspect import aggregates as aggregates_module
 
     read = []
-    aggregates = inspect_module._file_aggregates
+    aggregates = aggregates_module._file_aggregates
     monkeypatch.setattr(
-        inspect_module, "_file_aggregates", lambda frame, *a: read.append(1) or aggregates(frame, *a)
+        aggregates_module, "_file_aggregates", lambda frame, *a: read.append(1) or aggregates(frame, *a)
     )
     run = tmp_path / "run"
     sealed = MetricCollector(run, rank=0, process_name="TrainActor_r0", flush_interval=3600)
@@ -567,10 +567,10 @@ def test_another_tools_parquet_is_read_once_and_checked_as_it_is_aggregated(tmp_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from metric_core.offline import inspect as inspect_module
     from metric_core.offline import read
+    from metric_core.offline.inspect import aggregates as aggregates_module
 
-    monkeypatch.setattr(inspect_module, "BATCH_ROWS", 7)  # several frames a file
+    monkeypatch.setattr(aggregates_module, "BATCH_ROWS", 7)  # several frames a file
     rng = np.random.default_rng(3)
     files = {"two.parquet": [("Generator_r0", 0), ("Generator_r1", 1)], "one.parquet": [("Trainer_r2", 2)]}
     good: dict[tuple[str, int], list[dict]] = {}
@@ -660,10 +660,10 @@ def test_a_files_keys_merged_in_shares_count_each_key_once(tmp_path, monkeypatch
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from metric_core.offline import inspect as inspect_module
+    from metric_core.offline.inspect import aggregates as aggregates_module
 
-    monkeypatch.setattr(inspect_module, "BATCH_ROWS", 7)
-    monkeypatch.setattr(inspect_module, "MERGED_KEYS", 5)
+    monkeypatch.setattr(aggregates_module, "BATCH_ROWS", 7)
+    monkeypatch.setattr(aggregates_module, "MERGED_KEYS", 5)
     rows = [
         {"key": f"k{k}", "value": math.nan if k == 3 and step in (1, 4) else 1.0, "step": step}
         for step in range(6)

@@ -6,9 +6,9 @@ A source writes numbered segments, ``{stem}.r{rank}.{seq:05d}.*`` (see ``metric_
    flush appends the collector's raw buffer with one ``write`` to an unbuffered file,
    so a returned ``flush()`` survives a SIGKILL and costs no per-record work.
 2. When the journal holds ``segment_records`` records, is ``seal_interval`` seconds
-   old, or the source shuts down, the writer thread seals it: decodes it, writes a
-   hidden temporary Parquet (or JSONL) file, renames it into place atomically, and
-   only then unlinks the journal. The sealed file names the journal it supersedes
+   old, or the source shuts down, the writer thread seals it (``writer.seal``): decodes
+   it, writes a hidden temporary Parquet (or JSONL) file, renames it into place
+   atomically, and only then unlinks the journal. The sealed file names the journal it supersedes
    (Parquet footer metadata, or a first JSONL line ``{"event": "segment", ...}``), so
    a journal left behind by a kill between rename and unlink is never read twice.
 
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import errno
 import json
 import os
@@ -37,34 +36,24 @@ import secrets
 import socket
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from metric_core import journal, records
 from metric_core import sample as sample_codec
-from metric_core.atomic import create_exclusive, new_hidden_file, publish
+from metric_core.atomic import create_exclusive
 from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, WriteError, warn
 from metric_core.life import pid_namespace, restart_count
 from metric_core.metric import BackendRole, Metric
-from metric_core.schema import KEY_HASH, segment_stem
-from metric_core.segment import BLOCK_EVENT, PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
+from metric_core.schema import segment_stem
 from metric_core.writer.backends import LoggerBackend
 from metric_core.writer.lock import SourceLock
+from metric_core.writer.seal import ROW_GROUP_RECORDS, seal_journal
 
 FILE_FORMATS = ("parquet", "jsonl")
-# Dictionary-encode only where values repeat: hashing every float would cost more than it saves.
-_DICT_COLUMNS = ["key", "reduction", "process", "step", "rank", KEY_HASH]
-# Min/max of the values themselves help no reader; those of steps and timestamps let
-# DuckDB or polars skip row groups.
-_STATS_COLUMNS = ["key", "reduction", "process", "step", "rank", "timestamp"]
-# Readers stream a row group at a time; DuckDB's default size, so they hold little at once.
-ROW_GROUP_RECORDS = 122_880
 # Records kept in memory while writing fails (24 bytes each: about 100 MB); past it the
 # oldest are dropped and counted.
 MAX_UNWRITTEN = 4_000_000
@@ -377,7 +366,7 @@ class RawFileWriter(LoggerBackend):
             while self._to_seal:
                 path = self._to_seal[0]
                 try:
-                    self._seal(path)
+                    seal_journal(path, self)
                 except FileNotFoundError as exc:
                     self._to_seal.popleft()  # deleted under us: nothing left to seal
                     raise self._error(exc) from exc
@@ -531,122 +520,6 @@ class RawFileWriter(LoggerBackend):
             kept=self._backlog_rows,
         )
 
-    def _seal(self, path: Path) -> None:
-        decoded = journal.decode(path.read_bytes())
-        table = decoded.table if decoded.table is not None else records.empty_decoded()
-        final = path.with_suffix("." + self.file_format)
-        clean_shutdown = decoded.shutdown is not None
-        meta = SegmentMeta(
-            supersedes=path.name,
-            records=table.num_rows,
-            process=self.process,
-            rank=self.rank,
-            clean_shutdown=clean_shutdown,
-            timestamp=decoded.shutdown if decoded.shutdown is not None else time.time(),
-            # Each key's reduction, the step and time ranges: a reader knows them without a pass.
-            keys=tuple(decoded.pairs),
-            steps=_bounds(table, "step"),
-            timestamps=_bounds(table, "timestamp"),
-            dropped=tuple(decoded.dropped),
-            attempt=self.attempt,
-            attempt_started=self.attempt_started,
-            attempt_first_step=decoded.attempt.get("attempt_first_step", decoded.first_flush),
-            life=decoded.life,
-        )
-        if decoded.samples:  # first: the journal is unlinked only once both files are in place
-            self._seal_samples(path, decoded, clean_shutdown)
-        with new_hidden_file(final) as (f, tmp):
-            if self.file_format == "parquet":
-                # Every page carries a CRC-32 the reader verifies; the footer, outside them, is
-                # checked against the metadata's own checksum and row-group counts.
-                meta = dataclasses.replace(meta, row_groups=_row_groups(table, self.block_records))
-                with pq.ParquetWriter(
-                    f,
-                    table.schema,
-                    store_schema=False,
-                    compression="snappy",
-                    use_dictionary=_DICT_COLUMNS,
-                    write_statistics=_STATS_COLUMNS,
-                    write_page_checksum=True,
-                ) as w:
-                    w.write_table(table, row_group_size=self.block_records)
-                    w.add_key_value_metadata({PARQUET_KEY: meta.to_json()})
-            else:
-                blocks: list[Any] = list(
-                    records.jsonl_blocks(table.drop_columns(KEY_HASH), self.block_records)
-                )
-                if clean_shutdown:
-                    end = {"event": SHUTDOWN_EVENT, "process": self.process, "rank": self.rank}
-                    blocks.append(((json.dumps({**end, "timestamp": decoded.shutdown}) + "\n").encode(), 1))
-                body = [part for block, lines in blocks for part in (block, _block_line(block, lines))]
-                finite = pc.sum(pc.is_finite(table["value"])).as_py() if table.num_rows else 0
-                # A reader then parses values as plain numbers once each block checks.
-                size = sum(len(b) if isinstance(b, bytes) else b.size for b in body)
-                meta = dataclasses.replace(meta, nonfinite=table.num_rows - finite, bytes=size)
-                f.write(meta.jsonl_line())
-                for chunk in body:
-                    f.write(chunk)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        publish(tmp, final)
-        path.unlink()
-
-    def _seal_samples(self, path: Path, decoded: journal.Decoded, clean_shutdown: bool) -> None:
-        """``samples/{journal stem}.samples.{format}``: the journal's samples, in the order
-        recorded, with what a reader needs to resolve attempts; checksummed as segments are."""
-        folder = self.run_dir / sample_codec.DIRECTORY
-        if folder.is_symlink():
-            raise OSError(
-                errno.ELOOP, "a symlink where metriclog keeps samples: not written through", str(folder)
-            )
-        folder.mkdir(exist_ok=True)
-        final = folder / f"{path.stem}.samples.{self.file_format}"
-        meta = {
-            "supersedes": path.name,
-            "samples": len(decoded.samples),
-            "process": self.process,
-            "rank": self.rank,
-            "attempt": self.attempt,
-            "attempt_started": self.attempt_started,
-            "attempt_first_step": decoded.attempt.get("attempt_first_step", decoded.first_flush),
-            "clean_shutdown": clean_shutdown,
-        }
-        meta["checksum"] = sample_codec.meta_checksum(meta)
-        texts = [json.dumps(s, ensure_ascii=False) for _, _, _, s in decoded.samples]
-        with new_hidden_file(final) as (f, tmp):
-            if self.file_format == "parquet":
-                table = pa.table(
-                    {
-                        "step": pa.array([s[0] for s in decoded.samples], pa.int64()),
-                        "rank": pa.array([self.rank] * len(texts), pa.int64()),
-                        "process": pa.array([self.process] * len(texts), pa.string()),
-                        "timestamp": pa.array([s[2] for s in decoded.samples], pa.float64()),
-                        "key": pa.array([s[1] for s in decoded.samples], pa.string()),
-                        "sample": pa.array(texts, pa.string()),
-                    }
-                )
-                with pq.ParquetWriter(f, table.schema, compression="zstd", write_page_checksum=True) as w:
-                    w.write_table(table)
-                    w.add_key_value_metadata({sample_codec.PARQUET_KEY: json.dumps(meta)})
-            else:
-                f.write((json.dumps({"event": sample_codec.SEGMENT_EVENT, **meta}) + "\n").encode())
-                lines = [
-                    (
-                        f'{{"step": {step}, "rank": {self.rank}, "process": {json.dumps(self.process)}, '
-                        f'"timestamp": {at!r}, "key": {json.dumps(key)}, "sample": {text}}}\n'
-                    ).encode()
-                    for (step, key, at, _), text in zip(decoded.samples, texts, strict=True)
-                ]
-                for lo in range(0, len(lines), sample_codec.BLOCK_SAMPLES):
-                    block = b"".join(lines[lo : lo + sample_codec.BLOCK_SAMPLES])
-                    f.write(block)
-                    f.write(_block_line(block, len(lines[lo : lo + sample_codec.BLOCK_SAMPLES])))
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-        publish(tmp, final)
-
 
 class _Samples:
     """Samples queued for a P frame, and its bytes once encoded."""
@@ -656,20 +529,6 @@ class _Samples:
     def __init__(self, samples: list[tuple[str, float, dict[str, Any]]]) -> None:
         self.samples = samples
         self.encoded: bytes | None = None
-
-
-def _row_groups(table: pa.Table, size: int) -> tuple[tuple[int, int, float], ...]:
-    """Each row group's records, lowest step and earliest time, as ``write_table`` cuts them."""
-    out = []
-    for start in range(0, table.num_rows, size):
-        part = table.slice(start, size)
-        out.append((part.num_rows, pc.min(part["step"]).as_py(), pc.min(part["timestamp"]).as_py()))
-    return tuple(out)
-
-
-def _block_line(block: bytes | pa.Buffer, lines: int) -> bytes:
-    """The line that follows a block of a sealed JSONL segment: its CRC-32 and its lines."""
-    return (json.dumps({"event": BLOCK_EVENT, "crc32": zlib.crc32(block), "lines": lines}) + "\n").encode()
 
 
 def _merge_drops(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
@@ -684,13 +543,6 @@ def _merge_drops(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, A
         ],
         "reason": new["reason"],
     }
-
-
-def _bounds(table: pa.Table, column: str) -> Any:
-    if table.num_rows == 0:
-        return None
-    bounds = pc.min_max(table[column]).as_py()
-    return (bounds["min"], bounds["max"])
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -1,0 +1,234 @@
+"""Per-source aggregates of a run, a file at a time: each source's steps (when each was
+reached and done) and each (source, key)'s last value and non-finite values."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from metric_core.offline.read import FileReport, OnProgress, RunScan, all_skipped
+from metric_core.schema import KEY_HASH, keys_by_hash
+
+# Records of another tool's file aggregated at a time (the file is read once, in frames).
+BATCH_ROWS = 500_000
+# Per-key rows of a file's frames held before they are merged (or twice the keys merged):
+# merging at every frame would group a run of millions of keys again and again
+MERGED_KEYS = 500_000
+
+Source = tuple[str, int]  # (process, rank)
+
+
+@dataclass
+class SourceSteps:
+    """One source's steps, across its files: each ``step``, the time of its first record
+    (``reached``) and of its last (``done``), as arrays (a source's own, no query each)."""
+
+    step: np.ndarray
+    reached: np.ndarray
+    done: np.ndarray
+    files: list[int]
+    records: int
+    first_step: int = field(init=False)
+    last_step: int = field(init=False)
+    first_timestamp: float = field(init=False)
+    last_timestamp: float = field(init=False)
+
+    def __post_init__(self) -> None:  # the ends, once
+        self.first_step, self.last_step = int(self.step.min()), int(self.step.max())
+        self.first_timestamp, self.last_timestamp = float(self.reached.min()), float(self.done.max())
+
+    @classmethod
+    def merged(cls, parts: list[tuple[int, pl.DataFrame]]) -> SourceSteps | None:
+        """From each of its files' steps (file id, frame): a step in two files is one.
+        None when no record of the source was kept."""
+        frame = parts[0][1] if len(parts) == 1 else pl.concat([f for _, f in parts])
+        step, reached, done = (frame[name].to_numpy() for name in ("step", "reached", "done"))
+        if not len(step):
+            return None
+        if len(parts) > 1:
+            step, where = np.unique(step, return_inverse=True)
+            first, last = np.full(len(step), np.inf), np.full(len(step), -np.inf)
+            np.minimum.at(first, where, reached)
+            np.maximum.at(last, where, done)
+            reached, done = first, last
+        return cls(step, reached, done, sorted({fid for fid, _ in parts}), int(frame["records"].sum()))
+
+
+def aggregate(
+    scan: RunScan, on_progress: OnProgress | None = None, cache: dict[Any, Any] | None = None
+) -> tuple[dict[Source, SourceSteps], pl.DataFrame]:
+    """Per source its steps, and per (source, key), a file at a time: each file is read
+    once, and memory holds one file's columns (another tool's: a frame of them), not the
+    run's.
+
+    Files of one source (their writer's metadata or their footer's statistics say which)
+    are grouped by file id alone (no string hashed per record); other files are grouped by
+    process and rank as well.
+    """
+    files = scan.report.files
+    sources = {i: files[i].source or files[i].single_source for i in scan.file_ids}
+    vouched = {i for i, source in sources.items() if source is not None}
+    # the writer's files group on its key hashes (another tool's file of one source, on strings)
+    hashes = _key_hashes([files[i] for i in vouched if files[i].hashed])
+    sizes = {fid: files[fid].size for fid in scan.file_ids}
+    per_source: dict[Source, list[tuple[int, pl.DataFrame]]] = {}
+    by_key = []
+    done = 0
+    used = {}
+    for n, fid in enumerate(scan.file_ids, 1):
+        known = _file_identity(files[fid], sources[fid]) if cache is not None else None
+        if known is not None and known in cache:  # type: ignore[operator]
+            steps, keys, counts = used[known] = cache[known]  # type: ignore[index]
+            scan.counted_before(fid, *counts)  # as the call that read it counted them
+        else:
+            by = [] if fid in vouched else ["process", "rank"]
+            names = hashes if fid in vouched and files[fid].hashed else None
+            key = KEY_HASH if names is not None else "key"
+            columns = [*by, "step", key, "value", "timestamp"]
+            # another tool's file: checked as it is read, once; a checksummed segment: verified
+            if scan.checks_as_read(fid):
+                found, keys = _batched_aggregates(scan.batches(fid, columns, rows=BATCH_ROWS), by, key)
+            else:
+                found, keys = _file_aggregates(scan.file_frame(fid).select(columns), by, key)
+            if names is not None:
+                keys = keys.join(names, on=KEY_HASH).select("key", *keys.columns[1:])
+            if by:
+                steps = found.partition_by("process", "rank", as_dict=True, include_key=False)
+            else:
+                process, rank = sources[fid]  # type: ignore[misc]
+                steps = {(process, rank): found}
+                # a code a key, not a string (millions of keys)
+                source = [
+                    pl.lit(process, pl.Categorical).alias("process"),
+                    pl.lit(rank, pl.Int64).alias("rank"),
+                ]
+                keys = keys.select(*source, pl.all())
+            counts = (files[fid].records, files[fid].skipped, dict(files[fid].skip_reasons))
+        if known is not None:
+            used[known] = (steps, keys, counts)
+        for source, found in steps.items():
+            per_source.setdefault(source, []).append((fid, found))  # type: ignore[arg-type]
+        by_key.append(keys)
+        done += sizes[fid]
+        if on_progress is not None:
+            on_progress(n, len(sizes), done, sum(sizes.values()))
+    if cache is not None:  # files gone (a journal sealed) leave the cache
+        cache.clear()
+        cache.update(used)
+    per_key = (
+        by_key[0]
+        if len(by_key) == 1
+        else _merged_keys(pl.concat(by_key, how="vertical_relaxed"), ["process", "rank", "key"])
+    )
+    del by_key
+    merged = {
+        source: SourceSteps.merged(per_source.pop(source)) for source in list(per_source)
+    }  # frames freed
+    steps = {source: its for source, its in merged.items() if its is not None}  # not all checked away
+    if not steps:
+        raise all_skipped(scan.report)
+    return steps, per_key
+
+
+def _file_identity(rep: FileReport, source: Any) -> tuple[Any, ...] | None:
+    """What a file's aggregates depend on: the file as it was listed, before its records
+    were read (a file written to since is read again the next time), and how it was read."""
+    if rep.listed is None:
+        return None
+    return (str(rep.path), *rep.listed, rep.replaced_from, rep.hashed, source)
+
+
+def _batched_aggregates(
+    frames: Iterator[pl.DataFrame], by: list[str], key: str
+) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """``_file_aggregates`` of a file read in frames: each frame's, merged (the last
+    value is the one of the newest timestamp of all, the first in file order of equals)."""
+    parts: list[pl.DataFrame] = []
+    keys: list[pl.DataFrame] = []  # merged so far (the first), then frames' not merged yet
+    held = 0
+    for df in frames:
+        steps, found = _file_aggregates(df.lazy(), by, key)
+        parts.append(steps)
+        keys.append(found)
+        held += found.height
+        if len(keys) > 1 and held > max(MERGED_KEYS, 2 * keys[0].height):  # merged as they double
+            keys = [_merged_keys(pl.concat(keys, how="vertical_relaxed"), [*by, key])]
+            held = keys[0].height
+    assert keys, "a file read gives a frame at least"
+    merged = _merged_keys(pl.concat(keys, how="vertical_relaxed"), [*by, key]) if len(keys) > 1 else keys[0]
+    steps = pl.concat(parts)
+    if len(parts) > 1:
+        steps = steps.group_by(*by, "step", maintain_order=True).agg(
+            pl.col("records").sum(), pl.col("reached").min(), pl.col("done").max()
+        )
+    strings = pl.col(pl.Categorical).cast(pl.String)
+    return steps.with_columns(strings), merged.with_columns(strings)
+
+
+def _merged_keys(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    """Per-key aggregates of parts (in file order) of the same records, as one: the last
+    value is the one of the newest timestamp of all (the first in file order of equals).
+    Millions of keys are merged in shares (by a hash of the key: ``by``'s last column), a
+    share at a time, so the grouping holds one share."""
+    shares = -(-keys.height // MERGED_KEYS)
+    if shares <= 1:
+        return _merged_share(keys, by)
+    if keys[by[-1]].n_unique() == keys.height:  # each key once (a run of distinct keys): as it is
+        return keys
+    share = keys[by[-1]].hash(seed=0) % shares
+    return pl.concat([_merged_share(keys.filter(share == r), by) for r in range(shares)])
+
+
+def _merged_share(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    return keys.group_by(*by, maintain_order=True).agg(
+        pl.col("last_value").max_by("last_timestamp"),
+        pl.col("last_timestamp").max(),
+        pl.col("nonfinite").sum(),
+        pl.col("first_bad_step").min(),
+        pl.col("first_bad_timestamp").min(),
+    )
+
+
+def _file_aggregates(frame: pl.LazyFrame, by: list[str], key: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """One file's records per (``by``, step) and per (``by``, ``key``), from one read: last
+    value and non-finite count per key; where the first non-finite value came is looked
+    up in a second pass only when there is one."""
+    ts = pl.col("timestamp")
+    bad = ~pl.col("value").is_finite()
+    steps, keys = pl.collect_all(
+        [
+            frame.group_by(*by, "step").agg(records=pl.len(), reached=ts.min(), done=ts.max()),
+            frame.group_by(*by, key).agg(
+                last_value=pl.col("value").max_by("timestamp"), last_timestamp=ts.max(), nonfinite=bad.sum()
+            ),
+        ]
+    )
+    if not keys["nonfinite"].sum():
+        keys = keys.with_columns(
+            first_bad_step=pl.lit(None, pl.Int64), first_bad_timestamp=pl.lit(None, pl.Float64)
+        )
+    else:
+        first_bad = (
+            frame.filter(bad)
+            .group_by(*by, key)
+            .agg(first_bad_step=pl.col("step").min(), first_bad_timestamp=ts.min())
+            .collect()
+        )
+        keys = keys.join(first_bad, on=[*by, key], how="left", nulls_equal=True)
+    return steps, keys
+
+
+def _key_hashes(files: list[FileReport]) -> pl.DataFrame | None:
+    """key_hash -> key for files that all carry the writer's hashes, unless two keys collide."""
+    if not all(f.hashed and f.keys is not None for f in files):
+        return None
+    table = keys_by_hash(key for f in files for key, _ in f.keys or ())
+    if table is None:
+        return None
+    return pl.DataFrame(
+        {KEY_HASH: list(table), "key": list(table.values())}, schema={KEY_HASH: pl.Int64, "key": pl.String}
+    )

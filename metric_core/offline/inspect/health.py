@@ -1,0 +1,128 @@
+"""How each source is judged: its cadence, finished / stopped early / unfinished, when it is
+stalled, who stopped first with its last values, and stragglers."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from typing import Any
+
+import numpy as np
+import polars as pl
+
+from metric_core.offline.inspect.aggregates import Source, SourceSteps
+from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
+from metric_core.offline.read import RunScan
+
+QUIET_FACTOR = 10.0
+STALL_MIN_S = 10.0  # no silence shorter than this is a stall: scheduling noise on fast steps
+OWN_GAP_FACTOR = 2.0
+STRAGGLER_RATIO = 1.2
+MIN_STEP_TIMES = 10
+_ROLE = re.compile(r"_r\d+$")
+
+
+Cadence = dict[Source, tuple[float | None, float | None, int]]
+
+
+def cadence_of(steps: dict[Source, SourceSteps]) -> Cadence:
+    """Per source: the median and the longest gap between consecutive steps' last records,
+    and how many gaps there were."""
+    out: Cadence = {}
+    for source, its in steps.items():
+        gaps = np.diff(np.sort(its.done))
+        out[source] = (float(np.median(gaps)), float(gaps.max()), len(gaps)) if len(gaps) else (None, None, 0)
+    return out
+
+
+def stall_threshold(typical: float | None, longest: float | None) -> float:
+    """How long a live source may be silent before it is stalled: ``STALL_MIN_S``, ten times
+    its usual step time, or twice its longest pause, whichever is longest."""
+    return max(STALL_MIN_S, QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0))
+
+
+def source_status(clean: bool, lag: float, typical: float | None, longest: float | None) -> str:
+    if clean:
+        return "finished"
+    threshold = max(QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0))
+    return "stopped_early" if lag > threshold and lag > 0 else "unfinished"
+
+
+def file_health(scan: RunScan, file_ids: list[int]) -> dict[str, Any]:
+    files = [scan.report.files[i] for i in file_ids]
+    return {
+        "files": len(files),
+        "skipped": sum(f.skipped for f in files),
+        "truncated": any(f.truncated for f in files),
+        "dropped": sum(f.dropped_records for f in files),  # recorded, but its writer could not write them
+    }
+
+
+def find_stopped_early(per_key: pl.DataFrame, sources: list[SourceHealth]) -> list[FirstToStop]:
+    """Every source that stopped early, the first to stop first, with its last values."""
+    stopped = sorted(
+        (s for s in sources if s.status == "stopped_early"),
+        key=lambda s: (s.last_timestamp, s.process, s.rank),
+    )
+    if not stopped:
+        return []
+    last_values = (
+        per_key.sort("key").group_by("process", "rank", maintain_order=True).agg("key", "last_value")
+    )
+    values = {(p, r): dict(zip(k, v, strict=True)) for p, r, k, v in last_values.iter_rows()}
+    return [
+        FirstToStop(
+            process=s.process,
+            rank=s.rank,
+            last_step=s.last_step,
+            last_timestamp=s.last_timestamp,
+            lag_s=s.lag_s,
+            status=s.status,
+            last_values=values.get((s.process, s.rank), {}),  # NaN stays a float; to_json writes null
+        )
+        for s in stopped
+    ]
+
+
+def find_stragglers(steps: dict[Source, SourceSteps], cadence: Cadence) -> list[Straggler]:
+    """Sources whose median step time is STRAGGLER_RATIO times the median of the other
+    sources' of their role or more (each measured over MIN_STEP_TIMES steps at least)."""
+    roles: dict[str, dict[tuple[str, int], float]] = {}
+    for (process, rank), (typical, _, n) in cadence.items():
+        if typical is not None and n >= MIN_STEP_TIMES:
+            roles.setdefault(_ROLE.sub("", process), {})[(process, rank)] = typical
+    slow: dict[tuple[str, int], tuple[float, float]] = {}
+    for members in roles.values():
+        for source, own in members.items():
+            others = [t for s, t in members.items() if s != source]
+            if others and own >= STRAGGLER_RATIO * statistics.median(others) > 0:
+                slow[source] = (own, statistics.median(others))
+    if not slow:
+        return []
+    slow_roles = {_ROLE.sub("", process) for process, _ in slow}
+    with_role = pl.concat(  # the sources of the roles with a straggler: a row a step of each
+        pl.LazyFrame({"step": its.step, "reached": its.reached}).select(
+            pl.lit(process, pl.String).alias("process"),
+            pl.lit(rank, pl.Int64).alias("rank"),
+            pl.lit(_ROLE.sub("", process)).alias("role"),
+            "step",
+            "reached",
+        )
+        for (process, rank), its in steps.items()
+        if _ROLE.sub("", process) in slow_roles
+    )
+    fastest = with_role.group_by("role", "step").agg(fastest=pl.col("reached").min())
+    lag = pl.col("reached") - pl.col("fastest")
+    behind = (
+        with_role.join(fastest, on=["role", "step"])
+        .group_by("process", "rank")
+        .agg(worst_lag_s=lag.max(), at_step=pl.col("step").sort_by(lag, pl.col("step")).last())
+        .sort("process", "rank")
+        .collect(engine="streaming")  # a row a step of every source: no window, no index lists
+    )
+    out = [
+        Straggler(process, rank, worst, at_step, *slow[(process, rank)])
+        for process, rank, worst, at_step in behind.iter_rows()
+        if (process, rank) in slow
+    ]
+    return sorted(out, key=lambda s: -s.step_time_s / s.role_step_time_s)

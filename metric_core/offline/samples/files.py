@@ -1,0 +1,180 @@
+"""The run's samples files listed, and each read: a sealed Parquet or JSONL samples file
+(checksums verified, damaged parts left out and said), or the samples of a journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from metric_core import journal
+from metric_core import sample as sample_codec
+from metric_core.errors import NoDataError
+from metric_core.offline.storage import RunPath, arrow_source, listing, open_read
+
+_BLOCK_PREFIX = b'{"event": "block", '
+
+
+@dataclass
+class SamplesPart:
+    """The samples of one file, and the attempt they belong to."""
+
+    process: str
+    rank: int
+    attempt: str
+    started: float
+    first_step: int | None
+    seq: str
+    rows: list[tuple[int, str, float, Any]]  # (step, key, timestamp, sample)
+
+
+def samples_files_and_journals(root: RunPath) -> list[RunPath]:
+    """The run's sealed samples files and journals, in every folder but hidden ones."""
+    if not isinstance(root, Path):
+        return [p for p in listing(root) if not any(part.startswith(".") for part in p.parts[-3:])]
+    if not root.is_dir():
+        raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
+    found: list[RunPath] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            # Only regular files, never through a symlink: a FIFO would block (the record
+            # reader says what it skips).
+            if name.startswith(".") or not _ours(name):
+                continue
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    found.append(path)
+            except FileNotFoundError:  # a journal sealed since it was listed: its samples file
+                found.append(path)  # may not be listed yet, so reading it says to list again
+    return found
+
+
+def _ours(name: str) -> bool:
+    return sample_codec.is_samples_file(name) or name.endswith(journal.SUFFIX)
+
+
+def read_samples_file(path: RunPath, notes: list[str]) -> SamplesPart | None:
+    """A sealed samples file's samples; None when it cannot be read (said in ``notes``)."""
+    try:
+        if path.name.endswith(".parquet"):
+            meta, rows = _sealed_parquet(path)
+        else:
+            meta, rows = _sealed_jsonl(path, notes)
+        if sample_codec.meta_checksum(meta) != meta.get("checksum"):
+            raise ValueError("its metadata fails its checksum (the file is damaged)")
+    except Exception as exc:  # a damaged file is said and left out, whatever the reader hit
+        notes.append(f"{path}: not read ({_gist(exc)}); its samples are left out")
+        return None
+    return SamplesPart(
+        str(meta["process"]),
+        int(meta["rank"]),
+        str(meta.get("attempt") or ""),
+        float(meta.get("attempt_started") or 0.0),
+        meta.get("attempt_first_step"),
+        str(meta["supersedes"]),
+        rows,
+    )
+
+
+def _sealed_parquet(path: RunPath) -> tuple[dict[str, Any], list[tuple[int, str, float, Any]]]:
+    import pyarrow.parquet as pq
+
+    # Read by arrow's own file (never a Python file object, whose buffers arrow's threads
+    # would release at the interpreter's exit), on this thread.
+    with arrow_source(path) as source:
+        pf = pq.ParquetFile(source, page_checksum_verification=True)
+        kv = pf.metadata.metadata or {}
+        if sample_codec.PARQUET_KEY not in kv:
+            raise ValueError("not a samples file of metriclog (no metriclog.samples metadata)")
+        meta = json.loads(kv[sample_codec.PARQUET_KEY])
+        table = pf.read(columns=["step", "rank", "process", "key", "timestamp", "sample"], use_threads=False)
+    if set(table.column("process").unique().to_pylist()) - {meta.get("process")} or set(
+        table.column("rank").unique().to_pylist()
+    ) - {meta.get("rank")}:
+        raise ValueError("its rows name another source than its metadata")
+    cols = [table.column(c).to_pylist() for c in ("step", "key", "timestamp", "sample")]
+    rows = [(s, k, t, json.loads(x)) for s, k, t, x in zip(*cols, strict=True)]
+    if len(rows) != meta.get("samples"):
+        raise ValueError(f"{len(rows)} samples where its metadata says {meta.get('samples')}")
+    return meta, rows
+
+
+def _sealed_jsonl(
+    path: RunPath, notes: list[str]
+) -> tuple[dict[str, Any], list[tuple[int, str, float, Any]]]:
+    """A sealed JSONL samples file: its metadata line, then blocks of lines, each followed by
+    a line with the block's CRC-32. A block that fails it is left out, and said."""
+    with open_read(path) as f:
+        data = f.read()
+    first = data.find(b"\n") + 1
+    meta = json.loads(data[:first])
+    if meta.get("event") != sample_codec.SEGMENT_EVENT:
+        raise ValueError("not a samples file of metriclog (no samples_segment line)")
+    rows: list[tuple[int, str, float, Any]] = []
+    pos, block_start = first, first
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        end = len(data) if end < 0 else end + 1
+        line = data[pos:end]
+        if line.startswith(_BLOCK_PREFIX):
+            check = json.loads(line)
+            block = data[block_start:pos]
+            if zlib.crc32(block) == check["crc32"]:
+                for text in block.splitlines():
+                    one = json.loads(text)
+                    if (one["process"], one["rank"]) != (meta.get("process"), meta.get("rank")):
+                        raise ValueError("its lines name another source than its metadata")
+                    rows.append((int(one["step"]), str(one["key"]), float(one["timestamp"]), one["sample"]))
+            else:
+                notes.append(
+                    f"{path}: a block of {check['lines']} sample(s) at byte {block_start} fails its "
+                    "checksum (the file is damaged): left out"
+                )
+            block_start = end
+        pos = end
+    if block_start < len(data):
+        notes.append(
+            f"{path}: {len(data) - block_start} byte(s) at its end are not in a checked block: left out"
+        )
+    missing = int(meta.get("samples", 0)) - len(rows)
+    if missing > 0:
+        notes.append(f"{path}: {missing} of its {meta['samples']} samples are not in it (cut or damaged)")
+    return meta, rows
+
+
+def _gist(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def read_journal_samples(path: RunPath, notes: list[str]) -> SamplesPart | None:
+    """A journal's samples up to its first damaged frame (said in ``notes``), None when it
+    holds none; ``FileNotFoundError`` when it was sealed since it was listed."""
+    try:
+        with open_read(path) as f:
+            decoded = journal.decode(f.read(), records=False)
+    except FileNotFoundError:
+        raise  # sealed since it was listed: the caller lists the run again
+    except OSError as exc:
+        notes.append(f"{path}: not read ({exc.strerror or exc}); its samples are left out")
+        return None
+    for problem in decoded.problems:  # what follows a damaged frame is not read: samples too
+        notes.append(f"{path}: {problem}")
+    if not decoded.samples or decoded.process is None or decoded.rank is None:
+        return None
+    attempt = decoded.attempt
+    return SamplesPart(
+        decoded.process,
+        decoded.rank,
+        str(attempt.get("attempt") or ""),
+        float(attempt.get("attempt_started") or 0.0),
+        attempt.get("attempt_first_step", decoded.first_flush),
+        path.name,
+        list(decoded.samples),
+    )
