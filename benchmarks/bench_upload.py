@@ -96,7 +96,7 @@ def main() -> None:
     from metric_core import scan_run
     from metric_core.offline.engine import execute
     from metric_core.offline.plan import make_plan
-    from metric_core.offline.upload.plan import plan_upload
+    from metric_core.offline.upload.runs import plan_runs
     from metric_core.offline.upload.send import REPLAY_SETTINGS
 
     compile_sources()
@@ -107,7 +107,7 @@ def main() -> None:
         root = Path(tmp)
         run = write_run(root, args.steps)
         for mode in args.modes.split(","):
-            plan = plan_upload(execute(make_plan(mode=mode), scan_run(run)), name="bench_run")
+            plan = plan_runs(execute(make_plan(mode=mode), scan_run(run)), name="bench_run")
             rows = sum(r.rows for r in plan.runs)
             dump = root / f"{mode}.pkl"
             pickle.dump([(r.name, r.x_axis, list(r.history())) for r in plan.runs], dump.open("wb"))

@@ -134,7 +134,7 @@ def reduce(
                 follow_symlinks=follow_symlinks,
                 on_read=output.said_skips,
                 on_progress=progress,
-                engine=engine.value,
+                engine=engine,
                 ray_address=ray_address,
             )
             frames = pivot_wide(result.batches(), plan) if wide else result.batches()  # written as it comes
@@ -219,7 +219,7 @@ def upload(
                 events=events,
                 on_progress=progress,
                 follow=o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait),
-                engine=engine.value,
+                engine=engine,
                 ray_address=ray_address,
                 samples=o.sample_choice(
                     sample_top, sample_bottom, sample_by, sample_random, sample_seed, no_samples
@@ -306,7 +306,7 @@ def plot(
             on_progress=progress,
             on_warning=lambda text: output.say("warning", text),
             spelled=o.on_cli,
-            engine=engine.value,
+            engine=engine,
             ray_address=ray_address,
             smooth=smooth,
         )

@@ -11,7 +11,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from metric_core.metric import LoggingMode
-from metric_core.offline.plan import By, ReducePlan, make_plan
+from metric_core.offline.plan import By, Engine, ReducePlan, make_plan
 
 RunDir = Annotated[
     str,
@@ -61,11 +61,6 @@ def choice(flag: str, kind: type[E], help: str) -> Any:
 
 
 Mode = Annotated[LoggingMode, choice("--mode", LoggingMode, "Logging mode to compute.")]
-
-
-class Engine(str, Enum):
-    LOCAL = "local"
-    RAY = "ray"
 
 
 EngineOpt = Annotated[

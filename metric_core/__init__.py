@@ -55,6 +55,8 @@ _EXPORTS = {
     "ReadReport": "metric_core.offline.read",
     "make_plan": "metric_core.offline.plan",
     "ReducePlan": "metric_core.offline.plan",
+    "By": "metric_core.offline.plan",
+    "Engine": "metric_core.offline.plan",
     "reduce_run": "metric_core.offline.engine",
     "execute": "metric_core.offline.engine",
     "inspect_run": "metric_core.offline.inspect",
@@ -82,7 +84,7 @@ if TYPE_CHECKING:  # the same names, for type checkers
     from metric_core.offline.engine import execute, reduce_run
     from metric_core.offline.inspect import InspectReport, inspect_run
     from metric_core.offline.keys import list_keys
-    from metric_core.offline.plan import ReducePlan, make_plan
+    from metric_core.offline.plan import By, Engine, ReducePlan, make_plan
     from metric_core.offline.plot import plot_run
     from metric_core.offline.read import ReadReport, RunScan, scan_run
     from metric_core.offline.samples import read_samples, select_samples

@@ -26,9 +26,9 @@ from metric_core import Metric, MetricCollector, Reduce, scan_run
 from metric_core.errors import UploadError, in_python, spell
 from metric_core.offline.engine import execute
 from metric_core.offline.plan import make_plan
-from metric_core.offline.upload import plan as upload_plan_module
+from metric_core.offline.upload import runs as upload_runs
 from metric_core.offline.upload.ledger import Ledger
-from metric_core.offline.upload.plan import plan_upload, safe_keys
+from metric_core.offline.upload.runs import plan_runs, safe_keys
 from metric_core.offline.upload.send import Destination, send_runs
 
 from .conftest import BASE_TIME, on_a_terminal, write_collector_run
@@ -163,7 +163,7 @@ def test_every_mode_lands_in_wandb_as_the_spec_maps_it(tmp_path, small_run, mode
 def test_history_rows_are_exact_from_any_row_a_resume_starts_at(tmp_path, monkeypatch, mode):
     """Missing keys are left out, a NaN is sent as NaN, steps stay ints; rows are built a
     chunk at a time (4 here) and a resume may start anywhere, mid-chunk included."""
-    monkeypatch.setattr(upload_plan_module, "HISTORY_CHUNK_ROWS", 4)
+    monkeypatch.setattr(upload_runs, "HISTORY_CHUNK_ROWS", 4)
     c = MetricCollector(tmp_path, rank=0, process_name="w")
     raw, wide = [], []
     for step in range(10):
@@ -177,7 +177,7 @@ def test_history_rows_are_exact_from_any_row_a_resume_starts_at(tmp_path, monkey
             wide[-1]["b"] = 2.0 * step
         c.flush(step)
     c.shutdown()
-    with plan_upload(execute(make_plan(mode=mode), scan_run(tmp_path)), name="x") as upload:
+    with plan_runs(execute(make_plan(mode=mode), scan_run(tmp_path)), name="x") as upload:
         (run,) = upload.runs
         want = [json.dumps(row, sort_keys=True) for row in (raw if mode == "per_rank_no_reduce" else wide)]
         assert run.rows == len(want)
@@ -195,7 +195,7 @@ def test_run_ids_are_deterministic_and_survive_a_copy(tmp_path, small_run):
     (b / "run.json").unlink()  # identity from the data itself
 
     def ids(run_dir: Path, **plan: str) -> list[str]:
-        with plan_upload(execute(make_plan(**plan), scan_run(run_dir)), name="x") as upload:
+        with plan_runs(execute(make_plan(**plan), scan_run(run_dir)), name="x") as upload:
             return [r.run_id for r in upload.runs]
 
     ids_a, ids_b = ids(a, mode="per_rank_reduce"), ids(b, mode="per_rank_reduce")
@@ -326,7 +326,7 @@ class FakeInit:
 
 @pytest.fixture
 def planned(small_run):
-    with plan_upload(execute(make_plan(), scan_run(small_run)), name="exp1") as upload:
+    with plan_runs(execute(make_plan(), scan_run(small_run)), name="exp1") as upload:
         yield upload
 
 
@@ -427,7 +427,7 @@ def test_a_killed_offline_upload_is_redone_as_a_fresh_offline_run(tmp_path):
 
 
 def test_wandb_limits_are_checked_before_anything_is_sent():
-    from metric_core.offline.upload.plan import MAX_POINTS_PER_METRIC, PlannedRun, limit_warnings
+    from metric_core.offline.upload.runs import MAX_POINTS_PER_METRIC, PlannedRun, limit_warnings
 
     rows = MAX_POINTS_PER_METRIC + 1
     columns = {"step": np.arange(rows), "loss": np.zeros(rows)}
@@ -451,7 +451,7 @@ def test_a_raw_run_counts_the_points_of_its_busiest_key_over_every_frame(tmp_pat
 
     monkeypatch.setattr(engine.raw, "RAW_BATCH_ROWS", 4)
     monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)  # row groups, each with its times
-    monkeypatch.setattr(upload_plan_module, "MAX_POINTS_PER_METRIC", 20)
+    monkeypatch.setattr(upload_runs, "MAX_POINTS_PER_METRIC", 20)
     lines = [
         {"key": key, "value": float(i), "reduction": "mean", "step": i, "timestamp": BASE_TIME + i, "rank": 0}
         for key, n in (("a", busy), ("b", 15))
@@ -460,7 +460,7 @@ def test_a_raw_run_counts_the_points_of_its_busiest_key_over_every_frame(tmp_pat
     pq.write_table(pa.Table.from_pylist(lines), tmp_path / "r0.parquet", row_group_size=4)
     result = execute(make_plan(mode="per_rank_no_reduce"), scan_run(tmp_path))
     assert len(list(result.batches())) > 1  # counted over several frames
-    with plan_upload(result, name="x") as upload:
+    with plan_runs(result, name="x") as upload:
         (run,) = upload.runs
         assert run.points == busy and run.rows == busy + 15 and run.keys == ["a", "b"]
         history = list(run.history())
@@ -683,11 +683,11 @@ def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(t
     write(run_dir, [("w", 0)], steps=6)
     ledger = Ledger(tmp_path / "uploads.json")
     first = FakeRun()
-    with plan_upload(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"}) as before:
+    with plan_runs(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"}) as before:
         send_runs(before, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
     assert [r["step"] for r in first.logged] == list(range(6))
     truth = write(run_dir, [("w", 0)], steps=4, first_step=3, seed=5)  # restarted from step 3
-    after = plan_upload(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"})
+    after = plan_runs(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"})
     request.addfinalizer(after.close)  # its rows stay in temporary files until it is closed
     (run,) = after.runs
     assert run.run_id == before.runs[0].run_id  # the same upload, continued

@@ -42,7 +42,7 @@ import numpy as np
 import polars as pl
 
 from metric_core.errors import PlanError
-from metric_core.offline.plan import ReducePlan, Statistic
+from metric_core.offline.plan import By, ReducePlan, Statistic
 
 # The fields of a group's state, and what a field holds where nothing was folded in yet.
 FIELDS = (
@@ -111,7 +111,7 @@ def partition_states(
         none = np.empty(0, dtype=np.int64)
         return Partial(none, none, pl.DataFrame(), np.empty((len(FIELDS), 0)), none, np.empty(0))
     value = df["value"].to_numpy()
-    if plan.by == "time":
+    if plan.by is By.TIME:
         assert t0 is not None and plan.every is not None
         bucket = np.floor((df["timestamp"].to_numpy() - t0) / plan.every).astype(np.int64)
     else:

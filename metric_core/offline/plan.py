@@ -29,6 +29,23 @@ class By(str, Enum):
     TIME = "time"
 
 
+class Engine(str, Enum):
+    """Where a plan runs: this machine's threads, or Ray tasks (the same bits either way)."""
+
+    LOCAL = "local"
+    RAY = "ray"
+
+    @classmethod
+    def of(cls, value: Engine | str) -> Engine:
+        """``value`` as an Engine; PlanError for another name."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise PlanError(
+                f"is not one of {', '.join(e.value for e in cls)}", option="engine", value=value
+            ) from None
+
+
 @dataclass(frozen=True)
 class Statistic:
     """One statistic of docs/modes.md: a name, and for ``pNN`` its quantile in [0, 1]."""
@@ -66,7 +83,7 @@ class ReducePlan:
     """
 
     mode: LoggingMode = LoggingMode.GLOBAL_REDUCE
-    by: str = "step"
+    by: By = By.STEP  # a string ("step", "time") is taken too
     every: float | None = None
     overrides: tuple[tuple[str, Statistic], ...] = ()
     keys: tuple[str, ...] = ()
@@ -79,7 +96,8 @@ class ReducePlan:
     def __post_init__(self) -> None:
         if self.by not in ("step", "time"):
             raise PlanError("must be step or time", option="by", value=self.by)
-        if self.by == "time" and (self.every is None or self.every <= 0):
+        object.__setattr__(self, "by", By(self.by))
+        if self.by is By.TIME and (self.every is None or self.every <= 0):
             raise PlanError(f"needs a window length, e.g. {opt('every')}'10s'", option="by", value="time")
         if self.mode is LoggingMode.PER_RANK_NO_REDUCE and self.overrides:
             raise PlanError(
@@ -88,12 +106,12 @@ class ReducePlan:
                 option="reduce",
                 value=f"{self.overrides[0][0]}={self.overrides[0][1].name}",
             )
-        if self.by == "step" and self.every is not None:
+        if self.by is By.STEP and self.every is not None:
             raise PlanError(EVERY_WITHOUT_TIME, option="every", value=self.every)
 
     @property
     def bucket(self) -> str:
-        return "window_start" if self.by == "time" else "step"
+        return "window_start" if self.by is By.TIME else "step"
 
     @property
     def group_columns(self) -> list[str]:
@@ -104,7 +122,7 @@ class ReducePlan:
     @property
     def output_columns(self) -> list[str]:
         if self.mode is LoggingMode.PER_RANK_NO_REDUCE:  # each record keeps its step, and its window
-            window = ["window_start"] if self.by == "time" else []
+            window = ["window_start"] if self.by is By.TIME else []
             return ["process", "rank", "step", *window, "timestamp", "key", "value", "reduction"]
         return [*self.group_columns, "key", "value", "reduction", "count"]
 
@@ -121,8 +139,8 @@ class ReducePlan:
             cols |= {"process", "rank", "timestamp", "step"}
         if self.ranks:
             cols.add("rank")
-        cols.add("timestamp" if self.by == "time" else "step")
-        if any(s.name in ("first", "last") for _, s in self.overrides) or self.by == "time":
+        cols.add("timestamp" if self.by is By.TIME else "step")
+        if any(s.name in ("first", "last") for _, s in self.overrides) or self.by is By.TIME:
             cols.add("timestamp")
         if self.steps is not None:
             cols.add("step")
@@ -253,7 +271,7 @@ def make_plan(
         items = [reduce] if isinstance(reduce, str) else list(reduce)  # one PATTERN=STAT
     return ReducePlan(
         mode=mode,
-        by=by.value,
+        by=by,
         every=parse_duration(every) if isinstance(every, str) else every,
         overrides=parse_overrides(items),
         keys=(keys,) if isinstance(keys, str) else tuple(keys),

@@ -34,7 +34,7 @@ from metric_core.errors import MissingDependencyError, PlanError, RequestError, 
 from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
-from metric_core.offline.plan import ReducePlan, Statistic
+from metric_core.offline.plan import Engine, ReducePlan, Statistic
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.storage import run_path, written_at
 
@@ -58,7 +58,7 @@ def plot_run(
     on_progress: OnProgress | None = None,
     on_warning: Callable[[str], None] | None = None,
     spelled: Callable[[str], str] = in_python,
-    engine: str = "local",
+    engine: Engine | str = Engine.LOCAL,
     ray_address: str | None = None,
     smooth: float = 0.0,
 ) -> Any:

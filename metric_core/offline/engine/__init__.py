@@ -58,12 +58,12 @@ from metric_core.offline.engine.reading import (
 )
 from metric_core.offline.engine.reductions import KeyReductions, first_reductions
 from metric_core.offline.engine.shape import pivot_wide, source_by_source
-from metric_core.offline.plan import ReducePlan, counts_back, last_steps, make_plan
+from metric_core.offline.plan import By, Engine, ReducePlan, counts_back, last_steps, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
 from metric_core.offline.read.report import MixedKey
 
 __all__ = [
-    "ENGINES",
+    "Engine",
     "KeyReductions",
     "ReduceResult",
     "execute",
@@ -75,8 +75,6 @@ __all__ = [
     "reduce_run",
     "run_plan",
 ]
-
-ENGINES = ("local", "ray")
 
 
 @dataclass
@@ -109,7 +107,11 @@ class ReduceResult:
 
 
 def reduce_run(
-    run_dir: str | os.PathLike[str], *, engine: str = "local", ray_address: str | None = None, **options: Any
+    run_dir: str | os.PathLike[str],
+    *,
+    engine: Engine | str = Engine.LOCAL,
+    ray_address: str | None = None,
+    **options: Any,
 ) -> pl.DataFrame:
     """Reduce a run directory in one of the three logging modes; a polars DataFrame.
 
@@ -139,7 +141,7 @@ def run_plan(
     follow_symlinks: bool = False,
     on_read: OnRead | None = None,
     on_progress: OnProgress | None = None,
-    engine: str = "local",
+    engine: Engine | str = Engine.LOCAL,
     ray_address: str | None = None,
 ) -> ReduceResult:
     """Read ``run_dir`` and execute ``plan`` over it; the result keeps the read's health report.
@@ -193,7 +195,7 @@ def execute(
     scan: RunScan,
     *,
     on_progress: OnProgress | None = None,
-    engine: str = "local",
+    engine: Engine | str = Engine.LOCAL,
     ray_address: str | None = None,
 ) -> ReduceResult:
     """Run ``plan`` over a scanned run; raise MetricLogError when it cannot be served.
@@ -210,15 +212,14 @@ def execute(
     the cluster at ``ray_address``, ``RAY_ADDRESS``, or a local one) and folds them here in
     the same order: the same bits. Raw mode has nothing to reduce and is read here.
     """
-    if engine not in ENGINES:
-        raise PlanError(f"is not one of {', '.join(ENGINES)}", option="engine", value=engine)
+    engine = Engine.of(engine)
     if counts_back(plan.steps):  # --steps -5: the last 5 steps of the sources kept
         plan = dataclasses.replace(plan, steps=last_steps(plan.steps, _last_step(plan, scan)))  # type: ignore[arg-type]
     if plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         raw, unmatched_raw = raw_mode(plan, scan, on_progress)
         return ReduceResult(plan, scan, stream=raw, unmatched=unmatched_raw)
     sources = single_sources(scan) if plan.mode is not LoggingMode.GLOBAL_REDUCE else None
-    t0 = first_time(plan, scan) if plan.by == "time" else None
+    t0 = first_time(plan, scan) if plan.by is By.TIME else None
     dictionaries = reads_dictionaries(scan)
     kept = columns_read(plan, scan)
     seen, unmatched = filters.Seen.wanted_by(plan), list[PlanError]()
@@ -228,7 +229,7 @@ def execute(
     work = [(u, task) for u, fids in enumerate(units) for task in tasks(plan, scan, fids, t0, dictionaries)]
 
     reduce_task = TaskWork(plan, scan, dictionaries, kept, t0, reading.PARTITION_ROWS)
-    if engine == "ray":
+    if engine is Engine.RAY:
         from metric_core.offline.engine.ray_pool import on_ray
 
         # a task's counts of bad rows could not reach this process's report: counted first

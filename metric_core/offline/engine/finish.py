@@ -13,7 +13,7 @@ from metric_core.offline import partials
 from metric_core.offline.accumulator import Accumulator
 from metric_core.offline.engine.reading import statistic_chooser
 from metric_core.offline.engine.reductions import KeyReductions, kept_reductions
-from metric_core.offline.plan import ReducePlan, Statistic
+from metric_core.offline.plan import By, ReducePlan, Statistic
 from metric_core.offline.read import RunScan
 from metric_core.offline.read.report import MixedKey
 
@@ -34,7 +34,7 @@ def finished_frames(
     """The result of the groups folded into ``acc`` below bucket ``upto`` (``take``), in
     frames of about TAKEN_GROUPS groups; ``recorded`` and ``mixed`` as ``kept_reductions``
     (``last``: no frame of the stream follows these)."""
-    if plan.by == "time":
+    if plan.by is By.TIME:
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
     else:
         bucket = pl.col("bucket")

@@ -21,7 +21,7 @@ from metric_core.offline.engine.reading import (
     read_batches,
     reads_dictionaries,
 )
-from metric_core.offline.plan import ReducePlan, key_matcher
+from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import OnProgress, RunScan, changed_files_said
 from metric_core.offline.timeorder import in_time_order
 
@@ -38,7 +38,7 @@ def raw_mode(
 
     A file of one source (the writer's) is read when its source's turn comes; files that
     hold several sources (or do not say) are read first and held, to be split by source."""
-    t0 = first_time(plan, scan) if plan.by == "time" else None
+    t0 = first_time(plan, scan) if plan.by is By.TIME else None
     match = key_matcher(plan.keys) if plan.keys else None
     dictionaries = reads_dictionaries(scan)
     kept = columns_read(plan, scan)

@@ -18,7 +18,7 @@ import polars as pl
 from metric_core.errors import NoDataError, PlanError
 from metric_core.metric import LoggingMode
 from metric_core.offline import filters, partials
-from metric_core.offline.plan import ReducePlan, key_matcher
+from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import RunScan, all_skipped
 from metric_core.offline.read.parquet import kept_first_time, row_group_lows
 from metric_core.offline.storage import RunPath, open_read
@@ -64,9 +64,9 @@ def tasks(
     folded in this order.
     """
     rows = PARTITION_ROWS if rows is None else rows
-    column = "timestamp" if plan.by == "time" else "step"
+    column = "timestamp" if plan.by is By.TIME else "step"
     parts = parts_of(scan, data_order(scan, fids), row_groups, column)
-    if plan.by == "time":
+    if plan.by is By.TIME:
         assert t0 is not None and plan.every is not None
         every = float(plan.every)
         parts = [

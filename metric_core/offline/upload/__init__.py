@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 from metric_core.credentials import has_credentials
 from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
+from metric_core.offline.plan import By, Engine, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import RunPath, is_remote, missing_run, name_of, run_path
 from metric_core.offline.upload import overlap
 from metric_core.offline.upload.ledger import Ledger, only_upload
-from metric_core.offline.upload.plan import PlannedRun, UploadPlan, plan_upload, request_key
+from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, plan_runs, request_key
 from metric_core.offline.upload.send import (
     Destination,
     RunOutcome,
@@ -36,7 +37,6 @@ from metric_core.offline.upload.send import (
 from metric_core.offline.upload.tensorboard import TensorBoard
 
 if TYPE_CHECKING:
-    from metric_core.offline.plan import ReducePlan
     from metric_core.offline.read import OnProgress
     from metric_core.offline.upload.follow import FollowState
 
@@ -65,7 +65,7 @@ class Follow:
 class UploadResult:
     """The runs planned, and what happened to each (in a dry run: what would happen)."""
 
-    plan: UploadPlan
+    plan: PlannedRuns
     outcomes: list[RunOutcome] = field(default_factory=list)
     dry_run: bool = False  # asked for, or WANDB_MODE=disabled
     followed: FollowState | None = None  # with ``follow``: how following went
@@ -91,7 +91,7 @@ def upload_run(
     events: UploadEvents | None = None,
     on_progress: OnProgress | None = None,
     follow: Follow | None = None,
-    engine: str = "local",
+    engine: Engine | str = Engine.LOCAL,
     ray_address: str | None = None,
     samples: SampleChoice | None = None,
 ) -> UploadResult:
@@ -126,7 +126,7 @@ def upload_run(
             f"{opt('follow', flag=True)} (watch follows a run in a bucket)"
         )
     _check_together(plan, share_run)
-    if follow is not None and engine != "local":
+    if follow is not None and Engine.of(engine) is not Engine.LOCAL:
         raise PlanError(
             f"reduces each poll's new records here; {opt('engine')}ray applies to a whole upload only",
             option="follow",
@@ -169,7 +169,7 @@ def upload_run(
 
         assert isinstance(root, Path)
 
-        upload, state = follow_upload(
+        planned, state = follow_upload(
             root,
             plan,
             to,
@@ -191,7 +191,7 @@ def upload_run(
             samples=samples or SampleChoice(),
             wait=follow.wait,
         )
-        return UploadResult(upload, state.outcomes, dry_run=dry_run, followed=state)
+        return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
     prepare = functools.partial(
         _prepare,
         root,
@@ -207,25 +207,25 @@ def upload_run(
         ray_address=ray_address,
     )
     if dry_run:
-        upload = _received(prepare, events)
+        planned = _received(prepare, events)
         try:
-            _said(upload, events)
-            ledger = Ledger.existing(root, upload.identity)
-            entries = [find_entry(ledger, r, to) for r in upload.runs]
-            would = [decide(r, e, to.offline, force_new) for r, e in zip(upload.runs, entries, strict=True)]
+            _said(planned, events)
+            ledger = Ledger.existing(root, planned.identity)
+            entries = [find_entry(ledger, r, to) for r in planned.runs]
+            would = [decide(r, e, to.offline, force_new) for r, e in zip(planned.runs, entries, strict=True)]
         finally:
-            upload.close()
-        outcomes = [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(upload.runs, would, strict=True)]
-        return UploadResult(upload, outcomes, dry_run=True)
+            planned.close()
+        outcomes = [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(planned.runs, would, strict=True)]
+        return UploadResult(planned, outcomes, dry_run=True)
     # wandb takes about half a second to import: this process does it while a child
     # process reads and reduces the run (see overlap)
     pending = overlap.start(prepare)
     import wandb  # noqa: F401
 
-    upload = _received(pending, events)
+    planned = _received(pending, events)
     try:
-        _said(upload, events)
-        ledger = Ledger.for_run_dir(root, upload.identity)
+        _said(planned, events)
+        ledger = Ledger.for_run_dir(root, planned.identity)
         if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
             to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
         key = request_key(
@@ -234,7 +234,7 @@ def upload_run(
         with only_upload(ledger.path.parent, key, root):
             ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
             tables = _sample_tables(root, plan, samples or SampleChoice(), share_run, events)
-            outcomes = send_runs(upload, ledger, to, force_new=force_new, events=events, samples=tables)
+            outcomes = send_runs(planned, ledger, to, force_new=force_new, events=events, samples=tables)
             if tables is not None and tables.unattached():
                 events.message(
                     "note",
@@ -244,9 +244,9 @@ def upload_run(
                         events.spelled,
                     ),
                 )
-            return UploadResult(upload, outcomes)
+            return UploadResult(planned, outcomes)
     finally:
-        upload.close()
+        planned.close()
 
 
 def _to_tensorboard(
@@ -268,14 +268,14 @@ def _to_tensorboard(
             "(or as often as you like: each time writes the runs that changed)"
         )
     request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
-    upload = _received(functools.partial(_prepare, root, plan, request=request, **read), events)
+    planned = _received(functools.partial(_prepare, root, plan, request=request, **read), events)
     try:
-        _said(upload, events)
+        _said(planned, events)
         if dry_run:
-            return UploadResult(upload, tensorboard.would_be(upload, to, force_new), dry_run=True)
-        return UploadResult(upload, tensorboard.write_runs(upload, to, force_new=force_new, events=events))
+            return UploadResult(planned, tensorboard.would_be(planned, to, force_new), dry_run=True)
+        return UploadResult(planned, tensorboard.write_runs(planned, to, force_new=force_new, events=events))
     finally:
-        upload.close()
+        planned.close()
 
 
 def _sample_tables(
@@ -299,7 +299,7 @@ def _check_together(plan: ReducePlan, share_run: bool) -> None:
             option="share_run",
             value=True,
         )
-    if plan.by == "time" and plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
+    if plan.by is By.TIME and plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         raise PlanError(
             f"groups reduced values into windows; {opt('mode')}'per_rank_no_reduce' uploads every raw "
             "record at its step (its timestamp is in each row)",
@@ -315,10 +315,10 @@ def _prepare(
     strict: bool,
     follow_symlinks: bool,
     on_progress: OnProgress | None,
-    engine: str,
+    engine: Engine | str,
     ray_address: str | None,
     **mapping: object,
-) -> UploadPlan:
+) -> PlannedRuns:
     """Read and reduce the run, and map it to W&B runs (in the reading child, see overlap)."""
     from metric_core.offline.engine import run_plan
     from metric_core.offline.read import changed_files_said
@@ -335,15 +335,15 @@ def _prepare(
             engine=engine,
             ray_address=ray_address,
         )
-        upload = changed_files_said(plan_upload)(result, **mapping)
+        planned = changed_files_said(plan_runs)(result, **mapping)
     except MetricLogError as exc:
         exc.read_summary = "".join(read)  # said before the error, by the parent
         raise
-    upload.read_summary = "".join(read)
-    return upload
+    planned.read_summary = "".join(read)
+    return planned
 
 
-def _received(work: Callable[[], UploadPlan], events: UploadEvents) -> UploadPlan:
+def _received(work: Callable[[], PlannedRuns], events: UploadEvents) -> PlannedRuns:
     try:
         return work()
     except MetricLogError as exc:
@@ -352,20 +352,20 @@ def _received(work: Callable[[], UploadPlan], events: UploadEvents) -> UploadPla
         raise
 
 
-def _said(upload: UploadPlan, events: UploadEvents) -> UploadPlan:
+def _said(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
     """What the user should know before anything is sent: skips, renamed keys, W&B's limits."""
-    if upload.read_summary:
-        events.message("warning", spell(upload.read_summary, events.spelled))
-    if upload.identity_from == "content":
+    if planned.read_summary:
+        events.message("warning", spell(planned.read_summary, events.spelled))
+    if planned.identity_from == "content":
         events.message(
             "note",
             "run.json holds no run_id (files another tool wrote?): the upload ids derive from the run's "
             "content (its sources and their first record times)",
         )
-    for original, safe in upload.key_mapping.items():
+    for original, safe in planned.key_mapping.items():
         events.message("note", f"key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)")
-    for warning in upload.warnings:
+    for warning in planned.warnings:
         events.message("warning", spell(warning, events.spelled))
-    for note in upload.unmatched:
+    for note in planned.unmatched:
         events.message("warning", note.said(events.spelled))
-    return upload
+    return planned

@@ -1,4 +1,4 @@
-"""``upload --follow``: the sidecar loop. Poll the run (``offline.follow``), hand each W&B
+"""``upload --follow``: the sidecar loop. Poll the run (``offline.tail``), hand each W&B
 run the rows that became complete, keep the ledger, end when the job did.
 
 A W&B run is opened when its first row is ready, as a plain upload opens it (``decide``):
@@ -29,13 +29,13 @@ import polars as pl
 
 from metric_core.clock import duration
 from metric_core.errors import NoDataError, StrictModeError
-from metric_core.offline.follow import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.inspect import stall_threshold
-from metric_core.offline.plan import ReducePlan
+from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
+from metric_core.offline.tail import Follower, Ready, RunTail, SourceState, expected_sources
 from metric_core.offline.upload.ledger import Ledger, only_upload
-from metric_core.offline.upload.plan import PlannedRun, UploadPlan, request_key, run_config, run_id_for
+from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import (
     FOLLOW_PATIENCE,
     Destination,
@@ -117,7 +117,7 @@ def follow_upload(
     restart_grace: float = RESTART_GRACE,
     samples: SampleChoice | None = None,
     wait: bool = False,
-) -> tuple[UploadPlan, FollowState]:
+) -> tuple[PlannedRuns, FollowState]:
     """Follow ``root`` until every source finished, every source finished or died and no
     new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
     a new record, or ``stop`` is set (Ctrl-C: what is ready is handed over first). A live
@@ -129,7 +129,7 @@ def follow_upload(
         raise missing_run(root)  # type: ignore[misc]
     if not _appeared(root, stop, interval, events):
         state.ended = STOPPED
-        return UploadPlan(runs=[]), state
+        return PlannedRuns(runs=[]), state
     with contextlib.ExitStack() as held:
         if not dry_run:
             held.enter_context(only_upload(root / ".metriclog", key, root))
@@ -157,7 +157,7 @@ def follow_upload(
             state.outcomes = [o.outcome for o in pass_.runs.values()]
             if ended != REPLACED:
                 state.ended = ended
-                return pass_.upload, state
+                return pass_.planned, state
             for opened in pass_.runs.values():  # offline: `wandb sync` must not send the replaced rows
                 if opened.outcome.sync_dir and pass_.sender is not None:
                     pass_.sender.remove_partial({"sync_dir": opened.outcome.sync_dir})
@@ -186,7 +186,7 @@ class _Pass:
     tail: RunTail = field(init=False)
     follower: Follower = field(init=False)
     runs: dict[str | None, _Open] = field(default_factory=dict)
-    upload: UploadPlan = field(default_factory=lambda: UploadPlan(runs=[]))
+    planned: PlannedRuns = field(default_factory=lambda: PlannedRuns(runs=[]))
     sender: Sender | None = None
     said: int = 0
     waiting_said: bool = False
@@ -220,7 +220,7 @@ class _Pass:
             self._notices(first_record, wait)
             state.expected = self.follower.expected or 1
             self.follower.add(records, self.tail.sources)
-            if self.plan.by == "time" and self.follower.t0 is None and self.tail.sources:
+            if self.plan.by is By.TIME and self.follower.t0 is None and self.tail.sources:
                 self.follower.t0 = self._earlier_t0()
             if self.follower.replaced:
                 self.events.message("warning", _replaced(self.follower.replaced, self.to.offline))
@@ -389,9 +389,9 @@ class _Pass:
 
     def _open(self, process: str | None) -> _Open:
         identity = _identity(self.tail)
-        if not self.upload.identity:
-            self.upload.identity = identity
-            self.upload.config = run_config(self.tail.meta, self.plan, followed=True)
+        if not self.planned.identity:
+            self.planned.identity = identity
+            self.planned.config = run_config(self.tail.meta, self.plan, followed=True)
         raw = self.follower.raw
         run = FollowedRun(
             run_id=run_id_for(identity, self.key, process),
@@ -405,7 +405,7 @@ class _Pass:
             bucket=self.plan.bucket,
             attempts=self._attempts(process),
         )
-        self.upload.runs.append(run)
+        self.planned.runs.append(run)
         if self.dry_run:
             entry = find_entry(Ledger.existing(self.root, identity), run, self.to)
             action, run_id, _, message = decide(run, entry, self.to.offline, self.force_new)
@@ -418,7 +418,7 @@ class _Pass:
                 if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
                     to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
                 self.sender = Sender(
-                    self.upload,
+                    self.planned,
                     ledger,
                     to,
                     self.force_new,

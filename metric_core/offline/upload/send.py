@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from metric_core.errors import MetricLogError, PlanError, UploadError, in_python, opt
 from metric_core.offline.upload.ledger import Ledger
-from metric_core.offline.upload.plan import PlannedRun, UploadPlan
+from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
 
 if TYPE_CHECKING:
     from metric_core.offline.samples import SampleTables
@@ -119,7 +119,7 @@ def cannot_heal(exc: BaseException) -> bool:
 
 
 def send_runs(
-    plan: UploadPlan,
+    plan: PlannedRuns,
     ledger: Ledger,
     to: Destination,
     *,
@@ -225,7 +225,7 @@ class Sender:
     """Hands planned runs to W&B: ``send`` a whole run, or ``open``, ``log_rows`` as they
     come (``upload --follow``) and ``close``."""
 
-    plan: UploadPlan
+    plan: PlannedRuns
     ledger: Ledger
     to: Destination
     force_new: bool

@@ -1,6 +1,6 @@
 """TensorBoard as a destination: the planned runs as event files, written by tensorboardX.
 
-Each planned run (``plan_upload``: the global run, a run per source, or a shared one)
+Each planned run (``plan_runs``: the global run, a run per source, or a shared one)
 becomes a folder of ``logdir`` named as the W&B run would be, holding one event file:
 
 * reduced runs: an event per history row, at its step (``--by time``: its window's
@@ -35,7 +35,7 @@ import numpy as np
 
 from metric_core.atomic import replace_file
 from metric_core.errors import MissingDependencyError
-from metric_core.offline.upload.plan import PlannedRun, UploadPlan
+from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
 from metric_core.offline.upload.send import RunOutcome, UploadEvents
 
 LEDGER = ".metriclog-tensorboard.json"
@@ -54,7 +54,7 @@ class TensorBoard:
         return {"tensorboard": str(Path(self.logdir).resolve()), "name": name, "group": group}
 
 
-def would_be(upload: UploadPlan, to: TensorBoard, force_new: bool) -> list[RunOutcome]:
+def would_be(upload: PlannedRuns, to: TensorBoard, force_new: bool) -> list[RunOutcome]:
     """A dry run: what each run would be (written, or skipped as written already)."""
     ledger = _ledger(Path(to.logdir))
     return [
@@ -69,7 +69,7 @@ def would_be(upload: UploadPlan, to: TensorBoard, force_new: bool) -> list[RunOu
 
 
 def write_runs(
-    upload: UploadPlan, to: TensorBoard, *, force_new: bool = False, events: UploadEvents | None = None
+    upload: PlannedRuns, to: TensorBoard, *, force_new: bool = False, events: UploadEvents | None = None
 ) -> list[RunOutcome]:
     """Write every planned run not written yet as an event file under ``to.logdir``."""
     events = events or UploadEvents()

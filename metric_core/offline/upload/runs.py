@@ -165,7 +165,7 @@ def _columns(frame: pl.DataFrame) -> dict[str, np.ndarray]:
 
 
 @dataclass
-class UploadPlan:
+class PlannedRuns:
     """Every run of one upload, plus what the user should know before it starts."""
 
     runs: list[PlannedRun]
@@ -184,7 +184,7 @@ class UploadPlan:
             shutil.rmtree(self.spill_dir, ignore_errors=True)
             self.spill_dir = None
 
-    def __enter__(self) -> UploadPlan:
+    def __enter__(self) -> PlannedRuns:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -244,14 +244,14 @@ def safe_keys(keys: list[str], taken: set[str] | None = None) -> dict[str, str]:
     return mapping
 
 
-def plan_upload(
+def plan_runs(
     result: ReduceResult,
     *,
     name: str,
     group: str | None = None,
     share_run: bool = False,
     request: dict[str, Any] | None = None,
-) -> UploadPlan:
+) -> PlannedRuns:
     """Map a reduction to the W&B runs that hold it (nothing is sent).
 
     ``request`` (the destination and the names the user gave) enters the run ids with
@@ -303,7 +303,7 @@ def plan_upload(
         held = [a for a in result.scan.report.attempts if a.records and run.source in (None, a.process)]
         run.attempts = sorted(a.attempt for a in held)
         run.first_steps = {a.attempt: a.first_step for a in held if a.first_step is not None}
-    upload = UploadPlan(
+    upload = PlannedRuns(
         runs=runs,
         identity=identity,
         spill_dir=spill_dir,

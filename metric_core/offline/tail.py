@@ -47,7 +47,7 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import story
 from metric_core.offline.engine import KeyReductions, key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
-from metric_core.offline.plan import ReducePlan, key_matcher
+from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import ReadReport, read_sealed
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.report import MixedKey, rel
@@ -461,7 +461,7 @@ class Follower:
 
     def _bucket(self) -> pl.Expr:
         """A record's bucket as ``sent`` holds it: its step, window number or (shared raw) time."""
-        if self.plan.by == "time":
+        if self.plan.by is By.TIME:
             assert self.t0 is not None
             return ((pl.col("timestamp") - self.t0) / float(self.plan.every or 0)).floor()
         if self.raw and self.share_run:
@@ -488,15 +488,15 @@ class Follower:
         """The rows of every bucket that became complete; with ``ending``, of every bucket."""
         if not self.pending.height:
             return []
-        if self.plan.by == "time" or (self.raw and self.share_run):
+        if self.plan.by is By.TIME or (self.raw and self.share_run):
             limit = self._mark(sources, ending, lambda s: s.clock)
             if limit == -math.inf:
                 return []
-            if self.plan.by == "time" and self.t0 is None:
+            if self.plan.by is By.TIME and self.t0 is None:
                 self.t0 = float(self.pending["timestamp"].min())  # type: ignore[arg-type]
             if limit == math.inf:
                 done = pl.lit(True)
-            elif self.plan.by == "time":
+            elif self.plan.by is By.TIME:
                 assert self.t0 is not None
                 done = self._bucket() < math.floor((limit - self.t0) / float(self.plan.every or 0))
             else:
@@ -572,7 +572,7 @@ class Follower:
                 for (at,), group in part.group_by(bucket, maintain_order=True):
                     rows.append({bucket: at, **dict(zip(group["key"], group["value"], strict=True))})
                 last = float(part[bucket].max())  # type: ignore[arg-type]
-                if plan.by == "time":
+                if plan.by is By.TIME:
                     assert self.t0 is not None
                     last = round((last - self.t0) / float(plan.every or 0))
             self.sent[run] = max(self.sent.get(run, -math.inf), last)
@@ -580,7 +580,7 @@ class Follower:
         return ready
 
     def _map_keys(self, keys: list[str]) -> None:
-        from metric_core.offline.upload.plan import safe_keys
+        from metric_core.offline.upload.runs import safe_keys
 
         new = [k for k in keys if k not in self.mapping]
         if new:
