@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import typer
 import typer.core
 
-from metric_core.errors import MetricLogError, PlanError, spell
+from metric_core.errors import MetricLogError, PlanError, spell_options
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By
 from metric_core.offline.storage import check_target
@@ -75,12 +75,12 @@ def command_run() -> Iterator[None]:
     try:
         yield
     except PlanError as exc:
-        raise typer.BadParameter(exc.said(o.on_cli)) from None
+        raise typer.BadParameter(exc.text(o.as_flag)) from None
     except BrokenPipeError:  # the reader went away (`| head`): nothing more to say to it
         _quiet_stdout()
         raise typer.Exit(code=0) from None
     except MetricLogError as exc:
-        typer.echo(f"Error: {exc.said(o.on_cli)}", err=True)
+        typer.echo(f"Error: {exc.text(o.as_flag)}", err=True)
         raise typer.Exit(code=1) from None
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
@@ -143,7 +143,7 @@ def reduce(
                 derived=f"reduce --mode {mode.value}", run_dir=run_dir,
             )  # fmt: skip
         for note in result.unmatched:
-            output.say("warning", note.said(o.on_cli))
+            output.say("warning", note.text(o.as_flag))
 
 
 @app.command(cls=_Command, short_help="Upload a logging mode of a run to W&B, or to TensorBoard files.")
@@ -305,7 +305,7 @@ def plot(
             on_read=output.said_skips,
             on_progress=progress,
             on_warning=lambda text: output.say("warning", text),
-            spelled=o.on_cli,
+            spelling=o.as_flag,
             engine=engine,
             ray_address=ray_address,
             smooth=smooth,
@@ -386,7 +386,7 @@ def samples(
             top=top, bottom=bottom, by=by, random=random, seed=seed,
         )  # fmt: skip
         for note in read.notes:
-            output.say("warning", spell(note, o.on_cli))
+            output.say("warning", spell_options(note, o.as_flag))
         output.emit(
             frame, form=form and form.value, out=out, limit=limit, tail=tail,
             derived="samples", run_dir=run_dir, table=output.print_samples,

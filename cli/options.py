@@ -35,9 +35,9 @@ E = TypeVar("E", bound=Enum)
 FLAGS = {"keys": "--key", "share_run": "--per-rank-share-run"}
 
 
-def on_cli(name: str) -> str:
+def as_flag(name: str) -> str:
     """A Python API parameter as a message on the command line names it: ``ranks`` ->
-    ``--ranks `` (``MetricLogError.said``), ``keys`` -> ``--key ``."""
+    ``--ranks `` (``MetricLogError.text``), ``keys`` -> ``--key ``."""
     return FLAGS.get(name, "--" + name.replace("_", "-")) + " "
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from .options import on_cli
+from .options import as_flag
 
 if TYPE_CHECKING:
     import polars as pl
@@ -48,7 +48,7 @@ def _line(kind: str, text: str) -> str:
 
 def said_skips(report: ReadReport) -> None:
     """What the reader skipped, if anything (the ``on_read`` of the library's calls)."""
-    summary = report.summary(spelled=on_cli)
+    summary = report.summary(spelling=as_flag)
     if summary:
         say("warning", summary)
 
@@ -533,7 +533,7 @@ def print_inspect(report: InspectReport) -> None:
         counts = ", ".join(f"{key} {n:,}" for key, n in sorted(report.samples.items()))
         typer.echo(f"samples (Reduce.SAMPLE; `metriclog samples {report.run_dir}` lists them): {counts}")
     typer.echo("")
-    for line in report.verdict(on_cli):
+    for line in report.verdict(as_flag):
         typer.echo(line)
 
 
@@ -616,7 +616,7 @@ def upload_events() -> Iterator[UploadEvents]:
     from metric_core.offline.upload import UploadEvents
 
     if not sys.stderr.isatty():
-        yield UploadEvents(message=say, spelled=on_cli)
+        yield UploadEvents(message=say, spelling=as_flag)
         return
     bars: list[Any] = []
 
@@ -634,7 +634,7 @@ def upload_events() -> Iterator[UploadEvents]:
         return lambda n: bars[0].update(task, completed=n)
 
     try:
-        yield UploadEvents(message=message, progress=start, spelled=on_cli)
+        yield UploadEvents(message=message, progress=start, spelling=as_flag)
     finally:
         if bars:
             bars[0].stop()

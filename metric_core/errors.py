@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 # A message that names an option of the Python API marks it with ``opt``: the library
-# says ``ranks=``, the command line ``--ranks `` (``MetricLogError.said``). The marks are
+# says ``ranks=``, the command line ``--ranks `` (``MetricLogError.text``). The marks are
 # control characters, which no value a user gives holds, so a key or a path is never taken
 # for one.
 _MARK = re.compile("\x1e(\\w+)(!?)\x1f")
@@ -22,16 +22,16 @@ def opt(name: str, *, flag: bool = False) -> str:
     return f"\x1e{name}{'!' if flag else ''}\x1f"
 
 
-def in_python(name: str) -> str:
+def as_keyword(name: str) -> str:
     return f"{name}="
 
 
-def spell(text: str, spelled: Callable[[str], str]) -> str:
-    """``text`` with each option marked by ``opt`` spelled by ``spelled``; a flag as
+def spell_options(text: str, spelling: Callable[[str], str]) -> str:
+    """``text`` with each option marked by ``opt`` spelled by ``spelling``; a flag as
     ``option=True`` in Python, ``--option`` on the command line."""
 
     def one(m: re.Match[str]) -> str:
-        said = spelled(m.group(1))
+        said = spelling(m.group(1))
         if not m.group(2):
             return said
         return said + "True" if said.endswith("=") else said.rstrip()
@@ -43,7 +43,7 @@ class MetricLogError(Exception):
     """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1.
 
     A message that names options is kept as a template (``template``), so each caller can
-    say it in its own words: ``said(spelled)``.
+    say it in its own words: ``text(spelling)``.
     """
 
     template: str | None = None
@@ -51,12 +51,12 @@ class MetricLogError(Exception):
     def __init__(self, *args: Any) -> None:
         if len(args) == 1 and isinstance(args[0], str) and _MARK.search(args[0]):
             self.template = args[0]
-            args = (spell(args[0], in_python),)
+            args = (spell_options(args[0], as_keyword),)
         super().__init__(*args)
 
-    def said(self, spelled: Callable[[str], str]) -> str:
-        """The message, with the options it names spelled by ``spelled``."""
-        return str(self) if self.template is None else spell(self.template, spelled)
+    def text(self, spelling: Callable[[str], str]) -> str:
+        """The message, with the options it names spelled by ``spelling``."""
+        return str(self) if self.template is None else spell_options(self.template, spelling)
 
     # What the reader skipped before this error, when it came after a run was read in
     # another process (upload's reading child): the caller says it before the error.

@@ -19,11 +19,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from metriclog.main import app
-from metriclog.options import on_cli
+from metriclog.options import as_flag
 from typer.testing import CliRunner
 
 from metric_core import Metric, MetricCollector, Reduce, scan_run
-from metric_core.errors import UploadError, in_python, spell
+from metric_core.errors import UploadError, as_keyword, spell_options
 from metric_core.offline.engine import execute
 from metric_core.offline.plan import make_plan
 from metric_core.offline.upload import runs as upload_runs
@@ -434,8 +434,8 @@ def test_wandb_limits_are_checked_before_anything_is_sent():
     many = PlannedRun("id", "exp1", None, None, columns, "step", ["loss"], points=rows)
     (warning,) = limit_warnings([many])
     assert f"up to {rows:,} points per metric" in warning
-    assert "--by 'time' --every '10s'" in spell(warning, on_cli)  # options as the command line spells them
-    assert "by='time' every='10s'" in spell(warning, in_python)
+    assert "--by 'time' --every '10s'" in spell_options(warning, as_flag)  # as the command line says
+    assert "by='time' every='10s'" in spell_options(warning, as_keyword)
     keys = [f"k{i}" for i in range(10_000)]
     wide = PlannedRun("id2", "exp2", None, None, {"step": np.arange(1)}, "step", keys, points=1)
     assert any("10,000 distinct metrics" in w for w in limit_warnings([wide]))
@@ -469,7 +469,7 @@ def test_a_raw_run_counts_the_points_of_its_busiest_key_over_every_frame(tmp_pat
             {r["key"]: r["value"], "step": r["step"], "_timestamp": r["timestamp"]} for r in truth
         ]
         assert list(run.history(busy + 10)) == history[busy + 10 :]
-        warned = [spell(w, on_cli) for w in upload.warnings if "points per metric" in w]
+        warned = [spell_options(w, as_flag) for w in upload.warnings if "points per metric" in w]
         assert warned == (
             [
                 f"run x_rank0: up to {busy:,} points per metric; W&B shows at most 20: "

@@ -186,7 +186,7 @@ def test_sealed_files_are_plain_files_other_tools_read(tmp_path, file_format):
 
 def test_the_writers_strings_are_parquet_dictionaries_where_keys_share_a_reduction(tmp_path):
     """Each string column chunk is dictionary-encoded, as readers group on it; a dictionary
-    holding a reduction once per key would be stored plainly, every string spelled out."""
+    holding a reduction once per key would be stored plainly, every string spelling out."""
     metric_core.init(tmp_path, rank=0, process_name="TrainActor_r0")
     for step in range(3):
         for i, reduction in enumerate([Reduce.MEAN, Reduce.MEAN, Reduce.SUM, Reduce.MEAN, Reduce.SUM]):

@@ -30,12 +30,12 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.errors import MissingDependencyError, PlanError, RequestError, in_python, opt, warn
+from metric_core.errors import MissingDependencyError, PlanError, RequestError, as_keyword, opt, warn
 from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
 from metric_core.offline.plan import Engine, ReducePlan, Statistic
-from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, explain_read_errors, scan_run
 from metric_core.offline.storage import run_path, written_at
 
 MAX_KEYS = 12
@@ -47,7 +47,7 @@ RAW_POINTS = 200_000
 BINS = 2000
 
 
-@changed_files_said
+@explain_read_errors
 def plot_run(
     run: RunScan | str | os.PathLike[str],
     plan: ReducePlan,
@@ -57,7 +57,7 @@ def plot_run(
     on_read: OnRead | None = None,
     on_progress: OnProgress | None = None,
     on_warning: Callable[[str], None] | None = None,
-    spelled: Callable[[str], str] = in_python,
+    spelling: Callable[[str], str] = as_keyword,
     engine: Engine | str = Engine.LOCAL,
     ray_address: str | None = None,
     smooth: float = 0.0,
@@ -66,7 +66,7 @@ def plot_run(
     .png, .svg or .pdf) if given; return the matplotlib Figure. ``smooth`` in [0, 1):
     TensorBoard's smoothing weight (``ema``). ``on_progress`` follows the reduction's read;
     ``on_warning`` gets what the plot cannot show and the filters that matched nothing (a
-    ``MetricLogWarning`` by default), naming options as ``spelled`` does (``MetricLogError.said``).
+    ``MetricLogWarning`` by default), naming options as ``spelling`` does (``MetricLogError.text``).
     ``engine`` and ``ray_address`` say where the reductions run (``engine.execute``).
 
     >>> from metric_core import make_plan
@@ -106,7 +106,7 @@ def plot_run(
     else:
         result, decimated = reduced.frame, False
     for note in reduced.unmatched:
-        (on_warning or warn)(note.said(spelled))
+        (on_warning or warn)(note.text(spelling))
     keys = sorted(result["key"].unique().to_list())
     if len(keys) > MAX_KEYS:
         raise RequestError(

@@ -41,7 +41,7 @@ import numpy as np
 import polars as pl
 
 from metric_core.clock import duration
-from metric_core.errors import spell
+from metric_core.errors import spell_options
 from metric_core.life import END_KINDS, Life
 from metric_core.metric import LoggingMode
 from metric_core.offline import story
@@ -250,16 +250,16 @@ class RunTail:
                 if frame is not None:
                     frames.append(frame)
         for where, why in report.skipped_paths:
-            self._say(f"{rel(where, self.root)}: {why}")
+            self._notice(f"{rel(where, self.root)}: {why}")
         for rep in report.files:
             for reason, n in rep.skip_reasons.items():
                 self.skipped += n
-                self._say(f"{rel(rep.path, self.root)}: {n} record(s) skipped: {reason}")
+                self._notice(f"{rel(rep.path, self.root)}: {n} record(s) skipped: {reason}")
         if not frames:
             return _empty()
         return pl.concat(frames, how="vertical_relaxed")
 
-    def _say(self, text: str) -> None:
+    def _notice(self, text: str) -> None:
         if text not in self._said:
             self._said.add(text)
             self.notices.append(text)
@@ -272,7 +272,7 @@ class RunTail:
             return None
         skip = 0
         if isinstance(meta, Damaged):
-            self._say(f"{rel(path, self.root)}: {meta.reason} (the file is damaged): ignored")
+            self._notice(f"{rel(path, self.root)}: {meta.reason} (the file is damaged): ignored")
         if meta is not None and meta.supersedes is not None:  # damaged metadata's too, as scan_run
             journal = path.with_name(meta.supersedes)
             tailed = self.journals.pop(journal, None)
@@ -280,7 +280,7 @@ class RunTail:
             skip = tailed.taken if tailed is not None else 0
         frame, rep = read_sealed(path, report, meta if isinstance(meta, SegmentMeta) else None)
         if rep.unreadable:
-            self._say(f"{rel(path, self.root)}: not read: {rep.unreadable}")
+            self._notice(f"{rel(path, self.root)}: not read: {rep.unreadable}")
         if frame is None:
             frame = _empty()
         if skip and (rep.skipped or rep.unreadable):
@@ -288,7 +288,7 @@ class RunTail:
             # skipped, which of the rest are new cannot be told apart: none is taken twice.
             rest = max(frame.height - skip, 0)
             self.skipped += rest
-            self._say(
+            self._notice(
                 f"{rel(path, self.root)}: damaged after {skip:,} of its records were read from its "
                 f"journal: its {rest:,} other record(s) are not read"
             )
@@ -327,11 +327,11 @@ class RunTail:
         except FileNotFoundError:
             return None  # sealed meanwhile: the segment comes with the next poll
         except OSError as exc:
-            self._say(f"{rel(path, self.root)}: not read: {exc}")
+            self._notice(f"{rel(path, self.root)}: not read: {exc}")
             return None
         decoded = journal.decode(data, after=None if tail is None else tail.decoded)
         for problem in decoded.problems:
-            self._say(f"{rel(path, self.root)}: {problem}")
+            self._notice(f"{rel(path, self.root)}: {problem}")
         if decoded.process is None or decoded.rank is None:
             return None  # nothing whole yet
         if tail is None:
@@ -360,7 +360,7 @@ class RunTail:
         settled = decoded.table.num_rows if decoded.table is not None and final else decoded.settled_records
         if final and decoded.truncated:
             self.skipped += decoded.truncated_records
-            self._say(
+            self._notice(
                 f"{rel(path, self.root)}: {decoded.truncated_records} record(s) skipped: unfinished write at "
                 "the end (the writer was killed mid-write)"
             )
@@ -371,7 +371,7 @@ class RunTail:
         ok = frame.select(plausible(pl.col("timestamp"))).to_series()
         if not ok.all():
             self.skipped += int((~ok).sum())
-            self._say(f"{rel(path, self.root)}: {int((~ok).sum())} record(s) skipped: {BAD_TIME}")
+            self._notice(f"{rel(path, self.root)}: {int((~ok).sum())} record(s) skipped: {BAD_TIME}")
             frame = frame.filter(ok)
         tail.taken += frame.height  # as the sealed segment holds them: without the skipped
         frame = frame.select(COLUMNS).cast(POLARS_SCHEMA)  # type: ignore[arg-type]
@@ -416,18 +416,18 @@ class Follower:
         self.t0: float | None = None
         self.recorded = KeyReductions()
         self.mixed: dict[str, MixedKey] = {}  # keys met under a second reduction (its records skipped)
-        self._mixed_said: dict[str, dict[str, int]] = {}
+        self._mixed_noticed: dict[str, dict[str, int]] = {}
         self.mapping: dict[str, str] = {}
         self.match = key_matcher(plan.keys) if plan.keys else None
 
-    def mixed_said(self) -> list[str]:
+    def mixed_notices(self) -> list[str]:
         """What to say of the keys met under a second reduction since the last call (their
         records under it skipped), with options spelled as on the command line."""
         out = []
         for key, m in sorted(self.mixed.items()):
-            if m.skipped and self._mixed_said.get(key) != m.skipped:
-                self._mixed_said[key] = dict(m.skipped)
-                out.append(spell(m.said(), lambda name: f"--{name} "))
+            if m.skipped and self._mixed_noticed.get(key) != m.skipped:
+                self._mixed_noticed[key] = dict(m.skipped)
+                out.append(spell_options(m.text(), lambda name: f"--{name} "))
         return out
 
     def add(self, records: pl.DataFrame, sources: dict[Source, SourceState]) -> None:
@@ -506,7 +506,7 @@ class Follower:
         elif self.per_source:
             marks = pl.DataFrame(
                 [
-                    (p, r, math.inf if ending or s.finished or s.static else _or_never(s.done))
+                    (p, r, math.inf if ending or s.finished or s.static else _or_infinity(s.done))
                     for (p, r), s in sources.items()
                 ],
                 schema={"process": pl.String, "rank": pl.Int64, "_mark": pl.Float64},
@@ -515,7 +515,7 @@ class Follower:
             joined = self.pending.join(marks, on=["process", "rank"], how="left", maintain_order="left")
             done = joined["step"].cast(pl.Float64) <= joined["_mark"]
         else:
-            done = pl.col("step") <= self._mark(sources, ending, lambda s: _or_never(s.done))
+            done = pl.col("step") <= self._mark(sources, ending, lambda s: _or_infinity(s.done))
         complete = self.pending.filter(done)
         if not complete.height:
             return []
@@ -587,7 +587,7 @@ class Follower:
             self.mapping.update(safe_keys(new, taken=set(self.mapping.values())))
 
 
-def _or_never(step: int | None) -> float:
+def _or_infinity(step: int | None) -> float:
     return -math.inf if step is None else float(step)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from metric_core.credentials import has_credentials
-from metric_core.errors import ConfigError, MetricLogError, in_python
+from metric_core.errors import ConfigError, MetricLogError, as_keyword
 
 # upload_run's options as the command line spells them: flags, then options with a value.
 _FLAGS = {
@@ -69,33 +69,33 @@ def sidecar_command(run_dir: str | os.PathLike[str], options: dict[str, Any]) ->
     if "project" not in options:
         raise ConfigError("sidecar: give the W&B project, e.g. sidecar={'project': 'my-project'}")
     command = [sys.executable, "-m", "metriclog", "upload", str(run_dir), "--follow", "--wait"]
-    spelled: dict[str, list[str]] = {}
+    spelling: dict[str, list[str]] = {}
     for name, value in options.items():
         if name in _FLAGS:
             command += [_FLAGS[name]] if value else []
         elif name in _VALUES:
-            spelled[name] = _spelled(name, value)
-            for v in spelled[name]:
+            spelling[name] = _spelled(name, value)
+            for v in spelling[name]:
                 command += [_VALUES[name], v]
-    _check(spelled)
+    _check(spelling)
     return command
 
 
-def _check(spelled: dict[str, list[str]]) -> None:
+def _check(spelling: dict[str, list[str]]) -> None:
     """Bad values fail here, in the job, not in a child whose error only its log would hold."""
     from metric_core.offline.plan import make_plan, parse_duration  # no polars: see plan.py
 
-    one = {k: v[0] for k, v in spelled.items() if k in ("mode", "by", "every", "ranks", "steps")}
+    one = {k: v[0] for k, v in spelling.items() if k in ("mode", "by", "every", "ranks", "steps")}
     try:
-        make_plan(**one, reduce=spelled.get("reduce", ()), keys=spelled.get("keys", ()))
-        if "until_idle" in spelled:
-            parse_duration(spelled["until_idle"][0], option="until_idle")
-        if "interval" in spelled and not float(spelled["interval"][0]) >= 0.05:
-            raise ValueError(f"interval={spelled['interval'][0]} must be at least 0.05 (seconds)")
-        if "sources" in spelled and int(spelled["sources"][0]) < 1:
-            raise ValueError(f"sources={spelled['sources'][0]} must be at least 1")
+        make_plan(**one, reduce=spelling.get("reduce", ()), keys=spelling.get("keys", ()))
+        if "until_idle" in spelling:
+            parse_duration(spelling["until_idle"][0], option="until_idle")
+        if "interval" in spelling and not float(spelling["interval"][0]) >= 0.05:
+            raise ValueError(f"interval={spelling['interval'][0]} must be at least 0.05 (seconds)")
+        if "sources" in spelling and int(spelling["sources"][0]) < 1:
+            raise ValueError(f"sources={spelling['sources'][0]} must be at least 1")
     except MetricLogError as exc:
-        raise ConfigError(f"sidecar: {exc.said(in_python)}") from None
+        raise ConfigError(f"sidecar: {exc.text(as_keyword)}") from None
     except ValueError as exc:
         raise ConfigError(f"sidecar: {exc}") from None
 

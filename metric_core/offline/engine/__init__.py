@@ -59,7 +59,7 @@ from metric_core.offline.engine.reading import (
 from metric_core.offline.engine.reductions import KeyReductions, first_reductions
 from metric_core.offline.engine.shape import pivot_wide, source_by_source
 from metric_core.offline.plan import By, Engine, ReducePlan, counts_back, last_steps, make_plan
-from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, explain_read_errors, scan_run
 from metric_core.offline.read.report import MixedKey
 
 __all__ = [
@@ -189,7 +189,7 @@ def run_plan(
     return dataclasses.replace(result, stream=reported)
 
 
-@changed_files_said
+@explain_read_errors
 def execute(
     plan: ReducePlan,
     scan: RunScan,
@@ -238,7 +238,7 @@ def execute(
     else:
         states_of = functools.partial(on_threads, functools.partial(reduce_task, seen=seen))
 
-    @changed_files_said
+    @explain_read_errors
     def stream() -> Iterator[pl.DataFrame]:
         recorded = KeyReductions(first_reductions(plan, scan))  # each key's: decided, or in the frames so far
         for key, reduction in recorded.decided.items():

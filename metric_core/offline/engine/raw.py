@@ -22,7 +22,7 @@ from metric_core.offline.engine.reading import (
     reads_dictionaries,
 )
 from metric_core.offline.plan import By, ReducePlan, key_matcher
-from metric_core.offline.read import OnProgress, RunScan, changed_files_said
+from metric_core.offline.read import OnProgress, RunScan, explain_read_errors
 from metric_core.offline.timeorder import in_time_order
 
 # per_rank_no_reduce hands over a source's records in frames of at most this many: the
@@ -55,7 +55,7 @@ def raw_mode(
     def read(fid: int, groups: list[int] | None = None) -> pl.DataFrame:
         return key_matching(read_part(plan, scan, fid, dictionaries, kept, seen, groups), match)
 
-    @changed_files_said
+    @explain_read_errors
     def stream() -> Iterator[pl.DataFrame]:
         done = 0
         held = pl.concat([read(fid) for fid in mixed], how="vertical_relaxed") if mixed else None

@@ -51,7 +51,7 @@ from metric_core.offline.inspect.health import (
     stall_threshold,
 )
 from metric_core.offline.inspect.report import FirstToStop, InspectReport, NonFinite, SourceHealth, Straggler
-from metric_core.offline.read import OnProgress, OnRead, RunScan, changed_files_said, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, explain_read_errors, scan_run
 from metric_core.offline.samples import read_samples
 from metric_core.offline.storage import newest_listed
 
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 
-@changed_files_said
+@explain_read_errors
 def inspect_run(
     run: RunScan | str | os.PathLike[str],
     *,

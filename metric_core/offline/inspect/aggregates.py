@@ -71,9 +71,9 @@ def aggregate(
     """
     files = scan.report.files
     sources = {i: files[i].source or files[i].single_source for i in scan.file_ids}
-    vouched = {i for i, source in sources.items() if source is not None}
+    one_source = {i for i, source in sources.items() if source is not None}
     # the writer's files group on its key hashes (another tool's file of one source, on strings)
-    hashes = _key_hashes([files[i] for i in vouched if files[i].hashed])
+    hashes = _key_hashes([files[i] for i in one_source if files[i].hashed])
     sizes = {fid: files[fid].size for fid in scan.file_ids}
     per_source: dict[Source, list[tuple[int, pl.DataFrame]]] = {}
     by_key = []
@@ -85,8 +85,8 @@ def aggregate(
             steps, keys, counts = used[known] = cache[known]  # type: ignore[index]
             scan.counted_before(fid, *counts)  # as the call that read it counted them
         else:
-            by = [] if fid in vouched else ["process", "rank"]
-            names = hashes if fid in vouched and files[fid].hashed else None
+            by = [] if fid in one_source else ["process", "rank"]
+            names = hashes if fid in one_source and files[fid].hashed else None
             key = KEY_HASH if names is not None else "key"
             columns = [*by, "step", key, "value", "timestamp"]
             # another tool's file: checked as it is read, once; a checksummed segment: verified

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from metric_core.errors import in_python, spell
+from metric_core.errors import as_keyword, spell_options
 from metric_core.offline.inspect.verdict import verdict_lines
 from metric_core.offline.read.attempts import Attempt
 from metric_core.offline.story import Failure, Pause
@@ -117,9 +117,9 @@ class InspectReport:
         """Strict JSON: a number that is not finite (NaN, infinity) becomes null."""
         return _strict_json(self.to_dict())
 
-    def verdict(self, spelled: Callable[[str], str] = in_python) -> list[str]:
-        """The plain-words verdict that follows the table (options named as ``spelled`` says)."""
-        return [spell(line, spelled) for line in verdict_lines(self)]
+    def verdict(self, spelling: Callable[[str], str] = as_keyword) -> list[str]:
+        """The plain-words verdict that follows the table (options named as ``spelling`` says)."""
+        return [spell_options(line, spelling) for line in verdict_lines(self)]
 
 
 def _strict_json(report: dict[str, Any]) -> str:

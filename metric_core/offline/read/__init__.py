@@ -30,7 +30,7 @@ each sealed segment's metadata), one reader per format (``jsonl``, ``parquet``,
 said) and ``report`` (the health report).
 """
 
-from metric_core.offline.read.failures import all_skipped, changed_files_said
+from metric_core.offline.read.failures import all_skipped, explain_read_errors
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.scan import OnProgress, OnRead, RunScan, fetch_numpy_api, read_sealed, scan_run
 
@@ -42,7 +42,7 @@ __all__ = [
     "RunScan",
     "Shutdown",
     "all_skipped",
-    "changed_files_said",
+    "explain_read_errors",
     "fetch_numpy_api",
     "read_sealed",
     "scan_run",

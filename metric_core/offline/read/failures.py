@@ -47,7 +47,7 @@ def is_read_failure(exc: BaseException) -> bool:
     ).__module__.startswith("pyarrow")
 
 
-def changed_files_said(function: Callable[..., T]) -> Callable[..., T]:
+def explain_read_errors(function: Callable[..., T]) -> Callable[..., T]:
     """Turn a polars or pyarrow error of a read of a scanned run into ``RunChangedError``,
     and the failure of a store the read was from into ``StorageError``.
 

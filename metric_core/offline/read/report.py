@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from metric_core.errors import in_python, opt, spell
+from metric_core.errors import as_keyword, opt, spell_options
 from metric_core.life import Life
 from metric_core.offline.storage import RunPath, is_remote
 
@@ -108,7 +108,7 @@ class MixedKey:
     # read (another tool's files declare no keys, so a second reduction shows up late)
     first_record: bool = True
 
-    def said(self) -> str:
+    def text(self) -> str:
         others = ", ".join(f"{n:,} record(s) under '{r}'" for r, n in sorted(self.skipped.items()))
         by = f" (by {', '.join(sorted(self.sources))})" if self.sources else ""
         why = "that of its first record" if self.first_record else "the first one read"
@@ -182,12 +182,12 @@ class ReadReport:
         }
 
     def summary(
-        self, max_files: int = 8, max_lines: int = 3, spelled: Callable[[str], str] | None = in_python
+        self, max_files: int = 8, max_lines: int = 3, spelling: Callable[[str], str] | None = as_keyword
     ) -> str:
         """A short multi-line summary of every skip, for stderr; '' when nothing was skipped.
-        Options it names are spelled by ``spelled`` (None: left marked, ``errors.spell``)."""
+        Options it names are spelled by ``spelling`` (None: left marked, ``errors.spell_options``)."""
         text = self._summary(max_files, max_lines)
-        return text if spelled is None else spell(text, spelled)
+        return text if spelling is None else spell_options(text, spelling)
 
     def _summary(self, max_files: int, max_lines: int) -> str:
         bad = [f for f in self.files if f.skipped or f.unreadable or f.skip_reasons]
@@ -209,7 +209,7 @@ class ReadReport:
         if len(self.skipped_paths) > max_files:
             out.append(f"  ... and {len(self.skipped_paths) - max_files} more path(s) not read")
         out.extend(f"  {notice}" for notice in self.notices)
-        out.extend(f"  {m.said()}" for _, m in sorted(self.mixed.items()) if m.skipped)
+        out.extend(f"  {m.text()}" for _, m in sorted(self.mixed.items()) if m.skipped)
         for f in gaps:
             for d in f.dropped:
                 steps = d.get("steps") or ["?", "?"]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from metric_core.credentials import has_credentials
-from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell
+from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell_options
 from metric_core.offline.plan import By, Engine, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import RunPath, is_remote, missing_run, name_of, run_path
@@ -144,9 +144,9 @@ def upload_run(
     if mode in ("offline", "dryrun") and not to.offline:
         events.message(
             "note",
-            spell(
+            spell_options(
                 f"WANDB_MODE={mode} is set: writing offline runs, as {opt('offline', flag=True)} does",
-                events.spelled,
+                events.spelling,
             ),
         )
         to = dataclasses.replace(to, offline=True)
@@ -238,10 +238,10 @@ def upload_run(
             if tables is not None and tables.unattached():
                 events.message(
                     "note",
-                    spell(
+                    spell_options(
                         f"{tables.unattached()} step(s) of samples had no row to go with (no scalar at that "
                         f"step, or {opt('by')}time): not uploaded; `metriclog samples` lists them",
-                        events.spelled,
+                        events.spelling,
                     ),
                 )
             return UploadResult(planned, outcomes)
@@ -321,7 +321,7 @@ def _prepare(
 ) -> PlannedRuns:
     """Read and reduce the run, and map it to W&B runs (in the reading child, see overlap)."""
     from metric_core.offline.engine import run_plan
-    from metric_core.offline.read import changed_files_said
+    from metric_core.offline.read import explain_read_errors
 
     read: list[str] = []
     try:
@@ -330,12 +330,12 @@ def _prepare(
             plan,
             strict=strict,
             follow_symlinks=follow_symlinks,
-            on_read=lambda r: read.append(r.summary(spelled=None)),  # spelled by the caller
+            on_read=lambda r: read.append(r.summary(spelling=None)),  # spelled by the caller
             on_progress=on_progress,
             engine=engine,
             ray_address=ray_address,
         )
-        planned = changed_files_said(plan_runs)(result, **mapping)
+        planned = explain_read_errors(plan_runs)(result, **mapping)
     except MetricLogError as exc:
         exc.read_summary = "".join(read)  # said before the error, by the parent
         raise
@@ -348,14 +348,14 @@ def _received(work: Callable[[], PlannedRuns], events: UploadEvents) -> PlannedR
         return work()
     except MetricLogError as exc:
         if exc.read_summary:
-            events.message("warning", spell(exc.read_summary, events.spelled))
+            events.message("warning", spell_options(exc.read_summary, events.spelling))
         raise
 
 
 def _said(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
     """What the user should know before anything is sent: skips, renamed keys, W&B's limits."""
     if planned.read_summary:
-        events.message("warning", spell(planned.read_summary, events.spelled))
+        events.message("warning", spell_options(planned.read_summary, events.spelling))
     if planned.identity_from == "content":
         events.message(
             "note",
@@ -365,7 +365,7 @@ def _said(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
     for original, safe in planned.key_mapping.items():
         events.message("note", f"key '{original}' is uploaded as '{safe}' (W&B would reject or mangle it)")
     for warning in planned.warnings:
-        events.message("warning", spell(warning, events.spelled))
+        events.message("warning", spell_options(warning, events.spelling))
     for note in planned.unmatched:
-        events.message("warning", note.said(events.spelled))
+        events.message("warning", note.text(events.spelling))
     return planned

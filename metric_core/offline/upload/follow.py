@@ -230,7 +230,7 @@ class _Pass:
                 return REPLACED
             ending = state.all_finished or idle or over
             self._send(self.follower.ready(self.tail.sources, ending=ending))
-            for text in self.follower.mixed_said():
+            for text in self.follower.mixed_notices():
                 self.events.message("warning", text)
                 if self.strict:
                     raise StrictModeError(text)

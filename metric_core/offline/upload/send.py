@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metric_core.errors import MetricLogError, PlanError, UploadError, in_python, opt
+from metric_core.errors import MetricLogError, PlanError, UploadError, as_keyword, opt
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
 
@@ -67,8 +67,8 @@ class UploadEvents:
     """
 
     message: Callable[[str, str], None] = lambda kind, text: None
-    # How a message names an option (``MetricLogError.said``): as Python does, by default.
-    spelled: Callable[[str], str] = in_python
+    # How a message names an option (``MetricLogError.text``): as Python does, by default.
+    spelling: Callable[[str], str] = as_keyword
     progress: Callable[[PlannedRun, int], Callable[[int], None]] | None = None
 
 
@@ -318,7 +318,7 @@ class Sender:
                     raise error from None
             self.events.message(
                 "warning",
-                f"{error.said(self.events.spelled)}; trying again in {delay:.0f} s "
+                f"{error.text(self.events.spelling)}; trying again in {delay:.0f} s "
                 f"(for {(self.patience or 0) / 60:.0f} min in all)",
             )
             if self.after_timeout is not None:
