@@ -12,6 +12,7 @@ import typer
 
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By, Engine, ReducePlan, make_plan
+from metric_core.offline.results import RESULT_SUFFIXES
 
 RunDir = Annotated[
     str,
@@ -112,7 +113,6 @@ Steps = Annotated[
     ),
 ]
 Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
-OUT_SUFFIXES = (".parquet", ".csv", ".json", ".jsonl")
 
 
 def _suffixed(*suffixes: str, stdout: bool = False) -> Callable[[str | None], str | None]:
@@ -135,7 +135,7 @@ OutFile = Annotated[
     typer.Option(
         "--out",
         metavar="FILE",
-        callback=_suffixed(*OUT_SUFFIXES, stdout=True),
+        callback=_suffixed(*RESULT_SUFFIXES, stdout=True),
         help="Write to FILE.parquet, .csv, .json or .jsonl (folders are created; an s3://, gs:// or az:// "
         "URL is written whole at the end); - writes to stdout in --format (CSV by default).",
     ),

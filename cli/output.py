@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-import json
 import os
 import shutil
 import sys
@@ -53,12 +51,6 @@ def said_skips(report: ReadReport) -> None:
         say("warning", summary)
 
 
-def write_frame(df: pl.DataFrame, out: str | Path, *, derived: str, run_dir: str | None = None) -> None:
-    """Write by extension, marked as ``derived`` (see ``segment.DERIVED_KEY``: a reader does
-    not take it for data); JSONL keeps NaN and infinities as "NaN"/"Infinity" strings."""
-    write_frames(df, out, derived=derived, run_dir=run_dir)
-
-
 def write_frames(
     frames: pl.DataFrame | Iterator[pl.DataFrame],
     out: str | Path,
@@ -66,83 +58,18 @@ def write_frames(
     derived: str,
     run_dir: str | None = None,
 ) -> None:
-    """``write_frame`` for a frame, or a stream of frames of one schema written as they come
-    (two frames in memory at a time); nothing is created before the first frame is at hand.
-    ``out`` may be an object storage URL: the file is written locally and stored whole."""
-    from metric_core.offline.storage import run_path, written_at
-    from metric_core.segment import DERIVED_KEY, derived_marker
+    """A result written to ``out`` (``offline.results.write_result``), and said; a warning
+    first when ``out`` is inside the run directory ``run_dir``."""
+    from metric_core.offline.results import is_inside, write_result
 
-    target = run_path(out)
-    suffix = target.suffix.lower()  # .parquet, .csv or .jsonl: options.OutFile checked it
-    if run_dir is not None and _inside(target, run_path(run_dir)):
+    if run_dir is not None and is_inside(out, run_dir):
         say(
             "warning",
             f"--out {out} is inside the run directory {run_dir}: metriclog marks it as a result and "
             "does not read it as data, but other tools reading the directory may",
         )
-    stream = iter([frames]) if not isinstance(frames, Iterator) else frames
-    first = next(stream)
-    second = next(stream, None)  # a stream of one frame is written as a frame
-    rest = stream if second is None else itertools.chain([second], stream)
-    with written_at(target) as local:
-        local.parent.mkdir(parents=True, exist_ok=True)
-        # Written under a hidden name and renamed when whole: a failure half-way leaves nothing.
-        partial = local.with_name(f".{local.name}.partial")
-        try:
-            rows = _write(first, rest, second is None, partial, suffix, derived)
-            if suffix == ".jsonl":  # marked before it appears: no reader takes it for data
-                from metric_core.atomic import replace_file
-
-                replace_file(derived_marker(local), (json.dumps({DERIVED_KEY: derived}) + "\n").encode())
-            os.replace(partial, local)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+    rows = write_result(frames, out, derived=derived)
     say("info", f"wrote {rows} row(s) to {out}")
-
-
-def _inside(path: Any, root: Any) -> bool:
-    from metric_core.offline.storage import is_remote
-
-    if is_remote(path) or is_remote(root):
-        return str(path).startswith(str(root).rstrip("/") + "/")
-    return bool(path.resolve().is_relative_to(root.resolve()))
-
-
-def _write(
-    first: pl.DataFrame, rest: Iterator[pl.DataFrame], whole: bool, out: Path, suffix: str, derived: str
-) -> int:
-    from metric_core.segment import DERIVED_KEY
-
-    rows = 0
-    if whole and suffix == ".parquet":  # one frame: polars writes it, without pyarrow
-        first.write_parquet(out, metadata={DERIVED_KEY: derived})
-        return first.height
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        with pq.ParquetWriter(out, first.to_arrow().schema.with_metadata({DERIVED_KEY: derived})) as writer:
-            for frame in itertools.chain([first], rest):
-                writer.write_table(frame.to_arrow())
-                rows += frame.height
-        return rows
-    with open(out, "wb") as f:
-        if suffix == ".json":
-            f.write(b"[")
-        for frame in itertools.chain([first], rest):
-            if suffix == ".csv":
-                frame.write_csv(f, include_header=frame is first)
-            elif frame.height:
-                from metric_core.records import to_jsonl  # pyarrow: only for JSON
-
-                lines = to_jsonl(frame.to_arrow())
-                if suffix == ".json":
-                    lines = (b",\n" if rows else b"") + lines.rstrip(b"\n").replace(b"\n", b",\n")
-                f.write(lines)
-            rows += frame.height
-        if suffix == ".json":
-            f.write(b"]\n")
-    return rows
 
 
 def print_frames(frames: pl.DataFrame | Iterator[pl.DataFrame], *, max_rows: int = MAX_TABLE_ROWS) -> None:

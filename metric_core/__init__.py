@@ -65,6 +65,7 @@ _EXPORTS = {
     "upload_run": "metric_core.offline.upload",
     "read_samples": "metric_core.offline.samples",
     "list_keys": "metric_core.offline.keys",
+    "write_result": "metric_core.offline.results",
     "select_samples": "metric_core.offline.samples",
     "Follow": "metric_core.offline.upload",
 }
@@ -87,6 +88,7 @@ if TYPE_CHECKING:  # the same names, for type checkers
     from metric_core.offline.plan import By, Engine, ReducePlan, make_plan
     from metric_core.offline.plot import plot_run
     from metric_core.offline.read import ReadReport, RunScan, scan_run
+    from metric_core.offline.results import write_result
     from metric_core.offline.samples import read_samples, select_samples
     from metric_core.offline.upload import Follow, upload_run
     from metric_core.writer.api import aflush, flush, get_collector, init, record_metric, shutdown

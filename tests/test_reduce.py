@@ -468,3 +468,32 @@ def test_odd_key_patterns_match_as_fnmatch_does(tmp_path, pattern):
         assert sorted(pl.read_csv(out)["key"].to_list()) == expected
     else:
         assert result.exit_code == 1, result.output
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".csv", ".json"])
+def test_a_result_written_from_python_reads_back_and_is_never_read_as_data(tmp_path, suffix):
+    """``metric_core.write_result`` writes what the command line's --out writes: the rows,
+    marked as a result, so a later read of the run directory names it and leaves it out."""
+    import metric_core
+
+    write_collector_run(tmp_path, [("TrainActor_r0", 0), ("TrainActor_r1", 1)], steps=5)
+    before = reduce_run(tmp_path)
+    out = tmp_path / f"result{suffix}"
+    assert metric_core.write_result(before, out, derived="my script") == before.height
+    back = {
+        ".parquet": pl.read_parquet,
+        ".jsonl": pl.read_ndjson,
+        ".csv": pl.read_csv,
+        ".json": pl.read_json,
+    }[suffix](out)
+    assert back.select("step", "key", "count").rows() == before.select("step", "key", "count").rows()
+    assert back["value"].to_list() == before["value"].to_list()
+    scan = scan_run(tmp_path)
+    if suffix in (".parquet", ".jsonl"):  # the files a reader would take for data
+        assert f"result{suffix}: a result metriclog wrote (my script), not data" in "\n".join(
+            scan.report.notices
+        )
+    assert reduce_run(tmp_path).equals(before)
+    assert not list(tmp_path.glob(".*.partial"))
+    with pytest.raises(PlanError, match=r"out='.*x.txt' must name a file ending in \.parquet"):
+        metric_core.write_result(before, tmp_path / "x.txt", derived="my script")

@@ -3,6 +3,7 @@ a fake run object only for what a server does (resume, rows it already holds).""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -827,3 +828,30 @@ def test_a_follow_tries_an_unreachable_wandb_again_with_backoff_and_says_so(tmp_
     outages[0] = 1
     with pytest.raises(UploadError, match="could not reach W&B"):
         impatient.send(planned.runs[0])
+
+
+def test_the_upload_key_keeps_the_shape_earlier_uploads_were_recorded_under():
+    """Runs uploaded before are found again by a digest of the request and the plan's
+    shape: a field renamed or reshaped would upload every earlier run a second time."""
+    from metric_core.offline.upload.runs import request_key
+
+    plan = make_plan(
+        mode="per_rank_reduce", by="time", every="30s", reduce=["a*=p99"], ranks="0-3", steps="2:9"
+    )
+    request = {"entity": None, "project": "p", "name": None, "group": None}
+    recorded = {  # the shape every ledger since ids held the plan took its ids from
+        **request,
+        "mode": "per_rank_reduce",
+        "by": "time",
+        "every": 30.0,
+        "reduce": [["a*", "p99"]],
+        "keys": [],
+        "ranks": [[0, 3]],
+        "steps": [2, 9],
+        "attempts": "rewind",
+        "share_run": False,
+    }
+    assert (
+        request_key(plan, request, False)
+        == hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
+    )

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 from metric_core.errors import PlanError, opt
 from metric_core.metric import LoggingMode
@@ -108,6 +109,20 @@ class ReducePlan:
             )
         if self.by is By.STEP and self.every is not None:
             raise PlanError(EVERY_WITHOUT_TIME, option="every", value=self.every)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as plain JSON values: what the upload's ids are derived from (so its
+        shape never changes: earlier uploads are recognized by it) and W&B configs show."""
+        return {
+            "mode": self.mode.value,
+            "by": self.by.value,
+            "every": self.every,
+            "reduce": [[pattern, stat.name] for pattern, stat in self.overrides],
+            "keys": list(self.keys),
+            "ranks": [list(r) for r in self.ranks],
+            "steps": list(self.steps) if self.steps else None,
+            "attempts": self.attempts,
+        }
 
     @property
     def bucket(self) -> str:

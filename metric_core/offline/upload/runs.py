@@ -28,13 +28,13 @@ import numpy as np
 
 from metric_core.errors import PlanError, opt
 from metric_core.metric import LoggingMode
+from metric_core.offline.plan import ReducePlan
 from metric_core.offline.storage import name_of
 
 if TYPE_CHECKING:  # a plan is built with polars; it is read (and sent) without it
     import polars as pl
 
     from metric_core.offline.engine import ReduceResult
-    from metric_core.offline.plan import ReducePlan
 
 # W&B's published limits (docs: "Limits & performance").
 MAX_METRICS = 10_000
@@ -203,18 +203,8 @@ def run_identity(result: ReduceResult) -> str:
 def request_key(plan: ReducePlan, request: dict[str, Any], share_run: bool) -> str:
     """What makes two uploads of one run the same: the destination, the names given, and
     everything that shapes the data."""
-    shape = {
-        **request,  # entity, project, and the name and group the user gave (None: defaults)
-        "mode": plan.mode.value,
-        "by": plan.by,
-        "every": plan.every,
-        "reduce": [[pattern, stat.name] for pattern, stat in plan.overrides],
-        "keys": list(plan.keys),
-        "ranks": [list(r) for r in plan.ranks],
-        "steps": list(plan.steps) if plan.steps else None,
-        "attempts": plan.attempts,
-        "share_run": share_run,
-    }
+    # entity, project, and the name and group the user gave (None: defaults)
+    shape = {**request, **plan.as_dict(), "share_run": share_run}
     return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()
 
 
@@ -278,23 +268,8 @@ def plan_runs(
             raise
     else:
         runs, mapping = _shared_run(result.frame, identity, key, name, group, bucket, mode)
-    default_shape = (
-        plan.by,
-        plan.every,
-        plan.overrides,
-        plan.keys,
-        plan.ranks,
-        plan.steps,
-        plan.attempts,
-    ) == (
-        "step",
-        None,
-        (),
-        (),
-        (),
-        None,
-        "rewind",
-    )
+    # runs uploaded before ids held the plan's shape (early 0.1 ledgers) are found under those ids
+    default_shape = plan.as_dict() == ReducePlan(mode=mode).as_dict()
     for run in runs:
         if default_shape:  # what earlier versions uploaded is recognized, not sent twice
             legacy = f"{identity}|{mode.value}|{run.source or '*'}"
@@ -461,17 +436,9 @@ def limit_warnings(runs: list[PlannedRun]) -> list[str]:
 def run_config(meta: dict[str, Any], plan: ReducePlan, **facts: Any) -> dict[str, Any]:
     """A W&B run's config: run.json's, plus what metriclog computed (``facts``: more of it)."""
     config = dict(meta.get("config") or {})
-    config["metriclog"] = {
-        "mode": plan.mode.value,
-        "by": plan.by,
-        "every": plan.every,
-        "reduce": {pattern: stat.name for pattern, stat in plan.overrides},
-        "keys": list(plan.keys),
-        "ranks": [list(r) for r in plan.ranks],
-        "steps": list(plan.steps) if plan.steps else None,
-        "attempts": plan.attempts,
-        **facts,
-    }
+    shape = plan.as_dict()
+    shape["reduce"] = dict(shape["reduce"])  # a W&B config shows a mapping of pattern to statistic
+    config["metriclog"] = {**shape, **facts}
     return config
 
 
