@@ -331,7 +331,9 @@ _ACCUMULATORS: dict[Reduce, type[MetricAccumulator]] = {
 
 
 def reduce_metrics_states(states: Iterable[dict[str, dict[str, Any]]]) -> list[Metric]:
-    """Merge per-rank accumulator states ({key: state}) into one reduced Metric per key.
+    """Merge per-rank accumulator states ({key: state}) into one reduced Metric per key:
+    torchforge's states and ours alike. Raises ``ValueError`` for a key whose states name
+    different reductions.
 
     This is what a live GLOBAL_REDUCE controller does with the states each rank
     returns from ``MetricCollector.flush(step, return_state=True)``.

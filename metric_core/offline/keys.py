@@ -22,7 +22,9 @@ def list_keys(
     on_read: OnRead | None = None,
 ) -> pl.DataFrame:
     """A row a key: ``key``, ``reductions``, ``records``, ``sources``, ``first_step``,
-    ``last_step``, ``first_time``, ``last_time`` (epoch seconds), ``nonfinite``.
+    ``last_step``, ``first_time``, ``last_time`` (epoch seconds), ``nonfinite``, as a
+    polars DataFrame sorted by key. Reads every record once (the counts of non-finite
+    values need them). Raises ``NoDataError`` for a run without a readable record.
 
     >>> list_keys("sample_logs/rl_run").select("key", "reductions", "records", "sources").row(0)
     ('policy/latency_s', 'mean', 3840, 2)

@@ -68,6 +68,8 @@ def plot_run(
     ``on_warning`` gets what the plot cannot show and the filters that matched nothing (a
     ``MetricLogWarning`` by default), naming options as ``spelling`` does (``MetricLogError.text``).
     ``engine`` and ``ray_address`` say where the reductions run (``engine.execute``).
+    Raises ``PlanError`` for a ``smooth`` outside [0, 1) or an ``out`` of another suffix,
+    ``NoDataError`` when no record is left to draw, and what ``run_plan`` raises.
 
     >>> from metric_core import make_plan
     >>> fig = plot_run("sample_logs/rl_run", make_plan(keys=["trainer/loss"]))

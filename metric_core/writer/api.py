@@ -137,6 +137,9 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
 
     ``value`` may be a Python number, a bool, a numpy scalar or a 0-d tensor; with
     ``Reduce.SAMPLE``, a dict of fields kept whole (``MetricCollector.record_sample``).
+    Returns nothing: the value is written by the collector's thread. Raises
+    ``NotInitializedError`` before ``init``, and ``ValueError`` or ``TypeError`` for a
+    value that is no number (or a sample that is no dict, or too large), naming the key.
 
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), process_name="trainer")
@@ -180,21 +183,31 @@ def _bind(collector: MetricCollector | None) -> None:
 
 
 def flush(step: int | None = None, *, return_state: bool = False) -> Any:
-    """End step ``step`` of this process's collector (see ``MetricCollector.flush``)."""
+    """End step ``step`` of this process's collector (see ``MetricCollector.flush``).
+
+    Returns the step's accumulator states ({key: state}) with ``return_state``, for
+    ``reduce_metrics_states``; else None. Once it returns, every record up to the step is
+    durable. Raises ``NotInitializedError`` before ``init``; ``ValueError`` for a step
+    below the previous flush's; ``WriteError`` (``DiskFullError``, ``RunDirGoneError``)
+    when the records could not be made durable and ``init(on_flush_error="raise")``, the
+    default (they stay in memory for the next flush).
+    """
     if _active is None:
         raise NotInitializedError("flush()")
     return _active.flush(step, return_state=return_state)
 
 
 async def aflush(step: int | None = None, *, return_state: bool = False) -> Any:
-    """``flush`` without blocking the running event loop."""
+    """``flush`` without blocking the running event loop: the same result and errors."""
     if _active is None:
         raise NotInitializedError("aflush()")
     return await _active.aflush(step, return_state=return_state)
 
 
 def shutdown() -> None:
-    """Flush, close backends and mark this source as cleanly finished."""
+    """Flush, close backends and mark this source as cleanly finished; wait for the
+    sidecar ``init(sidecar=...)`` started (a warning, not an error, if it failed or is
+    still uploading). Does nothing before ``init``. Raises what ``flush`` raises."""
     global _sidecar
     if _active is not None:
         _active.shutdown()
@@ -215,7 +228,7 @@ def shutdown() -> None:
 
 
 def get_collector() -> MetricCollector:
-    """The collector started by ``init``."""
+    """The collector started by ``init``; ``NotInitializedError`` before it."""
     if _active is None:
         raise NotInitializedError("get_collector()")
     return _active

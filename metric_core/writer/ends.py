@@ -81,7 +81,9 @@ def describe(exc: BaseException) -> dict[str, str | None]:
 
 
 def record_exception(exc: BaseException) -> None:
-    """Record ``exc`` as how this process's attempt ends (for a framework that catches it).
+    """Record ``exc`` as how this process's attempt ends (for a framework that catches it):
+    ``inspect`` and ``watch`` then tell its type, message and where it was raised. Returns
+    nothing; does nothing before ``init``.
 
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), process_name="worker")

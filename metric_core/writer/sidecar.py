@@ -117,7 +117,9 @@ def start_sidecar(run_dir: str | os.PathLike[str], **options: Any) -> subprocess
     ``RUN_DIR/.metriclog/sidecar.log``. ``options`` are ``upload_run``'s (project, mode,
     offline, keys, ...) and ``until_idle``, ``sources``, ``interval``. ``until_idle``
     defaults to 10 minutes: a job killed before its ranks shut down does not leave the
-    sidecar waiting for ever (Ctrl-C reaches it with the job: it hands W&B what it has)."""
+    sidecar waiting for ever (Ctrl-C reaches it with the job: it hands W&B what it has).
+    Returns the child process. Raises ``ConfigError`` for an option ``upload`` does not
+    take, or for an online upload without W&B credentials here (before the job runs)."""
     command = sidecar_command(run_dir, {"until_idle": "10m", **options})
     offline = options.get("offline") or os.environ.get("WANDB_MODE") in ("offline", "dryrun", "disabled")
     if not offline and not has_credentials():  # it would stop at once, and the job learn it at its end

@@ -1,9 +1,9 @@
 """The three logging modes, computed offline from a run's raw records.
 
 A ``ReducePlan`` (``metric_core.offline.plan``) says what to compute and knows nothing about
-how. ``execute`` cuts the run's files into tasks (``tasks``: files, or their row groups,
-in the order of the first step or window each may hold; fixed by the files, not by the
-machine), reads each once on a pool of threads as partitions of about PARTITION_ROWS
+how. ``execute`` cuts the run's files into tasks (``reading.tasks``: files, or row groups,
+in the order of the first step or window each may hold; fixed by the files' contents,
+not by their names or the machine), reads each once on a pool of threads as partitions of about PARTITION_ROWS
 records, reduces each to partial states (``metric_core.offline.partials``) and folds
 those in that fixed order, so the output is the same bits whatever the thread count.
 Memory grows with the number of output groups (and with the values of median/pNN keys),
@@ -116,7 +116,10 @@ def reduce_run(
     """Reduce a run directory in one of the three logging modes; a polars DataFrame.
 
     ``options`` are those of ``make_plan``: mode, by, every, reduce, keys, ranks, steps;
-    ``engine`` is ``"local"`` or ``"ray"`` (the same bits, see ``execute``).
+    ``engine`` is ``"local"`` or ``"ray"`` (the same bits, see ``execute``). Returns the
+    whole result (``run_plan`` streams it). Raises ``PlanError`` for an option it does not
+    take or cannot parse, ``NoDataError`` when no record is left, and what ``run_plan``
+    raises.
 
     >>> df = reduce_run("sample_logs/rl_run", keys=["trainer/loss"], steps="0:2")
     >>> df.columns
@@ -151,7 +154,10 @@ def run_plan(
     ``on_progress`` the progress of the read. Raises ``StrictModeError`` when ``strict``
     and the reader skipped anything, before reading the records; with ``strict``, a filter
     or ``reduce`` pattern that matched no record (``result.unmatched``, a warning
-    otherwise) raises ``UnmatchedError`` as the stream ends.
+    otherwise) raises ``UnmatchedError`` as the stream ends. Raises ``NoDataError`` for a
+    run without a readable record (or none the filters keep), and, as the stream is read,
+    ``RunChangedError`` when a file changes under it or ``StorageError`` when the store
+    fails.
 
     >>> result = run_plan("sample_logs/rl_run", make_plan(mode="per_rank_reduce", keys=["policy/reward"]))
     >>> result.frame.select("process", "step", "count").head(2).rows()
@@ -202,10 +208,10 @@ def execute(
 
     A reducing mode runs as partial states (``metric_core.offline.partials``): the run's
     files (or their Parquet row groups) are cut into tasks in the order of their first
-    step (``tasks``), each task's states are computed on a pool of threads and folded in
+    step (``reading.tasks``), each task's states are computed on a pool of threads and folded in
     that fixed order, and the groups no task still to come can touch are handed over as
-    a frame and dropped. So the output is the same bits whatever the thread count or the
-    order the files were listed in, and memory holds the groups of the steps in flight.
+    a frame and dropped. So the output is the same bits whatever the thread count, the
+    order the files were listed in or their names, and memory holds the groups of the steps in flight.
     The result is a stream, read when it is iterated.
 
     ``engine="ray"`` computes the tasks' states as Ray tasks (``engine.ray_pool``, on

@@ -1,6 +1,6 @@
 """``--engine ray``: the engine's tasks computed as Ray tasks, folded here in task order.
 
-Each Ray task runs the local engine's own code (``engine.TaskWork``) on one task's
+Each Ray task runs the local engine's own code (``reading.TaskWork``) on one task's
 partitions (files, or Parquet row groups: the plan and the files fix them, never the
 cluster) and returns their partial states; this process folds them in the tasks' fixed
 order, so the output is bit-identical to ``--engine local``. At most twice the

@@ -90,9 +90,12 @@ def inspect_run(
     stall are judged against; ``pause_after`` is the silence that makes a pause (default:
     max(10 s, 10 step times) per source), ``stall_after`` the silence that makes a live
     source stalled (default: max(10 s, 10 step times, twice its longest pause)). ``cache``
-    (a dict kept between
-    calls, as ``watch_run`` does) keeps each file's aggregates while the file is unchanged,
-    so a call reads only the files written since the last.
+    (a dict kept between calls, as ``watch_run`` does) keeps each file's aggregates while
+    the file is unchanged, so a call reads only the files written since the last.
+
+    Returns an ``InspectReport`` (``to_json()`` gives docs/commands.md's object). Raises
+    ``NoDataError`` for a run without a readable record, ``RunChangedError`` when a file
+    changes while it is read.
 
     >>> report = inspect_run("sample_logs/rl_run")
     >>> report.first_to_stop.process, report.first_to_stop.last_step

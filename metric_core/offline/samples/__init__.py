@@ -75,6 +75,8 @@ def select_samples(
 ) -> tuple[pl.DataFrame, SampleSet]:
     """``read_samples`` then ``choose``, as a table (``samples_frame``); ``ranks`` and
     ``steps`` may be given as the command line spells them (``0,2-5``, ``100:200``).
+    Returns the chosen samples as a polars DataFrame (a column a field) and the
+    ``SampleSet`` read. Raises ``PlanError`` for a filter or choice it cannot parse.
 
     >>> frame, read = select_samples("sample_logs/rl_run", top=2, by="reward")
     >>> frame.columns, read.notes

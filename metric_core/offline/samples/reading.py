@@ -72,6 +72,10 @@ def read_samples(
     the run's attempts as its records were read (``RunScan.report.attempts``), which may start
     later than any sample (a restart that records none): read from the run when not given.
 
+    Returns a ``SampleSet``: ``samples`` and ``notes`` (what was left out, and why: a
+    damaged block, a sample that is no dict). Raises ``PlanError`` for an ``attempts``
+    that is neither rewind nor all, ``NoDataError`` when ``run`` is no directory.
+
     >>> len(read_samples("sample_logs/rl_run").samples)
     0
     """
