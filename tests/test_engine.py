@@ -1120,3 +1120,61 @@ def test_renamed_files_give_every_mode_the_same_bits(tmp_path, writer):
                 assert b[column].to_numpy().tobytes() == a[column].to_numpy().tobytes(), column
             else:
                 assert b[column].equals(a[column]), column
+
+
+def test_another_tools_bad_rows_are_counted_once_when_a_mixed_key_is_looked_up_mid_read(
+    tmp_path, monkeypatch
+):
+    """A key under two reductions in another tool's file sends the engine back to the file
+    for its first record while the file's row groups are being read and checked: its bad
+    rows are counted once, as the truth has them."""
+    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)  # row groups, read in parts
+    n = 400
+    steps = np.arange(n) // 4
+    times = BASE_TIME + np.arange(n, dtype=float)
+    bad = {5, 150, 390}  # rows without a timestamp, in both row groups
+    write_foreign(
+        tmp_path / "other.parquet",
+        {
+            "key": ["x"] * n,
+            "value": np.arange(n, dtype=float),
+            "reduction": ["mean" if i % 2 else "max" for i in range(n)],
+            "step": steps,
+            "timestamp": pa.array([None if i in bad else t for i, t in enumerate(times)], pa.float64()),
+            "rank": [0] * n,
+        },
+        row_group_size=200,
+    )
+    result = run_plan(tmp_path, make_plan(), on_read=None)
+    frame = result.frame
+    (rep,) = result.scan.report.files
+    assert sum(rep.skip_reasons.values()) == rep.skipped == len(bad) and rep.records == n - len(bad)
+    mixed = result.scan.report.mixed["x"]
+    assert frame["count"].sum() + mixed.skipped["mean"] == n - len(bad)  # max kept, mean's counted
+
+
+def test_the_fold_order_is_the_same_whether_or_not_the_files_were_checked_first(tmp_path):
+    """What decides the files' order is fixed when they are listed: a whole-run check first
+    (``--strict``, ``--by time`` without declared times), which drops another tool's bad
+    rows from its counts, changes no bit."""
+    rng = np.random.default_rng(5)
+    for name, n, bad in (("a", 100, {3, 40, 41, 77, 99}), ("b", 97, set())):
+        steps = np.arange(n) % 10
+        write_foreign(
+            tmp_path / f"{name}.parquet",
+            {
+                "key": ["x"] * n,
+                "value": rng.lognormal(0.0, 8.0, n),
+                "reduction": ["mean"] * n,
+                "step": steps,
+                "timestamp": pa.array([None if i in bad else BASE_TIME + i for i in range(n)], pa.float64()),
+                "rank": [0] * n,
+            },
+        )
+    plan = make_plan()
+    as_listed = engine.execute(plan, scan_run(tmp_path, defer_checks=True)).frame
+    checked = scan_run(tmp_path, defer_checks=True)
+    assert checked.full_report.skipped_records == 5
+    after_check = engine.execute(plan, checked).frame
+    assert as_listed["value"].to_numpy().tobytes() == after_check["value"].to_numpy().tobytes()
+    assert as_listed["count"].to_list() == after_check["count"].to_list()

@@ -497,3 +497,29 @@ def test_a_result_written_from_python_reads_back_and_is_never_read_as_data(tmp_p
     assert not list(tmp_path.glob(".*.partial"))
     with pytest.raises(PlanError, match=r"out='.*x.txt' must name a file ending in \.parquet"):
         metric_core.write_result(before, tmp_path / "x.txt", derived="my script")
+    halves = [before.head(3), before.tail(before.height - 3)]  # frames of one schema, as a list
+    assert (
+        metric_core.write_result(halves, tmp_path.parent / f"halves{suffix}", derived="my script")
+        == before.height
+    )
+    with pytest.raises(ValueError, match="no frame to write"):
+        metric_core.write_result([], tmp_path.parent / f"none{suffix}", derived="my script")
+    assert not (tmp_path.parent / f"none{suffix}").exists()
+
+
+@pytest.mark.parametrize("ranks", [None, "0", "7"])
+def test_counting_steps_back_takes_the_last_step_of_the_sources_kept_from_every_kind_of_file(tmp_path, ranks):
+    """The writer's files say their last step; another tool's file is read for it: ``-2:``
+    is the last two steps of the sources the ranks keep, whichever file holds them."""
+    truth = write_collector_run(tmp_path, [("TrainActor_r0", 0)], steps=6)
+    other = [  # rank 7 goes on to step 9, in a file no writer declared
+        {"key": "loss", "value": float(s), "reduction": "mean", "step": s, "timestamp": 1.7e9 + s, "rank": 7}
+        for s in range(10)
+    ]
+    pl.DataFrame(other).write_parquet(tmp_path / "other.parquet")
+    every = [(r["rank"], r["step"]) for r in truth] + [(7, s) for s in range(10)]
+    kept = [step for rank, step in every if ranks is None or rank == int(ranks)]
+    last = max(kept)
+    df = reduce_run(tmp_path, mode="per_rank_no_reduce", steps="-2:", **({"ranks": ranks} if ranks else {}))
+    assert sorted(set(df["step"].to_list())) == [last - 1, last]
+    assert df.height == sum(1 for step in kept if step >= last - 1)

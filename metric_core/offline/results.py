@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,18 +26,21 @@ RESULT_SUFFIXES = (".parquet", ".csv", ".json", ".jsonl")
 
 
 def write_result(
-    frames: pl.DataFrame | Iterator[pl.DataFrame], out: str | os.PathLike[str], *, derived: str
+    frames: pl.DataFrame | Iterable[pl.DataFrame], out: str | os.PathLike[str], *, derived: str
 ) -> int:
-    """Write ``frames`` (a frame, or a stream of frames of one schema written as they come:
-    two frames in memory at a time) to ``out`` by its suffix (``RESULT_SUFFIXES``), marked
+    """Write ``frames`` (a frame, or frames of one schema: a list, or a stream written as
+    they come, two frames in memory at a time) to ``out`` by its suffix (``RESULT_SUFFIXES``), marked
     as a result of ``derived`` (the command or call that made it, e.g. ``"reduce"``); the
     number of rows written.
 
     ``out`` may be an object storage URL: the file is written locally and stored whole.
     It appears whole or not at all (written under a hidden name, then renamed); JSON and
     JSON lines keep NaN and the infinities as docs/format.md spells them. Raises
-    ``PlanError`` for another suffix, ``OSError`` when it cannot be written.
+    ``PlanError`` for another suffix, ``ValueError`` for no frame at all, ``OSError`` when
+    it cannot be written.
     """
+    import polars as pl
+
     from metric_core.offline.storage import run_path, written_at
 
     target = run_path(out)
@@ -46,8 +49,10 @@ def write_result(
         raise PlanError(
             f"must name a file ending in {', '.join(RESULT_SUFFIXES)}", option="out", value=str(out)
         )
-    stream = iter([frames]) if not isinstance(frames, Iterator) else frames
-    first = next(stream)
+    stream = iter([frames]) if isinstance(frames, pl.DataFrame) else iter(frames)
+    first = next(stream, None)
+    if first is None:
+        raise ValueError(f"write_result({out!s}): no frame to write (a result has at least its columns)")
     second = next(stream, None)  # a stream of one frame is written as a frame
     rest = stream if second is None else itertools.chain([second], stream)
     with written_at(target) as local:

@@ -48,7 +48,7 @@ from metric_core.offline import story
 from metric_core.offline.engine import KeyReductions, key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
 from metric_core.offline.plan import By, ReducePlan, key_matcher
-from metric_core.offline.read import ReadReport, read_sealed
+from metric_core.offline.read import ReadReport, fetch_numpy_api, read_sealed
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.report import MixedKey, rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
@@ -225,7 +225,8 @@ class RunTail:
         self.meta: dict[str, Any] = {}
         self.skipped = 0
         self.active = False  # the last poll found something written (settled or not)
-        self._said: set[str] = set()
+        self._noticed: set[str] = set()
+        fetch_numpy_api()  # before a stop can land in polars' first hand-over to numpy
 
     def source(self, process: str, rank: int) -> SourceState:
         return self.sources.setdefault((process, rank), SourceState(process, rank))
@@ -260,8 +261,8 @@ class RunTail:
         return pl.concat(frames, how="vertical_relaxed")
 
     def _notice(self, text: str) -> None:
-        if text not in self._said:
-            self._said.add(text)
+        if text not in self._noticed:
+            self._noticed.add(text)
             self.notices.append(text)
 
     def _sealed(self, path: Path, report: ReadReport) -> pl.DataFrame | None:

@@ -69,38 +69,38 @@ def sidecar_command(run_dir: str | os.PathLike[str], options: dict[str, Any]) ->
     if "project" not in options:
         raise ConfigError("sidecar: give the W&B project, e.g. sidecar={'project': 'my-project'}")
     command = [sys.executable, "-m", "metriclog", "upload", str(run_dir), "--follow", "--wait"]
-    spelling: dict[str, list[str]] = {}
+    as_arguments: dict[str, list[str]] = {}
     for name, value in options.items():
         if name in _FLAGS:
             command += [_FLAGS[name]] if value else []
         elif name in _VALUES:
-            spelling[name] = _spelled(name, value)
-            for v in spelling[name]:
+            as_arguments[name] = _as_arguments(name, value)
+            for v in as_arguments[name]:
                 command += [_VALUES[name], v]
-    _check(spelling)
+    _check(as_arguments)
     return command
 
 
-def _check(spelling: dict[str, list[str]]) -> None:
+def _check(as_arguments: dict[str, list[str]]) -> None:
     """Bad values fail here, in the job, not in a child whose error only its log would hold."""
     from metric_core.offline.plan import make_plan, parse_duration  # no polars: see plan.py
 
-    one = {k: v[0] for k, v in spelling.items() if k in ("mode", "by", "every", "ranks", "steps")}
+    one = {k: v[0] for k, v in as_arguments.items() if k in ("mode", "by", "every", "ranks", "steps")}
     try:
-        make_plan(**one, reduce=spelling.get("reduce", ()), keys=spelling.get("keys", ()))
-        if "until_idle" in spelling:
-            parse_duration(spelling["until_idle"][0], option="until_idle")
-        if "interval" in spelling and not float(spelling["interval"][0]) >= 0.05:
-            raise ValueError(f"interval={spelling['interval'][0]} must be at least 0.05 (seconds)")
-        if "sources" in spelling and int(spelling["sources"][0]) < 1:
-            raise ValueError(f"sources={spelling['sources'][0]} must be at least 1")
+        make_plan(**one, reduce=as_arguments.get("reduce", ()), keys=as_arguments.get("keys", ()))
+        if "until_idle" in as_arguments:
+            parse_duration(as_arguments["until_idle"][0], option="until_idle")
+        if "interval" in as_arguments and not float(as_arguments["interval"][0]) >= 0.05:
+            raise ValueError(f"interval={as_arguments['interval'][0]} must be at least 0.05 (seconds)")
+        if "sources" in as_arguments and int(as_arguments["sources"][0]) < 1:
+            raise ValueError(f"sources={as_arguments['sources'][0]} must be at least 1")
     except MetricLogError as exc:
         raise ConfigError(f"sidecar: {exc.text(as_keyword)}") from None
     except ValueError as exc:
         raise ConfigError(f"sidecar: {exc}") from None
 
 
-def _spelled(name: str, value: Any) -> list[str]:
+def _as_arguments(name: str, value: Any) -> list[str]:
     """An option's value(s) as the command line takes them, from ``upload_run``'s types."""
     if name == "reduce" and isinstance(value, dict):
         return [f"{k}={getattr(v, 'value', v)}" for k, v in value.items()]

@@ -284,8 +284,24 @@ def execute(
 
 
 def _last_step(plan: ReducePlan, scan: RunScan) -> int:
-    """The highest step of the sources ``plan`` keeps (its ranks), -1 for none."""
-    ranks_only = dataclasses.replace(plan, steps=None)
-    found = plan_filtered(ranks_only, scan.frame, ["rank", "step"]).select(pl.col("step").max()).collect()
-    last = found.item()
-    return -1 if last is None else int(last)
+    """The highest step of the sources ``plan`` keeps (its ranks), -1 for none: declared by
+    the writer's files, found by one query over the others (no file is read for it twice)."""
+    last, rest = -1, []
+    for fid in scan.file_ids:
+        rep = scan.report.files[fid]
+        if (
+            scan.trusted(fid)
+            and rep.source is not None
+            and rep.steps is not None
+            and rep.replaced_from is None
+        ):
+            if not plan.ranks or any(lo <= rep.source[1] <= hi for lo, hi in plan.ranks):
+                last = max(last, rep.steps[1])
+        else:
+            rest.append(scan.file_frame(fid))
+    if rest:
+        ranks_only = dataclasses.replace(plan, steps=None)
+        lf = plan_filtered(ranks_only, pl.concat(rest, how="vertical"), ["rank", "step"])
+        found = lf.select(pl.col("step").max()).collect().item()
+        last = last if found is None else max(last, int(found))
+    return last

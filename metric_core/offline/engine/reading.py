@@ -21,7 +21,7 @@ from metric_core.offline import filters, partials
 from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import RunScan, all_skipped
 from metric_core.offline.read.parquet import kept_first_time, row_group_lows
-from metric_core.offline.storage import RunPath, open_read
+from metric_core.offline.storage import RunPath, open_read, raise_store_failure
 from metric_core.offline.timeorder import Part
 from metric_core.schema import default_process_name
 
@@ -100,9 +100,10 @@ def tasks(
 
 def data_order(scan: RunScan, fids: Sequence[int]) -> list[int]:
     """``fids`` in an order their contents fix, whatever the files are named or wherever
-    they were copied: by source, attempt, first step and time, records and bytes; files
-    alike in all of these by a digest of their bytes (read only for them). Sums are folded
-    in this order, so a renamed run gives the same bits."""
+    they were copied: by source, attempt, first step and time, and bytes (as listed, so
+    whatever was checked of them since); files alike in all of these by a digest of their
+    bytes (read only for them). Sums are folded in this order, so a renamed run gives the
+    same bits."""
 
     def described(fid: int) -> tuple[Any, ...]:
         rep = scan.report.files[fid]
@@ -114,9 +115,8 @@ def data_order(scan: RunScan, fids: Sequence[int]) -> list[int]:
             rep.attempt or "",
             _known(rep.steps),
             _known(rep.timestamps),
-            rep.records,
             rep.format,
-            rep.size,
+            rep.listed[0] if rep.listed is not None else rep.size,
         )
 
     keys = {fid: described(fid) for fid in fids}
@@ -144,8 +144,11 @@ def _first_source(path: RunPath) -> tuple[str, int] | None:
         if not isinstance(rank, int) or isinstance(rank, bool):
             return None
         return str(first.get("process") or default_process_name(rank)), rank
-    except (OSError, ValueError, KeyError, TypeError):  # its reading says what is wrong
-        return None
+    except Exception as exc:
+        raise_store_failure(path, exc)  # a store's failure fails the command, as any read of it
+        if isinstance(exc, (OSError, ValueError, KeyError, TypeError)):
+            return None  # gone, or not JSON: its reading says what is wrong
+        raise
 
 
 def _digest(path: RunPath) -> str:
@@ -154,8 +157,11 @@ def _digest(path: RunPath) -> str:
         with open_read(path) as f:
             while chunk := f.read(1 << 20):
                 digest.update(chunk)
-    except OSError:  # gone or unreadable: its reading says so; here it only goes last
-        return "~"
+    except Exception as exc:
+        raise_store_failure(path, exc)  # a store's failure fails the command, as any read of it
+        if isinstance(exc, OSError):
+            return "~"  # gone or unreadable: its reading says so; here it only goes last
+        raise
     return digest.hexdigest()
 
 

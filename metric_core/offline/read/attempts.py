@@ -121,11 +121,11 @@ def resolve(
                 a.records += report.files[fid].records
             report.attempts.append(a)
             if a.replaced and a.replaced_steps is not None:
-                report.notices.append(_said(a))
+                report.notices.append(_described(a))
     return out
 
 
-def _said(a: Attempt) -> str:
+def _described(a: Attempt) -> str:
     lo, hi = a.replaced_steps or (None, None)
     why = (
         f"replaced by attempt {a.replaced_by}, which restarted at step {a.restarted_at}"

@@ -55,7 +55,7 @@ def explain_read_errors(function: Callable[..., T]) -> Callable[..., T]:
     changed (or vanished) since: a live run being sealed, or a copy in progress.
     """
 
-    def said(exc: BaseException) -> BaseException:
+    def explained(exc: BaseException) -> BaseException:
         if is_store_failure(exc):  # polars' or pyarrow's cloud reader, mid-query
             return StorageError(f"reading from object storage failed: {explain_store_failure(exc)}")
         if isinstance(exc, OSError):
@@ -74,7 +74,7 @@ def explain_read_errors(function: Callable[..., T]) -> Callable[..., T]:
             except (Exception, PanicException) as exc:
                 if not is_read_failure(exc):
                     raise
-                raise said(exc) from None
+                raise explained(exc) from None
 
         return stream  # type: ignore[return-value]
 
@@ -85,6 +85,6 @@ def explain_read_errors(function: Callable[..., T]) -> Callable[..., T]:
         except (Exception, PanicException) as exc:
             if not is_read_failure(exc):
                 raise
-            raise said(exc) from None
+            raise explained(exc) from None
 
     return wrapper

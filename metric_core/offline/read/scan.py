@@ -93,7 +93,6 @@ class RunScan:
     """
 
     run_dir: RunPath
-    _frame: pl.LazyFrame
     report: ReadReport
     meta: dict[str, Any]
     _parts: dict[int, pl.LazyFrame] = field(default_factory=dict)  # file_id -> that file's frame
@@ -123,14 +122,15 @@ class RunScan:
         """The whole run as one frame, every file checked first (another tool's files, not
         read yet, are read once more for it: a reader of one file at a time reads less)."""
         self._check_all()
-        return self._frame
+        return pl.concat(list(self._parts.values()), how="vertical")
 
     def file_frame(self, fid: int) -> pl.LazyFrame:
-        """One file's frame, its rows checked and its pages verified first."""
+        """One file's frame, its pages verified first. Another tool's rows that fail their
+        check are left out here, and counted in the report by the read that checks the whole
+        file (``batches``, ``frame``): a file read in parts is never counted twice."""
         self._verify([fid])
-        if fid in self._pending:
-            self._check([fid])
-        return self._parts[fid] if fid not in self._counted else self._parts[fid].filter(RECORD_OK)
+        part = self._parts[fid]
+        return part.filter(RECORD_OK) if fid in self._pending else part
 
     def trusted(self, fid: int) -> bool:
         """The file's rows need no check (the writer's): what its metadata declares of them
@@ -183,7 +183,7 @@ class RunScan:
         rows: int | None = None,
     ) -> Iterator[pl.DataFrame]:
         """One file's ``columns`` (or those of its ``row_groups``), read once and checked
-        (``checked``), a restart's rewind applied, strings as polars Categorical. With
+        (``_checked``), a restart's rewind applied, strings as polars Categorical. With
         ``dictionaries``, Parquet is read by pyarrow in frames of at most ``rows`` records
         (None: one frame), its strings kept as dictionary codes, never decoded
         (``categorical_batches``); another file is one frame. A file not checked yet is
@@ -268,7 +268,6 @@ class RunScan:
             if self._pending.pop(fid, False) is not False:
                 self._counted.add(fid)
                 self._parts[fid] = self._parts[fid].filter(RECORD_OK)
-                self._frame = pl.concat(list(self._parts.values()), how="vertical")
 
     def _check_all(self) -> None:
         """Check every unchecked file now (for a query over ``frame`` rather than per file),
@@ -278,20 +277,20 @@ class RunScan:
         self._check(list(self._pending))
 
     def _check(self, fids: list[int]) -> None:
-        """Check the unchecked files among ``fids`` in one query (their counts in the report)."""
-        todo = [fid for fid in fids if fid in self._pending]
-        if not todo:
-            return
-        frames = [self._parts[fid] for fid in todo]
-        run_parquet_checks(
-            frames, [(i, self.report.files[fid], self._pending[fid]) for i, fid in enumerate(todo)]
-        )
+        """Check the unchecked files among ``fids`` in one query (their counts in the report).
+        Under the lock: a file counted meanwhile by a read of it is not counted again."""
         with self._counting:
+            todo = [fid for fid in fids if fid in self._pending]
+            if not todo:
+                return
+            frames = [self._parts[fid] for fid in todo]
+            run_parquet_checks(
+                frames, [(i, self.report.files[fid], self._pending[fid]) for i, fid in enumerate(todo)]
+            )
             for fid, frame in zip(todo, frames, strict=True):
                 self._parts[fid] = frame
                 self._counted.add(fid)
                 del self._pending[fid]
-            self._frame = pl.concat(list(self._parts.values()), how="vertical")
 
     def _verify(self, fids: list[int]) -> None:
         """Verify the checksummed segments among ``fids`` not verified yet, so that a query
@@ -302,8 +301,8 @@ class RunScan:
             if good is not frame:  # a row group was damaged: the others, as ``resolve`` left them
                 if rep.replaced_from is not None:
                     good = good.filter(pl.col("step") < rep.replaced_from)
-                self._parts[fid] = _framed(good, rep, fid)
-                self._frame = pl.concat(list(self._parts.values()), how="vertical")
+                with self._counting:
+                    self._parts[fid] = _framed(good, rep, fid)
 
     @property
     def name(self) -> str:
@@ -317,8 +316,8 @@ class RunScan:
             rep = self.report.files[fid]
             if rep.source is not None and rep.timestamps is not None:
                 first[rep.source] = min(first.get(rep.source, math.inf), rep.timestamps[0])
-            else:
-                rest.append(self.file_frame(fid))
+            else:  # as listed: unchecked (the upload ids made of these must not change)
+                rest.append(self._parts[fid])
         if rest:
             found = pl.concat(rest).group_by("process", "rank").agg(pl.col("timestamp").min())
             for process, rank, ts in found.collect(engine="streaming").iter_rows():
@@ -433,7 +432,6 @@ def scan_run(
         raise all_skipped(report)
     return RunScan(
         run_dir=root,
-        _frame=pl.concat(frames, how="vertical"),
         report=report,
         meta=meta,
         _parts=dict(zip(file_ids, frames, strict=True)),
@@ -452,7 +450,7 @@ def _restarted(report: ReadReport, fids: list[int]) -> set[tuple[str, int]]:
 
 
 def _framed(frame: pl.LazyFrame, rep: FileReport, fid: int) -> pl.LazyFrame:
-    """A file's frame as ``RunScan.parts`` holds it: with ``key_hash`` and ``file_id``."""
+    """A file's frame as a ``RunScan`` holds it: with ``key_hash`` and ``file_id``."""
     if not rep.hashed:
         frame = frame.with_columns(pl.lit(None, pl.Int64).alias(KEY_HASH))
     return frame.with_columns(file_id=pl.lit(fid, pl.Int32))

@@ -209,7 +209,7 @@ def upload_run(
     if dry_run:
         planned = _received(prepare, events)
         try:
-            _said(planned, events)
+            _report_planned(planned, events)
             ledger = Ledger.existing(root, planned.identity)
             entries = [find_entry(ledger, r, to) for r in planned.runs]
             would = [decide(r, e, to.offline, force_new) for r, e in zip(planned.runs, entries, strict=True)]
@@ -224,7 +224,7 @@ def upload_run(
 
     planned = _received(pending, events)
     try:
-        _said(planned, events)
+        _report_planned(planned, events)
         ledger = Ledger.for_run_dir(root, planned.identity)
         if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
             to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
@@ -270,7 +270,7 @@ def _to_tensorboard(
     request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
     planned = _received(functools.partial(_prepare, root, plan, request=request, **read), events)
     try:
-        _said(planned, events)
+        _report_planned(planned, events)
         if dry_run:
             return UploadResult(planned, tensorboard.would_be(planned, to, force_new), dry_run=True)
         return UploadResult(planned, tensorboard.write_runs(planned, to, force_new=force_new, events=events))
@@ -352,7 +352,7 @@ def _received(work: Callable[[], PlannedRuns], events: UploadEvents) -> PlannedR
         raise
 
 
-def _said(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
+def _report_planned(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
     """What the user should know before anything is sent: skips, renamed keys, W&B's limits."""
     if planned.read_summary:
         events.message("warning", spell_options(planned.read_summary, events.spelling))

@@ -278,17 +278,17 @@ def plan_runs(
         held = [a for a in result.scan.report.attempts if a.records and run.source in (None, a.process)]
         run.attempts = sorted(a.attempt for a in held)
         run.first_steps = {a.attempt: a.first_step for a in held if a.first_step is not None}
-    upload = PlannedRuns(
+    planned = PlannedRuns(
         runs=runs,
         identity=identity,
         spill_dir=spill_dir,
         key_mapping={k: v for k, v in mapping.items() if k != v},
         identity_from="run.json" if result.scan.meta.get("run_id") else "content",
     )
-    upload.warnings = limit_warnings(runs)
-    upload.unmatched = result.unmatched
-    upload.config = _provenance(result)
-    return upload
+    planned.warnings = limit_warnings(runs)
+    planned.unmatched = result.unmatched
+    planned.config = _provenance(result)
+    return planned
 
 
 def _shared_run(

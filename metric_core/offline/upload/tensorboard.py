@@ -54,7 +54,7 @@ class TensorBoard:
         return {"tensorboard": str(Path(self.logdir).resolve()), "name": name, "group": group}
 
 
-def would_be(upload: PlannedRuns, to: TensorBoard, force_new: bool) -> list[RunOutcome]:
+def would_be(planned: PlannedRuns, to: TensorBoard, force_new: bool) -> list[RunOutcome]:
     """A dry run: what each run would be (written, or skipped as written already)."""
     ledger = _ledger(Path(to.logdir))
     return [
@@ -64,12 +64,12 @@ def would_be(upload: PlannedRuns, to: TensorBoard, force_new: bool) -> list[RunO
             run.run_id,
             0,
         )
-        for run in upload.runs
+        for run in planned.runs
     ]
 
 
 def write_runs(
-    upload: PlannedRuns, to: TensorBoard, *, force_new: bool = False, events: UploadEvents | None = None
+    planned: PlannedRuns, to: TensorBoard, *, force_new: bool = False, events: UploadEvents | None = None
 ) -> list[RunOutcome]:
     """Write every planned run not written yet as an event file under ``to.logdir``."""
     events = events or UploadEvents()
@@ -84,8 +84,8 @@ def write_runs(
     logdir = Path(to.logdir)
     logdir.mkdir(parents=True, exist_ok=True)
     ledger = _ledger(logdir)
-    ours = {run.run_id for run in upload.runs}
-    for run in upload.runs:
+    ours = {run.run_id for run in planned.runs}
+    for run in planned.runs:
         other = next((e for i, e in ledger.items() if e.get("name") == run.name and i not in ours), None)
         if other is not None:  # another mode or filter, written under the same folder name
             events.message(
@@ -95,7 +95,7 @@ def write_runs(
             )
     logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a NaN is a value here
     outcomes = []
-    for run in upload.runs:
+    for run in planned.runs:
         if _done(ledger, run, logdir) and not force_new:
             outcomes.append(
                 RunOutcome(
