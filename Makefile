@@ -18,8 +18,11 @@ demo: $(STAMP)
 	$(BIN)/metriclog reduce sample_logs/rl_run --mode per_rank_reduce --key "policy/*" --reduce "policy/latency_s=p99" --steps 178:182
 	$(BIN)/metriclog inspect sample_logs/rl_run
 
+# The whole suite, on every core (pytest-xdist): each worker process has its own temporary
+# directory, W&B directories and servers' ports (tests/conftest.py, tests/s3_server.py).
+# `pytest` alone runs it in one process.
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist worksteal
 
 # The edit loop, under a minute: the record, writer, reader, reductions, samples, the
 # torchforge drop-in and the command line, without the slow cases (real jobs of several

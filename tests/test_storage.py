@@ -21,7 +21,7 @@ from metric_core.errors import MissingDependencyError, RequestError
 from metric_core.offline.storage import run_path
 
 from .conftest import write_collector_run
-from .s3_server import KEYS, free_port, s3_server
+from .s3_server import KEYS, nothing_listens, s3_server
 from .wandb_file import find_run_file, history_rows, read_records
 
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server] (the dev extra)")
@@ -234,7 +234,7 @@ def test_what_the_store_refuses_is_one_error_line(s3, fault):
         elif fault == "unknown key":  # a server that checks keys, and knows none
             env["AWS_ENDPOINT_URL"] = stack.enter_context(s3_server(INITIAL_NO_AUTH_ACTION_COUNT="0"))
         else:
-            env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+            env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{stack.enter_context(nothing_listens())}"
         full = {k: v for k, v in {**os.environ, **env}.items() if k not in unset}
         done = subprocess.run(
             [METRICLOG, "inspect", url], capture_output=True, text=True, timeout=300, env=full
