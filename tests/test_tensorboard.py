@@ -63,21 +63,23 @@ def test_a_second_upload_writes_nothing_and_an_interrupted_one_completes(run, tm
     assert [p.stat().st_mtime_ns for p in files] == stamps  # nothing written again
     # An upload stopped half-way: a partial file left, and its run not in the ledger.
     from metric_core.offline.upload import tensorboard
+    from metric_core.offline.upload.plan import PlannedRun
 
     other = tmp_path / "tb2"
     calls = {"n": 0}
-    real = tensorboard._write
+    history = PlannedRun.history
 
-    def dies_on_the_second_run(*args):
+    def dies_on_the_second_run(self, *args):  # the second run's rows: stopped as they are read
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(*args)
+        return history(self, *args)
 
-    monkeypatch.setattr(tensorboard, "_write", dies_on_the_second_run)
+    monkeypatch.setattr(PlannedRun, "history", dies_on_the_second_run)
     with pytest.raises(KeyboardInterrupt):
         upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(other))
-    monkeypatch.setattr(tensorboard, "_write", real)
+    monkeypatch.setattr(PlannedRun, "history", history)
+    assert list(other.rglob(".metriclog-partial-*")), "the second run's file was left half-written"
     assert len(json.loads((other / tensorboard.LEDGER).read_text())["runs"]) == 1
     done = upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(other))
     assert sorted(o.action for o in done.outcomes) == ["skipped", "wrote to TensorBoard"]
