@@ -350,8 +350,9 @@ def test_a_rank_restarted_from_a_checkpoint_mid_follow_is_read_as_a_rewind(tmp_p
     ranks = writers(run, steps=60, ranks=2, pause=0.05)
     sidecar = follow(run)
     written = run.parent / "truth-1-0.jsonl"
-    while not written.exists() or len(written.read_text().splitlines()) < 25 * 12:  # 25 steps written
-        time.sleep(0.02)
+    wait_for(
+        lambda: written.exists() and len(written.read_text().splitlines()) >= 25 * 12, "25 steps written"
+    )
     ranks[1].send_signal(signal.SIGKILL)  # killed; its job restarts it from the checkpoint of step 15
     ranks[1].wait()
     wait_for(lambda: rows_sent(run) > 26, "the other rank's steps to go without the dead one")
@@ -370,7 +371,9 @@ def test_a_rank_that_starts_late_is_waited_for_as_run_json_says(tmp_path):
     run = tmp_path / "run"
     sidecar = follow(run)
     early = writers(run, steps=40, ranks=[0], world=2)
-    time.sleep(1.5)  # rank 1 loads its model for a while
+    written = run.parent / "truth-0-0.jsonl"  # 12 lines a step
+    # rank 1 loads its model for a while: it starts once rank 0 has written ten steps
+    wait_for(lambda: written.exists() and len(written.read_text().splitlines()) >= 10 * 12, "rank 0's steps")
     late = writers(run, steps=40, ranks=[1], world=2)
     finish([*early, *late])
     ended_as_recorded(sidecar, run, ranks=2)
