@@ -20,14 +20,6 @@ KEYS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS
 RUNNING_ON = re.compile(r"Running on http://127\.0\.0\.1:(\d+)")
 
 
-def free_port() -> int:
-    """A port free a moment ago: for a server that cannot be given port 0 (another process
-    may take it meanwhile: a caller that starts a server on it tries again if so)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def nothing_listens() -> Iterator[int]:
     """A port bound (and so no other process's to listen on) where nothing listens: a
