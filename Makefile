@@ -26,7 +26,8 @@ test: $(STAMP)
 
 # The edit loop, under a minute: the record, writer, reader, reductions, samples, the
 # torchforge drop-in and the command line, without the slow cases (real jobs of several
-# processes, object storage, Ray, kills, follows). `make test` runs everything.
+# processes, the installed command run many times, object storage, Ray, kills, follows).
+# `make test` runs everything.
 FAST := tests/test_metric.py tests/test_writer.py tests/test_reader.py tests/test_reduce.py \
 	tests/test_cli.py tests/test_samples.py tests/test_torchforge.py tests/torchforge \
 	tests/test_layout.py tests/test_plot.py tests/test_tensorboard.py tests/test_story.py

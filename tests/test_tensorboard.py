@@ -106,6 +106,7 @@ def test_float32_rounding_is_counted_and_said(tmp_path):
     assert "2 value(s) changed when rounded to float32" in outcome.message
 
 
+@pytest.mark.slow  # the installed command, in five processes
 def test_the_command_writes_tensorboard_and_says_what_it_needs(run, tmp_path):
     import subprocess
     import sys
