@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,9 @@ import metric_core
 from metric_core import Reduce, record_metric
 c = json.loads(sys.argv[1])
 run, rank = c["run"], c["rank"]
+open(f"{c['go']}.{rank}", "w").close()  # imported; the ranks started together init together
+while not os.path.exists(c["go"]):
+    time.sleep(0.01)
 metric_core.init(
     run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"], flush_interval=0.02,
     sidecar=c.get("sidecar") if rank == 0 else None, step=c.get("start"),
@@ -68,11 +72,15 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
-    stalled a writer that long (twice in full runs of the suite)."""
+    stalled a writer that long (twice in full runs of the suite). The ranks started
+    together begin once every one of them has imported metric_core (as a job's ranks
+    rendezvous): on a loaded machine one took seconds longer to start, and the sidecar
+    counted the sources without it. This returns when they have begun."""
     run.mkdir(exist_ok=True)
     which = range(ranks) if isinstance(ranks, int) else ranks
     world = more.get("world", ranks if isinstance(ranks, int) else len(ranks))
-    config = {"run": str(run), "steps": steps, "pause": pause, "world": world}
+    go = run.parent / f"go-{uuid.uuid4().hex}"
+    config = {"run": str(run), "steps": steps, "pause": pause, "world": world, "go": str(go)}
     config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
     pause_at = more.get("pause_at")
 
@@ -80,7 +88,7 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
         at = pause_at.get(r) if isinstance(pause_at, dict) else pause_at
         return {"hang": more.get("hang", {}).get(r), "die": more.get("die", {}).get(r), "pause_at": at}
 
-    return [
+    children = [
         subprocess.Popen(
             [
                 sys.executable,
@@ -92,6 +100,13 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
         )
         for r in which
     ]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.{r}").exists() for r in which):
+        assert all(c.poll() is None for c in children), "a writer failed to start"
+        assert time.monotonic() < deadline, "the writers did not start"
+        time.sleep(0.02)
+    go.touch()
+    return children
 
 
 def command(run: Path, *args: str) -> list[str]:
