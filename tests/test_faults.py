@@ -419,7 +419,9 @@ def test_a_read_while_journals_are_being_sealed_misses_no_flushed_record(tmp_pat
     run_dir, progress = tmp_path / "run", tmp_path / "progress"
     proc = subprocess.Popen([sys.executable, "-c", SEALING_CHILD, str(run_dir), str(progress)])
     try:
-        while not progress.exists():
+        deadline = time.monotonic() + 120
+        while not progress.exists():  # its first step flushed
+            assert proc.poll() is None and time.monotonic() < deadline, "the writer did not start"
             time.sleep(0.01)
         for _ in range(60):
             flushed = int(progress.read_text())
