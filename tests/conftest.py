@@ -17,15 +17,6 @@ import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
 
-# The suite's own temporary directory, for this process and every one it starts ($TMPDIR):
-# what another metriclog on the machine leaves in the shared one is not the suite's. Each
-# pytest process makes its own, beside the others in the machine's temporary directory:
-# under pytest-xdist each worker (and the pytest that tests/test_ray.py starts) has one, so
-# the check below sees only what its own tests left, whatever the others are doing. Not
-# nested: Ray's socket paths live below it, and a Unix socket's path is at most 107 bytes.
-_MACHINE_TMP = os.environ.setdefault("MLS_MACHINE_TMPDIR", tempfile.gettempdir())
-SUITE_TMP = Path(tempfile.mkdtemp(prefix="mls-", dir=_MACHINE_TMP))
-os.environ["TMPDIR"] = tempfile.tempdir = str(SUITE_TMP)
 # pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment, where
 # the pytest that started them had neither: the command line's tables would be cut to 80
 # columns there. A worker's terminal is its controller's.
@@ -37,16 +28,35 @@ for _name, _value in json.loads(os.environ["MLS_CONTROLLER_TERMINAL"]).items():
         os.environ.pop(_name, None)
     else:
         os.environ[_name] = _value
-# W&B's cache, data and settings directories (its service's logs, staged tables): this
-# process's too, never the user's.
-for _name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
-    os.environ[_name] = str(SUITE_TMP / _name.lower())
+
+SUITE_TMP: Path | None = None  # this pytest process's own, from pytest_configure on
+
+
+def pytest_configure(config):
+    """The suite's own temporary directory, for this process and every one it starts
+    ($TMPDIR): what another metriclog on the machine leaves in the shared one is not the
+    suite's. Each pytest process makes its own, beside the others in the machine's
+    temporary directory: under pytest-xdist each worker (and the pytest that
+    tests/test_ray.py starts) has one, so the check below sees only what its own tests
+    left, whatever the others are doing. Not nested: Ray's socket paths live below it, and
+    a Unix socket's path is at most 107 bytes. Made here, not on import: a process that
+    imports a test module and is no pytest (a Ray worker) makes none it would never remove.
+
+    W&B's cache, data and settings directories (its service's logs, staged tables) are
+    this process's too, never the user's."""
+    global SUITE_TMP
+    machine = os.environ.setdefault("MLS_MACHINE_TMPDIR", tempfile.gettempdir())
+    SUITE_TMP = Path(tempfile.mkdtemp(prefix="mls-", dir=machine))
+    os.environ["TMPDIR"] = tempfile.tempdir = str(SUITE_TMP)
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        os.environ[name] = str(SUITE_TMP / name.lower())
 
 
 def pytest_unconfigure(config):
     """This process's temporary directory goes when it ends (xdist's controller's holds the
     workers' pytest tmp_path directories)."""
-    shutil.rmtree(SUITE_TMP, ignore_errors=True)
+    if SUITE_TMP is not None:
+        shutil.rmtree(SUITE_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -54,6 +64,7 @@ def no_temporary_directory_is_left_behind():
     """Every temporary directory metriclog makes ($TMPDIR/metriclog-*) is gone when the
     tests of this process end."""
     yield
+    assert SUITE_TMP is not None
     left = sorted(str(p) for p in SUITE_TMP.glob("metriclog-*"))
     assert not left, f"temporary directories left behind: {left}"
 
