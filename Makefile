@@ -18,12 +18,16 @@ demo: $(STAMP)
 	$(BIN)/metriclog reduce sample_logs/rl_run --mode per_rank_reduce --key "policy/*" --reduce "policy/latency_s=p99" --steps 178:182
 	$(BIN)/metriclog inspect sample_logs/rl_run
 
+# The whole suite, on every core (pytest-xdist): each worker process has its own temporary
+# directory, W&B directories and servers' ports (tests/conftest.py, tests/s3_server.py).
+# `pytest` alone runs it in one process.
 test: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist worksteal
 
 # The edit loop, under a minute: the record, writer, reader, reductions, samples, the
 # torchforge drop-in and the command line, without the slow cases (real jobs of several
-# processes, object storage, Ray, kills, follows). `make test` runs everything.
+# processes, the installed command run many times, object storage, Ray, kills, follows).
+# `make test` runs everything.
 FAST := tests/test_metric.py tests/test_writer.py tests/test_reader.py tests/test_reduce.py \
 	tests/test_cli.py tests/test_samples.py tests/test_torchforge.py tests/torchforge \
 	tests/test_layout.py tests/test_plot.py tests/test_tensorboard.py tests/test_story.py

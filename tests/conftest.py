@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -16,20 +17,56 @@ import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
 
-# The suite's own temporary directory, for this process and every one it starts ($TMPDIR):
-# what another metriclog on the machine leaves in the shared one is not the suite's.
-SUITE_TMP = Path(tempfile.mkdtemp(prefix="mls-"))  # short: Ray's socket paths live below it
-os.environ["TMPDIR"] = tempfile.tempdir = str(SUITE_TMP)
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment, where
+# the pytest that started them had neither: the command line's tables would be cut to 80
+# columns there. A worker's terminal is its controller's.
+os.environ.setdefault(
+    "MLS_CONTROLLER_TERMINAL", json.dumps({k: os.environ.get(k) for k in ("COLUMNS", "LINES")})
+)
+for _name, _value in json.loads(os.environ["MLS_CONTROLLER_TERMINAL"]).items():
+    if _value is None:
+        os.environ.pop(_name, None)
+    else:
+        os.environ[_name] = _value
+
+SUITE_TMP: Path | None = None  # this pytest process's own, from pytest_configure on
+
+
+def pytest_configure(config):
+    """The suite's own temporary directory, for this process and every one it starts
+    ($TMPDIR): what another metriclog on the machine leaves in the shared one is not the
+    suite's. Each pytest process makes its own, beside the others in the machine's
+    temporary directory: under pytest-xdist each worker (and the pytest that
+    tests/test_ray.py starts) has one, so the check below sees only what its own tests
+    left, whatever the others are doing. Not nested: Ray's socket paths live below it, and
+    a Unix socket's path is at most 107 bytes. Made here, not on import: a process that
+    imports a test module and is no pytest (a Ray worker) makes none it would never remove.
+
+    W&B's cache, data and settings directories (its service's logs, staged tables) are
+    this process's too, never the user's."""
+    global SUITE_TMP
+    machine = os.environ.setdefault("MLS_MACHINE_TMPDIR", tempfile.gettempdir())
+    SUITE_TMP = Path(tempfile.mkdtemp(prefix="mls-", dir=machine))
+    os.environ["TMPDIR"] = tempfile.tempdir = str(SUITE_TMP)
+    for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):
+        os.environ[name] = str(SUITE_TMP / name.lower())
+
+
+def pytest_unconfigure(config):
+    """This process's temporary directory goes when it ends (xdist's controller's holds the
+    workers' pytest tmp_path directories)."""
+    if SUITE_TMP is not None:
+        shutil.rmtree(SUITE_TMP, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_temporary_directory_is_left_behind():
     """Every temporary directory metriclog makes ($TMPDIR/metriclog-*) is gone when the
-    suite ends."""
+    tests of this process end."""
     yield
+    assert SUITE_TMP is not None
     left = sorted(str(p) for p in SUITE_TMP.glob("metriclog-*"))
     assert not left, f"temporary directories left behind: {left}"
-    shutil.rmtree(SUITE_TMP, ignore_errors=True)
 
 
 BASE_TIME = 1_760_000_000.0
@@ -191,3 +228,10 @@ def on_a_terminal(command: list[str]) -> tuple[int, str, bytes]:
     os.close(screen)
     stdout = child.communicate(timeout=300)[0]
     return child.returncode, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace")), stdout
+
+
+def pytest_collection_modifyitems(config, items):
+    """The Ray cases (a pytest of their own, over a minute alone and several minutes on a
+    loaded machine) go first: under pytest-xdist they start at once on one worker while
+    the others share the rest, instead of last, alone, making the suite that much longer."""
+    items.sort(key=lambda item: item.nodeid != "tests/test_ray.py::test_the_ray_engine_cases_pass")

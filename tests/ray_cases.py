@@ -7,11 +7,13 @@ it runs in)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +23,6 @@ import pytest
 from metric_core import reduce_run
 from metric_core.errors import MissingDependencyError
 from tests.conftest import write_collector_run
-from tests.s3_server import free_port
 
 ray = pytest.importorskip("ray")
 
@@ -141,33 +142,47 @@ def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path):
     write_collector_run(run, [("TrainActor_r0", 0)], steps=5)
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs unshare -m (a mount namespace) to hide a folder from the cluster")
-    port = free_port()
     ray_cmd = Path(sys.executable).with_name("ray")
-    head = subprocess.Popen(
+    head = subprocess.Popen(  # on a port of its own choosing (--port 0), which it says
         [
             "unshare",
             "-m",
             "sh",
             "-c",
-            f"mount -t tmpfs none '{hidden}' && exec '{ray_cmd}' start --head --block --port {port} "
+            f"mount -t tmpfs none '{hidden}' && exec '{ray_cmd}' start --head --block --port 0 "
             "--num-cpus 2 --include-dashboard false --disable-usage-stats",
         ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
         env={**os.environ, "RAY_AUTH_MODE": "disabled"},  # whatever token ~/.ray holds
     )
+    said: list[str] = []
+
+    def read() -> None:
+        for line in head.stdout or ():
+            said.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    port = None
     try:
-        env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "disabled"}
         deadline = time.monotonic() + 120
+        while port is None:  # until it says its address: "ray start --address='<ip>:<port>'"
+            found = re.search(r"--address='[^']*:(\d+)'", "".join(said))
+            port = int(found.group(1)) if found else None
+            assert head.poll() is None or port is not None, "".join(said)
+            assert time.monotonic() < deadline, "the Ray head did not start"
+            time.sleep(0.1)
+        env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "disabled"}
         while True:  # until its GCS takes connections
             with socket.socket() as probe:
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
                     break
-            assert head.poll() is None, head.stderr.read() if head.stderr else ""
+            assert head.poll() is None, "".join(said)
             assert time.monotonic() < deadline, "the Ray head did not start"
-            time.sleep(0.5)
+            time.sleep(0.1)
         metriclog = str(Path(sys.executable).with_name("metriclog"))
         done = subprocess.run(
             [metriclog, "reduce", str(run), "--engine", "ray"],
@@ -179,6 +194,7 @@ def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path):
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
+        reader.join(timeout=60)
         # `ray start` leaves its address for later `ray.init()` calls on this machine to join
         current = Path(tempfile.gettempdir()) / "ray" / "ray_current_cluster"
         if current.is_file() and current.read_text().strip().endswith(f":{port}"):

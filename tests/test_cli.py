@@ -561,6 +561,7 @@ def piped(*args: object) -> tuple[bytes, str]:
     return done.stdout, done.stderr.decode()
 
 
+@pytest.mark.slow  # the installed command, in eleven processes
 def test_every_format_and_out_dash_give_the_rows_of_the_csv_file_and_stdout_holds_data_only(run, tmp_path):
     import io
 
@@ -623,6 +624,7 @@ def test_inspect_gives_its_sources_table_as_data(run):
     )
 
 
+@pytest.mark.slow  # the installed command, in four processes
 def test_negative_steps_count_back_from_the_last_step_of_the_sources_kept(run):
     import io
 
@@ -638,6 +640,7 @@ def test_negative_steps_count_back_from_the_last_step_of_the_sources_kept(run):
     assert set(pl.read_csv(io.BytesIO(out))["step"]) == {max(r["step"] for r in rank1)}
 
 
+@pytest.mark.slow  # the installed command, once for each of the README's commands
 def test_the_readmes_first_commands_run_as_written_against_the_installed_package():
     import re
     import shlex
@@ -657,6 +660,7 @@ def test_the_readmes_first_commands_run_as_written_against_the_installed_package
     assert sorted(p.relative_to(SAMPLE) for p in SAMPLE.rglob("*")) == before  # nothing written there
 
 
+@pytest.mark.slow  # the installed command, in five processes
 def test_limit_and_tail_of_zero_give_the_columns_alone_and_a_clash_is_a_usage_error(run, tmp_path):
     root, _ = run
     for args in (["--limit", "0"], ["--tail", "0"]):

@@ -4,6 +4,7 @@ and the same result from any format holding the same records."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -221,7 +222,7 @@ def row_group_reads(monkeypatch) -> list[tuple[str, int]]:
     return reads
 
 
-def test_each_file_is_read_once(many_files, monkeypatch):
+def test_each_file_is_read_once(many_files, tmp_path, monkeypatch):
     """One read of each data file's row groups for a reduce, in every reducing mode: the
     scan takes only metadata and footers."""
     reads = row_group_reads(monkeypatch)
@@ -239,8 +240,8 @@ def test_each_file_is_read_once(many_files, monkeypatch):
     for mode in ("global_reduce", "per_rank_reduce", "per_rank_no_reduce"):
         reads.clear()
         footers.clear()
-        parquet._footer.cache_clear()
-        result = run_plan(many_files, make_plan(mode=mode))
+        run = shutil.copytree(many_files, tmp_path / mode)  # footers not read before (read ones are kept)
+        result = run_plan(run, make_plan(mode=mode))
         assert result.frame.height > 0
         assert sorted(reads) == every, mode
         assert sorted(footers) == sorted({name for name, _ in every}), mode  # pyarrow parses each once
@@ -394,9 +395,9 @@ def test_another_tools_file_of_one_rank_is_streamed_with_its_source(tmp_path):
     modes reduce it with that source alone; a file of several ranks is reduced with all."""
     rows = {"key": ["a"] * 4, "value": [1.0, 2.0, 3.0, 4.0], "reduction": ["mean"] * 4, "step": [0, 0, 1, 1]}
     write_foreign(tmp_path / "one.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [3] * 4})
-    assert engine.reading.single_sources(scan_run(tmp_path)) == {("rank3", 3): [0]}
+    assert [f.single_source for f in scan_run(tmp_path).report.files] == [("rank3", 3)]
     write_foreign(tmp_path / "two.parquet", {**rows, "timestamp": [BASE_TIME] * 4, "rank": [4, 5, 4, 5]})
-    assert engine.reading.single_sources(scan_run(tmp_path)) is None
+    assert [f.single_source for f in scan_run(tmp_path).report.files] == [("rank3", 3), None]
     result = run_plan(tmp_path, make_plan(mode="per_rank_reduce"))
     assert result.frame.select("rank", "step", "value").rows() == [
         (3, 0, 1.5),
@@ -756,25 +757,34 @@ raise SystemExit("failed while reading")
     assert done.returncode == 1 and "failed while reading" in done.stderr
 
 
-def test_a_thread_done_with_its_task_starts_a_later_one_while_an_earlier_one_is_unread(monkeypatch):
+def test_a_thread_done_with_its_task_starts_a_later_one_while_an_earlier_one_is_unread(tmp_path, monkeypatch):
     """Tasks are handed over in order, but a thread that finished its task (of one
     partition, as a writer's row group is) goes on to a later one: task 0 finishes only
     once task 2 has started, which no thread would do if only as many tasks as threads
     were in flight, or if a task's end waited for the reader."""
     import threading
 
-    monkeypatch.setattr(engine.pool.pl, "thread_pool_size", lambda: 2)
-    started = threading.Event()
+    for i in range(6):  # six files of ten steps each, one after the other
+        write_collector_run(tmp_path, [(f"TrainActor_r{i}", i)], steps=10, first_step=10 * i, seed=i)
+    want = run_plan(tmp_path, make_plan()).frame
+    monkeypatch.setattr(engine.pl, "thread_pool_size", lambda: 2)
+    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 200)  # tasks of one partition, of a file or two
+    lock, later, firsts = threading.Lock(), threading.Semaphore(0), []
+    work = engine.reading.TaskWork.__call__
 
-    def work(i: int):
-        if i == 2:
-            started.set()
-        if i == 0 and not started.wait(timeout=20):
+    def paced(self, task, **kwargs):  # task 0 (step 0 on) waits until tasks 1 and 2 have started
+        with lock:
+            firsts.append(task.lo)
+        if task.lo > 0:
+            later.release()
+        elif not (later.acquire(timeout=20) and later.acquire(timeout=20)):
             raise AssertionError("task 2 never started while task 0 waited")
-        yield i * 10
+        yield from work(self, task, **kwargs)
 
-    got = list(engine.pool.on_threads(work, list(range(6)), [1] * 6, None))
-    assert got == [(i, out) for i in range(6) for out in (i * 10, None)]
+    monkeypatch.setattr(engine.reading.TaskWork, "__call__", paced)
+    got = run_plan(tmp_path, make_plan()).frame
+    assert len(firsts) >= 3 and min(firsts) == 0, firsts
+    assert got.equals(want)
 
 
 def test_per_rank_reduce_of_files_holding_several_sources_is_in_source_order(tmp_path, monkeypatch):
@@ -842,13 +852,14 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch, s
     monkeypatch.setattr(accumulator, "SPILL_VALUES", spill)  # dozens of spill files, or none
     monkeypatch.setattr(accumulator, "SLICE_VALUES", 400)  # a take's quantiles in several queries
     slices = []
-    value_ranges = accumulator.Accumulator._value_ranges
+    take = accumulator.Accumulator.take
 
-    def counting(self, lo, hi):
-        slices.append(len(found := value_ranges(self, lo, hi)))
-        return found
+    def counting(self, *args):  # each take's median/pNN values come in slices of the whole
+        taken = take(self, *args)
+        slices.append(len(taken[2]))
+        return taken
 
-    monkeypatch.setattr(accumulator.Accumulator, "_value_ranges", counting)
+    monkeypatch.setattr(accumulator.Accumulator, "take", counting)
     monkeypatch.setattr(engine.finish, "TAKEN_GROUPS", 2)  # a take a block of 256 steps
     frame = run_plan(tmp_path, make_plan()).frame
     got = {(s, k): v for s, k, v in frame.select("step", "key", "value").iter_rows()}
@@ -972,7 +983,7 @@ def test_how_groups_are_held_and_keys_typed_changes_no_bit(many_files, monkeypat
     assert want.height > 100 and got.equals(want)
 
 
-def test_many_distinct_keys_read_as_text_equal_numpy(tmp_path, monkeypatch):
+def test_many_distinct_keys_read_as_text_equal_numpy(tmp_path):
     """3,000 distinct keys, past a budget of 1,000 interned keys: the first row groups'
     keys come as Categorical, the later ones' as text, partitions mix both, and every group
     is numpy's mean."""
@@ -986,20 +997,28 @@ def test_many_distinct_keys_read_as_text_equal_numpy(tmp_path, monkeypatch):
         "timestamp": BASE_TIME + steps.astype(float), "rank": np.zeros(n, dtype=np.int64),
     }  # fmt: skip
     write_foreign(tmp_path / "wide.parquet", rows, dictionary=False, row_group_size=4000)
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 5000)
-    monkeypatch.setattr(read.interned, "KEY_BUDGET", 1000)
-    monkeypatch.setattr(read.interned, "_admitted", np.empty(0, dtype=np.uint64))
-    admitted = []
-    categorical_keys = read.interned.categorical_keys
-
-    def counting(distinct):
-        admitted.append(categorical_keys(distinct))
-        return admitted[-1]
-
-    monkeypatch.setattr(read.parquet, "categorical_keys", counting)
-    frame = run_plan(tmp_path, make_plan()).frame
-    assert set(admitted) == {True, False}
+    # In a process of its own: the keys admitted are counted for the life of the process,
+    # and this one's earlier tests admitted some.
+    script = f"""
+import json, sys
+from metric_core.offline import engine, read
+from metric_core.offline.plan import make_plan
+engine.reading.DICTIONARY_READ_RECORDS = 0
+engine.reading.PARTITION_ROWS = 5000
+read.interned.KEY_BUDGET = 1000
+admitted = []
+categorical_keys = read.interned.categorical_keys
+def counting(distinct):
+    admitted.append(categorical_keys(distinct))
+    return admitted[-1]
+read.parquet.categorical_keys = counting
+engine.run_plan({str(tmp_path)!r}, make_plan()).frame.write_parquet({str(tmp_path / "out.parquet")!r})
+print(json.dumps(admitted))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)) == {True, False}
+    frame = pl.read_parquet(tmp_path / "out.parquet")
     got = {(s, k): v for s, k, v in frame.select("step", "key", "value").iter_rows()}
     truth = pl.DataFrame({"step": steps, "key": keys, "value": values}).group_by("step", "key").agg("value")
     assert len(got) == truth.height
@@ -1055,14 +1074,14 @@ def test_a_step_of_more_percentile_values_than_a_slice_is_taken_in_shares_of_its
     write_foreign(tmp_path / "one_step.parquet", rows)
     monkeypatch.setattr(accumulator, "SLICE_VALUES", 500)
     slices: list[int] = []
-    value_ranges = accumulator.Accumulator._value_ranges
+    take = accumulator.Accumulator.take
 
-    def counting(self, lo, hi):
-        out = value_ranges(self, lo, hi)
-        slices.append(len(out))
-        return out
+    def counting(self, *args):  # each take's median/pNN values come in slices of the whole
+        taken = take(self, *args)
+        slices.append(len(taken[2]))
+        return taken
 
-    monkeypatch.setattr(accumulator.Accumulator, "_value_ranges", counting)
+    monkeypatch.setattr(accumulator.Accumulator, "take", counting)
     frame = run_plan(tmp_path, make_plan()).frame
     assert max(slices) == 12
     assert frame.height == len(set(keys.tolist()))

@@ -302,23 +302,52 @@ while True:
 
 
 def test_the_writer_thread_outlives_a_full_disk_and_keeps_writing_in_the_background(tmp_path):
+    import threading
+
+    from metric_core.errors import NoDataError
+
+    def written() -> set[int]:
+        try:
+            return set(values_read(run_dir)[0].astype(int).tolist())
+        except NoDataError:  # nothing written yet
+            return set()
+
+    def wait_for(condition, what: str) -> None:  # a condition, polled (no fixed wait)
+        deadline = time.monotonic() + 120
+        while not condition():
+            assert proc.poll() is None and time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
     with small_disk(tmp_path / "disk") as disk:
         run_dir = disk / "run"
         proc = subprocess.Popen(
             [sys.executable, "-c", WRITER_CHILD, str(run_dir)], stdout=subprocess.PIPE, text=True
         )
         assert proc.stdout is not None
-        time.sleep(1.0)
+        lines: list[list[str]] = []  # the child's "R <records so far> <time>", as it says them
+        reader = threading.Thread(target=lambda: lines.extend(x.split() for x in proc.stdout), daemon=True)
+        reader.start()
+        recorded = lambda: int(lines[-1][1]) if lines else 0  # noqa: E731
+        wait_for(lambda: written(), "the writer thread's first records on disk")
         filler = fill(disk)
-        time.sleep(1.5)  # the writer thread fails, backs off, retries
+        full_at = recorded()
+        # the writer thread (a write every 0.05 s) fails, backs off and retries while the
+        # child records 2,000 more
+        wait_for(lambda: recorded() >= full_at + 2000, "records made while the disk is full")
+        assert not set(range(full_at + 2000)) <= written(), "they could not all be written to a full disk"
         filler.unlink()
-        time.sleep(2.0)  # it writes everything it kept, then goes on
+        freed_at, freed = recorded(), time.time()
+        wait_for(lambda: set(range(freed_at)) <= written(), "everything it kept, written")
+        # then it goes on: killed once the child has recorded for 1.5 s since (the records
+        # of its first half second, at least, must then be on disk)
+        wait_for(lambda: float(lines[-1][2]) > freed + 1.5, "records made after the disk was freed")
         os.kill(proc.pid, signal.SIGKILL)
         killed = time.time()
-        lines = [line.split() for line in proc.stdout.read().splitlines()]
-        proc.stdout.close()
         proc.wait()
+        reader.join(timeout=30)
+        proc.stdout.close()
         old = max(int(n) for kind, n, t in (x for x in lines if len(x) == 3) if float(t) < killed - 1.0)
+        assert old > freed_at  # records made after the disk was freed are among them
         values, scan = values_read(run_dir)
         got = set(values.astype(int).tolist())
         assert set(range(old)) <= got, f"{len(set(range(old)) - got)} records older than 1 s lost"
@@ -327,7 +356,9 @@ def test_the_writer_thread_outlives_a_full_disk_and_keeps_writing_in_the_backgro
 
 RUN_JSON_CHILD = """
 import sys, time, metric_core
-root, name, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+root, name = sys.argv[1], sys.argv[2]
+print("ready", flush=True)
+start = float(sys.stdin.readline())  # the same moment for every process
 for r in range(25):
     time.sleep(max(0.0, start + r * 0.05 - time.time()))
     metric_core.init(f"{root}/run{r}", rank=0, process_name=name, flush_interval=60)
@@ -337,19 +368,27 @@ print("ok", flush=True)
 
 
 def test_rank_zero_processes_of_many_roles_start_together(tmp_path):
-    start = time.time() + 4.0
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", RUN_JSON_CHILD, str(tmp_path), f"Role{i}_r0", str(start)],
+            [sys.executable, "-c", RUN_JSON_CHILD, str(tmp_path), f"Role{i}_r0"],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for i in range(8)
     ]
+    for proc in procs:  # every one has imported metric_core: none is slower to start
+        assert proc.stdout is not None and proc.stderr is not None
+        if proc.stdout.readline() != "ready\n":
+            pytest.fail(f"a child failed to start: {proc.stderr.read()}")
+    start = time.time() + 0.2
     for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and out.strip() == "ok", err
+        assert proc.stdin is not None
+        proc.stdin.write(f"{start!r}\n")
+        proc.stdin.close()
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0 and proc.stdout.read().strip() == "ok", proc.stderr.read()
     import json
 
     for r in range(25):
@@ -380,7 +419,9 @@ def test_a_read_while_journals_are_being_sealed_misses_no_flushed_record(tmp_pat
     run_dir, progress = tmp_path / "run", tmp_path / "progress"
     proc = subprocess.Popen([sys.executable, "-c", SEALING_CHILD, str(run_dir), str(progress)])
     try:
-        while not progress.exists():
+        deadline = time.monotonic() + 120
+        while not progress.exists():  # its first step flushed
+            assert proc.poll() is None and time.monotonic() < deadline, "the writer did not start"
             time.sleep(0.01)
         for _ in range(60):
             flushed = int(progress.read_text())

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,9 @@ import metric_core
 from metric_core import Reduce, record_metric
 c = json.loads(sys.argv[1])
 run, rank = c["run"], c["rank"]
+open(f"{c['go']}.{rank}", "w").close()  # imported; the ranks started together init together
+while not os.path.exists(c["go"]):
+    time.sleep(0.01)
 metric_core.init(
     run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"], flush_interval=0.02,
     sidecar=c.get("sidecar") if rank == 0 else None, step=c.get("start"),
@@ -68,11 +72,15 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
-    stalled a writer that long (twice in full runs of the suite)."""
+    stalled a writer that long (twice in full runs of the suite). The ranks started
+    together begin once every one of them has imported metric_core (as a job's ranks
+    rendezvous): on a loaded machine one took seconds longer to start, and the sidecar
+    counted the sources without it. This returns when they have begun."""
     run.mkdir(exist_ok=True)
     which = range(ranks) if isinstance(ranks, int) else ranks
     world = more.get("world", ranks if isinstance(ranks, int) else len(ranks))
-    config = {"run": str(run), "steps": steps, "pause": pause, "world": world}
+    go = run.parent / f"go-{uuid.uuid4().hex}"
+    config = {"run": str(run), "steps": steps, "pause": pause, "world": world, "go": str(go)}
     config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
     pause_at = more.get("pause_at")
 
@@ -80,7 +88,7 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
         at = pause_at.get(r) if isinstance(pause_at, dict) else pause_at
         return {"hang": more.get("hang", {}).get(r), "die": more.get("die", {}).get(r), "pause_at": at}
 
-    return [
+    children = [
         subprocess.Popen(
             [
                 sys.executable,
@@ -92,6 +100,13 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
         )
         for r in which
     ]
+    deadline = time.monotonic() + 120
+    while not all(Path(f"{go}.{r}").exists() for r in which):
+        assert all(c.poll() is None for c in children), "a writer failed to start"
+        assert time.monotonic() < deadline, "the writers did not start"
+        time.sleep(0.02)
+    go.touch()
+    return children
 
 
 def command(run: Path, *args: str) -> list[str]:
@@ -350,8 +365,9 @@ def test_a_rank_restarted_from_a_checkpoint_mid_follow_is_read_as_a_rewind(tmp_p
     ranks = writers(run, steps=60, ranks=2, pause=0.05)
     sidecar = follow(run)
     written = run.parent / "truth-1-0.jsonl"
-    while not written.exists() or len(written.read_text().splitlines()) < 25 * 12:  # 25 steps written
-        time.sleep(0.02)
+    wait_for(
+        lambda: written.exists() and len(written.read_text().splitlines()) >= 25 * 12, "25 steps written"
+    )
     ranks[1].send_signal(signal.SIGKILL)  # killed; its job restarts it from the checkpoint of step 15
     ranks[1].wait()
     wait_for(lambda: rows_sent(run) > 26, "the other rank's steps to go without the dead one")
@@ -370,7 +386,9 @@ def test_a_rank_that_starts_late_is_waited_for_as_run_json_says(tmp_path):
     run = tmp_path / "run"
     sidecar = follow(run)
     early = writers(run, steps=40, ranks=[0], world=2)
-    time.sleep(1.5)  # rank 1 loads its model for a while
+    written = run.parent / "truth-0-0.jsonl"  # 12 lines a step
+    # rank 1 loads its model for a while: it starts once rank 0 has written ten steps
+    wait_for(lambda: written.exists() and len(written.read_text().splitlines()) >= 10 * 12, "rank 0's steps")
     late = writers(run, steps=40, ranks=[1], world=2)
     finish([*early, *late])
     ended_as_recorded(sidecar, run, ranks=2)

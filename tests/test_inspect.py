@@ -529,14 +529,10 @@ def test_plot_of_raw_points_by_time_windows(crashed, tmp_path, monkeypatch, raw_
     assert drawn <= every and (drawn == every) == (raw_points > 20)  # every point, or a subset
 
 
-def test_a_cache_kept_between_calls_reads_only_the_files_written_since(tmp_path, monkeypatch):
-    from metric_core.offline.inspect import aggregates as aggregates_module
+def test_a_cache_kept_between_calls_reads_only_the_files_written_since(tmp_path):
+    import os
+    import struct
 
-    read = []
-    aggregates = aggregates_module._file_aggregates
-    monkeypatch.setattr(
-        aggregates_module, "_file_aggregates", lambda frame, *a: read.append(1) or aggregates(frame, *a)
-    )
     run = tmp_path / "run"
     sealed = MetricCollector(run, rank=0, process_name="TrainActor_r0", flush_interval=3600)
     for step in range(5):
@@ -548,13 +544,23 @@ def test_a_cache_kept_between_calls_reads_only_the_files_written_since(tmp_path,
     open_.flush(0)
     cache: dict = {}
     first = inspect_run(run, cache=cache, now=T0 + 10)
-    assert len(read) == 2 and [s.last_step for s in first.sources] == [4, 0]
+    assert [s.last_step for s in first.sources] == [4, 0]
+    # The sealed segment's column data garbled in place, its size and time kept (as a
+    # listing shows it, unchanged): a call that read it again would find it damaged.
+    (segment,) = run.glob("TrainActor_r0*.parquet")
+    whole, listed = segment.read_bytes(), segment.stat()
+    data_end = len(whole) - 8 - struct.unpack("<I", whole[-8:-4])[0]  # where the footer starts
+    segment.write_bytes(whole[:4] + bytes(b ^ 0x55 for b in whole[4:data_end]) + whole[data_end:])
+    os.utime(segment, ns=(listed.st_atime_ns, listed.st_mtime_ns))
+    assert inspect_run(run, now=T0 + 10).skipped_records == 5  # read again, it is damaged
     for step in (1, 2):
         open_.push(Metric("x", float(step), Reduce.MEAN, T0 + step))
         open_.flush(step)
     second = inspect_run(run, cache=cache, now=T0 + 10)
-    assert len(read) == 3  # only the file written to since
-    assert [s.last_step for s in second.sources] == [4, 2]
+    assert second.skipped_records == 0  # the sealed segment's aggregates: kept, not read again
+    assert [s.last_step for s in second.sources] == [4, 2]  # the file written to since: read again
+    segment.write_bytes(whole)
+    os.utime(segment, ns=(listed.st_atime_ns, listed.st_mtime_ns))
     assert second.to_dict() | {"checked_at": 0} == inspect_run(run, now=T0 + 10).to_dict() | {"checked_at": 0}
     open_.shutdown()
 

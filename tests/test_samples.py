@@ -106,6 +106,7 @@ def same(a: object, b: object) -> bool:
     return type(a) is type(b) and a == b
 
 
+@pytest.mark.slow  # a job of real rank processes
 @pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
 def test_every_sample_of_every_rank_comes_back_exactly_as_recorded(tmp_path, fmt):
     run = job(tmp_path, fmt)

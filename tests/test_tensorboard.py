@@ -63,21 +63,23 @@ def test_a_second_upload_writes_nothing_and_an_interrupted_one_completes(run, tm
     assert [p.stat().st_mtime_ns for p in files] == stamps  # nothing written again
     # An upload stopped half-way: a partial file left, and its run not in the ledger.
     from metric_core.offline.upload import tensorboard
+    from metric_core.offline.upload.runs import PlannedRun
 
     other = tmp_path / "tb2"
     calls = {"n": 0}
-    real = tensorboard._write
+    history = PlannedRun.history
 
-    def dies_on_the_second_run(*args):
+    def dies_on_the_second_run(self, *args):  # the second run's rows: stopped as they are read
         calls["n"] += 1
         if calls["n"] == 2:
             raise KeyboardInterrupt
-        return real(*args)
+        return history(self, *args)
 
-    monkeypatch.setattr(tensorboard, "_write", dies_on_the_second_run)
+    monkeypatch.setattr(PlannedRun, "history", dies_on_the_second_run)
     with pytest.raises(KeyboardInterrupt):
         upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(other))
-    monkeypatch.setattr(tensorboard, "_write", real)
+    monkeypatch.setattr(PlannedRun, "history", history)
+    assert list(other.rglob(".metriclog-partial-*")), "the second run's file was left half-written"
     assert len(json.loads((other / tensorboard.LEDGER).read_text())["runs"]) == 1
     done = upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(other))
     assert sorted(o.action for o in done.outcomes) == ["skipped", "wrote to TensorBoard"]
@@ -104,6 +106,7 @@ def test_float32_rounding_is_counted_and_said(tmp_path):
     assert "2 value(s) changed when rounded to float32" in outcome.message
 
 
+@pytest.mark.slow  # the installed command, in five processes
 def test_the_command_writes_tensorboard_and_says_what_it_needs(run, tmp_path):
     import subprocess
     import sys

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import metric_core
 from metric_core import inspect_run, read_samples, reduce_metrics_states, reduce_run
+from metric_core.errors import NotInitializedError
 from metric_core.metric import MaxAccumulator, MeanAccumulator, MinAccumulator, StdAccumulator, SumAccumulator
 from metric_core.torchforge import LoggingMode, Metric, MetricCollector, Reduce, WandbBackend, record_metric
 from metric_core.torchforge.metric_actors import get_or_create_metric_logger
@@ -150,7 +152,8 @@ def test_record_metric_before_setup_warns_once_and_drops(tmp_path, monkeypatch, 
             record_metric("loss", float(i))
     said = [r for r in caplog.records if "Skipping metric collection" in r.message]
     assert len(said) == 1
-    assert MetricCollector()._collector is None
+    with pytest.raises(NotInitializedError):  # no collector was started
+        metric_core.get_collector()
     assert list(tmp_path.iterdir()) == []
 
 
