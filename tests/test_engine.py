@@ -222,6 +222,21 @@ def row_group_reads(monkeypatch) -> list[tuple[str, int]]:
     return reads
 
 
+def value_slices(monkeypatch) -> list[int]:
+    """The list fills with the number of slices of median/pNN values each take of the
+    accumulator hands over (each a query of its own)."""
+    slices: list[int] = []
+    take = accumulator.Accumulator.take
+
+    def counting(self, *args):
+        taken = take(self, *args)
+        slices.append(len(taken[2]))
+        return taken
+
+    monkeypatch.setattr(accumulator.Accumulator, "take", counting)
+    return slices
+
+
 def test_each_file_is_read_once(many_files, tmp_path, monkeypatch):
     """One read of each data file's row groups for a reduce, in every reducing mode: the
     scan takes only metadata and footers."""
@@ -851,15 +866,7 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch, s
     monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 500)
     monkeypatch.setattr(accumulator, "SPILL_VALUES", spill)  # dozens of spill files, or none
     monkeypatch.setattr(accumulator, "SLICE_VALUES", 400)  # a take's quantiles in several queries
-    slices = []
-    take = accumulator.Accumulator.take
-
-    def counting(self, *args):  # each take's median/pNN values come in slices of the whole
-        taken = take(self, *args)
-        slices.append(len(taken[2]))
-        return taken
-
-    monkeypatch.setattr(accumulator.Accumulator, "take", counting)
+    slices = value_slices(monkeypatch)
     monkeypatch.setattr(engine.finish, "TAKEN_GROUPS", 2)  # a take a block of 256 steps
     frame = run_plan(tmp_path, make_plan()).frame
     got = {(s, k): v for s, k, v in frame.select("step", "key", "value").iter_rows()}
@@ -1073,15 +1080,7 @@ def test_a_step_of_more_percentile_values_than_a_slice_is_taken_in_shares_of_its
     }  # fmt: skip
     write_foreign(tmp_path / "one_step.parquet", rows)
     monkeypatch.setattr(accumulator, "SLICE_VALUES", 500)
-    slices: list[int] = []
-    take = accumulator.Accumulator.take
-
-    def counting(self, *args):  # each take's median/pNN values come in slices of the whole
-        taken = take(self, *args)
-        slices.append(len(taken[2]))
-        return taken
-
-    monkeypatch.setattr(accumulator.Accumulator, "take", counting)
+    slices = value_slices(monkeypatch)
     frame = run_plan(tmp_path, make_plan()).frame
     assert max(slices) == 12
     assert frame.height == len(set(keys.tolist()))
