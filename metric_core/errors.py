@@ -6,20 +6,75 @@ The command line maps them by type: ``PlanError`` is a usage error (exit 2), eve
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
-# A message that names an option of the Python API marks it with ``opt``: the library
-# says ``ranks=``, the command line ``--ranks `` (``MetricLogError.text``). The marks are
-# control characters, which no value a user gives holds, so a key or a path is never taken
-# for one.
-_MARK = re.compile("\x1e(\\w+)(!?)\x1f")
+
+@dataclass(frozen=True)
+class Option:
+    """An option of the API a message names: ``ranks`` (``flag``: given without a value)."""
+
+    name: str
+    flag: bool = False
 
 
-def opt(name: str, *, flag: bool = False) -> str:
+class Message(str):
+    """Text that names options, kept as its parts (text, and ``Option``) so that each
+    caller says them in its own words: the library ``ranks=``, the command line
+    ``--ranks `` (``text(spelling)``). As a ``str`` it is the library's wording.
+
+    Built with ``opt`` and ``+`` (``"give " + opt("ranks") + "'0-3'"``), never by
+    formatting: an f-string or ``str.join`` gives the library's wording, and the parts are
+    gone (``Message.joined`` keeps them).
+    """
+
+    parts: tuple[str | Option, ...]
+
+    def __new__(cls, *parts: str | Option) -> Message:
+        flat: list[str | Option] = []
+        for part in parts:
+            if isinstance(part, Message):
+                flat.extend(part.parts)
+            elif isinstance(part, Option):
+                flat.append(part)
+            else:
+                flat.append(str(part))
+        message = super().__new__(cls, _spelled(flat, as_keyword))
+        message.parts = tuple(flat)
+        return message
+
+    def text(self, spelling: Callable[[str], str]) -> str:
+        """The message, each option it names spelled by ``spelling`` (``as_keyword``, ``as_flag``)."""
+        return _spelled(self.parts, spelling)
+
+    def __add__(self, other: object) -> Message:
+        if not isinstance(other, (str, Option)):
+            return NotImplemented
+        return Message(self, other)
+
+    def __radd__(self, other: object) -> Message:
+        if not isinstance(other, (str, Option)):
+            return NotImplemented
+        return Message(other, self)
+
+    def __reduce__(self) -> Any:  # pickled with its parts (upload's reading child, Ray)
+        return (Message, self.parts)
+
+    @staticmethod
+    def joined(separator: str, items: Iterable[str]) -> Message:
+        """``separator.join(items)``, keeping the options the items name."""
+        parts: list[str | Option] = []
+        for i, item in enumerate(items):
+            if i:
+                parts.append(separator)
+            parts.append(item)
+        return Message(*parts)
+
+
+def opt(name: str, *, flag: bool = False) -> Message:
     """Where a message names the option ``name`` (``flag``: given without a value)."""
-    return f"\x1e{name}{'!' if flag else ''}\x1f"
+    return Message(Option(name, flag))
 
 
 def as_keyword(name: str) -> str:
@@ -27,36 +82,42 @@ def as_keyword(name: str) -> str:
 
 
 def spell_options(text: str, spelling: Callable[[str], str]) -> str:
-    """``text`` with each option marked by ``opt`` spelled by ``spelling``; a flag as
-    ``option=True`` in Python, ``--option`` on the command line."""
+    """``text`` with the options it names spelled by ``spelling`` (a plain ``str`` names
+    none); a flag as ``option=True`` in Python, ``--option`` on the command line."""
+    return text.text(spelling) if isinstance(text, Message) else str(text)
 
-    def one(m: re.Match[str]) -> str:
-        said = spelling(m.group(1))
-        if not m.group(2):
-            return said
-        return said + "True" if said.endswith("=") else said.rstrip()
 
-    return _MARK.sub(one, text)
+def _spelled(parts: Iterable[str | Option], spelling: Callable[[str], str]) -> str:
+    out = []
+    for part in parts:
+        if isinstance(part, Option):
+            said = spelling(part.name)
+            if part.flag:
+                said = said + "True" if said.endswith("=") else said.rstrip()
+            out.append(said)
+        else:
+            out.append(part)
+    return "".join(out)
 
 
 class MetricLogError(Exception):
     """Root of every error metriclog raises on purpose; the CLI maps it to exit code 1.
 
-    A message that names options is kept as a template (``template``), so each caller can
-    say it in its own words: ``text(spelling)``.
+    A message that names options (a ``Message``) is kept as ``template``, so each caller
+    can say it in its own words: ``text(spelling)``.
     """
 
-    template: str | None = None
+    template: Message | None = None
 
     def __init__(self, *args: Any) -> None:
-        if len(args) == 1 and isinstance(args[0], str) and _MARK.search(args[0]):
+        if len(args) == 1 and isinstance(args[0], Message):
             self.template = args[0]
-            args = (spell_options(args[0], as_keyword),)
+            args = (str(args[0]),)
         super().__init__(*args)
 
     def text(self, spelling: Callable[[str], str]) -> str:
         """The message, with the options it names spelled by ``spelling``."""
-        return str(self) if self.template is None else spell_options(self.template, spelling)
+        return str(self) if self.template is None else self.template.text(spelling)
 
     # What the reader skipped before this error, when it came after a run was read in
     # another process (upload's reading child): the caller says it before the error.
@@ -94,7 +155,7 @@ class NoDataError(MetricLogError):
 
     def __init__(self, where: str, why: str) -> None:
         self.where = where
-        super().__init__(f"no readable metric record in {where}: {why}")
+        super().__init__(f"no readable metric record in {where}: " + why)
 
 
 class FilteredOutError(NoDataError):
@@ -102,7 +163,7 @@ class FilteredOutError(NoDataError):
 
     def __init__(self, where: str, why: str) -> None:
         self.where = where
-        MetricLogError.__init__(self, f"no record in {where} matches the filters{why}")
+        MetricLogError.__init__(self, f"no record in {where} matches the filters" + why)
 
 
 class UnknownReductionError(MetricLogError):
@@ -115,7 +176,7 @@ class UnknownReductionError(MetricLogError):
         first = next(iter(keys))
         super().__init__(
             f"key(s) recorded with a reduction metriclog does not know: {shown}{more}; choose a "
-            f"statistic for each, e.g. {opt('reduce')}'{first}=mean'"
+            f"statistic for each, e.g. " + opt("reduce") + f"'{first}=mean'"
         )
 
 
@@ -124,7 +185,7 @@ class StrictModeError(MetricLogError):
 
     def __init__(self, summary: str) -> None:
         self.summary = summary
-        super().__init__(f"{opt('strict', flag=True)}: records or files were skipped (see above)")
+        super().__init__(opt("strict", flag=True) + ": records or files were skipped (see above)")
 
 
 class PlanError(MetricLogError):
@@ -140,8 +201,8 @@ class PlanError(MetricLogError):
         if option is None:
             super().__init__(message)
         else:  # a flag given, or an option's value
-            where = opt(option, flag=True) if value is True else f"{opt(option)}{value!r}"
-            super().__init__(f"{where} {message}")
+            where = opt(option, flag=True) if value is True else opt(option) + repr(value)
+            super().__init__(where + " " + message)
 
 
 class UnmatchedError(MetricLogError):
@@ -149,7 +210,9 @@ class UnmatchedError(MetricLogError):
 
     def __init__(self, notes: list[PlanError]) -> None:
         self.notes = notes
-        super().__init__(f"{opt('strict', flag=True)}: " + "; ".join(n.template or str(n) for n in notes))
+        super().__init__(
+            opt("strict", flag=True) + ": " + Message.joined("; ", (n.template or str(n) for n in notes))
+        )
 
 
 class RequestError(MetricLogError):

@@ -671,3 +671,27 @@ def test_limit_and_tail_of_zero_give_the_columns_alone_and_a_clash_is_a_usage_er
     assert pl.read_csv(tmp_path / "k.csv").height == 0
     clash = invoke("reduce", root, "--out", tmp_path / "x.json", "--format", "csv")
     assert clash.exit_code == 2 and "--format chooses what goes to stdout" in clash.stderr
+
+
+def test_a_message_names_its_options_in_each_callers_words_with_no_marks_in_its_text():
+    """An error that names options says them as Python does (``every=``), as the command
+    line does (``--every``) once mapped, and holds no control character either way; the
+    options it names survive pickling (an upload's reading child hands its errors over)."""
+    import pickle
+
+    from metriclog.options import as_flag
+
+    from metric_core.errors import PlanError, as_keyword
+    from metric_core.offline.plan import make_plan
+
+    with pytest.raises(PlanError) as caught:
+        make_plan(by="time")
+    error = pickle.loads(pickle.dumps(caught.value))
+    assert str(error) == "by='time' needs a window length, e.g. every='10s'" == error.text(as_keyword)
+    assert error.text(as_flag) == "--by 'time' needs a window length, e.g. --every '10s'"
+    assert error.option == "by" and [o.name for o in error.template.parts if not isinstance(o, str)] == [
+        "by",
+        "every",
+    ]
+    for text in (str(error), error.text(as_flag)):
+        assert not any(ord(c) < 32 for c in text)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from metric_core.errors import FilteredOutError, PlanError, opt
+from metric_core.errors import FilteredOutError, Message, PlanError, opt
 from metric_core.offline.plan import ReducePlan, key_matcher
 
 # Keys listed in full when the run has at most this many; else the nearest few.
@@ -135,9 +135,11 @@ def nothing_left(run_dir: str, plan: ReducePlan, notes: list[PlanError]) -> Filt
         given.append(opt("steps") + repr(f"{'' if start is None else start}:{'' if stop is None else stop}"))
     said = [n.template or str(n) for n in notes]
     if len(given) == 1 and said:  # the one filter, and what it matched
-        return FilteredOutError(run_dir, ": " + "; ".join(said))
+        return FilteredOutError(run_dir, ": " + Message.joined("; ", said))
     together = " together" if len(given) > 1 else ""
-    return FilteredOutError(run_dir, f"{together}: {', '.join(given)}" + "".join(f"; {n}" for n in said))
+    return FilteredOutError(
+        run_dir, together + ": " + Message.joined(", ", given) + Message.joined("", ("; " + n for n in said))
+    )
 
 
 def ranges(values: Iterable[int]) -> str:

@@ -19,7 +19,7 @@ from metric_core.metric import LoggingMode
 
 BASIC_STATS = ("mean", "sum", "max", "min", "std")
 OFFLINE_STATS = ("count", "median", "first", "last")
-EVERY_WITHOUT_TIME = f"is a window length: group by time too ({opt('by')}'time')"
+EVERY_WITHOUT_TIME = "is a window length: group by time too (" + opt("by") + "'time')"
 _PERCENTILE = re.compile(r"^p(\d{1,2}(?:\.\d+)?|100)$")
 
 
@@ -99,10 +99,12 @@ class ReducePlan:
             raise PlanError("must be step or time", option="by", value=self.by)
         object.__setattr__(self, "by", By(self.by))
         if self.by is By.TIME and (self.every is None or self.every <= 0):
-            raise PlanError(f"needs a window length, e.g. {opt('every')}'10s'", option="by", value="time")
+            raise PlanError(
+                "needs a window length, e.g. " + opt("every") + "'10s'", option="by", value="time"
+            )
         if self.mode is LoggingMode.PER_RANK_NO_REDUCE and self.overrides:
             raise PlanError(
-                f"has no effect with {opt('mode')}'per_rank_no_reduce' (raw values are kept): drop it, "
+                "has no effect with " + opt("mode") + "'per_rank_no_reduce' (raw values are kept): drop it, "
                 "or choose a reducing mode",
                 option="reduce",
                 value=f"{self.overrides[0][0]}={self.overrides[0][1].name}",

@@ -99,7 +99,7 @@ def plot_run(
             "metriclog plot needs matplotlib: pip install 'metriclog[plot]'"
         ) from None
     if not plan.keys:
-        raise PlanError(f"choose the keys to plot, e.g. {opt('keys')}'trainer/*'")
+        raise PlanError("choose the keys to plot, e.g. " + opt("keys") + "'trainer/*'")
     health = inspect_run(scan)
     where = {"engine": engine, "ray_address": ray_address}
     reduced = execute(plan, scan, on_progress=on_progress, **where)
@@ -112,7 +112,9 @@ def plot_run(
     keys = sorted(result["key"].unique().to_list())
     if len(keys) > MAX_KEYS:
         raise RequestError(
-            f"the keys chosen ({opt('keys')}{' '.join(plan.keys)}) are {len(keys)}; plot at most {MAX_KEYS} "
+            "the keys chosen ("
+            + opt("keys")
+            + f"{' '.join(plan.keys)}) are {len(keys)}; plot at most {MAX_KEYS} "
             "at once (narrow the pattern)"
         )
     recorders = {

@@ -199,7 +199,7 @@ def missing_run(root: RunPath) -> NoDataError | None:
         return None
     return NoDataError(
         str(root),
-        f"it does not exist: check the path, or give {opt('wait', flag=True)} to wait for the job to "
+        "it does not exist: check the path, or give " + opt("wait", flag=True) + " to wait for the job to "
         "create it",
     )
 

@@ -35,8 +35,8 @@ def pivot_wide(frames: Iterable[pl.DataFrame], plan: ReducePlan) -> Iterator[pl.
             keys.update(frame["key"].unique().to_list())
             if len(keys) > MAX_WIDE_KEYS:  # before a pivot would make its columns
                 raise RequestError(
-                    f"{opt('wide', flag=True)} makes a column of each key, and the result has more "
-                    f"than {MAX_WIDE_KEYS:,} keys: choose some with {opt('keys')}PATTERN, or leave it "
+                    opt("wide", flag=True) + f" makes a column of each key, and the result has more "
+                    f"than {MAX_WIDE_KEYS:,} keys: choose some with " + opt("keys") + "PATTERN, or leave it "
                     "out (a row a key)"
                 )
             wide = frame.pivot(on="key", index=index, values="value")

@@ -55,7 +55,7 @@ def verdict_lines(report: InspectReport) -> list[str]:
                 lines.append(
                     f"{src.process} (rank {src.rank}) was restarted at step {a.restarted_at}: "
                     f"{a.replaced} record(s) of steps {lo}-{hi} of its attempt {a.attempt} were replaced "
-                    f"by attempt {a.replaced_by} ({opt('attempts')}'all' keeps them)."
+                    f"by attempt {a.replaced_by} (" + opt("attempts") + "'all' keeps them)."
                 )
     for item in report.nonfinite:
         lines.append(

@@ -130,11 +130,11 @@ def _described(a: Attempt) -> str:
     why = (
         f"replaced by attempt {a.replaced_by}, which restarted at step {a.restarted_at}"
         if a.replaced_by is not None
-        else f"not of the attempt {opt('attempts')}chose"
+        else "not of the attempt " + opt("attempts") + "chose"
     )
     return (
         f"{a.process} (rank {a.rank}): {a.replaced} record(s) of steps {lo}-{hi} of attempt {a.attempt} "
-        f"(started {_when(a.started)}) {why}; {opt('attempts')}'all' keeps them"
+        f"(started {_when(a.started)}) " + why + "; " + opt("attempts") + "'all' keeps them"
     )
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from metric_core.errors import as_keyword, opt, spell_options
+from metric_core.errors import Message, as_keyword, opt, spell_options
 from metric_core.life import Life
 from metric_core.offline.storage import RunPath, is_remote
 
@@ -114,7 +114,7 @@ class MixedKey:
         why = "that of its first record" if self.first_record else "the first one read"
         return (
             f"key '{self.key}' is recorded under more than one reduction: {others}{by} skipped, "
-            f"'{self.kept}' ({why}) kept; reduce them all with {opt('reduce')}'{self.key}=STAT'"
+            f"'{self.kept}' ({why}) kept; reduce them all with " + opt("reduce") + f"'{self.key}=STAT'"
         )
 
 
@@ -208,8 +208,8 @@ class ReadReport:
             out.append(f"  {rel(path, self.run_dir)}: {why}")
         if len(self.skipped_paths) > max_files:
             out.append(f"  ... and {len(self.skipped_paths) - max_files} more path(s) not read")
-        out.extend(f"  {notice}" for notice in self.notices)
-        out.extend(f"  {m.text()}" for _, m in sorted(self.mixed.items()) if m.skipped)
+        out.extend("  " + notice for notice in self.notices)
+        out.extend("  " + m.text() for _, m in sorted(self.mixed.items()) if m.skipped)
         for f in gaps:
             for d in f.dropped:
                 steps = d.get("steps") or ["?", "?"]
@@ -233,7 +233,7 @@ class ReadReport:
             out.append(f"  {name}: {f.skipped} record(s) skipped: {detail}")
         if len(bad) > max_files:
             out.append(f"  ... and {len(bad) - max_files} more file(s)")
-        return "\n".join(out)
+        return Message.joined("\n", out)  # the options its lines name, kept
 
 
 def rel(path: RunPath, root: RunPath) -> str:

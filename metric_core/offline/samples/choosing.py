@@ -27,7 +27,7 @@ def choose(
     ``numpy.random.default_rng(seed)``, group after group. None of them: every sample."""
     if by and not (top or bottom):
         raise PlanError(
-            f"ranks {opt('top', flag=True)} and {opt('bottom', flag=True)}: give one of them",
+            "ranks " + opt("top", flag=True) + " and " + opt("bottom", flag=True) + ": give one of them",
             option="by",
             value=by,
         )
@@ -35,14 +35,20 @@ def choose(
         return samples
     if random and (top or bottom):
         raise PlanError(
-            f"takes {opt('top', flag=True)}/{opt('bottom', flag=True)} or {opt('random', flag=True)}, "
+            "takes "
+            + opt("top", flag=True)
+            + "/"
+            + opt("bottom", flag=True)
+            + " or "
+            + opt("random", flag=True)
+            + ", "
             "not both",
             option="random",
             value=str(random),
         )
     if (top or bottom) and not by:
         raise PlanError(
-            f"needs the field to rank by: {opt('by')}FIELD", option="top", value=str(top or bottom)
+            "needs the field to rank by: " + opt("by") + "FIELD", option="top", value=str(top or bottom)
         )
     import numpy as np
 

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from metric_core.credentials import has_credentials
-from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, RequestError, opt, spell_options
+from metric_core.errors import (
+    Message,
+    MetricLogError,
+    NotLoggedInError,
+    PlanError,
+    RequestError,
+    opt,
+    spell_options,
+)
 from metric_core.offline.plan import By, Engine, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import RunPath, is_remote, missing_run, name_of, run_path
@@ -121,14 +129,17 @@ def upload_run(
     root = run_path(run_dir)
     if follow is not None and is_remote(root):
         raise RequestError(
-            f"{root}: {opt('follow', flag=True)} reads a run while its writers append to it, on a local or "
+            f"{root}: "
+            + opt("follow", flag=True)
+            + " reads a run while its writers append to it, on a local or "
             "network filesystem; object storage holds whole objects only. Upload it without "
-            f"{opt('follow', flag=True)} (watch follows a run in a bucket)"
+            + opt("follow", flag=True)
+            + " (watch follows a run in a bucket)"
         )
     _check_together(plan, share_run)
     if follow is not None and Engine.of(engine) is not Engine.LOCAL:
         raise PlanError(
-            f"reduces each poll's new records here; {opt('engine')}ray applies to a whole upload only",
+            "reduces each poll's new records here; " + opt("engine") + "ray applies to a whole upload only",
             option="follow",
         )
     missing = None if follow is not None and follow.wait else missing_run(root)
@@ -145,7 +156,7 @@ def upload_run(
         events.message(
             "note",
             spell_options(
-                f"WANDB_MODE={mode} is set: writing offline runs, as {opt('offline', flag=True)} does",
+                f"WANDB_MODE={mode} is set: writing offline runs, as " + opt("offline", flag=True) + " does",
                 events.spelling,
             ),
         )
@@ -240,7 +251,7 @@ def upload_run(
                     "note",
                     spell_options(
                         f"{tables.unattached()} step(s) of samples had no row to go with (no scalar at that "
-                        f"step, or {opt('by')}time): not uploaded; `metriclog samples` lists them",
+                        f"step, or " + opt("by") + "time): not uploaded; `metriclog samples` lists them",
                         events.spelling,
                     ),
                 )
@@ -264,7 +275,7 @@ def _to_tensorboard(
 
     if follow is not None:
         raise RequestError(
-            f"{opt('follow', flag=True)} writes to W&B only: write TensorBoard files once the job ended "
+            opt("follow", flag=True) + " writes to W&B only: write TensorBoard files once the job ended "
             "(or as often as you like: each time writes the runs that changed)"
         )
     request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
@@ -294,14 +305,14 @@ def _check_together(plan: ReducePlan, share_run: bool) -> None:
 
     if share_run and plan.mode is LoggingMode.GLOBAL_REDUCE:
         raise PlanError(
-            f"shares one W&B run among the sources of a per-rank mode; {opt('mode')}'global_reduce' "
+            "shares one W&B run among the sources of a per-rank mode; " + opt("mode") + "'global_reduce' "
             "makes one run already",
             option="share_run",
             value=True,
         )
     if plan.by is By.TIME and plan.mode is LoggingMode.PER_RANK_NO_REDUCE:
         raise PlanError(
-            f"groups reduced values into windows; {opt('mode')}'per_rank_no_reduce' uploads every raw "
+            "groups reduced values into windows; " + opt("mode") + "'per_rank_no_reduce' uploads every raw "
             "record at its step (its timestamp is in each row)",
             option="by",
             value="time",
@@ -337,9 +348,9 @@ def _prepare(
         )
         planned = explain_read_errors(plan_runs)(result, **mapping)
     except MetricLogError as exc:
-        exc.read_summary = "".join(read)  # said before the error, by the parent
+        exc.read_summary = Message.joined("", read)  # said before the error, by the parent
         raise
-    planned.read_summary = "".join(read)
+    planned.read_summary = Message.joined("", read)
     return planned
 
 

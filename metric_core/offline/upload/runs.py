@@ -411,24 +411,28 @@ def _streamed_runs(
 
 
 def limit_warnings(runs: list[PlannedRun]) -> list[str]:
-    warnings = []
+    warnings: list[str] = []
     distinct = {k for r in runs for k in r.keys}
     if len(distinct) >= MAX_METRICS:
         warnings.append(
             f"{len(distinct):,} distinct metrics: W&B supports fewer than {MAX_METRICS:,} per project; "
-            f"select keys with {opt('keys')}"
+            f"select keys with " + opt("keys")
         )
     for r in runs:
         points = r.points
         if points and points > MAX_POINTS_PER_METRIC:
             warnings.append(
                 f"run {r.name}: up to {points:,} points per metric; W&B shows at most "
-                f"{MAX_POINTS_PER_METRIC:,}: bucket with {opt('by')}'time' {opt('every')}'10s' (or coarser)"
+                f"{MAX_POINTS_PER_METRIC:,}: bucket with "
+                + opt("by")
+                + "'time' "
+                + opt("every")
+                + "'10s' (or coarser)"
             )
         widest = 64 * (len(r.keys) + 2)
         if widest > MAX_LOG_BYTES:
             warnings.append(
-                f"run {r.name}: a history row may exceed W&B's 25 MB per log call; use {opt('keys')}"
+                f"run {r.name}: a history row may exceed W&B's 25 MB per log call; use " + opt("keys")
             )
     return warnings
 

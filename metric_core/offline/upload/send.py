@@ -332,8 +332,11 @@ class Sender:
         why = str(exc.__cause__ or exc).split("Consider increasing")[0].strip().splitlines()[0].rstrip(".")
         return UploadError(
             f"could not reach W&B ({host}) within {self.to.connect_timeout:g} s ({why}): check the "
-            f"network ({opt('connect_timeout')}SECONDS waits longer), or write offline runs with "
-            f"{opt('offline', flag=True)} and `wandb sync` them later"
+            f"network ("
+            + opt("connect_timeout")
+            + "SECONDS waits longer), or write offline runs with "
+            + opt("offline", flag=True)
+            + " and `wandb sync` them later"
         )
 
     def remove_partial(self, entry: dict[str, Any]) -> str:
