@@ -28,7 +28,7 @@ LEDGER_EVERY_ROWS = 5_000
 PROGRESS_EVERY_ROWS = 500  # divides LEDGER_EVERY_ROWS
 # A replayed run describes the training run, not the machine replaying it: without these,
 # W&B attaches this machine's system metrics, hardware, OS, git state, code and pip
-# packages to it. (Collecting them also cost each wandb.init about 50 ms.)
+# packages to it. (Collecting them also slowed each wandb.init down.)
 REPLAY_SETTINGS = {
     "x_disable_stats": True,
     "x_disable_meta": True,
