@@ -61,10 +61,12 @@ def writers(run: Path, plan: list[tuple[int, int]], step_s: float = STEP_S) -> l
 
 
 def watch(run: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``metriclog watch`` of a job started with it: ``--wait``, as the job may not have made
+    its run directory yet (on a busy machine it had not, and watch refused the path)."""
     said = tmp_path / "stalls.txt"
     command = f'echo "$METRICLOG_PROCESS $METRICLOG_RANK $METRICLOG_LAST_STEP|$METRICLOG_PROCESSES" >> {said}'
     done = subprocess.run(
-        [METRICLOG, "watch", str(run), "--interval", "0.2", "--on-stall", command, *args],
+        [METRICLOG, "watch", str(run), "--wait", "--interval", "0.2", "--on-stall", command, *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -194,7 +196,7 @@ def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
     run = tmp_path / "run"
     children = writers(run, [(400, -1), (400, -1)])
     watching = subprocess.Popen(
-        [METRICLOG, "watch", str(run), "--interval", "0.2", "--restart-grace", "1s"],
+        [METRICLOG, "watch", str(run), "--wait", "--interval", "0.2", "--restart-grace", "1s"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
