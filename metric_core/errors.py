@@ -49,14 +49,10 @@ class Message(str):
         return _spelled(self.parts, spelling)
 
     def __add__(self, other: object) -> Message:
-        if not isinstance(other, (str, Option)):
-            return NotImplemented
-        return Message(self, other)
+        return Message(self, other) if isinstance(other, str) else NotImplemented
 
     def __radd__(self, other: object) -> Message:
-        if not isinstance(other, (str, Option)):
-            return NotImplemented
-        return Message(other, self)
+        return Message(other, self) if isinstance(other, str) else NotImplemented
 
     def __reduce__(self) -> Any:  # pickled with its parts (upload's reading child, Ray)
         return (Message, self.parts)
