@@ -18,9 +18,10 @@ demo: $(STAMP)
 	$(BIN)/metriclog reduce sample_logs/rl_run --mode per_rank_reduce --key "policy/*" --reduce "policy/latency_s=p99" --steps 178:182
 	$(BIN)/metriclog inspect sample_logs/rl_run
 
-# The whole suite, on every core (pytest-xdist): each worker process has its own temporary
-# directory, W&B directories and servers' ports (tests/conftest.py, tests/s3_server.py).
-# `pytest` alone runs it in one process.
+# The whole suite with pytest-xdist, a worker per core and one more (-n auto, as
+# tests/conftest.py counts it: the suite often waits on processes it started). Each worker
+# has its own temporary directory, W&B directories and servers' ports (tests/conftest.py,
+# tests/s3_server.py). `pytest` alone runs it in one process.
 test: $(STAMP)
 	$(BIN)/pytest -q -n auto --dist worksteal
 

@@ -230,6 +230,13 @@ def on_a_terminal(command: list[str]) -> tuple[int, str, bytes]:
     return child.returncode, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode(errors="replace")), stdout
 
 
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (``make test``): a worker more than the cores. About a third of the
+    suite's time is spent waiting on processes it started (jobs, sidecars, watch, servers)
+    and the extra worker runs tests in those gaps."""
+    return len(os.sched_getaffinity(0)) + 1
+
+
 def pytest_collection_modifyitems(config, items):
     """The Ray cases (a pytest of their own, over a minute alone and several minutes on a
     loaded machine) go first: under pytest-xdist they start at once on one worker while

@@ -192,7 +192,7 @@ def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path):
             timeout=300,
         )
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
+        os.killpg(head.pid, signal.SIGKILL)  # the head and all it started: SIGTERM takes 30 s
         head.wait(timeout=60)
         reader.join(timeout=60)
         # `ray start` leaves its address for later `ray.init()` calls on this machine to join

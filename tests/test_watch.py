@@ -163,7 +163,7 @@ def test_fast_steps_on_a_loaded_machine_never_stall(tmp_path):
     run = tmp_path / "run"
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        children = writers(run, [(2000, -1), (2000, -1)], step_s=0.01)  # 10 ms steps for about 20 s
+        children = writers(run, [(1000, -1), (1000, -1)], step_s=0.01)  # 10 ms steps for about 10 s
         try:
             done, stalls = watch(run, tmp_path)
         finally:
