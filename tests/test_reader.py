@@ -281,3 +281,39 @@ def test_durations_and_local_times_as_people_read_them(india):
     assert local_time(1_760_000_000.25) == "2025-10-09T14:23:20+05:30"  # 08:53:20.25 UTC, in India
     assert local_time(1_760_000_000.25, millis=True) == "2025-10-09T14:23:20.250+05:30"
     assert local_time(float("nan")) == "unknown"
+
+
+def test_an_earlier_scan_gives_the_counts_of_the_files_unchanged_since(tmp_path):
+    """``scan_run(earlier=)``: a file the earlier scan read whole and that is unchanged
+    keeps its counts (another tool's bad rows are not counted twice, and are dropped); a
+    file written to since, or a segment with a damaged row group, is read again."""
+    import os
+    import struct
+
+    write_collector_run(tmp_path, [("Trainer_r0", 0)], steps=4)
+    (intact,) = tmp_path.glob("Trainer_r0*.parquet")
+    write_collector_run(tmp_path, [("Trainer_r1", 1)], steps=4)
+    (damaged,) = tmp_path.glob("Trainer_r1*.parquet")
+    whole = damaged.read_bytes()
+    data_end = len(whole) - 8 - struct.unpack("<I", whole[-8:-4])[0]  # where the footer starts
+    damaged.write_bytes(whole[:4] + bytes(b ^ 0x55 for b in whole[4:data_end]) + whole[data_end:])
+    rows = [rec(0), rec(1, value=None), rec(2), rec(3, timestamp=-1.0)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "other.parquet")
+    grown = jsonl(tmp_path / "grown.jsonl", [rec(0, process="p1", rank=1)])
+
+    first = scan_run(tmp_path, defer_checks=True)
+    truth = sorted(first.frame.collect()["value"].to_list())  # read whole, checked
+    counts = {Path(f.path).name: (f.records, f.skipped) for f in first.report.files}
+    assert counts["other.parquet"] == (2, 2) and counts[damaged.name][0] == 0
+    with grown.open("a") as f:
+        f.write(json.dumps(rec(1, process="p1", rank=1)) + "\n")
+    os.utime(grown, (1e9, 1e9))  # its size and time differ from the listing's
+
+    again = scan_run(tmp_path, defer_checks=True, earlier=first)
+    names = {Path(again.report.files[fid].path).name: fid for fid in again.file_ids}
+    assert [n for n, fid in sorted(names.items()) if again.unchanged(fid)] == [intact.name, "other.parquet"]
+    assert again.report.files[names["other.parquet"]].skipped == 2  # before anything is read
+    assert sorted(again.frame.collect()["value"].to_list()) == sorted([*truth, 1.0])
+    assert {Path(f.path).name: (f.records, f.skipped) for f in again.report.files} == counts | {
+        "grown.jsonl": (2, 0)
+    }

@@ -36,7 +36,7 @@ from typing import Any
 import polars as pl
 
 from metric_core.offline import story
-from metric_core.offline.inspect.aggregates import aggregate
+from metric_core.offline.inspect.aggregates import EARLIER, aggregate
 from metric_core.offline.inspect.health import (
     MIN_STEP_TIMES,
     OWN_GAP_FACTOR,
@@ -103,11 +103,13 @@ def inspect_run(
     >>> [s.status for s in report.sources]
     ['finished', 'stopped_early', 'finished', 'finished']
     """
-    scan = (
-        run
-        if isinstance(run, RunScan)
-        else scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts, defer_checks=True)
-    )
+    if isinstance(run, RunScan):
+        scan = run
+    else:
+        earlier = cache.get(EARLIER) if cache is not None else None
+        scan = scan_run(
+            run, follow_symlinks=follow_symlinks, attempts=attempts, defer_checks=True, earlier=earlier
+        )
     try:  # another tool's files are checked as they are aggregated: the report is whole after
         steps, per_key = aggregate(scan, on_progress, cache)
     finally:

@@ -20,6 +20,9 @@ BATCH_ROWS = 500_000
 MERGED_KEYS = 500_000
 
 Source = tuple[str, int]  # (process, rank)
+# A cache's entry for the scan its files' aggregates come from: the next call's ``earlier``
+# (``scan_run``), which tells the files unchanged since.
+EARLIER = "scan"
 
 
 @dataclass
@@ -65,6 +68,10 @@ def aggregate(
     once, and memory holds one file's columns (another tool's: a frame of them), not the
     run's.
 
+    ``cache`` (kept between calls) holds each file's aggregates and the scan they were
+    read in: a file unchanged since that scan (``RunScan.unchanged``: ``scan`` was made
+    with it as ``earlier``) is not read again.
+
     Files of one source (their writer's metadata or their footer's statistics say which)
     are grouped by file id alone (no string hashed per record); other files are grouped by
     process and rank as well.
@@ -80,10 +87,9 @@ def aggregate(
     done = 0
     used = {}
     for n, fid in enumerate(scan.file_ids, 1):
-        known = _file_identity(files[fid], sources[fid]) if cache is not None else None
-        if known is not None and known in cache:  # type: ignore[operator]
-            steps, keys, counts = used[known] = cache[known]  # type: ignore[index]
-            scan.counted_before(fid, *counts)  # as the call that read it counted them
+        known = (str(files[fid].path), sources[fid]) if scan.unchanged(fid) else None
+        if cache is not None and known in cache:  # as the last call read it (its counts: the scan's)
+            steps, keys = cache[known]
         else:
             by = [] if fid in one_source else ["process", "rank"]
             names = hashes if fid in one_source and files[fid].hashed else None
@@ -107,9 +113,8 @@ def aggregate(
                     pl.lit(rank, pl.Int64).alias("rank"),
                 ]
                 keys = keys.select(*source, pl.all())
-            counts = (files[fid].records, files[fid].skipped, dict(files[fid].skip_reasons))
-        if known is not None:
-            used[known] = (steps, keys, counts)
+        if cache is not None:
+            used[str(files[fid].path), sources[fid]] = (steps, keys)
         for source, found in steps.items():
             per_source.setdefault(source, []).append((fid, found))  # type: ignore[arg-type]
         by_key.append(keys)
@@ -119,6 +124,7 @@ def aggregate(
     if cache is not None:  # files gone (a journal sealed) leave the cache
         cache.clear()
         cache.update(used)
+        cache[EARLIER] = scan
     per_key = (
         by_key[0]
         if len(by_key) == 1
@@ -132,14 +138,6 @@ def aggregate(
     if not steps:
         raise all_skipped(scan.report)
     return steps, per_key
-
-
-def _file_identity(rep: FileReport, source: Any) -> tuple[Any, ...] | None:
-    """What a file's aggregates depend on: the file as it was listed, before its records
-    were read (a file written to since is read again the next time), and how it was read."""
-    if rep.listed is None:
-        return None
-    return (str(rep.path), *rep.listed, rep.replaced_from, rep.hashed, source)
 
 
 def _batched_aggregates(

@@ -104,6 +104,8 @@ class RunScan:
     # from there on, said in the report; ``batches`` reads them no more).
     _taken: dict[int, int] = field(default_factory=dict)
     _failed: set[int] = field(default_factory=set)
+    # Files as an earlier scan read them whole (``scan_run``'s ``earlier``): their counts are its.
+    _unchanged: set[int] = field(default_factory=set)
     _counting: threading.Lock = field(default=COUNTING, repr=False)  # one lock for every report's counts
 
     def __getstate__(self) -> dict[str, Any]:  # to a Ray worker (--engine ray): not the lock
@@ -143,12 +145,34 @@ class RunScan:
         rep = self.report.files[fid]
         return not self.trusted(fid) or (rep.row_groups is not None and not rep.verified)
 
-    def counted_before(self, fid: int, records: int, skipped: int, reasons: dict[str, int]) -> None:
-        """The file, unchanged since an earlier scan read it, has these counts (what that
-        read found): taken into the report, and its rows are not counted again."""
-        rep = self.report.files[fid]
-        rep.records, rep.skipped, rep.skip_reasons = records, skipped, dict(reasons)
-        self._counted_now(fid)
+    def unchanged(self, fid: int) -> bool:
+        """The file is as the ``earlier`` scan given to ``scan_run`` listed it, and that
+        scan read it whole: its counts in the report are that read's, and what a caller
+        kept of that read still holds without reading it again."""
+        return fid in self._unchanged
+
+    def _take_counts(self, earlier: RunScan) -> None:
+        """The counts of each file ``earlier`` read whole (checked, not given up on) that is
+        unchanged since: as it listed it, and read the same way. Not a checksummed segment
+        with a damaged row group: its pages are verified again by a read of it (and counted)."""
+        whole = {
+            _identity(rep): rep
+            for fid, rep in ((fid, earlier.report.files[fid]) for fid in earlier.file_ids)
+            if fid not in earlier._pending
+            and fid not in earlier._failed
+            and not (rep.row_groups is not None and rep.skipped)
+        }
+        for fid in self.file_ids:
+            rep = self.report.files[fid]
+            before = whole.get(_identity(rep)) if rep.listed is not None else None
+            if before is not None:
+                rep.records, rep.skipped, rep.skip_reasons = (
+                    before.records,
+                    before.skipped,
+                    dict(before.skip_reasons),
+                )
+                self._counted_now(fid)
+                self._unchanged.add(fid)
 
     @property
     def full_report(self) -> ReadReport:
@@ -331,6 +355,7 @@ def scan_run(
     follow_symlinks: bool = False,
     attempts: str = REWIND,
     defer_checks: bool = False,
+    earlier: RunScan | None = None,
 ) -> RunScan:
     """Read every metric file below ``run_dir`` into one LazyFrame and a health report.
 
@@ -345,6 +370,10 @@ def scan_run(
     once more. With ``defer_checks`` they are not: each is checked as it is first read
     (``RunScan.batches`` reads it once; ``trusted`` tells it apart), and the report is
     complete once every such file was read.
+
+    ``earlier``, a scan of the same run made before (``watch``'s last poll), gives the
+    counts of each file it read whole that is unchanged since (``RunScan.unchanged``):
+    such a file needs no read for the report to be whole.
 
     >>> scan = scan_run("sample_logs/rl_run")
     >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
@@ -430,13 +459,22 @@ def scan_run(
         raise NoDataError(str(root), "no *.jsonl or *.parquet file was found")
     if not frames or report.records == 0:
         raise all_skipped(report)
-    return RunScan(
+    scan = RunScan(
         run_dir=root,
         report=report,
         meta=meta,
         _parts=dict(zip(file_ids, frames, strict=True)),
         _pending=pending,
     )
+    if earlier is not None:
+        scan._take_counts(earlier)
+    return scan
+
+
+def _identity(rep: FileReport) -> tuple[Any, ...]:
+    """What a file's records as read depend on: the file as it was listed (its size and
+    time), and how it was read (a restart's rewind, its keys' hashes)."""
+    return (str(rep.path), rep.listed, rep.replaced_from, rep.hashed)
 
 
 def _restarted(report: ReadReport, fids: list[int]) -> set[tuple[str, int]]:
