@@ -48,6 +48,8 @@ with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
             os.kill(os.getpid(), signal.SIGKILL)  # after its flush of the step before
         if step == c.get("pause_at"):
             time.sleep(c["pause_s"])  # an evaluation, a checkpoint
+        while step == c.get("hold_at") and not os.path.exists(c["release"]):
+            time.sleep(0.01)  # silent until the test lets it go (release)
         for i in range(4):
             for key, how, value in (
                 ("loss", Reduce.MEAN, 1e6 + rng.normal()),
@@ -65,10 +67,10 @@ HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 
 def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1, **more) -> list:
-    """A writer process per rank (``ranks``: how many, or which), ``more``: hang, die and
-    pause_at (rank -> the step it hangs at, SIGKILLs itself at, pauses ``pause_s`` at; or
-    pause_at: the step every rank pauses at), sidecar (rank 0's), start (the step it resumes
-    from), world.
+    """A writer process per rank (``ranks``: how many, or which), ``more``: hang, die,
+    pause_at and hold_at (rank -> the step it hangs at, SIGKILLs itself at, pauses
+    ``pause_s`` at, is held at until ``release(run)``; or pause_at, hold_at: the step every
+    rank pauses or is held at), sidecar (rank 0's), start (the step it resumes from), world.
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
@@ -81,12 +83,15 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
     world = more.get("world", ranks if isinstance(ranks, int) else len(ranks))
     go = run.parent / f"go-{uuid.uuid4().hex}"
     config = {"run": str(run), "steps": steps, "pause": pause, "world": world, "go": str(go)}
+    config["release"] = str(run.parent / "release")
     config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
-    pause_at = more.get("pause_at")
 
     def of(r: int) -> dict:
-        at = pause_at.get(r) if isinstance(pause_at, dict) else pause_at
-        return {"hang": more.get("hang", {}).get(r), "die": more.get("die", {}).get(r), "pause_at": at}
+        steps = {"hang": more.get("hang", {}).get(r), "die": more.get("die", {}).get(r)}
+        for name in ("pause_at", "hold_at"):
+            at = more.get(name)
+            steps[name] = at.get(r) if isinstance(at, dict) else at
+        return steps
 
     children = [
         subprocess.Popen(
@@ -107,6 +112,11 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
         time.sleep(0.02)
     go.touch()
     return children
+
+
+def release(run: Path) -> None:
+    """The ranks held (``writers``' hold_at) go on."""
+    (run.parent / "release").touch()
 
 
 def command(run: Path, *args: str) -> list[str]:
@@ -338,12 +348,15 @@ def test_a_hung_rank_holds_the_steps_while_alive_and_its_kill_lets_the_follow_en
 
 def test_let_go_after_lets_a_silent_rank_go_and_its_return_writes_fresh_runs(tmp_path):
     run = tmp_path / "run"
-    ranks = writers(run, steps=40, ranks=3, pause_at={2: 10}, pause_s=4.0)
-    sidecar = follow(run, "--let-go-after", "1s")
+    ranks = writers(run, steps=40, ranks=3, hold_at={2: 10})
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--let-go-after", "1s")
+    wait_for(lambda: "Trainer_r2 (rank 2) is silent for" in log.read_text(), "the follower to let it go")
+    release(run)
     finish(ranks)
-    _, err = sidecar.communicate(timeout=120)
-    assert sidecar.returncode == 0, err
-    assert "Trainer_r2 (rank 2) is silent for" in err and "(--let-go-after 1.0 s)" in err
+    assert sidecar.wait(timeout=120) == 0
+    err = log.read_text()
+    assert "(--let-go-after 1.0 s)" in err
     assert "written to fresh W&B runs that hold them" in err
     values = [v for vs in truth(run, 3).values() for v in vs]
     check(rows_of(run, "run"), expected_steps(values))  # the newest run: every record, exact
@@ -443,13 +456,14 @@ def test_a_segment_sealed_mid_step_does_not_let_a_partial_step_go(tmp_path):
 
 def test_until_idle_through_a_pause_leaves_the_runs_open_for_the_rest(tmp_path):
     run = tmp_path / "run"
-    ranks = writers(run, steps=30, ranks=2, pause_at=10, pause_s=4.0)
+    ranks = writers(run, steps=30, ranks=2, hold_at=10)  # silent from step 10 on, alive
     sidecar = follow(run, "--until-idle", "1.5s")
     _, err = sidecar.communicate(timeout=120)
     assert sidecar.returncode == 0, err
     assert "did not shut down: the runs hold everything written so far and stay open" in err
     entry = runs_written(run)["run"]
     assert not entry["finished"] and 5 <= entry["rows_sent"] <= 10
+    release(run)
     finish(ranks)
     again = follow(run)  # the job went on: the same command continues (offline: a fresh whole run)
     _, err = again.communicate(timeout=120)
@@ -490,7 +504,7 @@ def test_strict_follow_fails_on_the_records_a_killed_writer_left_unfinished(tmp_
 
 def test_a_second_follower_of_the_same_upload_is_refused_and_another_mode_is_not(tmp_path):
     run = tmp_path / "run"
-    ranks = writers(run, steps=40, ranks=2)
+    ranks = writers(run, steps=40, ranks=2, hold_at=20)  # the job runs on while the second tries
     first = follow(run)
     wait_for(lambda: rows_sent(run) > 0, "the first follower to hold the upload")
     second = followed(run)
@@ -500,6 +514,7 @@ def test_a_second_follower_of_the_same_upload_is_refused_and_another_mode_is_not
         and f"pid {first.pid} on " in second.stderr
     )
     other = follow(run, "--mode", "per_rank_reduce")
+    release(run)
     finish(ranks)
     for sidecar in (first, other):
         _, err = sidecar.communicate(timeout=120)
