@@ -4,7 +4,8 @@ stand-in for an allreduce, a blocking ``recv`` in native code until every rank i
     python tests/lockstep_worker.py RUN_DIR PORT STEPS START [ACTION RANK STEP [SECONDS]]
 
 ACTION, done by rank RANK at step STEP: ``raise``, ``exit`` (``os._exit(1)``), ``kill``
-(SIGKILL itself), ``segv`` (SIGSEGV itself), ``sleep`` (SECONDS, while the others wait).
+(SIGKILL itself), ``segv`` (SIGSEGV itself), ``sleep`` (SECONDS, while the others wait),
+``hold`` (while the others wait, until the file at SECONDS' place exists).
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def train_step(rank: int, step: int, action: list[str]) -> None:
         os.kill(os.getpid(), signal.SIGSEGV)
     if what == "sleep":
         time.sleep(float(action[3]))
+    while what == "hold" and not os.path.exists(action[3]):
+        time.sleep(0.01)
 
 
 def main() -> None:

@@ -83,7 +83,7 @@ def stop(children: list[subprocess.Popen]) -> None:
 
 def test_watch_runs_its_command_for_a_hung_source_and_not_for_healthy_ones(tmp_path):
     run = tmp_path / "run"
-    children = writers(run, [(40, -1), (40, 8), (40, -1)])  # rank 1 hangs after step 7
+    children = writers(run, [(400, -1), (40, 8), (400, -1)])  # rank 1 hangs after step 7
     try:
         done, stalls = watch(run, tmp_path, "--exit-on-stall", "--stall-after", "2")
         running = [child.poll() is None for child in children]
@@ -175,16 +175,26 @@ def test_fast_steps_on_a_loaded_machine_never_stall(tmp_path):
 
 
 def test_a_lockstep_hang_is_one_stall_and_a_job_killed_whole_ends_watch(tmp_path):
-    run = tmp_path / "run"
+    run, go_on = tmp_path / "run", tmp_path / "go-on"
     job = threading.Thread(
         target=run_job,
         args=(run,),
-        kwargs={"world": 4, "steps": 12, "action": ["sleep", "1", "5", "6"], "hang_dump_after": 1.0},
+        kwargs={"world": 4, "steps": 12, "action": ["hold", "1", "5", str(go_on)], "hang_dump_after": 1.0},
     )
-    job.start()  # rank 1 sleeps 6 s in step 5; the others wait for it in their collective
+    job.start()  # rank 1 is held in step 5 until go_on exists; the others wait for it in their collective
+
+    def go_on_once_stalled() -> None:  # a condition: watch ran its command for the stall
+        while job.is_alive() and not (tmp_path / "stalls.txt").exists():
+            time.sleep(0.05)
+        go_on.touch()
+
+    releaser = threading.Thread(target=go_on_once_stalled)
+    releaser.start()
     try:
         done, stalls = watch(run, tmp_path, "--stall-after", "2")
     finally:
+        go_on.touch()
+        releaser.join()
         job.join()
     assert done.returncode == 0, done.stderr  # the job went on and finished
     (stall,) = stalls
