@@ -155,22 +155,20 @@ class RunScan:
         """The counts of each file ``earlier`` read whole (checked, not given up on) that is
         unchanged since: as it listed it, and read the same way. Not a checksummed segment
         with a damaged row group: its pages are verified again by a read of it (and counted)."""
+        files = earlier.report.files
         whole = {
-            _identity(rep): rep
-            for fid, rep in ((fid, earlier.report.files[fid]) for fid in earlier.file_ids)
+            _identity(files[fid]): files[fid]
+            for fid in earlier.file_ids
             if fid not in earlier._pending
             and fid not in earlier._failed
-            and not (rep.row_groups is not None and rep.skipped)
+            and not (files[fid].row_groups is not None and files[fid].skipped)
         }
         for fid in self.file_ids:
             rep = self.report.files[fid]
             before = whole.get(_identity(rep)) if rep.listed is not None else None
             if before is not None:
-                rep.records, rep.skipped, rep.skip_reasons = (
-                    before.records,
-                    before.skipped,
-                    dict(before.skip_reasons),
-                )
+                rep.records, rep.skipped = before.records, before.skipped
+                rep.skip_reasons = dict(before.skip_reasons)
                 self._counted_now(fid)
                 self._unchanged.add(fid)
 
