@@ -32,7 +32,7 @@ FollowSymlinks = Annotated[
 ]
 E = TypeVar("E", bound=Enum)
 
-# How the command line spells the Python API's parameters (``PlanError.said``).
+# How the command line spells the Python API's parameters (``MetricLogError.text``).
 FLAGS = {"keys": "--key", "share_run": "--per-rank-share-run"}
 
 

@@ -491,6 +491,8 @@ def print_upload(result: UploadResult) -> int:
         missing = followed.expected - len(followed.sources)
         if 0 < missing < 1 << 20:
             why.append(f"{missing} of the {followed.expected} sources run.json expects never wrote")
+        elif missing > 0:  # no run.json yet: every source that may still come is waited for
+            why.append("no run.json says how many sources the job has")
         say(
             "info",
             f"ended after --until-idle, but {'; '.join(why)}: the runs hold everything written so far and "

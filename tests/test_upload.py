@@ -855,3 +855,78 @@ def test_the_upload_key_keeps_the_shape_earlier_uploads_were_recorded_under():
         request_key(plan, request, False)
         == hashlib.sha256(json.dumps(recorded, sort_keys=True).encode()).hexdigest()
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--mode", "per_rank_reduce", "--project", "p", "--offline"],
+        ["--mode", "per_rank_no_reduce", "--per-rank-share-run", "--project", "p", "--offline"],
+        ["--mode", "per_rank_reduce", "--to", "tensorboard", "--logdir", "{tb}"],
+        ["--mode", "per_rank_reduce", "--project", "p", "--offline", "--follow", "--until-idle", "1s"],
+    ],
+    ids=["per-rank", "shared", "tensorboard", "follow"],
+)
+def test_two_ranks_of_one_process_name_are_refused_in_the_per_rank_modes(tmp_path, args):
+    """A W&B run (a TensorBoard folder, a shared run's key suffix) is named by process:
+    two ranks that write as one name would mix their rows (steps twice in one run). The
+    upload says so, sends nothing, and global_reduce of the same run is numpy's mean."""
+    run_dir = tmp_path / "run"
+    values = {}
+    for rank in (0, 1):
+        c = MetricCollector(run_dir, process_name="worker", rank=rank)
+        for step in range(3):
+            values[rank, step] = float(rank * 10 + step)
+            c.push(Metric("loss", values[rank, step], Reduce.MEAN, BASE_TIME + step))
+            c.flush(step)
+        c.shutdown()
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    tb = tmp_path / "tb"
+    command = [METRICLOG, "upload", str(run_dir)]
+    done = subprocess.run(
+        [*command, *(a.format(tb=tb) for a in args)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        "Error: ranks 0 and 1 both write as process 'worker', and the per-rank modes name a run by its "
+        "process: their rows would mix in one run. Give each rank a process name of its own (e.g. "
+        "worker_r0, worker_r1), or use --mode global_reduce"
+    ]
+    assert not list((run_dir / ".metriclog").rglob("*.wandb")) and not tb.exists()
+    done = subprocess.run([*command, "--project", "p", "--offline"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    (run_id,) = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"]
+    rows = [r for r in history_rows(uploaded(run_dir, run_id)) if "loss" in r]
+    assert [(r["step"], r["loss"]) for r in rows] == [
+        (step, float(np.mean([values[0, step], values[1, step]]))) for step in range(3)
+    ]
+
+
+def test_a_follow_ended_idle_without_run_json_says_why_its_runs_stay_open(tmp_path):
+    """Files without run.json (another tool's, or a job whose rank 0 has not started): how
+    many sources the job has is not known, so the runs stay open, and the end says so."""
+    run_dir = tmp_path / "run"
+    for rank in (0, 1):
+        c = MetricCollector(run_dir, process_name=f"worker_r{rank}", rank=rank)
+        c.push(Metric("loss", float(rank), Reduce.MEAN, BASE_TIME))
+        c.flush(0)
+        c.shutdown()
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    command = [
+        METRICLOG,
+        "upload",
+        str(run_dir),
+        "--project",
+        "p",
+        "--offline",
+        "--follow",
+        "--until-idle",
+        "1s",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert (
+        "ended after --until-idle, but no run.json says how many sources the job has: the runs" in done.stderr
+    )
+    (entry,) = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"].values()
+    assert not entry["finished"] and entry["rows_sent"] == 1

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from metric_core.errors import PlanError, opt
+from metric_core.errors import PlanError, RequestError, opt
 from metric_core.metric import LoggingMode
 
 BASIC_STATS = ("mean", "sum", "max", "min", "std")
@@ -162,6 +162,24 @@ class ReducePlan:
         if self.steps is not None:
             cols.add("step")
         return sorted(cols)
+
+
+def one_rank_a_process(sources: Iterable[tuple[str, int]]) -> None:
+    """The per-rank modes' sources (process, rank) each with a process name of its own: a
+    W&B run, a TensorBoard folder and a shared run's key suffix are named by process, so
+    two ranks of one name would mix their rows in one run. Raises RequestError when two share one."""
+    seen: dict[str, int] = {}
+    for process, rank in sources:
+        other = seen.setdefault(process, rank)
+        if other != rank:
+            low, high = sorted((other, rank))
+            raise RequestError(
+                f"ranks {low} and {high} both write as process {process!r}, and the per-rank modes "
+                "name a run by its process: their rows would mix in one run. Give each rank a process "
+                f"name of its own (e.g. {process}_r{low}, {process}_r{high}), or use "
+                + opt("mode")
+                + "global_reduce"
+            )
 
 
 def key_matcher(patterns: Iterable[str]) -> Callable[[str], bool]:

@@ -47,7 +47,7 @@ from metric_core.metric import LoggingMode
 from metric_core.offline import story
 from metric_core.offline.engine import KeyReductions, key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
-from metric_core.offline.plan import By, ReducePlan, key_matcher
+from metric_core.offline.plan import By, ReducePlan, key_matcher, one_rank_a_process
 from metric_core.offline.read import ReadReport, fetch_numpy_api, read_sealed
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.report import MixedKey, rel
@@ -413,6 +413,7 @@ class Follower:
         self.sent: dict[str | None, float] = {}  # each run's last bucket handed over
         self.sent_steps: dict[tuple[str, int, str], int] = {}  # each attempt's highest step handed over
         self.late: dict[Source, int] = {}  # records that came after their bucket was handed over
+        self.kept: set[Source] = set()  # the sources of the records kept (the plan's filters passed)
         self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
         self.t0: float | None = None
         self.recorded = KeyReductions()
@@ -544,6 +545,9 @@ class Follower:
 
     def _rows(self, complete: pl.DataFrame, sources: dict[Source, SourceState]) -> list[Ready]:
         plan, bucket = self.plan, self.plan.bucket
+        if plan.mode is not LoggingMode.GLOBAL_REDUCE:  # a run per process: one rank each
+            self.kept.update(complete.select("process", "rank").unique().iter_rows())
+            one_rank_a_process(sorted(self.kept))
         if self.raw and self.share_run:
             out = complete.sort("timestamp", maintain_order=True)
         elif self.raw:  # a source's records in attempt order (a reader started later sees them at once)

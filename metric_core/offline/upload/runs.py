@@ -28,7 +28,7 @@ import numpy as np
 
 from metric_core.errors import PlanError, opt
 from metric_core.metric import LoggingMode
-from metric_core.offline.plan import ReducePlan
+from metric_core.offline.plan import ReducePlan, one_rank_a_process
 from metric_core.offline.storage import name_of
 
 if TYPE_CHECKING:  # a plan is built with polars; it is read (and sent) without it
@@ -299,6 +299,7 @@ def _shared_run(
     stream: ``_streamed_runs``)."""
     import polars as pl
 
+    one_rank_a_process(frame.select("process", "rank").unique().iter_rows())
     mapping = safe_keys(frame["key"].unique().to_list())
     shared = frame.with_columns(key=pl.format("{}/{}", pl.col("key").replace_strict(mapping), "process"))
     run_id = run_id_for(identity, key, None)
@@ -354,11 +355,15 @@ def _streamed_runs(
     seen: dict[str | None, dict[str, int]] = {}  # each run's keys, by code in order of appearance
     counts: dict[str | None, np.ndarray] = {}  # a raw run's points of each key code
     ends: dict[str | None, int] = {}
+    sources: set[tuple[str, int]] = set()
     bucket_type = "float64" if bucket == "window_start" else "int64"
     for whole in result.batches():
         parts = whole.partition_by("process", maintain_order=True) if per_source else [whole]
         for batch in parts:
             process = str(batch["process"][0]) if per_source else None
+            if process is not None:
+                sources.update((process, rank) for rank in batch["rank"].unique().to_list())
+                one_rank_a_process(sources)
             run = runs.get(process)
             if run is None:
                 stem = os.path.join(spill_dir, str(len(runs)))
