@@ -857,6 +857,19 @@ def test_the_upload_key_keeps_the_shape_earlier_uploads_were_recorded_under():
     )
 
 
+def one_name_two_ranks(run_dir: Path) -> dict[tuple[int, int], float]:
+    """Ranks 0 and 1, both process "worker", 3 steps: each (rank, step)'s value."""
+    values = {}
+    for rank in (0, 1):
+        c = MetricCollector(run_dir, process_name="worker", rank=rank)
+        for step in range(3):
+            values[rank, step] = float(rank * 10 + step)
+            c.push(Metric("loss", values[rank, step], Reduce.MEAN, BASE_TIME + step))
+            c.flush(step)
+        c.shutdown()
+    return values
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -870,16 +883,9 @@ def test_the_upload_key_keeps_the_shape_earlier_uploads_were_recorded_under():
 def test_two_ranks_of_one_process_name_are_refused_in_the_per_rank_modes(tmp_path, args):
     """A W&B run (a TensorBoard folder, a shared run's key suffix) is named by process:
     two ranks that write as one name would mix their rows (steps twice in one run). The
-    upload says so, sends nothing, and global_reduce of the same run is numpy's mean."""
+    upload says so, and sends nothing."""
     run_dir = tmp_path / "run"
-    values = {}
-    for rank in (0, 1):
-        c = MetricCollector(run_dir, process_name="worker", rank=rank)
-        for step in range(3):
-            values[rank, step] = float(rank * 10 + step)
-            c.push(Metric("loss", values[rank, step], Reduce.MEAN, BASE_TIME + step))
-            c.flush(step)
-        c.shutdown()
+    one_name_two_ranks(run_dir)
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     tb = tmp_path / "tb"
     command = [METRICLOG, "upload", str(run_dir)]
@@ -893,7 +899,14 @@ def test_two_ranks_of_one_process_name_are_refused_in_the_per_rank_modes(tmp_pat
         "worker_r0, worker_r1), or use --mode global_reduce"
     ]
     assert not list((run_dir / ".metriclog").rglob("*.wandb")) and not tb.exists()
-    done = subprocess.run([*command, "--project", "p", "--offline"], capture_output=True, text=True, env=env)
+
+
+def test_global_reduce_takes_two_ranks_of_one_process_name(tmp_path):
+    run_dir = tmp_path / "run"
+    values = one_name_two_ranks(run_dir)
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    command = [METRICLOG, "upload", str(run_dir), "--project", "p", "--offline"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     (run_id,) = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"]
     rows = [r for r in history_rows(uploaded(run_dir, run_id)) if "loss" in r]
