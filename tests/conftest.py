@@ -233,7 +233,10 @@ def on_a_terminal(command: list[str]) -> tuple[int, str, bytes]:
 def pytest_xdist_auto_num_workers(config):
     """``-n auto`` (``make test``): a worker more than the cores. About a third of the
     suite's time is spent waiting on processes it started (jobs, sidecars, watch, servers)
-    and the extra worker runs tests in those gaps."""
+    and the extra worker runs tests in those gaps. PYTEST_XDIST_AUTO_NUM_WORKERS and
+    ``-n logical`` are xdist's to count."""
+    if "PYTEST_XDIST_AUTO_NUM_WORKERS" in os.environ or config.option.numprocesses == "logical":
+        return None
     return len(os.sched_getaffinity(0)) + 1
 
 

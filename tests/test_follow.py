@@ -48,8 +48,9 @@ with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
             os.kill(os.getpid(), signal.SIGKILL)  # after its flush of the step before
         if step == c.get("pause_at"):
             time.sleep(c["pause_s"])  # an evaluation, a checkpoint
-        while step == c.get("hold_at") and not os.path.exists(c["release"]):
-            time.sleep(0.01)  # silent until the test lets it go (release)
+        held = time.monotonic()  # silent until the test lets it go (release), or gives up on it
+        while step == c.get("hold_at") and not os.path.exists(c["release"]) and time.monotonic() - held < 300:
+            time.sleep(0.01)
         for i in range(4):
             for key, how, value in (
                 ("loss", Reduce.MEAN, 1e6 + rng.normal()),

@@ -686,3 +686,27 @@ def test_a_files_keys_merged_in_shares_count_each_key_once(tmp_path, monkeypatch
     assert [(b.key, b.first_step, b.first_timestamp, b.count) for b in report.nonfinite] == [
         ("k3", 1, first_nan["timestamp"], 2)
     ]
+
+
+def test_a_cache_never_gives_a_file_the_aggregates_of_an_older_version_of_it(tmp_path):
+    """A cache filled from one scan, given with a later scan whose own ``earlier`` saw the
+    file after it grew: the file is unchanged for that scan, not for the cache, and is
+    read again."""
+    run = tmp_path / "run"
+    live = MetricCollector(run, rank=0, process_name="TrainActor_r0", flush_interval=3600)
+    live.push(Metric("x", 0.0, Reduce.MEAN, T0))
+    live.flush(0)
+    cache: dict = {}
+    first = scan_run(run, defer_checks=True)
+    inspect_run(first, cache=cache, now=T0 + 10)
+    live.push(Metric("x", 1.0, Reduce.MEAN, T0 + 1))
+    live.flush(1)  # the journal grew
+    second = scan_run(run, defer_checks=True, earlier=first)
+    third = scan_run(run, defer_checks=True, earlier=second)
+    assert all(third.unchanged(fid) for fid in third.file_ids)
+    report = inspect_run(third, cache=cache, now=T0 + 10)
+    assert [s.last_step for s in report.sources] == [1]
+    assert report.to_dict() == inspect_run(run, now=T0 + 10).to_dict() | {
+        "checked_at": report.to_dict()["checked_at"]
+    }
+    live.shutdown()

@@ -413,7 +413,7 @@ class Follower:
         self.sent: dict[str | None, float] = {}  # each run's last bucket handed over
         self.sent_steps: dict[tuple[str, int, str], int] = {}  # each attempt's highest step handed over
         self.late: dict[Source, int] = {}  # records that came after their bucket was handed over
-        self.kept: set[Source] = set()  # the sources of the records kept (the plan's filters passed)
+        self.kept_sources: set[Source] = set()  # of the records kept (the plan's filters passed)
         self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
         self.t0: float | None = None
         self.recorded = KeyReductions()
@@ -436,6 +436,9 @@ class Follower:
         """New settled records; what a restart of a source replaces is dropped (W&B's rewind)."""
         if records.height:
             kept = plan_filtered(self.plan, records.lazy(), [*COLUMNS, "attempt"]).collect()
+            if self.plan.mode is not LoggingMode.GLOBAL_REDUCE:  # a run per process: one rank each
+                self.kept_sources.update(kept.select("process", "rank").unique().iter_rows())
+                one_rank_a_process(sorted(self.kept_sources))
             self.pending = pl.concat([self.pending, key_matching(kept, self.match)], how="vertical_relaxed")
         if self.plan.attempts != "all":
             self._rewind(sources)
@@ -545,9 +548,6 @@ class Follower:
 
     def _rows(self, complete: pl.DataFrame, sources: dict[Source, SourceState]) -> list[Ready]:
         plan, bucket = self.plan, self.plan.bucket
-        if plan.mode is not LoggingMode.GLOBAL_REDUCE:  # a run per process: one rank each
-            self.kept.update(complete.select("process", "rank").unique().iter_rows())
-            one_rank_a_process(sorted(self.kept))
         if self.raw and self.share_run:
             out = complete.sort("timestamp", maintain_order=True)
         elif self.raw:  # a source's records in attempt order (a reader started later sees them at once)

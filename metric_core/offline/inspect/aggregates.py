@@ -87,8 +87,8 @@ def aggregate(
     done = 0
     used = {}
     for n, fid in enumerate(scan.file_ids, 1):
-        known = (str(files[fid].path), sources[fid]) if scan.unchanged(fid) else None
-        if cache is not None and known in cache:  # as the last call read it (its counts: the scan's)
+        known = (files[fid].identity, sources[fid])
+        if cache is not None and scan.unchanged(fid) and known in cache:  # as the last call read it
             steps, keys = cache[known]
         else:
             by = [] if fid in one_source else ["process", "rank"]
@@ -113,8 +113,8 @@ def aggregate(
                     pl.lit(rank, pl.Int64).alias("rank"),
                 ]
                 keys = keys.select(*source, pl.all())
-        if cache is not None:
-            used[str(files[fid].path), sources[fid]] = (steps, keys)
+        if cache is not None and known[0] is not None:
+            used[known] = (steps, keys)
         for source, found in steps.items():
             per_source.setdefault(source, []).append((fid, found))  # type: ignore[arg-type]
         by_key.append(keys)

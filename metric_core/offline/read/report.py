@@ -57,9 +57,19 @@ class FileReport:
     row_groups: tuple[tuple[int, int, float], ...] | None = None
     damaged_groups: set[int] = field(default_factory=set)
     verified: bool = False  # every row group read once to verify it
-    # (bytes, mtime in ns) before its records were read: a file that still shows these was
-    # read whole (what ``inspect_run``'s cache keys a file's aggregates on).
+    # (bytes, mtime in ns) before its records were read: a file that still shows these is
+    # the file that was read (``identity``).
     listed: tuple[int, int] | None = None
+
+    @property
+    def identity(self) -> tuple[Any, ...] | None:
+        """What the file's records as read depend on: the file as it was listed (its size
+        and time) and how it was read (a restart's rewind, its keys' hashes). None when it
+        could not be listed. Two scans that give a file the same identity read the same
+        records from it (``scan_run``'s ``earlier``; inspect's cache keys aggregates on it)."""
+        if self.listed is None:
+            return None
+        return (str(self.path), self.listed, self.replaced_from, self.hashed)
 
     @property
     def size(self) -> int:

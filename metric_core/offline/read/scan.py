@@ -146,18 +146,21 @@ class RunScan:
         return not self.trusted(fid) or (rep.row_groups is not None and not rep.verified)
 
     def unchanged(self, fid: int) -> bool:
-        """The file is as the ``earlier`` scan given to ``scan_run`` listed it, and that
-        scan read it whole: its counts in the report are that read's, and what a caller
-        kept of that read still holds without reading it again."""
+        """The file is as the ``earlier`` scan given to ``scan_run`` listed it (its
+        ``FileReport.identity``), and its counts in the report are that scan's, whole: a
+        file that needs no read for them now. What a caller kept of its read of the file
+        then (keyed on the identity) still holds."""
         return fid in self._unchanged
 
     def _take_counts(self, earlier: RunScan) -> None:
         """The counts of each file ``earlier`` read whole (checked, not given up on) that is
-        unchanged since: as it listed it, and read the same way. Not a checksummed segment
-        with a damaged row group: its pages are verified again by a read of it (and counted)."""
+        unchanged since (``FileReport.identity``). Another tool's file counts once it was read
+        whole; the writer's files need no read for their counts (what their metadata
+        declares), but a checksummed segment with a damaged row group is left out: a read of
+        it verifies its pages again (and would count the damage twice)."""
         files = earlier.report.files
         whole = {
-            _identity(files[fid]): files[fid]
+            files[fid].identity: files[fid]
             for fid in earlier.file_ids
             if fid not in earlier._pending
             and fid not in earlier._failed
@@ -165,7 +168,7 @@ class RunScan:
         }
         for fid in self.file_ids:
             rep = self.report.files[fid]
-            before = whole.get(_identity(rep)) if rep.listed is not None else None
+            before = whole.get(rep.identity) if rep.identity is not None else None
             if before is not None:
                 rep.records, rep.skipped = before.records, before.skipped
                 rep.skip_reasons = dict(before.skip_reasons)
@@ -370,8 +373,8 @@ def scan_run(
     complete once every such file was read.
 
     ``earlier``, a scan of the same run made before (``watch``'s last poll), gives the
-    counts of each file it read whole that is unchanged since (``RunScan.unchanged``):
-    such a file needs no read for the report to be whole.
+    counts of each file unchanged since (``FileReport.identity``) whose counts it had
+    whole (``RunScan.unchanged``): such a file needs no read for the report to be whole.
 
     >>> scan = scan_run("sample_logs/rl_run")
     >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
@@ -467,12 +470,6 @@ def scan_run(
     if earlier is not None:
         scan._take_counts(earlier)
     return scan
-
-
-def _identity(rep: FileReport) -> tuple[Any, ...]:
-    """What a file's records as read depend on: the file as it was listed (its size and
-    time), and how it was read (a restart's rewind, its keys' hashes)."""
-    return (str(rep.path), rep.listed, rep.replaced_from, rep.hashed)
 
 
 def _restarted(report: ReadReport, fids: list[int]) -> set[tuple[str, int]]:
