@@ -42,13 +42,11 @@ metric_core.init(
 rng = np.random.default_rng([rank, c.get("start") or 0])
 with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
     for step in range(c.get("start") or 0, c["steps"]):
-        if step == c.get("hang"):
-            time.sleep(600)  # alive, silent: a hang
         if step == c.get("die"):
             os.kill(os.getpid(), signal.SIGKILL)  # after its flush of the step before
         if step == c.get("pause_at"):
             time.sleep(c["pause_s"])  # an evaluation, a checkpoint
-        held = time.monotonic()  # silent until the test lets it go (release), or gives up on it
+        held = time.monotonic()  # alive, silent (a hang) until the test lets it go or kills it
         while step == c.get("hold_at") and not os.path.exists(c["release"]) and time.monotonic() - held < 300:
             time.sleep(0.01)
         for i in range(4):
@@ -68,10 +66,10 @@ HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 
 def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1, **more) -> list:
-    """A writer process per rank (``ranks``: how many, or which), ``more``: hang, die,
-    pause_at and hold_at (rank -> the step it hangs at, SIGKILLs itself at, pauses
-    ``pause_s`` at, is held at until ``release(run)``; or pause_at, hold_at: the step every
-    rank pauses or is held at), sidecar (rank 0's), start (the step it resumes from), world.
+    """A writer process per rank (``ranks``: how many, or which), ``more``: die, pause_at
+    and hold_at (rank -> the step it SIGKILLs itself at, pauses ``pause_s`` at, hangs at
+    until ``release(run)`` or its kill; or pause_at, hold_at: the step every rank pauses or
+    hangs at), sidecar (rank 0's), start (the step it resumes from), world.
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
@@ -88,7 +86,7 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
     config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
 
     def of(r: int) -> dict:
-        steps = {"hang": more.get("hang", {}).get(r), "die": more.get("die", {}).get(r)}
+        steps = {"die": more.get("die", {}).get(r)}
         for name in ("pause_at", "hold_at"):
             at = more.get(name)
             steps[name] = at.get(r) if isinstance(at, dict) else at
@@ -326,7 +324,7 @@ def test_a_pause_and_a_death_give_the_exact_rows_and_the_follow_ends_by_itself(t
 
 def test_a_hung_rank_holds_the_steps_while_alive_and_its_kill_lets_the_follow_end(tmp_path):
     run = tmp_path / "run"
-    ranks = writers(run, steps=40, ranks=3, hang={2: 10})
+    ranks = writers(run, steps=40, ranks=3, hold_at={2: 10})  # never released: killed below
     log = tmp_path / "follow.log"
     sidecar = follow_logged(run, log, "--restart-grace", "1s")
     finish(ranks[:2])
