@@ -151,10 +151,12 @@ class Format(str, Enum):
 
 FormatOpt = Annotated[
     Format | None,
-    typer.Option(
+    choice(
         "--format",
-        help="How rows go to stdout: table (the default on a terminal), csv (the default into a pipe), "
-        "json (an array) or jsonl. Every format but table prints every row.",
+        Format,
+        "How rows go to stdout: table (the default on a terminal), csv (the default into a pipe), "
+        "json (one array of objects, a row each) or jsonl (an object a line). Every format but table "
+        "prints every row.",
     ),
 ]
 Limit = Annotated[int | None, typer.Option("--limit", metavar="N", min=0, help="Only the first N rows.")]
@@ -197,9 +199,7 @@ class To(str, Enum):
 
 ToOpt = Annotated[
     To,
-    typer.Option(
-        "--to", help="Where the runs go: W&B (the default), or TensorBoard event files under --logdir."
-    ),
+    choice("--to", To, "Where the runs go: W&B (the default), or TensorBoard event files under --logdir."),
 ]
 Logdir = Annotated[
     str | None,
@@ -267,10 +267,11 @@ ForceNew = Annotated[bool, typer.Option("--force-new", help="Upload finished run
 Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]
 InspectFormat = Annotated[
     Format | None,
-    typer.Option(
+    choice(
         "--format",
-        help="table (the report, the default), json (as --json), or csv/jsonl: the per-source table, a "
-        "row a source.",
+        Format,
+        "table (the report, the default), json (the report as one JSON object, as --json), or "
+        "csv/jsonl: the per-source table, a row a source.",
     ),
 ]
 PlotKeys = Annotated[

@@ -426,6 +426,44 @@ def test_a_bad_choice_or_output_type_is_a_usage_error_before_anything_is_read(tm
     assert result.stderr.splitlines()[0] == "Usage: metriclog reduce [OPTIONS] RUN_DIR"
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["keys", "--format", "xml"],
+            "Invalid value for '--format': 'xml' is not one of table, csv, json, jsonl",
+        ),
+        (
+            ["reduce", "--format", "jsn"],
+            "Invalid value for '--format': 'jsn' is not one of table, csv, json, jsonl; did you mean 'json'?",
+        ),
+        (
+            ["samples", "--format", "xml"],
+            "Invalid value for '--format': 'xml' is not one of table, csv, json, jsonl",
+        ),
+        (
+            ["inspect", "--format", "xml"],
+            "Invalid value for '--format': 'xml' is not one of table, csv, json, jsonl",
+        ),
+        (
+            ["upload", "--to", "tb", "--project", "p"],
+            "Invalid value for '--to': 'tb' is not one of wandb, tensorboard",
+        ),
+        (
+            ["upload", "--to", "tensor", "--logdir", "tb"],
+            "Invalid value for '--to': 'tensor' is not one of wandb, tensorboard; did you mean 'tensorboard'?",
+        ),
+    ],
+)
+def test_every_choice_lists_its_values_in_plain_words(tmp_path, args, message):
+    """No "Value error," (pydantic's prefix, which typer's own enum check passes on)."""
+    command, *options = args
+    result = invoke(command, tmp_path / "no-such-run", *options)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == f"Error: {message}"
+    assert "Value error" not in result.output
+
+
 def test_long_results_are_cut_and_the_cut_is_said(run):
     root, _ = run
     result = invoke("reduce", root, "--mode", "per_rank_no_reduce", "--format", "table")
