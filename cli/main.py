@@ -320,14 +320,15 @@ def keys(
     attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
     form: o.FormatOpt = None,
-    json_out: o.Json = False,
+    json_out: o.KeysJson = False,
     limit: o.Limit = None,
     tail: o.Tail = None,
 ) -> None:
     """List every key of a run: its reduction, records, sources, first and last step and time,
     and how many of its values are NaN or infinite. Reads every record once.
 
-    --json is --format json. A table on a terminal, CSV into a pipe.
+    A row a key: a table on a terminal, CSV into a pipe; --format json (or --json) prints one
+    JSON array of objects, jsonl an object a line.
 
     Example:
 
@@ -406,6 +407,9 @@ def watch(
     wait: o.Wait = False,
 ) -> None:
     """Follow a run while it is written: its sources' state, the ones that hang or die.
+
+    On a terminal, a table of the sources redrawn in place; into a pipe or a file, a line each
+    time a source appears or its state changes (stalls, deaths and restarts: on stderr).
 
     Exit 0 once every source finished, 4 once every source finished or died and no restart
     came within --restart-grace, 3 on a stall with --exit-on-stall, 130 on Ctrl-C.

@@ -18,8 +18,8 @@ RunDir = Annotated[
     str,
     typer.Argument(
         metavar="RUN_DIR",
-        help="Run directory holding *.parquet / *.jsonl files: a path, or an s3://, gs://, az:// or file:// "
-        "URL.",
+        help="Run directory holding *.parquet, *.jsonl and *.journal files: a path, or an s3://, gs://, "
+        "az:// or file:// URL.",
         show_default=False,
     ),
 ]
@@ -109,7 +109,11 @@ Ranks = Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Onl
 Steps = Annotated[
     str | None,
     typer.Option(
-        "--steps", metavar="START:STOP", help="Only steps START:STOP (STOP excluded), e.g. 100:200."
+        "--steps",
+        metavar="START:STOP",
+        help="Only steps START:STOP (STOP excluded), e.g. 100:200. A negative number counts back from "
+        "the last step, as Python slices do: -5: is the last 5 steps, :-1 all but the last (not with "
+        "upload --follow).",
     ),
 ]
 Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
@@ -264,7 +268,13 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the runs, rows an
 ForceNew = Annotated[bool, typer.Option("--force-new", help="Upload finished runs again under fresh ids.")]
 
 # inspect and plot
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print the report as one JSON object instead of the table.")
+]
+KeysJson = Annotated[
+    bool,
+    typer.Option("--json", help="Print the rows as one JSON array of objects, a key each (--format json)."),
+]
 InspectFormat = Annotated[
     Format | None,
     choice(

@@ -464,6 +464,42 @@ def test_every_choice_lists_its_values_in_plain_words(tmp_path, args, message):
     assert "Value error" not in result.output
 
 
+def help_of(command: str) -> str:
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert result.exit_code == 0
+    return " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("command", ["reduce", "keys", "samples", "inspect"])
+def test_each_commands_help_says_what_each_json_format_prints(command):
+    """What --help promises of --format json (and --json) is what is printed: an array of
+    rows for the data commands, one object for inspect's report."""
+    said = help_of(command)
+    printed = [json.loads(invoke(command, SAMPLE, "--format", "json").stdout)]
+    if command in ("keys", "inspect"):
+        printed.append(json.loads(invoke(command, SAMPLE, "--json").stdout))
+    if command == "inspect":
+        assert "--json Print the report as one JSON object instead of the table." in said
+        assert "json (the report as one JSON object, as --json)" in said
+        assert all(isinstance(p, dict) and "sources" in p for p in printed)
+    else:
+        assert "json (one array of objects, a row each)" in said and "JSON object" not in said
+        assert all(isinstance(p, list) and all(isinstance(row, dict) for row in p) for p in printed)
+    if command == "keys":
+        assert "--json Print the rows as one JSON array of objects, a key each (--format json)." in said
+    if command == "samples":  # the sample run has none: an empty array, not nothing
+        assert printed == [[]]
+
+
+def test_steps_help_shows_that_a_negative_number_counts_back():
+    for command in ("reduce", "upload", "plot", "samples"):
+        assert (
+            "--steps START:STOP Only steps START:STOP (STOP excluded), e.g. 100:200. A negative number "
+            "counts back from the last step, as Python slices do: -5: is the last 5 steps, :-1 all but "
+            "the last (not with upload --follow)."
+        ) in help_of(command), command
+
+
 def test_long_results_are_cut_and_the_cut_is_said(run):
     root, _ = run
     result = invoke("reduce", root, "--mode", "per_rank_no_reduce", "--format", "table")
