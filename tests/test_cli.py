@@ -914,3 +914,27 @@ def test_the_documented_way_to_read_a_run_elsewhere_counts_a_killed_ranks_journa
         (p, sum(r["process"] == p for r in truth), max(r["step"] for r in truth if r["process"] == p))
         for p in ("TrainActor_r0", "TrainActor_r1")
     )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["reduce"],
+        ["reduce", "--mode", "per_rank_reduce", "--wide"],
+        ["reduce", "--mode", "per_rank_no_reduce", "--limit", "3"],
+        ["reduce", "--steps", "-3:", "--format", "json"],
+        ["reduce", "--key", "nomatch"],  # a failure after the read
+        ["keys"],
+        ["inspect"],
+        ["inspect", "--json"],
+        ["upload", "--project", "p", "--dry-run"],
+        ["plot", "--key", "policy/*"],
+    ],
+)
+def test_each_command_says_the_sample_runs_skipped_records_once(args, tmp_path):
+    command, *options = args
+    if command == "plot":
+        options += ["--out", str(tmp_path / "p.png")]
+    result = invoke(command, SAMPLE, *options)
+    assert result.exit_code in (0, 1), result.output
+    assert result.stderr.count("21 record(s) skipped") == 1, result.stderr
