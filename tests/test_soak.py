@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow  # real jobs of several processes, then the comman
 
 
 def fixed_seeds() -> list:
-    """``SEED [xfail=DEFECT]  # what it found``, one a line."""
+    """``SEED [xfail=DEFECT | skip=WHY]  # what it found``, one a line."""
     out = []
     for line in SEEDS_FILE.read_text().splitlines():
         fields = line.split("#", 1)[0].split()
@@ -26,9 +26,12 @@ def fixed_seeds() -> list:
         seed, marks = int(fields[0]), []
         for mark in fields[1:]:
             name, _, reason = mark.partition("=")
-            if name != "xfail":
+            if name == "xfail":
+                marks.append(pytest.mark.xfail(reason=reason.replace("_", " "), strict=False))
+            elif name == "skip":
+                marks.append(pytest.mark.skip(reason=reason.replace("_", " ") + f": make soak SEED={seed}"))
+            else:
                 raise ValueError(f"{SEEDS_FILE}: unknown mark {mark!r} on seed {seed}")
-            marks.append(pytest.mark.xfail(reason=reason.replace("_", " "), strict=False))
         out.append(pytest.param(seed, marks=marks, id=f"seed{seed}"))
     return out
 

@@ -27,8 +27,10 @@ def check_job(job) -> None:
     for source, attempts in truth.attempts.items():
         for a in attempts:
             if a.big is not None and not a.big["refused"]:
-                result.fail(f"record_metric took 2**53 + 1 for 'bigint/sum' ({source[0]}), which float64 "
-                            "cannot hold: it should refuse it with a ValueError naming the key (defect 3)")
+                result.fail(
+                    f"record_metric took 2**53 + 1 for 'bigint/sum' ({source[0]}), which float64 "
+                    "cannot hold: it should refuse it with a ValueError naming the key (defect 3)"
+                )
             elif a.big is not None and not a.big["names_key"]:
                 result.fail("record_metric refused 2**53 + 1 without naming the key 'bigint/sum'")
     seen = raw(job, truth, damaged=set())
@@ -49,7 +51,12 @@ def check_job(job) -> None:
     keys(job, seen)
     if spec["sample_keys"]:
         samples(job, truth)
-    inspect(job, truth, damaged=set(job.notes.get("damaged_sources", [])))
+    inspect(
+        job,
+        truth,
+        damaged=set(job.notes.get("damaged_sources", [])),
+        seen_sources={(r["process"], r["rank"]) for r in seen},
+    )
 
 
 # -- raw records ---------------------------------------------------------------------
@@ -66,8 +73,16 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
     result = job.result
     out = job.dir / "out" / f"{kind}.parquet"
     any_required = any(r.required for recs in truth.sources().values() for r in recs)
-    done = job.command(kind, "reduce", str(job.run), "--mode", "per_rank_no_reduce", "--out", str(out),
-                       expect=(0,) if any_required else (0, 1))
+    done = job.command(
+        kind,
+        "reduce",
+        str(job.run),
+        "--mode",
+        "per_rank_no_reduce",
+        "--out",
+        str(out),
+        expect=(0,) if any_required else (0, 1),
+    )
     if done.code != 0:
         return None
     rows = read_frame(out)
@@ -97,15 +112,26 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
             lost_total += len(lost)
             if source not in damaged:
                 first = lost[0]
-                result.fail(f"{kind}: {len(lost)} acknowledged record(s) of {source[0]} (rank {source[1]}) "
-                            f"lost or out of order, e.g. step {first.step} {first.key}={float.fromhex(first.value)!r}"
-                            f" (attempt {first.attempt})")
+                result.fail(
+                    f"{kind}: {len(lost)} acknowledged record(s) of {source[0]} (rank {source[1]}) "
+                    f"lost or out of order, e.g. step {first.step} {first.key}={float.fromhex(first.value)!r}"
+                    f" (attempt {first.attempt})"
+                )
         for row in extra:
-            ident = (row["process"], row["rank"], row["step"], row["key"], row["reduction"], float(row["value"]).hex())
+            ident = (
+                row["process"],
+                row["rank"],
+                row["step"],
+                row["key"],
+                row["reduction"],
+                float(row["value"]).hex(),
+            )
             if ident not in written:
                 result.fail(f"{kind}: a value never written was read: {_show(row)}")
             else:
-                result.fail(f"{kind}: a record read twice, out of order or that a restart replaced: {_show(row)}")
+                result.fail(
+                    f"{kind}: a record read twice, out of order or that a restart replaced: {_show(row)}"
+                )
             break  # one is enough to tell
     if lost_total and damaged and "warning" not in done.err.lower():
         result.fail(f"{kind}: {lost_total} record(s) of damaged files left out without a warning")
@@ -116,8 +142,12 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
 
 
 def _is(row: dict, rec: Rec) -> bool:
-    return (row["step"] in (rec.step, rec.alt_step) and row["key"] == rec.key and row["reduction"] == rec.reduction
-            and float(row["value"]).hex() == rec.value)
+    return (
+        row["step"] in (rec.step, rec.alt_step)
+        and row["key"] == rec.key
+        and row["reduction"] == rec.reduction
+        and float(row["value"]).hex() == rec.value
+    )
 
 
 def _everything_written(truth: Truth) -> set[tuple]:
@@ -134,7 +164,9 @@ def _everything_written(truth: Truth) -> set[tuple]:
 
 
 def _show(row: dict) -> str:
-    return ", ".join(f"{k}={row[k]!r}" for k in ("process", "rank", "step", "key", "value", "timestamp") if k in row)
+    return ", ".join(
+        f"{k}={row[k]!r}" for k in ("process", "rank", "step", "key", "value", "timestamp") if k in row
+    )
 
 
 # -- reducing modes ------------------------------------------------------------------
@@ -143,19 +175,33 @@ def _show(row: dict) -> str:
 def expected_groups(seen: list[dict], mode: str, label=lambda r: r["step"]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in seen:
-        where = (label(row), row["key"]) if mode == "global_reduce" else (
-            row["process"], row["rank"], label(row), row["key"])
+        where = (
+            (label(row), row["key"])
+            if mode == "global_reduce"
+            else (row["process"], row["rank"], label(row), row["key"])
+        )
         groups[where].append(row)
     return groups
 
 
-def compare_groups(job, kind: str, rows: list[dict], groups: dict[tuple, list[dict]], mode: str,
-                   stat_of, label: str = "step", skip: set | None = None) -> None:
+def compare_groups(
+    job,
+    kind: str,
+    rows: list[dict],
+    groups: dict[tuple, list[dict]],
+    mode: str,
+    stat_of,
+    label: str = "step",
+    skip: set | None = None,
+) -> None:
     result = job.result
     got = {}
     for row in rows:
-        where = (row[label], row["key"]) if mode == "global_reduce" else (
-            row["process"], row["rank"], row[label], row["key"])
+        where = (
+            (row[label], row["key"])
+            if mode == "global_reduce"
+            else (row["process"], row["rank"], row[label], row["key"])
+        )
         if where in got:
             result.fail(f"{kind}: group {where} twice in the output")
         got[where] = row
@@ -188,22 +234,51 @@ def compare_groups(job, kind: str, rows: list[dict], groups: dict[tuple, list[di
 
 def reducing(job, seen: list[dict], mode: str) -> None:
     out = job.dir / "out" / f"{mode}.parquet"
-    done = job.command(f"reduce-{mode}", "reduce", str(job.run), "--mode", mode, "--out", str(out),
-                       expect=(0,) if seen else (0, 1))
+    done = job.command(
+        f"reduce-{mode}",
+        "reduce",
+        str(job.run),
+        "--mode",
+        mode,
+        "--out",
+        str(out),
+        expect=(0,) if seen else (0, 1),
+    )
     if done.code == 0:
-        compare_groups(job, f"reduce --mode {mode}", read_frame(out), expected_groups(seen, mode), mode,
-                       lambda key, red: red)
+        compare_groups(
+            job,
+            f"reduce --mode {mode}",
+            read_frame(out),
+            expected_groups(seen, mode),
+            mode,
+            lambda key, red: red,
+        )
 
 
 def overrides(job, seen: list[dict]) -> None:
     spec = job.job["overrides"]
     out = job.dir / "out" / "overrides.parquet"
     args = [a for p in spec["patterns"] for a in ("--reduce", p)]
-    done = job.command("reduce-overrides", "reduce", str(job.run), "--mode", spec["mode"], *args, "--out", str(out),
-                       expect=(0,) if seen else (0, 1))
+    done = job.command(
+        "reduce-overrides",
+        "reduce",
+        str(job.run),
+        "--mode",
+        spec["mode"],
+        *args,
+        "--out",
+        str(out),
+        expect=(0,) if seen else (0, 1),
+    )
     if done.code == 0:
-        compare_groups(job, "reduce " + " ".join(args), read_frame(out), expected_groups(seen, spec["mode"]),
-                       spec["mode"], lambda key, red: statistic_of(key, red, spec["patterns"]))
+        compare_groups(
+            job,
+            "reduce " + " ".join(args),
+            read_frame(out),
+            expected_groups(seen, spec["mode"]),
+            spec["mode"],
+            lambda key, red: statistic_of(key, red, spec["patterns"]),
+        )
 
 
 def _seconds(every: str) -> float:
@@ -217,8 +292,20 @@ def by_time(job, seen: list[dict]) -> None:
     spec = job.job["by_time"]
     mode, every = spec["mode"], spec["every"]
     out = job.dir / "out" / "by-time.parquet"
-    done = job.command("reduce-by-time", "reduce", str(job.run), "--mode", mode, "--by", "time", "--every", every,
-                       "--out", str(out), expect=(0,) if seen else (0, 1))
+    done = job.command(
+        "reduce-by-time",
+        "reduce",
+        str(job.run),
+        "--mode",
+        mode,
+        "--by",
+        "time",
+        "--every",
+        every,
+        "--out",
+        str(out),
+        expect=(0,) if seen else (0, 1),
+    )
     if done.code != 0 or not seen:
         return
     rows = read_frame(out)
@@ -240,8 +327,10 @@ def by_time(job, seen: list[dict]) -> None:
             i = window(row)
             start = float(t0 + i * d)
             if i not in edgy and not math.isclose(row["window_start"], start, rel_tol=0, abs_tol=1e-6):
-                job.result.fail(f"reduce --by time --every {every} raw: window_start {row['window_start']!r} "
-                                f"for a record at {row['timestamp']!r}, expected {start!r}")
+                job.result.fail(
+                    f"reduce --by time --every {every} raw: window_start {row['window_start']!r} "
+                    f"for a record at {row['timestamp']!r}, expected {start!r}"
+                )
                 break
             job.result.values += 1
         return
@@ -249,8 +338,10 @@ def by_time(job, seen: list[dict]) -> None:
     for row in rows:
         i = round((Fraction(row["window_start"]) - t0) / d)
         if abs(Fraction(row["window_start"]) - (t0 + i * d)) > Fraction(1, 10**6):
-            job.result.fail(f"reduce --by time --every {every}: window_start {row['window_start']!r} is not "
-                            f"the first record's time {float(t0)!r} plus a multiple of {every}")
+            job.result.fail(
+                f"reduce --by time --every {every}: window_start {row['window_start']!r} is not "
+                f"the first record's time {float(t0)!r} plus a multiple of {every}"
+            )
             return
         index[i] = row["window_start"]
         row["window"] = i
@@ -261,8 +352,15 @@ def by_time(job, seen: list[dict]) -> None:
             if g in skip:
                 del groups[g]
         rows = [r for r in rows if r["window"] not in edgy]
-    compare_groups(job, f"reduce --mode {mode} --by time --every {every}", rows, groups, mode,
-                   lambda key, red: red, label="window")
+    compare_groups(
+        job,
+        f"reduce --mode {mode} --by time --every {every}",
+        rows,
+        groups,
+        mode,
+        lambda key, red: red,
+        label="window",
+    )
 
 
 # -- keys, samples, inspect ----------------------------------------------------------
@@ -275,8 +373,17 @@ def keys(job, seen: list[dict]) -> None:
     got = {row["key"]: row for row in json.loads(done.out)}
     want: dict[str, dict] = {}
     for row in seen:
-        k = want.setdefault(row["key"], {"records": 0, "sources": set(), "steps": [], "times": [], "nonfinite": 0,
-                                         "reduction": row["reduction"]})
+        k = want.setdefault(
+            row["key"],
+            {
+                "records": 0,
+                "sources": set(),
+                "steps": [],
+                "times": [],
+                "nonfinite": 0,
+                "reduction": row["reduction"],
+            },
+        )
         k["records"] += 1
         k["sources"].add((row["process"], row["rank"]))
         k["steps"].append(row["step"])
@@ -287,9 +394,15 @@ def keys(job, seen: list[dict]) -> None:
     bad = []
     for key in set(got) & set(want):
         g, w = got[key], want[key]
-        expect = {"records": w["records"], "sources": len(w["sources"]), "first_step": min(w["steps"]),
-                  "last_step": max(w["steps"]), "first_time": min(w["times"]), "last_time": max(w["times"]),
-                  "nonfinite": w["nonfinite"]}
+        expect = {
+            "records": w["records"],
+            "sources": len(w["sources"]),
+            "first_step": min(w["steps"]),
+            "last_step": max(w["steps"]),
+            "first_time": min(w["times"]),
+            "last_time": max(w["times"]),
+            "nonfinite": w["nonfinite"],
+        }
         for name, value in expect.items():
             job.result.values += 1
             if g.get(name) != value:
@@ -302,8 +415,9 @@ def keys(job, seen: list[dict]) -> None:
 
 def samples(job, truth: Truth) -> None:
     required = [s for s in truth.samples if s.required]
-    done = job.command("samples", "samples", str(job.run), "--format", "json",
-                       expect=(0,) if required else (0, 1))
+    done = job.command(
+        "samples", "samples", str(job.run), "--format", "json", expect=(0,) if required else (0, 1)
+    )
     if done.code != 0:
         return
     got = json.loads(done.out) if done.out.strip() else []
@@ -331,7 +445,7 @@ def samples(job, truth: Truth) -> None:
         job.result.fail(f"samples: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3]))
 
 
-def inspect(job, truth: Truth, damaged: set) -> None:
+def inspect(job, truth: Truth, damaged: set, seen_sources: set) -> None:
     done = job.command("inspect", "inspect", str(job.run), "--format", "json", expect=(0, 1))
     if done.code != 0:
         if any(truth.sources().values()):
@@ -345,13 +459,15 @@ def inspect(job, truth: Truth, damaged: set) -> None:
         for a in attempts:
             if a.end != "shutdown":
                 failed.append(a)
-        if source in damaged or not any(r for a in attempts for r in a.records) and source not in sources:
-            continue
+        if source in damaged or (source not in seen_sources and source not in sources):
+            continue  # a source none of whose records was read (all were optional) may be left out
         got = sources.get(source)
         if got is None:
             job.result.fail(f"inspect: no source {source}")
             continue
         ends = [(x.get("end"), x.get("signal")) for x in got.get("attempts", [])]
+        if len(ends) != len(attempts):  # an attempt that left no record on disk need not be listed
+            attempts = [a for a in attempts if any(r.required for r in a.records)]
         want = [(a.end, a.signal) for a in attempts]
         job.result.values += len(want)
         if len(ends) != len(want) or any(
@@ -360,8 +476,10 @@ def inspect(job, truth: Truth, damaged: set) -> None:
             job.result.fail(f"inspect: {source[0]} attempts ended {ends}, the job did {want}")
         for x, a in zip(got.get("attempts", []), attempts, strict=False):
             if a.end == "exception" and (x.get("exception") or {}).get("type") != "RuntimeError":
-                job.result.fail(f"inspect: {source[0]} attempt {a.number}: exception {x.get('exception')!r}, "
-                                "expected RuntimeError('soak fault')")
+                job.result.fail(
+                    f"inspect: {source[0]} attempt {a.number}: exception {x.get('exception')!r}, "
+                    "expected RuntimeError('soak fault')"
+                )
     first = report.get("first_failure")
     if not failed:
         if first is not None:
@@ -376,8 +494,10 @@ def inspect(job, truth: Truth, damaged: set) -> None:
     if (first.get("process"), first.get("rank")) in damaged:
         return  # a damaged file may have lost how its attempt ended
     if not any(first.get("process") == a.process and first.get("end") == a.end for a in candidates):
-        job.result.fail(f"inspect: first_failure is {first.get('process')} ({first.get('end')}); the first to fail "
-                        f"were {[(a.process, a.number, a.end) for a in candidates]}")
+        job.result.fail(
+            f"inspect: first_failure is {first.get('process')} ({first.get('end')}); the first to fail "
+            f"were {[(a.process, a.number, a.end) for a in candidates]}"
+        )
 
 
 # -- uploads and plot (every fifth job) ----------------------------------------------
@@ -408,8 +528,10 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
         bad = []
         for row in rows:
             for key, value in row.items():
-                if key in ("step", "_timestamp", "_runtime", "_step") or isinstance(value, dict) or any(
-                    key == k or key.startswith(k + "/") for k in sample_keys
+                if (
+                    key in ("step", "_timestamp", "_runtime", "_step")
+                    or isinstance(value, dict)
+                    or any(key == k or key.startswith(k + "/") for k in sample_keys)
                 ):
                     continue
                 members = groups.get((row.get("step"), key))
@@ -417,8 +539,12 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
                     bad.append(f"step {row.get('step')} {key}: a value for a group with no record")
                     continue
                 job.result.values += 1
-                problem = check_value(members[0]["reduction"], [m["value"] for m in members], float(value),
-                                      [m["timestamp"] for m in members])
+                problem = check_value(
+                    members[0]["reduction"],
+                    [m["value"] for m in members],
+                    float(value),
+                    [m["timestamp"] for m in members],
+                )
                 if problem:
                     bad.append(f"step {row['step']} {key}: {problem}")
         if bad:
@@ -433,7 +559,9 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
         follow_rows = rows_of("follow")
         if follow_rows is not None:
             check_rows("upload --follow", follow_rows)
-            if plain_rows is not None and [r.get("step") for r in follow_rows] != [r.get("step") for r in plain_rows]:
+            if plain_rows is not None and [r.get("step") for r in follow_rows] != [
+                r.get("step") for r in plain_rows
+            ]:
                 job.result.fail("upload --follow: its steps differ from a plain upload's")
     if spec["live_upload"]:
         again = job.command("upload-live-again", *base, "--name", "live")
@@ -443,8 +571,9 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
     keys_drawn = sorted({r["key"] for r in seen})[:3]
     if keys_drawn:
         png = job.dir / "out" / "plot.png"
-        done = job.command("plot", "plot", str(run), *[a for k in keys_drawn for a in ("--key", k)],
-                           "--out", str(png))
+        done = job.command(
+            "plot", "plot", str(run), *[a for k in keys_drawn for a in ("--key", k)], "--out", str(png)
+        )
         if done.code == 0 and (not png.exists() or png.stat().st_size == 0):
             job.result.fail("plot: exit 0 but no file written")
 
@@ -454,8 +583,17 @@ def tensorboard(job, seen: list[dict]) -> None:
 
     mode = job.job["tensorboard_mode"]
     logdir = job.dir / "out" / "tb"
-    done = job.command("upload-tensorboard", "upload", str(job.run), "--to", "tensorboard", "--logdir", str(logdir),
-                       "--mode", mode)
+    done = job.command(
+        "upload-tensorboard",
+        "upload",
+        str(job.run),
+        "--to",
+        "tensorboard",
+        "--logdir",
+        str(logdir),
+        "--mode",
+        mode,
+    )
     if done.code != 0:
         return
     by_folder: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
@@ -466,7 +604,13 @@ def tensorboard(job, seen: list[dict]) -> None:
         for where, members in sorted(expected_groups(seen, mode).items(), key=lambda kv: kv[0][-2]):
             folder = "run" if mode == "global_reduce" else f"run_{where[0]}"
             by_folder[folder][where[-1]].append(
-                (where[-2], [m["value"] for m in members], members[0]["reduction"], [m["timestamp"] for m in members]))
+                (
+                    where[-2],
+                    [m["value"] for m in members],
+                    members[0]["reduction"],
+                    [m["timestamp"] for m in members],
+                )
+            )
     bad = []
     for folder, tags in by_folder.items():
         acc = ea.EventAccumulator(str(logdir / folder), size_guidance={ea.SCALARS: 0})
@@ -478,8 +622,10 @@ def tensorboard(job, seen: list[dict]) -> None:
                 continue
             events = acc.Scalars(tag)
             if [e.step for e in events] != [w[0] for w in wanted]:
-                bad.append(f"{folder} {tag}: steps {_span([e.step for e in events])}, expected "
-                           f"{_span([w[0] for w in wanted])}")
+                bad.append(
+                    f"{folder} {tag}: steps {_span([e.step for e in events])}, expected "
+                    f"{_span([w[0] for w in wanted])}"
+                )
                 continue
             for e, (step, values, stat, times) in zip(events, wanted, strict=True):
                 job.result.values += 1
@@ -488,7 +634,9 @@ def tensorboard(job, seen: list[dict]) -> None:
                     bad.append(f"{folder} {tag} step {step}: {e.value!r} in TensorBoard, {want!r} as float32")
                     break
     if bad:
-        job.result.fail(f"upload --to tensorboard --mode {mode}: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3]))
+        job.result.fail(
+            f"upload --to tensorboard --mode {mode}: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3])
+        )
 
 
 def _float_of(stat: str, values: list[float], times: list[float]) -> float:
@@ -501,8 +649,11 @@ def _float_of(stat: str, values: list[float], times: list[float]) -> float:
     arr = np.array(values, dtype=np.float64)
     if stat in ("max", "min", "median") or stat.startswith("p"):
         with np.errstate(all="ignore"):
-            return float({"max": np.max, "min": np.min, "median": np.median}.get(stat, np.max)(arr)) \
-                if not stat.startswith("p") else float(np.percentile(arr, float(stat[1:])))
+            return (
+                float({"max": np.max, "min": np.min, "median": np.median}.get(stat, np.max)(arr))
+                if not stat.startswith("p")
+                else float(np.percentile(arr, float(stat[1:])))
+            )
     if not np.isfinite(arr).all():
         with np.errstate(all="ignore"):
             return float({"sum": np.sum, "mean": np.mean, "std": np.std}[stat](arr))
@@ -518,7 +669,8 @@ def _float_of(stat: str, values: list[float], times: list[float]) -> float:
 def _float32_equal(got: float, want: float) -> bool:
     """TensorBoard keeps float32: the same float32, or its neighbour where the float64
     lies within float32's rounding of an edge."""
-    g, w = np.float32(got), np.float32(want) if abs(want) < 3.4e38 or not math.isfinite(want) else np.float32(want)
+    with np.errstate(over="ignore"):
+        g, w = np.float32(got), np.float32(want)
     if np.isnan(w):
         return bool(np.isnan(g))
     if g == w:

@@ -24,8 +24,22 @@ import random
 REDUCTIONS = ("mean", "sum", "max", "min", "std")
 FAMILIES = ("count", "decimal", "offset", "nonfinite", "np_float32", "np_int64", "zero_d")
 FAULTS = ("sigkill", "sigterm", "raise", "exit", "hang")
-STATISTICS = ("mean", "sum", "max", "min", "std", "count", "first", "last", "median", "p0", "p50",
-              "p90", "p99.9", "p100")
+STATISTICS = (
+    "mean",
+    "sum",
+    "max",
+    "min",
+    "std",
+    "count",
+    "first",
+    "last",
+    "median",
+    "p0",
+    "p50",
+    "p90",
+    "p99.9",
+    "p100",
+)
 MODES = ("global_reduce", "per_rank_reduce", "per_rank_no_reduce")
 
 
@@ -126,7 +140,7 @@ def values_for(rng: random.Random, family: str, n: int) -> list:
         elif family == "decimal":
             out.append(float(f"{rng.randint(-1000, 1000) / 10 ** rng.randint(1, 3)}"))
         elif family == "offset":
-            out.append(1e12 + rng.randint(-10**6, 10**6) / 1000)
+            out.append(1e12 + rng.randint(-(10**6), 10**6) / 1000)
         elif family == "nonfinite":
             out.append(rng.choice((float("nan"), float("inf"), float("-inf"), rng.uniform(-1, 1), 0.5)))
         elif family == "np_float32":

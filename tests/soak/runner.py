@@ -42,6 +42,7 @@ WORKER = Path(__file__).with_name("worker.py")
 METRICLOG = str(Path(sys.executable).with_name("metriclog"))
 JOB_TIMEOUT = 120.0  # a job's ranks, hangs and restarts included
 COMMAND_TIMEOUT = 180.0
+FOLLOW_AFTER_JOB = 60.0  # --restart-grace 5s and --let-go-after 2s: a follow ends well within this
 MEMORY_BOUND_KIB = 1536 * 1024  # 1.5 GiB, the issue's bound for any command
 EXIT_CODES = {"raise": 1, "exit": 3, "sigkill": -9, "sigterm": -15}  # a fault's exit status
 
@@ -63,6 +64,7 @@ class JobResult:
     records: int = 0
     ranks: int = 0
     seconds: float = 0.0
+    cpu: float = 0.0  # CPU seconds of its processes: ranks and commands
     artefacts: Path | None = None
 
     def fail(self, what: str) -> None:
@@ -106,17 +108,18 @@ class Job:
         self.n += 1
         stem = self.dir / "out" / f"{self.n:02d}-{kind}"
         (stem.with_suffix(".cmd")).write_text(" ".join(_quote(a) for a in [METRICLOG, *args]) + "\n")
-        proc = subprocess.Popen(
-            [METRICLOG, *args],
-            stdout=open(stem.with_suffix(".out"), "w"),
-            stderr=open(stem.with_suffix(".err"), "w"),
-            env=self.env,
-            cwd=self.dir,
-        )
+        with open(stem.with_suffix(".out"), "w") as out, open(stem.with_suffix(".err"), "w") as err:
+            proc = subprocess.Popen([METRICLOG, *args], stdout=out, stderr=err, env=self.env, cwd=self.dir)
         return proc, stem
 
-    def finish(self, kind: str, proc: subprocess.Popen, stem: Path, timeout: float = COMMAND_TIMEOUT,
-               expect: tuple[int, ...] = (0,)) -> Done:
+    def finish(
+        self,
+        kind: str,
+        proc: subprocess.Popen,
+        stem: Path,
+        timeout: float = COMMAND_TIMEOUT,
+        expect: tuple[int, ...] = (0,),
+    ) -> Done:
         """Wait for a command (its peak memory from wait4), then the checks every command
         gets: its exit code, no traceback, memory under the bound."""
         timer = threading.Timer(timeout, proc.kill)
@@ -126,9 +129,14 @@ class Job:
         finally:
             timer.cancel()
         proc.returncode = os.waitstatus_to_exitcode(status)
-        done = Done(proc.returncode, stem.with_suffix(".out").read_text(), stem.with_suffix(".err").read_text(),
-                    usage.ru_maxrss)
+        done = Done(
+            proc.returncode,
+            stem.with_suffix(".out").read_text(),
+            stem.with_suffix(".err").read_text(),
+            usage.ru_maxrss,
+        )
         self.result.commands[kind] += 1
+        self.result.cpu += usage.ru_utime + usage.ru_stime
         line = stem.with_suffix(".cmd").read_text().strip()
         if proc.returncode == -signal.SIGKILL and not any(c == -9 for c in expect):
             self.result.fail(f"{kind}: did not end within {timeout:.0f} s (killed): {line}")
@@ -145,14 +153,14 @@ class Job:
         return self.finish(kind, proc, stem, expect=expect)
 
     def start_rank(self, rank: int, attempt: int, start: int) -> subprocess.Popen:
-        log = open(self.dir / "out" / f"rank{rank}.a{attempt}.err", "w")
-        return subprocess.Popen(
-            [sys.executable, str(WORKER), str(self.dir), str(rank), str(attempt), str(start)],
-            env={**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.job["world"])},
-            stdout=subprocess.DEVNULL,
-            stderr=log,
-            cwd=self.dir,
-        )
+        with open(self.dir / "out" / f"rank{rank}.a{attempt}.err", "w") as log:
+            return subprocess.Popen(
+                [sys.executable, str(WORKER), str(self.dir), str(rank), str(attempt), str(start)],
+                env={**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.job["world"])},
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                cwd=self.dir,
+            )
 
     # -- the job ---------------------------------------------------------------------
 
@@ -162,10 +170,26 @@ class Job:
             write_foreign(job, self.dir)
         follower = None
         if job["follow"]:
-            follower = self.start("upload-follow", [
-                "upload", str(self.run), "--project", "soak", "--offline", "--name", "follow", "--follow",
-                "--wait", "--interval", "0.3", "--let-go-after", "2s", "--restart-grace", "5s",
-            ])
+            follower = self.start(
+                "upload-follow",
+                [
+                    "upload",
+                    str(self.run),
+                    "--project",
+                    "soak",
+                    "--offline",
+                    "--name",
+                    "follow",
+                    "--follow",
+                    "--wait",
+                    "--interval",
+                    "0.3",
+                    "--let-go-after",
+                    "2s",
+                    "--restart-grace",
+                    "5s",
+                ],
+            )
         procs = {p["rank"]: (1, self.start_rank(p["rank"], 1, 0)) for p in job["ranks"]}
         live = None
         deadline = time.monotonic() + JOB_TIMEOUT
@@ -175,31 +199,36 @@ class Job:
             if time.monotonic() > deadline:
                 for _, p in procs.values():
                     p.kill()
-                    p.wait()
+                    os.waitpid(p.pid, 0)
                 self.result.fail(f"the job did not end within {JOB_TIMEOUT:.0f} s")
                 break
             for rank, (attempt, proc) in list(procs.items()):
                 plan = job["ranks"][rank]
-                code = proc.poll()
-                if code is None:
+                pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+                if pid == 0:
                     self._maybe_end_hang(rank, attempt, proc, plan, hung)
                     continue
                 del procs[rank]
+                code = proc.returncode = os.waitstatus_to_exitcode(status)
+                self.result.cpu += usage.ru_utime + usage.ru_stime
                 self._check_exit(rank, attempt, code, plan)
                 if attempt == 1 and plan["restart"] and code != 0:
                     start = self._restart_step(rank, plan)
                     procs[rank] = (2, self.start_rank(rank, 2, start))
             if job["live_upload"] and live is None and _acks(self.dir / "ledger" / "r0.a1.jsonl") >= 2:
-                live = self.start("upload-live", ["upload", str(self.run), "--project", "soak", "--offline",
-                                                  "--name", "live"])
+                live = self.start(
+                    "upload-live",
+                    ["upload", str(self.run), "--project", "soak", "--offline", "--name", "live"],
+                )
         if live is not None:
             self.finish("upload-live", *live)
         if follower is not None:
-            self.follow_done = self.finish("upload-follow", *follower)
+            self.follow_done = self.finish("upload-follow", *follower, timeout=FOLLOW_AFTER_JOB)
         (self.dir / "notes.json").write_text(json.dumps(self.notes, indent=1))
 
-    def _maybe_end_hang(self, rank: int, attempt: int, proc: subprocess.Popen, plan: dict,
-                        hung: dict[int, float]) -> None:
+    def _maybe_end_hang(
+        self, rank: int, attempt: int, proc: subprocess.Popen, plan: dict, hung: dict[int, float]
+    ) -> None:
         fault = plan["fault"]
         if attempt != 1 or not fault or fault["kind"] != "hang":
             return
@@ -207,9 +236,9 @@ class Job:
             ledger = self.dir / "ledger" / f"r{rank}.a1.jsonl"
             if ledger.exists() and '"t": "hang"' in ledger.read_text():
                 hung[rank] = time.monotonic()
-        elif time.monotonic() - hung[rank] > self.job["hang_kill_after"] and "killed_at" not in self.notes.get(
-            f"{rank}.1", {}
-        ):
+        elif time.monotonic() - hung[rank] > self.job[
+            "hang_kill_after"
+        ] and "killed_at" not in self.notes.get(f"{rank}.1", {}):
             how = fault["hang_ended_by"]
             self.notes[f"{rank}.1"] = {"killed_with": how, "killed_at": time.time()}
             proc.send_signal(getattr(signal, how))
@@ -226,11 +255,16 @@ class Job:
             want = EXIT_CODES[fault["kind"]]
         if code != want:
             err = (self.dir / "out" / f"rank{rank}.a{attempt}.err").read_text()
-            self.result.fail(f"rank {rank} attempt {attempt} exited {code}, expected {want}\n{_tail(err, 12)}")
+            self.result.fail(
+                f"rank {rank} attempt {attempt} exited {code}, expected {want}\n{_tail(err, 12)}"
+            )
 
     def _restart_step(self, rank: int, plan: dict) -> int:
-        acks = [json.loads(line)["step"] for line in (self.dir / "ledger" / f"r{rank}.a1.jsonl").read_text()
-                .splitlines() if '"t": "ack"' in line]
+        acks = [
+            json.loads(line)["step"]
+            for line in (self.dir / "ledger" / f"r{rank}.a1.jsonl").read_text().splitlines()
+            if '"t": "ack"' in line
+        ]
         start = max(0, (acks[-1] + 1 if acks else 0) - plan["restart"]["back"])
         return min(start, plan["steps"] - 1)
 
@@ -275,17 +309,27 @@ def write_foreign(job: dict, job_dir: Path) -> None:
         for step in range(spec["steps"]):
             for key in keys:
                 for value in values_for(rng, key["family"], rng.randint(1, 2)):
-                    rows.append({"process": process, "rank": rank, "step": step, "key": key["key"],
-                                 "reduction": key["reduction"], "value": float(value),
-                                 "timestamp": now + step * 0.05 + len(rows) * 1e-4})
+                    rows.append(
+                        {
+                            "process": process,
+                            "rank": rank,
+                            "step": step,
+                            "key": key["key"],
+                            "reduction": key["reduction"],
+                            "value": float(value),
+                            "timestamp": now + step * 0.05 + len(rows) * 1e-4,
+                        }
+                    )
     folder = job_dir / "run" / "other"
     folder.mkdir()
     if spec["format"] == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        columns = {name: [r[name] for r in rows] for name in ("key", "value", "reduction", "step", "timestamp",
-                                                               "rank", "process")}
+        columns = {
+            name: [r[name] for r in rows]
+            for name in ("key", "value", "reduction", "step", "timestamp", "rank", "process")
+        }
         pq.write_table(pa.table(columns), folder / "other_tool.parquet")
     else:
         with open(folder / "other_tool.jsonl", "w") as f:
@@ -293,8 +337,19 @@ def write_foreign(job: dict, job_dir: Path) -> None:
                 f.write(json.dumps({**r, "value": _json_number(r["value"])}) + "\n")
     with open(job_dir / "ledger" / "foreign.jsonl", "w") as f:
         for r in rows:
-            f.write(json.dumps({"p": r["process"], "rank": r["rank"], "s": r["step"], "k": r["key"],
-                                "r": r["reduction"], "v": r["value"].hex()}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "p": r["process"],
+                        "rank": r["rank"],
+                        "s": r["step"],
+                        "k": r["key"],
+                        "r": r["reduction"],
+                        "v": r["value"].hex(),
+                    }
+                )
+                + "\n"
+            )
 
 
 def _json_number(v: float) -> object:
@@ -317,7 +372,11 @@ def _tail(text: str, lines: int = 4) -> str:
 
 
 def _quote(arg: str) -> str:
-    return arg if arg and all(c.isalnum() or c in "-_./=:,@" for c in arg) else "'" + arg.replace("'", "'\\''") + "'"
+    return (
+        arg
+        if arg and all(c.isalnum() or c in "-_./=:,@" for c in arg)
+        else "'" + arg.replace("'", "'\\''") + "'"
+    )
 
 
 # -- a job, start to end -------------------------------------------------------------
@@ -343,8 +402,10 @@ def run_one(seed: int, root: Path, *, keep: bool = False) -> JobResult:
 
 
 def report(result: JobResult) -> str:
-    lines = [f"FAIL seed {result.seed}: {len(result.failures)} failure(s); replay: make soak SEED={result.seed}",
-             f"  artefacts (run dir, ledgers, outputs): {result.artefacts}"]
+    lines = [
+        f"FAIL seed {result.seed}: {len(result.failures)} failure(s); replay: make soak SEED={result.seed}",
+        f"  artefacts (run dir, ledgers, outputs): {result.artefacts}",
+    ]
     for failure in result.failures:
         lines.append("  - " + failure.replace("\n", "\n    "))
     return "\n".join(lines)
@@ -371,8 +432,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(result)
             total.update(result.commands)
             status = "ok" if not result.failures else "FAIL"
-            print(f"seed {result.seed}: {status} ({result.ranks} rank(s), {result.records} records, "
-                  f"{result.values} values compared, {result.seconds:.1f} s)", flush=True)
+            print(
+                f"seed {result.seed}: {status} ({result.ranks} rank(s), {result.records} records, "
+                f"{result.values} values compared, {result.seconds:.1f} s, {result.cpu:.1f} s CPU)",
+                flush=True,
+            )
             if result.failures:
                 print(report(result), flush=True)
 
@@ -399,13 +463,23 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.monotonic() - started) / 60
     failed = [r for r in results if r.failures]
     print()
-    print(f"soak summary: {len(results)} jobs in {minutes:.1f} min ({len(results) / max(minutes, 1e-9):.1f} jobs/min), "
-          f"{sum(r.ranks for r in results)} ranks, {sum(r.records for r in results):,} records")
+    print(
+        f"soak summary: {len(results)} jobs in {minutes:.1f} min "
+        f"({len(results) / max(minutes, 1e-9):.1f} jobs/min), "
+        f"{sum(r.ranks for r in results)} ranks, {sum(r.records for r in results):,} records"
+    )
     print("  commands: " + ", ".join(f"{k} {v}" for k, v in sorted(total.items())))
     print(f"  values compared: {sum(r.values for r in results):,}")
+    cpu = sum(r.cpu for r in results) / max(len(results), 1)
+    print(
+        f"  CPU of the jobs' processes: {cpu:.1f} s a job (on 2 idle cores, about "
+        f"{120 / max(cpu, 1e-9):.0f} jobs/min); load average now {os.getloadavg()[0]:.1f}"
+    )
     print(f"  peak memory of any child: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024} MiB")
-    print(f"  failures: {sum(len(r.failures) for r in failed)} in {len(failed)} job(s)"
-          + (": seeds " + " ".join(str(r.seed) for r in sorted(failed, key=lambda r: r.seed)) if failed else ""))
+    print(
+        f"  failures: {sum(len(r.failures) for r in failed)} in {len(failed)} job(s)"
+        + (": seeds " + " ".join(str(r.seed) for r in sorted(failed, key=lambda r: r.seed)) if failed else "")
+    )
     if not args.root and not any(r.artefacts for r in results):
         shutil.rmtree(root, ignore_errors=True)
     return 1 if failed else 0

@@ -60,14 +60,24 @@ def main() -> None:
             if rng.random() >= plan["key_share"]:
                 continue
             for value in values_for(rng, spec["family"], rng.randint(1, 3)):
-                lines.append({"t": "rec", "s": current, "k": spec["key"], "r": spec["reduction"],
-                              "v": float(value).hex()})
+                lines.append(
+                    {
+                        "t": "rec",
+                        "s": current,
+                        "k": spec["key"],
+                        "r": spec["reduction"],
+                        "v": float(value).hex(),
+                    }
+                )
                 calls.append((spec["key"], value, reductions[spec["reduction"]]))
         if plan["samples"]:
             for key in job["sample_keys"]:
                 for j in range(rng.randint(0, 3)):
-                    sample = {"reward": round(rng.uniform(-1, 1), 6), "text": f"r{rank} a{attempt} {step}.{j}",
-                              "n": rng.randint(0, 10**6)}
+                    sample = {
+                        "reward": round(rng.uniform(-1, 1), 6),
+                        "text": f"r{rank} a{attempt} {step}.{j}",
+                        "n": rng.randint(0, 10**6),
+                    }
                     lines.append({"t": "smp", "s": current, "k": key, "d": sample})
                     calls.append((key, sample, Reduce.SAMPLE))
         ledger.write(*lines)
@@ -103,8 +113,10 @@ def big_int(metric_core, ledger: Ledger, current: int) -> None:
     except ValueError as exc:
         ledger.write({"t": "big", "refused": True, "names_key": "bigint/sum" in str(exc)})
         return
-    ledger.write({"t": "big", "refused": False},
-                 {"t": "rec", "s": current, "k": "bigint/sum", "r": "sum", "v": float(value).hex()})
+    ledger.write(
+        {"t": "big", "refused": False},
+        {"t": "rec", "s": current, "k": "bigint/sum", "r": "sum", "v": float(value).hex()},
+    )
 
 
 def do_fault(kind: str, ledger: Ledger) -> None:
