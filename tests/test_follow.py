@@ -642,3 +642,93 @@ def test_a_rank_sigkilled_mid_step_ends_the_follow_cleanly_equal_to_a_plain_uplo
         plain_tables = tables_of(find_run_file(run / ".metriclog" / "wandb", plain_entry["id"]), "gen")
         assert followed_tables == plain_tables
         assert followed_tables == {step: [sample] for step, sample in recorded.items()}
+
+
+def flushed(run: Path, ranks: int, step: int) -> bool:
+    """Every rank's journal holds its flush of ``step`` (a condition on the files, not a wait)."""
+    from metric_core import journal
+
+    done = 0
+    for path in run.glob("*.journal"):
+        decoded = journal.decode(path.read_bytes(), records=False)
+        done += decoded.last_flush is not None and decoded.last_flush >= step
+    return done >= ranks
+
+
+def plain(run: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [METRICLOG, "upload", str(run), "--project", "p", "--offline", *args], capture_output=True, text=True
+    )
+
+
+def test_a_plain_upload_of_a_running_job_sends_its_settled_steps_and_a_later_one_the_rest(tmp_path):
+    """Issue 41, defect 2: the upload of a job still writing leaves its run open; the next one
+    after the job ended adds every step, none lost and none twice, and only then is it done."""
+    run = tmp_path / "run"
+    ranks = writers(run, steps=150, ranks=2, hold_at=120)  # alive, silent in step 120
+    wait_for(lambda: flushed(run, 2, 119), "both ranks to flush step 119")
+    early = plain(run)
+    assert early.returncode == 0, early.stderr
+    assert "the job still writes this run" in early.stderr, early.stderr
+    entry = runs_written(run)["run"]
+    assert not entry["finished"] and entry["rows_sent"] == 120
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run", finished=False), expected_steps([v for v in values if v[0] < 120]))
+    release(run)
+    finish(ranks)
+    later = plain(run)
+    assert later.returncode == 0, later.stderr
+    assert "skipped" not in later.stderr and "still writes" not in later.stderr
+    assert "was written offline while its job ran (120 rows)" in later.stderr, later.stderr
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))  # steps 0-149, each once, exact
+    assert len(list((run / ".metriclog" / "wandb").rglob("*.wandb"))) == 1, "the open run's files went"
+    again = plain(run)
+    assert again.returncode == 0 and "already written offline (150 rows" in again.stderr, again.stderr
+
+
+def test_a_running_job_to_tensorboard_and_online_w_and_b_continues_where_it_stopped(tmp_path):
+    """Issue 41, defect 2: to TensorBoard, the file of a run still written holds its settled
+    steps and is written again whole once the job ended; online, the next upload resumes the
+    same W&B run at the row after the server's last (a fake server: only it holds rows)."""
+    from metric_core import make_plan
+    from metric_core.offline.engine import execute
+    from metric_core.offline.read import scan_run
+    from metric_core.offline.upload import upload_run
+    from metric_core.offline.upload.ledger import Ledger
+    from metric_core.offline.upload.runs import plan_runs
+    from metric_core.offline.upload.send import Destination, send_runs
+    from metric_core.offline.upload.tensorboard import TensorBoard
+    from tests.test_tensorboard import scalars
+    from tests.test_upload import FakeInit, FakeRun
+
+    run = tmp_path / "run"
+    ranks = writers(run, steps=60, ranks=2, hold_at=40)
+    wait_for(lambda: flushed(run, 2, 39), "both ranks to flush step 39")
+    logdir = tmp_path / "tb"
+    upload_run(run, make_plan(), TensorBoard(logdir))
+    assert [s for s, _, _ in scalars(logdir / "run")["loss"]] == list(range(40))
+    from metric_core.offline.upload.settled import settled_runs
+
+    ledger = Ledger(tmp_path / "uploads.json")
+    with settled_runs(run, make_plan(), name="run", group=None, share_run=False, request={}) as planned:
+        first = FakeRun()
+        (outcome,) = send_runs(planned, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
+    assert [r["step"] for r in first.logged] == list(range(40))
+    assert not ledger.get(outcome.run_id)["finished"]
+    release(run)
+    finish(ranks)
+    later = upload_run(run, make_plan(), TensorBoard(logdir))
+    assert not later.plan.open and [o.action for o in later.outcomes] == ["wrote to TensorBoard"]
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    expected = expected_steps(values)
+    got = scalars(logdir / "run")
+    assert [s for s, _, _ in got["loss"]] == list(range(60)), "each step once, in one file"
+    assert [v for _, v, _ in got["loss"]] == [float(np.float32(expected[s]["loss"])) for s in range(60)]
+    with plan_runs(execute(make_plan(), scan_run(run)), name="run", request={}) as planned:
+        second = FakeRun(server_rows=40)
+        fake = FakeInit(second)
+        (outcome,) = send_runs(planned, ledger, Destination("p"), init=fake, sleep=lambda s: None)
+    assert fake.calls[0]["resume"] == "must" and outcome.action == "resumed"
+    check([*first.logged, *second.logged], expected)  # every step once, in one W&B run
+    assert ledger.get(outcome.run_id)["finished"]
