@@ -247,9 +247,16 @@ class RunScan:
         rows: int | None,
     ) -> Iterator[pl.DataFrame]:
         if rep.format == "parquet":  # by pyarrow: page checksums verified, a failing row group skipped
-            frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows, rep=rep)
-            if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
-                frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
+            # A restart's rewind (the scan's frames have it) drops records by their step,
+            # which the columns asked for need not hold (global_reduce --by time reads none).
+            rewind = rep.replaced_from
+            step_added = rewind is not None and "step" not in columns
+            read = [*columns, "step"] if step_added else columns
+            frames = categorical_batches(rep.path, read, rep.hashed, row_groups, rows, rep=rep)
+            if rewind is not None:
+                frames = (df.filter(pl.col("step") < rewind) for df in frames)
+            if step_added:
+                frames = (df.drop("step") for df in frames)
             yield from frames
         else:
             assert row_groups is None, "row groups are read through the dictionaries"
