@@ -406,10 +406,18 @@ def _deep_jsonl_line(run: Path) -> str:
     return "a.jsonl: 1 record(s) skipped: line 2: JSON nested too deep to be a record"
 
 
+def _deep_first_line_beside_a_good_file(run: Path) -> str:
+    """With two files, the engine orders them by the source of another tool's JSONL file's
+    first line: parsed there too, it is no record either."""
+    pq.write_table(pa.Table.from_pylist([GOOD_RECORD]), run / "a.parquet")
+    (run / "b.jsonl").write_text('{"key": ' * 100_000 + "1" + "}" * 100_000 + "\n")
+    return "b.jsonl: 1 record(s) skipped: line 1: JSON nested too deep to be a record"
+
+
 def _deep_run_json(run: Path) -> str:
     (run / "a.jsonl").write_text(json.dumps(GOOD_RECORD) + "\n")
     (run / "run.json").write_text("[" * 100_000 + "]" * 100_000)
-    return "run.json: not valid JSON (maximum recursion depth exceeded"
+    return "run.json: not valid JSON (JSON nested too deep to decode)"
 
 
 def _timestamp_out_of_range(run: Path) -> str:
@@ -466,6 +474,7 @@ GOOD_RECORD = {"key": "k", "value": 1.0, "reduction": "mean", "step": 0, "timest
     "hostile",
     [
         _deep_jsonl_line,
+        _deep_first_line_beside_a_good_file,
         _deep_run_json,
         _timestamp_out_of_range,
         _binary_key_not_utf8,
@@ -478,6 +487,8 @@ def test_hostile_input_is_skipped_and_said_never_a_traceback(tmp_path, hostile):
     said = hostile(run)
     for command in (
         ["reduce", str(run), "--mode", "per_rank_no_reduce", "--out", str(tmp_path / "o.csv")],
+        ["reduce", str(run)],
+        ["reduce", str(run), "--mode", "per_rank_reduce"],
         ["inspect", str(run)],
     ):
         result = runner.invoke(app, command)

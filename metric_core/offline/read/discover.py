@@ -18,7 +18,7 @@ from polars.exceptions import PanicException
 from metric_core.offline.read.report import FileReport, ReadReport, rel
 from metric_core.offline.storage import RunPath, listing, open_read, raise_store_failure, source
 from metric_core.sample import is_samples_file
-from metric_core.schema import DATA_SUFFIXES
+from metric_core.schema import DATA_SUFFIXES, parse_json
 from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, Damaged, SegmentMeta, derived_marker
 
 _MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the segment
@@ -146,8 +146,8 @@ def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
         report.notices.append("run.json: not a regular file; its metadata is ignored")
         return {}
     try:
-        meta = json.loads(path.read_bytes())
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
+        meta = parse_json(path.read_bytes())
+    except (OSError, ValueError) as exc:
         raise_store_failure(path, exc)
         report.notices.append(f"run.json: not valid JSON ({exc}); its metadata is ignored: fix or remove it")
         return {}
@@ -199,8 +199,8 @@ def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Damaged | None:
     try:
         with open_read(path) as f:
             first = f.readline(_MAX_SEGMENT_LINE)
-        obj = json.loads(first)
-    except (OSError, ValueError, RecursionError) as exc:  # JSON nested too deep to decode
+        obj = parse_json(first)
+    except (OSError, ValueError) as exc:
         raise_store_failure(path, exc)
         return None
     if not (isinstance(obj, dict) and obj.get("event") == SEGMENT_EVENT):
@@ -216,8 +216,8 @@ def writer_meta(path: RunPath) -> SegmentMeta | Derived | Damaged | None:
         marker = derived_marker(path)  # type: ignore[arg-type]  # a UPath too
         if marker.is_file():
             try:
-                return Derived(str(json.loads(marker.read_bytes())[DERIVED_KEY]))
-            except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+                return Derived(str(parse_json(marker.read_bytes())[DERIVED_KEY]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise_store_failure(path, exc)
                 return Derived("reduce --out")
         return _jsonl_segment_meta(path)

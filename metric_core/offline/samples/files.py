@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import zlib
@@ -15,6 +14,7 @@ from metric_core import journal
 from metric_core import sample as sample_codec
 from metric_core.errors import NoDataError
 from metric_core.offline.storage import RunPath, arrow_source, listing, open_read
+from metric_core.schema import parse_json
 
 _BLOCK_PREFIX = b'{"event": "block", '
 
@@ -92,14 +92,14 @@ def _sealed_parquet(path: RunPath) -> tuple[dict[str, Any], list[tuple[int, str,
         kv = pf.metadata.metadata or {}
         if sample_codec.PARQUET_KEY not in kv:
             raise ValueError("not a samples file of metriclog (no metriclog.samples metadata)")
-        meta = json.loads(kv[sample_codec.PARQUET_KEY])
+        meta = parse_json(kv[sample_codec.PARQUET_KEY])
         table = pf.read(columns=["step", "rank", "process", "key", "timestamp", "sample"], use_threads=False)
     if set(table.column("process").unique().to_pylist()) - {meta.get("process")} or set(
         table.column("rank").unique().to_pylist()
     ) - {meta.get("rank")}:
         raise ValueError("its rows name another source than its metadata")
     cols = [table.column(c).to_pylist() for c in ("step", "key", "timestamp", "sample")]
-    rows = [(s, k, t, json.loads(x)) for s, k, t, x in zip(*cols, strict=True)]
+    rows = [(s, k, t, parse_json(x)) for s, k, t, x in zip(*cols, strict=True)]
     if len(rows) != meta.get("samples"):
         raise ValueError(f"{len(rows)} samples where its metadata says {meta.get('samples')}")
     return meta, rows
@@ -113,7 +113,7 @@ def _sealed_jsonl(
     with open_read(path) as f:
         data = f.read()
     first = data.find(b"\n") + 1
-    meta = json.loads(data[:first])
+    meta = parse_json(data[:first])
     if meta.get("event") != sample_codec.SEGMENT_EVENT:
         raise ValueError("not a samples file of metriclog (no samples_segment line)")
     rows: list[tuple[int, str, float, Any]] = []
@@ -123,11 +123,11 @@ def _sealed_jsonl(
         end = len(data) if end < 0 else end + 1
         line = data[pos:end]
         if line.startswith(_BLOCK_PREFIX):
-            check = json.loads(line)
+            check = parse_json(line)
             block = data[block_start:pos]
             if zlib.crc32(block) == check["crc32"]:
                 for text in block.splitlines():
-                    one = json.loads(text)
+                    one = parse_json(text)
                     if (one["process"], one["rank"]) != (meta.get("process"), meta.get("rank")):
                         raise ValueError("its lines name another source than its metadata")
                     rows.append((int(one["step"]), str(one["key"]), float(one["timestamp"]), one["sample"]))
