@@ -383,7 +383,7 @@ def samples(
         check_target(None if out == "-" else out)
         frame, read = select_samples(
             run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,
-            top=top, bottom=bottom, by=by, random=random, seed=seed,
+            top=top, bottom=bottom, by=by, random=random, seed=seed, on_read=output.said_skips,
         )  # fmt: skip
         for note in read.notes:
             output.say("warning", spell_options(note, o.as_flag))

@@ -286,6 +286,58 @@ def test_a_file_reached_twice_is_read_once_and_a_loop_ends(tmp_path):
     assert "sub/loop: symlink to a directory inside the run directory, not followed" in plain
 
 
+def _run_with_samples(run: Path) -> list[float]:
+    """A source's records and samples, written by the writer; the records' values."""
+    import metric_core
+    from metric_core import Reduce, record_metric
+
+    metric_core.init(run, process_name="gen", catch_signals=False)
+    for step in range(3):
+        record_metric("loss", float(step))
+        record_metric("rollout", {"prompt": str(step), "reward": float(step)}, Reduce.SAMPLE)
+        metric_core.flush(step)
+    metric_core.shutdown()
+    return [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "links",
+    [
+        {"a.jsonl": "b.jsonl", "b.jsonl": "a.jsonl"},  # a loop of two
+        {"x.parquet": "x.parquet"},  # a link to itself
+        {"y.r0.00000.journal": "y.r0.00000.journal"},
+        {"gone.jsonl": "nowhere.jsonl"},  # a link to nothing
+        {"run.json": "run.json"},
+        {"samples/z.r0.00000.samples.jsonl": "z.r0.00000.samples.jsonl"},
+    ],
+    ids=["two", "self", "journal", "dangling", "run.json", "samples"],
+)
+def test_a_symlink_that_reaches_no_file_is_named_and_the_rest_read(tmp_path, links):
+    run = tmp_path / "run"
+    want = _run_with_samples(run)
+    if "run.json" in links:
+        (run / "run.json").unlink()
+    for name, target in links.items():
+        (run / name).symlink_to(target)
+    for command in (
+        ["reduce", run, "--mode", "per_rank_no_reduce", "--out", tmp_path / "o.csv"],
+        ["keys", run],
+        ["inspect", run],
+        ["samples", run, "--out", tmp_path / "s.csv"],
+    ):
+        result = invoke(*command)
+        assert result.exit_code == 0, result.output
+        assert "Traceback" not in result.output
+        for name, target in links.items():
+            # samples reads journals and samples files; the others journals, records and run.json
+            samples = name.endswith(".samples.jsonl")
+            if name.endswith(".journal") or samples == (command[0] == "samples"):
+                said = "which does not exist" if target == "nowhere.jsonl" else "a loop of symlinks"
+                assert f"{name}: symlink to {target}, {said}" in result.stderr, (command, result.stderr)
+    assert pl.read_csv(tmp_path / "o.csv")["value"].to_list() == want
+    assert pl.read_csv(tmp_path / "s.csv")["prompt"].to_list() == [0, 1, 2]
+
+
 def test_upload_never_writes_through_planted_symlinks(tmp_path):
     run = good_run(tmp_path / "run")
     victims = []

@@ -152,6 +152,7 @@ class ReadReport:
     lives: dict[tuple[str, int, str], Life] = field(default_factory=dict)
     # Keys recorded under more than one reduction (filled as a reduction reads the records).
     mixed: dict[str, MixedKey] = field(default_factory=dict)
+    unit: str = "record"  # what its files hold, as the summary counts them: "sample" for samples
 
     @property
     def skipped_records(self) -> int:
@@ -208,7 +209,7 @@ class ReadReport:
         not_read = f", {len(self.skipped_paths)} path(s) not read" if self.skipped_paths else ""
         if bad or self.skipped_paths or mixed:
             head = (
-                f"skipped {self.skipped_records} record(s) and "
+                f"skipped {self.skipped_records} {self.unit}(s) and "
                 f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
             )
         else:  # only what the reader did on purpose (a restart read as a rewind, a copy read once)
@@ -240,7 +241,7 @@ class ReadReport:
                 detail = "; ".join(
                     f"{n} x {reason}" if n > 1 else reason for reason, n in sorted(f.skip_reasons.items())
                 )
-            out.append(f"  {name}: {f.skipped} record(s) skipped: {detail}")
+            out.append(f"  {name}: {f.skipped} {self.unit}(s) skipped: {detail}")
         if len(bad) > max_files:
             out.append(f"  ... and {len(bad) - max_files} more file(s)")
         return Message.joined("\n", out)  # the options its lines name, kept
