@@ -35,8 +35,9 @@ def list_data_files(root: RunPath, report: ReadReport, *, follow_symlinks: bool)
     A run in object storage is listed once (no object is renamed there: a run is copied to
     a bucket, not written in it)."""
     if not isinstance(root, Path):
-        found = []
-        for path in listing(root):
+        found: list[Any] = []
+        unnamed: list[tuple[str, str]] = []
+        for path in listing(root, unnamed):
             parts = rel(path, root).split("/")
             if any(part.startswith(".") for part in parts):
                 continue
@@ -44,6 +45,7 @@ def list_data_files(root: RunPath, report: ReadReport, *, follow_symlinks: bool)
                 found.append(path)
             elif parts[-1] == "run.json" and len(parts) > 1:
                 _another_run(path, root, report)
+        report.skipped_paths += [(url, why) for url, why in unnamed if is_record_file(url.rstrip("/"))]
         return found
     first = set(walk_run(root, ReadReport(run_dir=root), follow_symlinks=follow_symlinks))
     second = set(walk_run(root, report, follow_symlinks=follow_symlinks))

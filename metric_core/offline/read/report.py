@@ -145,7 +145,8 @@ class ReadReport:
     run_dir: RunPath
     files: list[FileReport] = field(default_factory=list)
     shutdowns: list[Shutdown] = field(default_factory=list)
-    skipped_paths: list[tuple[RunPath, str]] = field(default_factory=list)  # (path, why), not read
+    # (path, why), not read; a URL as text for an object whose key no path names
+    skipped_paths: list[tuple[RunPath | str, str]] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
     attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
     # Each attempt's life, its files' merged: (process, rank, attempt id) -> Life.
@@ -247,8 +248,10 @@ class ReadReport:
         return Message.joined("\n", out)  # the options its lines name, kept
 
 
-def rel(path: RunPath, root: RunPath) -> str:
+def rel(path: RunPath | str, root: RunPath) -> str:
+    """``path`` below ``root``, as text (a URL given as text too: ``storage.listing``'s unnamed)."""
     try:
-        return str(path.relative_to(root))  # type: ignore[arg-type]
-    except ValueError:
-        return str(path)
+        return str(path.relative_to(root))  # type: ignore[arg-type, union-attr]
+    except (ValueError, AttributeError):
+        text, base = str(path), str(root).rstrip("/") + "/"
+        return text[len(base) :] if text.startswith(base) else text

@@ -37,11 +37,14 @@ def samples_files_and_journals(root: RunPath, report: ReadReport) -> list[RunPat
     """The run's sealed samples files and journals, in every folder but hidden ones, listed as
     the records' files are (``read.discover.walk_run``): what is not read goes in ``report``."""
     if not isinstance(root, Path):
-        return [
+        unnamed: list[tuple[str, str]] = []
+        found: list[RunPath] = [
             p
-            for p in listing(root)
+            for p in listing(root, unnamed)
             if _ours(p.name) and not any(part.startswith(".") for part in rel(p, root).split("/"))
         ]
+        report.skipped_paths += [(url, why) for url, why in unnamed if _ours(url.rstrip("/"))]
+        return found
     if not root.is_dir():
         raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
     return list(walk_run(root, report, follow_symlinks=False, wanted=_ours))
