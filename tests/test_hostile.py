@@ -338,6 +338,20 @@ def test_a_symlink_that_reaches_no_file_is_named_and_the_rest_read(tmp_path, lin
     assert pl.read_csv(tmp_path / "s.csv")["prompt"].to_list() == [0, 1, 2]
 
 
+@pytest.mark.parametrize(
+    ("target", "said"),
+    [("run", "a loop of symlinks that never reaches a directory"), ("gone", "which does not exist")],
+)
+def test_a_run_directory_that_is_a_symlink_to_no_directory_is_said_so(tmp_path, target, said):
+    (tmp_path / "run").symlink_to(target)
+    for command in ("reduce", "keys", "inspect", "samples"):
+        result = invoke(command, tmp_path / "run")
+        assert result.exit_code == 1, result.output
+        assert result.stderr == (
+            f"Error: no readable metric record in {tmp_path / 'run'}: it is a symlink to {target}, {said}\n"
+        )
+
+
 def test_upload_never_writes_through_planted_symlinks(tmp_path):
     run = good_run(tmp_path / "run")
     victims = []

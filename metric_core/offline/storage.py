@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import io
 import os
 import sys
@@ -201,6 +202,22 @@ def _mtime_ns(info: dict[str, Any]) -> int:
         if isinstance(value, datetime.datetime):
             return int(value.timestamp() * 1e9)
     return 0
+
+
+def not_a_directory(root: Path) -> str:
+    """Why the local path ``root`` is no directory to read: it does not exist, it is a file,
+    or it is a symlink that reaches none (a loop of symlinks, or a link to nothing)."""
+    try:
+        root.stat()
+    except OSError as exc:
+        try:
+            target = os.readlink(root)
+        except OSError:
+            return "it does not exist"
+        if exc.errno == errno.ELOOP:
+            return f"it is a symlink to {target}, a loop of symlinks that never reaches a directory"
+        return f"it is a symlink to {target}, which does not exist"
+    return "it is not a directory"
 
 
 def missing_run(root: RunPath) -> NoDataError | None:

@@ -14,7 +14,7 @@ from metric_core.errors import NoDataError
 from metric_core.offline.read.discover import walk_run
 from metric_core.offline.read.journal import take_damage
 from metric_core.offline.read.report import FileReport, ReadReport, rel
-from metric_core.offline.storage import RunPath, arrow_source, listing, open_read
+from metric_core.offline.storage import RunPath, arrow_source, listing, not_a_directory, open_read
 from metric_core.schema import parse_json
 
 _BLOCK_PREFIX = b'{"event": "block", '
@@ -46,7 +46,7 @@ def samples_files_and_journals(root: RunPath, report: ReadReport) -> list[RunPat
         report.skipped_paths += [(url, why) for url, why in unnamed if _ours(url.rstrip("/"))]
         return found
     if not root.is_dir():
-        raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
+        raise NoDataError(str(root), not_a_directory(root))
     return list(walk_run(root, report, follow_symlinks=False, wanted=_ours))
 
 
