@@ -89,9 +89,11 @@ def select_samples(
     for one of records only); ``RequestError`` for a ``by`` that no sample kept holds as a
     number, naming the fields nearest to it.
 
-    >>> frame, read = select_samples("sample_logs/rl_run", top=2, by="reward")
-    >>> frame.columns, read.notes
-    (['step', 'rank', 'process', 'timestamp', 'key'], [])
+    >>> try:
+    ...     select_samples("sample_logs/rl_run", top=2, by="reward")
+    ... except NoSamplesError as exc:
+    ...     print(str(exc).split(": ")[1])
+    it holds records only
     """
     from metric_core.offline.plan import counts_back, last_steps, parse_ranks, parse_steps
 
