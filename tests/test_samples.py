@@ -503,9 +503,10 @@ def test_a_run_of_records_only_says_there_is_no_sample(tmp_path):
     from typer.testing import CliRunner
 
     one_rank(tmp_path, 2, samples=False)
-    result = CliRunner().invoke(app, ["samples", str(tmp_path)])
-    assert result.exit_code == 1, result.output
+    result = CliRunner().invoke(app, ["samples", str(tmp_path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == []
     assert result.stderr == (
-        f"Error: no sample (Reduce.SAMPLE) in {tmp_path}: it holds records only: "
+        f"warning: {tmp_path} holds no sample (Reduce.SAMPLE), records only: "
         f"`metriclog keys {tmp_path}` lists their keys\n"
     )

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from metric_core.errors import Message, NoDataError, NoSamplesError, PlanError, RequestError, opt
+from metric_core.errors import Message, NoSamplesError, PlanError, RequestError, opt
 from metric_core.offline.filters import nearest
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.samples.choosing import SampleChoice, choose, number
@@ -85,15 +85,16 @@ def select_samples(
     polars DataFrame (a column a field) and the ``SampleSet`` read.
 
     Raises ``PlanError`` for a filter or choice it cannot parse; ``NoDataError`` for a run
-    with no sample, as ``reduce_run`` raises it for a run with no record (a ``NoSamplesError``
-    for one of records only); ``RequestError`` for a ``by`` that no sample kept holds as a
-    number, naming the fields nearest to it.
+    with no metriclog file, as ``reduce_run`` raises it (a ``NoSamplesError`` for one whose
+    samples files could not be read); ``RequestError`` for a ``by`` that no sample kept
+    holds as a number, naming the fields nearest to it. A run of records only gives no row,
+    and a note that says so.
 
-    >>> try:
-    ...     select_samples("sample_logs/rl_run", top=2, by="reward")
-    ... except NoSamplesError as exc:
-    ...     print(str(exc).split(": ")[1])
-    it holds records only
+    >>> frame, read = select_samples("sample_logs/rl_run", top=2, by="reward")
+    >>> frame.columns
+    ['step', 'rank', 'process', 'timestamp', 'key']
+    >>> print(read.notes[0].split(": ")[0])
+    sample_logs/rl_run holds no sample (Reduce.SAMPLE), records only
     """
     from metric_core.offline.plan import counts_back, last_steps, parse_ranks, parse_steps
 
@@ -109,7 +110,7 @@ def select_samples(
         on_read(read.report)
     every = read.samples
     if not every and not read.replaced:
-        raise _no_samples(run, read)
+        read.notes.append(_no_samples(run, read))
     sources_kept = kept(every, keys=keys, ranks=ranks)
     if counts_back(steps):  # counted back from the last step of the samples' sources kept
         steps = last_steps(steps, max((s.step for s in sources_kept), default=-1))  # type: ignore[arg-type]
@@ -155,13 +156,14 @@ def ranked_by(samples: list[Sample], by: str) -> list[Message]:
     return [opt("by") + repr(by) + f": no sample of {shown} holds it as a number; none of theirs is shown"]
 
 
-def _no_samples(run: str | os.PathLike[str], read: SampleSet) -> NoDataError:
-    """The error of a run with no sample: that its samples files could not be read (said
-    above), ``reduce``'s error for a run with no metriclog file, or that it holds records only."""
+def _no_samples(run: str | os.PathLike[str], read: SampleSet) -> str:
+    """What a run with no sample holds instead: records only (said); raises the error of a
+    run whose samples files could not be read (said above), and ``reduce``'s error for a
+    run with no metriclog file."""
     from metric_core.offline.read import scan_run
 
     where = str(read.report.run_dir) if read.report is not None else str(run)
     if read.report is not None and any(is_samples_file(f.path.name) for f in read.report.files):
-        return NoSamplesError(where, "none of its samples files could be read (see the warning above)")
+        raise NoSamplesError(where, "none of its samples files could be read (see the warning above)")
     scan_run(run, defer_checks=True)  # raises reduce's error when the run holds no record either
-    return NoSamplesError(where, f"it holds records only: `metriclog keys {where}` lists their keys")
+    return f"{where} holds no sample (Reduce.SAMPLE), records only: `metriclog keys {where}` lists their keys"
