@@ -510,3 +510,21 @@ def test_a_run_of_records_only_says_there_is_no_sample(tmp_path):
         f"warning: {tmp_path} holds no sample (Reduce.SAMPLE), records only: "
         f"`metriclog keys {tmp_path}` lists their keys\n"
     )
+
+
+def test_a_run_whose_samples_files_could_none_be_read_is_an_error_after_the_warning(tmp_path):
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    one_rank(tmp_path, 3, samples=True)
+    (path,) = (tmp_path / "samples").iterdir()
+    path.write_bytes(path.read_bytes()[:100])  # cut inside its first bytes
+    result = CliRunner().invoke(app, ["samples", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    warning, *_, error = result.stderr.splitlines()
+    assert warning == f"warning: skipped 0 sample(s) and 1 unreadable file(s) in {tmp_path}:"
+    assert f"  samples/{path.name}: unreadable, skipped (" in result.stderr
+    assert error == (
+        f"Error: no sample (Reduce.SAMPLE) in {tmp_path}: none of its samples files could be read "
+        "(see the warning above)"
+    )
