@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench samples clean
+.PHONY: demo test test-fast lint bench samples soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check metric_core cli tests benchmarks scripts
 	$(BIN)/mypy metric_core
+
+# The seeded soak (tests/soak/): random jobs with faults, every command checked against an
+# exact oracle. `make soak SEED=1234` replays one seed; `make soak MINUTES=60` runs new
+# seeds for that long (JOBS at a time) and prints a summary. A failure prints its seed and
+# keeps its run directory. The fixed seeds of tests/soak/seeds.txt run in `make test`.
+MINUTES ?= 10
+JOBS ?= 2
+soak: $(STAMP)
+	$(BIN)/python -m tests.soak $(if $(SEED),$(foreach s,$(SEED),--seed $(s)),--minutes $(MINUTES)) --jobs $(JOBS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_record.py

@@ -36,7 +36,22 @@ class _Command(typer.core.TyperCommand):
         ]
 
 
+class _Group(typer.core.TyperGroup):
+    """The commands, whose usage errors (``Error: Invalid value for ...``) are wrapped at the
+    terminal's width as every other message is."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except typer.TyperException as exc:  # click's usage errors, shown by typer on the way out
+            show = getattr(exc, "show", None)
+            if show is not None:
+                exc.show = lambda file=None: output.show_wrapped(show, file)  # type: ignore[attr-defined]
+            raise
+
+
 app = typer.Typer(
+    cls=_Group,
     name="metriclog",
     help="Reduce, upload and diagnose the raw metric streams that metric_core writes.",
     no_args_is_help=True,
@@ -80,11 +95,11 @@ def command_run() -> Iterator[None]:
         _quiet_stdout()
         raise typer.Exit(code=0) from None
     except MetricLogError as exc:
-        typer.echo(f"Error: {exc.text(o.as_flag)}", err=True)
+        output.error(exc.text(o.as_flag))
         raise typer.Exit(code=1) from None
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        typer.echo(f"Error: {where}{_gist(exc.strerror or exc)}", err=True)
+        output.error(f"{where}{_gist(exc.strerror or exc)}")
         raise typer.Exit(code=1) from None
 
 
@@ -320,14 +335,15 @@ def keys(
     attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
     form: o.FormatOpt = None,
-    json_out: o.Json = False,
+    json_out: o.KeysJson = False,
     limit: o.Limit = None,
     tail: o.Tail = None,
 ) -> None:
     """List every key of a run: its reduction, records, sources, first and last step and time,
     and how many of its values are NaN or infinite. Reads every record once.
 
-    --json is --format json. A table on a terminal, CSV into a pipe.
+    A row a key: a table on a terminal, CSV into a pipe; --format json (or --json) prints one
+    JSON array of objects, jsonl an object a line.
 
     Example:
 
@@ -407,6 +423,9 @@ def watch(
 ) -> None:
     """Follow a run while it is written: its sources' state, the ones that hang or die.
 
+    On a terminal, a table of the sources redrawn in place; into a pipe or a file, a line each
+    time a source appears or its state changes (stalls, deaths and restarts: on stderr).
+
     Exit 0 once every source finished, 4 once every source finished or died and no restart
     came within --restart-grace, 3 on a stall with --exit-on-stall, 130 on Ctrl-C.
 
@@ -457,7 +476,7 @@ def main() -> None:
         # own (pydantic building wandb's models on import): stopped, not broken. Anything
         # else that failed on the way out is still said.
         if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
-            typer.echo(f"Error: {_gist(exc)}", err=True)
+            output.error(_gist(exc))
         sys.exit(STOPPED)
 
 

@@ -18,8 +18,8 @@ RunDir = Annotated[
     str,
     typer.Argument(
         metavar="RUN_DIR",
-        help="Run directory holding *.parquet / *.jsonl files: a path, or an s3://, gs://, az:// or file:// "
-        "URL.",
+        help="Run directory holding *.parquet, *.jsonl and *.journal files: a path, or an s3://, gs://, "
+        "az:// or file:// URL.",
         show_default=False,
     ),
 ]
@@ -109,7 +109,11 @@ Ranks = Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Onl
 Steps = Annotated[
     str | None,
     typer.Option(
-        "--steps", metavar="START:STOP", help="Only steps START:STOP (STOP excluded), e.g. 100:200."
+        "--steps",
+        metavar="START:STOP",
+        help="Only steps START:STOP (STOP excluded), e.g. 100:200. A negative number counts back from "
+        "the last step, as Python slices do: -5: is the last 5 steps, :-1 all but the last (not with "
+        "upload --follow).",
     ),
 ]
 Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
@@ -151,10 +155,12 @@ class Format(str, Enum):
 
 FormatOpt = Annotated[
     Format | None,
-    typer.Option(
+    choice(
         "--format",
-        help="How rows go to stdout: table (the default on a terminal), csv (the default into a pipe), "
-        "json (an array) or jsonl. Every format but table prints every row.",
+        Format,
+        "How rows go to stdout: table (the default on a terminal), csv (the default into a pipe), "
+        "json (one array of objects, a row each) or jsonl (an object a line). Every format but table "
+        "prints every row.",
     ),
 ]
 Limit = Annotated[int | None, typer.Option("--limit", metavar="N", min=0, help="Only the first N rows.")]
@@ -197,9 +203,7 @@ class To(str, Enum):
 
 ToOpt = Annotated[
     To,
-    typer.Option(
-        "--to", help="Where the runs go: W&B (the default), or TensorBoard event files under --logdir."
-    ),
+    choice("--to", To, "Where the runs go: W&B (the default), or TensorBoard event files under --logdir."),
 ]
 Logdir = Annotated[
     str | None,
@@ -264,13 +268,20 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the runs, rows an
 ForceNew = Annotated[bool, typer.Option("--force-new", help="Upload finished runs again under fresh ids.")]
 
 # inspect and plot
-Json = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the table.")]
+Json = Annotated[
+    bool, typer.Option("--json", help="Print the report as one JSON object instead of the table.")
+]
+KeysJson = Annotated[
+    bool,
+    typer.Option("--json", help="Print the rows as one JSON array of objects, a key each (--format json)."),
+]
 InspectFormat = Annotated[
     Format | None,
-    typer.Option(
+    choice(
         "--format",
-        help="table (the report, the default), json (as --json), or csv/jsonl: the per-source table, a "
-        "row a source.",
+        Format,
+        "table (the report, the default), json (the report as one JSON object, as --json), or "
+        "csv/jsonl: the per-source table, a row a source.",
     ),
 ]
 PlotKeys = Annotated[

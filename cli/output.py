@@ -31,17 +31,88 @@ _live: Any = None
 
 
 def say(kind: str, text: str) -> None:
-    """A line on stderr: ``warning: ...`` and ``note: ...``, or plain information."""
-    if _live is not None:
+    """A message on stderr: ``warning: ...``, ``note: ...``, ``Error: ...``, or plain
+    information; wrapped at the terminal's width (``wrapped``)."""
+    if _live is not None:  # rich wraps it at the width of the terminal it draws on
         from rich.text import Text
 
         _live.console.print(Text(_line(kind, text)))
         return
-    typer.echo(_line(kind, text), err=True)
+    typer.echo(wrapped(_line(kind, text), message_width(sys.stderr)), err=True)
+
+
+def error(text: str) -> None:
+    """A command's one ``Error: ...`` message, on stderr."""
+    say("Error", text)
 
 
 def _line(kind: str, text: str) -> str:
     return text if kind == "info" else f"{kind}: {text}"
+
+
+def message_width(stream: Any) -> int | None:
+    """The width the messages written to ``stream`` are wrapped at: ``COLUMNS`` when set (as
+    rich and the tables take it), else the width of the terminal ``stream`` is; None (not
+    wrapped) into a pipe or a file, where a message stays on one line for grep and logs."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(stream.fileno()).columns if stream.isatty() else None
+    except (AttributeError, OSError, ValueError):  # a stream with no descriptor (a test's)
+        return None
+
+
+# The narrowest width a message is wrapped at: on a terminal narrower than this, a word a
+# line would be no easier to read than lines that run over.
+MIN_WRAP = 40
+
+
+def wrapped(text: str, width: int | None) -> str:
+    """``text`` with each line longer than ``width`` broken at spaces, its continuation lines
+    indented four more than it (messages indent their own parts by two: a continuation is
+    not taken for one); a word longer than a line (a path, a URL) is never broken.
+
+    >>> print(wrapped("warning: a message that runs past the width of the terminal", 40))
+    warning: a message that runs past the
+        width of the terminal
+    """
+    if width is None:
+        return text
+    import textwrap
+
+    width = max(width, MIN_WRAP)
+    out: list[str] = []
+    for line in text.split("\n"):
+        if _width(line) <= width:
+            out.append(line)
+            continue
+        body = line.lstrip(" ")
+        indent = line[: len(line) - len(body)]
+        out += textwrap.wrap(
+            body,
+            width,
+            initial_indent=indent,
+            subsequent_indent=indent + "    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        ) or [line]
+    return "\n".join(out)
+
+
+def show_wrapped(show: Callable[..., None], file: Any = None) -> None:
+    """What a usage error's ``show`` prints (usage, hint, ``Error: ...``), its lines wrapped."""
+    import io
+
+    said = io.StringIO()
+    show(file=said)
+    out = file or sys.stderr
+    typer.echo(wrapped(said.getvalue().rstrip("\n"), message_width(out)), file=out)
+
+
+def echo_prose(text: str) -> None:
+    """A line of a report on stdout (inspect's story, a table's notes), wrapped as messages are."""
+    typer.echo(wrapped(text, message_width(sys.stdout)))
 
 
 def said_skips(report: ReadReport) -> None:
@@ -381,7 +452,7 @@ def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS, **
     ``whole``); a report's notes stay beside its table, on stdout."""
     import polars as pl
 
-    print_table(pl.DataFrame(rows), max_rows=max_rows, notes=typer.echo, **fit)
+    print_table(pl.DataFrame(rows), max_rows=max_rows, notes=echo_prose, **fit)
 
 
 # What a narrow terminal loses first of inspect's table (the rest from the right): it
@@ -447,7 +518,7 @@ def print_inspect(report: InspectReport) -> None:
         if not any(row[column] for row in rows):
             for row in rows:
                 del row[column]
-    typer.echo(f"run {report.name} ({report.run_dir}), world_size {report.world_size or 'unknown'}")
+    echo_prose(f"run {report.name} ({report.run_dir}), world_size {report.world_size or 'unknown'}")
     print_rows(
         rows,
         max_rows=1000,
@@ -458,10 +529,10 @@ def print_inspect(report: InspectReport) -> None:
     )
     if report.samples:
         counts = ", ".join(f"{key} {n:,}" for key, n in sorted(report.samples.items()))
-        typer.echo(f"samples (Reduce.SAMPLE; `metriclog samples {report.run_dir}` lists them): {counts}")
+        echo_prose(f"samples (Reduce.SAMPLE; `metriclog samples {report.run_dir}` lists them): {counts}")
     typer.echo("")
     for line in report.verdict(as_flag):
-        typer.echo(line)
+        echo_prose(line)
 
 
 def print_upload(result: UploadResult) -> int:
@@ -518,7 +589,7 @@ def print_upload(result: UploadResult) -> int:
             whole="a wider terminal (COLUMNS=200)",
         )
         for o in result.outcomes:
-            print(f"keys of {o.run.name}: {', '.join(o.run.keys)}")
+            echo_prose(f"keys of {o.run.name}: {', '.join(o.run.keys)}")
             if o.message:
                 say("info", o.message)
         say("info", "dry run: nothing was uploaded")

@@ -133,13 +133,22 @@ def _restore(cls: type[MetricLogError], args: tuple[Any, ...], state: dict[str, 
 
 
 class NotInitializedError(MetricLogError):
-    """record_metric or flush was called before metric_core.init()."""
+    """record_metric or flush was called before metric_core.init(), or after the
+    shutdown() that ended it; ``ended`` names what that shutdown ended (None: no init yet)."""
 
-    def __init__(self, what: str) -> None:
-        super().__init__(
-            f"{what} was called before metric_core.init(run_dir): "
-            "call metric_core.init() once per process before recording metrics."
-        )
+    def __init__(self, what: str, *, ended: str | None = None) -> None:
+        self.what, self.ended = what, ended
+        if ended is None:
+            super().__init__(
+                f"{what} was called before metric_core.init(run_dir): "
+                "call metric_core.init() once per process before recording metrics."
+            )
+        else:
+            super().__init__(
+                f"{what} was called after metric_core.shutdown() ended the recording of {ended}: "
+                "call metric_core.init(run_dir) again to record more (it starts a new attempt of "
+                "the source)."
+            )
 
 
 class ConfigError(MetricLogError):

@@ -102,7 +102,8 @@ def test_tables_fit_the_terminal_and_say_every_cut(tmp_path):
         )
         assert result.exit_code == 0, result.output
         assert "not shown" not in result.stdout and "are cut" not in result.stdout  # notes: on stderr
-        return result.output
+        assert max(map(len, result.stderr.splitlines()), default=0) <= int(columns)  # notes wrapped too
+        return result.stdout + " ".join(result.stderr.split())  # a note wrapped over lines, as one
 
     wide = reduce("--wide")
     assert max(map(len, table_lines(wide))) <= 80
@@ -426,6 +427,81 @@ def test_a_bad_choice_or_output_type_is_a_usage_error_before_anything_is_read(tm
     assert result.stderr.splitlines()[0] == "Usage: metriclog reduce [OPTIONS] RUN_DIR"
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["keys", "--format", "xml"],
+            "Invalid value for '--format': 'xml' is not one of table, csv, json, jsonl",
+        ),
+        (
+            ["reduce", "--format", "jsn"],
+            "Invalid value for '--format': 'jsn' is not one of table, csv, json, jsonl; did you mean 'json'?",
+        ),
+        (
+            ["samples", "--format", "xml"],
+            "Invalid value for '--format': 'xml' is not one of table, csv, json, jsonl",
+        ),
+        (
+            ["inspect", "--format", "xml"],
+            "Invalid value for '--format': 'xml' is not one of table, csv, json, jsonl",
+        ),
+        (
+            ["upload", "--to", "tb", "--project", "p"],
+            "Invalid value for '--to': 'tb' is not one of wandb, tensorboard",
+        ),
+        (
+            ["upload", "--to", "tensor", "--logdir", "tb"],
+            "Invalid value for '--to': 'tensor' is not one of wandb, tensorboard; did you mean "
+            "'tensorboard'?",
+        ),
+    ],
+)
+def test_every_choice_lists_its_values_in_plain_words(tmp_path, args, message):
+    """No "Value error," (pydantic's prefix, which typer's own enum check passes on)."""
+    command, *options = args
+    result = invoke(command, tmp_path / "no-such-run", *options)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == f"Error: {message}"
+    assert "Value error" not in result.output
+
+
+def help_of(command: str) -> str:
+    result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert result.exit_code == 0
+    return " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("command", ["reduce", "keys", "samples", "inspect"])
+def test_each_commands_help_says_what_each_json_format_prints(command):
+    """What --help promises of --format json (and --json) is what is printed: an array of
+    rows for the data commands, one object for inspect's report."""
+    said = help_of(command)
+    printed = [json.loads(invoke(command, SAMPLE, "--format", "json").stdout)]
+    if command in ("keys", "inspect"):
+        printed.append(json.loads(invoke(command, SAMPLE, "--json").stdout))
+    if command == "inspect":
+        assert "--json Print the report as one JSON object instead of the table." in said
+        assert "json (the report as one JSON object, as --json)" in said
+        assert all(isinstance(p, dict) and "sources" in p for p in printed)
+    else:
+        assert "json (one array of objects, a row each)" in said and "JSON object" not in said
+        assert all(isinstance(p, list) and all(isinstance(row, dict) for row in p) for p in printed)
+    if command == "keys":
+        assert "--json Print the rows as one JSON array of objects, a key each (--format json)." in said
+    if command == "samples":  # the sample run has none: an empty array, not nothing
+        assert printed == [[]]
+
+
+def test_steps_help_shows_that_a_negative_number_counts_back():
+    for command in ("reduce", "upload", "plot", "samples"):
+        assert (
+            "--steps START:STOP Only steps START:STOP (STOP excluded), e.g. 100:200. A negative number "
+            "counts back from the last step, as Python slices do: -5: is the last 5 steps, :-1 all but "
+            "the last (not with upload --follow)."
+        ) in help_of(command), command
+
+
 def test_long_results_are_cut_and_the_cut_is_said(run):
     root, _ = run
     result = invoke("reduce", root, "--mode", "per_rank_no_reduce", "--format", "table")
@@ -695,3 +771,170 @@ def test_a_message_names_its_options_in_each_callers_words_with_no_marks_in_its_
     ]
     for text in (str(error), error.text(as_flag)):
         assert not any(ord(c) < 32 for c in text)
+
+
+def command_at(columns: str | None, *args: object) -> tuple[int, str, str]:
+    """The installed command on pipes, with ``COLUMNS`` set to ``columns`` (None: unset)."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    env.update({"TZ": "UTC"} if columns is None else {"TZ": "UTC", "COLUMNS": columns})
+    done = subprocess.run(
+        [METRICLOG, *map(str, args)], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT
+    )
+    return done.returncode, done.stdout, done.stderr
+
+
+def fits(text: str, width: int) -> bool:
+    """Every line fits ``width``, but a word longer than a line (a path), alone on its line."""
+    return all(len(line) <= width or " " not in line.strip() for line in text.splitlines())
+
+
+@pytest.mark.slow  # the installed command, in eight processes
+def test_messages_and_inspects_story_are_wrapped_at_columns_and_data_never_is(tmp_path):
+    # The warning and the error, word for word (the sample run named from the checkout)
+    code, _, err = command_at("80", "reduce", "sample_logs/rl_run", "--key", "nomatch")
+    assert code == 1
+    assert err.splitlines() == [
+        "warning: skipped 21 record(s) and 0 unreadable file(s) in sample_logs/rl_run:",
+        "  GeneratorActor_r1.r1.00001.journal: 21 record(s) skipped: 21 x unfinished",
+        "      write at the end (the writer was killed mid-write, or is writing now)",
+        "Error: no record in sample_logs/rl_run matches the filters: --key 'nomatch'",
+        "    matches no key; nearest of the run's 8 keys: policy/latency_s,",
+        "    policy/latency_std_s, trainer/grad_norm",
+    ]
+    # A usage error, said before anything is read
+    code, _, err = command_at("60", "reduce", tmp_path / "none", "--out", "x.csv", "--format", "csv")
+    assert code == 2
+    assert err.splitlines()[-3:] == [
+        "Error: Invalid value for --format: --format chooses what",
+        "    goes to stdout; --out x.csv writes by its suffix: give",
+        "    one of them",
+    ]
+    # inspect's story, its notes and its heading: each line fits, and the words are those
+    # printed whole into a pipe, where nothing is wrapped
+    for columns in ("80", "100"):
+        code, narrow, narrow_err = command_at(columns, "inspect", SAMPLE)
+        _, whole, whole_err = command_at(None, "inspect", SAMPLE)
+        assert code == 0 and fits(narrow, int(columns)) and fits(narrow_err, int(columns))
+        story = whole.split("\n\n", 1)[1]
+        assert max(map(len, story.splitlines())) > 100  # long enough to be wrapped at both widths
+        assert narrow.split("\n\n", 1)[1].split() == story.split()
+        assert narrow_err.split() == whole_err.split()
+    # Data is never wrapped: CSV, JSON and inspect's JSON report are the same at any width
+    # (but for the report's figures of the wall clock, which moves between the two)
+    import re
+
+    def data(*args: object) -> str:
+        out = command_at(*args)[1]
+        return re.sub(r"[0-9.e+-]+", "0", out) if args[1] == "inspect" else out
+
+    for args in (["reduce", SAMPLE, "--mode", "per_rank_no_reduce", "--key", "policy/*"],
+                 ["keys", SAMPLE, "--format", "json"], ["inspect", SAMPLE, "--json"]):  # fmt: skip
+        assert data("40", *args) == data(None, *args), args
+
+
+@pytest.mark.slow  # the installed command, with stderr on a terminal
+def test_on_a_terminal_messages_are_wrapped_at_its_width_without_columns(tmp_path):
+    import fcntl
+    import os
+    import pty
+    import re
+    import struct
+    import subprocess
+    import termios
+
+    screen, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 72, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    child = subprocess.Popen(
+        [METRICLOG, "reduce", SAMPLE, "--ranks", "7"], stdout=subprocess.PIPE, stderr=terminal, env=env
+    )
+    os.close(terminal)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(screen, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(screen)
+    child.communicate(timeout=120)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode()).replace("\r\n", "\n")
+    assert child.returncode == 1 and fits(text, 72), text
+    assert " ".join(text.split()).endswith(
+        "Error: no record in " + str(SAMPLE) + " matches the filters: --ranks '7' matches no record "
+        "(no rank 7); the run's ranks: 0-1"
+    )
+    assert max(map(len, text.splitlines())) > 60  # wrapped near the terminal's width, not narrower
+
+
+@pytest.mark.slow  # the installed command, and a killed writer
+def test_the_documented_way_to_read_a_run_elsewhere_counts_a_killed_ranks_journal(tmp_path, monkeypatch):
+    """docs/reading.md's commands, run as written: DuckDB over the run's Parquet files misses
+    the killed rank's journal; over the file they make, DuckDB, polars and pandas read every
+    record written, once."""
+    import re
+    import subprocess
+
+    import duckdb
+
+    run = tmp_path / "runs" / "exp1"
+    truth = write_collector_run(run, [("TrainActor_r0", 0)], steps=12)
+    truth += write_collector_run(run, [("TrainActor_r1", 1)], steps=12, seed=1, shutdown=None)  # killed
+    assert list(run.glob("*.journal"))
+    in_parquet = duckdb.sql(f"SELECT count(*) FROM '{run}/*.parquet'").fetchall()[0][0]
+    assert in_parquet < len(truth)  # what the docs warn of
+
+    doc = (ROOT / "docs" / "reading.md").read_text()
+    section = doc.split("## Reading a whole run with DuckDB, polars or pandas", 1)[1].split("\n## ", 1)[0]
+    (shell,) = re.findall(r"```sh\n(.*?)```", section, re.S)
+    (python,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    command = shell.split()
+    assert command[0] == "metriclog"
+    done = subprocess.run([METRICLOG, *command[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=99)
+    assert done.returncode == 0, done.stderr
+    monkeypatch.chdir(tmp_path)
+    names: dict = {}
+    exec(python, names)  # the docs' Python, as written
+
+    def records(rows) -> list[tuple]:
+        return sorted((r["process"], r["rank"], r["step"], r["key"], r["value"]) for r in rows)
+
+    want = records(truth)
+    assert records(names["pl"].read_parquet("all.parquet").to_dicts()) == want
+    assert records(names["raw"].to_dict("records")) == want  # pandas, the last one read
+    counted = duckdb.sql(
+        "SELECT process, count(*) AS records, max(step) AS last_step FROM 'all.parquet' GROUP BY ALL"
+    ).fetchall()
+    assert sorted(counted) == sorted(
+        (p, sum(r["process"] == p for r in truth), max(r["step"] for r in truth if r["process"] == p))
+        for p in ("TrainActor_r0", "TrainActor_r1")
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["reduce"],
+        ["reduce", "--mode", "per_rank_reduce", "--wide"],
+        ["reduce", "--mode", "per_rank_no_reduce", "--limit", "3"],
+        ["reduce", "--steps", "-3:", "--format", "json"],
+        ["reduce", "--key", "nomatch"],  # a failure after the read
+        ["keys"],
+        ["inspect"],
+        ["inspect", "--json"],
+        ["upload", "--project", "p", "--dry-run"],
+        ["plot", "--key", "policy/*"],
+    ],
+)
+def test_each_command_says_the_sample_runs_skipped_records_once(args, tmp_path):
+    command, *options = args
+    if command == "plot":
+        options += ["--out", str(tmp_path / "p.png")]
+    result = invoke(command, SAMPLE, *options)
+    assert result.exit_code in (0, 1), result.output
+    assert result.stderr.count("21 record(s) skipped") == 1, result.stderr

@@ -514,3 +514,221 @@ def test_a_second_follower_of_the_same_upload_is_refused_and_another_mode_is_not
         assert sidecar.returncode == 0, err
     values = [v for vs in truth(run, 2).values() for v in vs]
     check(rows_of(run, "run"), expected_steps(values))
+
+
+# A job of 4 ranks in multiprocessing (issue 41, defect 1): 8 keys of every reduction, one
+# recorded as numpy float32, a sample dict a step on rank 0; rank ``kill`` records step
+# ``at``, waits until those records are in its journal, and is SIGKILLed before flush(at).
+KILLED_JOB = """
+import glob, json, multiprocessing as mp, os, signal, sys, time
+import numpy as np
+
+def rank_main(c, rank):
+    import metric_core
+    from metric_core import Reduce, journal, record_metric
+    run = c["run"]
+    metric_core.init(run, rank=rank, process_name=f"Trainer_r{rank}", world_size=4, flush_interval=0.02)
+    rng = np.random.default_rng(rank)
+    written = 0
+    truth, kept = open(f"{run}/../truth-{rank}-0.jsonl", "w"), open(f"{run}/../samples-{rank}.jsonl", "w")
+    with truth, kept:
+        for step in range(c["steps"]):
+            for _ in range(3):
+                for key, how, value in (
+                    ("loss", Reduce.MEAN, 1.0 + rng.normal()),
+                    ("tokens", Reduce.SUM, int(rng.integers(0, 100))),
+                    ("grad/max", Reduce.MAX, rng.normal()),
+                    ("grad/min", Reduce.MIN, rng.normal()),
+                    ("spread", Reduce.STD, rng.normal()),
+                    ("lr", Reduce.MEAN, np.float32(1e-4 * (1 + step))),
+                    ("count", Reduce.SUM, 1),
+                    ("acc", Reduce.MEAN, float(rng.random())),
+                ):
+                    record_metric(key, value, how)
+                    truth.write(json.dumps([step, key, float(value)]) + "\\n")
+                    written += 1
+            if c["samples"] and rank == 0:
+                sample = {"prompt": f"p{step}", "reward": float(rng.random()), "len": step}
+                record_metric("gen", sample, Reduce.SAMPLE)
+                kept.write(json.dumps([step, sample]) + "\\n")
+            truth.flush()
+            kept.flush()
+            if rank == c["kill"] and step == c["at"]:
+                deadline = time.monotonic() + 120  # its records of this step on disk, unflushed
+                while time.monotonic() < deadline:
+                    (path,) = glob.glob(f"{run}/Trainer_r{rank}.r{rank}.*.journal")
+                    decoded = journal.decode(open(path, "rb").read())
+                    rows = 0 if decoded.table is None else decoded.table.num_rows
+                    samples = step + 1 if c["samples"] and rank == 0 else 0
+                    if rows >= written and len(decoded.samples) >= samples:
+                        break
+                    time.sleep(0.01)
+                os.kill(os.getpid(), signal.SIGKILL)
+            metric_core.flush(step)
+            time.sleep(0.005)
+    metric_core.shutdown()
+
+if __name__ == "__main__":
+    c = json.loads(sys.argv[1])
+    ranks = [mp.Process(target=rank_main, args=(c, r)) for r in range(4)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join()
+    print(json.dumps([p.exitcode for p in ranks]))
+"""
+KILLED_HOW = {
+    "loss": np.mean, "tokens": np.sum, "grad/max": np.max, "grad/min": np.min,
+    "spread": np.std, "lr": np.mean, "count": np.sum, "acc": np.mean,
+}  # fmt: skip
+
+
+def rows_by_project(run: Path, project: str) -> tuple[dict, list[dict]]:
+    """The ledger's newest run written to ``project``, and its rows as the wandb client wrote them."""
+    entries = json.loads((run / ".metriclog" / "uploads.json").read_text())["runs"]
+    run_id, entry = max(
+        ((i, e) for i, e in entries.items() if e["project"] == project), key=lambda ie: ie[1]["updated"]
+    )
+    rows = history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", run_id)))
+    return {**entry, "id": run_id}, rows
+
+
+@pytest.mark.parametrize(("kill", "samples"), [(3, True), (0, True), (3, False)])
+def test_a_rank_sigkilled_mid_step_ends_the_follow_cleanly_equal_to_a_plain_upload(tmp_path, kill, samples):
+    from tests.wandb_file import tables_of
+
+    run = tmp_path / "run"
+    sidecar = follow(run, "--restart-grace", "1s")
+    job = subprocess.run(
+        [sys.executable, "-c", KILLED_JOB,
+         json.dumps({"run": str(run), "steps": 200, "kill": kill, "at": 120, "samples": samples})],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    assert json.loads(job.stdout) == [-signal.SIGKILL if r == kill else 0 for r in range(4)]
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "Traceback" not in err and "came after" not in err and "fresh" not in err, err
+    assert f"Trainer_r{kill} (rank {kill}) died after step 119" in err
+
+    # numpy over what every rank recorded: the killed rank's unflushed step 120 included
+    values = [v for vs in truth(run, 4).values() for v in vs]
+    expected = {
+        step: {k: float(how(np.array([v for s, kk, v in values if s == step and kk == k])))
+               for k, how in KILLED_HOW.items()}
+        for step in sorted({s for s, _, _ in values})
+    }  # fmt: skip
+    entry, rows = rows_by_project(run, "p")
+    assert entry["finished"]
+    assert [r["step"] for r in rows] == list(range(200))
+    for row in rows:
+        for key, value in expected[row["step"]].items():
+            assert row[key] == pytest.approx(value, rel=1e-12, abs=1e-15), (row["step"], key)
+
+    # a plain upload of the finished run hands W&B the same rows and the same samples
+    plain = subprocess.run(
+        [METRICLOG, "upload", str(run), "--project", "plain", "--offline"], capture_output=True, text=True
+    )
+    assert plain.returncode == 0, plain.stderr
+    plain_entry, plain_rows = rows_by_project(run, "plain")
+    assert plain_entry["finished"] and len(plain_rows) == len(rows)
+    for got, want in zip(rows, plain_rows, strict=True):
+        assert {k for k in got if not k.startswith("_")} == {k for k in want if not k.startswith("_")}
+        for key in KILLED_HOW:
+            assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-15), (got["step"], key)
+    if samples:
+        recorded = dict(map(json.loads, (tmp_path / "samples-0.jsonl").read_text().splitlines()))
+        followed_tables = tables_of(find_run_file(run / ".metriclog" / "wandb", entry["id"]), "gen")
+        plain_tables = tables_of(find_run_file(run / ".metriclog" / "wandb", plain_entry["id"]), "gen")
+        assert followed_tables == plain_tables
+        assert followed_tables == {step: [sample] for step, sample in recorded.items()}
+
+
+def flushed(run: Path, ranks: int, step: int) -> bool:
+    """Every rank's journal holds its flush of ``step`` (a condition on the files, not a wait)."""
+    from metric_core import journal
+
+    done = 0
+    for path in run.glob("*.journal"):
+        decoded = journal.decode(path.read_bytes(), records=False)
+        done += decoded.last_flush is not None and decoded.last_flush >= step
+    return done >= ranks
+
+
+def plain(run: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [METRICLOG, "upload", str(run), "--project", "p", "--offline", *args], capture_output=True, text=True
+    )
+
+
+def test_a_plain_upload_of_a_running_job_sends_its_settled_steps_and_a_later_one_the_rest(tmp_path):
+    """Issue 41, defect 2: the upload of a job still writing leaves its run open; the next one
+    after the job ended adds every step, none lost and none twice, and only then is it done."""
+    run = tmp_path / "run"
+    ranks = writers(run, steps=150, ranks=2, hold_at=120)  # alive, silent in step 120
+    wait_for(lambda: flushed(run, 2, 119), "both ranks to flush step 119")
+    early = plain(run)
+    assert early.returncode == 0, early.stderr
+    assert "the job still writes this run" in early.stderr, early.stderr
+    entry = runs_written(run)["run"]
+    assert not entry["finished"] and entry["rows_sent"] == 120
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run", finished=False), expected_steps([v for v in values if v[0] < 120]))
+    release(run)
+    finish(ranks)
+    later = plain(run)
+    assert later.returncode == 0, later.stderr
+    assert "skipped" not in later.stderr and "still writes" not in later.stderr
+    assert "was written offline while its job ran (120 rows)" in later.stderr, later.stderr
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))  # steps 0-149, each once, exact
+    assert len(list((run / ".metriclog" / "wandb").rglob("*.wandb"))) == 1, "the open run's files went"
+    again = plain(run)
+    assert again.returncode == 0 and "already written offline (150 rows" in again.stderr, again.stderr
+
+
+def test_a_running_job_to_tensorboard_and_online_w_and_b_continues_where_it_stopped(tmp_path):
+    """Issue 41, defect 2: to TensorBoard, the file of a run still written holds its settled
+    steps and is written again whole once the job ended; online, the next upload resumes the
+    same W&B run at the row after the server's last (a fake server: only it holds rows)."""
+    from metric_core import make_plan
+    from metric_core.offline.engine import execute
+    from metric_core.offline.read import scan_run
+    from metric_core.offline.upload import upload_run
+    from metric_core.offline.upload.ledger import Ledger
+    from metric_core.offline.upload.runs import plan_runs
+    from metric_core.offline.upload.send import Destination, send_runs
+    from metric_core.offline.upload.tensorboard import TensorBoard
+    from tests.test_tensorboard import scalars
+    from tests.test_upload import FakeInit, FakeRun
+
+    run = tmp_path / "run"
+    ranks = writers(run, steps=60, ranks=2, hold_at=40)
+    wait_for(lambda: flushed(run, 2, 39), "both ranks to flush step 39")
+    logdir = tmp_path / "tb"
+    upload_run(run, make_plan(), TensorBoard(logdir))
+    assert [s for s, _, _ in scalars(logdir / "run")["loss"]] == list(range(40))
+    from metric_core.offline.upload.settled import settled_runs
+
+    ledger = Ledger(tmp_path / "uploads.json")
+    with settled_runs(run, make_plan(), name="run", group=None, share_run=False, request={}) as planned:
+        first = FakeRun()
+        (outcome,) = send_runs(planned, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
+    assert [r["step"] for r in first.logged] == list(range(40))
+    assert not ledger.get(outcome.run_id)["finished"]
+    release(run)
+    finish(ranks)
+    later = upload_run(run, make_plan(), TensorBoard(logdir))
+    assert not later.plan.open and [o.action for o in later.outcomes] == ["wrote to TensorBoard"]
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    expected = expected_steps(values)
+    got = scalars(logdir / "run")
+    assert [s for s, _, _ in got["loss"]] == list(range(60)), "each step once, in one file"
+    assert [v for _, v, _ in got["loss"]] == [float(np.float32(expected[s]["loss"])) for s in range(60)]
+    with plan_runs(execute(make_plan(), scan_run(run)), name="run", request={}) as planned:
+        second = FakeRun(server_rows=40)
+        fake = FakeInit(second)
+        (outcome,) = send_runs(planned, ledger, Destination("p"), init=fake, sleep=lambda s: None)
+    assert fake.calls[0]["resume"] == "must" and outcome.action == "resumed"
+    check([*first.logged, *second.logged], expected)  # every step once, in one W&B run
+    assert ledger.get(outcome.run_id)["finished"]

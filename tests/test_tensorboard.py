@@ -135,3 +135,20 @@ def test_the_command_writes_tensorboard_and_says_what_it_needs(run, tmp_path):
             [metriclog, "upload", str(run), *args], capture_output=True, text=True, timeout=60
         )
         assert bad.returncode == 2 and says in bad.stderr, (args, bad.stderr)
+
+
+def test_samples_are_said_not_to_go_to_tensorboard(tmp_path):
+    """Issue 41, defect 9: TensorBoard gets scalars only; the samples are said, not dropped silently."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    from .test_upload import _run_with_samples
+
+    run = tmp_path / "exp"
+    _run_with_samples(run)
+    done = CliRunner().invoke(
+        app, ["upload", str(run), "--to", "tensorboard", "--logdir", str(tmp_path / "tb")]
+    )
+    assert done.exit_code == 0, done.output
+    assert "6 step(s) hold samples (Reduce.SAMPLE): the TensorBoard files hold scalars only" in done.output

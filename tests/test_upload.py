@@ -943,3 +943,38 @@ def test_a_follow_ended_idle_without_run_json_says_why_its_runs_stay_open(tmp_pa
     )
     (entry,) = json.loads((run_dir / ".metriclog" / "uploads.json").read_text())["runs"].values()
     assert not entry["finished"] and entry["rows_sent"] == 1
+
+
+def _run_with_samples(root: Path) -> None:
+    """One rank: steps 0-4 with a scalar and a sample each, step 5 with a sample only."""
+    import metric_core
+    from metric_core import Reduce, record_metric
+
+    metric_core.init(root, rank=0, process_name="Trainer_r0", world_size=1)
+    try:
+        for step in range(6):
+            if step < 5:
+                record_metric("loss", float(step))
+            record_metric("gen", {"prompt": str(step), "reward": float(step)}, Reduce.SAMPLE)
+            metric_core.flush(step)
+    finally:
+        metric_core.shutdown()
+
+
+def test_a_second_upload_counts_only_samples_no_row_holds_not_those_sent_before(tmp_path):
+    """Issue 41, defect 9: the steps of samples said to have no row are those no row of
+    their run holds, not those this upload did not send (a run skipped holds them)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    run = tmp_path / "exp"
+    _run_with_samples(run)
+    args = ["upload", str(run), "--project", "p", "--offline", "--mode", "per_rank_reduce"]
+    first = CliRunner().invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "1 step(s) of samples" in first.output
+    second = CliRunner().invoke(app, args)
+    assert second.exit_code == 0, second.output
+    assert "skipped" in second.output
+    assert "6 step(s) of samples" not in second.output and "1 step(s) of samples" in second.output

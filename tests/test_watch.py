@@ -242,6 +242,7 @@ def test_on_a_terminal_the_table_redraws_in_place_under_the_lines_it_says(tmp_pa
             METRICLOG,
             "watch",
             str(run),
+            "--wait",  # the writers may not have made the run directory yet
             "--interval",
             "0.2",
             "--stall-after",
@@ -274,9 +275,11 @@ def test_on_a_terminal_the_table_redraws_in_place_under_the_lines_it_says(tmp_pa
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    deadline = time.monotonic() + 120
     try:
         while b"paged TrainActor_r1" not in shown:  # a condition: the stall's command ran
             assert watching.poll() is None, bytes(shown).decode(errors="replace")
+            assert time.monotonic() < deadline, bytes(shown).decode(errors="replace")
             time.sleep(0.05)
         children[0].wait(timeout=60)
         children[1].kill()  # the hung rank dies: every source finished or died, watch ends

@@ -7,6 +7,8 @@ import hashlib
 import json
 import math
 import re
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -106,11 +108,49 @@ def test_bad_values_keys_and_reductions_are_clear_errors(tmp_path):
     assert df.select("key", "value", "reduction").rows() == [("x", 1.0, "max")]
 
 
+BEFORE_INIT = """
+import metric_core
+for call in (lambda: metric_core.record_metric("loss", 1.0), lambda: metric_core.flush(0)):
+    try:
+        call()
+    except metric_core.MetricLogError as exc:
+        print(type(exc).__name__, exc)
+"""
+
+
 def test_record_before_init_says_what_to_do():
-    with pytest.raises(NotInitializedError, match=r"call metric_core.init\(\) once per process"):
-        metric_core.record_metric("loss", 1.0)
-    with pytest.raises(NotInitializedError):
-        metric_core.flush(0)
+    # in a fresh interpreter: this one may have run init() and shutdown() in earlier tests
+    done = subprocess.run([sys.executable, "-c", BEFORE_INIT], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == [
+        f"NotInitializedError {what} was called before metric_core.init(run_dir): call metric_core.init() "
+        "once per process before recording metrics."
+        for what in ("record_metric()", "flush()")
+    ], done.stderr
+
+
+def test_record_or_flush_after_shutdown_says_it_came_after_shutdown_and_to_init_again(tmp_path):
+    metric_core.init(tmp_path / "run", rank=1, process_name="TrainActor_r1")
+    metric_core.record_metric("loss", 1.0)
+    metric_core.flush(0)
+    metric_core.shutdown()
+    ended = f"TrainActor_r1 (rank 1) in {tmp_path / 'run'}"
+    for what, call in (
+        ("record_metric()", lambda: metric_core.record_metric("loss", 2.0)),
+        ("record_metric()", lambda: metric_core.record_metric("new_key", 2.0, Reduce.SUM)),
+        ("flush()", lambda: metric_core.flush(1)),
+        ("get_collector()", metric_core.get_collector),
+    ):
+        with pytest.raises(NotInitializedError) as caught:
+            call()
+        assert str(caught.value) == (
+            f"{what} was called after metric_core.shutdown() ended the recording of {ended}: call "
+            "metric_core.init(run_dir) again to record more (it starts a new attempt of the source)."
+        )
+    metric_core.init(tmp_path / "run", rank=1, process_name="TrainActor_r1")  # and it records again
+    metric_core.record_metric("loss", 3.0)
+    metric_core.flush(1)
+    metric_core.shutdown()
+    assert read_back(tmp_path / "run").sort("step")["value"].to_list() == [1.0, 3.0]
 
 
 def test_init_twice_is_refused_until_shutdown(tmp_path):

@@ -56,6 +56,10 @@ from metric_core.segment import Damaged, SegmentMeta
 
 Source = tuple[str, int]
 COLUMNS = ["process", "rank", "step", "key", "value", "reduction", "timestamp"]
+# What every poll returns, records or none: the record's columns and the writer's attempt.
+# Frames of one schema concatenate however the polls went (a poll that found nothing
+# beside one that found records: a follow's last read after a kill).
+TAIL_SCHEMA: dict[str, pl.DataType] = {**{c: POLARS_SCHEMA[c] for c in COLUMNS}, "attempt": pl.String()}
 # Gaps between steps a source must have shown before it can be called stopped early: a
 # source that wrote one step is waited for, not dropped from the watermark.
 MIN_GAPS = 3
@@ -76,6 +80,9 @@ class AttemptState:
     finished: bool = False
     lives: dict[str, Life] = field(default_factory=dict)
     merged: Life | None = field(default=None, repr=False)  # of ``lives``, until one changes
+    # Why its process is over (``dead``), as found at the start of the last poll, before its
+    # files were read: what that poll read of it is all it wrote.
+    over: str | None = None
 
     def flushed(self, step: int) -> None:
         self.done = step if self.done is None else max(self.done, step)
@@ -167,9 +174,12 @@ class SourceState:
             elif step == self.step_end[0]:
                 self.step_end = (step, max(at, self.step_end[1]))
 
-    def dead(self, now: float) -> str | None:
-        """Why the newest attempt's process is over without a shutdown (None: alive, or not known)."""
-        return None if self.static or not self.attempts else self.newest.dead(now)
+    @property
+    def over(self) -> str | None:
+        """Why the newest attempt's process is over without a shutdown, as the last poll found
+        it before it read the source's files (None: alive, or not known): its records no flush
+        covered were read then, so the steps may go on without it."""
+        return None if self.static or not self.attempts else self.newest.over
 
     @property
     def has_life(self) -> bool:
@@ -200,16 +210,20 @@ class SourceState:
         if let_go_after is not None and now - self.clock > let_go_after:
             return False
         if self.has_life:
-            return self.dead(now) is None
+            return self.over is None
         return not self.stopped_early(newest, now)
 
 
 @dataclass
 class _Journal:
     decoded: Any  # journal.Decoded of what was read so far
-    taken: int = 0  # settled records taken
+    taken: int = 0  # records taken
     size: int = 0  # its bytes when last read
     progress: tuple[int, int] = (-1, -1)  # its records and flushes when last read
+    # Rows past the settled part taken already (its writer is over, or the job ended): the
+    # next decode starts at the settled part again, and these are not taken twice.
+    beyond: int = 0
+    truncated_said: bool = False
 
 
 class RunTail:
@@ -232,9 +246,18 @@ class RunTail:
         return self.sources.setdefault((process, rank), SourceState(process, rank))
 
     def poll(self, final: bool = False) -> pl.DataFrame:
-        """The records settled since the last poll (``COLUMNS`` and ``attempt``), in file order;
-        with ``final``, every record read (the job is over: nothing will settle them)."""
+        """The records settled since the last poll (``TAIL_SCHEMA``), in file order;
+        with ``final``, every record read (the job is over: nothing will settle them).
+
+        The records of an attempt whose process is over (``AttemptState.dead``: its end
+        recorded, its pid gone, its heartbeat stopped) are read whole as well, as every
+        command reads them: no flush will cover them, and the steps go on without it. Its
+        verdict is taken before its files are read, so what is read is all it wrote."""
         self.active = False
+        now = time.time()
+        for state in self.sources.values():
+            for a in state.attempts.values():
+                a.over = a.dead(now)
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
             self.meta = read_run_json(self.root, report)
@@ -256,9 +279,7 @@ class RunTail:
             for reason, n in rep.skip_reasons.items():
                 self.skipped += n
                 self._notice(f"{rel(rep.path, self.root)}: {n} record(s) skipped: {reason}")
-        if not frames:
-            return _empty()
-        return pl.concat(frames, how="vertical_relaxed")
+        return pl.concat([_empty(), *frames], how="vertical")
 
     def _notice(self, text: str) -> None:
         if text not in self._noticed:
@@ -306,6 +327,8 @@ class RunTail:
                 # inside a step: its last step is complete only at a clean end (or the next flush).
                 a.flushed(meta.steps[1] if meta.clean_shutdown else meta.steps[1] - 1)
             a.finished |= meta.clean_shutdown
+            if a.finished:
+                a.over = None
             if meta.life is not None:
                 a.lived(meta.supersedes, meta.life)
             state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
@@ -339,7 +362,7 @@ class RunTail:
             tail = self.journals[path] = _Journal(decoded)
         # Records or steps written since the last poll, settled or not (a heartbeat is neither).
         progress = (
-            tail.taken + (decoded.table.num_rows if decoded.table is not None else 0),
+            tail.taken - tail.beyond + (decoded.table.num_rows if decoded.table is not None else 0),
             decoded.life.flushes,
         )
         if progress != tail.progress:
@@ -354,20 +377,27 @@ class RunTail:
         if decoded.last_flush is not None:
             a.flushed(decoded.last_flush)
         a.finished |= decoded.shutdown is not None
+        if a.finished:
+            a.over = None  # it ended cleanly after all (between the verdict and this read)
         if decoded.version >= 4:
             a.lived(path.name, decoded.life)
-        # At the end (every source idle), the records no flush covered are taken as they are
-        # stamped, as every command reads them; a write the writer's death cut short is said.
-        settled = decoded.table.num_rows if decoded.table is not None and final else decoded.settled_records
-        if final and decoded.truncated:
+        # At the end (every source idle), or once its writer is over, the records no flush
+        # covered are taken as they are stamped, as every command reads them; a write the
+        # writer's death cut short is said.
+        whole = final or a.over is not None
+        rows = 0 if decoded.table is None else decoded.table.num_rows
+        first, end = tail.beyond, max(tail.beyond, rows if whole else decoded.settled_records)
+        tail.beyond = end - decoded.settled_records
+        if whole and decoded.truncated and not tail.truncated_said:
+            tail.truncated_said = True
             self.skipped += decoded.truncated_records
             self._notice(
                 f"{rel(path, self.root)}: {decoded.truncated_records} record(s) skipped: unfinished write at "
                 "the end (the writer was killed mid-write)"
             )
-        if decoded.table is None or not settled:
+        if decoded.table is None or end <= first:
             return None
-        frame = pl.from_arrow(decoded.table.slice(0, settled))
+        frame = pl.from_arrow(decoded.table.slice(first, end - first))
         assert isinstance(frame, pl.DataFrame)
         ok = frame.select(plausible(pl.col("timestamp"))).to_series()
         if not ok.all():
@@ -381,7 +411,7 @@ class RunTail:
 
 
 def _empty() -> pl.DataFrame:
-    return pl.DataFrame(schema={c: POLARS_SCHEMA[c] for c in COLUMNS})
+    return pl.DataFrame(schema=TAIL_SCHEMA)
 
 
 def _low(frame: pl.DataFrame) -> int | None:
@@ -407,7 +437,7 @@ class Follower:
         self.let_go_after = let_go_after
         self.share_run = share_run
         self.expected = sources
-        self.pending = _empty().with_columns(attempt=pl.lit("", pl.String))
+        self.pending = _empty()
         self.raw = plan.mode is LoggingMode.PER_RANK_NO_REDUCE
         self.per_source = plan.mode is not LoggingMode.GLOBAL_REDUCE and not share_run
         self.sent: dict[str | None, float] = {}  # each run's last bucket handed over

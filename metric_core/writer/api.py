@@ -24,6 +24,9 @@ from metric_core.writer.collector import HANG_DUMP_AFTER, MetricCollector, _as_f
 from metric_core.writer.segments import MAX_UNWRITTEN
 
 _active: MetricCollector | None = None
+# What the last shutdown() ended ("TrainActor_r0 (rank 0) in runs/exp1"), until the next
+# init(): a call after it is told so, not that init() was never called.
+_ended: str | None = None
 # The child started by init(sidecar=), how long shutdown() waits for it, and its log.
 _sidecar: tuple[subprocess.Popen[bytes], float, Path] | None = None
 WAIT_S = 120.0  # how long shutdown() waits for the sidecar, unless sidecar={"wait": ...}
@@ -138,7 +141,7 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     ``value`` may be a Python number, a bool, a numpy scalar or a 0-d tensor; with
     ``Reduce.SAMPLE``, a dict of fields kept whole (``MetricCollector.record_sample``).
     Returns nothing: the value is written by the collector's thread. Raises
-    ``NotInitializedError`` before ``init``, and ``ValueError`` or ``TypeError`` for a
+    ``NotInitializedError`` before ``init`` (or after ``shutdown``), and ``ValueError`` or ``TypeError`` for a
     value that is no number (or a sample that is no dict, or too large), naming the key.
 
     >>> import metric_core, tempfile
@@ -163,7 +166,7 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
 
 
 def _not_initialized(*_: Any) -> Any:
-    raise NotInitializedError("record_metric()")
+    raise NotInitializedError("record_metric()", ended=_ended)
 
 
 _key_codes: dict[str, tuple[Any, int]] = {}
@@ -173,8 +176,10 @@ _sample: Any = _not_initialized
 
 
 def _bind(collector: MetricCollector | None) -> None:
-    global _active, _key_codes, _intern, _extend, _sample
+    global _active, _key_codes, _intern, _extend, _sample, _ended
     _active = collector
+    if collector is not None:
+        _ended = None
     if collector is None:
         _key_codes, _intern, _extend, _sample = {}, _not_initialized, _not_initialized, _not_initialized
     else:
@@ -187,20 +192,20 @@ def flush(step: int | None = None, *, return_state: bool = False) -> Any:
 
     Returns the step's accumulator states ({key: state}) with ``return_state``, for
     ``reduce_metrics_states``; else None. Once it returns, every record up to the step is
-    durable. Raises ``NotInitializedError`` before ``init``; ``ValueError`` for a step
+    durable. Raises ``NotInitializedError`` before ``init`` or after ``shutdown``; ``ValueError`` for a step
     below the previous flush's; ``WriteError`` (``DiskFullError``, ``RunDirGoneError``)
     when the records could not be made durable and ``init(on_flush_error="raise")``, the
     default (they stay in memory for the next flush).
     """
     if _active is None:
-        raise NotInitializedError("flush()")
+        raise NotInitializedError("flush()", ended=_ended)
     return _active.flush(step, return_state=return_state)
 
 
 async def aflush(step: int | None = None, *, return_state: bool = False) -> Any:
     """``flush`` without blocking the running event loop: the same result and errors."""
     if _active is None:
-        raise NotInitializedError("aflush()")
+        raise NotInitializedError("aflush()", ended=_ended)
     return await _active.aflush(step, return_state=return_state)
 
 
@@ -208,9 +213,10 @@ def shutdown() -> None:
     """Flush, close backends and mark this source as cleanly finished; wait for the
     sidecar ``init(sidecar=...)`` started (a warning, not an error, if it failed or is
     still uploading). Does nothing before ``init``. Raises what ``flush`` raises."""
-    global _sidecar
+    global _sidecar, _ended
     if _active is not None:
         _active.shutdown()
+        _ended = f"{_active.process_name} (rank {_active.rank}) in {_active.run_dir}"
         _bind(None)
     if _sidecar is not None:
         child, wait, log = _sidecar
@@ -230,7 +236,7 @@ def shutdown() -> None:
 def get_collector() -> MetricCollector:
     """The collector started by ``init``; ``NotInitializedError`` before it."""
     if _active is None:
-        raise NotInitializedError("get_collector()")
+        raise NotInitializedError("get_collector()", ended=_ended)
     return _active
 
 

@@ -42,6 +42,7 @@ from metric_core.offline.upload.send import (
     find_entry,
     send_runs,
 )
+from metric_core.offline.upload.settled import running, settled_runs
 from metric_core.offline.upload.tensorboard import TensorBoard
 
 if TYPE_CHECKING:
@@ -203,6 +204,7 @@ def upload_run(
             wait=follow.wait,
         )
         return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
+    request = {"entity": to.entity, "project": to.project, "name": name, "group": group}
     prepare = functools.partial(
         _prepare,
         root,
@@ -213,10 +215,15 @@ def upload_run(
         name=name or name_of(root),
         group=group,
         share_run=share_run,
-        request={"entity": to.entity, "project": to.project, "name": name, "group": group},
+        request=request,
         engine=engine,
         ray_address=ray_address,
     )
+    if running(root, follow_symlinks=follow_symlinks):  # the job still writes: its settled rows
+        prepare = functools.partial(
+            settled_runs, root, plan, name=name or name_of(root), group=group, share_run=share_run,
+            request=request, follow_symlinks=follow_symlinks, strict=strict,
+        )  # fmt: skip
     if dry_run:
         planned = _received(prepare, events)
         try:
@@ -246,12 +253,16 @@ def upload_run(
             ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
             tables = _sample_tables(root, plan, samples or SampleChoice(), share_run, events)
             outcomes = send_runs(planned, ledger, to, force_new=force_new, events=events, samples=tables)
-            if tables is not None and tables.unattached():
+            if planned.open:
+                events.message("note", _still_written(events))
+            rowless = _rowless_samples(planned, tables)
+            if rowless:
                 events.message(
                     "note",
                     spell_options(
-                        f"{tables.unattached()} step(s) of samples had no row to go with (no scalar at that "
-                        f"step, or " + opt("by") + "time): not uploaded; `metriclog samples` lists them",
+                        f"{rowless} step(s) of samples have no row to go with (no scalar at that step, or "
+                        + opt("by")
+                        + "time): they are not uploaded; `metriclog samples` lists them",
                         events.spelling,
                     ),
                 )
@@ -279,14 +290,41 @@ def _to_tensorboard(
             "(or as often as you like: each time writes the runs that changed)"
         )
     request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
-    planned = _received(functools.partial(_prepare, root, plan, request=request, **read), events)
+    prepare = functools.partial(_prepare, root, plan, request=request, **read)
+    if running(root, follow_symlinks=read["follow_symlinks"]):  # the job still writes: its settled rows
+        prepare = functools.partial(
+            settled_runs, root, plan, request=request,
+            **{k: read[k] for k in ("name", "group", "share_run", "follow_symlinks", "strict")},
+        )  # fmt: skip
+    planned = _received(prepare, events)
     try:
         _report_planned(planned, events)
         if dry_run:
             return UploadResult(planned, tensorboard.would_be(planned, to, force_new), dry_run=True)
-        return UploadResult(planned, tensorboard.write_runs(planned, to, force_new=force_new, events=events))
+        outcomes = tensorboard.write_runs(planned, to, force_new=force_new, events=events)
+        if planned.open:
+            events.message("note", _still_written(events))
+        samples = _sample_tables(root, plan, SampleChoice(), read["share_run"], events)
+        if samples is not None:  # said, never dropped silently
+            steps = len({step for _, step in samples.by_step})
+            events.message(
+                "note",
+                f"{steps} step(s) hold samples (Reduce.SAMPLE): the TensorBoard files hold scalars only, so "
+                f"they are not written there; `metriclog samples {root}` lists them",
+            )
+        return UploadResult(planned, outcomes)
     finally:
         planned.close()
+
+
+def _still_written(events: UploadEvents) -> str:
+    """Said after an upload of a run whose job still writes it (``settled``)."""
+    return spell_options(
+        "the job still writes this run (a source has neither shut down nor died): its complete steps "
+        "went, and the runs stay open; upload again to add the rest once it ran further or ended (or "
+        "follow it with " + opt("follow", flag=True) + ")",
+        events.spelling,
+    )
 
 
 def _sample_tables(
@@ -297,6 +335,21 @@ def _sample_tables(
         return None
     tables = SampleTables(root, plan, choice, share_run=share_run)
     return tables if tables else None
+
+
+def _rowless_samples(planned: PlannedRuns, tables: SampleTables | None) -> int:
+    """Steps with samples that no row of their run holds, whichever upload sent the row (a
+    run skipped or resumed holds the rows an earlier upload sent); while the job still
+    writes the run, a step past a run's last row is not counted: its row may come."""
+    if tables is None:
+        return 0
+    steps = {run.source: run.steps() for run in planned.runs}
+    last = {source: max(held, default=-1) for source, held in steps.items()}
+    return sum(
+        1
+        for source, step in tables.by_step
+        if step not in steps.get(source, set()) and not (planned.open and step > last.get(source, -1))
+    )
 
 
 def _check_together(plan: ReducePlan, share_run: bool) -> None:

@@ -214,7 +214,7 @@ class _Pass:
             self._silences(last_new, state)
             over = self._over(state)  # every source finished or died, and no restart came
             if idle or over:  # the job is over: the records no flush covered are read as they are
-                records = pl.concat([records, self.tail.poll(final=True)], how="vertical_relaxed")
+                records = pl.concat([records, self.tail.poll(final=True)], how="vertical")
             state.polls += 1
             state.records += records.height
             self._notices(first_record, wait)
@@ -274,8 +274,9 @@ class _Pass:
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
             since = f"since step {source.step_end[0]}" if source.step_end else "since it started"
-            after = f"after step {source.step_end[0]}" if source.step_end else "before its first step"
-            why = source.dead(now)
+            # its last flushed step: the records of a step it did not flush are read, but it died in it
+            after = f"after step {source.done}" if source.done is not None else "before its first step"
+            why = source.over
             if why is None:
                 state.dead.pop(key, None)
             elif key not in state.dead:

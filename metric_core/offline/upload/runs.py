@@ -86,6 +86,13 @@ class PlannedRun:
         steps = self.columns["step"] if self.row_buckets is None else self.row_buckets
         return sum(int((steps[i : i + SCAN_ROWS] < step).sum()) for i in range(0, self.rows, SCAN_ROWS))
 
+    def steps(self) -> set[int]:
+        """The steps its rows hold (empty for a run of time windows)."""
+        if self.bucket != "step":
+            return set()
+        steps = self.columns["step"] if self.row_buckets is None else self.row_buckets
+        return {int(s) for i in range(0, len(steps), SCAN_ROWS) for s in np.unique(steps[i : i + SCAN_ROWS])}
+
     @property
     def rows(self) -> int:
         if self.row_ends is not None:
@@ -177,6 +184,9 @@ class PlannedRuns:
     config: dict[str, Any] = field(default_factory=dict)
     read_summary: str = ""  # what the reader skipped
     identity_from: str = "run.json"  # or "content": no run_id in run.json (another tool's files)
+    # Planned while the job still wrote the run (``settled``): its complete rows only; the
+    # runs stay unfinished in the ledger, for a later upload to continue.
+    open: bool = False
 
     def close(self) -> None:
         """Remove the files raw runs' histories are kept in (``history`` ends with them)."""

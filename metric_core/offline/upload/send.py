@@ -135,6 +135,7 @@ def send_runs(
 
         init = wandb.init
     sender = Sender(plan, ledger, to, force_new, events or UploadEvents(), init, sleep, samples)
+    sender.leave_open = plan.open
     return [sender.send(run) for run in plan.runs]
 
 
@@ -206,6 +207,15 @@ def decide(
                 else "(a run of time windows, or of several sources' raw records, is not rewound)"
             ),
         )
+    if offline and entry.get("open"):
+        return (
+            "restarted",
+            fresh,
+            None,
+            f"{run.name} was written offline while its job ran ({entry.get('rows_sent', 0)} rows); offline "
+            f"runs cannot be resumed, so a fresh offline run {fresh} holds all "
+            + (f"{run.rows} rows" if run.rows else "its rows"),
+        )
     if offline:
         planned = entry.get("rows_planned") or 0
         return (
@@ -237,6 +247,9 @@ class Sender:
     # Called after a start that timed out, before the next try: wandb's service still holds
     # the run id of a start it gave up on ("run ID ... is in use") until it is torn down.
     after_timeout: Callable[[], None] | None = None
+    # The job still writes the run (``PlannedRuns.open``): a run sent whole is left unfinished
+    # in the ledger, so a later upload continues it with the rows that settle meanwhile.
+    leave_open: bool = False
 
     def send(self, run: PlannedRun) -> RunOutcome:
         outcome, wb = self.open(run)
@@ -262,6 +275,7 @@ class Sender:
             rows_planned=run.rows,
             rows_sent=0 if resume is None else entry.get("rows_sent", 0),  # type: ignore[union-attr]
             finished=False,
+            open=False,
             offline=self.to.offline,
             base_id=run.run_id,
             attempts=run.attempts,
@@ -386,7 +400,7 @@ class Sender:
         except BaseException:
             self.ledger.update(run_id, rows_sent=sent)
             raise
-        self.ledger.update(run_id, rows_sent=sent, finished=True)
+        self.ledger.update(run_id, rows_sent=sent, finished=not self.leave_open, open=self.leave_open)
         return sent
 
     def _with_samples(

@@ -129,7 +129,8 @@ def write_runs(
             "file": str(final.relative_to(logdir)),
             "rows": rows,
             "attempts": run.attempts,
-            "finished": True,
+            # a run of a job that still writes it: written again whole by the next upload
+            "finished": not planned.open,
         }
         replace_file(logdir / LEDGER, (json.dumps({"runs": ledger}, indent=1) + "\n").encode())
         message = ""

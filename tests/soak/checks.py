@@ -1,0 +1,682 @@
+"""Each command of a finished job, run and checked against the oracle.
+
+The raw mode (``per_rank_no_reduce``) is checked first, record by record, against the
+ledgers: every required record once, in order, bit for bit; an optional one at most once;
+nothing else. The records it returned are then the ground truth of every reducing
+command: each group's statistic computed exactly over them (``oracle.check_value``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from tests.soak.oracle import Rec, Truth, check_value, read_truth, statistic_of
+
+
+def check_job(job) -> None:
+    spec = job.job
+    truth = read_truth(job.dir, spec, job.notes)
+    result = job.result
+    result.records = sum(len(v) for v in truth.sources().values())
+    for source, attempts in truth.attempts.items():
+        for a in attempts:
+            if a.big is not None and not a.big["refused"]:
+                result.fail(
+                    f"record_metric took 2**53 + 1 for 'bigint/sum' ({source[0]}), which float64 "
+                    "cannot hold: it should refuse it with a ValueError naming the key (defect 3)"
+                )
+            elif a.big is not None and not a.big["names_key"]:
+                result.fail("record_metric refused 2**53 + 1 without naming the key 'bigint/sum'")
+    seen = raw(job, truth, damaged=set())
+    if seen is None:
+        return
+    if spec["uploads"]:
+        uploads(job, truth, seen)
+    if spec["damage"]:
+        damaged = job.damage()
+        if damaged:
+            seen = raw(job, truth, damaged=damaged, kind="reduce-raw-damaged")
+            if seen is None:
+                return
+    for mode in ("global_reduce", "per_rank_reduce"):
+        reducing(job, seen, mode)
+    by_time(job, seen)
+    overrides(job, seen)
+    keys(job, seen)
+    if spec["sample_keys"]:
+        samples(job, truth)
+    inspect(
+        job,
+        truth,
+        damaged=set(job.notes.get("damaged_sources", [])),
+        seen_sources={(r["process"], r["rank"]) for r in seen},
+    )
+
+
+# -- raw records ---------------------------------------------------------------------
+
+
+def read_frame(path: Path) -> list[dict]:
+    import polars as pl
+
+    return pl.read_parquet(path).to_dicts()
+
+
+def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[dict] | None:
+    """The raw records, checked against the ledgers; those read, in the order read."""
+    result = job.result
+    out = job.dir / "out" / f"{kind}.parquet"
+    any_required = any(r.required for recs in truth.sources().values() for r in recs)
+    done = job.command(
+        kind,
+        "reduce",
+        str(job.run),
+        "--mode",
+        "per_rank_no_reduce",
+        "--out",
+        str(out),
+        expect=(0,) if any_required else (0, 1),
+    )
+    if done.code != 0:
+        return None
+    rows = read_frame(out)
+    by_source: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for i, row in enumerate(rows):
+        row["order"] = i
+        by_source[(row["process"], row["rank"])].append(row)
+    expected = truth.sources()
+    written = _everything_written(truth)
+    seen: list[dict] = []
+    lost_total = 0
+    for source in sorted(set(by_source) | set(expected)):
+        got, want = by_source.get(source, []), expected.get(source, [])
+        times = [r["timestamp"] for r in got]
+        if times != sorted(times):
+            result.fail(f"{kind}: {source[0]} (rank {source[1]}): raw records not in time order")
+        gi, lost = 0, []
+        for rec in want:
+            if gi < len(got) and _is(got[gi], rec):
+                seen.append(got[gi])
+                gi += 1
+            elif rec.required:
+                lost.append(rec)
+        extra = got[gi:]
+        result.values += gi
+        if lost:
+            lost_total += len(lost)
+            if source not in damaged:
+                first = lost[0]
+                result.fail(
+                    f"{kind}: {len(lost)} acknowledged record(s) of {source[0]} (rank {source[1]}) "
+                    f"lost or out of order, e.g. step {first.step} {first.key}={float.fromhex(first.value)!r}"
+                    f" (attempt {first.attempt})"
+                )
+        for row in extra:
+            ident = (
+                row["process"],
+                row["rank"],
+                row["step"],
+                row["key"],
+                row["reduction"],
+                float(row["value"]).hex(),
+            )
+            if ident not in written:
+                result.fail(f"{kind}: a value never written was read: {_show(row)}")
+            else:
+                result.fail(
+                    f"{kind}: a record read twice, out of order or that a restart replaced: {_show(row)}"
+                )
+            break  # one is enough to tell
+    if lost_total and damaged and "warning" not in done.err.lower():
+        result.fail(f"{kind}: {lost_total} record(s) of damaged files left out without a warning")
+    if damaged:
+        job.notes["damaged_sources"] = sorted(damaged)
+    seen.sort(key=lambda r: r["order"])
+    return seen
+
+
+def _is(row: dict, rec: Rec) -> bool:
+    return (
+        row["step"] in (rec.step, rec.alt_step)
+        and row["key"] == rec.key
+        and row["reduction"] == rec.reduction
+        and float(row["value"]).hex() == rec.value
+    )
+
+
+def _everything_written(truth: Truth) -> set[tuple]:
+    out = set()
+    for attempts in truth.attempts.values():
+        for a in attempts:
+            for r in a.records:
+                out.add((r.process, r.rank, r.step, r.key, r.reduction, r.value))
+                out.add((r.process, r.rank, r.alt_step, r.key, r.reduction, r.value))
+    for recs in truth.foreign.values():
+        for r in recs:
+            out.add((r.process, r.rank, r.step, r.key, r.reduction, r.value))
+    return out
+
+
+def _show(row: dict) -> str:
+    return ", ".join(
+        f"{k}={row[k]!r}" for k in ("process", "rank", "step", "key", "value", "timestamp") if k in row
+    )
+
+
+# -- reducing modes ------------------------------------------------------------------
+
+
+def expected_groups(seen: list[dict], mode: str, label=lambda r: r["step"]) -> dict[tuple, list[dict]]:
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for row in seen:
+        where = (
+            (label(row), row["key"])
+            if mode == "global_reduce"
+            else (row["process"], row["rank"], label(row), row["key"])
+        )
+        groups[where].append(row)
+    return groups
+
+
+def compare_groups(
+    job,
+    kind: str,
+    rows: list[dict],
+    groups: dict[tuple, list[dict]],
+    mode: str,
+    stat_of,
+    label: str = "step",
+    skip: set | None = None,
+) -> None:
+    result = job.result
+    got = {}
+    for row in rows:
+        where = (
+            (row[label], row["key"])
+            if mode == "global_reduce"
+            else (row["process"], row["rank"], row[label], row["key"])
+        )
+        if where in got:
+            result.fail(f"{kind}: group {where} twice in the output")
+        got[where] = row
+    missing = sorted(set(groups) - set(got), key=str)
+    extra = sorted(set(got) - set(groups), key=str)
+    if missing:
+        result.fail(f"{kind}: {len(missing)} group(s) missing from the output, e.g. {missing[0]}")
+    if extra:
+        result.fail(f"{kind}: {len(extra)} group(s) in the output that hold no record, e.g. {extra[0]}")
+    bad = []
+    for where, members in groups.items():
+        row = got.get(where)
+        if row is None or (skip and where in skip):
+            continue
+        stat = stat_of(members[0]["key"], members[0]["reduction"])
+        values = [m["value"] for m in members]
+        problem = None
+        if row["count"] != len(values):
+            problem = f"count {row['count']}, expected {len(values)}"
+        elif row["reduction"] != stat:
+            problem = f"reduction {row['reduction']!r}, expected {stat!r}"
+        else:
+            problem = check_value(stat, values, row["value"], [m["timestamp"] for m in members])
+        result.values += 1
+        if problem:
+            bad.append(f"{where}: {problem}")
+    if bad:
+        result.fail(f"{kind}: {len(bad)} wrong value(s), e.g. " + "; ".join(bad[:3]))
+
+
+def reducing(job, seen: list[dict], mode: str) -> None:
+    out = job.dir / "out" / f"{mode}.parquet"
+    done = job.command(
+        f"reduce-{mode}",
+        "reduce",
+        str(job.run),
+        "--mode",
+        mode,
+        "--out",
+        str(out),
+        expect=(0,) if seen else (0, 1),
+    )
+    if done.code == 0:
+        compare_groups(
+            job,
+            f"reduce --mode {mode}",
+            read_frame(out),
+            expected_groups(seen, mode),
+            mode,
+            lambda key, red: red,
+        )
+
+
+def overrides(job, seen: list[dict]) -> None:
+    spec = job.job["overrides"]
+    out = job.dir / "out" / "overrides.parquet"
+    args = [a for p in spec["patterns"] for a in ("--reduce", p)]
+    done = job.command(
+        "reduce-overrides",
+        "reduce",
+        str(job.run),
+        "--mode",
+        spec["mode"],
+        *args,
+        "--out",
+        str(out),
+        expect=(0,) if seen else (0, 1),
+    )
+    if done.code == 0:
+        compare_groups(
+            job,
+            "reduce " + " ".join(args),
+            read_frame(out),
+            expected_groups(seen, spec["mode"]),
+            spec["mode"],
+            lambda key, red: statistic_of(key, red, spec["patterns"]),
+        )
+
+
+def _seconds(every: str) -> float:
+    return float(every[:-2]) / 1000 if every.endswith("ms") else float(every.rstrip("s"))
+
+
+def by_time(job, seen: list[dict]) -> None:
+    """Windows of D from the first record kept; each record in [start, start + D). A record
+    within a microsecond of a window's edge leaves its group unchecked (the engine computes
+    the edge in float64); every other group is checked as by step."""
+    spec = job.job["by_time"]
+    mode, every = spec["mode"], spec["every"]
+    out = job.dir / "out" / "by-time.parquet"
+    done = job.command(
+        "reduce-by-time",
+        "reduce",
+        str(job.run),
+        "--mode",
+        mode,
+        "--by",
+        "time",
+        "--every",
+        every,
+        "--out",
+        str(out),
+        expect=(0,) if seen else (0, 1),
+    )
+    if done.code != 0 or not seen:
+        return
+    rows = read_frame(out)
+    d = Fraction(_seconds(every))
+    t0 = Fraction(min(r["timestamp"] for r in seen))
+    edgy = set()
+
+    def window(row: dict) -> float:
+        offset = Fraction(row["timestamp"]) - t0
+        i = offset // d
+        if min(offset - i * d, (i + 1) * d - offset) < Fraction(1, 10**6):
+            edgy.add(int(i))
+        return int(i)
+
+    if mode == "per_rank_no_reduce":
+        if len(rows) != len(seen):
+            job.result.fail(f"reduce --by time raw: {len(rows)} rows, the raw read had {len(seen)}")
+        for row in rows:
+            i = window(row)
+            start = float(t0 + i * d)
+            if i not in edgy and not math.isclose(row["window_start"], start, rel_tol=0, abs_tol=1e-6):
+                job.result.fail(
+                    f"reduce --by time --every {every} raw: window_start {row['window_start']!r} "
+                    f"for a record at {row['timestamp']!r}, expected {start!r}"
+                )
+                break
+            job.result.values += 1
+        return
+    index = {}  # the output's window starts, by window number
+    for row in rows:
+        i = round((Fraction(row["window_start"]) - t0) / d)
+        if abs(Fraction(row["window_start"]) - (t0 + i * d)) > Fraction(1, 10**6):
+            job.result.fail(
+                f"reduce --by time --every {every}: window_start {row['window_start']!r} is not "
+                f"the first record's time {float(t0)!r} plus a multiple of {every}"
+            )
+            return
+        index[i] = row["window_start"]
+        row["window"] = i
+    groups = expected_groups(seen, mode, label=window)
+    skip = {g for g in groups if (g[0] if mode == "global_reduce" else g[2]) in edgy}
+    if skip:  # the edge's records may be in either window: only their total count is checked
+        for g in list(groups):
+            if g in skip:
+                del groups[g]
+        rows = [r for r in rows if r["window"] not in edgy]
+    compare_groups(
+        job,
+        f"reduce --mode {mode} --by time --every {every}",
+        rows,
+        groups,
+        mode,
+        lambda key, red: red,
+        label="window",
+    )
+
+
+# -- keys, samples, inspect ----------------------------------------------------------
+
+
+def keys(job, seen: list[dict]) -> None:
+    done = job.command("keys", "keys", str(job.run), "--format", "json", expect=(0,) if seen else (0, 1))
+    if done.code != 0:
+        return
+    got = {row["key"]: row for row in json.loads(done.out)}
+    want: dict[str, dict] = {}
+    for row in seen:
+        k = want.setdefault(
+            row["key"],
+            {
+                "records": 0,
+                "sources": set(),
+                "steps": [],
+                "times": [],
+                "nonfinite": 0,
+                "reduction": row["reduction"],
+            },
+        )
+        k["records"] += 1
+        k["sources"].add((row["process"], row["rank"]))
+        k["steps"].append(row["step"])
+        k["times"].append(row["timestamp"])
+        k["nonfinite"] += not math.isfinite(row["value"])
+    if set(got) != set(want):
+        job.result.fail(f"keys: keys {sorted(set(got) ^ set(want))[:5]} differ from the records read")
+    bad = []
+    for key in set(got) & set(want):
+        g, w = got[key], want[key]
+        expect = {
+            "records": w["records"],
+            "sources": len(w["sources"]),
+            "first_step": min(w["steps"]),
+            "last_step": max(w["steps"]),
+            "first_time": min(w["times"]),
+            "last_time": max(w["times"]),
+            "nonfinite": w["nonfinite"],
+        }
+        for name, value in expect.items():
+            job.result.values += 1
+            if g.get(name) != value:
+                bad.append(f"{key} {name}={g.get(name)!r}, expected {value!r}")
+        if w["reduction"] not in str(g.get("reductions")):
+            bad.append(f"{key} reductions={g.get('reductions')!r}, expected {w['reduction']!r}")
+    if bad:
+        job.result.fail(f"keys: {len(bad)} wrong field(s), e.g. " + "; ".join(bad[:3]))
+
+
+def samples(job, truth: Truth) -> None:
+    required = [s for s in truth.samples if s.required]
+    done = job.command(
+        "samples", "samples", str(job.run), "--format", "json", expect=(0,) if required else (0, 1)
+    )
+    if done.code != 0:
+        return
+    got = json.loads(done.out) if done.out.strip() else []
+    by_ident = {(s.key, s.sample["text"]): s for s in truth.samples}
+    counts = Counter((row["key"], row.get("text")) for row in got)
+    for ident, n in counts.items():
+        if n > 1:
+            job.result.fail(f"samples: {ident} listed {n} times")
+            break
+    bad = []
+    for row in got:
+        s = by_ident.get((row["key"], row.get("text")))
+        if s is None:
+            bad.append(f"a sample never recorded (or replaced by a restart): {row}")
+            continue
+        job.result.values += 1
+        want = {"step": s.step, "rank": s.rank, "process": s.process, **s.sample}
+        for name, value in want.items():
+            if row.get(name) != value and not (name == "step" and row.get(name) == s.alt_step):
+                bad.append(f"{s.key} {s.sample['text']!r}: {name}={row.get(name)!r}, expected {value!r}")
+    lost = [s for s in required if (s.key, s.sample["text"]) not in counts]
+    if lost:
+        bad.append(f"{len(lost)} acknowledged sample(s) lost, e.g. {lost[0].key} {lost[0].sample}")
+    if bad:
+        job.result.fail(f"samples: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3]))
+
+
+def inspect(job, truth: Truth, damaged: set, seen_sources: set) -> None:
+    done = job.command("inspect", "inspect", str(job.run), "--format", "json", expect=(0, 1))
+    if done.code != 0:
+        if any(truth.sources().values()):
+            job.result.fail(f"inspect: exit {done.code} on a run with records")
+        return
+    report = json.loads(done.out)
+    sources = {(s["process"], s["rank"]): s for s in report["sources"]}
+    failed = []
+    damaged = {tuple(d) for d in damaged}
+    for source, attempts in truth.attempts.items():
+        for a in attempts:
+            if a.end != "shutdown":
+                failed.append(a)
+        if source in damaged or (source not in seen_sources and source not in sources):
+            continue  # a source none of whose records was read (all were optional) may be left out
+        got = sources.get(source)
+        if got is None:
+            job.result.fail(f"inspect: no source {source}")
+            continue
+        ends = [(x.get("end"), x.get("signal")) for x in got.get("attempts", [])]
+        if len(ends) != len(attempts):  # an attempt that left no record on disk need not be listed
+            attempts = [a for a in attempts if any(r.required for r in a.records)]
+        want = [(a.end, a.signal) for a in attempts]
+        job.result.values += len(want)
+        if len(ends) != len(want) or any(
+            g[0] != w[0] or (w[1] and g[1] != w[1]) for g, w in zip(ends, want, strict=False)
+        ):
+            job.result.fail(f"inspect: {source[0]} attempts ended {ends}, the job did {want}")
+        for x, a in zip(got.get("attempts", []), attempts, strict=False):
+            if a.end == "exception" and (x.get("exception") or {}).get("type") != "RuntimeError":
+                job.result.fail(
+                    f"inspect: {source[0]} attempt {a.number}: exception {x.get('exception')!r}, "
+                    "expected RuntimeError('soak fault')"
+                )
+    first = report.get("first_failure")
+    if not failed:
+        if first is not None:
+            job.result.fail(f"inspect: first_failure {first!r} in a job where every attempt shut down")
+        return
+    if first is None:
+        if not damaged:
+            job.result.fail(f"inspect: first_failure is null; the job had {len(failed)} failed attempt(s)")
+        return
+    earliest = min(a.ended_at for a in failed)
+    candidates = [a for a in failed if a.ended_at <= earliest + 2.5]
+    if (first.get("process"), first.get("rank")) in damaged:
+        return  # a damaged file may have lost how its attempt ended
+    if not any(first.get("process") == a.process and first.get("end") == a.end for a in candidates):
+        job.result.fail(
+            f"inspect: first_failure is {first.get('process')} ({first.get('end')}); the first to fail "
+            f"were {[(a.process, a.number, a.end) for a in candidates]}"
+        )
+
+
+# -- uploads and plot (every fifth job) ----------------------------------------------
+
+
+def uploads(job, truth: Truth, seen: list[dict]) -> None:
+    from tests.wandb_file import find_run_file, history_rows, read_records
+
+    spec = job.job
+    run = job.run
+    groups = expected_groups(seen, "global_reduce")
+    sample_keys = set(spec["sample_keys"])
+
+    def rows_of(name: str) -> list[dict] | None:
+        ledger = run / ".metriclog" / "uploads.json"
+        entries = json.loads(ledger.read_text())["runs"] if ledger.exists() else {}
+        newest = sorted((e for e in entries.items() if e[1]["name"] == name), key=lambda kv: kv[1]["updated"])
+        if not newest:
+            job.result.fail(f"upload: no W&B run named {name!r} in the ledger")
+            return None
+        return history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", newest[-1][0])))
+
+    def check_rows(kind: str, rows: list[dict]) -> None:
+        want_steps = sorted({g[0] for g in groups})
+        steps = [r.get("step") for r in rows]
+        if steps != want_steps:
+            job.result.fail(f"{kind}: W&B steps {_span(steps)}, the records' steps {_span(want_steps)}")
+        bad = []
+        for row in rows:
+            for key, value in row.items():
+                if (
+                    key in ("step", "_timestamp", "_runtime", "_step")
+                    or isinstance(value, dict)
+                    or any(key == k or key.startswith(k + "/") for k in sample_keys)
+                ):
+                    continue
+                members = groups.get((row.get("step"), key))
+                if members is None:
+                    bad.append(f"step {row.get('step')} {key}: a value for a group with no record")
+                    continue
+                job.result.values += 1
+                problem = check_value(
+                    members[0]["reduction"],
+                    [m["value"] for m in members],
+                    float(value),
+                    [m["timestamp"] for m in members],
+                )
+                if problem:
+                    bad.append(f"step {row['step']} {key}: {problem}")
+        if bad:
+            job.result.fail(f"{kind}: {len(bad)} wrong W&B value(s), e.g. " + "; ".join(bad[:3]))
+
+    base = ["upload", str(run), "--project", "soak", "--offline"]
+    plain = job.command("upload", *base, "--name", "plain")
+    plain_rows = rows_of("plain") if plain.code == 0 else None
+    if plain_rows is not None:
+        check_rows("upload (W&B offline)", plain_rows)
+    if job.follow_done is not None and job.follow_done.code == 0:
+        follow_rows = rows_of("follow")
+        if follow_rows is not None:
+            check_rows("upload --follow", follow_rows)
+            if plain_rows is not None and [r.get("step") for r in follow_rows] != [
+                r.get("step") for r in plain_rows
+            ]:
+                job.result.fail("upload --follow: its steps differ from a plain upload's")
+    if spec["live_upload"]:
+        again = job.command("upload-live-again", *base, "--name", "live")
+        if again.code == 0 and (rows := rows_of("live")) is not None:
+            check_rows("upload started while the job ran, then again after it", rows)
+    tensorboard(job, seen)
+    keys_drawn = sorted({r["key"] for r in seen})[:3]
+    if keys_drawn:
+        png = job.dir / "out" / "plot.png"
+        done = job.command(
+            "plot", "plot", str(run), *[a for k in keys_drawn for a in ("--key", k)], "--out", str(png)
+        )
+        if done.code == 0 and (not png.exists() or png.stat().st_size == 0):
+            job.result.fail("plot: exit 0 but no file written")
+
+
+def tensorboard(job, seen: list[dict]) -> None:
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    mode = job.job["tensorboard_mode"]
+    logdir = job.dir / "out" / "tb"
+    done = job.command(
+        "upload-tensorboard",
+        "upload",
+        str(job.run),
+        "--to",
+        "tensorboard",
+        "--logdir",
+        str(logdir),
+        "--mode",
+        mode,
+    )
+    if done.code != 0:
+        return
+    by_folder: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    if mode == "per_rank_no_reduce":
+        for row in seen:
+            by_folder[f"run_{row['process']}"][row["key"]].append((row["step"], [row["value"]], "raw", []))
+    else:
+        for where, members in sorted(expected_groups(seen, mode).items(), key=lambda kv: kv[0][-2]):
+            folder = "run" if mode == "global_reduce" else f"run_{where[0]}"
+            by_folder[folder][where[-1]].append(
+                (
+                    where[-2],
+                    [m["value"] for m in members],
+                    members[0]["reduction"],
+                    [m["timestamp"] for m in members],
+                )
+            )
+    bad = []
+    for folder, tags in by_folder.items():
+        acc = ea.EventAccumulator(str(logdir / folder), size_guidance={ea.SCALARS: 0})
+        acc.Reload()
+        have = set(acc.Tags()["scalars"])
+        for tag, wanted in tags.items():
+            if tag not in have:
+                bad.append(f"{folder}: no tag {tag}")
+                continue
+            events = acc.Scalars(tag)
+            if [e.step for e in events] != [w[0] for w in wanted]:
+                bad.append(
+                    f"{folder} {tag}: steps {_span([e.step for e in events])}, expected "
+                    f"{_span([w[0] for w in wanted])}"
+                )
+                continue
+            for e, (step, values, stat, times) in zip(events, wanted, strict=True):
+                job.result.values += 1
+                want = values[0] if stat == "raw" else _float_of(stat, values, times)
+                if not _float32_equal(e.value, want):
+                    bad.append(f"{folder} {tag} step {step}: {e.value!r} in TensorBoard, {want!r} as float32")
+                    break
+    if bad:
+        job.result.fail(
+            f"upload --to tensorboard --mode {mode}: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3])
+        )
+
+
+def _float_of(stat: str, values: list[float], times: list[float]) -> float:
+    """The statistic as a float (the exact value rounded; for first/last the first tied)."""
+    if stat == "count":
+        return float(len(values))
+    if stat in ("first", "last"):
+        edge = min(times) if stat == "first" else max(times)
+        return next(v for v, t in zip(values, times, strict=True) if t == edge)
+    arr = np.array(values, dtype=np.float64)
+    if stat in ("max", "min", "median") or stat.startswith("p"):
+        with np.errstate(all="ignore"):
+            return (
+                float({"max": np.max, "min": np.min, "median": np.median}.get(stat, np.max)(arr))
+                if not stat.startswith("p")
+                else float(np.percentile(arr, float(stat[1:])))
+            )
+    if not np.isfinite(arr).all():
+        with np.errstate(all="ignore"):
+            return float({"sum": np.sum, "mean": np.mean, "std": np.std}[stat](arr))
+    exact = [Fraction(v) for v in values]
+    mean = sum(exact, Fraction(0)) / len(exact)
+    if stat == "sum":
+        return float(sum(exact, Fraction(0)))
+    if stat == "mean":
+        return float(mean)
+    return math.sqrt(float(sum(((v - mean) ** 2 for v in exact), Fraction(0)) / len(exact)))
+
+
+def _float32_equal(got: float, want: float) -> bool:
+    """TensorBoard keeps float32: the same float32, or its neighbour where the float64
+    lies within float32's rounding of an edge."""
+    with np.errstate(over="ignore"):
+        g, w = np.float32(got), np.float32(want)
+    if np.isnan(w):
+        return bool(np.isnan(g))
+    if g == w:
+        return True
+    return bool(np.isfinite(g) and np.isfinite(w) and abs(int(g.view(np.int32)) - int(w.view(np.int32))) <= 1)
+
+
+def _span(steps: list) -> str:
+    return f"{len(steps)} from {steps[0]} to {steps[-1]}" if steps else "none"

@@ -1,0 +1,263 @@
+"""The truth of a job, from the ledgers its ranks kept (``worker.py``), and every statistic
+computed exactly over it.
+
+A record a returned ``flush()`` covered is *required*: every command must see it. One
+recorded after the last returned flush of an attempt that died is *optional*: a kill may
+or may not have left it on disk. Nothing else may ever be read. Restarts are rewound as
+docs/durability.md says: an attempt replaces its source's earlier attempts' records from
+the step of its own first flush on.
+
+Statistics are exact (``fractions.Fraction`` over the float64 values, ``decimal`` for the
+square root of std's variance). ``EXACT`` is the one switch between the engine's
+documented bound (sum and mean within 1e-12 of the sum of |v|, std within 1e-12
+relative) and bit for bit (the correctly rounded exact value).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from decimal import Decimal, localcontext
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+EXACT = False  # True: sum, mean and std must be the correctly rounded exact value
+TOLERANCE = Fraction(1, 10**12)
+
+
+@dataclass
+class Rec:
+    process: str
+    rank: int
+    step: int
+    key: str
+    reduction: str
+    value: str  # float.hex of the float64 the file must hold
+    required: bool
+    attempt: int
+    alt_step: int | None = None  # the step it was recorded in, where a seal may have kept it
+
+
+@dataclass
+class Smp:
+    process: str
+    rank: int
+    step: int
+    key: str
+    sample: dict
+    required: bool
+    alt_step: int | None = None
+
+
+@dataclass
+class Attempt:
+    process: str
+    rank: int
+    number: int
+    started: float
+    end: str  # shutdown, exception, signal, died
+    signal: str | None
+    ended_at: float
+    first_step: int | None
+    records: list[Rec] = field(default_factory=list)
+    samples: list[Smp] = field(default_factory=list)
+    big: dict | None = None
+
+
+@dataclass
+class Truth:
+    attempts: dict[tuple[str, int], list[Attempt]]
+    records: dict[tuple[str, int], list[Rec]]  # rewound, in the order recorded
+    samples: list[Smp]
+    foreign: dict[tuple[str, int], list[Rec]]
+
+    def sources(self) -> dict[tuple[str, int], list[Rec]]:
+        return {**self.records, **self.foreign}
+
+
+def read_truth(job_dir: Path, job: dict, runner_notes: dict) -> Truth:
+    attempts: dict[tuple[str, int], list[Attempt]] = {}
+    for plan in job["ranks"]:
+        source = (plan["process"], plan["rank"])
+        found = []
+        for number in (1, 2):
+            path = job_dir / "ledger" / f"r{plan['rank']}.a{number}.jsonl"
+            if path.exists():
+                notes = runner_notes.get(f"{plan['rank']}.{number}", {})
+                found.append(_attempt(path, source, number, notes, plan["segment_records"]))
+        attempts[source] = found
+    records, samples = {}, []
+    for source, those in attempts.items():
+        kept: list[Rec] = []
+        for i, attempt in enumerate(those):
+            later = [a.first_step for a in those[i + 1 :] if a.first_step is not None]
+            kept += [_rewound(r, later) for r in attempt.records if _kept(r, later)]
+            samples += [_rewound(s, later) for s in attempt.samples if _kept(s, later)]
+        records[source] = kept
+    foreign: dict[tuple[str, int], list[Rec]] = defaultdict(list)
+    path = job_dir / "ledger" / "foreign.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            foreign[(e["p"], e["rank"])].append(
+                Rec(e["p"], e["rank"], e["s"], e["k"], e["r"], e["v"], True, 0)
+            )
+    return Truth(attempts, records, samples, dict(foreign))
+
+
+def _kept(r: Rec | Smp, later: list[int]) -> bool:
+    return all(min(r.step, r.step if r.alt_step is None else r.alt_step) < f for f in later)
+
+
+def _rewound(r, later: list[int]):
+    """A record whose two possible labels fall on either side of a restart's first step
+    may or may not be replaced: optional."""
+    if r.alt_step is not None and not all(max(r.step, r.alt_step) < f for f in later):
+        r.required = False
+    return r
+
+
+def _attempt(path: Path, source: tuple[str, int], number: int, notes: dict, segment_records: int) -> Attempt:
+    """An attempt's records and samples, labelled with the step of the flush that covered
+    them. A journal that fills up between two flushes (twice ``segment_records`` records,
+    or ``segment_records`` before the attempt's first flush) is sealed then, and the
+    records sealed keep the step they were recorded in (docs/format.md): where that could
+    have happened, either label is allowed (``alt_step``). ``rows`` is an upper bound of
+    the open journal's records."""
+    rows, flushed = 0, False
+    pending_r: list[dict] = []
+    pending_s: list[dict] = []
+    records: list[Rec] = []
+    samples: list[Smp] = []
+    started = ended = 0.0
+    end, sig, first_step, big = "died", None, None, None
+    for line in path.read_text().splitlines():
+        e = json.loads(line)
+        t = e["t"]
+        if t == "start":
+            started = ended = e["time"]
+        elif t == "rec":
+            pending_r.append(e)
+        elif t == "smp":
+            pending_s.append(e)
+        elif t == "ack":
+            ended = e["time"]
+            if first_step is None:
+                first_step = e["step"]
+            rows += len(pending_r) + len(pending_s)
+            early = rows >= 2 * segment_records or (not flushed and rows >= segment_records)
+            records += [
+                Rec(*source, e["step"], r["k"], r["r"], r["v"], True, number, r["s"] if early else None)
+                for r in pending_r
+            ]
+            samples += [
+                Smp(*source, e["step"], s["k"], s["d"], True, s["s"] if early else None) for s in pending_s
+            ]
+            pending_r, pending_s = [], []
+            if rows >= segment_records:
+                rows = 0  # sealed at this flush
+            flushed = True
+        elif t == "big":
+            big = e
+        elif t == "fault":
+            ended = e["time"]
+            end, sig = {
+                "sigkill": ("died", None),
+                "exit": ("died", None),
+                "raise": ("exception", None),
+                "sigterm": ("signal", "SIGTERM"),
+                "hang": ("died", None),
+            }[e["kind"]]
+        elif t == "done":
+            end, ended = "shutdown", e["time"]
+    if notes.get("killed_with") == "SIGTERM":
+        end, sig = "signal", "SIGTERM"
+    if "killed_at" in notes:
+        ended = notes["killed_at"]
+    records += [Rec(*source, r["s"], r["k"], r["r"], r["v"], False, number) for r in pending_r]
+    samples += [Smp(*source, s["s"], s["k"], s["d"], False) for s in pending_s]
+    return Attempt(*source, number, started, end, sig, ended, first_step, records, samples, big)
+
+
+# -- statistics ------------------------------------------------------------------------
+
+
+def statistic_of(key: str, reduction: str, overrides: list[str]) -> str:
+    """A key's statistic: the last ``--reduce`` pattern that matches it, else its reduction."""
+    for pattern in reversed(overrides):
+        glob, stat = pattern.rsplit("=", 1)
+        if fnmatch.fnmatchcase(key, glob):
+            return stat
+    return reduction
+
+
+def check_value(stat: str, values: list[float], got: float, times: list[float] | None = None) -> str | None:
+    """None when ``got`` is the statistic ``stat`` of ``values`` (in the order read, with
+    their timestamps for first and last), else what is wrong."""
+    n = len(values)
+    if stat == "count":
+        return None if got == n else f"count {got!r}, expected {n}"
+    if stat in ("first", "last"):
+        assert times is not None
+        edge = min(times) if stat == "first" else max(times)
+        allowed = [v for v, t in zip(values, times, strict=True) if t == edge]
+        return (
+            None if any(_same(got, v) for v in allowed) else f"{stat} {got!r}, expected one of {allowed[:4]}"
+        )
+    if stat == "median" or stat.startswith("p"):
+        arr = np.array(values, dtype=np.float64)
+        with np.errstate(all="ignore"):  # inf - inf in numpy's interpolation: NaN, as the engine's
+            want = float(np.median(arr)) if stat == "median" else float(np.percentile(arr, float(stat[1:])))
+        return None if _same(got, want, zeros=True) else f"{stat} {got!r}, numpy says {want!r}"
+    if any(math.isnan(v) for v in values):
+        return None if math.isnan(got) else f"{stat} {got!r} of a group holding NaN, expected NaN"
+    if stat in ("max", "min"):
+        want = max(values) if stat == "max" else min(values)
+        return None if _same(got, want, zeros=True) else f"{stat} {got!r}, expected {want!r}"
+    infinite = {v for v in values if math.isinf(v)}
+    if infinite:
+        want = math.nan if stat == "std" or len(infinite) == 2 else next(iter(infinite))
+        return (
+            None
+            if _same(got, want)
+            else f"{stat} {got!r} of a group holding {sorted(infinite)}, IEEE says {want!r}"
+        )
+    exact = [Fraction(v) for v in values]
+    total = sum(exact, Fraction(0))
+    scale = sum((abs(v) for v in exact), Fraction(0))
+    if stat == "sum":
+        return _close(stat, got, total, scale)
+    mean = total / n
+    if stat == "mean":
+        return _close(stat, got, mean, scale / n)
+    if stat == "std":
+        variance = sum(((v - mean) ** 2 for v in exact), Fraction(0)) / n
+        with localcontext() as ctx:
+            ctx.prec = 60
+            root = (Decimal(variance.numerator) / Decimal(variance.denominator)).sqrt()
+        return _close(stat, got, Fraction(root), Fraction(root))
+    raise ValueError(f"no oracle for statistic {stat!r}")
+
+
+def _close(stat: str, got: float, exact: Fraction, scale: Fraction) -> str | None:
+    if not math.isfinite(got):
+        return f"{stat} {got!r}, exact {float(exact)!r}"
+    ok = got == float(exact) if EXACT else abs(Fraction(got) - exact) <= TOLERANCE * scale
+    if ok:
+        return None
+    error = float(abs(Fraction(got) - exact) / scale) if scale else math.inf
+    bound = "bit for bit" if EXACT else f"bound {float(TOLERANCE):g}"
+    return f"{stat} {got!r}, exact {float(exact)!r} (off by {error:.3g} of the scale, {bound})"
+
+
+def _same(got: float, want: float, *, zeros: bool = False) -> bool:
+    if math.isnan(want):
+        return math.isnan(got)
+    if zeros and got == 0 and want == 0:
+        return True
+    return float(got).hex() == float(want).hex()

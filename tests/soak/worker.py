@@ -1,0 +1,152 @@
+"""One rank of a soak job, a real process:
+
+    python tests/soak/worker.py JOB_DIR RANK ATTEMPT START
+
+It records what its plan in ``JOB_DIR/job.json`` says and keeps a ledger,
+``JOB_DIR/ledger/r{RANK}.a{ATTEMPT}.jsonl``, written with one ``os.write`` a line group
+on a file opened with ``O_APPEND`` (so a kill of this process loses none of it):
+
+* ``rec``: a value about to be recorded: step it is stamped with (the writer's current
+  step), key, reduction, the float64 the file must hold (``float.hex``), before
+  ``record_metric`` is called;
+* ``smp``: a sample about to be recorded;
+* ``ack``: ``flush(step)`` returned: every ``rec``/``smp`` line since the previous ``ack``
+  belongs to ``step`` and must be read back (fsynced);
+* ``start``, ``hang``, ``fault``, ``done``: what happened, with the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+
+def main() -> None:
+    job_dir, rank, attempt, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    with open(os.path.join(job_dir, "job.json")) as f:
+        job = json.load(f)
+    plan = job["ranks"][rank]
+    ledger = Ledger(os.path.join(job_dir, "ledger", f"r{rank}.a{attempt}.jsonl"))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    import metric_core
+    from metric_core import Reduce
+    from tests.soak.generator import values_for
+
+    seed = plan["values_seed"] if attempt == 1 else plan["restart"]["values_seed"]
+    rng = random.Random(seed)
+    fault = plan["fault"] if attempt == 1 else None
+    pause = plan["pause"] if attempt == 1 else None
+    ledger.write({"t": "start", "time": time.time(), "pid": os.getpid(), "start": start})
+    metric_core.init(
+        os.path.join(job_dir, "run"),
+        rank=rank,
+        process_name=plan["process"],
+        file_format=job["format"],
+        step=start,
+        flush_interval=plan["flush_interval"],
+        world_size=job["world"],
+        segment_records=plan["segment_records"],
+        hang_dump_after=0,
+    )
+    current = start  # the step the writer stamps records with until the next flush
+    reductions = {r.value: r for r in Reduce}
+    for step in range(start, plan["steps"]):
+        lines, calls = [], []
+        for spec in job["keys"]:
+            if rng.random() >= plan["key_share"]:
+                continue
+            for value in values_for(rng, spec["family"], rng.randint(1, 3)):
+                lines.append(
+                    {
+                        "t": "rec",
+                        "s": current,
+                        "k": spec["key"],
+                        "r": spec["reduction"],
+                        "v": float(value).hex(),
+                    }
+                )
+                calls.append((spec["key"], value, reductions[spec["reduction"]]))
+        if plan["samples"]:
+            for key in job["sample_keys"]:
+                for j in range(rng.randint(0, 3)):
+                    sample = {
+                        "reward": round(rng.uniform(-1, 1), 6),
+                        "text": f"r{rank} a{attempt} {step}.{j}",
+                        "n": rng.randint(0, 10**6),
+                    }
+                    lines.append({"t": "smp", "s": current, "k": key, "d": sample})
+                    calls.append((key, sample, Reduce.SAMPLE))
+        ledger.write(*lines)
+        for key, value, how in calls:
+            metric_core.record_metric(key, value, how)
+        if plan["big_int"] and attempt == 1 and step == start:
+            big_int(metric_core, ledger, current)
+        if plan["step_sleep"]:
+            time.sleep(plan["step_sleep"])
+        if pause and pause["at"] == step:
+            time.sleep(pause["seconds"])
+        if fault and fault["at"] == step and not fault["after_flush"]:
+            do_fault(fault["kind"], ledger)
+        if (step - start + 1) % plan["flush_every"] == 0 or step == plan["steps"] - 1:
+            metric_core.flush(step)
+            ledger.write({"t": "ack", "step": step, "time": time.time()}, sync=True)
+            current = step + 1
+        if fault and fault["at"] == step and fault["after_flush"]:
+            do_fault(fault["kind"], ledger)
+    metric_core.shutdown()
+    ledger.write({"t": "done", "time": time.time()}, sync=True)
+
+
+def big_int(metric_core, ledger: Ledger, current: int) -> None:
+    """An integer float64 cannot hold (docs/format.md: exact or refused): record_metric
+    refuses it with a ValueError naming the key; if it takes it, the ledger says so and
+    holds the value the file then holds, so the rest of the checks go on."""
+    from metric_core import Reduce
+
+    value = 2**53 + 1
+    try:
+        metric_core.record_metric("bigint/sum", value, Reduce.SUM)
+    except ValueError as exc:
+        ledger.write({"t": "big", "refused": True, "names_key": "bigint/sum" in str(exc)})
+        return
+    ledger.write(
+        {"t": "big", "refused": False},
+        {"t": "rec", "s": current, "k": "bigint/sum", "r": "sum", "v": float(value).hex()},
+    )
+
+
+def do_fault(kind: str, ledger: Ledger) -> None:
+    ledger.write({"t": "fault", "kind": kind, "time": time.time()}, sync=True)
+    if kind == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(60)  # the signal ends the process; never reached
+    elif kind == "raise":
+        raise RuntimeError("soak fault")
+    elif kind == "exit":
+        os._exit(3)
+    elif kind == "hang":
+        ledger.write({"t": "hang", "time": time.time()}, sync=True)
+        while True:  # alive and silent until the runner ends it
+            time.sleep(0.05)
+
+
+class Ledger:
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    def write(self, *entries: dict, sync: bool = False) -> None:
+        if entries:
+            os.write(self.fd, "".join(json.dumps(e) + "\n" for e in entries).encode())
+        if sync:
+            os.fsync(self.fd)
+
+
+if __name__ == "__main__":
+    main()
