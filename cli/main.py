@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from metric_core.offline.storage import check_target
 
 from . import options as o
 from . import output, tuning
+from .start import STOPPED, catch_stops, stopping
 
 
 class _Command(typer.core.TyperCommand):
@@ -399,7 +399,7 @@ def samples(
         check_target(None if out == "-" else out)
         frame, read = select_samples(
             run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,
-            top=top, bottom=bottom, by=by, random=random, seed=seed,
+            top=top, bottom=bottom, by=by, random=random, seed=seed, on_read=output.said_skips,
         )  # fmt: skip
         for note in read.notes:
             output.say("warning", spell_options(note, o.as_flag))
@@ -460,23 +460,24 @@ def watch(
 
 
 def main() -> None:
+    """The commands, run with stops caught (``start``): a stop by SIGTERM is a Ctrl-C, so
+    what a command made in temporary directories and half-written files is removed on the
+    way out."""
+    catch_stops()
     tuning.apply()
-    # A stop by SIGTERM (timeout, Slurm, docker stop) is a Ctrl-C: what a command made in
-    # temporary directories and half-written files is removed on the way out.
-    signal.signal(signal.SIGTERM, _interrupt)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
-        signal.signal(signal.SIGINT, _interrupt)
     try:
         app()
+    except KeyboardInterrupt:  # before typer took the command, or a second stop in its cleanup
+        sys.exit(STOPPED)
     except Exception as exc:
-        if not _stopping:
+        if not stopping():
             raise
         # The stop landed inside a library that made its KeyboardInterrupt an error of its
         # own (pydantic building wandb's models on import): stopped, not broken. Anything
         # else that failed on the way out is still said.
         if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
             output.error(_gist(exc))
-        sys.exit(130)
+        sys.exit(STOPPED)
 
 
 def _gist(said: object) -> str:
@@ -496,17 +497,6 @@ def _quiet_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's last flush of a closed pipe is silent."""
     with contextlib.suppress(OSError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-_stopping = False  # a stop signal came
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    global _stopping
-    if _stopping and signum == signal.SIGTERM:
-        return  # again (timeout(1) signals the process, then its group): the cleanup goes on
-    _stopping = True
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

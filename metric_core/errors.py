@@ -171,6 +171,14 @@ class FilteredOutError(NoDataError):
         MetricLogError.__init__(self, f"no record in {where} matches the filters" + why)
 
 
+class NoSamplesError(NoDataError):
+    """A run directory holds no sample (``Reduce.SAMPLE``) to list: ``why`` says what it holds."""
+
+    def __init__(self, where: str, why: str) -> None:
+        self.where = where
+        MetricLogError.__init__(self, f"no sample (Reduce.SAMPLE) in {where}: " + why)
+
+
 class UnknownReductionError(MetricLogError):
     """Records carry a reduction metriclog does not know; ``keys`` maps each such key to it."""
 

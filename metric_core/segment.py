@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from metric_core.life import Life
-from metric_core.schema import TIMESTAMP_RANGE
+from metric_core.schema import TIMESTAMP_RANGE, parse_json
 
 PARQUET_KEY = "metriclog"
 SEGMENT_EVENT = "segment"
@@ -113,8 +113,8 @@ class SegmentMeta:
         ('records', 'process')
         """
         try:
-            obj = json.loads(raw) if isinstance(raw, (str, builtins.bytes)) else raw
-        except (ValueError, RecursionError):
+            obj = parse_json(raw) if isinstance(raw, (str, builtins.bytes)) else raw
+        except ValueError:
             return None
         if not isinstance(obj, dict):
             return None

@@ -19,7 +19,7 @@ from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
 from metric_core.offline.storage import RunPath, is_remote, raise_store_failure, source
-from metric_core.schema import MAX_LINE_BYTES, spell_float
+from metric_core.schema import MAX_LINE_BYTES, NestedTooDeep, parse_json, spell_float
 from metric_core.segment import SegmentMeta
 
 if TYPE_CHECKING:
@@ -264,8 +264,8 @@ def _binary_kind(data: bytes) -> str | None:
 
 def _is_json_object(line: bytes) -> bool:
     try:
-        return isinstance(json.loads(line), dict)
-    except (ValueError, RecursionError):
+        return isinstance(parse_json(line), dict)
+    except ValueError:
         return False
 
 
@@ -279,12 +279,12 @@ def _jsonl_line_by_line(data: bytes, rep: FileReport) -> tuple[pl.DataFrame, np.
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = parse_json(line)
+        except NestedTooDeep:
+            rep.skip("JSON nested too deep to be a record", 1, [number])
+            continue
         except ValueError:
             rep.skip("not valid JSON", 1, [number])
-            continue
-        except RecursionError:
-            rep.skip("JSON nested too deep to be a record", 1, [number])
             continue
         if not isinstance(obj, dict):
             rep.skip("not a JSON object", 1, [number])

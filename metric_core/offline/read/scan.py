@@ -11,6 +11,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import polars as pl
@@ -46,6 +47,7 @@ from metric_core.offline.storage import (
     is_remote,
     is_store_failure,
     name_of,
+    not_a_directory,
     run_path,
     size_and_mtime,
     storage_errors,
@@ -389,8 +391,8 @@ def scan_run(
     """
     fetch_numpy_api()
     root = run_path(run_dir)
-    if not is_remote(root) and not root.is_dir():
-        raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
+    if isinstance(root, Path) and not root.is_dir():
+        raise NoDataError(str(root), not_a_directory(root))
     report = ReadReport(run_dir=root)
     with storage_errors(root):
         paths = list_data_files(root, report, follow_symlinks=follow_symlinks)
