@@ -140,6 +140,9 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     Returns nothing: the value is written by the collector's thread. Raises
     ``NotInitializedError`` before ``init``, and ``ValueError`` or ``TypeError`` for a
     value that is no number (or a sample that is no dict, or too large), naming the key.
+    An integer past 2**53 in magnitude (a Python int, a numpy integer, a 0-d integer
+    tensor) is a ``ValueError`` too: float64, what a value is stored as, would round it;
+    record ``float(value)`` if that rounding is fine.
 
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), process_name="trainer")
@@ -156,9 +159,11 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
         return
     else:
         code = _intern(key, reduction)
-    try:
-        _extend((value, code, _now()))  # the array converts int, bool and numpy scalars
-    except (TypeError, ValueError, OverflowError):
+    # float64 holds every int up to 2**53 exactly: the array takes those as they are; past
+    # it, and anything else (numpy scalars, tensors), _as_float checks (exact or refused).
+    if value.__class__ is float or (value.__class__ is int and -(2**53) <= value <= 2**53):
+        _extend((value, code, _now()))
+    else:
         _extend((_as_float(key, value), code, _now()))
 
 

@@ -207,9 +207,9 @@ class MetricCollector:
             return
         else:
             code = self._intern(key, reduction)
-        try:
+        if value.__class__ is float or (value.__class__ is int and -(2**53) <= value <= 2**53):
             self._extend((value, code, _now()))
-        except (TypeError, ValueError, OverflowError):
+        else:  # what the array would take but round (an int past 2**53), or not take
             self._extend((_as_float(key, value), code, _now()))
 
     def push(self, metric: Metric) -> None:
@@ -224,9 +224,9 @@ class MetricCollector:
             return
         else:
             code = self._intern(key, reduction)
-        try:
+        if value.__class__ is float or (value.__class__ is int and -(2**53) <= value <= 2**53):
             self._extend((value, code, at))
-        except (TypeError, ValueError, OverflowError):
+        else:
             self._extend((_as_float(key, value), code, at))
 
     def record_sample(self, key: str, sample: dict[str, Any], timestamp: float | None = None) -> None:
@@ -563,26 +563,55 @@ def _step_of(step: Any, where: str) -> int:
     return value
 
 
-def _as_float(key: str, value: Any) -> float:
-    """The slow path of record(): everything that is not already a float."""
-    if isinstance(value, (bool, int, float)):
-        try:
-            return float(value)
-        except OverflowError:
-            text = str(value)
-            shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
-            raise ValueError(
-                f"metric '{key}': value {shown} is too large for a float64 (at most about 1.8e308)"
-            ) from None
+def _as_float(key: str, value: Any) -> Any:
+    """The slow path of record(): every value but a float and an int float64 holds exactly.
+    What it returns, the buffer's ``array('d')`` takes as it is; an integer past
+    ``EXACT_INT`` in magnitude is refused, never rounded (docs/format.md: exact or refused)."""
+    if isinstance(value, (float, np.floating)):  # numpy's floats: the array converts them
+        return value
+    if isinstance(value, (int, np.integer)):  # bool, an int past 2**53, numpy's integers
+        return _exact(key, int(value))
     item = getattr(value, "item", None)
-    if item is not None:  # numpy scalars and 0-d arrays, 0-d torch tensors
+    if item is not None:  # 0-d arrays and tensors (numpy's, torch's), numpy's bool
         try:
             inner = item()
-        except (ValueError, RuntimeError):
+        except (ValueError, RuntimeError, TypeError):
             inner = None
-        if isinstance(inner, (bool, int, float)):
-            return float(inner)
+        if isinstance(inner, float):
+            return inner
+        if isinstance(inner, int):
+            return _exact(key, inner)
+    elif hasattr(type(value), "__index__"):  # another type of integer
+        return _exact(key, operator.index(value))
+    elif hasattr(type(value), "__float__"):  # Decimal, Fraction: a number float64 may round
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
     raise TypeError(
         f"metric '{key}': value {value!r} of type {type(value).__name__} is not a number; "
         "pass a Python number, a bool, a numpy scalar or a 0-d tensor"
+    )
+
+
+# float64 holds every integer up to 2**53 in magnitude exactly, and past it only some.
+EXACT_INT = 2**53
+
+
+def _exact(key: str, value: int) -> float:
+    """An integer as the float64 that holds it exactly; past ``EXACT_INT`` a ValueError."""
+    if -EXACT_INT <= value <= EXACT_INT:
+        return float(value)
+    text = str(value)
+    shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+    try:
+        rounded = float(value)
+    except OverflowError:
+        raise ValueError(
+            f"metric '{key}': value {shown} is too large for a float64 (at most about 1.8e308)"
+        ) from None
+    raise ValueError(
+        f"metric '{key}': the integer {shown} is past 2**53 in magnitude, where float64 (what a value is "
+        f"stored as) no longer holds every integer: it would be read back as {rounded!r}. Record "
+        f"float(value) if that rounding is fine, or record it in a smaller unit (thousands, millions)"
     )
