@@ -20,7 +20,7 @@ from metric_core.errors import ConfigError, NotInitializedError, warn
 from metric_core.metric import Reduce
 from metric_core.writer import collector as collector_module
 from metric_core.writer.backends import LoggerBackend
-from metric_core.writer.collector import HANG_DUMP_AFTER, MetricCollector, _as_float, _now
+from metric_core.writer.collector import EXACT_TYPES, HANG_DUMP_AFTER, MetricCollector, _as_float, _now
 from metric_core.writer.segments import MAX_UNWRITTEN
 
 _active: MetricCollector | None = None
@@ -159,9 +159,10 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
         return
     else:
         code = _intern(key, reduction)
-    # float64 holds every int up to 2**53 exactly: the array takes those as they are; past
-    # it, and anything else (numpy scalars, tensors), _as_float checks (exact or refused).
-    if value.__class__ is float or (value.__class__ is int and -(2**53) <= value <= 2**53):
+    # float64 holds every int up to 2**53 exactly, and every value of EXACT_TYPES: the array
+    # takes those as they are; _as_float checks the rest (exact or refused).
+    cls = value.__class__
+    if cls is float or (cls is int and -(2**53) <= value <= 2**53) or cls in EXACT_TYPES:
         _extend((value, code, _now()))
     else:
         _extend((_as_float(key, value), code, _now()))

@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -207,7 +207,8 @@ class MetricCollector:
             return
         else:
             code = self._intern(key, reduction)
-        if value.__class__ is float or (value.__class__ is int and -(2**53) <= value <= 2**53):
+        cls = value.__class__
+        if cls is float or (cls is int and -(2**53) <= value <= 2**53) or cls in EXACT_TYPES:
             self._extend((value, code, _now()))
         else:  # what the array would take but round (an int past 2**53), or not take
             self._extend((_as_float(key, value), code, _now()))
@@ -224,7 +225,8 @@ class MetricCollector:
             return
         else:
             code = self._intern(key, reduction)
-        if value.__class__ is float or (value.__class__ is int and -(2**53) <= value <= 2**53):
+        cls = value.__class__
+        if cls is float or (cls is int and -(2**53) <= value <= 2**53) or cls in EXACT_TYPES:
             self._extend((value, code, at))
         else:
             self._extend((_as_float(key, value), code, at))
@@ -564,15 +566,16 @@ def _step_of(step: Any, where: str) -> int:
 
 
 def _as_float(key: str, value: Any) -> Any:
-    """The slow path of record(): every value but a float and an int float64 holds exactly.
-    What it returns, the buffer's ``array('d')`` takes as it is; an integer past
-    ``EXACT_INT`` in magnitude is refused, never rounded (docs/format.md: exact or refused)."""
-    if isinstance(value, (float, np.floating)):  # numpy's floats: the array converts them
+    """The slow path of record(): every value but a float, an int float64 holds exactly and
+    the ``EXACT_TYPES``. What it returns, the buffer's ``array('d')`` takes as it is; an
+    integer past 2**53 in magnitude is refused, never rounded (docs/format.md: exact or refused)."""
+    if isinstance(value, _INTEGERS):  # an int past 2**53, numpy's int64 and uint64, IntEnum
+        exact = int(value)
+        return exact if -(2**53) <= exact <= 2**53 else _refused(key, exact)
+    if isinstance(value, _FLOATS):  # float subclasses, numpy's other floats: the array converts them
         return value
-    if isinstance(value, (int, np.integer)):  # bool, an int past 2**53, numpy's integers
-        return _exact(key, int(value))
     item = getattr(value, "item", None)
-    if item is not None:  # 0-d arrays and tensors (numpy's, torch's), numpy's bool
+    if item is not None:  # 0-d arrays and tensors (numpy's, torch's)
         try:
             inner = item()
         except (ValueError, RuntimeError, TypeError):
@@ -580,9 +583,10 @@ def _as_float(key: str, value: Any) -> Any:
         if isinstance(inner, float):
             return inner
         if isinstance(inner, int):
-            return _exact(key, inner)
+            return inner if -(2**53) <= inner <= 2**53 else _refused(key, inner)
     elif hasattr(type(value), "__index__"):  # another type of integer
-        return _exact(key, operator.index(value))
+        exact = operator.index(value)
+        return exact if -(2**53) <= exact <= 2**53 else _refused(key, exact)
     elif hasattr(type(value), "__float__"):  # Decimal, Fraction: a number float64 may round
         try:
             return float(value)
@@ -594,14 +598,29 @@ def _as_float(key: str, value: Any) -> Any:
     )
 
 
-# float64 holds every integer up to 2**53 in magnitude exactly, and past it only some.
-EXACT_INT = 2**53
+# The types of which float64 holds every value exactly: the array takes them as they are.
+# Ints past 2**53 (Python's, numpy's int64 and uint64) are checked one by one.
+EXACT_TYPES = frozenset(
+    {
+        bool,
+        np.bool_,
+        np.float64,
+        np.float32,
+        np.float16,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+    }
+)
+_INTEGERS = (int, np.integer)
+_FLOATS = (float, np.floating)
 
 
-def _exact(key: str, value: int) -> float:
-    """An integer as the float64 that holds it exactly; past ``EXACT_INT`` a ValueError."""
-    if -EXACT_INT <= value <= EXACT_INT:
-        return float(value)
+def _refused(key: str, value: int) -> NoReturn:
+    """The ValueError of an integer past 2**53 in magnitude: float64 would round it."""
     text = str(value)
     shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
     try:
