@@ -7,7 +7,6 @@ lookups and a method call would be a third of its cost.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
@@ -15,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from metric_core import run_json
 from metric_core.atomic import create_file
 from metric_core.errors import ConfigError, NotInitializedError, warn
 from metric_core.metric import Reduce
@@ -252,7 +252,7 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, Any] | None) -> None:
     """Create run.json unless it exists: the first rank-0 process of any role wins."""
-    path = run_dir / "run.json"
+    path = run_dir / run_json.NAME
     if path.exists():
         return
     meta: dict[str, Any] = {
@@ -264,7 +264,7 @@ def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, 
     if config is not None:
         meta["config"] = config
     try:
-        create_file(path, (json.dumps(meta, indent=2, default=str) + "\n").encode())
+        create_file(path, run_json.encode(meta))
     except OSError as exc:  # metadata only: the records are what must not be lost
         warn(
             f"could not write {path} ({exc.strerror or exc}): the run's name, world_size and config "

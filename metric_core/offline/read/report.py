@@ -147,6 +147,9 @@ class ReadReport:
     shutdowns: list[Shutdown] = field(default_factory=list)
     skipped_paths: list[tuple[RunPath, str]] = field(default_factory=list)  # (path, why), not read
     notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
+    # Why run.json is damaged (not JSON, or failing its checksum), if it is: its metadata was
+    # ignored, and upload refuses to take another identity than its run_id.
+    run_json_damaged: str | None = None
     attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
     # Each attempt's life, its files' merged: (process, rank, attempt id) -> Life.
     lives: dict[tuple[str, int, str], Life] = field(default_factory=dict)

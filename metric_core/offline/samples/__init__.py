@@ -83,6 +83,7 @@ def select_samples(
     (['step', 'rank', 'process', 'timestamp', 'key'], [])
     """
     from metric_core.offline.plan import counts_back, last_steps, parse_ranks, parse_steps
+    from metric_core.offline.read.discover import run_json_notices
 
     for name, count in (("top", top), ("bottom", bottom), ("random", random)):
         if count < 0:
@@ -92,6 +93,7 @@ def select_samples(
     if isinstance(steps, str):
         steps = parse_steps(steps)
     read = read_samples(run, attempts=attempts)  # once: the filters choose in memory
+    read.notes[:0] = run_json_notices(run)  # a damaged run.json is said, as by the other commands
     every = read.samples
     sources_kept = kept(every, keys=keys, ranks=ranks)
     if counts_back(steps):  # counted back from the last step of the samples' sources kept
