@@ -20,7 +20,14 @@ from metric_core.errors import ConfigError, NotInitializedError, warn
 from metric_core.metric import Reduce
 from metric_core.writer import collector as collector_module
 from metric_core.writer.backends import LoggerBackend
-from metric_core.writer.collector import EXACT_TYPES, HANG_DUMP_AFTER, MetricCollector, _as_float, _now
+from metric_core.writer.collector import (
+    EXACT_TYPES,
+    HANG_DUMP_AFTER,
+    WIDE_INTEGERS,
+    MetricCollector,
+    _as_float,
+    _now,
+)
 from metric_core.writer.segments import MAX_UNWRITTEN
 
 _active: MetricCollector | None = None
@@ -160,9 +167,14 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     else:
         code = _intern(key, reduction)
     # float64 holds every int up to 2**53 exactly, and every value of EXACT_TYPES: the array
-    # takes those as they are; _as_float checks the rest (exact or refused).
+    # takes those as they are; _as_float checks the rest (exact or refused, docs/format.md).
     cls = value.__class__
-    if cls is float or (cls is int and -(2**53) <= value <= 2**53) or cls in EXACT_TYPES:
+    if (
+        cls is float
+        or (cls is int and -(2**53) <= value <= 2**53)
+        or cls in EXACT_TYPES
+        or (cls in WIDE_INTEGERS and -(2**53) <= value <= 2**53)
+    ):
         _extend((value, code, _now()))
     else:
         _extend((_as_float(key, value), code, _now()))

@@ -208,7 +208,12 @@ class MetricCollector:
         else:
             code = self._intern(key, reduction)
         cls = value.__class__
-        if cls is float or (cls is int and -(2**53) <= value <= 2**53) or cls in EXACT_TYPES:
+        if (
+            cls is float
+            or (cls is int and -(2**53) <= value <= 2**53)
+            or cls in EXACT_TYPES
+            or (cls in WIDE_INTEGERS and -(2**53) <= value <= 2**53)
+        ):
             self._extend((value, code, _now()))
         else:  # what the array would take but round (an int past 2**53), or not take
             self._extend((_as_float(key, value), code, _now()))
@@ -226,7 +231,12 @@ class MetricCollector:
         else:
             code = self._intern(key, reduction)
         cls = value.__class__
-        if cls is float or (cls is int and -(2**53) <= value <= 2**53) or cls in EXACT_TYPES:
+        if (
+            cls is float
+            or (cls is int and -(2**53) <= value <= 2**53)
+            or cls in EXACT_TYPES
+            or (cls in WIDE_INTEGERS and -(2**53) <= value <= 2**53)
+        ):
             self._extend((value, code, at))
         else:
             self._extend((_as_float(key, value), code, at))
@@ -615,6 +625,7 @@ EXACT_TYPES = frozenset(
         np.uint32,
     }
 )
+WIDE_INTEGERS = frozenset({np.int64, np.uint64})  # compared with 2**53 in place: no call
 _INTEGERS = (int, np.integer)
 _FLOATS = (float, np.floating)
 
