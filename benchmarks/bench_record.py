@@ -316,15 +316,19 @@ def main() -> None:
         scratch = Path(tempfile.mkdtemp(prefix="metriclog-baseline-"))
         atexit.register(shutil.rmtree, scratch, True)  # the exported revision goes when this ends
         baseline = export_baseline(args.baseline, scratch)
-        if not args.only_calls:
-            variants.update(
-                {f"parquet@{args.baseline}": args.records, f"jsonl@{args.baseline}": args.records}
-            )
+        if not args.only_calls:  # each beside its counterpart of today: paired rounds are adjacent
+            paired = {}
+            for variant, n in variants.items():
+                paired[variant] = n
+                if variant in ("parquet", "jsonl"):
+                    paired[f"{variant}@{args.baseline}"] = n
+            variants = paired
     results: dict[str, list[float]] = {v: [] for v in variants}
     callers: dict[str, list[float]] = {v: [] for v in variants}
     unchecked: dict[str, list[float]] = {v: [] for v in calls}
-    for _ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
-        for variant, n in variants.items():
+    for round_ in range(args.repeats):  # interleaved, so drift in machine load hits all alike
+        order = list(variants.items())
+        for variant, n in order if round_ % 2 == 0 else reversed(order):  # neither always first
             measured = run_variant(variant, n, baseline, args.step_every)
             results[variant].append(measured["cpu_ns"])
             callers[variant].append(measured["caller_ns"])
@@ -340,7 +344,7 @@ def main() -> None:
     )
     width = max(10, *(len(v) + 2 for v in variants))
     print(f"{'variant':<{width}}{'CPU ns/record':>15}{'vs seed':>10}{'vs wandb.log':>15}")
-    for v in variants:
+    for v in (v for v in variants if v not in calls):  # the calls' own table is above
         print(
             f"{v:<{width}}{med[v]:>15.0f}{med[v] / med['seed']:>9.2f}x{med['wandb'] / med[v]:>14.0f}x cheaper"
         )
