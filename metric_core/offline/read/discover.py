@@ -16,8 +16,9 @@ from typing import Any
 import polars as pl
 from polars.exceptions import PanicException
 
+from metric_core import run_json
 from metric_core.offline.read.report import FileReport, ReadReport, rel
-from metric_core.offline.storage import RunPath, listing, open_read, raise_store_failure, source
+from metric_core.offline.storage import RunPath, listing, open_read, raise_store_failure, run_path, source
 from metric_core.sample import is_samples_file
 from metric_core.schema import DATA_SUFFIXES, parse_json
 from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, Damaged, SegmentMeta, derived_marker
@@ -180,8 +181,13 @@ def _another_run(run_json: Any, root: RunPath, report: ReadReport) -> None:
 
 
 def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
-    """run.json's fields, each checked; a broken file or field is reported and left out."""
-    path = root / "run.json"
+    """run.json's fields, each checked; a broken file or field is reported and left out.
+
+    A run.json that is damaged (not JSON, or not matching its ``checksum``) is ignored,
+    said, and named in ``report.run_json_damaged``: upload refuses it, since its run_id
+    is the run's identity. One without a checksum (older, or another tool's) is read as is.
+    """
+    path = root / run_json.NAME
     if isinstance(path, Path) and path.is_symlink():
         try:
             path.stat()
@@ -197,13 +203,26 @@ def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
         meta = parse_json(path.read_bytes())
     except (OSError, ValueError) as exc:
         raise_store_failure(path, exc)
+        report.run_json_damaged = f"not valid JSON ({exc})"
         report.notices.append(f"run.json: not valid JSON ({exc}); its metadata is ignored: fix or remove it")
         return {}
     if not isinstance(meta, dict):
+        report.run_json_damaged = f"not a JSON object ({type(meta).__name__})"
         report.notices.append(
             f'run.json: must hold a JSON object, e.g. {{"world_size": 8}}, not {type(meta).__name__}; ignored'
         )
         return {}
+    verified = run_json.verified(meta)
+    if verified is False:
+        report.run_json_damaged = (
+            "its fields do not match its checksum (damaged, or edited after it was written)"
+        )
+        report.notices.append(
+            "run.json: its fields do not match its checksum (the file is damaged, or was edited after "
+            "metriclog wrote it): its metadata is ignored; upload refuses the run until it is fixed"
+        )
+        return {}
+    meta.pop(run_json.CHECKSUM, None)
     checks = {
         "world_size": lambda v: type(v) is int and 1 <= v <= MAX_WORLD_SIZE,
         "name": lambda v: isinstance(v, str) and 0 < len(v) <= 1024,
@@ -221,6 +240,15 @@ def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
             report.notices.append(f"run.json: '{key}' must be {wanted[key]}, not {shown}; ignored")
             del meta[key]
     return meta
+
+
+def run_json_notices(run: str | os.PathLike[str]) -> list[str]:
+    """What ``read_run_json`` says of a run's run.json, for a command that reads no records
+    (``samples``) and warns of a damaged one all the same."""
+    root = run_path(run)
+    report = ReadReport(run_dir=root)
+    read_run_json(root, report)
+    return report.notices
 
 
 @dataclass(frozen=True)

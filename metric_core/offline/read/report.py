@@ -148,6 +148,9 @@ class ReadReport:
     # (path, why), not read; a URL as text for an object whose key no path names
     skipped_paths: list[tuple[RunPath | str, str]] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
+    # Why run.json is damaged (not JSON, or failing its checksum), if it is: its metadata was
+    # ignored, and upload refuses to take another identity than its run_id.
+    run_json_damaged: str | None = None
     attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
     # Each attempt's life, its files' merged: (process, rank, attempt id) -> Life.
     lives: dict[tuple[str, int, str], Life] = field(default_factory=dict)

@@ -97,6 +97,7 @@ def select_samples(
     sample_logs/rl_run holds no sample (Reduce.SAMPLE), records only
     """
     from metric_core.offline.plan import counts_back, last_steps, parse_ranks, parse_steps
+    from metric_core.offline.read.discover import run_json_notices
 
     for name, count in (("top", top), ("bottom", bottom), ("random", random)):
         if count < 0:
@@ -106,6 +107,7 @@ def select_samples(
     if isinstance(steps, str):
         steps = parse_steps(steps)
     read = read_samples(run, attempts=attempts)  # once: the filters choose in memory
+    read.notes[:0] = run_json_notices(run)  # a damaged run.json is said, as by the other commands
     if on_read is not None and read.report is not None:
         on_read(read.report)
     every = read.samples

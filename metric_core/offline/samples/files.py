@@ -125,7 +125,7 @@ def _sealed_jsonl(path: RunPath, rep: FileReport) -> tuple[dict[str, Any], list[
                     one = parse_json(text)
                     if (one["process"], one["rank"]) != (meta.get("process"), meta.get("rank")):
                         raise ValueError("its lines name another source than its metadata")
-                    rows.append((int(one["step"]), str(one["key"]), float(one["timestamp"]), one["sample"]))
+                    rows.append((_step(one["step"]), str(one["key"]), float(one["timestamp"]), one["sample"]))
             else:
                 rep.skip(
                     f"a block at byte {block_start} fails its checksum (the file is damaged)", check["lines"]
@@ -173,3 +173,10 @@ def read_journal_samples(path: RunPath, rep: FileReport) -> SamplesPart | None:
         path.name,
         list(decoded.samples),
     )
+
+
+def _step(value: Any) -> int:
+    """A sample's step: an integer inside int64 (a step is an int64 in every file), else a ValueError."""
+    if type(value) is not int or not -(2**63) <= value < 2**63:
+        raise ValueError(f"a sample's step {value!r} is not an integer inside int64")
+    return value
