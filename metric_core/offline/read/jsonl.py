@@ -66,6 +66,8 @@ def read_jsonl(
     if blocks:
         if sealed is None and not _is_json_object(data[:first]):
             rep.skip("line 1, its writer's metadata, is damaged: ignored", 0)
+        if sealed is not None and sealed.source is not None:
+            rep.source = sealed.source  # its (checked) metadata vouches for it, as a Parquet footer's does
         data = b"\n" + data[first:]  # (line numbers stay the file's)
         damaged, _ = _blocks(data)
         data = _without(data, damaged, rep, sealed)
