@@ -1,52 +1,179 @@
 """What a run holds, key by key: ``list_keys`` (``metriclog keys``).
 
-One pass over the records (no file keeps per-key counts): every key with the reduction
-its records are kept under, how many records, from how many sources, its first and last
-step and time, and how many of its values are NaN or infinite.
+Every key with the reduction its records are kept under, how many records, from how many
+sources, its first and last step and time, and how many of its values are NaN or infinite.
+
+The writer declares all of this per segment (``key_stats`` in its metadata, docs/format.md),
+so a run of its sealed segments is answered from their footers or first lines alone: no
+column is read. Other files (another tool's, the journals of a running job, segments
+sealed before the writer declared it, a segment a restart rewound) are read once, only the
+columns the answer needs, a row group at a time, and folded into per-key rows as they
+come: memory holds the keys, not the records.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable, Iterator
 
 import polars as pl
 
-from metric_core.offline.read import OnRead, scan_run
+from metric_core.offline import filters
+from metric_core.offline.plan import key_matcher, make_plan
+from metric_core.offline.read import OnRead, RunScan, scan_run
+
+# Records of a file read at a time (a frame, then its per-key rows).
+BATCH_ROWS = 500_000
+# Per-key rows of the frames held before they are folded into one (or twice the rows folded)
+FOLDED_ROWS = 1_000_000
+
+_COLUMNS = ["key", "reduction", "process", "rank", "step", "timestamp", "value"]
+_STATS = {
+    "records": pl.UInt64,
+    "first_step": pl.Int64,
+    "last_step": pl.Int64,
+    "first_time": pl.Float64,
+    "last_time": pl.Float64,
+    "nonfinite": pl.UInt64,
+}
+# A (key, reduction, source)'s row: what the frames and the declared statistics give.
+_ROW = {"key": pl.String, "reduction": pl.String, "source": pl.UInt32, **_STATS}
 
 
 def list_keys(
     run: str | os.PathLike[str],
     *,
+    keys: Iterable[str] = (),
     follow_symlinks: bool = False,
     attempts: str = "rewind",
     on_read: OnRead | None = None,
 ) -> pl.DataFrame:
     """A row a key: ``key``, ``reductions``, ``records``, ``sources``, ``first_step``,
     ``last_step``, ``first_time``, ``last_time`` (epoch seconds), ``nonfinite``, as a
-    polars DataFrame sorted by key. Reads every record once (the counts of non-finite
-    values need them). Raises ``NoDataError`` for a run without a readable record.
+    polars DataFrame sorted by key; ``keys``: only keys matching these globs (``--key``).
+    The writer's sealed segments are answered from their metadata; other files are read
+    (their key, reduction, source, step, time and value columns), once. Raises
+    ``NoDataError`` for a run without a readable record, ``FilteredOutError`` when no key
+    matches ``keys``.
 
     >>> list_keys("sample_logs/rl_run").select("key", "reductions", "records", "sources").row(0)
     ('policy/latency_s', 'mean', 3840, 2)
+    >>> list_keys("sample_logs/rl_run", keys=["trainer/*"])["key"].to_list()
+    ['trainer/grad_norm', 'trainer/loss', 'trainer/lr', 'trainer/tokens_per_s']
     """
-    scan = scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts)
+    patterns = list(keys)
+    match = key_matcher(patterns) if patterns else None
+    scan = scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts, defer_checks=True)
+    seen = filters.Seen.wanted_by(make_plan(keys=patterns))
     try:
-        keys = (
-            scan.frame.group_by("key")
-            .agg(
-                reductions=pl.col("reduction").unique().sort().str.join(","),
-                records=pl.len(),
-                sources=pl.struct("process", "rank").n_unique(),
-                first_step=pl.col("step").min(),
-                last_step=pl.col("step").max(),
-                first_time=pl.col("timestamp").min(),
-                last_time=pl.col("timestamp").max(),
-                nonfinite=(~pl.col("value").is_finite()).sum(),
-            )
-            .sort("key")
-            .collect(engine="streaming")
-        )
+        fold = _Fold()
+        for fid in scan.file_ids:
+            for rows in _file_rows(scan, fid, fold.source_id):
+                if seen.keys is not None:
+                    seen.add(None, rows["key"].unique())
+                if match is not None and rows.height:
+                    wanted = [k for k in rows["key"].unique() if match(k)]
+                    rows = rows.filter(pl.col("key").is_in(wanted))
+                fold.add(rows)
+        found = fold.keys()
     finally:
         if on_read is not None:
             on_read(scan.report)
-    return keys
+    if found.height == 0 and patterns and scan.report.records:
+        plan = make_plan(keys=patterns)
+        raise filters.nothing_left(str(scan.run_dir), plan, filters.unmatched(plan, seen))
+    return found
+
+
+def _file_rows(scan: RunScan, fid: int, source_id: Callable[[str, int], int]) -> Iterator[pl.DataFrame]:
+    """One file's rows a (key, reduction, source): from its writer's ``key_stats`` when the
+    file is its writer's as sealed (and no restart cut it), else from its records, read in
+    frames of BATCH_ROWS."""
+    rep = scan.report.files[fid]
+    if (
+        rep.key_stats is not None
+        and rep.source is not None
+        and scan.trusted(fid)
+        and rep.replaced_from is None
+    ):
+        stats = list(zip(*rep.key_stats, strict=True)) if rep.key_stats else [()] * 8
+        names = ["key", "reduction", *_STATS]
+        frame = pl.DataFrame(
+            dict(zip(names, map(list, stats), strict=True)), schema={n: _ROW[n] for n in names}
+        )
+        yield frame.with_columns(source=pl.lit(source_id(*rep.source), pl.UInt32)).select(*_ROW)
+        return
+    for df in scan.batches(fid, _COLUMNS, rows=BATCH_ROWS):
+        if df.height:
+            yield _frame_rows(df, source_id)
+
+
+def _frame_rows(df: pl.DataFrame, source_id: Callable[[str, int], int]) -> pl.DataFrame:
+    """A frame's records as rows a (key, reduction, source)."""
+    ts, step = pl.col("timestamp"), pl.col("step")
+    grouped = df.group_by("key", "reduction", "process", "rank").agg(
+        records=pl.len(),
+        first_step=step.min(),
+        last_step=step.max(),
+        first_time=ts.min(),
+        last_time=ts.max(),
+        nonfinite=(~pl.col("value").is_finite()).sum(),
+    )
+    sources = grouped.select(pl.col("process").cast(pl.String), "rank").unique()
+    ids = pl.Series("source", [source_id(p, r) for p, r in sources.iter_rows()], pl.UInt32)
+    return (
+        grouped.with_columns(pl.col("process").cast(pl.String))
+        .join(sources.with_columns(ids), on=["process", "rank"])
+        .select(pl.col("key", "reduction").cast(pl.String), "source", *_STATS)
+        .cast(_ROW)  # type: ignore[arg-type]
+    )
+
+
+class _Fold:
+    """Rows a (key, reduction, source) folded as they come: held rows are folded into one
+    frame when they pass FOLDED_ROWS (or twice the rows folded before), so a run of a few
+    keys holds a few rows whatever its records, and one of millions folds seldom."""
+
+    def __init__(self) -> None:
+        self.parts: list[pl.DataFrame] = []
+        self.held = 0
+        self.folded = 0
+        self.sources: dict[tuple[str, int], int] = {}
+
+    def source_id(self, process: str, rank: int) -> int:
+        """A number for a (process, rank): sources are counted as numbers, not pairs of strings."""
+        return self.sources.setdefault((process, int(rank)), len(self.sources))
+
+    def add(self, rows: pl.DataFrame) -> None:
+        self.parts.append(rows)
+        self.held += rows.height
+        if len(self.parts) > 1 and self.held > max(FOLDED_ROWS, 2 * self.folded):
+            self.parts = [_folded(pl.concat(self.parts), ["key", "reduction", "source"])]
+            self.held = self.folded = self.parts[0].height
+
+    def keys(self) -> pl.DataFrame:
+        """A row a key, sorted by key."""
+        rows = pl.concat(self.parts) if self.parts else pl.DataFrame(schema=_ROW)
+        self.parts = []
+        rows = rows.sort("key", "reduction", "source")  # sorted: the grouping takes runs, no hashes
+        return rows.group_by("key", maintain_order=True).agg(
+            reductions=pl.col("reduction").unique(maintain_order=True).str.join(","),
+            records=pl.col("records").sum(),
+            sources=pl.col("source").n_unique(),
+            first_step=pl.col("first_step").min(),
+            last_step=pl.col("last_step").max(),
+            first_time=pl.col("first_time").min(),
+            last_time=pl.col("last_time").max(),
+            nonfinite=pl.col("nonfinite").sum(),
+        )
+
+
+def _folded(rows: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    return rows.group_by(*by).agg(
+        pl.col("records").sum(),
+        pl.col("first_step").min(),
+        pl.col("last_step").max(),
+        pl.col("first_time").min(),
+        pl.col("last_time").max(),
+        pl.col("nonfinite").sum(),
+    )

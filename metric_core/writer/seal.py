@@ -53,6 +53,7 @@ def seal_journal(path: Path, writer: RawFileWriter) -> None:
         keys=tuple(decoded.pairs),
         steps=_bounds(table, "step"),
         timestamps=_bounds(table, "timestamp"),
+        key_stats=_key_stats(table),
         dropped=tuple(decoded.dropped),
         attempt=writer.attempt,
         attempt_started=writer.attempt_started,
@@ -165,6 +166,39 @@ def _row_groups(table: pa.Table, size: int) -> tuple[tuple[int, int, float], ...
 def _block_line(block: bytes | pa.Buffer, lines: int) -> bytes:
     """The line that follows a block of a sealed JSONL segment: its CRC-32 and its lines."""
     return (json.dumps({"event": BLOCK_EVENT, "crc32": zlib.crc32(block), "lines": lines}) + "\n").encode()
+
+
+def _key_stats(table: pa.Table) -> tuple[Any, ...]:
+    """Each (key, reduction) of the records with their count, first and last step and time,
+    and how many values are NaN or infinite: ``metriclog keys`` answers from these."""
+    if table.num_rows == 0:
+        return ()
+    found = (
+        pa.table(
+            {
+                "key": table["key"].cast(pa.string()),
+                "reduction": table["reduction"].cast(pa.string()),
+                "step": table["step"],
+                "timestamp": table["timestamp"],
+                "nonfinite": pc.invert(pc.is_finite(table["value"])).cast(pa.int64()),
+            }
+        )
+        .group_by(["key", "reduction"], use_threads=False)
+        .aggregate(
+            [
+                ("step", "count"),
+                ("step", "min"),
+                ("step", "max"),
+                ("timestamp", "min"),
+                ("timestamp", "max"),
+                ("nonfinite", "sum"),
+            ]
+        )
+        .sort_by([("key", "ascending"), ("reduction", "ascending")])
+    )
+    columns = ["key", "reduction", "step_count", "step_min", "step_max"]
+    columns += ["timestamp_min", "timestamp_max", "nonfinite_sum"]
+    return tuple(zip(*(found[c].to_pylist() for c in columns), strict=True))
 
 
 def _bounds(table: pa.Table, column: str) -> Any:
