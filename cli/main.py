@@ -341,10 +341,10 @@ def keys(
     with command_run():
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
-        with output.read_progress():
+        with output.read_progress() as progress:
             found = list_keys(
                 run_dir, keys=key or (), follow_symlinks=follow_symlinks, attempts=attempts,
-                on_read=output.said_skips,
+                on_read=output.said_skips, on_progress=progress,
             )  # fmt: skip
         output.emit(
             found, form="json" if json_out else form and form.value, out=out, limit=limit, tail=tail,

@@ -14,13 +14,15 @@ come: memory holds the keys, not the records.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 
 import polars as pl
 
 from metric_core.offline import filters
 from metric_core.offline.plan import key_matcher, make_plan
-from metric_core.offline.read import OnRead, RunScan, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, scan_run
+from metric_core.offline.read.parquet import footer
 
 # Records of a file read at a time (a frame, then its per-key rows).
 BATCH_ROWS = 500_000
@@ -47,33 +49,53 @@ def list_keys(
     follow_symlinks: bool = False,
     attempts: str = "rewind",
     on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
 ) -> pl.DataFrame:
     """A row a key: ``key``, ``reductions``, ``records``, ``sources``, ``first_step``,
     ``last_step``, ``first_time``, ``last_time`` (epoch seconds), ``nonfinite``, as a
     polars DataFrame sorted by key; ``keys``: only keys matching these globs (``--key``).
     The writer's sealed segments are answered from their metadata; other files are read
-    (their key, reduction, source, step, time and value columns), once. Raises
-    ``NoDataError`` for a run without a readable record, ``FilteredOutError`` when no key
-    matches ``keys``.
+    (their key, reduction, source, step, time and value columns), once, on the engine's
+    threads. Raises ``NoDataError`` for a run without a readable record,
+    ``FilteredOutError`` when no key matches ``keys``.
 
     >>> list_keys("sample_logs/rl_run").select("key", "reductions", "records", "sources").row(0)
     ('policy/latency_s', 'mean', 3840, 2)
     >>> list_keys("sample_logs/rl_run", keys=["trainer/*"])["key"].to_list()
     ['trainer/grad_norm', 'trainer/loss', 'trainer/lr', 'trainer/tokens_per_s']
     """
+    from metric_core.offline.engine.pool import on_threads
+
     patterns = list(keys)
     match = key_matcher(patterns) if patterns else None
     scan = scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts, defer_checks=True)
     seen = filters.Seen.wanted_by(make_plan(keys=patterns))
+    fold = _Fold()
+
+    def kept(rows: pl.DataFrame) -> pl.DataFrame:
+        if seen.keys is not None:
+            seen.add(None, rows["key"].unique())
+        if match is None or not rows.height:
+            return rows
+        return rows.filter(pl.col("key").is_in([k for k in rows["key"].unique() if match(k)]))
+
+    def read(part: tuple[int, list[int] | None]) -> Iterator[pl.DataFrame]:
+        fid, groups = part
+        for df in scan.batches(fid, _COLUMNS, row_groups=groups, rows=BATCH_ROWS):
+            if df.height:
+                yield kept(_frame_rows(df, fold.source_id))
+
     try:
-        fold = _Fold()
+        parts: list[tuple[int, list[int] | None]] = []
         for fid in scan.file_ids:
-            for rows in _file_rows(scan, fid, fold.source_id):
-                if seen.keys is not None:
-                    seen.add(None, rows["key"].unique())
-                if match is not None and rows.height:
-                    wanted = [k for k in rows["key"].unique() if match(k)]
-                    rows = rows.filter(pl.col("key").is_in(wanted))
+            declared = _declared_rows(scan, fid, fold.source_id)
+            if declared is not None:
+                fold.add(kept(declared))
+            else:
+                parts += _parts(scan, fid)
+        sizes = [_size(scan, fid, groups) for fid, groups in parts]
+        for _, rows in on_threads(read, parts, sizes, on_progress):
+            if rows is not None:
                 fold.add(rows)
         found = fold.keys()
     finally:
@@ -85,27 +107,37 @@ def list_keys(
     return found
 
 
-def _file_rows(scan: RunScan, fid: int, source_id: Callable[[str, int], int]) -> Iterator[pl.DataFrame]:
-    """One file's rows a (key, reduction, source): from its writer's ``key_stats`` when the
-    file is its writer's as sealed (and no restart cut it), else from its records, read in
-    frames of BATCH_ROWS."""
+def _declared_rows(scan: RunScan, fid: int, source_id: Callable[[str, int], int]) -> pl.DataFrame | None:
+    """A file's rows a (key, reduction, source) from its writer's ``key_stats``, when the
+    file is its writer's as sealed and no restart cut it; else None (its records are read)."""
     rep = scan.report.files[fid]
-    if (
-        rep.key_stats is not None
-        and rep.source is not None
-        and scan.trusted(fid)
-        and rep.replaced_from is None
-    ):
-        stats = list(zip(*rep.key_stats, strict=True)) if rep.key_stats else [()] * 8
-        names = ["key", "reduction", *_STATS]
-        frame = pl.DataFrame(
-            dict(zip(names, map(list, stats), strict=True)), schema={n: _ROW[n] for n in names}
-        )
-        yield frame.with_columns(source=pl.lit(source_id(*rep.source), pl.UInt32)).select(*_ROW)
-        return
-    for df in scan.batches(fid, _COLUMNS, rows=BATCH_ROWS):
-        if df.height:
-            yield _frame_rows(df, source_id)
+    if rep.key_stats is None or rep.source is None or not scan.trusted(fid) or rep.replaced_from is not None:
+        return None
+    stats = list(zip(*rep.key_stats, strict=True)) if rep.key_stats else [()] * 8
+    names = ["key", "reduction", *_STATS]
+    frame = pl.DataFrame(dict(zip(names, map(list, stats), strict=True)), schema={n: _ROW[n] for n in names})
+    return frame.with_columns(source=pl.lit(source_id(*rep.source), pl.UInt32)).select(*_ROW)
+
+
+def _parts(scan: RunScan, fid: int) -> list[tuple[int, list[int] | None]]:
+    """What of a file is read at a time, on a thread: a Parquet file's row groups, one by
+    one; another file whole."""
+    rep = scan.report.files[fid]
+    if rep.format != "parquet" or rep.unreadable is not None:
+        return [(fid, None)]
+    try:
+        groups = footer(rep.path).num_row_groups
+    except Exception:  # read whole: its reading says what is wrong
+        return [(fid, None)]
+    return [(fid, [g]) for g in range(groups)] if groups > 1 else [(fid, None)]
+
+
+def _size(scan: RunScan, fid: int, groups: list[int] | None) -> int:
+    """The bytes a part stands for (what progress counts)."""
+    rep = scan.report.files[fid]
+    if groups is None:
+        return rep.size
+    return rep.size // max(footer(rep.path).num_row_groups, 1)
 
 
 def _frame_rows(df: pl.DataFrame, source_id: Callable[[str, int], int]) -> pl.DataFrame:
@@ -139,10 +171,12 @@ class _Fold:
         self.held = 0
         self.folded = 0
         self.sources: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
 
     def source_id(self, process: str, rank: int) -> int:
         """A number for a (process, rank): sources are counted as numbers, not pairs of strings."""
-        return self.sources.setdefault((process, int(rank)), len(self.sources))
+        with self._lock:  # asked from the reading threads
+            return self.sources.setdefault((process, int(rank)), len(self.sources))
 
     def add(self, rows: pl.DataFrame) -> None:
         self.parts.append(rows)
