@@ -70,7 +70,7 @@ print(json.dumps({"wall": wall, "rss": rss, "code": proc.returncode, "note": not
 def _keys(ids: np.ndarray, tag: str) -> list[str]:
     """A key of 30-60 characters for each id: distinct ids give distinct keys."""
     pad = "abcdefghijklmnopqrstuvwxyz0123456789"
-    return [f"{tag}/rollout_reward_group/sample_{i:010d}/{pad[: int(i * 7919 % 23)]}" for i in ids]
+    return [f"{tag}/rollout/reward/sample_{i:010d}/{pad[: int(i * 7919 % 22)]}" for i in ids]
 
 
 def _table(keys: object, ranks: np.ndarray, steps: np.ndarray, seed: int) -> object:
