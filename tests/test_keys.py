@@ -186,3 +186,33 @@ def test_keys_answers_from_the_metadata_without_reading_the_value_column(tmp_pat
         run_plan(run, make_plan(), on_read=reports.append).frame  # noqa: B018
     assert reports[-1].skipped_records == len(truth)
     assert "row group 0 is damaged" in reports[-1].summary()
+
+
+@pytest.mark.parametrize("folded_rows", [4, 1_000_000])
+def test_keys_of_many_files_and_row_groups_fold_to_the_rows_of_every_record(
+    tmp_path, monkeypatch, folded_rows
+):
+    """Rows folded early (a few keys, many records) or held to the end (keys mostly
+    distinct) give the same answer: that of the records themselves."""
+    from metric_core.offline import keys as keys_module
+
+    monkeypatch.setattr(keys_module, "FOLDED_ROWS", folded_rows)
+    monkeypatch.setattr(keys_module, "BATCH_ROWS", 7)
+    rng = np.random.default_rng(3)
+    truth = []
+    (tmp_path / "run").mkdir()
+    for f in range(3):
+        n = 120
+        rows = {
+            "key": [f"k/{int(k)}" for k in rng.integers(0, 90, n)],
+            "value": [float(v) if v > -1.5 else math.nan for v in rng.normal(size=n)],
+            "reduction": [["mean", "sum"][int(r)] for r in rng.integers(0, 2, n)],
+            "step": [int(s) for s in rng.integers(-5, 50, n)],
+            "timestamp": [BASE + float(t) for t in rng.uniform(0, 100, n)],
+            "rank": [int(r) for r in rng.integers(0, 4, n)],
+            "process": None,
+        }
+        rows["process"] = [f"Actor_r{r}" for r in rows["rank"]]
+        pq.write_table(pa.table(rows), tmp_path / "run" / f"part{f}.parquet", row_group_size=25)
+        truth += [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
+    assert list_keys(tmp_path / "run").to_dicts() == _expected(truth)

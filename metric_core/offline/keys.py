@@ -39,7 +39,7 @@ _STATS = {
     "nonfinite": pl.UInt64,
 }
 # A (key, reduction, source)'s row: what the frames and the declared statistics give.
-_ROW = {"key": pl.String, "reduction": pl.String, "source": pl.UInt32, **_STATS}
+_ROW = {"key": pl.String, "reduction": pl.Categorical, "source": pl.UInt32, **_STATS}
 
 
 def list_keys(
@@ -156,7 +156,7 @@ def _frame_rows(df: pl.DataFrame, source_id: Callable[[str, int], int]) -> pl.Da
     return (
         grouped.with_columns(pl.col("process").cast(pl.String))
         .join(sources.with_columns(ids), on=["process", "rank"])
-        .select(pl.col("key", "reduction").cast(pl.String), "source", *_STATS)
+        .select(pl.col("key").cast(pl.String), "reduction", "source", *_STATS)
         .cast(_ROW)  # type: ignore[arg-type]
     )
 
@@ -164,12 +164,15 @@ def _frame_rows(df: pl.DataFrame, source_id: Callable[[str, int], int]) -> pl.Da
 class _Fold:
     """Rows a (key, reduction, source) folded as they come: held rows are folded into one
     frame when they pass FOLDED_ROWS (or twice the rows folded before), so a run of a few
-    keys holds a few rows whatever its records, and one of millions folds seldom."""
+    keys holds a few rows whatever its records. Where a fold hardly shrinks them (keys
+    mostly distinct: millions of them), they are held as they come until the end, where
+    sorting them by key puts each key's rows together (``keys``)."""
 
     def __init__(self) -> None:
         self.parts: list[pl.DataFrame] = []
         self.held = 0
         self.folded = 0
+        self.distinct = False
         self.sources: dict[tuple[str, int], int] = {}
         self._lock = threading.Lock()
 
@@ -181,29 +184,55 @@ class _Fold:
     def add(self, rows: pl.DataFrame) -> None:
         self.parts.append(rows)
         self.held += rows.height
-        if len(self.parts) > 1 and self.held > max(FOLDED_ROWS, 2 * self.folded):
-            self.parts = [_folded(pl.concat(self.parts), ["key", "reduction", "source"])]
+        if not self.distinct and len(self.parts) > 1 and self.held > max(FOLDED_ROWS, 2 * self.folded):
+            before = self.held
+            self.parts = [_folded(pl.concat(self.parts))]
             self.held = self.folded = self.parts[0].height
+            self.distinct = self.folded > before // 2
 
     def keys(self) -> pl.DataFrame:
         """A row a key, sorted by key."""
         rows = pl.concat(self.parts) if self.parts else pl.DataFrame(schema=_ROW)
         self.parts = []
-        rows = rows.sort("key", "reduction", "source")  # sorted: the grouping takes runs, no hashes
-        return rows.group_by("key", maintain_order=True).agg(
-            reductions=pl.col("reduction").unique(maintain_order=True).str.join(","),
-            records=pl.col("records").sum(),
-            sources=pl.col("source").n_unique(),
-            first_step=pl.col("first_step").min(),
-            last_step=pl.col("last_step").max(),
-            first_time=pl.col("first_time").min(),
-            last_time=pl.col("last_time").max(),
-            nonfinite=pl.col("nonfinite").sum(),
+        # Sorted a column at a time, each let go once gathered: a copy of the rows is never
+        # held whole (a string column's gather copies its views, not its text).
+        order = rows["key"].arg_sort()
+        columns = {}
+        for name in list(rows.columns):
+            columns[name] = rows[name].gather(order)
+            rows = rows.drop(name)
+        del order
+        rows = pl.DataFrame(columns)
+        del columns
+        starts = rows.select(start=pl.col("key").ne_missing(pl.col("key").shift(1)).fill_null(True))["start"]
+        if starts.all():  # every key once: its row is its answer
+            return rows.select(
+                "key",
+                reductions=pl.col("reduction").cast(pl.String),
+                records="records",
+                sources=pl.lit(1, pl.UInt32),
+                **{name: name for name in _STATS if name != "records"},
+            )
+        return (
+            rows.with_columns(group=starts.cum_sum())
+            .group_by("group", maintain_order=True)
+            .agg(
+                pl.col("key").first(),
+                reductions=pl.col("reduction").cast(pl.String).unique().sort().str.join(","),
+                records=pl.col("records").sum(),
+                sources=pl.col("source").n_unique(),
+                first_step=pl.col("first_step").min(),
+                last_step=pl.col("last_step").max(),
+                first_time=pl.col("first_time").min(),
+                last_time=pl.col("last_time").max(),
+                nonfinite=pl.col("nonfinite").sum(),
+            )
+            .drop("group")
         )
 
 
-def _folded(rows: pl.DataFrame, by: list[str]) -> pl.DataFrame:
-    return rows.group_by(*by).agg(
+def _folded(rows: pl.DataFrame) -> pl.DataFrame:
+    return rows.group_by("key", "reduction", "source").agg(
         pl.col("records").sum(),
         pl.col("first_step").min(),
         pl.col("last_step").max(),
