@@ -30,13 +30,15 @@ BATCH_ROWS = 500_000
 FOLDED_ROWS = 1_000_000
 
 _COLUMNS = ["key", "reduction", "process", "rank", "step", "timestamp", "value"]
+# Counts of a frame (or a segment) fit 32 bits: held so, summed as 64 (millions of keys are
+# held as rows until the end).
 _STATS = {
-    "records": pl.UInt64,
+    "records": pl.UInt32,
     "first_step": pl.Int64,
     "last_step": pl.Int64,
     "first_time": pl.Float64,
     "last_time": pl.Float64,
-    "nonfinite": pl.UInt64,
+    "nonfinite": pl.UInt32,
 }
 # A (key, reduction, source)'s row: what the frames and the declared statistics give.
 _ROW = {"key": pl.String, "reduction": pl.Categorical, "source": pl.UInt32, **_STATS}
@@ -186,13 +188,13 @@ class _Fold:
         self.held += rows.height
         if not self.distinct and len(self.parts) > 1 and self.held > max(FOLDED_ROWS, 2 * self.folded):
             before = self.held
-            self.parts = [_folded(pl.concat(self.parts))]
+            self.parts = [_folded(pl.concat(self.parts, how="vertical_relaxed"))]
             self.held = self.folded = self.parts[0].height
             self.distinct = self.folded > before // 2
 
     def keys(self) -> pl.DataFrame:
         """A row a key, sorted by key."""
-        rows = pl.concat(self.parts) if self.parts else pl.DataFrame(schema=_ROW)
+        rows = pl.concat(self.parts, how="vertical_relaxed") if self.parts else pl.DataFrame(schema=_ROW)
         self.parts = []
         # Sorted a column at a time, each let go once gathered: a copy of the rows is never
         # held whole (a string column's gather copies its views, not its text).
@@ -209,9 +211,13 @@ class _Fold:
             return rows.select(
                 "key",
                 reductions=pl.col("reduction").cast(pl.String),
-                records="records",
+                records=pl.col("records").cast(pl.UInt64),
                 sources=pl.lit(1, pl.UInt32),
-                **{name: name for name in _STATS if name != "records"},
+                first_step="first_step",
+                last_step="last_step",
+                first_time="first_time",
+                last_time="last_time",
+                nonfinite=pl.col("nonfinite").cast(pl.UInt64),
             )
         return (
             rows.with_columns(group=starts.cum_sum())
@@ -219,13 +225,13 @@ class _Fold:
             .agg(
                 pl.col("key").first(),
                 reductions=pl.col("reduction").cast(pl.String).unique().sort().str.join(","),
-                records=pl.col("records").sum(),
+                records=pl.col("records").cast(pl.UInt64).sum(),
                 sources=pl.col("source").n_unique(),
                 first_step=pl.col("first_step").min(),
                 last_step=pl.col("last_step").max(),
                 first_time=pl.col("first_time").min(),
                 last_time=pl.col("last_time").max(),
-                nonfinite=pl.col("nonfinite").sum(),
+                nonfinite=pl.col("nonfinite").cast(pl.UInt64).sum(),
             )
             .drop("group")
         )
@@ -233,10 +239,10 @@ class _Fold:
 
 def _folded(rows: pl.DataFrame) -> pl.DataFrame:
     return rows.group_by("key", "reduction", "source").agg(
-        pl.col("records").sum(),
+        pl.col("records").cast(pl.UInt64).sum(),
         pl.col("first_step").min(),
         pl.col("last_step").max(),
         pl.col("first_time").min(),
         pl.col("last_time").max(),
-        pl.col("nonfinite").sum(),
+        pl.col("nonfinite").cast(pl.UInt64).sum(),
     )
