@@ -12,6 +12,8 @@ values NaN or infinite):
   keys_10M_dict  one Parquet file of the same 10M records of 4 ranks, its key column an
                Arrow dictionary (polars reads it as Categorical)
   line_200MB   one JSON line of 200 MB (a string value), beside a good record (issue 31)
+  own_5M       5M records of metric_core's own writer (4 ranks, 20 keys, 62,500 steps): what
+               keys answers from the segments' metadata (--only own_5M)
 
 Each command runs --runs times (medians; peak RSS is the command's own, from the kernel's
 accounting of the waited-for child: ``resource.getrusage(RUSAGE_CHILDREN)`` in a fresh
@@ -44,7 +46,6 @@ COMMANDS = {
     "inspect": ["inspect", "{run}", "--json"],
     "samples": ["samples", "{run}", "--format", "json"],
 }
-INPUTS = ("rows_50M", "keys_10M", "keys_10M_dict", "line_200MB")
 RANKS = 4
 CHUNK = 1_000_000  # records written at a time (a row group each)
 
@@ -151,6 +152,8 @@ def make(root: Path, name: str) -> Path:
                 writer.close()
         if name == "keys_10M_dict":
             writer.close()
+    elif name == "own_5M":
+        _own(run, 5_000_000)
     else:
         with open(run / "big.jsonl", "w") as f:
             f.write('{"key":"k","value":1.0,"reduction":"mean","step":0,"timestamp":1.76e9,"rank":0}\n')
@@ -158,6 +161,25 @@ def make(root: Path, name: str) -> Path:
             f.write('"timestamp":1.76e9,"rank":0}\n')
     done.touch()
     return run
+
+
+def _own(run: Path, records: int) -> None:
+    """``records`` of 4 ranks written by metric_core's writer, 20 keys a step a rank."""
+    from metric_core import Metric, MetricCollector, Reduce
+
+    names = _keys(np.arange(20), "train")
+    reductions = [Reduce.MEAN, Reduce.SUM, Reduce.MAX, Reduce.MIN, Reduce.STD]
+    rng = np.random.default_rng(0)
+    steps = records // (RANKS * len(names))
+    for rank in range(RANKS):
+        c = MetricCollector(run, rank=rank, process_name=f"TrainActor_r{rank}")
+        values = rng.normal(size=(steps, len(names))).tolist()
+        for step in range(steps):
+            at = 1.76e9 + step * 0.01 + rank * 0.001
+            for i, key in enumerate(names):
+                c.push(Metric(key, values[step][i], reductions[i % 5], at))
+            c.flush(step)
+        c.shutdown()
 
 
 def _schema(*, dictionary: bool) -> object:
