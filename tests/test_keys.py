@@ -216,3 +216,32 @@ def test_keys_of_many_files_and_row_groups_fold_to_the_rows_of_every_record(
         pq.write_table(pa.table(rows), tmp_path / "run" / f"part{f}.parquet", row_group_size=25)
         truth += [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
     assert list_keys(tmp_path / "run").to_dicts() == _expected(truth)
+
+
+def test_inspect_lists_the_last_values_of_a_stopped_sources_first_keys_by_name(tmp_path):
+    """A source of many keys that stopped early: its last values of the first 1,000 keys by
+    name (not a dict of every key), each the value of that key's newest record."""
+    from metric_core import inspect_run
+
+    names = [f"k/{i:05d}" for i in range(1_200)]
+    rows: dict[str, list] = {
+        c: [] for c in ("key", "value", "reduction", "step", "timestamp", "rank", "process")
+    }
+    for step in range(100):
+        for rank, keys in ((0, names if step <= 30 else []), (1, ["loss"])):
+            for i, key in enumerate(keys):
+                rows["key"].append(key)
+                rows["value"].append(float(step * 10_000 + i))
+                rows["reduction"].append("mean")
+                rows["step"].append(step)
+                rows["timestamp"].append(BASE + step + rank * 0.01)
+                rows["rank"].append(rank)
+                rows["process"].append(f"Actor_r{rank}")
+    (tmp_path / "run").mkdir()
+    pq.write_table(pa.table(rows), tmp_path / "run" / "x.parquet")
+    report = inspect_run(tmp_path / "run")
+    assert [(s.process, s.status) for s in report.stopped_early] == [("Actor_r0", "stopped_early")]
+    assert report.stopped_early[0].last_values == {
+        key: float(30 * 10_000 + i) for i, key in enumerate(names[:1_000])
+    }
+    assert next(s.keys for s in report.sources if s.rank == 0) == 1_200
