@@ -331,6 +331,7 @@ def plot(
 @app.command(cls=_Command, short_help="List the keys of a run: reductions, records, sources, steps.")
 def keys(
     run_dir: o.RunDir,
+    key: o.Keys = None,
     follow_symlinks: o.FollowSymlinks = False,
     attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
@@ -340,7 +341,8 @@ def keys(
     tail: o.Tail = None,
 ) -> None:
     """List every key of a run: its reduction, records, sources, first and last step and time,
-    and how many of its values are NaN or infinite. Reads every record once.
+    and how many of its values are NaN or infinite. The writer's sealed files answer from
+    their metadata; other files are read once.
 
     A row a key: a table on a terminal, CSV into a pipe; --format json (or --json) prints one
     JSON array of objects, jsonl an object a line.
@@ -348,17 +350,18 @@ def keys(
     Example:
 
     \b
-        metriclog keys runs/exp1 --format json | jq '.[].key'
+        metriclog keys runs/exp1 --key 'trainer/*' --format json | jq '.[].key'
     """
     from metric_core.offline.keys import list_keys
 
     with command_run():
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
-        with output.read_progress():
+        with output.read_progress() as progress:
             found = list_keys(
-                run_dir, follow_symlinks=follow_symlinks, attempts=attempts, on_read=output.said_skips
-            )
+                run_dir, keys=key or (), follow_symlinks=follow_symlinks, attempts=attempts,
+                on_read=output.said_skips, on_progress=progress,
+            )  # fmt: skip
         output.emit(
             found, form="json" if json_out else form and form.value, out=out, limit=limit, tail=tail,
             derived="keys", run_dir=run_dir,

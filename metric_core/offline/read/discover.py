@@ -320,6 +320,10 @@ def take_declared(rep: FileReport, meta: SegmentMeta) -> None:
     rep.keys = None if meta.keys is None else list(meta.keys)
     rep.steps, rep.timestamps = meta.steps, meta.timestamps
     rep.dropped = list(meta.dropped)
+    stats = meta.key_stats
+    # only what adds up to the file: else its records are read (a declared key without them)
+    if stats is not None and sum(s[2] for s in stats) == meta.records:
+        rep.key_stats = stats
 
 
 def copies(metas: dict[Path, SegmentMeta | None]) -> dict[Path, Path]:

@@ -324,11 +324,11 @@ def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr], text_
                 table = table.set_column(at, "key", column.cast(column.type.value_type))
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
-    df = frame.lazy().select(**{c: exprs[c] for c in wanted})
-    if "process" in wanted:
+    df = frame.lazy().select(**{c: exprs[c] for c in wanted}).collect()
+    if "process" in wanted and df["process"].null_count():  # named for their rank, where unnamed
         default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
         df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
-    return df.collect()
+    return df
 
 
 def checked_groups(

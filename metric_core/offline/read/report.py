@@ -36,6 +36,9 @@ class FileReport:
     steps: tuple[int, int] | None = None
     timestamps: tuple[float, float] | None = None
     hashed: bool = False
+    # Per (key, reduction): records, first and last step and time, non-finite values, as
+    # its writer declared them (``SegmentMeta.key_stats``; files sealed since 2026-12-06).
+    key_stats: tuple[tuple[str, str, int, int, int, float, float, int], ...] | None = None
     superseded_by: str | None = None
     source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
     # What the writer could not write and dropped (its D frames): {"records", "steps", ...}.
