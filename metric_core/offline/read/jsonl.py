@@ -210,13 +210,12 @@ def _blocks(data: bytes | mmap.mmap, *, expected: bool = False) -> tuple[list[tu
 
 def _declares_blocks(data: bytes, sealed: SegmentMeta | None) -> bool:
     """Whether the writer's metadata on line 1 says the file was sealed in blocks: it
-    declares the file's size (``bytes``), or, damaged (``sealed`` is None then), it carries
-    a ``checksum``. Both came with the block lines, so a segment of an older writer has
-    neither, while one cut short before its first block line has no block line to show."""
-    if sealed is not None:
-        return sealed.bytes is not None
+    carries a ``checksum`` (checked, or failed: ``sealed`` is None then). The metadata's
+    checksum came with the block lines, so a segment of an older writer has none (its
+    ``bytes`` came earlier: sample_logs/ holds such files), while one cut short before its
+    first block line has no block line to show."""
     line = data[: data.find(b"\n") + 1]
-    return line.startswith(_SEGMENT_LINE) and b'"checksum": ' in line
+    return line.startswith(_SEGMENT_LINE) and b'"checksum": ' in line and (sealed is None or sealed.bytes is not None)
 
 
 def _record_lines(data: bytes, lo: int = 0, hi: int | None = None) -> int:
