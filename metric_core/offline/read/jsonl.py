@@ -215,7 +215,8 @@ def _declares_blocks(data: bytes, sealed: SegmentMeta | None) -> bool:
     ``bytes`` came earlier: sample_logs/ holds such files), while one cut short before its
     first block line has no block line to show."""
     line = data[: data.find(b"\n") + 1]
-    return line.startswith(_SEGMENT_LINE) and b'"checksum": ' in line and (sealed is None or sealed.bytes is not None)
+    checked = b'"checksum": ' in line
+    return line.startswith(_SEGMENT_LINE) and checked and (sealed is None or sealed.bytes is not None)
 
 
 def _record_lines(data: bytes, lo: int = 0, hi: int | None = None) -> int:
