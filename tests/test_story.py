@@ -399,7 +399,11 @@ def test_an_attempt_stopped_before_its_first_write_is_told(tmp_path):
     (source,) = report["sources"]
     first_attempt, second_attempt = source["attempts"]
     assert stopped == f"Trainer_r0.r0.{first_attempt['attempt']}.SIGTERM.txt"
-    assert (first_attempt["number"], first_attempt["end"], first_attempt["signal"]) == (1, "signal", "SIGTERM")
+    assert (first_attempt["number"], first_attempt["end"], first_attempt["signal"]) == (
+        1,
+        "signal",
+        "SIGTERM",
+    )
     assert first_attempt["pid"] == first.pid and first_attempt["records"] == 0
     assert first_attempt["stacks"] == [f"stacks/{stopped}"]
     assert (second_attempt["number"], second_attempt["end"], second_attempt["records"]) == (2, "shutdown", 1)
