@@ -352,3 +352,61 @@ def test_an_error_that_follows_a_peers_death_yields_to_it_within_a_second():
         "Trainer_r1", "exception", 100.30, exception={"type": "ValueError", "message": "bad batch"}
     )
     assert first_failure([survivor, own_error, culprit]).process == "Trainer_r1"  # the earliest real cause
+
+
+TERM_BEFORE_ANY_WRITE = """
+import os, sys, time
+import metric_core
+
+run, attempt = sys.argv[1], sys.argv[2]
+# A writer thread that would not write for a minute: nothing of this attempt reaches the disk
+# but what init() itself writes.
+metric_core.init(run, rank=0, process_name="Trainer_r0", file_format="jsonl", step=0,
+                 flush_interval=60.0, hang_dump_after=0)
+metric_core.record_metric("loss", 1.0 if attempt == "1" else 2.0, metric_core.Reduce.MEAN)
+if attempt == "1":
+    open(run + ".ready", "w").close()
+    time.sleep(120)  # the SIGTERM comes here, before any flush() or write of the writer thread
+metric_core.flush(0)
+metric_core.shutdown()
+"""
+
+
+def test_an_attempt_stopped_before_its_first_write_is_told(tmp_path):
+    # soak seed 7037: SIGTERM right after init(), before the writer thread's first write,
+    # left only stack files; the restart's files made inspect say nothing of the first attempt
+    script, run = tmp_path / "term.py", tmp_path / "run"
+    script.write_text(TERM_BEFORE_ANY_WRITE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTHONFAULTHANDLER", None)
+    first = subprocess.Popen([sys.executable, str(script), str(run), "1"], env=env)
+    ready = Path(f"{run}.ready")
+    while not ready.exists() and first.poll() is None:  # a condition, polled
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            first.wait(timeout=0.05)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == -signal.SIGTERM
+    (stopped,) = [p.name for p in (run / "stacks").glob("*.SIGTERM.txt")]
+    assert [p.name for p in run.glob("Trainer_r0.*")] == ["Trainer_r0.r0.00000.journal"]
+    second = subprocess.run([sys.executable, str(script), str(run), "2"], env=env, timeout=60)
+    assert second.returncode == 0
+    assert sorted(p.name for p in run.glob("Trainer_r0.*")) == [
+        "Trainer_r0.r0.00000.journal",  # the first attempt's, never overwritten
+        "Trainer_r0.r0.00001.jsonl",
+    ]
+
+    report = inspect_json(run)
+    (source,) = report["sources"]
+    first_attempt, second_attempt = source["attempts"]
+    assert stopped == f"Trainer_r0.r0.{first_attempt['attempt']}.SIGTERM.txt"
+    assert (first_attempt["number"], first_attempt["end"], first_attempt["signal"]) == (
+        1,
+        "signal",
+        "SIGTERM",
+    )
+    assert first_attempt["pid"] == first.pid and first_attempt["records"] == 0
+    assert first_attempt["stacks"] == [f"stacks/{stopped}"]
+    assert (second_attempt["number"], second_attempt["end"], second_attempt["records"]) == (2, "shutdown", 1)
+    ff = report["first_failure"]
+    assert (ff["attempt"], ff["end"], ff["signal"]) == (first_attempt["attempt"], "signal", "SIGTERM")
+    assert "was stopped by SIGTERM" in verdict(run)

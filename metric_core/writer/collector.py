@@ -181,6 +181,9 @@ class MetricCollector:
         self._last_flush = time.monotonic()  # when the latest flush() returned (or init)
         self._unflushed = False  # records drained to the writer since the latest flush()
         self._hang = ends.HangWatch(self, _hang_dump_after(hang_dump_after))
+        # The attempt is on disk before init() returns, so a kill before any write still has
+        # a journal to tell it (with its stack files, how it ended).
+        self._writer.start()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._background_flush, name=f"metriclog-writer-{self.process_name}", daemon=True

@@ -144,6 +144,7 @@ class RawFileWriter(LoggerBackend):
         self._said_samples: list[str] = []  # refused samples, fields kept as repr: for the caller
         self._repr_keys: set[str] = set()
         self._heartbeat_due = False
+        self._header_due = False  # start(): the journal and its header, nothing else queued
         self._written_at = 0.0  # when a frame was last written (time.time())
         self._closed = False
         self._write_lock = threading.Lock()
@@ -257,6 +258,16 @@ class RawFileWriter(LoggerBackend):
             self._events.append(event)
         self.write()
 
+    def start(self) -> None:
+        """Put the attempt on disk now: the journal, with its header (attempt, host, pid).
+        Without it an attempt ended before the writer thread's first write (a SIGTERM right
+        after ``init()``) would leave only its stack files, and no reader would know it. A
+        write that fails here is kept for the next one, which retries and reports it."""
+        with self._write_lock:
+            self._header_due = True
+        with contextlib.suppress(WriteError):
+            self.write()
+
     def heartbeat(self, interval: float) -> None:
         """Leave a sign of life (an ``H`` frame) unless a frame was written within ``interval``."""
         with self._write_lock:
@@ -274,7 +285,7 @@ class RawFileWriter(LoggerBackend):
     def write(self) -> None:
         """Make everything queued durable, or raise a ``WriteError`` and keep it queued."""
         with self._write_lock:
-            queued = self._backlog or self._dropped or self._events or self._heartbeat_due
+            queued = self._backlog or self._dropped or self._events or self._heartbeat_due or self._header_due
             if not queued and self._shutdown_at is None:
                 return
             if self._fd is None:
@@ -318,6 +329,7 @@ class RawFileWriter(LoggerBackend):
             self._shutdown_at = None
             self._events.clear()
             self._heartbeat_due = False
+            self._header_due = False
             self._written_at = time.time()
             # A segment ends at a flush, so a flush frame never has to relabel records sealed
             # into an earlier segment (unless flushes stay away for twice a segment's records).
