@@ -231,7 +231,7 @@ def value_slices(monkeypatch) -> list[int]:
 
     def counting(self, *args):
         taken = take(self, *args)
-        slices.append(len(taken[2]))
+        slices.append(len(taken.values))
         return taken
 
     monkeypatch.setattr(accumulator.Accumulator, "take", counting)

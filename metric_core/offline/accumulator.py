@@ -413,12 +413,13 @@ class Accumulator:
             held += self.blocks[b].groups
         return [*out, upto]
 
-    def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
-        """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out: one
-        row a group (bucket, _combo, (process, rank,) key, reduction; process and reduction
-        Categorical), the merged statistics
-        their reductions name (and count), one value a row, and their median/pNN values
-        (``_value_ranges``), to be read before ``close``."""
+    def take(self, upto: float = math.inf) -> Taken:
+        """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out
+        (``Taken``): their buckets and combos, the labels the combos number (not gathered
+        a row a group: on millions of keys that copy was the peak), each group's count and
+        the statistic its reduction names, and their median/pNN values
+        (``_value_ranges``), to be read before ``close``. Each chunk of states is freed
+        once its statistics are read."""
         hi = None if upto == math.inf else math.floor(upto)
         buckets, combos, parts = [], [], []
         for b in sorted(self.blocks):
@@ -435,14 +436,52 @@ class Accumulator:
                 del self.blocks[b]
         values = self._value_ranges(self.taken, hi)
         self.taken = hi
-        if not parts:
-            return pl.DataFrame(), {}, values
-        bucket, combo = np.concatenate(buckets), np.concatenate(combos)
-        frame = pl.DataFrame({"bucket": bucket, "_combo": combo}).hstack(self.labels.rows(combo))
+        labels = self.labels.table
         if hi is None:  # every group taken: the labels are not needed again
             self.labels = _Labels()
-        named = {Statistic.parse(r).name for r in frame["reduction"].unique().to_list() if is_statistic(r)}
-        stats = {
-            name: np.concatenate([statistic(s, name) for s in parts]) for name in sorted({"count", *named})
-        }
-        return frame, stats, values
+        if not parts:
+            return Taken(np.empty(0, np.int64), np.empty(0, np.int64), labels, np.empty(0, np.int64), np.empty(0), values)
+        reduction = labels["reduction"].to_physical().to_numpy()  # each combo's statistic, as a code
+        named = labels["reduction"].unique()
+        plain = [
+            (int(code), Statistic.parse(name).name)
+            for code, name in zip(named.to_physical().to_list(), named.cast(pl.String).to_list(), strict=True)
+            if is_statistic(name)
+        ]
+        counts, values_of = [], []
+        parts.reverse()
+        for combo in combos:  # a chunk at a time, each freed once read
+            state = parts.pop()
+            code = reduction[combo]
+            value = np.full(len(combo), np.nan)
+            for c, name in plain:
+                rows = code == c
+                if rows.any():
+                    value[rows] = statistic(state, name)[rows]
+            counts.append(statistic(state, "count"))
+            values_of.append(value)
+            del state
+        return Taken(
+            np.concatenate(buckets),
+            np.concatenate(combos),
+            labels,
+            np.concatenate(counts),
+            np.concatenate(values_of),
+            values,
+        )
+
+
+@dataclass
+class Taken:
+    """Groups taken out of an Accumulator: each one's ``bucket`` and ``combo`` (a row of
+    ``labels``: (process, rank,) key, reduction; process and reduction Categorical), in
+    the order of bucket then combo, its ``count``, and ``value``: the statistic its
+    reduction names, NaN for median and pNN (computed from ``values``: their values, a
+    slice of groups at a time) and for a reduction that is not a statistic."""
+
+    bucket: np.ndarray
+    combo: np.ndarray
+    labels: pl.DataFrame
+    count: np.ndarray
+    value: np.ndarray
+    values: list[pl.LazyFrame]
