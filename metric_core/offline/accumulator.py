@@ -43,6 +43,9 @@ SPILL_VALUES = 1_000_000
 # holds about 80 bytes a value, so a smaller slice lowers the peak of *=p99 over many
 # values, for some time (benchmarks/bench_engine.py and bench_memory.py measure both)
 SLICE_VALUES = 500_000
+# labels in a chunk of their own, at least: merging the chunks of new labels copies at most
+# about this many (a run of millions of keys is never copied whole to be one chunk)
+SEALED_LABELS = 1 << 20
 
 
 class _Labels:
@@ -52,7 +55,8 @@ class _Labels:
     A label is looked up by a hash of its row (``hashes``, sorted, with the combo each
     numbers), then checked against the row itself; labels whose hash another label has
     (which 64 bits make rare) are numbered in ``collided`` instead. Memory: the labels, and
-    16 bytes a label, never a Python object each.
+    16 bytes a label, never a Python object each; the labels are in chunks (``sealed``),
+    so numbering new ones copies a few of them, not all.
     """
 
     def __init__(self) -> None:
@@ -61,6 +65,10 @@ class _Labels:
         self.numbered = np.empty(0, dtype=np.int64)
         self.collided: dict[tuple[Any, ...], int] = {}
         self.collided_hashes = np.empty(0, dtype=np.uint64)  # sorted
+        # labels before this row are in chunks of at least SEALED_LABELS, never copied again;
+        # those after it, in tail_parts chunks (made one past 32)
+        self.sealed = 0
+        self.tail_parts = 0
 
     def __len__(self) -> int:
         return self.table.height
@@ -101,9 +109,14 @@ class _Labels:
         where = np.searchsorted(self.hashes, h[plain][order])
         self.hashes = np.insert(self.hashes, where, h[plain][order])
         self.numbered = np.insert(self.numbered, where, out[plain][order])
-        self.table = pl.concat([self.table, labels[fresh]]) if len(self) else labels[fresh]
-        if self.table.n_chunks() > 32:
-            self.table = self.table.rechunk()
+        self.table = pl.concat([self.table, labels[fresh]], rechunk=False) if len(self) else labels[fresh]
+        self.tail_parts += 1
+        if self.tail_parts > 32:  # the labels since the last seal in one chunk (never a copy of all)
+            head, tail = self.table[: self.sealed], self.table[self.sealed :].rechunk()
+            self.table = pl.concat([head, tail], rechunk=False) if self.sealed else tail
+            self.tail_parts = 1
+            if tail.height >= SEALED_LABELS:
+                self.sealed, self.tail_parts = len(self), 0
         return out
 
     def rows(self, combo: np.ndarray) -> pl.DataFrame:

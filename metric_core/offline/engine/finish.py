@@ -51,7 +51,7 @@ def finished_frames(
         remember = not last or i + 1 < len(cuts)
         # Which groups are kept is decided per combo (a key's reduction is its combos'), on
         # the labels of the combos met once each, not on a row of labels a group.
-        combos, first, group_combo = np.unique(taken.combo, return_index=True, return_inverse=True)
+        combos, first, group_combo = _combos(taken.combo)
         labels = taken.labels if len(combos) == taken.labels.height else taken.labels[combos]
         per_combo = pl.DataFrame({"bucket": taken.bucket[first]}).hstack(labels)  # its first bucket
         combo_count = np.bincount(group_combo, weights=taken.count, minlength=len(combos)).astype(np.int64)
@@ -86,8 +86,12 @@ def _sorted_frames(
     columns = [key_rank[combo], group_bucket]
     source = None
     if per_source:  # each combo's source, ranked in the order of (process, rank)
-        sources = labels.select(pl.col("process").cast(pl.String), "rank")
-        ranked = sources.unique().sort("process", "rank").with_row_index("_source")
+        sources = labels.select("process", "rank")  # process Categorical: no string a combo
+        ranked = (
+            sources.unique()
+            .sort(pl.col("process").cast(pl.String), "rank")
+            .with_row_index("_source")
+        )
         source = (
             sources.join(ranked, on=["process", "rank"], how="left", nulls_equal=True, maintain_order="left")[
                 "_source"
@@ -95,6 +99,7 @@ def _sorted_frames(
             .to_numpy()
             .astype(np.int64)[combo]
         )
+        del sources
         columns.append(source)
     order = np.lexsort(columns)
     del columns, combo
@@ -115,6 +120,15 @@ def _sorted_frames(
             bucket.alias(plan.bucket), value=pl.Series(value[at]), count=pl.Series(taken.count[at])
         )
         yield out.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
+
+
+def _combos(combo: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(combo, return_index=True, return_inverse=True)``, without its sorts
+    where each combo is there once, in order (a take of one step)."""
+    if len(combo) < 2 or (combo[1:] > combo[:-1]).all():
+        at = np.arange(len(combo))
+        return combo, at, at
+    return np.unique(combo, return_index=True, return_inverse=True)
 
 
 def _edges(starts: np.ndarray, n: int, size: int) -> list[int]:

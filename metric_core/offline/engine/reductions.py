@@ -52,6 +52,17 @@ def kept_reductions(
         if remember:
             recorded.met = merged.select(pl.col("key").unique(), reduction=pl.lit(reductions[0], pl.String))
         return None
+    if not recorded.decided and not recorded.met.height and _distinct(merged["key"]):
+        # each key under one reduction (millions of keys: no group_by of their strings)
+        unknown = [r for r in reductions.cast(pl.String).to_list() if not partials.is_statistic(r)]
+        if unknown:
+            bad = merged.filter(pl.col("reduction").cast(pl.String).is_in(unknown)).sort("key")
+            raise UnknownReductionError(
+                dict(zip(bad["key"].to_list(), bad["reduction"].cast(pl.String).to_list(), strict=True))
+            )
+        if remember:
+            recorded.met = merged.select("key", pl.col("reduction").cast(pl.String))
+        return None
     per_key = (
         merged.group_by("key")
         .agg(reductions=pl.col("reduction").n_unique(), reduction=pl.col("reduction").cast(pl.String).min())
@@ -95,6 +106,13 @@ def kept_reductions(
         for key, process, rank in who.iter_rows():
             mixed[key].sources.add(f"{process} (rank {rank})")
     return keep
+
+
+def _distinct(keys: pl.Series) -> bool:
+    """Whether no two of ``keys`` are equal, told from their 64-bit hashes (equal keys,
+    equal hashes): False also when two distinct keys share one, which is only slower."""
+    hashes = np.sort(keys.hash(seed=0).to_numpy())
+    return not (hashes[1:] == hashes[:-1]).any()
 
 
 def _first_reduction(scan: RunScan | None, key: str, merged: pl.DataFrame) -> str:
