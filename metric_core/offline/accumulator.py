@@ -453,7 +453,14 @@ class Accumulator:
         if hi is None:  # every group taken: the labels are not needed again
             self.labels = _Labels()
         if not parts:
-            return Taken(np.empty(0, np.int64), np.empty(0, np.int64), labels, np.empty(0, np.int64), np.empty(0), values)
+            return Taken(
+                np.empty(0, np.int64),
+                np.empty(0, np.int64),
+                labels,
+                np.empty(0, np.int64),
+                np.empty(0),
+                values,
+            )
         reduction = labels["reduction"].to_physical().to_numpy()  # each combo's statistic, as a code
         named = labels["reduction"].unique()
         plain = [

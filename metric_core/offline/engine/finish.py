@@ -87,11 +87,7 @@ def _sorted_frames(
     source = None
     if per_source:  # each combo's source, ranked in the order of (process, rank)
         sources = labels.select("process", "rank")  # process Categorical: no string a combo
-        ranked = (
-            sources.unique()
-            .sort(pl.col("process").cast(pl.String), "rank")
-            .with_row_index("_source")
-        )
+        ranked = sources.unique().sort(pl.col("process").cast(pl.String), "rank").with_row_index("_source")
         source = (
             sources.join(ranked, on=["process", "rank"], how="left", nulls_equal=True, maintain_order="left")[
                 "_source"
