@@ -231,7 +231,7 @@ def value_slices(monkeypatch) -> list[int]:
 
     def counting(self, *args):
         taken = take(self, *args)
-        slices.append(len(taken[2]))
+        slices.append(len(taken.values))
         return taken
 
     monkeypatch.setattr(accumulator.Accumulator, "take", counting)
@@ -1302,3 +1302,41 @@ def test_every_plan_over_a_restarted_run_reads_every_record_it_keeps(
     assert {
         row[:-1]: row[-1] for row in got.filter(pl.col("reduction") == "max").select(*group, "value").rows()
     } == maxima
+
+
+def test_a_step_of_more_groups_than_a_frame_is_handed_over_in_frames_in_order(tmp_path, monkeypatch):
+    """One step of many keys (another tool's files: 2 ranks, each key its own) comes in
+    frames of at most FRAME_GROUPS rows, not as one frame of the whole step, sorted as
+    the output is, each key's mean and std as numpy's over its raw values."""
+    rng = np.random.default_rng(41)
+    keys = [f"eval/sample_{i:05d}/{'x' * (i % 7)}" for i in range(3000)]
+    raw: dict[tuple[int, str], list[float]] = {}
+    for rank in range(2):
+        order = rng.permutation(6000) % 3000  # each key twice a rank, in no order
+        value = rng.normal(0.0, 1.0, 6000)
+        for k, v in zip(order.tolist(), value.tolist(), strict=True):
+            raw.setdefault((rank, keys[k]), []).append(v)
+        write_foreign(
+            tmp_path / f"r{rank}.parquet",
+            {
+                "key": [keys[k] for k in order],
+                "value": value,
+                "reduction": ["std" if k % 2 else "mean" for k in order],
+                "step": np.zeros(6000, dtype=np.int64),
+                "timestamp": BASE_TIME + np.arange(6000) * 0.001,
+                "rank": np.full(6000, rank),
+            },
+        )
+    monkeypatch.setattr(engine.finish, "FRAME_GROUPS", 500, raising=False)
+    for mode in ("global_reduce", "per_rank_reduce"):
+        frames = list(run_plan(tmp_path, make_plan(mode=mode)).batches())
+        assert max(f.height for f in frames) <= 500, [f.height for f in frames]
+        got = pl.concat(frames)
+        assert got.equals(got.sort(make_plan(mode=mode).sort_columns))
+        assert got.height == (3000 if mode == "global_reduce" else 6000)
+        for row in got.iter_rows(named=True):
+            k = row["key"]
+            values = raw[(0, k)] + raw[(1, k)] if mode == "global_reduce" else raw[(row["rank"], k)]
+            want = np.std(values) if int(k.split("_")[1][:5]) % 2 else np.mean(values)
+            assert row["value"] == pytest.approx(want, rel=1e-12, abs=1e-15), (mode, row)
+            assert row["count"] == len(values)

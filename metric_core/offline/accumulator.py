@@ -43,6 +43,9 @@ SPILL_VALUES = 1_000_000
 # holds about 80 bytes a value, so a smaller slice lowers the peak of *=p99 over many
 # values, for some time (benchmarks/bench_engine.py and bench_memory.py measure both)
 SLICE_VALUES = 500_000
+# labels in a chunk of their own, at least: merging the chunks of new labels copies at most
+# about this many (a run of millions of keys is never copied whole to be one chunk)
+SEALED_LABELS = 1 << 20
 
 
 class _Labels:
@@ -52,7 +55,8 @@ class _Labels:
     A label is looked up by a hash of its row (``hashes``, sorted, with the combo each
     numbers), then checked against the row itself; labels whose hash another label has
     (which 64 bits make rare) are numbered in ``collided`` instead. Memory: the labels, and
-    16 bytes a label, never a Python object each.
+    16 bytes a label, never a Python object each; the labels are in chunks (``sealed``),
+    so numbering new ones copies a few of them, not all.
     """
 
     def __init__(self) -> None:
@@ -61,6 +65,10 @@ class _Labels:
         self.numbered = np.empty(0, dtype=np.int64)
         self.collided: dict[tuple[Any, ...], int] = {}
         self.collided_hashes = np.empty(0, dtype=np.uint64)  # sorted
+        # labels before this row are in chunks of at least SEALED_LABELS, never copied again;
+        # those after it, in tail_parts chunks (made one past 32)
+        self.sealed = 0
+        self.tail_parts = 0
 
     def __len__(self) -> int:
         return self.table.height
@@ -101,9 +109,14 @@ class _Labels:
         where = np.searchsorted(self.hashes, h[plain][order])
         self.hashes = np.insert(self.hashes, where, h[plain][order])
         self.numbered = np.insert(self.numbered, where, out[plain][order])
-        self.table = pl.concat([self.table, labels[fresh]]) if len(self) else labels[fresh]
-        if self.table.n_chunks() > 32:
-            self.table = self.table.rechunk()
+        self.table = pl.concat([self.table, labels[fresh]], rechunk=False) if len(self) else labels[fresh]
+        self.tail_parts += 1
+        if self.tail_parts > 32:  # the labels since the last seal in one chunk (never a copy of all)
+            head, tail = self.table[: self.sealed], self.table[self.sealed :].rechunk()
+            self.table = pl.concat([head, tail], rechunk=False) if self.sealed else tail
+            self.tail_parts = 1
+            if tail.height >= SEALED_LABELS:
+                self.sealed, self.tail_parts = len(self), 0
         return out
 
     def rows(self, combo: np.ndarray) -> pl.DataFrame:
@@ -413,12 +426,13 @@ class Accumulator:
             held += self.blocks[b].groups
         return [*out, upto]
 
-    def take(self, upto: float = math.inf) -> tuple[pl.DataFrame, dict[str, np.ndarray], list[pl.LazyFrame]]:
-        """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out: one
-        row a group (bucket, _combo, (process, rank,) key, reduction; process and reduction
-        Categorical), the merged statistics
-        their reductions name (and count), one value a row, and their median/pNN values
-        (``_value_ranges``), to be read before ``close``."""
+    def take(self, upto: float = math.inf) -> Taken:
+        """The groups of the buckets below ``upto`` (an integer, or inf: all), taken out
+        (``Taken``): their buckets and combos, the labels the combos number (not gathered
+        a row a group: on millions of keys that copy was the peak), each group's count and
+        the statistic its reduction names, and their median/pNN values
+        (``_value_ranges``), to be read before ``close``. Each chunk of states is freed
+        once its statistics are read."""
         hi = None if upto == math.inf else math.floor(upto)
         buckets, combos, parts = [], [], []
         for b in sorted(self.blocks):
@@ -435,14 +449,59 @@ class Accumulator:
                 del self.blocks[b]
         values = self._value_ranges(self.taken, hi)
         self.taken = hi
-        if not parts:
-            return pl.DataFrame(), {}, values
-        bucket, combo = np.concatenate(buckets), np.concatenate(combos)
-        frame = pl.DataFrame({"bucket": bucket, "_combo": combo}).hstack(self.labels.rows(combo))
+        labels = self.labels.table
         if hi is None:  # every group taken: the labels are not needed again
             self.labels = _Labels()
-        named = {Statistic.parse(r).name for r in frame["reduction"].unique().to_list() if is_statistic(r)}
-        stats = {
-            name: np.concatenate([statistic(s, name) for s in parts]) for name in sorted({"count", *named})
-        }
-        return frame, stats, values
+        if not parts:
+            return Taken(
+                np.empty(0, np.int64),
+                np.empty(0, np.int64),
+                labels,
+                np.empty(0, np.int64),
+                np.empty(0),
+                values,
+            )
+        reduction = labels["reduction"].to_physical().to_numpy()  # each combo's statistic, as a code
+        named = labels["reduction"].unique()
+        plain = [
+            (int(code), Statistic.parse(name).name)
+            for code, name in zip(named.to_physical().to_list(), named.cast(pl.String).to_list(), strict=True)
+            if is_statistic(name)
+        ]
+        counts, values_of = [], []
+        parts.reverse()
+        for combo in combos:  # a chunk at a time, each freed once read
+            state = parts.pop()
+            code = reduction[combo]
+            value = np.full(len(combo), np.nan)
+            for c, name in plain:
+                rows = code == c
+                if rows.any():
+                    value[rows] = statistic(state, name)[rows]
+            counts.append(statistic(state, "count"))
+            values_of.append(value)
+            del state
+        return Taken(
+            np.concatenate(buckets),
+            np.concatenate(combos),
+            labels,
+            np.concatenate(counts),
+            np.concatenate(values_of),
+            values,
+        )
+
+
+@dataclass
+class Taken:
+    """Groups taken out of an Accumulator: each one's ``bucket`` and ``combo`` (a row of
+    ``labels``: (process, rank,) key, reduction; process and reduction Categorical), in
+    the order of bucket then combo, its ``count``, and ``value``: the statistic its
+    reduction names, NaN for median and pNN (computed from ``values``: their values, a
+    slice of groups at a time) and for a reduction that is not a statistic."""
+
+    bucket: np.ndarray
+    combo: np.ndarray
+    labels: pl.DataFrame
+    count: np.ndarray
+    value: np.ndarray
+    values: list[pl.LazyFrame]

@@ -3,6 +3,7 @@ frames, each group's value computed from its merged states (median and pNN to nu
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -10,15 +11,19 @@ import numpy as np
 import polars as pl
 
 from metric_core.offline import partials
-from metric_core.offline.accumulator import Accumulator
+from metric_core.offline.accumulator import Accumulator, Taken
 from metric_core.offline.engine.reading import statistic_chooser
 from metric_core.offline.engine.reductions import KeyReductions, kept_reductions
 from metric_core.offline.plan import By, ReducePlan, Statistic
 from metric_core.offline.read import RunScan
 from metric_core.offline.read.report import MixedKey
 
-# The groups of one frame of a result, at most (in whole blocks of steps)
+# The groups of one take of the accumulator, at most (in whole blocks of steps)
 TAKEN_GROUPS = 1 << 17
+# The rows of one result frame, at most: a take is handed over in frames cut where a step
+# (of a source) ends, and inside a step only when the step alone has more groups (a frame of
+# --wide is whole steps: such a step has more keys than --wide takes)
+FRAME_GROUPS = 1 << 17
 
 
 def finished_frames(
@@ -40,20 +45,98 @@ def finished_frames(
         bucket = pl.col("bucket")
     cuts = acc.cuts(upto, TAKEN_GROUPS)
     for i, cut in enumerate(cuts):
-        merged, stats, values = acc.take(cut)
-        if merged.height == 0:
+        taken = acc.take(cut)
+        if not len(taken.bucket):
             continue
         remember = not last or i + 1 < len(cuts)
-        kept = kept_reductions(scan, merged, recorded, stats["count"], mixed, remember)
-        value = group_values(merged, stats, values)
-        out = merged.with_columns(
-            bucket.alias(plan.bucket), value=pl.Series(value), count=pl.Series(stats["count"])
+        # Which groups are kept is decided per combo (a key's reduction is its combos'), on
+        # the labels of the combos met once each, not on a row of labels a group.
+        combos, first, group_combo = _combos(taken.combo)
+        labels = taken.labels if len(combos) == taken.labels.height else taken.labels[combos]
+        per_combo = pl.DataFrame({"bucket": taken.bucket[first]}).hstack(labels)  # its first bucket
+        combo_count = np.bincount(group_combo, weights=taken.count, minlength=len(combos)).astype(np.int64)
+        kept = kept_reductions(scan, per_combo, recorded, combo_count, mixed, remember)
+        groups = pl.DataFrame(
+            {"bucket": taken.bucket, "_combo": taken.combo, "reduction": labels["reduction"][group_combo]}
         )
-        if kept is not None:
-            out = out.filter(pl.Series(kept))
-        out = out.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
-        del merged, stats, values, value, kept  # not held while the frame is written
-        yield out.sort(plan.sort_columns)
+        value = group_values(groups, taken.value, taken.values)
+        del groups, first
+        rows = np.arange(len(value)) if kept is None else np.flatnonzero(kept[group_combo])
+        yield from _sorted_frames(plan, bucket, labels, taken, rows, group_combo, value)
+
+
+def _sorted_frames(
+    plan: ReducePlan,
+    bucket: pl.Expr,
+    labels: pl.DataFrame,
+    taken: Taken,
+    rows: np.ndarray,
+    group_combo: np.ndarray,
+    value: np.ndarray,
+) -> Iterator[pl.DataFrame]:
+    """The groups ``rows`` of ``taken`` (``labels``: their combos', ``group_combo`` each
+    group's row of it) as result frames in the order of ``plan.sort_columns``, of about
+    FRAME_GROUPS rows each, cut where a (source and) bucket ends while one is that small:
+    never the whole result gathered and sorted as one frame."""
+    per_source = "process" in labels.columns and "process" in plan.sort_columns
+    key_rank = np.empty(labels.height, dtype=np.int64)
+    key_rank[labels["key"].arg_sort().to_numpy()] = np.arange(labels.height)
+    combo = group_combo[rows]
+    group_bucket = taken.bucket[rows]
+    columns = [key_rank[combo], group_bucket]
+    source = None
+    if per_source:  # each combo's source, ranked in the order of (process, rank)
+        sources = labels.select("process", "rank")  # process Categorical: no string a combo
+        ranked = sources.unique().sort(pl.col("process").cast(pl.String), "rank").with_row_index("_source")
+        source = (
+            sources.join(ranked, on=["process", "rank"], how="left", nulls_equal=True, maintain_order="left")[
+                "_source"
+            ]
+            .to_numpy()
+            .astype(np.int64)[combo]
+        )
+        del sources
+        columns.append(source)
+    order = np.lexsort(columns)
+    del columns, combo
+    rows = rows[order]
+    # where a (source and) bucket starts, in the sorted rows
+    group_bucket = taken.bucket[rows]
+    starts = np.r_[True, group_bucket[1:] != group_bucket[:-1]]
+    if source is not None:
+        source = source[order]
+        starts[1:] |= source[1:] != source[:-1]
+    del order, group_bucket, source
+    edges = _edges(np.flatnonzero(starts), len(rows), FRAME_GROUPS)
+    del starts
+    for lo, hi in itertools.pairwise(edges):
+        at = rows[lo:hi]
+        part = pl.DataFrame({"bucket": taken.bucket[at]}).hstack(labels[group_combo[at]])
+        out = part.with_columns(
+            bucket.alias(plan.bucket), value=pl.Series(value[at]), count=pl.Series(taken.count[at])
+        )
+        yield out.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
+
+
+def _combos(combo: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``np.unique(combo, return_index=True, return_inverse=True)``, without its sorts
+    where each combo is there once, in order (a take of one step)."""
+    if len(combo) < 2 or (combo[1:] > combo[:-1]).all():
+        at = np.arange(len(combo))
+        return combo, at, at
+    return np.unique(combo, return_index=True, return_inverse=True)
+
+
+def _edges(starts: np.ndarray, n: int, size: int) -> list[int]:
+    """Where to cut ``n`` sorted rows into pieces of about ``size``: at a run's start
+    (``starts``), or inside a run longer than ``size``."""
+    edges = [0]
+    while n - edges[-1] > size:
+        target = edges[-1] + size
+        k = int(np.searchsorted(starts, target, side="right")) - 1
+        cut = int(starts[k]) if k >= 0 and starts[k] > edges[-1] else target
+        edges.append(cut)
+    return [*edges, n]
 
 
 def reduce_records(
@@ -80,21 +163,19 @@ def reduce_records(
     return pl.concat(frames) if frames else pl.DataFrame()
 
 
-def group_values(
-    merged: pl.DataFrame, stats: dict[str, np.ndarray], values: list[pl.LazyFrame]
-) -> np.ndarray:
-    """Each group's value: the statistic its reduction names, from the merged states.
+def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFrame]) -> np.ndarray:
+    """Each group's value: the statistic its reduction names, from the merged states
+    (``plain``, already there but for median and pNN; merged: bucket, _combo, reduction).
 
     median and pNN take the one or two order statistics they need from each group's
     sorted values (polars), then combine them as numpy does (``_as_numpy``): the same bits
     as ``np.median`` and ``np.percentile``. A group holding NaN gets NaN, as in numpy."""
-    value = np.full(merged.height, np.nan)
+    value = plain
     for name in merged["reduction"].unique().sort():
         stat = Statistic.parse(name)
-        rows = (merged["reduction"] == name).to_numpy()
         if stat.name != "median" and stat.quantile is None:
-            value[rows] = stats[stat.name][rows]
             continue
+        rows = (merged["reduction"] == name).to_numpy()
         at, code, buckets = _group_places(merged, rows)
         # values of other statistics' groups are there too: these groups' combos
         combos = None

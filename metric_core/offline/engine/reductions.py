@@ -29,6 +29,14 @@ class KeyReductions:
     met: pl.DataFrame = field(
         default_factory=lambda: pl.DataFrame(schema={"key": pl.String, "reduction": pl.String})
     )
+    # the 64-bit hashes of met's keys, sorted: a frame none of whose keys' hashes is here
+    # met none of them before (no join of millions of strings to tell)
+    met_hashes: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+
+    def remember(self, met: pl.DataFrame) -> None:
+        """Keys (and their reductions) met in a frame, added to ``met``."""
+        self.met = pl.concat([self.met, met]) if self.met.height else met
+        self.met_hashes = np.sort(np.concatenate([self.met_hashes, _hashes(met["key"])]))
 
 
 def kept_reductions(
@@ -50,7 +58,20 @@ def kept_reductions(
         if not partials.is_statistic(reductions[0]):
             raise UnknownReductionError(dict.fromkeys(merged["key"].unique().sort().to_list(), reductions[0]))
         if remember:
-            recorded.met = merged.select(pl.col("key").unique(), reduction=pl.lit(reductions[0], pl.String))
+            recorded.remember(
+                merged.select(pl.col("key").unique(), reduction=pl.lit(reductions[0], pl.String))
+            )
+        return None
+    if not recorded.decided and _distinct_and_new(merged["key"], recorded.met_hashes):
+        # each key under one reduction (millions of keys: no group_by of their strings)
+        unknown = [r for r in reductions.cast(pl.String).to_list() if not partials.is_statistic(r)]
+        if unknown:
+            bad = merged.filter(pl.col("reduction").cast(pl.String).is_in(unknown)).sort("key")
+            raise UnknownReductionError(
+                dict(zip(bad["key"].to_list(), bad["reduction"].cast(pl.String).to_list(), strict=True))
+            )
+        if remember:
+            recorded.remember(merged.select("key", pl.col("reduction").cast(pl.String)))
         return None
     per_key = (
         merged.group_by("key")
@@ -72,7 +93,7 @@ def kept_reductions(
         per_key = per_key.join(first, on="key", how="left").with_columns(prior=pl.coalesce("first", "prior"))
     fresh = per_key.filter(pl.col("prior").is_null()).select("key", "reduction")
     if fresh.height and remember:
-        recorded.met = pl.concat([recorded.met, fresh])
+        recorded.remember(fresh)
     per_key = per_key.with_columns(prior=pl.coalesce("prior", "reduction"))  # each key's reduction
     unknown = [r for r in per_key["prior"].unique().to_list() if not partials.is_statistic(r)]
     if unknown:
@@ -95,6 +116,23 @@ def kept_reductions(
         for key, process, rank in who.iter_rows():
             mixed[key].sources.add(f"{process} (rank {rank})")
     return keep
+
+
+def _hashes(keys: pl.Series) -> np.ndarray:
+    return keys.hash(seed=0).to_numpy()
+
+
+def _distinct_and_new(keys: pl.Series, met: np.ndarray) -> bool:
+    """Whether no two of ``keys`` are equal and none is among the keys hashed in ``met``
+    (sorted), told from their 64-bit hashes (equal keys, equal hashes): False also when
+    two distinct keys share one, which is only slower."""
+    hashes = np.sort(_hashes(keys))
+    if (hashes[1:] == hashes[:-1]).any():
+        return False
+    if not len(met) or not len(hashes):
+        return True
+    at = np.minimum(np.searchsorted(met, hashes), len(met) - 1)
+    return not (met[at] == hashes).any()
 
 
 def _first_reduction(scan: RunScan | None, key: str, merged: pl.DataFrame) -> str:
