@@ -30,9 +30,46 @@ each sealed segment's metadata), one reader per format (``jsonl``, ``parquet``,
 said) and ``report`` (the health report).
 """
 
-from metric_core.offline.read.failures import all_skipped, explain_read_errors
-from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
-from metric_core.offline.read.scan import OnProgress, OnRead, RunScan, fetch_numpy_api, read_sealed, scan_run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from metric_core.offline.read.failures import all_skipped, explain_read_errors
+    from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
+    from metric_core.offline.read.scan import (
+        OnProgress,
+        OnRead,
+        RunScan,
+        fetch_numpy_api,
+        read_sealed,
+        scan_run,
+    )
+
+# Each name is loaded from its module when first asked for: importing the package (as
+# ``read.report`` does, which the samples and upload code need) loads no polars, so the
+# upload command can still fork its reading child before polars' thread pool exists.
+_HOMES = {
+    "all_skipped": "failures",
+    "explain_read_errors": "failures",
+    "FileReport": "report",
+    "ReadReport": "report",
+    "Shutdown": "report",
+    "OnProgress": "scan",
+    "OnRead": "scan",
+    "RunScan": "scan",
+    "fetch_numpy_api": "scan",
+    "read_sealed": "scan",
+    "scan_run": "scan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "FileReport",

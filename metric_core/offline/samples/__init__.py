@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from metric_core.errors import Message, NoSamplesError, PlanError, RequestError, opt
 from metric_core.offline.filters import nearest
-from metric_core.offline.read.report import ReadReport
 from metric_core.offline.samples.choosing import SampleChoice, choose, number
 from metric_core.offline.samples.frame import EXACT_FLOAT_INT, FIXED, column_names, field_names, samples_frame
 from metric_core.offline.samples.reading import (
@@ -43,6 +42,8 @@ from metric_core.sample import is_samples_file
 
 if TYPE_CHECKING:
     import polars as pl
+
+    from metric_core.offline.read.report import ReadReport  # its package loads polars
 
 __all__ = [
     "EXACT_FLOAT_INT",

@@ -11,8 +11,6 @@ from typing import Any
 from metric_core import journal
 from metric_core import sample as sample_codec
 from metric_core.errors import NoDataError
-from metric_core.offline.read.discover import walk_run
-from metric_core.offline.read.journal import take_damage
 from metric_core.offline.read.report import FileReport, ReadReport, rel
 from metric_core.offline.storage import RunPath, arrow_source, listing, not_a_directory, open_read
 from metric_core.schema import parse_json
@@ -47,6 +45,8 @@ def samples_files_and_journals(root: RunPath, report: ReadReport) -> list[RunPat
         return found
     if not root.is_dir():
         raise NoDataError(str(root), not_a_directory(root))
+    from metric_core.offline.read.discover import walk_run  # loads polars: upload forks first
+
     return list(walk_run(root, report, follow_symlinks=False, wanted=_ours))
 
 
@@ -159,6 +159,8 @@ def read_journal_samples(path: RunPath, rep: FileReport) -> SamplesPart | None:
     except OSError as exc:
         rep.unreadable = f"{exc.strerror or exc}; its samples are left out"
         return None
+    from metric_core.offline.read.journal import take_damage  # loads polars, as above
+
     take_damage(decoded, rep, 0)  # what follows a damaged frame is not read: samples too
     if not decoded.samples or decoded.process is None or decoded.rank is None:
         return None
