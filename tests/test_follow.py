@@ -35,7 +35,8 @@ open(f"{c['go']}.{rank}", "w").close()  # imported; the ranks started together i
 while not os.path.exists(c["go"]):
     time.sleep(0.01)
 metric_core.init(
-    run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"], flush_interval=0.02,
+    run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"],
+    flush_interval=c.get("flush_interval") or 0.02,
     sidecar=c.get("sidecar") if rank == 0 else None, step=c.get("start"),
     segment_records=c.get("segment_records") or 1_000_000,
 )
@@ -66,10 +67,11 @@ HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 
 def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1, **more) -> list:
-    """A writer process per rank (``ranks``: how many, or which), ``more``: die, pause_at
-    and hold_at (rank -> the step it SIGKILLs itself at, pauses ``pause_s`` at, hangs at
-    until ``release(run)`` or its kill; or pause_at, hold_at: the step every rank pauses or
-    hangs at), sidecar (rank 0's), start (the step it resumes from), world.
+    """A writer process per rank (``ranks``: how many, or which), ``more``: die, pause_at,
+    hold_at and flush_interval (rank -> the step it SIGKILLs itself at, pauses ``pause_s``
+    at, hangs at until ``release(run)`` or its kill, its writer's background flush interval;
+    or pause_at, hold_at: the step every rank pauses or hangs at), sidecar (rank 0's), start
+    (the step it resumes from), world.
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
@@ -86,7 +88,7 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
     config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
 
     def of(r: int) -> dict:
-        steps = {"die": more.get("die", {}).get(r)}
+        steps = {"die": more.get("die", {}).get(r), "flush_interval": more.get("flush_interval", {}).get(r)}
         for name in ("pause_at", "hold_at"):
             at = more.get(name)
             steps[name] = at.get(r) if isinstance(at, dict) else at
@@ -470,8 +472,41 @@ def test_a_rank_that_never_writes_keeps_the_run_open_and_is_named(tmp_path):
     finish(writers(run, steps=10, ranks=[0, 1], world=3))  # run.json says 3; rank 2 never started
     done = followed(run, "--until-idle", "1s")
     assert done.returncode == 0, done.stderr
-    assert "1 of the 3 sources run.json expects never wrote" in done.stderr
+    assert "rank 2 of world_size 3 never wrote a record" in " ".join(done.stderr.split())  # inspect's words
     assert not runs_written(run)["run"]["finished"]
+
+
+def test_a_rank_dead_before_its_first_record_is_named_and_the_follow_ends_by_itself(tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--restart-grace", "1s")
+    # rank 1 is SIGKILLed as its first step begins, before its writer wrote anything (its
+    # background flush is a minute away): no file of it is there to be seen dying
+    ranks = writers(run, steps=20, ranks=2, die={1: 0}, flush_interval={1: 60.0})
+    finish(ranks)
+    assert ranks[1].returncode == -signal.SIGKILL and ranks[0].returncode == 0
+    assert not list(run.glob("Trainer_r1.*")), "rank 1 left no file"
+    assert sidecar.wait(timeout=120) == 0, log.read_text()  # it ended by itself
+    err = " ".join(log.read_text().split())  # messages are wrapped at the terminal's width
+    assert "rank 1 of world_size 2 never wrote a record" in err  # inspect's words
+    assert "ended: every source that wrote finished or died" in err
+    check(rows_of(run, "run"), expected_steps(truth(run, 2)[0]))  # finished, every step of rank 0
+
+
+def test_let_go_after_lets_a_rank_that_never_wrote_go_while_the_others_train(tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--let-go-after", "2s", "--restart-grace", "1s")
+    ranks = writers(run, steps=30, ranks=2, die={1: 0}, flush_interval={1: 60.0}, hold_at={0: 20})
+    # rank 0 holds at step 20, alive; steps 0-19 go without the rank that never wrote
+    wait_for(lambda: rows_sent(run) >= 20, "the steps to go without rank 1")
+    assert ranks[0].poll() is None, "rank 0 is still training"
+    release(run)
+    finish(ranks)
+    assert sidecar.wait(timeout=120) == 0, log.read_text()
+    err = " ".join(log.read_text().split())
+    assert "rank 1 of world_size 2 never wrote a record" in err and "(--let-go-after 2.0 s)" in err
+    check(rows_of(run, "run"), expected_steps(truth(run, 2)[0]))
 
 
 def test_a_sidecar_with_a_bad_option_fails_in_init_before_the_job_trains(tmp_path):

@@ -63,6 +63,9 @@ TAIL_SCHEMA: dict[str, pl.DataType] = {**{c: POLARS_SCHEMA[c] for c in COLUMNS},
 # Gaps between steps a source must have shown before it can be called stopped early: a
 # source that wrote one step is waited for, not dropped from the watermark.
 MIN_GAPS = 3
+# The count of sources while run.json, which holds it, is not written yet: every source
+# that may still come is waited for.
+UNKNOWN_SOURCES = 1 << 30
 # A source silent against the wall clock is let go no sooner than this (another machine's
 # clock may be off by a little).
 WALL_CLOCK_MIN_S = 5.0
@@ -568,13 +571,23 @@ class Follower:
         -inf: fewer sources than expected wrote so far)."""
         if ending:
             return math.inf
-        if len(sources) < (self.expected or 1):
+        now = time.time()
+        if len(sources) < (self.expected or 1) and not self.missing_let_go(sources, now):
             return -math.inf
         newest = max((s.clock for s in sources.values()), default=-math.inf)
-        now = time.time()
         return min(
             (of(s) for s in sources.values() if s.holds(newest, now, self.let_go_after)), default=math.inf
         )
+
+    def missing_let_go(self, sources: dict[Source, SourceState], now: float) -> bool:
+        """Whether the sources expected that never wrote stop holding the global steps:
+        ``let_go_after`` seconds passed since the first record of the job's writers, as a
+        source silent that long is let go (a rank that died before its first record left no
+        file to be seen dying by). A count not known yet (no run.json) is waited for."""
+        if self.let_go_after is None or not self.expected or self.expected >= UNKNOWN_SOURCES:
+            return False
+        first = min((s.first for s in sources.values() if not s.static), default=math.inf)
+        return now - first > self.let_go_after
 
     def _rows(self, complete: pl.DataFrame, sources: dict[Source, SourceState]) -> list[Ready]:
         plan, bucket = self.plan, self.plan.bucket
