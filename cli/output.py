@@ -569,7 +569,7 @@ def print_upload(result: UploadResult) -> int:
         why = [f"{', '.join(unfinished)} did not shut down"] if unfinished else []
         if followed.missing:
             why.append(followed.missing)
-        elif followed.expected > len(followed.sources):  # no run.json yet: any source may still come
+        elif followed.expected > len(followed.sources):  # their count is not known: no run.json
             why.append("no run.json says how many sources the job has")
         say(
             "info",

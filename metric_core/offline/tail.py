@@ -255,12 +255,16 @@ class RunTail:
         The records of an attempt whose process is over (``AttemptState.dead``: its end
         recorded, its pid gone, its heartbeat stopped) are read whole as well, as every
         command reads them: no flush will cover them, and the steps go on without it. Its
-        verdict is taken before its files are read, so what is read is all it wrote."""
+        verdict is taken before its files are read, so what is read is all it wrote; an
+        attempt first seen in this poll is judged once its files were read, and a dead one's
+        journal is read again then."""
         self.active = False
         now = time.time()
+        judged = set()
         for state in self.sources.values():
             for a in state.attempts.values():
                 a.over = a.dead(now)
+                judged.add(id(a))
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
             self.meta = read_run_json(self.root, report)
@@ -273,6 +277,23 @@ class RunTail:
                 frames.append(frame)
         for path in paths:
             if path.suffix == ".journal" and path not in self.done:
+                frame = self._journal(path, final)
+                if frame is not None:
+                    frames.append(frame)
+        # Attempts first seen now (a follow started after a rank died, or a fresh reading of
+        # the run): without this, their records no flush covered would wait for the next poll,
+        # and a step, or the end, could go without them.
+        fresh: dict[int, tuple[AttemptState, list[Path]]] = {}
+        for path, tail in self.journals.items():
+            d = tail.decoded
+            of = self.sources.get((d.process, d.rank)) if d.process is not None else None
+            found = of.attempts.get(d.attempt.get("attempt") or "") if of is not None else None
+            if found is not None and id(found) not in judged:
+                fresh.setdefault(id(found), (found, []))[1].append(path)
+        now = time.time()
+        for a, journals in fresh.values():
+            a.over = a.dead(now)
+            for path in journals if a.over is not None else []:
                 frame = self._journal(path, final)
                 if frame is not None:
                     frames.append(frame)
@@ -572,7 +593,7 @@ class Follower:
         if ending:
             return math.inf
         now = time.time()
-        if len(sources) < (self.expected or 1) and not self.missing_let_go(sources, now):
+        if counted(sources) < (self.expected or 1) and not self.missing_let_go(sources, now):
             return -math.inf
         newest = max((s.clock for s in sources.values()), default=-math.inf)
         return min(
@@ -585,6 +606,8 @@ class Follower:
         source silent that long is let go (a rank that died before its first record left no
         file to be seen dying by). A count not known yet (no run.json) is waited for."""
         if self.let_go_after is None or not self.expected or self.expected >= UNKNOWN_SOURCES:
+            return False
+        if counted(sources) >= self.expected:
             return False
         first = min((s.first for s in sources.values() if not s.static), default=math.inf)
         return now - first > self.let_go_after
@@ -637,6 +660,13 @@ class Follower:
 
 def _or_infinity(step: int | None) -> float:
     return -math.inf if step is None else float(step)
+
+
+def counted(sources: dict[Source, SourceState]) -> int:
+    """The sources that count toward the job's size (``run.json``'s world_size, ``--sources``):
+    the writer's own; another tool's files beside them are not the job's ranks (of a run
+    only another tool wrote, every source)."""
+    return sum(1 for s in sources.values() if not s.static) or len(sources)
 
 
 def expected_sources(meta: dict[str, Any]) -> int | None:

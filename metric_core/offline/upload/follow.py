@@ -39,6 +39,7 @@ from metric_core.offline.tail import (
     Ready,
     RunTail,
     SourceState,
+    counted,
     expected_sources,
 )
 from metric_core.offline.upload.ledger import Ledger, only_upload
@@ -99,25 +100,26 @@ class FollowState:
     def all_finished(self) -> bool:
         """Every source shut down cleanly, and as many wrote as the run expects."""
         done = all(s.finished or s.static for s in self.sources.values())
-        return bool(self.sources) and done and len(self.sources) >= self.expected
+        return bool(self.sources) and done and counted(self.sources) >= self.expected
 
     @property
     def missing(self) -> str:
         """The expected sources that never wrote a record, in ``inspect``'s words ("": none,
         or their count is not known yet)."""
-        seen = len(self.sources)
+        seen = counted(self.sources)
         if seen >= self.expected or self.expected >= UNKNOWN_SOURCES:
             return ""
         if self.counted_by == "run.json":  # ranks 0 .. world_size - 1, as inspect names them
-            ranks = sorted(set(range(self.expected)) - {rank for _, rank in self.sources})
+            own = [key for key, s in self.sources.items() if not s.static] or list(self.sources)
+            ranks = sorted(set(range(self.expected)) - {rank for _, rank in own})
             if ranks:
                 which = ", ".join(map(str, ranks))
                 return (
                     f"{'rank' if len(ranks) == 1 else 'ranks'} {which} of world_size {self.expected} "
                     "never wrote a record"
                 )
-        counted = "run.json expects" if self.counted_by == "run.json" else "--sources counts"
-        return f"{self.expected - seen} of the {self.expected} sources {counted} never wrote a record"
+        by = "run.json expects" if self.counted_by == "run.json" else "--sources counts"
+        return f"{self.expected - seen} of the {self.expected} sources {by} never wrote a record"
 
 
 def follow_upload(
@@ -280,7 +282,7 @@ class _Pass:
             s.finished or s.static or key in state.dead for key, s in sources.items()
         )
         missing = state.missing
-        if not ended or not (missing or (len(sources) >= state.expected and state.dead)):
+        if not ended or not (missing or (counted(sources) >= state.expected and state.dead)):
             self.over_since = None
             return False
         if self.over_since is None:
@@ -383,7 +385,7 @@ class _Pass:
             raise StrictModeError(f"{self.tail.skipped} record(s) skipped (said above)")
         if wait:
             self.follower.expected = _expected(self.tail.meta, first_record)
-        expected, seen = self.follower.expected or 1, len(self.tail.sources)
+        expected, seen = self.follower.expected or 1, counted(self.tail.sources)
         waited = first_record is not None and time.monotonic() - first_record > WAITING_SAID_S
         if (
             waited
