@@ -1,11 +1,10 @@
-"""``metriclog``, the command line (installed as the package ``metriclog``)."""
+"""``metriclog``, the command line (installed as the package ``metriclog``); its entry
+point is ``start.main``. Imports nothing: it loads before a stop is caught."""
 
 from __future__ import annotations
 
-from typing import Any
 
-
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> str:
     if name == "__version__":  # importlib.metadata costs a start-up; only --version needs it
         from importlib.metadata import PackageNotFoundError, version
 

@@ -1,5 +1,5 @@
 """``python -m metriclog``."""
 
-from .main import main
+from .start import main
 
 main()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +24,7 @@ from metric_core.offline.storage import check_target
 
 from . import options as o
 from . import output, tuning
+from .start import STOPPED, catch_stops, stopping
 
 
 class _Command(typer.core.TyperCommand):
@@ -331,6 +331,7 @@ def plot(
 @app.command(cls=_Command, short_help="List the keys of a run: reductions, records, sources, steps.")
 def keys(
     run_dir: o.RunDir,
+    key: o.Keys = None,
     follow_symlinks: o.FollowSymlinks = False,
     attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
@@ -340,7 +341,8 @@ def keys(
     tail: o.Tail = None,
 ) -> None:
     """List every key of a run: its reduction, records, sources, first and last step and time,
-    and how many of its values are NaN or infinite. Reads every record once.
+    and how many of its values are NaN or infinite. The writer's sealed files answer from
+    their metadata; other files are read once.
 
     A row a key: a table on a terminal, CSV into a pipe; --format json (or --json) prints one
     JSON array of objects, jsonl an object a line.
@@ -348,17 +350,18 @@ def keys(
     Example:
 
     \b
-        metriclog keys runs/exp1 --format json | jq '.[].key'
+        metriclog keys runs/exp1 --key 'trainer/*' --format json | jq '.[].key'
     """
     from metric_core.offline.keys import list_keys
 
     with command_run():
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
-        with output.read_progress():
+        with output.read_progress() as progress:
             found = list_keys(
-                run_dir, follow_symlinks=follow_symlinks, attempts=attempts, on_read=output.said_skips
-            )
+                run_dir, keys=key or (), follow_symlinks=follow_symlinks, attempts=attempts,
+                on_read=output.said_skips, on_progress=progress,
+            )  # fmt: skip
         output.emit(
             found, form="json" if json_out else form and form.value, out=out, limit=limit, tail=tail,
             derived="keys", run_dir=run_dir,
@@ -399,7 +402,7 @@ def samples(
         check_target(None if out == "-" else out)
         frame, read = select_samples(
             run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,
-            top=top, bottom=bottom, by=by, random=random, seed=seed,
+            top=top, bottom=bottom, by=by, random=random, seed=seed, on_read=output.said_skips,
         )  # fmt: skip
         for note in read.notes:
             output.say("warning", spell_options(note, o.as_flag))
@@ -460,23 +463,24 @@ def watch(
 
 
 def main() -> None:
+    """The commands, run with stops caught (``start``): a stop by SIGTERM is a Ctrl-C, so
+    what a command made in temporary directories and half-written files is removed on the
+    way out."""
+    catch_stops()
     tuning.apply()
-    # A stop by SIGTERM (timeout, Slurm, docker stop) is a Ctrl-C: what a command made in
-    # temporary directories and half-written files is removed on the way out.
-    signal.signal(signal.SIGTERM, _interrupt)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where Ctrl-C is ignored
-        signal.signal(signal.SIGINT, _interrupt)
     try:
         app()
+    except KeyboardInterrupt:  # before typer took the command, or a second stop in its cleanup
+        sys.exit(STOPPED)
     except Exception as exc:
-        if not _stopping:
+        if not stopping():
             raise
         # The stop landed inside a library that made its KeyboardInterrupt an error of its
         # own (pydantic building wandb's models on import): stopped, not broken. Anything
         # else that failed on the way out is still said.
         if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
             output.error(_gist(exc))
-        sys.exit(130)
+        sys.exit(STOPPED)
 
 
 def _gist(said: object) -> str:
@@ -496,17 +500,6 @@ def _quiet_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's last flush of a closed pipe is silent."""
     with contextlib.suppress(OSError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-_stopping = False  # a stop signal came
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    global _stopping
-    if _stopping and signum == signal.SIGTERM:
-        return  # again (timeout(1) signals the process, then its group): the cleanup goes on
-    _stopping = True
-    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -171,6 +171,14 @@ class FilteredOutError(NoDataError):
         MetricLogError.__init__(self, f"no record in {where} matches the filters" + why)
 
 
+class NoSamplesError(NoDataError):
+    """A run directory holds no sample (``Reduce.SAMPLE``) to list: ``why`` says what it holds."""
+
+    def __init__(self, where: str, why: str) -> None:
+        self.where = where
+        MetricLogError.__init__(self, f"no sample (Reduce.SAMPLE) in {where}: " + why)
+
+
 class UnknownReductionError(MetricLogError):
     """Records carry a reduction metriclog does not know; ``keys`` maps each such key to it."""
 
@@ -247,6 +255,20 @@ class StorageError(MetricLogError):
 
 class UploadError(MetricLogError):
     """W&B could not be reached or refused the upload; the ledger says what was sent."""
+
+
+class DamagedRunJsonError(UploadError):
+    """run.json is damaged (not JSON, or its fields fail its checksum): an upload takes the
+    run's identity from its ``run_id`` and refuses to make up another."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        super().__init__(
+            f"{path}: {why}. An upload derives its run ids from run.json's run_id, and does not make "
+            "up another identity (the runs of earlier uploads would not be found, and the run would "
+            "be uploaded again beside them). Restore run.json from a copy; or, if it was edited on "
+            'purpose and its run_id is still the run\'s, make it valid JSON without its "checksum" field'
+        )
 
 
 class NotLoggedInError(UploadError):

@@ -53,7 +53,7 @@ import pyarrow as pa
 
 from metric_core.life import Life, is_event
 from metric_core.records import build_table, int64_array
-from metric_core.schema import KEY_HASH, key_hash
+from metric_core.schema import KEY_HASH, key_hash, parse_json
 
 MAGIC = b"MLJ5"  # 5: P frames (samples); 4: F frames carry their time, H and E frames
 FORMAT = 5
@@ -212,7 +212,7 @@ def _decode(data: bytes, records: bool = True) -> Decoded:
         out.problems.append("journal header fails its checksum (the file is damaged)")
         return out
     try:
-        head: dict[str, Any] = json.loads(body)
+        head: dict[str, Any] = parse_json(body)
         out.process = str(head["process"])
         out.rank = int(head["rank"])
         out.attempt = {k: head[k] for k in ("attempt", "attempt_started", "attempt_first_step") if k in head}
@@ -263,7 +263,7 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
             break
         try:
             if kind == KEYS:
-                for code, key, reduction in json.loads(payload.tobytes()):
+                for code, key, reduction in parse_json(payload.tobytes()):
                     keys[int(code)] = (str(key), str(reduction))
             elif kind == RECORDS:
                 if length < 8 or (length - 8) % _RECORD_BYTES:
@@ -274,7 +274,7 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
                     total += counts[-1]
                     blocks.append(view[start + 8 : end])
             elif kind == DROPPED:
-                out.dropped.append(json.loads(payload.tobytes()))
+                out.dropped.append(parse_json(payload.tobytes()))
             elif kind == FLUSH:
                 if length == _FLUSH.size:
                     flushed, at = _FLUSH.unpack_from(data, start)
@@ -292,14 +292,14 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
                 if out.first_flush is None:
                     out.first_flush = flushed
             elif kind == SHUTDOWN:
-                out.shutdown = float(json.loads(payload.tobytes())["timestamp"])
+                out.shutdown = float(parse_json(payload.tobytes())["timestamp"])
                 out.life.seen(out.shutdown)
                 covered = len(steps)  # no F frame relabels anything after a clean end
                 samples_covered = len(sample_frames)
             elif kind == SAMPLES:
                 if length < 8:
                     raise ValueError(f"sample frame of {length} bytes")
-                listed = json.loads(payload[8:].tobytes())
+                listed = parse_json(payload[8:].tobytes())
                 if not isinstance(listed, list) or not all(
                     isinstance(r, list) and len(r) == 3 for r in listed
                 ):
@@ -310,7 +310,7 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
                     raise ValueError(f"heartbeat frame of {length} bytes")
                 out.life.seen(_TIME.unpack_from(data, start)[0])
             elif kind == EVENT:
-                event = json.loads(payload.tobytes())
+                event = parse_json(payload.tobytes())
                 if not is_event(event):
                     raise ValueError("event frame without a kind and a time")
                 if event not in out.life.ends:  # a follower decodes the unsettled tail again

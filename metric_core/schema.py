@@ -20,9 +20,11 @@ Files of one source (``stem`` is the sanitized process name and the rank, e.g.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections.abc import Iterable
+from typing import Any
 
 # Every field of a record, in order, with its type; all but ``process`` are required.
 FIELDS = {
@@ -53,6 +55,28 @@ TIMESTAMP_RANGE = (0.0, 1e10)
 # record's line is its key plus about 150 bytes, so any line the writer writes is read.
 MAX_KEY_BYTES = 64 * 1024
 MAX_LINE_BYTES = 1024 * 1024
+
+
+class NestedTooDeep(ValueError):
+    """JSON nested deeper than Python's decoder goes: text that is not JSON this reader takes."""
+
+
+def parse_json(text: str | bytes) -> Any:
+    """``json.loads`` of text a file holds. Python's decoder recurses, so JSON nested some
+    thousands deep raises ``RecursionError``, which no reader of bad input expects: here it
+    is ``NestedTooDeep``, a ``ValueError`` as any text that is not valid JSON.
+
+    >>> try:
+    ...     parse_json(b"[" * 100_000)
+    ... except ValueError as exc:
+    ...     print(exc)
+    JSON nested too deep to decode
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise NestedTooDeep("JSON nested too deep to decode") from None
+
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.=+-]")
 

@@ -20,9 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from metric_core.life import Life
-from metric_core.schema import TIMESTAMP_RANGE
+from metric_core.schema import TIMESTAMP_RANGE, parse_json
 
 PARQUET_KEY = "metriclog"
+# A key's entry of ``key_stats``: key, reduction, records, first step, last step, first
+# time, last time, non-finite values.
+KeyStats = tuple[str, str, int, int, int, float, float, int]
 SEGMENT_EVENT = "segment"
 SHUTDOWN_EVENT = "shutdown"
 # What marks a file metriclog wrote as a result (``reduce --out``), not as data: a Parquet
@@ -69,6 +72,9 @@ class SegmentMeta:
     # Parquet: each row group's records, lowest step and earliest time, in order (what the
     # footer says too, but outside any checksum)
     row_groups: tuple[tuple[int, int, float], ...] | None = None
+    # Each (key, reduction) of its records with what ``metriclog keys`` lists of it: records,
+    # first and last step, first and last time, how many values are NaN or infinite
+    key_stats: tuple[KeyStats, ...] | None = None
     # Set by a reader, never written: the fields it found malformed.
     ignored: tuple[str, ...] = field(default=(), compare=False)
 
@@ -113,8 +119,8 @@ class SegmentMeta:
         ('records', 'process')
         """
         try:
-            obj = json.loads(raw) if isinstance(raw, (str, builtins.bytes)) else raw
-        except (ValueError, RecursionError):
+            obj = parse_json(raw) if isinstance(raw, (str, builtins.bytes)) else raw
+        except ValueError:
             return None
         if not isinstance(obj, dict):
             return None
@@ -157,6 +163,7 @@ class SegmentMeta:
             attempt_first_step=field_of("attempt_first_step", lambda v: _typed(v, int)),
             life=field_of("life", _life),
             row_groups=field_of("row_groups", _row_groups),
+            key_stats=field_of("key_stats", _key_stats),
         )
         return dataclasses.replace(meta, ignored=tuple(ignored)) if ignored else meta
 
@@ -203,6 +210,24 @@ def _life(value: Any) -> Life:
 
 def _row_groups(value: Any) -> tuple[tuple[int, int, float], ...]:
     return tuple((_typed(n, int), _typed(s, int), float(_typed(t, (int, float)))) for n, s, t in value)
+
+
+def _key_stats(value: Any) -> tuple[KeyStats, ...]:
+    out = []
+    for key, reduction, records, first_step, last_step, first_time, last_time, nonfinite in value:
+        out.append(
+            (
+                _typed(key, str),
+                _typed(reduction, str),
+                _typed(records, int),
+                _typed(first_step, int),
+                _typed(last_step, int),
+                float(_typed(first_time, (int, float))),
+                float(_typed(last_time, (int, float))),
+                _typed(nonfinite, int),
+            )
+        )
+    return tuple(out)
 
 
 def _pairs(value: Any) -> tuple[tuple[str, str], ...]:

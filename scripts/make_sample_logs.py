@@ -10,7 +10,6 @@ Usage: python scripts/make_sample_logs.py [OUT_DIR]   (default sample_logs/rl_ru
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from metric_core import Metric, MetricCollector, Reduce
+from metric_core import Metric, MetricCollector, Reduce, run_json
 
 STEPS = 300
 START = 1_760_000_000.0  # 2025-10-09 08:53:20 UTC
@@ -59,17 +58,15 @@ def main(out: Path) -> None:
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    (out / "run.json").write_text(
-        json.dumps(
+    (out / "run.json").write_bytes(  # as rank 0's init() writes it, with its checksum
+        run_json.encode(
             {
                 "name": out.name,
                 "run_id": "5a3c0e6b9f2d4a18b7e1c0d2f4a6b8c9",  # fixed: the sample is regenerated alike
                 "world_size": 2,
                 "config": {"model": "toy-policy-1b", "lr": 3e-4, "batch_size": 64, "algorithm": "grpo"},
-            },
-            indent=2,
+            }
         )
-        + "\n"
     )
     for process, rank, fmt in (
         ("TrainActor_r0", 0, "parquet"),

@@ -68,6 +68,38 @@ def test_ray_gives_the_local_engines_bits(runs, options, monkeypatch):
         assert on_ray.equals(local), (run, options)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"by": "time", "every": "3s"},
+        {"mode": "per_rank_reduce", "by": "time", "every": "3s"},
+        {"by": "time", "every": "3s", "attempts": "all"},
+        {"mode": "per_rank_reduce", "keys": ["trainer/*"]},
+    ],
+    ids=str,
+)
+def test_ray_reads_a_restarted_source_as_the_local_engine(tmp_path_factory, local_ray, options, monkeypatch):
+    """A source restarted at step 10 after dying with its segments sealed: its first
+    attempt's Parquet segments are rewound in the Ray workers too (global_reduce --by time
+    reads no step column: the rewind needs it), none skipped, the local engine's bits."""
+    from metric_core import make_plan
+    from metric_core.offline import engine
+
+    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 40)
+    run = tmp_path_factory.getbasetemp() / "restarted"
+    if not run.exists():
+        run.mkdir()
+        write_collector_run(run, [("TrainActor_r0", 0)], steps=20, shutdown=False, segment_records=90)
+        write_collector_run(run, [("TrainActor_r0", 0)], steps=20, first_step=10, seed=1, segment_records=90)
+    plan = make_plan(**options)
+    local = engine.run_plan(run, plan)
+    on_ray = engine.run_plan(run, plan, engine="ray")
+    assert on_ray.frame.equals(local.frame)
+    assert local.frame.height > 0
+    for result in (local, on_ray):
+        assert not result.scan.report.has_skips, result.scan.report.summary()
+
+
 def test_the_command_line_writes_the_same_file_with_either_engine(runs, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

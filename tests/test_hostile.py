@@ -286,6 +286,72 @@ def test_a_file_reached_twice_is_read_once_and_a_loop_ends(tmp_path):
     assert "sub/loop: symlink to a directory inside the run directory, not followed" in plain
 
 
+def _run_with_samples(run: Path) -> list[float]:
+    """A source's records and samples, written by the writer; the records' values."""
+    import metric_core
+    from metric_core import Reduce, record_metric
+
+    metric_core.init(run, process_name="gen", catch_signals=False)
+    for step in range(3):
+        record_metric("loss", float(step))
+        record_metric("rollout", {"prompt": str(step), "reward": float(step)}, Reduce.SAMPLE)
+        metric_core.flush(step)
+    metric_core.shutdown()
+    return [0.0, 1.0, 2.0]
+
+
+@pytest.mark.parametrize(
+    "links",
+    [
+        {"a.jsonl": "b.jsonl", "b.jsonl": "a.jsonl"},  # a loop of two
+        {"x.parquet": "x.parquet"},  # a link to itself
+        {"y.r0.00000.journal": "y.r0.00000.journal"},
+        {"gone.jsonl": "nowhere.jsonl"},  # a link to nothing
+        {"run.json": "run.json"},
+        {"samples/z.r0.00000.samples.jsonl": "z.r0.00000.samples.jsonl"},
+    ],
+    ids=["two", "self", "journal", "dangling", "run.json", "samples"],
+)
+def test_a_symlink_that_reaches_no_file_is_named_and_the_rest_read(tmp_path, links):
+    run = tmp_path / "run"
+    want = _run_with_samples(run)
+    if "run.json" in links:
+        (run / "run.json").unlink()
+    for name, target in links.items():
+        (run / name).symlink_to(target)
+    for command in (
+        ["reduce", run, "--mode", "per_rank_no_reduce", "--out", tmp_path / "o.csv"],
+        ["keys", run],
+        ["inspect", run],
+        ["samples", run, "--out", tmp_path / "s.csv"],
+    ):
+        result = invoke(*command)
+        assert result.exit_code == 0, result.output
+        assert "Traceback" not in result.output
+        for name, target in links.items():
+            # samples reads journals and samples files; the others journals, records and run.json
+            samples = name.endswith(".samples.jsonl")
+            if name.endswith(".journal") or samples == (command[0] == "samples"):
+                said = "which does not exist" if target == "nowhere.jsonl" else "a loop of symlinks"
+                assert f"{name}: symlink to {target}, {said}" in result.stderr, (command, result.stderr)
+    assert pl.read_csv(tmp_path / "o.csv")["value"].to_list() == want
+    assert pl.read_csv(tmp_path / "s.csv")["prompt"].to_list() == [0, 1, 2]
+
+
+@pytest.mark.parametrize(
+    ("target", "said"),
+    [("run", "a loop of symlinks that never reaches a directory"), ("gone", "which does not exist")],
+)
+def test_a_run_directory_that_is_a_symlink_to_no_directory_is_said_so(tmp_path, target, said):
+    (tmp_path / "run").symlink_to(target)
+    for command in ("reduce", "keys", "inspect", "samples"):
+        result = invoke(command, tmp_path / "run")
+        assert result.exit_code == 1, result.output
+        assert result.stderr == (
+            f"Error: no readable metric record in {tmp_path / 'run'}: it is a symlink to {target}, {said}\n"
+        )
+
+
 def test_upload_never_writes_through_planted_symlinks(tmp_path):
     run = good_run(tmp_path / "run")
     victims = []
@@ -406,10 +472,18 @@ def _deep_jsonl_line(run: Path) -> str:
     return "a.jsonl: 1 record(s) skipped: line 2: JSON nested too deep to be a record"
 
 
+def _deep_first_line_beside_a_good_file(run: Path) -> str:
+    """With two files, the engine orders them by the source of another tool's JSONL file's
+    first line: parsed there too, it is no record either."""
+    pq.write_table(pa.Table.from_pylist([GOOD_RECORD]), run / "a.parquet")
+    (run / "b.jsonl").write_text('{"key": ' * 100_000 + "1" + "}" * 100_000 + "\n")
+    return "b.jsonl: 1 record(s) skipped: line 1: JSON nested too deep to be a record"
+
+
 def _deep_run_json(run: Path) -> str:
     (run / "a.jsonl").write_text(json.dumps(GOOD_RECORD) + "\n")
     (run / "run.json").write_text("[" * 100_000 + "]" * 100_000)
-    return "run.json: not valid JSON (maximum recursion depth exceeded"
+    return "run.json: not valid JSON (JSON nested too deep to decode)"
 
 
 def _timestamp_out_of_range(run: Path) -> str:
@@ -466,6 +540,7 @@ GOOD_RECORD = {"key": "k", "value": 1.0, "reduction": "mean", "step": 0, "timest
     "hostile",
     [
         _deep_jsonl_line,
+        _deep_first_line_beside_a_good_file,
         _deep_run_json,
         _timestamp_out_of_range,
         _binary_key_not_utf8,
@@ -478,6 +553,8 @@ def test_hostile_input_is_skipped_and_said_never_a_traceback(tmp_path, hostile):
     said = hostile(run)
     for command in (
         ["reduce", str(run), "--mode", "per_rank_no_reduce", "--out", str(tmp_path / "o.csv")],
+        ["reduce", str(run)],
+        ["reduce", str(run), "--mode", "per_rank_reduce"],
         ["inspect", str(run)],
     ):
         result = runner.invoke(app, command)

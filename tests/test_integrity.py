@@ -37,12 +37,12 @@ SOURCE = ("TrainActor_r0", 0)
 TRIALS = {"parquet": 400, "jsonl": 300, "journal": 200}
 
 
-def written_run(root: Path, file_format: str) -> tuple[Path, list[tuple]]:
+def written_run(root: Path, file_format: str, block: int = BLOCK) -> tuple[Path, list[tuple]]:
     """A run of one source in ``file_format`` (a journal: left open, as after a kill), and
     its records in the order written: (key, value, step, timestamp, rank, process)."""
     rng = np.random.default_rng(7)
     fmt = "parquet" if file_format == "journal" else file_format
-    writer = RawFileWriter(root, process=SOURCE[0], rank=SOURCE[1], file_format=fmt, block_records=BLOCK)
+    writer = RawFileWriter(root, process=SOURCE[0], rank=SOURCE[1], file_format=fmt, block_records=block)
     truth = []
     for step in range(STEPS):
         values = rng.normal(size=PER_STEP)
@@ -186,6 +186,53 @@ def test_a_jsonl_segment_cut_short_or_missing_a_block_says_what_its_writer_wrote
         assert result.frame.height == len(truth) - BLOCK * (3 if name == "cut" else 1), name
         assert result.scan.report.skipped_records == len(truth) - result.frame.height, name
         assert "though its writer wrote them" in result.scan.report.summary(), name
+
+
+@pytest.mark.parametrize("metadata", ["checked", "damaged"])
+@pytest.mark.parametrize("block", [BLOCK, 1000], ids=["blocks-of-100", "one-block"])
+def test_a_jsonl_segment_cut_short_returns_only_the_blocks_that_check(tmp_path, block, metadata):
+    """A sealed segment cut anywhere after its first line, a bit flipped in what is left
+    after its last whole block line ("TrainActor_r0" read as "TrainActor_r1", a source that
+    never wrote); with ``damaged`` metadata, a digit of its first line flipped too (it fails
+    its checksum). Exactly the records of the blocks whose block line survives come back;
+    with checked metadata, every other record the writer wrote is counted as skipped, and
+    the warning names the file and says it is cut short."""
+    run, truth = written_run(tmp_path / "run", "jsonl", block)
+    (path,) = run.glob("*.jsonl")
+    pristine = path.read_bytes()
+    first = pristine.index(b"\n") + 1
+    block_ends = [m.end() for m in re.finditer(rb'\{"event": "block", [^\n]*\n', pristine)]
+    rng = random.Random(f"cut-{block}-{metadata}")
+    for _ in range(40):
+        cut = rng.randrange(first, len(pristine))
+        data = bytearray(pristine[:cut])
+        verified = sum(end <= cut for end in block_ends)
+        tail = data.find(b'"process":"TrainActor_r0"', max([first, *(e for e in block_ends if e <= cut)]))
+        if tail != -1:
+            data[tail + len(b'"process":"TrainActor_r')] ^= 1  # '0' -> '1'
+        if metadata == "damaged":
+            at = data.index(b'"timestamp": ') + len(b'"timestamp": ') + 3
+            data[at] ^= 1  # a digit, still a digit: the line is JSON, its checksum fails
+        path.write_bytes(bytes(data))
+        want = truth[: min(verified * block, len(truth))]
+        where = f"cut at byte {cut} of {len(pristine)}"
+        if not want:  # nothing verified: nothing comes back, and the file is named
+            with pytest.raises(NoDataError, match=re.escape(path.name)):
+                run_plan(run, make_plan(mode="per_rank_no_reduce"))
+            continue
+        result = run_plan(run, make_plan(mode="per_rank_no_reduce"))
+        rows = result.frame.select("key", "value", "step", "timestamp", "rank", "process").rows()
+        assert collections.Counter(rows) == collections.Counter(want), (
+            f"{where}: {len(rows)} records back, {len(want)} verified; never written: "
+            f"{list(collections.Counter(rows) - collections.Counter(truth))[:2]}"
+        )
+        summary = result.scan.report.summary()
+        if metadata == "checked" and len(want) < len(truth):
+            assert result.scan.report.skipped_records == len(truth) - len(want), f"{where}: {summary}"
+            assert path.name in summary and "the file is cut short" in summary, f"{where}: {summary}"
+        if metadata == "damaged":
+            assert f"{path.name}: its metriclog metadata fails its checksum" in summary, f"{where}: {summary}"
+    path.write_bytes(pristine)
 
 
 def test_two_sealed_jsonl_segments_joined_read_whole(tmp_path):

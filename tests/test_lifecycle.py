@@ -8,10 +8,12 @@ attempt's from j on; ``--attempts all`` is numpy over everything written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -226,3 +228,68 @@ def test_files_written_before_attempts_existed_are_the_oldest_attempt(tmp_path):
     assert rows.select("step", "value").rows() == [(0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0)] + [
         (s, 2.0) for s in range(4, 8)
     ]
+
+
+NAN_SCRIPT = """
+import json, math, sys, time
+import metric_core
+from metric_core import record_metric
+run, first, last, segment_records = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+metric_core.init(
+    run, rank=0, process_name="T_r0", file_format="jsonl", step=first, segment_records=segment_records
+)
+for step in range(first, last + 1):
+    x = float(step * 10 + first)
+    record_metric("x", x)
+    record_metric("n", [math.nan, math.inf, -math.inf][step % 3])
+    metric_core.flush(step)
+    print(json.dumps({"step": step, "x": x}), flush=True)
+if first == 0:
+    time.sleep(600)  # killed here, after its flush of the last step
+metric_core.shutdown()
+"""
+
+
+@pytest.mark.parametrize("segment_records", [1_000_000, 7], ids=["killed-as-a-journal", "sealed-as-it-went"])
+def test_a_restart_is_rewound_when_its_jsonl_segments_hold_nan_and_infinities(tmp_path, segment_records):
+    """Sealed JSONL segments holding NaN or +-inf are read record by record (not scanned on
+    trust): their source and attempt still come from their checked metadata, so a restart
+    replaces the steps it wrote again, and inspect lists both attempts and their ends. With
+    segments of 7 records, each attempt seals steps 0-3 (4-7) as it goes, the first leaves
+    steps 4-6 in its journal and the second seals steps 8-9 at its shutdown."""
+    run, killed_at, restart_from, last = tmp_path / "run", 6, 4, 9
+    recorded: dict[int, list[dict]] = {}
+    for attempt, (first, to) in enumerate(((0, killed_at), (restart_from, last)), start=1):
+        argv = [sys.executable, "-c", NAN_SCRIPT, str(run), str(first), str(to), str(segment_records)]
+        child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        for line in child.stdout:  # what each flush that returned covered
+            recorded.setdefault(attempt, []).append(json.loads(line))
+            if attempt == 1 and recorded[1][-1]["step"] == killed_at:
+                deadline = time.monotonic() + 120
+                while len(list(run.glob("*.journal"))) > 1:  # every closed journal sealed first
+                    assert time.monotonic() < deadline, sorted(p.name for p in run.iterdir())
+                    time.sleep(0.05)
+                os.kill(child.pid, signal.SIGKILL)
+                break
+        assert child.wait(timeout=120) == (-signal.SIGKILL if attempt == 1 else 0)
+    assert list(run.glob("*.jsonl")), "the restart sealed its segments"
+    # the truth: the first attempt's steps below the restart's first step, then the restart's
+    want = [(r["step"], r["x"]) for r in recorded[1] if r["step"] < restart_from]
+    want += [(r["step"], r["x"]) for r in recorded[2]]
+    got = reduced(run, "per_rank_no_reduce")
+    xs = got.filter(pl.col("key") == "x").sort("step")
+    assert xs.select("step", "value").rows() == want
+    n = got.filter(pl.col("key") == "n").sort("step")
+    assert n["step"].to_list() == list(range(last + 1))
+    assert [repr(v) for v in n["value"]] == [
+        repr([math.nan, math.inf, -math.inf][s % 3]) for s in range(last + 1)
+    ]
+    result = CliRunner().invoke(app, ["inspect", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    (source,) = json.loads(result.stdout)["sources"]
+    first, second = source["attempts"]
+    assert (first["first_step"], second["first_step"]) == (0, restart_from)
+    assert (first["end"], second["end"]) == ("died", "shutdown")
+    assert first["replaced"] == 2 * (killed_at + 1 - restart_from)
+    assert source["status"] == "finished" and source["end"] == "shutdown"

@@ -8,6 +8,7 @@ import csv
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,7 @@ def test_every_sample_of_every_rank_comes_back_exactly_as_recorded(tmp_path, fmt
     run = job(tmp_path, fmt)
     want = truth(tmp_path, 3)
     got = read_samples(run)
-    assert got.notes == []
+    assert got.notes == [] and got.report.summary() == ""
     assert sorted((s.rank, s.step) for s in got.samples) == sorted((r, s) for s, r, _ in want)
     by_prompt = {s.fields["prompt"]: s for s in got.samples}
     assert len(by_prompt) == len(want) == 3 * 6 * 5
@@ -181,7 +182,7 @@ def test_a_journal_sealed_while_the_run_is_read_loses_none_of_its_samples(tmp_pa
     monkeypatch.setattr(os, "walk", walk_and_seal)
     got = read_samples(run)
     assert not journal.exists(), "the journal was sealed as the run was read"
-    assert [s.fields for s in got.samples] == recorded and not got.notes
+    assert [s.fields for s in got.samples] == recorded and not got.notes and not got.report.summary()
 
 
 def test_top_bottom_and_random_choices_equal_a_sort_and_numpys_generator(tmp_path):
@@ -243,7 +244,9 @@ def test_a_flipped_bit_in_a_sealed_block_leaves_that_block_out_and_says_so(tmp_p
     data[at + 5] ^= 0x01  # "step" -> "stdp" in a prompt: still valid JSON, but not what was written
     path.write_bytes(bytes(data))
     got = read_samples(run)
-    assert got.samples == [] and "fails its checksum" in got.notes[0] and str(path) in got.notes[0]
+    said = got.report.summary()
+    assert got.samples == [] and f"samples/{path.name}: 10 sample(s) skipped: 10 x a block at byte" in said
+    assert "fails its checksum (the file is damaged)" in said
     assert all("stdp" not in s.fields["prompt"] for s in got.samples)
 
 
@@ -337,14 +340,19 @@ def test_damaged_metadata_or_a_cut_file_is_said_never_read_as_other_data(tmp_pat
     at = data.index(b'"rank": 0') + len(b'"rank": ')
     path.write_bytes(data[:at] + b"1" + data[at + 1 :])  # the metadata says another rank
     got = read_samples(tmp_path / "a")
-    assert got.samples == [] and "not read" in got.notes[0] and path.name in got.notes[0]
+    said = got.report.summary()
+    assert got.samples == [] and f"samples/{path.name}: unreadable, skipped (" in said, said
     if fmt == "jsonl":  # a file cut after its first block: the rest is missing, and said
         one_rank(tmp_path / "b", 3, fmt=fmt)
         (path,) = (tmp_path / "b" / "samples").iterdir()
         lines = path.read_bytes().splitlines(keepends=True)
         path.write_bytes(b"".join(lines[:5]))  # metadata, 3 samples, and half of nothing
         got = read_samples(tmp_path / "b")
-        assert got.samples == [] and any("9 samples are not in it" in n for n in got.notes), got.notes
+        said = got.report.summary()
+        assert (
+            got.samples == []
+            and "9 x missing from the file, whose metadata declares 9 (cut or damaged)" in said
+        )
 
 
 def test_a_damaged_journal_is_said(tmp_path):
@@ -364,7 +372,8 @@ def test_a_damaged_journal_is_said(tmp_path):
     journal.write_bytes(bytes(data))
     got = read_samples(tmp_path)
     assert [s.fields["prompt"] for s in got.samples] == ["0"]
-    assert "fails its checksum" in got.notes[0] and journal.name in got.notes[0]
+    said = got.report.summary()
+    assert f"{journal.name}: 0 sample(s) skipped: frame at byte" in said and "fails its checksum" in said
 
 
 def test_a_source_of_samples_only_seals_by_size_and_the_commands_say_what_the_run_holds(tmp_path):
@@ -399,3 +408,123 @@ def test_a_samples_key_that_is_a_scalar_key_too_goes_beside_it_in_wb(tmp_path, m
     assert rows[0]["rollout"] == 7.0 and rows[0]["step"] == 0
     assert sorted(tables_of(run_file, "rollout_samples")) == [0, 1]
     assert any("go as 'rollout_samples'" in t for t in said)
+
+
+def test_a_journal_cut_short_is_said_as_reduce_says_it_and_only_its_last_frame_is_lost(tmp_path):
+    """A killed rank's journal cut in its last samples frame (a disk that filled, a copy cut
+    short): the samples of whole frames come back, and the cut is said, as reduce says it."""
+    run = tmp_path / "run"
+    script = (
+        "import os, signal, metric_core\n"
+        "from metric_core import Reduce, record_metric\n"
+        f"metric_core.init({str(run)!r}, process_name='gen')\n"
+        "for step in range(6):\n"
+        "    for i in range(5):\n"
+        "        record_metric('rollout', {'prompt': f'{step}/{i}', 'reward': float(i)}, Reduce.SAMPLE)\n"
+        "    record_metric('loss', float(step))\n"
+        "    metric_core.flush(step)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], timeout=120)
+    (journal,) = run.glob("*.journal")
+    data = journal.read_bytes()
+    journal.write_bytes(data[: data.rindex(b'"5/4"')])  # inside the frame that holds 5/4
+    done = subprocess.run([METRICLOG, "samples", str(run)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    prompts = [r["prompt"] for r in csv.DictReader(io.StringIO(done.stdout))]
+    flushed = [f"{step}/{i}" for step in range(5) for i in range(5)]  # in frames before the cut
+    assert prompts[:25] == flushed and set(prompts[25:]) < {f"5/{i}" for i in range(4)}
+    cut = "unfinished write at the end (the writer was killed mid-write, or is writing now)"
+    assert f"  {journal.name}: 0 sample(s) skipped: {cut}" in done.stderr.splitlines(), done.stderr
+    reduced = subprocess.run([METRICLOG, "reduce", str(run)], capture_output=True, text=True, timeout=120)
+    assert f"  {journal.name}: 0 record(s) skipped: {cut}" in reduced.stderr.splitlines(), reduced.stderr
+
+
+@pytest.mark.parametrize(
+    ("by", "said"),
+    [
+        ("rewrd", "is no field of the samples"),
+        ("prompt", "is not a number in any sample (it holds text)"),
+        ("ok", "is not a number in any sample (it holds bool)"),
+    ],
+)
+def test_ranking_by_a_field_that_is_no_number_of_any_sample_is_an_error_naming_the_numeric_ones(
+    tmp_path, by, said
+):
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    run = job(tmp_path, "parquet", ranks=1, steps=2)
+    result = CliRunner().invoke(app, ["samples", str(run), "--top", "1", "--by", by])
+    assert result.exit_code == 1, result.output
+    assert result.stderr == f"Error: --by '{by}' {said}; the samples' numeric fields: np, reward, tokens\n"
+    assert result.stdout == ""
+    with pytest.raises(metric_core.MetricLogError, match=f"^by='{by}' {re.escape(said)}"):
+        metric_core.select_samples(run, top=1, by=by)
+
+
+def test_a_key_whose_samples_lack_the_ranking_field_is_said(tmp_path):
+    metric_core.init(tmp_path, process_name="gen")
+    record_metric("scored", {"reward": 1.0}, Reduce.SAMPLE)
+    record_metric("unscored", {"prompt": "x"}, Reduce.SAMPLE)
+    metric_core.flush(0)
+    metric_core.shutdown()
+    frame, read = metric_core.select_samples(tmp_path, top=1, by="reward")
+    assert frame["key"].to_list() == ["scored"]
+    assert [str(n) for n in read.notes] == [
+        "by='reward': no sample of 'unscored' holds it as a number; none of theirs is shown"
+    ]
+
+
+def _unrelated_parquet(run: Path) -> None:
+    import polars as pl
+
+    pl.DataFrame({"a": [1, 2], "b": ["x", "y"]}).write_parquet(run / "t.parquet")
+
+
+@pytest.mark.parametrize("fill", [lambda run: None, _unrelated_parquet], ids=["empty", "unrelated"])
+def test_a_run_without_metriclog_files_is_the_error_reduce_gives(tmp_path, fill):
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    run = tmp_path / "run"
+    run.mkdir()
+    fill(run)
+    listed = CliRunner().invoke(app, ["samples", str(run)])
+    reduced = CliRunner().invoke(app, ["reduce", str(run)])
+    assert listed.exit_code == reduced.exit_code == 1, listed.output
+    assert listed.stderr == reduced.stderr and listed.stderr.startswith(
+        f"Error: no readable metric record in {run}"
+    )
+
+
+def test_a_run_of_records_only_says_there_is_no_sample(tmp_path):
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    one_rank(tmp_path, 2, samples=False)
+    result = CliRunner().invoke(app, ["samples", str(tmp_path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == []
+    assert result.stderr == (
+        f"warning: {tmp_path} holds no sample (Reduce.SAMPLE), records only: "
+        f"`metriclog keys {tmp_path}` lists their keys\n"
+    )
+
+
+def test_a_run_whose_samples_files_could_none_be_read_is_an_error_after_the_warning(tmp_path):
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    one_rank(tmp_path, 3, samples=True)
+    (path,) = (tmp_path / "samples").iterdir()
+    path.write_bytes(path.read_bytes()[:100])  # cut inside its first bytes
+    result = CliRunner().invoke(app, ["samples", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    warning, *_, error = result.stderr.splitlines()
+    assert warning == f"warning: skipped 0 sample(s) and 1 unreadable file(s) in {tmp_path}:"
+    assert f"  samples/{path.name}: unreadable, skipped (" in result.stderr
+    assert error == (
+        f"Error: no sample (Reduce.SAMPLE) in {tmp_path}: none of its samples files could be read "
+        "(see the warning above)"
+    )

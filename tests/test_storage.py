@@ -453,3 +453,23 @@ def test_a_folder_of_several_runs_says_so(s3, tmp_path):
             assert any(
                 n.startswith(f"{name}/run.json: {name} looks like a run of its own") for n in notices
             ), notices
+
+
+def test_an_object_whose_key_no_path_names_is_named_and_the_rest_read(s3):
+    """A key ending in "/" that holds bytes, or with a ".." part, cannot be read as a path:
+    it was read as an empty file, or taken for a hidden one, without a word."""
+    line = json.dumps(
+        {"key": "k", "value": 1.0, "reduction": "mean", "step": 0, "timestamp": 1.7e9, "rank": 0}
+    )
+    for key in ("odd/good.jsonl", "odd/e.jsonl/", "odd/x/../d.jsonl", "odd/s/z.r0.00000.samples.jsonl/"):
+        s3["client"].put_object(Bucket="runs", Key=key, Body=line.encode() + b"\n")
+    s3["client"].put_object(Bucket="runs", Key="odd/folder/", Body=b"")  # a console's folder: no data
+    scan = scan_run("s3://runs/odd")
+    assert [(rel, why) for rel, why in scan.report.skipped_paths] == [
+        ("s3://runs/odd/e.jsonl/", "its key ends in '/', which no path names: not read"),
+        ("s3://runs/odd/x/../d.jsonl", "its key has a '.' or '..' part, which no path names: not read"),
+    ]
+    assert scan.report.records == 1
+    done = cli("samples", "s3://runs/odd", env=s3["env"])
+    assert "s/z.r0.00000.samples.jsonl/: its key ends in '/', which no path names: not read" in done.stderr
+    assert "folder" not in done.stderr and "Traceback" not in done.stderr

@@ -157,8 +157,20 @@ def _nearest(pattern: str, keys: list[str], more: bool = False) -> str:
     """The run's keys (``keys``; ``more``: the first SAMPLED_KEYS of more) nearest to ``pattern``."""
     if not keys:
         return "the run holds no key"
-    if len(keys) <= LISTED_KEYS and not more:
-        return "the run's keys: " + ", ".join(keys)
-    near = difflib.get_close_matches(pattern, keys, NEAREST_KEYS, cutoff=0.0)
-    among = f"the first {len(keys):,} of the run's keys" if more else f"the run's {len(keys)} keys"
+    return nearest(pattern, keys, more=more)
+
+
+def nearest(
+    wanted: str, names: list[str], *, whose: str = "the run's", noun: str = "keys", more: bool = False
+) -> str:
+    """``names`` said for a ``wanted`` that is none of them: all of them when they are few,
+    else the nearest few (``more``: ``names`` are the first of more).
+
+    >>> nearest("rewrd", ["reward", "tokens"], whose="the samples'", noun="numeric fields")
+    "the samples' numeric fields: reward, tokens"
+    """
+    if len(names) <= LISTED_KEYS and not more:
+        return f"{whose} {noun}: " + ", ".join(names)
+    near = difflib.get_close_matches(wanted, names, NEAREST_KEYS, cutoff=0.0)
+    among = f"the first {len(names):,} of {whose} {noun}" if more else f"{whose} {len(names)} {noun}"
     return f"nearest of {among}: " + ", ".join(near)

@@ -1,52 +1,248 @@
 """What a run holds, key by key: ``list_keys`` (``metriclog keys``).
 
-One pass over the records (no file keeps per-key counts): every key with the reduction
-its records are kept under, how many records, from how many sources, its first and last
-step and time, and how many of its values are NaN or infinite.
+Every key with the reduction its records are kept under, how many records, from how many
+sources, its first and last step and time, and how many of its values are NaN or infinite.
+
+The writer declares all of this per segment (``key_stats`` in its metadata, docs/format.md),
+so a run of its sealed segments is answered from their footers or first lines alone: no
+column is read. Other files (another tool's, the journals of a running job, segments
+sealed before the writer declared it, a segment a restart rewound) are read once, only the
+columns the answer needs, a row group at a time, and folded into per-key rows as they
+come: memory holds the keys, not the records.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Callable, Iterable, Iterator
 
 import polars as pl
 
-from metric_core.offline.read import OnRead, scan_run
+from metric_core.offline import filters
+from metric_core.offline.plan import key_matcher, make_plan
+from metric_core.offline.read import OnProgress, OnRead, RunScan, scan_run
+from metric_core.offline.read.parquet import footer
+
+# Records of a file read at a time (a frame, then its per-key rows).
+BATCH_ROWS = 500_000
+# Per-key rows of the frames held before they are folded into one (or twice the rows folded)
+FOLDED_ROWS = 1_000_000
+
+_COLUMNS = ["key", "reduction", "process", "rank", "step", "timestamp", "value"]
+# Counts of a frame (or a segment) fit 32 bits: held so, summed as 64 (millions of keys are
+# held as rows until the end).
+_STATS = {
+    "records": pl.UInt32,
+    "first_step": pl.Int64,
+    "last_step": pl.Int64,
+    "first_time": pl.Float64,
+    "last_time": pl.Float64,
+    "nonfinite": pl.UInt32,
+}
+# A (key, reduction, source)'s row: what the frames and the declared statistics give.
+_ROW = {"key": pl.String, "reduction": pl.Categorical, "source": pl.UInt32, **_STATS}
 
 
 def list_keys(
     run: str | os.PathLike[str],
     *,
+    keys: Iterable[str] = (),
     follow_symlinks: bool = False,
     attempts: str = "rewind",
     on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
 ) -> pl.DataFrame:
     """A row a key: ``key``, ``reductions``, ``records``, ``sources``, ``first_step``,
     ``last_step``, ``first_time``, ``last_time`` (epoch seconds), ``nonfinite``, as a
-    polars DataFrame sorted by key. Reads every record once (the counts of non-finite
-    values need them). Raises ``NoDataError`` for a run without a readable record.
+    polars DataFrame sorted by key; ``keys``: only keys matching these globs (``--key``).
+    The writer's sealed segments are answered from their metadata; other files are read
+    (their key, reduction, source, step, time and value columns), once, on the engine's
+    threads. Raises ``NoDataError`` for a run without a readable record,
+    ``FilteredOutError`` when no key matches ``keys``.
 
     >>> list_keys("sample_logs/rl_run").select("key", "reductions", "records", "sources").row(0)
     ('policy/latency_s', 'mean', 3840, 2)
+    >>> list_keys("sample_logs/rl_run", keys=["trainer/*"])["key"].to_list()
+    ['trainer/grad_norm', 'trainer/loss', 'trainer/lr', 'trainer/tokens_per_s']
     """
-    scan = scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts)
+    from metric_core.offline.engine.pool import on_threads
+
+    patterns = list(keys)
+    match = key_matcher(patterns) if patterns else None
+    scan = scan_run(run, follow_symlinks=follow_symlinks, attempts=attempts, defer_checks=True)
+    seen = filters.Seen.wanted_by(make_plan(keys=patterns))
+    fold = _Fold()
+
+    def kept(rows: pl.DataFrame) -> pl.DataFrame:
+        if seen.keys is not None:
+            seen.add(None, rows["key"].unique())
+        if match is None or not rows.height:
+            return rows
+        return rows.filter(pl.col("key").is_in([k for k in rows["key"].unique() if match(k)]))
+
+    def read(part: tuple[int, list[int] | None]) -> Iterator[pl.DataFrame]:
+        fid, groups = part
+        for df in scan.batches(fid, _COLUMNS, row_groups=groups, rows=BATCH_ROWS):
+            if df.height:
+                yield kept(_frame_rows(df, fold.source_id))
+
     try:
-        keys = (
-            scan.frame.group_by("key")
-            .agg(
-                reductions=pl.col("reduction").unique().sort().str.join(","),
-                records=pl.len(),
-                sources=pl.struct("process", "rank").n_unique(),
-                first_step=pl.col("step").min(),
-                last_step=pl.col("step").max(),
-                first_time=pl.col("timestamp").min(),
-                last_time=pl.col("timestamp").max(),
-                nonfinite=(~pl.col("value").is_finite()).sum(),
-            )
-            .sort("key")
-            .collect(engine="streaming")
-        )
+        parts: list[tuple[int, list[int] | None]] = []
+        for fid in scan.file_ids:
+            declared = _declared_rows(scan, fid, fold.source_id)
+            if declared is not None:
+                fold.add(kept(declared))
+            else:
+                parts += _parts(scan, fid)
+        sizes = [_size(scan, fid, groups) for fid, groups in parts]
+        for _, rows in on_threads(read, parts, sizes, on_progress):
+            if rows is not None:
+                fold.add(rows)
+        found = fold.keys()
     finally:
         if on_read is not None:
             on_read(scan.report)
-    return keys
+    if found.height == 0 and patterns and scan.report.records:
+        plan = make_plan(keys=patterns)
+        raise filters.nothing_left(str(scan.run_dir), plan, filters.unmatched(plan, seen))
+    return found
+
+
+def _declared_rows(scan: RunScan, fid: int, source_id: Callable[[str, int], int]) -> pl.DataFrame | None:
+    """A file's rows a (key, reduction, source) from its writer's ``key_stats``, when the
+    file is its writer's as sealed and no restart cut it; else None (its records are read)."""
+    rep = scan.report.files[fid]
+    if rep.key_stats is None or rep.source is None or not scan.trusted(fid) or rep.replaced_from is not None:
+        return None
+    stats = list(zip(*rep.key_stats, strict=True)) if rep.key_stats else [()] * 8
+    names = ["key", "reduction", *_STATS]
+    frame = pl.DataFrame(dict(zip(names, map(list, stats), strict=True)), schema={n: _ROW[n] for n in names})
+    return frame.with_columns(source=pl.lit(source_id(*rep.source), pl.UInt32)).select(*_ROW)
+
+
+def _parts(scan: RunScan, fid: int) -> list[tuple[int, list[int] | None]]:
+    """What of a file is read at a time, on a thread: a Parquet file's row groups, one by
+    one; another file whole."""
+    rep = scan.report.files[fid]
+    if rep.format != "parquet" or rep.unreadable is not None:
+        return [(fid, None)]
+    try:
+        groups = footer(rep.path).num_row_groups
+    except Exception:  # read whole: its reading says what is wrong
+        return [(fid, None)]
+    return [(fid, [g]) for g in range(groups)] if groups > 1 else [(fid, None)]
+
+
+def _size(scan: RunScan, fid: int, groups: list[int] | None) -> int:
+    """The bytes a part stands for (what progress counts)."""
+    rep = scan.report.files[fid]
+    if groups is None:
+        return rep.size
+    return rep.size // max(footer(rep.path).num_row_groups, 1)
+
+
+def _frame_rows(df: pl.DataFrame, source_id: Callable[[str, int], int]) -> pl.DataFrame:
+    """A frame's records as rows a (key, reduction, source)."""
+    ts, step = pl.col("timestamp"), pl.col("step")
+    grouped = df.group_by("key", "reduction", "process", "rank").agg(
+        records=pl.len(),
+        first_step=step.min(),
+        last_step=step.max(),
+        first_time=ts.min(),
+        last_time=ts.max(),
+        nonfinite=(~pl.col("value").is_finite()).sum(),
+    )
+    sources = grouped.select(pl.col("process").cast(pl.String), "rank").unique()
+    ids = pl.Series("source", [source_id(p, r) for p, r in sources.iter_rows()], pl.UInt32)
+    return (
+        grouped.with_columns(pl.col("process").cast(pl.String))
+        .join(sources.with_columns(ids), on=["process", "rank"])
+        .select(pl.col("key").cast(pl.String), "reduction", "source", *_STATS)
+        .cast(_ROW)  # type: ignore[arg-type]
+    )
+
+
+class _Fold:
+    """Rows a (key, reduction, source) folded as they come: held rows are folded into one
+    frame when they pass FOLDED_ROWS (or twice the rows folded before), so a run of a few
+    keys holds a few rows whatever its records. Where a fold hardly shrinks them (keys
+    mostly distinct: millions of them), they are held as they come until the end, where
+    sorting them by key puts each key's rows together (``keys``)."""
+
+    def __init__(self) -> None:
+        self.parts: list[pl.DataFrame] = []
+        self.held = 0
+        self.folded = 0
+        self.distinct = False
+        self.sources: dict[tuple[str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def source_id(self, process: str, rank: int) -> int:
+        """A number for a (process, rank): sources are counted as numbers, not pairs of strings."""
+        with self._lock:  # asked from the reading threads
+            return self.sources.setdefault((process, int(rank)), len(self.sources))
+
+    def add(self, rows: pl.DataFrame) -> None:
+        self.parts.append(rows)
+        self.held += rows.height
+        if not self.distinct and len(self.parts) > 1 and self.held > max(FOLDED_ROWS, 2 * self.folded):
+            before = self.held
+            self.parts = [_folded(pl.concat(self.parts, how="vertical_relaxed"))]
+            self.held = self.folded = self.parts[0].height
+            self.distinct = self.folded > before // 2
+
+    def keys(self) -> pl.DataFrame:
+        """A row a key, sorted by key."""
+        rows = pl.concat(self.parts, how="vertical_relaxed") if self.parts else pl.DataFrame(schema=_ROW)
+        self.parts = []
+        # Sorted a column at a time, each let go once gathered: a copy of the rows is never
+        # held whole (a string column's gather copies its views, not its text).
+        order = rows["key"].arg_sort()
+        columns = {}
+        for name in list(rows.columns):
+            columns[name] = rows[name].gather(order)
+            rows = rows.drop(name)
+        del order
+        rows = pl.DataFrame(columns)
+        del columns
+        starts = rows.select(start=pl.col("key").ne_missing(pl.col("key").shift(1)).fill_null(True))["start"]
+        if starts.all():  # every key once: its row is its answer
+            return rows.select(
+                "key",
+                reductions=pl.col("reduction").cast(pl.String),
+                records=pl.col("records").cast(pl.UInt64),
+                sources=pl.lit(1, pl.UInt32),
+                first_step="first_step",
+                last_step="last_step",
+                first_time="first_time",
+                last_time="last_time",
+                nonfinite=pl.col("nonfinite").cast(pl.UInt64),
+            )
+        return (
+            rows.with_columns(group=starts.cum_sum())
+            .group_by("group", maintain_order=True)
+            .agg(
+                pl.col("key").first(),
+                reductions=pl.col("reduction").cast(pl.String).unique().sort().str.join(","),
+                records=pl.col("records").cast(pl.UInt64).sum(),
+                sources=pl.col("source").n_unique(),
+                first_step=pl.col("first_step").min(),
+                last_step=pl.col("last_step").max(),
+                first_time=pl.col("first_time").min(),
+                last_time=pl.col("last_time").max(),
+                nonfinite=pl.col("nonfinite").cast(pl.UInt64).sum(),
+            )
+            .drop("group")
+        )
+
+
+def _folded(rows: pl.DataFrame) -> pl.DataFrame:
+    return rows.group_by("key", "reduction", "source").agg(
+        pl.col("records").cast(pl.UInt64).sum(),
+        pl.col("first_step").min(),
+        pl.col("last_step").max(),
+        pl.col("first_time").min(),
+        pl.col("last_time").max(),
+        pl.col("nonfinite").cast(pl.UInt64).sum(),
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
 import io
 import os
 import sys
@@ -141,10 +142,12 @@ def size_and_mtime(path: RunPath) -> tuple[int, int]:
     return st.st_size, int(getattr(st, "st_mtime_ns", 0) or st.st_mtime * 1e9)
 
 
-def listing(root: UPath) -> Iterator[UPath]:
+def listing(root: UPath, unnamed: list[tuple[str, str]] | None = None) -> Iterator[UPath]:
     """Every object below ``root``, once: one listing call (object storage has no
     directories to walk, no symlinks and no loops); their bytes and mtimes are kept for
-    ``size_and_mtime``. Raises
+    ``size_and_mtime``. An object whose key no path names (a key ending in "/" that holds
+    bytes, a "." or ".." part) cannot be read as a path: it is left out, and put in
+    ``unnamed`` as (its URL, why). Raises
     ``NoDataError`` when nothing is stored below it, ``StorageError`` when its bucket is missing."""
     with storage_errors(root):
         root.fs.invalidate_cache(root.path)  # a poll's listing is the store's now, as are its ETags
@@ -166,9 +169,25 @@ def listing(root: UPath) -> Iterator[UPath]:
     for gone in [k for k in _listed if k.startswith(below)]:  # this listing replaces the last
         del _listed[gone]
     for key, info in sorted(objects.items()):
-        path = root.joinpath(key[len(root.path) :].lstrip("/"))
+        name = key[len(root.path) :].lstrip("/")
+        why = _no_path(name, int(info.get("size") or 0))
+        if why is not None:
+            if unnamed is not None and why:
+                unnamed.append((f"{str(root).rstrip('/')}/{name}", why))
+            continue
+        path = root.joinpath(name)
         _listed[str(path)] = (int(info.get("size") or 0), _mtime_ns(info))
         yield path
+
+
+def _no_path(name: str, size: int) -> str | None:
+    """Why no path names the object ``name`` (below a run's prefix), '' for a folder marker
+    (an empty object whose key ends in "/", as consoles make for folders), None if one does."""
+    if name.endswith("/"):
+        return "" if size == 0 else "its key ends in '/', which no path names: not read"
+    if any(part in (".", "..") for part in name.split("/")):
+        return "its key has a '.' or '..' part, which no path names: not read"
+    return None
 
 
 def _mtime_ns(info: dict[str, Any]) -> int:
@@ -183,6 +202,22 @@ def _mtime_ns(info: dict[str, Any]) -> int:
         if isinstance(value, datetime.datetime):
             return int(value.timestamp() * 1e9)
     return 0
+
+
+def not_a_directory(root: Path) -> str:
+    """Why the local path ``root`` is no directory to read: it does not exist, it is a file,
+    or it is a symlink that reaches none (a loop of symlinks, or a link to nothing)."""
+    try:
+        root.stat()
+    except OSError as exc:
+        try:
+            target = os.readlink(root)
+        except OSError:
+            return "it does not exist"
+        if exc.errno == errno.ELOOP:
+            return f"it is a symlink to {target}, a loop of symlinks that never reaches a directory"
+        return f"it is a symlink to {target}, which does not exist"
+    return "it is not a directory"
 
 
 def missing_run(root: RunPath) -> NoDataError | None:

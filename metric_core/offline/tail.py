@@ -240,6 +240,7 @@ class RunTail:
         self.sources: dict[Source, SourceState] = {}
         self.notices: list[str] = []  # what the caller should say (each once)
         self.meta: dict[str, Any] = {}
+        self.run_json_damaged: str | None = None  # why run.json is damaged, as the latest poll read it
         self.skipped = 0
         self.active = False  # the last poll found something written (settled or not)
         self._noticed: set[str] = set()
@@ -268,6 +269,7 @@ class RunTail:
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
             self.meta = read_run_json(self.root, report)
+            self.run_json_damaged = report.run_json_damaged
         frames = []
         paths = list_data_files(self.root, report, follow_symlinks=self.follow_symlinks)
         sealed = [p for p in paths if p.suffix != ".journal" and p not in self.done]

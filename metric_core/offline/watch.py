@@ -38,6 +38,7 @@ from typing import Any
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run
+from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
@@ -122,6 +123,14 @@ def watch_run(
     seen: dict[tuple[str, int], tuple[str, str]] = {}  # a source -> (newest attempt, state)
     result = WatchResult(FINISHED, None)
     over_since: float | None = None
+    said: set[str] = set()
+
+    def run_json_noted(read: ReadReport) -> None:  # a damaged run.json, said once, not each poll
+        for notice in read.notices:
+            if notice.startswith("run.json:") and notice not in said:
+                said.add(notice)
+                note(notice)
+
     while True:
         try:
             report = inspect_run(
@@ -130,6 +139,7 @@ def watch_run(
                 attempts=attempts,
                 cache=cache,
                 stall_after=stall_after,
+                on_read=run_json_noted,
             )
         except NoDataError as exc:  # not started yet: wait for its first records
             if on_waiting is not None:

@@ -7,7 +7,6 @@ lookups and a method call would be a third of its cost.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
@@ -15,12 +14,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from metric_core import run_json
 from metric_core.atomic import create_file
 from metric_core.errors import ConfigError, NotInitializedError, warn
 from metric_core.metric import Reduce
 from metric_core.writer import collector as collector_module
 from metric_core.writer.backends import LoggerBackend
-from metric_core.writer.collector import HANG_DUMP_AFTER, MetricCollector, _as_float, _now
+from metric_core.writer.collector import (
+    EXACT_TYPES,
+    HANG_DUMP_AFTER,
+    WIDE_INTEGERS,
+    MetricCollector,
+    _as_float,
+    _now,
+)
 from metric_core.writer.segments import MAX_UNWRITTEN
 
 _active: MetricCollector | None = None
@@ -143,6 +150,9 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     Returns nothing: the value is written by the collector's thread. Raises
     ``NotInitializedError`` before ``init`` (or after ``shutdown``), and ``ValueError`` or ``TypeError`` for a
     value that is no number (or a sample that is no dict, or too large), naming the key.
+    An integer past 2**53 in magnitude (a Python int, a numpy integer, a 0-d integer
+    tensor) is a ``ValueError`` too: float64, what a value is stored as, would round it;
+    record ``float(value)`` if that rounding is fine.
 
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), process_name="trainer")
@@ -159,9 +169,17 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
         return
     else:
         code = _intern(key, reduction)
-    try:
-        _extend((value, code, _now()))  # the array converts int, bool and numpy scalars
-    except (TypeError, ValueError, OverflowError):
+    # float64 holds every int up to 2**53 exactly, and every value of EXACT_TYPES: the array
+    # takes those as they are; _as_float checks the rest (exact or refused, docs/format.md).
+    cls = value.__class__
+    if (
+        cls is float
+        or (cls is int and -(2**53) <= value <= 2**53)
+        or cls in EXACT_TYPES
+        or (cls in WIDE_INTEGERS and -(2**53) <= value <= 2**53)
+    ):
+        _extend((value, code, _now()))
+    else:
         _extend((_as_float(key, value), code, _now()))
 
 
@@ -252,7 +270,7 @@ def _env_int(name: str, default: int | None) -> int | None:
 
 def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, Any] | None) -> None:
     """Create run.json unless it exists: the first rank-0 process of any role wins."""
-    path = run_dir / "run.json"
+    path = run_dir / run_json.NAME
     if path.exists():
         return
     meta: dict[str, Any] = {
@@ -264,7 +282,7 @@ def _write_run_json(run_dir: Path, *, world_size: int | None, config: dict[str, 
     if config is not None:
         meta["config"] = config
     try:
-        create_file(path, (json.dumps(meta, indent=2, default=str) + "\n").encode())
+        create_file(path, run_json.encode(meta))
     except OSError as exc:  # metadata only: the records are what must not be lost
         warn(
             f"could not write {path} ({exc.strerror or exc}): the run's name, world_size and config "

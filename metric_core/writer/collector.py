@@ -43,7 +43,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pyarrow as pa
@@ -207,9 +207,15 @@ class MetricCollector:
             return
         else:
             code = self._intern(key, reduction)
-        try:
+        cls = value.__class__
+        if (
+            cls is float
+            or (cls is int and -(2**53) <= value <= 2**53)
+            or cls in EXACT_TYPES
+            or (cls in WIDE_INTEGERS and -(2**53) <= value <= 2**53)
+        ):
             self._extend((value, code, _now()))
-        except (TypeError, ValueError, OverflowError):
+        else:  # what the array would take but round (an int past 2**53), or not take
             self._extend((_as_float(key, value), code, _now()))
 
     def push(self, metric: Metric) -> None:
@@ -224,9 +230,15 @@ class MetricCollector:
             return
         else:
             code = self._intern(key, reduction)
-        try:
+        cls = value.__class__
+        if (
+            cls is float
+            or (cls is int and -(2**53) <= value <= 2**53)
+            or cls in EXACT_TYPES
+            or (cls in WIDE_INTEGERS and -(2**53) <= value <= 2**53)
+        ):
             self._extend((value, code, at))
-        except (TypeError, ValueError, OverflowError):
+        else:
             self._extend((_as_float(key, value), code, at))
 
     def record_sample(self, key: str, sample: dict[str, Any], timestamp: float | None = None) -> None:
@@ -563,26 +575,73 @@ def _step_of(step: Any, where: str) -> int:
     return value
 
 
-def _as_float(key: str, value: Any) -> float:
-    """The slow path of record(): everything that is not already a float."""
-    if isinstance(value, (bool, int, float)):
-        try:
-            return float(value)
-        except OverflowError:
-            text = str(value)
-            shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
-            raise ValueError(
-                f"metric '{key}': value {shown} is too large for a float64 (at most about 1.8e308)"
-            ) from None
+def _as_float(key: str, value: Any) -> Any:
+    """The slow path of record(): every value but a float, an int float64 holds exactly and
+    the ``EXACT_TYPES``. What it returns, the buffer's ``array('d')`` takes as it is; an
+    integer past 2**53 in magnitude is refused, never rounded (docs/format.md: exact or refused)."""
+    if isinstance(value, _INTEGERS):  # an int past 2**53, numpy's int64 and uint64, IntEnum
+        exact = int(value)
+        return exact if -(2**53) <= exact <= 2**53 else _refused(key, exact)
+    if isinstance(value, _FLOATS):  # float subclasses, numpy's other floats: the array converts them
+        return value
     item = getattr(value, "item", None)
-    if item is not None:  # numpy scalars and 0-d arrays, 0-d torch tensors
+    if item is not None:  # 0-d arrays and tensors (numpy's, torch's)
         try:
             inner = item()
-        except (ValueError, RuntimeError):
+        except (ValueError, RuntimeError, TypeError):
             inner = None
-        if isinstance(inner, (bool, int, float)):
-            return float(inner)
+        if isinstance(inner, float):
+            return inner
+        if isinstance(inner, int):
+            return inner if -(2**53) <= inner <= 2**53 else _refused(key, inner)
+    elif hasattr(type(value), "__index__"):  # another type of integer
+        exact = operator.index(value)
+        return exact if -(2**53) <= exact <= 2**53 else _refused(key, exact)
+    elif hasattr(type(value), "__float__"):  # Decimal, Fraction: a number float64 may round
+        try:
+            return float(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
     raise TypeError(
         f"metric '{key}': value {value!r} of type {type(value).__name__} is not a number; "
         "pass a Python number, a bool, a numpy scalar or a 0-d tensor"
+    )
+
+
+# The types of which float64 holds every value exactly: the array takes them as they are.
+# Ints past 2**53 (Python's, numpy's int64 and uint64) are checked one by one.
+EXACT_TYPES = frozenset(
+    {
+        bool,
+        np.bool_,
+        np.float64,
+        np.float32,
+        np.float16,
+        np.int8,
+        np.int16,
+        np.int32,
+        np.uint8,
+        np.uint16,
+        np.uint32,
+    }
+)
+WIDE_INTEGERS = frozenset({np.int64, np.uint64})  # compared with 2**53 in place: no call
+_INTEGERS = (int, np.integer)
+_FLOATS = (float, np.floating)
+
+
+def _refused(key: str, value: int) -> NoReturn:
+    """The ValueError of an integer past 2**53 in magnitude: float64 would round it."""
+    text = str(value)
+    shown = text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+    try:
+        rounded = float(value)
+    except OverflowError:
+        raise ValueError(
+            f"metric '{key}': value {shown} is too large for a float64 (at most about 1.8e308)"
+        ) from None
+    raise ValueError(
+        f"metric '{key}': the integer {shown} is past 2**53 in magnitude, where float64 (what a value is "
+        f"stored as) no longer holds every integer: it would be read back as {rounded!r}. Record "
+        f"float(value) if that rounding is fine, or record it in a smaller unit (thousands, millions)"
     )

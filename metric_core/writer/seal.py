@@ -12,6 +12,7 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -53,6 +54,7 @@ def seal_journal(path: Path, writer: RawFileWriter) -> None:
         keys=tuple(decoded.pairs),
         steps=_bounds(table, "step"),
         timestamps=_bounds(table, "timestamp"),
+        key_stats=_key_stats(table),
         dropped=tuple(decoded.dropped),
         attempt=writer.attempt,
         attempt_started=writer.attempt_started,
@@ -165,6 +167,43 @@ def _row_groups(table: pa.Table, size: int) -> tuple[tuple[int, int, float], ...
 def _block_line(block: bytes | pa.Buffer, lines: int) -> bytes:
     """The line that follows a block of a sealed JSONL segment: its CRC-32 and its lines."""
     return (json.dumps({"event": BLOCK_EVENT, "crc32": zlib.crc32(block), "lines": lines}) + "\n").encode()
+
+
+def _key_stats(table: pa.Table) -> tuple[Any, ...]:
+    """Each (key, reduction) of the records with their count, first and last step and time,
+    and how many values are NaN or infinite: ``metriclog keys`` answers from these. numpy
+    over dictionary codes (pyarrow's group_by starts threads, which an interpreter that is
+    exiting, where a collector left open is sealed, refuses)."""
+    if table.num_rows == 0:
+        return ()
+    keys, key_names = _codes(table["key"])
+    reductions, reduction_names = _codes(table["reduction"])
+    pairs, group = np.unique(keys * max(len(reduction_names), 1) + reductions, return_inverse=True)
+    order = np.argsort(group, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(group[order]) != 0])
+    step = records.as_numpy(table["step"], np.int64)[order]
+    at = records.as_numpy(table["timestamp"], np.float64)[order]
+    bad = ~np.isfinite(records.as_numpy(table["value"], np.float64))
+    found = zip(
+        (key_names[p // max(len(reduction_names), 1)] for p in pairs),
+        (reduction_names[p % max(len(reduction_names), 1)] for p in pairs),
+        np.bincount(group).tolist(),
+        np.minimum.reduceat(step, starts).tolist(),
+        np.maximum.reduceat(step, starts).tolist(),
+        np.minimum.reduceat(at, starts).tolist(),
+        np.maximum.reduceat(at, starts).tolist(),
+        np.bincount(group, weights=bad).astype(np.int64).tolist(),
+        strict=True,
+    )
+    return tuple(sorted(found))
+
+
+def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
+    """A string column as codes into its distinct strings."""
+    array = column.combine_chunks()
+    if not pa.types.is_dictionary(array.type):
+        array = pc.dictionary_encode(array)
+    return records.as_numpy(array.indices, np.int64), array.dictionary.to_pylist()
 
 
 def _bounds(table: pa.Table, column: str) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -23,7 +22,7 @@ from metric_core.offline.read import RunScan, all_skipped
 from metric_core.offline.read.parquet import kept_first_time, row_group_lows
 from metric_core.offline.storage import RunPath, open_read, raise_store_failure
 from metric_core.offline.timeorder import Part
-from metric_core.schema import default_process_name
+from metric_core.schema import default_process_name, parse_json
 
 # Records a partition holds (its states are made and folded as one): smaller partitions
 # lower the peak memory on another tool's large files, for no speed (bench_memory.py).
@@ -139,7 +138,7 @@ def _first_source(path: RunPath) -> tuple[str, int] | None:
         return None
     try:
         with open_read(path) as f:
-            first = json.loads(f.readline(1 << 16))
+            first = parse_json(f.readline(1 << 16))
         rank = first["rank"]
         if not isinstance(rank, int) or isinstance(rank, bool):
             return None

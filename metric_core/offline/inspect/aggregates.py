@@ -86,6 +86,7 @@ def aggregate(
     by_key = []
     done = 0
     used = {}
+    shared = False  # a source's keys come from more than one file (then merged)
     for n, fid in enumerate(scan.file_ids, 1):
         known = (files[fid].identity, sources[fid])
         if cache is not None and scan.unchanged(fid) and known in cache:  # as the last call read it
@@ -117,6 +118,7 @@ def aggregate(
             used[known] = (steps, keys)
         for source, found in steps.items():
             per_source.setdefault(source, []).append((fid, found))  # type: ignore[arg-type]
+        shared = shared or any(len(per_source[source]) > 1 for source in steps)
         by_key.append(keys)
         done += sizes[fid]
         if on_progress is not None:
@@ -125,9 +127,12 @@ def aggregate(
         cache.clear()
         cache.update(used)
         cache[EARLIER] = scan
+    # Each file's rows are one a (source, key): files of sources of their own are merged as they are
     per_key = (
         by_key[0]
         if len(by_key) == 1
+        else pl.concat(by_key, how="vertical_relaxed")
+        if not shared
         else _merged_keys(pl.concat(by_key, how="vertical_relaxed"), ["process", "rank", "key"])
     )
     del by_key

@@ -18,6 +18,9 @@ QUIET_FACTOR = 10.0
 STALL_MIN_S = 10.0  # no silence shorter than this is a stall: scheduling noise on fast steps
 OWN_GAP_FACTOR = 2.0
 STRAGGLER_RATIO = 1.2
+# Keys whose last value a source that stopped early lists, at most (the first by name; the
+# source's ``keys`` says how many it has)
+LAST_VALUES = 1_000
 MIN_STEP_TIMES = 10
 _ROLE = re.compile(r"_r\d+$")
 
@@ -66,10 +69,11 @@ def find_stopped_early(per_key: pl.DataFrame, sources: list[SourceHealth]) -> li
     )
     if not stopped:
         return []
-    last_values = (
-        per_key.sort("key").group_by("process", "rank", maintain_order=True).agg("key", "last_value")
-    )
-    values = {(p, r): dict(zip(k, v, strict=True)) for p, r, k, v in last_values.iter_rows()}
+    values = {}
+    for s in stopped:  # the first LAST_VALUES keys by name: a source of millions lists no million
+        own = per_key.filter((pl.col("process").cast(pl.String) == s.process) & (pl.col("rank") == s.rank))
+        first = own.select("key", "last_value").top_k(LAST_VALUES, by="key", reverse=True).sort("key")
+        values[(s.process, s.rank)] = dict(first.iter_rows())
     return [
         FirstToStop(
             process=s.process,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
 
 from metric_core.offline.read.discover import take_attempt, writer_meta
@@ -38,14 +40,7 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
     rep.attempt_started = decoded.attempt.get("attempt_started")
     rep.attempt_first_step = decoded.attempt.get("attempt_first_step", decoded.first_flush)
     rep.life = decoded.life if decoded.version >= 4 else None  # older writers record no life
-    for problem in decoded.problems:
-        rep.skip(problem, 0)
-    if decoded.truncated:
-        rep.truncated = True
-        rep.skip(
-            "unfinished write at the end (the writer was killed mid-write, or is writing now)",
-            decoded.truncated_records,
-        )
+    take_damage(decoded, rep, decoded.truncated_records)
     if decoded.unknown_codes:
         rep.skip("key code without a key definition", decoded.unknown_codes)
     if decoded.table is None or decoded.table.num_rows == 0:
@@ -63,6 +58,17 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
     rep.steps = (int(df["step"].min()), int(df["step"].max()))  # type: ignore[arg-type]
     rep.timestamps = (float(df["timestamp"].min()), float(df["timestamp"].max()))  # type: ignore[arg-type]
     return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
+
+
+def take_damage(decoded: Any, rep: FileReport, cut: int) -> None:
+    """What decoding a journal (``journal.Decoded``) found wrong, as skips of its file: a
+    damaged frame, and a last frame cut short (``cut``: what it held, as far as known). The
+    readers of records and of samples say them alike."""
+    for problem in decoded.problems:
+        rep.skip(problem, 0)
+    if decoded.truncated:
+        rep.truncated = True
+        rep.skip("unfinished write at the end (the writer was killed mid-write, or is writing now)", cut)
 
 
 def _read_sealed_replacement(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:

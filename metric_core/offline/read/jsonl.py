@@ -19,7 +19,7 @@ from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
 from metric_core.offline.storage import RunPath, is_remote, raise_store_failure, source
-from metric_core.schema import MAX_LINE_BYTES, spell_float
+from metric_core.schema import MAX_LINE_BYTES, NestedTooDeep, parse_json, spell_float
 from metric_core.segment import SegmentMeta
 
 if TYPE_CHECKING:
@@ -52,7 +52,9 @@ def read_jsonl(
         raise_store_failure(path, exc)
         rep.unreadable = str(exc)
         return None
-    blocks = data.find(_BLOCK_PREFIX) != -1  # a sealed segment, with checksums
+    # A sealed segment, with checksums: it has block lines, or its writer's metadata says it
+    # was written with them (a segment cut short before its first block line has none).
+    blocks = data.find(_BLOCK_PREFIX) != -1 or _declares_blocks(data, sealed)
     kind = _binary_kind(data)
     if kind is not None and not (kind == "binary" and blocks):  # a NUL a flipped bit made: its block says
         rep.unreadable = f"{kind} data, not JSON lines" + (
@@ -61,16 +63,20 @@ def read_jsonl(
         return None
     # A writer's segment begins with its metadata, a line of every key: no record, and not
     # held to a record's line limit.
-    first = data.find(b"\n") + 1 if blocks or data.startswith(_SEGMENT_LINE) else 0
+    first = (data.find(b"\n") + 1 or len(data)) if blocks or data.startswith(_SEGMENT_LINE) else 0
+    size = len(data) - first
     data = data[:first] + _without_long_lines(data[first:], rep, first=2 if first else 1)
     if blocks:
         if sealed is None and not _is_json_object(data[:first]):
             rep.skip("line 1, its writer's metadata, is damaged: ignored", 0)
+        if sealed is not None and sealed.source is not None:
+            rep.source = sealed.source  # its (checked) metadata vouches for it, as a Parquet footer's does
         data = b"\n" + data[first:]  # (line numbers stay the file's)
-        damaged, _ = _blocks(data)
-        data = _without(data, damaged, rep, sealed)
-        if damaged and sealed is not None and sealed.clean_shutdown and sealed.source is not None:
-            # its shutdown line may be what was damaged: the (checked) metadata says it too
+        damaged, _ = _blocks(data, expected=True)
+        data = _without(data, damaged, rep, sealed, size)
+        short = sealed is not None and sealed.bytes is not None and size < sealed.bytes
+        if (damaged or short) and sealed is not None and sealed.clean_shutdown and sealed.source is not None:
+            # its shutdown line may be what was damaged or cut off: the (checked) metadata says it too
             report.shutdowns.append(Shutdown(*sealed.source, sealed.timestamp, sealed.attempt))
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
@@ -167,12 +173,14 @@ _BLOCK_PREFIX = b'\n{"event": "block", "crc32": '
 _SEGMENT_LINE = b'{"event": "segment", '
 
 
-def _blocks(data: bytes | mmap.mmap) -> tuple[list[tuple[int, int]], int]:
+def _blocks(data: bytes | mmap.mmap, *, expected: bool = False) -> tuple[list[tuple[int, int]], int]:
     """The byte ranges of a file of blocks (after its first line, the writer's metadata)
     that fail their checksums: a block whose bytes do not match its line's CRC-32 (with its
     line), several blocks whose lines between them were damaged, and bytes after the last
     block line; and the lines the blocks that match hold. ([], 0) for a file with no block
-    line: another tool's, or an older writer's."""
+    line (another tool's, or an older writer's) unless its blocks are ``expected`` (its
+    writer's metadata says so: ``_declares_blocks``): then every byte after its first line
+    is unverified."""
     start = data.find(b"\n") + 1
     pos, out, lines = start, [], 0
     at = start - 1
@@ -194,10 +202,21 @@ def _blocks(data: bytes | mmap.mmap) -> tuple[list[tuple[int, int]], int]:
             pos = end
         at = end - 1
     if pos == start:
-        return [], 0
+        return ([(start, len(data))] if expected and start < len(data) else []), 0
     if pos < len(data):
         out.append((pos, len(data)))
     return out, lines
+
+
+def _declares_blocks(data: bytes, sealed: SegmentMeta | None) -> bool:
+    """Whether the writer's metadata on line 1 says the file was sealed in blocks: it
+    carries a ``checksum`` (checked, or failed: ``sealed`` is None then). The metadata's
+    checksum came with the block lines, so a segment of an older writer has none (its
+    ``bytes`` came earlier: sample_logs/ holds such files), while one cut short before its
+    first block line has no block line to show."""
+    line = data[: data.find(b"\n") + 1]
+    checked = b'"checksum": ' in line
+    return line.startswith(_SEGMENT_LINE) and checked and (sealed is None or sealed.bytes is not None)
 
 
 def _record_lines(data: bytes, lo: int = 0, hi: int | None = None) -> int:
@@ -206,29 +225,51 @@ def _record_lines(data: bytes, lo: int = 0, hi: int | None = None) -> int:
     return data.count(b'\n{"key":', max(lo - 1, 0), hi) + (lo == 0 and data.startswith(b'{"key":'))
 
 
-def _without(data: bytes, damaged: list[tuple[int, int]], rep: FileReport, meta: SegmentMeta | None) -> bytes:
+def _without(
+    data: bytes, damaged: list[tuple[int, int]], rep: FileReport, meta: SegmentMeta | None, size: int
+) -> bytes:
     """``data`` with each ``damaged`` range's bytes but its newlines removed (so that line
     numbers stay those of the file), the records in them counted in ``rep`` as skipped;
     with its writer's (checked) metadata, what it wrote and is not left is counted too
-    (blocks cut off or lost)."""
+    (blocks cut off or lost). ``size``, the file's bytes after its first line, tells a file
+    cut short (fewer than its metadata's ``bytes``): its last lines, which no block line
+    follows, are said as unverified, with the records cut off."""
     kept, pos, where = [], 0, []
     for lo, hi in damaged:
         first, lines = data.count(b"\n", 0, lo) + 1, data.count(b"\n", lo, hi)
-        where.append(f"{first}" if lines == 1 else f"{first}-{first + lines - 1}")
+        touched = lines + (hi == len(data) and not data.endswith(b"\n"))  # a last line cut in two
+        where.append(f"{first}" if touched <= 1 else f"{first}-{first + touched - 1}")
         kept += [data[pos:lo], b"\n" * lines]
         pos = hi
     kept.append(data[pos:])
     out = b"".join(kept) if damaged else data
-    lost = sum(_record_lines(data, lo, hi) for lo, hi in damaged)
+    lost = [_record_lines(data, lo, hi) for lo, hi in damaged]
     missing = 0
     if meta is not None and meta.records is not None:  # a record line may be what was damaged
-        missing = max(meta.records - _record_lines(out) - lost, 0)
-    if damaged:
+        missing = max(meta.records - _record_lines(out) - sum(lost), 0)
+    written = meta.bytes if meta is not None else None
+    cut = written is not None and size < written
+    short = (
+        f"the file is cut short ({size:,} of the {written:,} bytes its writer wrote after line 1)"
+        if cut
+        else ""
+    )
+    if cut and damaged and damaged[-1][1] == len(data):  # its last block, without its block line
+        tail = where.pop()
+        said = f"line {tail} is" if "-" not in tail else f"lines {tail} are"
+        rep.skip(
+            f"{said} not verified (no block line follows), and the rest is missing: {short}",
+            lost.pop() + missing,
+        )
+        missing = 0
+    if where:
         one = len(where) == 1 and "-" not in where[0]
         said = f"line {where[0]} fails its" if one else f"lines {', '.join(where)} fail their"
-        rep.skip(f"{said} block's checksum (the file is damaged)", lost + missing)
+        rep.skip(f"{said} block's checksum (the file is damaged)", sum(lost) + missing)
     elif missing:
-        rep.skip("not in the file, though its writer wrote them (cut short, or blocks lost)", missing)
+        rep.skip(
+            f"not in the file, though its writer wrote them ({short or 'cut short, or blocks lost'})", missing
+        )
     return out
 
 
@@ -264,8 +305,8 @@ def _binary_kind(data: bytes) -> str | None:
 
 def _is_json_object(line: bytes) -> bool:
     try:
-        return isinstance(json.loads(line), dict)
-    except (ValueError, RecursionError):
+        return isinstance(parse_json(line), dict)
+    except ValueError:
         return False
 
 
@@ -279,12 +320,12 @@ def _jsonl_line_by_line(data: bytes, rep: FileReport) -> tuple[pl.DataFrame, np.
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            obj = parse_json(line)
+        except NestedTooDeep:
+            rep.skip("JSON nested too deep to be a record", 1, [number])
+            continue
         except ValueError:
             rep.skip("not valid JSON", 1, [number])
-            continue
-        except RecursionError:
-            rep.skip("JSON nested too deep to be a record", 1, [number])
             continue
         if not isinstance(obj, dict):
             rep.skip("not a JSON object", 1, [number])

@@ -19,6 +19,7 @@ from metric_core.offline.read.validate import (
     integer,
     number,
     plausible,
+    whole,
     with_process,
 )
 from metric_core.offline.storage import (
@@ -323,11 +324,11 @@ def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr], text_
                 table = table.set_column(at, "key", column.cast(column.type.value_type))
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
-    df = frame.lazy().select(**{c: exprs[c] for c in wanted})
-    if "process" in wanted:
+    df = frame.lazy().select(**{c: exprs[c] for c in wanted}).collect()
+    if "process" in wanted and df["process"].null_count():  # named for their rank, where unnamed
         default = pl.format(DEFAULT_PROCESS_PREFIX + "{}", pl.col("rank")).cast(pl.Categorical)
         df = df.with_columns(process=pl.coalesce(pl.col("process"), default))
-    return df.collect()
+    return df
 
 
 def checked_groups(
@@ -478,8 +479,7 @@ def _parquet_integer(col: str, dtype: pl.DataType) -> pl.Expr:
     if dtype.is_integer():
         return pl.col(col).cast(pl.Int64, strict=False)
     if dtype.is_float():
-        x = pl.col(col)
-        return pl.when(x.is_finite() & (x == x.floor())).then(x.cast(pl.Int64, strict=False))
+        return whole(pl.col(col))
     return pl.col(col).cast(pl.String).pipe(lambda _: integer(col))
 
 
@@ -563,7 +563,7 @@ def _parquet_reason() -> pl.Expr:
             if name == "value"
             else "a number"
             if name == "timestamp"
-            else "an integer"
+            else "an integer in int64's range"
             if name in ("step", "rank")
             else "valid"
         )

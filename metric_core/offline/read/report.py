@@ -36,6 +36,9 @@ class FileReport:
     steps: tuple[int, int] | None = None
     timestamps: tuple[float, float] | None = None
     hashed: bool = False
+    # Per (key, reduction): records, first and last step and time, non-finite values, as
+    # its writer declared them (``SegmentMeta.key_stats``; files sealed since 2026-12-06).
+    key_stats: tuple[tuple[str, str, int, int, int, float, float, int], ...] | None = None
     superseded_by: str | None = None
     source: tuple[str, int] | None = None  # set when the writer's metadata vouches for one source
     # What the writer could not write and dropped (its D frames): {"records", "steps", ...}.
@@ -145,13 +148,18 @@ class ReadReport:
     run_dir: RunPath
     files: list[FileReport] = field(default_factory=list)
     shutdowns: list[Shutdown] = field(default_factory=list)
-    skipped_paths: list[tuple[RunPath, str]] = field(default_factory=list)  # (path, why), not read
+    # (path, why), not read; a URL as text for an object whose key no path names
+    skipped_paths: list[tuple[RunPath | str, str]] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)  # read anyway: run.json problems, duplicates
+    # Why run.json is damaged (not JSON, or failing its checksum), if it is: its metadata was
+    # ignored, and upload refuses to take another identity than its run_id.
+    run_json_damaged: str | None = None
     attempts: list[Any] = field(default_factory=list)  # offline.read.attempts.Attempt, per source
     # Each attempt's life, its files' merged: (process, rank, attempt id) -> Life.
     lives: dict[tuple[str, int, str], Life] = field(default_factory=dict)
     # Keys recorded under more than one reduction (filled as a reduction reads the records).
     mixed: dict[str, MixedKey] = field(default_factory=dict)
+    unit: str = "record"  # what its files hold, as the summary counts them: "sample" for samples
 
     @property
     def skipped_records(self) -> int:
@@ -208,7 +216,7 @@ class ReadReport:
         not_read = f", {len(self.skipped_paths)} path(s) not read" if self.skipped_paths else ""
         if bad or self.skipped_paths or mixed:
             head = (
-                f"skipped {self.skipped_records} record(s) and "
+                f"skipped {self.skipped_records} {self.unit}(s) and "
                 f"{len(self.unreadable_files)} unreadable file(s){not_read} in {self.run_dir}:"
             )
         else:  # only what the reader did on purpose (a restart read as a rewind, a copy read once)
@@ -240,14 +248,16 @@ class ReadReport:
                 detail = "; ".join(
                     f"{n} x {reason}" if n > 1 else reason for reason, n in sorted(f.skip_reasons.items())
                 )
-            out.append(f"  {name}: {f.skipped} record(s) skipped: {detail}")
+            out.append(f"  {name}: {f.skipped} {self.unit}(s) skipped: {detail}")
         if len(bad) > max_files:
             out.append(f"  ... and {len(bad) - max_files} more file(s)")
         return Message.joined("\n", out)  # the options its lines name, kept
 
 
-def rel(path: RunPath, root: RunPath) -> str:
+def rel(path: RunPath | str, root: RunPath) -> str:
+    """``path`` below ``root``, as text (a URL given as text too: ``storage.listing``'s unnamed)."""
     try:
-        return str(path.relative_to(root))  # type: ignore[arg-type]
-    except ValueError:
-        return str(path)
+        return str(path.relative_to(root))  # type: ignore[arg-type, union-attr]
+    except (ValueError, AttributeError):
+        text, base = str(path), str(root).rstrip("/") + "/"
+        return text[len(base) :] if text.startswith(base) else text

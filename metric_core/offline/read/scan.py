@@ -11,6 +11,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import polars as pl
@@ -46,6 +47,7 @@ from metric_core.offline.storage import (
     is_remote,
     is_store_failure,
     name_of,
+    not_a_directory,
     run_path,
     size_and_mtime,
     storage_errors,
@@ -247,9 +249,16 @@ class RunScan:
         rows: int | None,
     ) -> Iterator[pl.DataFrame]:
         if rep.format == "parquet":  # by pyarrow: page checksums verified, a failing row group skipped
-            frames = categorical_batches(rep.path, columns, rep.hashed, row_groups, rows, rep=rep)
-            if rep.replaced_from is not None:  # a restart's rewind (the scan's frames have it)
-                frames = (df.filter(pl.col("step") < rep.replaced_from) for df in frames)
+            # A restart's rewind (the scan's frames have it) drops records by their step,
+            # which the columns asked for need not hold (global_reduce --by time reads none).
+            rewind = rep.replaced_from
+            step_added = rewind is not None and "step" not in columns
+            read = [*columns, "step"] if step_added else columns
+            frames = categorical_batches(rep.path, read, rep.hashed, row_groups, rows, rep=rep)
+            if rewind is not None:
+                frames = (df.filter(pl.col("step") < rewind) for df in frames)
+            if step_added:
+                frames = (df.drop("step") for df in frames)
             yield from frames
         else:
             assert row_groups is None, "row groups are read through the dictionaries"
@@ -382,8 +391,8 @@ def scan_run(
     """
     fetch_numpy_api()
     root = run_path(run_dir)
-    if not is_remote(root) and not root.is_dir():
-        raise NoDataError(str(root), "it is not a directory" if root.exists() else "it does not exist")
+    if isinstance(root, Path) and not root.is_dir():
+        raise NoDataError(str(root), not_a_directory(root))
     report = ReadReport(run_dir=root)
     with storage_errors(root):
         paths = list_data_files(root, report, follow_symlinks=follow_symlinks)

@@ -60,11 +60,21 @@ def _inexact_integer(text: pl.Expr, as_float: pl.Expr) -> pl.Expr:
 
 
 def integer(col: str) -> pl.Expr:
-    as_float = pl.col(col).cast(pl.Float64, strict=False)
-    integral = pl.when(as_float.is_finite() & (as_float == as_float.floor())).then(
-        as_float.cast(pl.Int64, strict=False)
+    """An int64 from text: an integer, or a whole number written as a float (``5.0``); one
+    outside int64 is null (refused), never clamped to its end."""
+    return pl.coalesce(
+        pl.col(col).cast(pl.Int64, strict=False), whole(pl.col(col).cast(pl.Float64, strict=False))
     )
-    return pl.coalesce(pl.col(col).cast(pl.Int64, strict=False), integral)
+
+
+def whole(x: pl.Expr) -> pl.Expr:
+    """A float that is a whole number inside int64 as an int64; else null. The ends are
+    open: a number just outside int64 (-2**63 - 1) is -2**63 as a float64."""
+    inside = x.is_finite() & (x == x.floor()) & (x > -(2.0**63)) & (x < 2.0**63)
+    return pl.when(inside).then(x.cast(pl.Int64, strict=False))
+
+
+OUTSIDE_INT64 = "is outside int64 (an integer from -2**63 to 2**63-1)"
 
 
 def _typed_from_text(df: pl.DataFrame) -> pl.DataFrame:
@@ -94,11 +104,17 @@ def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
             if name == "value" and raw[name].dtype == pl.String
             else pl.Series([False] * len(raw))
         )
+        outside = pl.Series([False] * len(raw))
+        if name in ("step", "rank") and raw[name].dtype == pl.String:  # a whole number, but too large
+            as_float = raw[name].cast(pl.Float64, strict=False)
+            outside = invalid & (as_float.is_finite() & (as_float == as_float.floor())).fill_null(False)
         reason = (
             pl.when(pl.lit(missing))
             .then(pl.lit(f"missing '{name}'"))
             .when(pl.lit(inexact))
             .then(pl.lit(f"'{name}' {INEXACT}"))
+            .when(pl.lit(outside))
+            .then(pl.lit(f"'{name}' {OUTSIDE_INT64}"))
             .when(pl.lit(invalid))
             .then(pl.lit(f"'{name}' {what}"))
             .otherwise(reason)

@@ -60,7 +60,7 @@ def choose(
             chosen += [group[i] for i in picked]
             continue
         scored = [
-            (score, i) for i, s in enumerate(group) if (score := _number(s.fields.get(by or ""))) is not None
+            (score, i) for i, s in enumerate(group) if (score := number(s.fields.get(by or ""))) is not None
         ]
         high = sorted(scored, key=lambda t: (-t[0], t[1]))[:top] if top else []
         low = sorted(scored, key=lambda t: (t[0], t[1]))[:bottom] if bottom else []
@@ -83,7 +83,8 @@ def _groups(samples: list[Sample]) -> Iterable[list[Sample]]:
         yield group
 
 
-def _number(value: Any) -> float | None:
+def number(value: Any) -> float | None:
+    """A field's value as the number it ranks by; None when it is no number (or NaN)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     number = float(value)
@@ -115,6 +116,6 @@ class SampleChoice:
                 seed=self.seed,
             )
         by = self.by or "reward"
-        if any(_number(s.fields.get(by)) is not None for s in samples):
+        if any(number(s.fields.get(by)) is not None for s in samples):
             return choose(samples, top=2, bottom=2, by=by)
         return choose(samples, random=4, seed=self.seed)

@@ -14,6 +14,7 @@ from metric_core import journal
 from metric_core import sample as sample_codec
 from metric_core.errors import MetricLogError, PlanError
 from metric_core.offline.plan import key_matcher
+from metric_core.offline.read.report import FileReport, ReadReport
 from metric_core.offline.samples.files import (
     SamplesPart,
     read_journal_samples,
@@ -42,11 +43,13 @@ class Sample:
 
 @dataclass
 class SampleSet:
-    """The samples read, and what could not be read (each note names the file)."""
+    """The samples read; ``report``: what could not be read, file by file (said as the
+    records' reader says it: ``ReadReport.summary``); ``notes``: what else was left out."""
 
     samples: list[Sample] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     replaced: int = 0  # left out: a later attempt of their source replaced them
+    report: ReadReport | None = None
 
     def keys(self) -> dict[str, int]:
         """Samples per key."""
@@ -72,8 +75,9 @@ def read_samples(
     the run's attempts as its records were read (``RunScan.report.attempts``), which may start
     later than any sample (a restart that records none): read from the run when not given.
 
-    Returns a ``SampleSet``: ``samples`` and ``notes`` (what was left out, and why: a
-    damaged block, a sample that is no dict). Raises ``PlanError`` for an ``attempts``
+    Returns a ``SampleSet``: ``samples``, ``report`` (the files read, and what of them was
+    not: a damaged block, a journal cut short, a symlink to nothing) and ``notes`` (a sample
+    that is no dict). Raises ``PlanError`` for an ``attempts``
     that is neither rewind nor all, ``NoDataError`` when ``run`` is no directory.
 
     >>> len(read_samples("sample_logs/rl_run").samples)
@@ -83,7 +87,7 @@ def read_samples(
         raise PlanError("must be rewind or all for samples", option="attempts", value=attempts)
     root: RunPath = run if _is_upath(run) else run_path(run)  # type: ignore[assignment, arg-type]
     out = SampleSet()
-    parts = _parts(root, out.notes, {} if sealed is None else sealed)
+    out.report, parts = _parts(root, {} if sealed is None else sealed)
     if attempts == "rewind":
         parts, out.replaced = _rewind(parts, record_attempts(root) if known is None else known)
     recorded: dict[tuple[str, int], int] = {}  # samples of each source so far: the order recorded
@@ -121,14 +125,16 @@ def kept(
     ]
 
 
-def _parts(root: RunPath, notes: list[str], sealed_read: dict[str, SamplesPart]) -> list[SamplesPart]:
-    """The run's sealed samples files and the journals none of them supersedes. A journal
-    that vanishes between the listing and its reading was sealed meanwhile (its samples
-    file is written before it goes): the run is listed again, where that file now is."""
+def _parts(root: RunPath, sealed_read: dict[str, SamplesPart]) -> tuple[ReadReport, list[SamplesPart]]:
+    """The run's sealed samples files and the journals none of them supersedes, and the
+    report of their reading. A journal that vanishes between the listing and its reading was
+    sealed meanwhile (its samples file is written before it goes): the run is listed again,
+    where that file now is."""
     for _ in range(LISTINGS):
-        parts = _parts_listed(root, notes, sealed_read)
+        report = ReadReport(run_dir=root, unit="sample")
+        parts = _parts_listed(root, report, sealed_read)
         if parts is not None:
-            return parts
+            return report, parts
     raise MetricLogError(
         f"{root}: journals kept vanishing while they were read ({LISTINGS} listings): is another "
         "process moving the run's files? Read it again once the job is done"
@@ -136,12 +142,12 @@ def _parts(root: RunPath, notes: list[str], sealed_read: dict[str, SamplesPart])
 
 
 def _parts_listed(
-    root: RunPath, notes: list[str], sealed_read: dict[str, SamplesPart]
+    root: RunPath, report: ReadReport, sealed_read: dict[str, SamplesPart]
 ) -> list[SamplesPart] | None:
     """None: a journal listed was sealed before it was read."""
     sealed: list[RunPath] = []
     journals: list[RunPath] = []
-    for path in samples_files_and_journals(root):
+    for path in samples_files_and_journals(root, report):
         name = path.name
         if sample_codec.is_samples_file(name):
             sealed.append(path)
@@ -150,7 +156,7 @@ def _parts_listed(
     parts: list[SamplesPart] = []
     superseded: set[str] = set()
     for path in sealed:
-        part = sealed_read.get(str(path)) or read_samples_file(path, notes)
+        part = sealed_read.get(str(path)) or read_samples_file(path, _file(report, path))
         if part is not None:
             sealed_read[str(path)] = part
             parts.append(part)
@@ -159,7 +165,7 @@ def _parts_listed(
         if path.name in superseded:
             continue  # sealed meanwhile, or a kill between the samples file and the unlink
         try:
-            part = read_journal_samples(path, notes)
+            part = read_journal_samples(path, _file(report, path))
         except FileNotFoundError:
             return None
         if part is not None:
@@ -167,6 +173,12 @@ def _parts_listed(
     # Oldest attempt first; within one, the segments in the order written.
     parts.sort(key=lambda p: (p.process, p.rank, p.started, p.seq))
     return parts
+
+
+def _file(report: ReadReport, path: RunPath) -> FileReport:
+    rep = FileReport(path=path, format=path.suffix.lstrip("."))
+    report.files.append(rep)
+    return rep
 
 
 def record_attempts(root: RunPath) -> list[Any]:

@@ -28,7 +28,7 @@ from typing import Any
 import polars as pl
 
 from metric_core.clock import duration
-from metric_core.errors import NoDataError, StrictModeError
+from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
 from metric_core.offline.inspect import stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
@@ -378,6 +378,8 @@ class _Pass:
 
     def _notices(self, first_record: float | None, wait: bool) -> None:
         """What the reading found, each said once; why nothing goes, when it waits for sources."""
+        if self.tail.run_json_damaged:  # refused before anything waits or goes (``_identity``)
+            raise DamagedRunJsonError(str(self.root / "run.json"), self.tail.run_json_damaged)
         for notice in self.tail.notices[self.said :]:
             self.events.message("warning", notice)
         self.said = len(self.tail.notices)
@@ -557,6 +559,8 @@ def _wandb_init() -> Callable[..., Any]:
 def _identity(tail: RunTail) -> str:
     """``run_id`` from run.json; else the sources and their first record times (as
     ``run_identity``: the same ids a plain upload of the finished run uses)."""
+    if tail.run_json_damaged:
+        raise DamagedRunJsonError(str(tail.root / "run.json"), tail.run_json_damaged)
     given = tail.meta.get("run_id")
     if given:
         return str(given)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from metric_core.errors import PlanError, opt
+from metric_core.errors import DamagedRunJsonError, PlanError, opt
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import ReducePlan, one_rank_a_process
 from metric_core.offline.storage import name_of
@@ -202,7 +202,10 @@ class PlannedRuns:
 
 
 def run_identity(result: ReduceResult) -> str:
-    """A stable identity for the run directory: ``run_id`` from run.json, else its sources."""
+    """A stable identity for the run directory: ``run_id`` from run.json, else its sources;
+    a ``DamagedRunJsonError`` when run.json is damaged (never another identity)."""
+    if result.scan.report.run_json_damaged:
+        raise DamagedRunJsonError(str(result.scan.run_dir / "run.json"), result.scan.report.run_json_damaged)
     given = result.scan.meta.get("run_id")
     if given:
         return str(given)

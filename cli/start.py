@@ -1,0 +1,93 @@
+"""The command's start and end (``metriclog``, ``python -m metriclog``): a stop (Ctrl-C, or
+SIGTERM from ``timeout``, Slurm, ``docker stop``) is caught from the entry point's first
+line, before the commands and the libraries they use load (most of a short command's
+time), until the process is gone. At any moment it ends the command with exit code 130
+and at most one line, never a traceback:
+
+* while the commands load: at once (nothing is made yet);
+* while a command runs: as ``KeyboardInterrupt``, so what it made in temporary
+  directories and half-written files is removed on the way out (``cli.main``);
+* once it is done, while the interpreter ends: at once.
+
+This module imports only modules built into the interpreter: whatever it imports runs
+before a stop is caught. So it sets the handlers with ``_signal``, the C module that
+``signal`` wraps: ``signal`` builds its enums as it loads, which takes longer than
+everything else here.
+"""
+
+from __future__ import annotations
+
+import _signal
+import atexit
+import os
+import sys
+
+STOPPED = 130  # a command's exit code when a stop ended it (a shell's, for a Ctrl-C)
+
+_stopping = False  # a stop came
+_done = False  # the command is done: the interpreter ends
+
+
+def main() -> None:
+    """``metriclog``: stops caught, then the commands loaded and the one asked for run."""
+    catch_stops()
+    try:
+        try:
+            from .main import main as run  # typer, the commands' options and what they import
+
+            run()
+        finally:
+            _end()
+    except KeyboardInterrupt:  # a stop while the commands loaded (or after a library's own end)
+        _end()
+        sys.exit(STOPPED)
+    except Exception:
+        if not _stopping:
+            raise
+        sys.exit(STOPPED)  # a library that made the stop an error of its own, while it loaded
+
+
+def catch_stops() -> None:
+    """Ctrl-C (where it is not ignored, as in a background job) and SIGTERM raise
+    ``KeyboardInterrupt`` in the main thread; done once a process."""
+    if _signal.getsignal(_signal.SIGTERM) is _stop:
+        return
+    _signal.signal(_signal.SIGTERM, _stop)
+    if _signal.getsignal(_signal.SIGINT) is _signal.default_int_handler:
+        _signal.signal(_signal.SIGINT, _stop)
+    # Registered first, so it runs last: from there on the interpreter drops its own
+    # handlers, and a stop would kill the process by the signal's default action.
+    atexit.register(_ignore_stops)
+
+
+def stopping() -> bool:
+    """Whether a stop came."""
+    return _stopping
+
+
+def _stop(signum: int, frame: object) -> None:
+    global _stopping
+    if _done:
+        os._exit(STOPPED)  # the command is done and its output flushed: nothing to clean up
+    if _stopping and signum == _signal.SIGTERM:
+        return  # again (timeout(1) signals the process, then its group): the cleanup goes on
+    _stopping = True
+    raise KeyboardInterrupt
+
+
+def _end() -> None:
+    """The command is done: its output flushed, a stop from here on ends the process at once."""
+    import contextlib  # after the commands loaded it (not before: see above)
+
+    global _done
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a pipe its reader closed, a stream closed
+            stream.flush()
+    _done = True
+
+
+def _ignore_stops() -> None:
+    if _signal.getsignal(_signal.SIGTERM) is _stop:
+        _signal.signal(_signal.SIGTERM, _signal.SIG_IGN)
+        if _signal.getsignal(_signal.SIGINT) is _stop:
+            _signal.signal(_signal.SIGINT, _signal.SIG_IGN)

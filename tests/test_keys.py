@@ -1,0 +1,247 @@
+"""``metriclog keys``: answered from the writer's metadata where it declares each key, read
+from the records elsewhere, the same rows either way, and the value column not read when
+the metadata answers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from metriclog.main import app
+from typer.testing import CliRunner
+
+from metric_core import Metric, MetricCollector, Reduce, list_keys
+from metric_core.errors import NoDataError
+from metric_core.offline.engine import make_plan, run_plan
+
+BASE = 1_760_000_000.0
+runner = CliRunner()
+
+
+def _write(run: Path, file_format: str, segment_records: int = 1_000_000) -> list[dict]:
+    """Two sources of the writer, keys on some steps only, a few values NaN or infinite;
+    every record written, as the truth."""
+    rng = np.random.default_rng(7)
+    truth = []
+    for process, rank in (("TrainActor_r0", 0), ("GenActor_r1", 1)):
+        c = MetricCollector(
+            run, rank=rank, process_name=process, file_format=file_format, segment_records=segment_records
+        )
+        for step in range(12):
+            for key, red in (
+                ("trainer/loss", Reduce.MEAN),
+                ("trainer/grad", Reduce.MAX),
+                ("policy/tok", Reduce.SUM),
+            ):
+                if key == "policy/tok" and rank == 0:
+                    continue
+                if key == "trainer/grad" and step % 4 == rank:
+                    continue
+                for _ in range(3):
+                    value = float(rng.normal())
+                    if rng.random() < 0.08:
+                        value = [math.nan, math.inf, -math.inf][int(rng.integers(3))]
+                    ts = BASE + step + float(rng.uniform(0, 0.9)) + rank * 0.01
+                    c.push(Metric(key, value, red, ts))
+                    truth.append(
+                        {"key": key, "value": value, "reduction": red.value, "step": step, "timestamp": ts,
+                         "rank": rank, "process": process}
+                    )  # fmt: skip
+            c.flush(step)
+        c.shutdown()
+    return truth
+
+
+def _expected(truth: list[dict]) -> list[dict]:
+    """The rows keys lists, computed from the records written."""
+    out = []
+    for key in sorted({r["key"] for r in truth}):
+        mine = [r for r in truth if r["key"] == key]
+        out.append(
+            {
+                "key": key,
+                "reductions": ",".join(sorted({r["reduction"] for r in mine})),
+                "records": len(mine),
+                "sources": len({(r["process"], r["rank"]) for r in mine}),
+                "first_step": min(r["step"] for r in mine),
+                "last_step": max(r["step"] for r in mine),
+                "first_time": min(r["timestamp"] for r in mine),
+                "last_time": max(r["timestamp"] for r in mine),
+                "nonfinite": int(np.sum(~np.isfinite([r["value"] for r in mine]))),
+            }
+        )
+    return out
+
+
+_JSON_SCHEMA = {
+    "key": pl.String, "value": pl.String, "reduction": pl.String, "step": pl.Int64, "timestamp": pl.Float64,
+    "rank": pl.Int64, "process": pl.String,
+}  # fmt: skip
+
+
+def _as_another_tool(run: Path, to: Path) -> None:
+    """The writer's records, rewritten by pyarrow as another tool would: no metriclog metadata,
+    keys as an Arrow dictionary, the sources interleaved in one file."""
+    frames = [pl.read_parquet(p).drop("key_hash") for p in sorted(run.glob("*.parquet"))]
+    frames += [
+        pl.read_ndjson(p, schema=_JSON_SCHEMA)
+        .filter(pl.col("key").is_not_null())
+        .select("key", pl.col("value").cast(pl.Float64), "reduction", "step", "timestamp", "rank", "process")
+        for p in sorted(run.glob("*.jsonl"))
+    ]
+    table = pl.concat(frames).sort("timestamp").to_arrow()
+    table = table.set_column(0, "key", table["key"].cast(pa.string()).dictionary_encode())
+    to.mkdir()
+    pq.write_table(table, to / "all.parquet", row_group_size=50)
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_keys_from_the_writers_metadata_equal_the_records_and_another_tools_copy_read(tmp_path, file_format):
+    run = tmp_path / "run"
+    truth = _write(run, file_format, segment_records=20)  # several sealed segments a source
+    assert len(list(run.glob(f"*.{file_format}"))) > 2
+    want = _expected(truth)
+    assert list_keys(run).to_dicts() == want  # the writer's metadata
+    _as_another_tool(run, tmp_path / "copy")
+    assert list_keys(tmp_path / "copy").to_dicts() == want  # the records read
+
+
+def test_keys_of_another_tools_file_count_only_the_records_kept(tmp_path):
+    """Rows another tool wrote badly (a null value, a time that is no clock's) are skipped,
+    and said, as reduce skips them; a key only they hold is not listed."""
+    rows = {
+        "key": ["a/x", "a/x", "b/y", "b/y", "c/z"],
+        "value": [1.0, float("nan"), None, 2.0, 3.0],
+        "reduction": ["mean", "mean", "sum", "sum", "max"],
+        "step": [0, 5, 1, 2, 3],
+        "timestamp": [BASE, BASE + 5, BASE + 1, BASE + 2, BASE * 1000],
+        "rank": [0, 1, 2, 3, 0],
+        "process": ["p_r0", "p_r1", "p_r2", "p_r3", "p_r0"],
+    }
+    (tmp_path / "run").mkdir()
+    pq.write_table(pa.table(rows), tmp_path / "run" / "x.parquet")
+    reports = []
+    got = list_keys(tmp_path / "run", on_read=reports.append).to_dicts()
+    assert got == [
+        {"key": "a/x", "reductions": "mean", "records": 2, "sources": 2, "first_step": 0, "last_step": 5,
+         "first_time": BASE, "last_time": BASE + 5, "nonfinite": 1},
+        {"key": "b/y", "reductions": "sum", "records": 1, "sources": 1, "first_step": 2, "last_step": 2,
+         "first_time": BASE + 2, "last_time": BASE + 2, "nonfinite": 0},
+    ]  # fmt: skip
+    assert reports[0].skipped_records == 2
+
+
+def test_keys_key_filters_as_reduces_key_does(tmp_path):
+    run = tmp_path / "run"
+    truth = _write(run, "parquet")
+    result = runner.invoke(app, ["keys", str(run), "--key", "trainer/*", "--format", "json"])
+    assert result.exit_code == 0, result.output
+    want = [row for row in _expected(truth) if row["key"].startswith("trainer/")]
+    assert json.loads(result.stdout) == want and len(want) == 2
+    both = runner.invoke(
+        app, ["keys", str(run), "--key", "policy/tok", "--key", "*/grad", "--format", "json"]
+    )
+    assert [row["key"] for row in json.loads(both.stdout)] == ["policy/tok", "trainer/grad"]
+    none = runner.invoke(app, ["keys", str(run), "--key", "trainer/lss"])
+    assert none.exit_code == 1
+    assert none.stderr.splitlines()[-1] == (
+        f"Error: no record in {run} matches the filters: --key 'trainer/lss' matches no key; the run's "
+        "keys: policy/tok, trainer/grad, trainer/loss"
+    )
+    reduced = runner.invoke(app, ["reduce", str(run), "--key", "trainer/lss"])
+    assert reduced.exit_code == 1 and reduced.stderr.splitlines()[-1] == none.stderr.splitlines()[-1]
+
+
+def _damage_values(path: Path) -> None:
+    """Overwrite the data of every ``value`` column chunk of a Parquet file, leaving its
+    footer (and the metadata in it) as it was."""
+    meta = pq.read_metadata(path)
+    column = meta.schema.names.index("value")
+    data = bytearray(path.read_bytes())
+    for g in range(meta.num_row_groups):
+        chunk = meta.row_group(g).column(column)
+        start = chunk.data_page_offset
+        data[start : start + chunk.total_compressed_size] = b"\xff" * chunk.total_compressed_size
+    path.write_bytes(bytes(data))
+
+
+def test_keys_answers_from_the_metadata_without_reading_the_value_column(tmp_path):
+    """A segment whose values are destroyed but whose footer is whole lists the same keys:
+    keys never reads the value column of the writer's files (reduce, which does, finds
+    every row group damaged)."""
+    run = tmp_path / "run"
+    truth = _write(run, "parquet")
+    want = _expected(truth)
+    for path in run.glob("*.parquet"):
+        _damage_values(path)
+    assert list_keys(run).to_dicts() == want
+    reports: list = []
+    with pytest.raises(NoDataError):  # every row group damaged: no record left to reduce
+        run_plan(run, make_plan(), on_read=reports.append).frame  # noqa: B018
+    assert reports[-1].skipped_records == len(truth)
+    assert "row group 0 is damaged" in reports[-1].summary()
+
+
+@pytest.mark.parametrize("folded_rows", [4, 1_000_000])
+def test_keys_of_many_files_and_row_groups_fold_to_the_rows_of_every_record(
+    tmp_path, monkeypatch, folded_rows
+):
+    """Rows folded early (a few keys, many records) or held to the end (keys mostly
+    distinct) give the same answer: that of the records themselves."""
+    from metric_core.offline import keys as keys_module
+
+    monkeypatch.setattr(keys_module, "FOLDED_ROWS", folded_rows)
+    monkeypatch.setattr(keys_module, "BATCH_ROWS", 7)
+    rng = np.random.default_rng(3)
+    truth = []
+    (tmp_path / "run").mkdir()
+    for f in range(3):
+        n = 120
+        rows = {
+            "key": [f"k/{int(k)}" for k in rng.integers(0, 90, n)],
+            "value": [float(v) if v > -1.5 else math.nan for v in rng.normal(size=n)],
+            "reduction": [["mean", "sum"][int(r)] for r in rng.integers(0, 2, n)],
+            "step": [int(s) for s in rng.integers(-5, 50, n)],
+            "timestamp": [BASE + float(t) for t in rng.uniform(0, 100, n)],
+            "rank": [int(r) for r in rng.integers(0, 4, n)],
+            "process": None,
+        }
+        rows["process"] = [f"Actor_r{r}" for r in rows["rank"]]
+        pq.write_table(pa.table(rows), tmp_path / "run" / f"part{f}.parquet", row_group_size=25)
+        truth += [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
+    assert list_keys(tmp_path / "run").to_dicts() == _expected(truth)
+
+
+def test_inspect_lists_the_last_values_of_a_stopped_sources_first_keys_by_name(tmp_path):
+    """A source of many keys that stopped early: its last values of the first 1,000 keys by
+    name (not a dict of every key), each the value of that key's newest record."""
+    from metric_core import inspect_run
+
+    names = [f"k/{i:05d}" for i in range(1_200)]
+    rows: dict[str, list] = {
+        c: [] for c in ("key", "value", "reduction", "step", "timestamp", "rank", "process")
+    }
+    for step in range(100):
+        for rank, keys in ((0, names if step <= 30 else []), (1, ["loss"])):
+            for i, key in enumerate(keys):
+                rows["key"].append(key)
+                rows["value"].append(float(step * 10_000 + i))
+                rows["reduction"].append("mean")
+                rows["step"].append(step)
+                rows["timestamp"].append(BASE + step + rank * 0.01)
+                rows["rank"].append(rank)
+                rows["process"].append(f"Actor_r{rank}")
+    (tmp_path / "run").mkdir()
+    pq.write_table(pa.table(rows), tmp_path / "run" / "x.parquet")
+    report = inspect_run(tmp_path / "run")
+    assert [(s.process, s.status) for s in report.stopped_early] == [("Actor_r0", "stopped_early")]
+    assert report.stopped_early[0].last_values == {
+        key: float(30 * 10_000 + i) for i, key in enumerate(names[:1_000])
+    }
+    assert next(s.keys for s in report.sources if s.rank == 0) == 1_200

@@ -1,0 +1,137 @@
+"""Ctrl-C at any moment of any command: a real SIGINT sent to a real ``metriclog`` process
+ends it with exit code 130 and at most one line, never a traceback, never a death by the
+signal. Sent from the moment the command's own code runs, then 50 ms, 150 ms, 300 ms and
+1 s later: in the loading of the commands' libraries (most of a short command's time),
+in the command, and at its end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+import metric_core
+from metric_core import Reduce, record_metric
+
+METRICLOG = str(Path(sys.executable).with_name("metriclog"))
+DELAYS = (0.0, 0.05, 0.15, 0.3, 1.0)
+COMMANDS = {
+    "reduce": ["reduce", "{run}"],
+    "keys": ["keys", "{run}"],
+    "samples": ["samples", "{run}"],
+    "inspect": ["inspect", "{run}"],
+    "plot": ["plot", "{run}", "--key", "loss", "--out", "{tmp}/loss.png"],
+    "watch": ["watch", "{run}"],
+    "upload": ["upload", "{run}", "--to", "tensorboard", "--logdir", "{tmp}/tb"],
+    "follow": ["upload", "{run}", "--project", "p", "--offline", "--follow", "--until-idle", "1s"],
+}
+SIGTERM_CAUGHT = 1 << (signal.SIGTERM - 1)  # its bit in /proc/PID/status's SigCgt
+
+
+def a_run(run: Path) -> None:
+    """Two sources' records and samples, each ended by shutdown()."""
+    for rank in range(2):
+        collector = metric_core.init(run, rank=rank, process_name=f"gen_r{rank}", catch_signals=False)
+        assert collector is not None
+        for step in range(20):
+            record_metric("loss", float(step + rank))
+            record_metric("rollout", {"prompt": f"{rank}/{step}", "reward": float(step)}, Reduce.SAMPLE)
+            metric_core.flush(step)
+        metric_core.shutdown()
+
+
+class Command:
+    """``metriclog`` started with its imports said on stderr (PYTHONPROFILEIMPORTTIME)."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.process = subprocess.Popen(
+            [METRICLOG, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPROFILEIMPORTTIME": "1",
+                "WANDB_MODE": "offline",
+                "WANDB_SILENT": "true",
+            },
+            # a child of a process where Ctrl-C is ignored (a background job) would ignore it too
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        self.lines: list[str] = []
+        self.loading = threading.Event()  # it began to import what its commands use
+        self.reader = threading.Thread(target=self._read)
+        self.reader.start()
+        self.out = self.process.stdout.read  # type: ignore[union-attr]
+
+    def _read(self) -> None:
+        ours = False  # the package metriclog is imported: the command's own code runs
+        for line in self.process.stderr:  # type: ignore[union-attr]
+            self.lines.append(line)
+            name = line.rsplit("|", 1)[-1].strip() if line.startswith("import time:") else None
+            ours = ours or name == "metriclog"
+            if ours and name == "typing":  # what the commands' options are declared with
+                self.loading.set()
+        self.loading.set()
+
+    def catches_sigterm(self) -> bool:
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return False
+        caught = next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:"))
+        return bool(int(caught, 16) & SIGTERM_CAUGHT)
+
+    def running_its_own_code(self) -> None:
+        """Waits until its stop handlers are installed, or it began to load its commands'
+        libraries, whichever comes first: from then on a stop is the command's to handle."""
+        while not (self.loading.is_set() or self.catches_sigterm()):
+            self.loading.wait(0.001)
+
+    def end(self) -> tuple[int, str, str]:
+        out = self.out()
+        code = self.process.wait(timeout=300)
+        self.reader.join()
+        said = "".join(line for line in self.lines if not line.startswith("import time:"))
+        return code, out, said
+
+
+def stopped_after(run: Path, tmp: Path, args: list[str], delay: float) -> tuple[int, str, str]:
+    """``args`` run in a copy of ``run`` and sent SIGINT ``delay`` s after its own code runs."""
+    shutil.copytree(run, tmp / "run")
+    command = Command([a.format(run=tmp / "run", tmp=tmp) for a in args])
+    command.running_its_own_code()
+    time.sleep(delay)
+    command.process.send_signal(signal.SIGINT)
+    return command.end()
+
+
+@pytest.mark.slow  # the installed command, started 6 times
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_ctrl_c_at_any_moment_exits_130_quietly(tmp_path, name):
+    run = tmp_path / "run"
+    a_run(run)
+    (tmp_path / "alone").mkdir()
+    natural = Command([a.format(run=run, tmp=tmp_path / "alone") for a in COMMANDS[name]]).end()
+    assert natural[0] == 0, natural[2]  # not stopped, the command succeeds
+    places = [tmp_path / f"after-{delay}" for delay in DELAYS]
+    for place in places:
+        place.mkdir()
+    with ThreadPoolExecutor(len(DELAYS)) as pool:
+        ends = list(pool.map(lambda p, d: stopped_after(run, p, COMMANDS[name], d), places, DELAYS))
+    for delay, (code, _, said) in zip(DELAYS, ends, strict=True):
+        assert code >= 0, f"{name} after {delay} s: killed by signal {-code}\n{said}"
+        assert "Traceback" not in said, f"{name} after {delay} s:\n{said}"
+        # the stop came before the command ended (130), or after it (its own code, as alone)
+        assert code in (130, 0), f"{name} after {delay} s: exit {code}\n{said}"
+        if code == 130:
+            assert len(said.splitlines()) <= 1, f"{name} after {delay} s:\n{said}"
+    assert ends[0][0] == 130, ends[0][2]  # sent while its commands loaded: it cannot have ended
