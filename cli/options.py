@@ -500,8 +500,9 @@ LetGoAfter = Annotated[
     typer.Option(
         "--let-go-after",
         metavar="DURATION",
-        help="With --follow: a live source silent for DURATION stops holding the global steps (by default "
-        "it holds them until it steps, dies or finishes). If it writes again, the runs are written anew.",
+        help="With --follow: a live source silent for DURATION, or a rank that has not written DURATION "
+        "after the first record, stops holding the global steps (by default it holds them until it steps, "
+        "dies or finishes). If it writes again, the runs are written anew.",
     ),
 ]
 RestartGrace = Annotated[
@@ -510,7 +511,8 @@ RestartGrace = Annotated[
         "--restart-grace",
         metavar="DURATION",
         help="Once every source finished or died, wait this long for the job to be restarted (a new "
-        "attempt) before ending (0: end at once). For upload, with --follow.",
+        "attempt) before ending (0: end at once); upload --follow waits as long for ranks of world_size that "
+        "never wrote. For upload, with --follow.",
     ),
 ]
 RESTART_GRACE = "60s"

@@ -549,20 +549,27 @@ def print_upload(result: UploadResult) -> int:
         say("warning", "no record came before the end: nothing was uploaded")
     if followed is not None and followed.ended == "over":
         died = "; ".join(f"{p} (rank {r}): {why}" for (p, r), why in sorted(followed.dead.items()))
-        say(
-            "info",
-            f"ended: every source finished or died, and no restart came within --restart-grace ({died}); "
-            "the runs hold every record written",
-        )
+        if followed.missing:
+            say(
+                "info",
+                f"ended: every source that wrote finished or died{f' ({died})' if died else ''}, and "
+                f"{followed.missing}: no restart and no new source came within --restart-grace; the runs "
+                "hold every record written",
+            )
+        else:
+            say(
+                "info",
+                f"ended: every source finished or died, and no restart came within --restart-grace ({died}); "
+                "the runs hold every record written",
+            )
     if followed is not None and followed.ended == "idle" and not followed.all_finished:
         unfinished = sorted(
             f"{p} (rank {r})" for (p, r), s in followed.sources.items() if not (s.finished or s.static)
         )
         why = [f"{', '.join(unfinished)} did not shut down"] if unfinished else []
-        missing = followed.expected - len(followed.sources)
-        if 0 < missing < 1 << 20:
-            why.append(f"{missing} of the {followed.expected} sources run.json expects never wrote")
-        elif missing > 0:  # no run.json yet: every source that may still come is waited for
+        if followed.missing:
+            why.append(followed.missing)
+        elif followed.expected > len(followed.sources):  # their count is not known: no run.json
             why.append("no run.json says how many sources the job has")
         say(
             "info",

@@ -26,6 +26,9 @@ os.environ.setdefault(
 for _name, _value in json.loads(os.environ["MLS_CONTROLLER_TERMINAL"]).items():
     if _value is None:
         os.environ.pop(_name, None)
+        # readline, which pytest imports (pdb), sets COLUMNS and LINES in the C environment,
+        # unseen by os.environ: the commands a test starts would inherit them
+        os.unsetenv(_name)
     else:
         os.environ[_name] = _value
 

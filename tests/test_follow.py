@@ -25,17 +25,18 @@ pytestmark = pytest.mark.slow  # real writer processes and a follower, for secon
 # A rank records 3 keys a step, a few values each, with a background flush mid-step (so a
 # step is on disk in parts), and writes what it recorded to truth-<rank>.jsonl.
 WRITER = """
-import json, os, signal, sys, time
+import glob, json, os, signal, sys, time
 import numpy as np
 import metric_core
-from metric_core import Reduce, record_metric
+from metric_core import Reduce, journal, record_metric
 c = json.loads(sys.argv[1])
 run, rank = c["run"], c["rank"]
 open(f"{c['go']}.{rank}", "w").close()  # imported; the ranks started together init together
 while not os.path.exists(c["go"]):
     time.sleep(0.01)
 metric_core.init(
-    run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"], flush_interval=0.02,
+    run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"],
+    flush_interval=c.get("flush_interval") or 0.02,
     sidecar=c.get("sidecar") if rank == 0 else None, step=c.get("start"),
     segment_records=c.get("segment_records") or 1_000_000,
 )
@@ -59,6 +60,15 @@ with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
                 truth.write(json.dumps([step, key, value]) + "\\n")
             time.sleep(c["pause"] / 4)
         truth.flush()
+        if step == c.get("die_unflushed"):  # once its records of the step are on disk, before flush(step)
+            recorded, deadline = (step + 1 - (c.get("start") or 0)) * 12, time.monotonic() + 120
+            while time.monotonic() < deadline:
+                (path,) = glob.glob(f"{run}/Trainer_r{rank}.r{rank}.*.journal")
+                decoded = journal.decode(open(path, "rb").read())
+                if decoded.table is not None and decoded.table.num_rows >= recorded:
+                    break
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
         metric_core.flush(step)
 metric_core.shutdown()
 """
@@ -66,10 +76,12 @@ HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 
 def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1, **more) -> list:
-    """A writer process per rank (``ranks``: how many, or which), ``more``: die, pause_at
-    and hold_at (rank -> the step it SIGKILLs itself at, pauses ``pause_s`` at, hangs at
-    until ``release(run)`` or its kill; or pause_at, hold_at: the step every rank pauses or
-    hangs at), sidecar (rank 0's), start (the step it resumes from), world.
+    """A writer process per rank (``ranks``: how many, or which), ``more``: die, die_unflushed,
+    pause_at, hold_at and flush_interval (rank -> the step it SIGKILLs itself at, or at the
+    end of, once the step's records are on disk and before its flush; pauses ``pause_s`` at,
+    hangs at until ``release(run)`` or its kill; its writer's background flush interval;
+    or pause_at, hold_at: the step every rank pauses or hangs at), sidecar (rank 0's), start
+    (the step it resumes from), world.
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
@@ -86,7 +98,7 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
     config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
 
     def of(r: int) -> dict:
-        steps = {"die": more.get("die", {}).get(r)}
+        steps = {k: more.get(k, {}).get(r) for k in ("die", "die_unflushed", "flush_interval")}
         for name in ("pause_at", "hold_at"):
             at = more.get(name)
             steps[name] = at.get(r) if isinstance(at, dict) else at
@@ -400,6 +412,32 @@ def test_a_rank_that_starts_late_is_waited_for_as_run_json_says(tmp_path):
     ended_as_recorded(sidecar, run, ranks=2)
 
 
+def test_another_tools_files_beside_the_job_are_not_counted_as_its_ranks(tmp_path):
+    run = tmp_path / "run"
+    (run / "other").mkdir(parents=True)
+    now = time.time()
+    with open(run / "other" / "other_tool.jsonl", "w") as f:  # two sources of another tool
+        for rank in (100, 101):
+            for step in range(3):
+                record = {"process": f"Other_r{rank}", "rank": rank, "step": step, "key": "other/loss"}
+                record.update(reduction="mean", value=rank + step, timestamp=now)
+                f.write(json.dumps(record) + "\n")
+    sidecar = follow(run)
+    finish(writers(run, steps=20, ranks=[0], world=2))
+    finish(writers(run, steps=20, ranks=[1], world=2))  # starts once rank 0 is done: still waited for
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    assert "came after" not in err and "fresh" not in err, err
+    rows = {r["step"]: r for r in rows_of(run, "run")}
+    plain = reduce_run(run)  # what a plain upload of the finished run hands W&B
+    assert sorted(rows) == sorted(plain["step"].unique().to_list())
+    for step, key, value in plain.select("step", "key", "value").iter_rows():
+        assert rows[step][key] == pytest.approx(value, rel=1e-12, abs=1e-12), (step, key)
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    for step, want in expected_steps(values).items():  # numpy over what both ranks recorded
+        assert {k: rows[step][k] for k in want} == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
 def test_following_another_tools_finished_run_until_idle_equals_a_plain_upload(tmp_path):
     import shutil
 
@@ -470,8 +508,60 @@ def test_a_rank_that_never_writes_keeps_the_run_open_and_is_named(tmp_path):
     finish(writers(run, steps=10, ranks=[0, 1], world=3))  # run.json says 3; rank 2 never started
     done = followed(run, "--until-idle", "1s")
     assert done.returncode == 0, done.stderr
-    assert "1 of the 3 sources run.json expects never wrote" in done.stderr
+    assert "rank 2 of world_size 3 never wrote a record" in " ".join(done.stderr.split())  # inspect's words
     assert not runs_written(run)["run"]["finished"]
+
+
+def test_a_rank_dead_before_its_first_record_is_named_and_the_follow_ends_by_itself(tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--restart-grace", "1s")
+    # rank 1 is SIGKILLed as its first step begins, before its writer wrote anything (its
+    # background flush is a minute away): no file of it is there to be seen dying
+    ranks = writers(run, steps=20, ranks=2, die={1: 0}, flush_interval={1: 60.0})
+    finish(ranks)
+    assert ranks[1].returncode == -signal.SIGKILL and ranks[0].returncode == 0
+    assert not list(run.glob("Trainer_r1.*")), "rank 1 left no file"
+    assert sidecar.wait(timeout=120) == 0, log.read_text()  # it ended by itself
+    err = " ".join(log.read_text().split())  # messages are wrapped at the terminal's width
+    assert "rank 1 of world_size 2 never wrote a record" in err  # inspect's words
+    assert "ended: every source that wrote finished or died" in err
+    check(rows_of(run, "run"), expected_steps(truth(run, 2)[0]))  # finished, every step of rank 0
+
+
+def test_let_go_after_lets_a_rank_that_never_wrote_go_while_the_others_train(tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--let-go-after", "2s", "--restart-grace", "1s")
+    ranks = writers(run, steps=30, ranks=2, die={1: 0}, flush_interval={1: 60.0}, hold_at={0: 20})
+    # rank 0 holds at step 20, alive; steps 0-19 go without the rank that never wrote
+    wait_for(lambda: rows_sent(run) >= 20, "the steps to go without rank 1")
+    assert ranks[0].poll() is None, "rank 0 is still training"
+    release(run)
+    finish(ranks)
+    assert sidecar.wait(timeout=120) == 0, log.read_text()
+    err = " ".join(log.read_text().split())
+    assert "rank 1 of world_size 2 never wrote a record" in err and "(--let-go-after 2.0 s)" in err
+    check(rows_of(run, "run"), expected_steps(truth(run, 2)[0]))
+
+
+def test_a_follow_started_after_a_restart_reads_the_dead_attempts_records_no_flush_covered(tmp_path):
+    run = tmp_path / "run"
+    first = writers(run, steps=20, ranks=2, die_unflushed={1: 5})
+    finish(first)
+    assert first[1].returncode == -signal.SIGKILL
+    # restarted from its checkpoint after step 5: its first attempt's records of step 5, on
+    # disk though no flush covered them, stay (as every command reads them)
+    finish(writers(run, steps=20, ranks=[1], start=6, world=2))
+    done = followed(run, "--restart-grace", "1s")  # its first look finds the dead attempt
+    assert done.returncode == 0, done.stderr
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    assert any(s == 5 for s, _, _ in truth(run, 2)[1]), "rank 1's unflushed step 5 is in the truth"
+    check(rows_of(run, "run"), expected_steps(values))
+    plain = reduce_run(run)  # what a plain upload of the finished run hands W&B
+    rows = {r["step"]: r for r in rows_of(run, "run")}
+    for step, key, value in plain.select("step", "key", "value").iter_rows():
+        assert rows[step][key] == pytest.approx(value, rel=1e-12, abs=1e-12)
 
 
 def test_a_sidecar_with_a_bad_option_fails_in_init_before_the_job_trains(tmp_path):

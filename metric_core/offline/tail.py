@@ -63,6 +63,9 @@ TAIL_SCHEMA: dict[str, pl.DataType] = {**{c: POLARS_SCHEMA[c] for c in COLUMNS},
 # Gaps between steps a source must have shown before it can be called stopped early: a
 # source that wrote one step is waited for, not dropped from the watermark.
 MIN_GAPS = 3
+# The count of sources while run.json, which holds it, is not written yet: every source
+# that may still come is waited for.
+UNKNOWN_SOURCES = 1 << 30
 # A source silent against the wall clock is let go no sooner than this (another machine's
 # clock may be off by a little).
 WALL_CLOCK_MIN_S = 5.0
@@ -253,12 +256,16 @@ class RunTail:
         The records of an attempt whose process is over (``AttemptState.dead``: its end
         recorded, its pid gone, its heartbeat stopped) are read whole as well, as every
         command reads them: no flush will cover them, and the steps go on without it. Its
-        verdict is taken before its files are read, so what is read is all it wrote."""
+        verdict is taken before its files are read, so what is read is all it wrote; an
+        attempt first seen in this poll is judged once its files were read, and a dead one's
+        journal is read again then."""
         self.active = False
         now = time.time()
+        judged = set()
         for state in self.sources.values():
             for a in state.attempts.values():
                 a.over = a.dead(now)
+                judged.add(id(a))
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
             self.meta = read_run_json(self.root, report)
@@ -272,6 +279,23 @@ class RunTail:
                 frames.append(frame)
         for path in paths:
             if path.suffix == ".journal" and path not in self.done:
+                frame = self._journal(path, final)
+                if frame is not None:
+                    frames.append(frame)
+        # Attempts first seen now (a follow started after a rank died, or a fresh reading of
+        # the run): without this, their records no flush covered would wait for the next poll,
+        # and a step, or the end, could go without them.
+        fresh: dict[int, tuple[AttemptState, list[Path]]] = {}
+        for path, tail in self.journals.items():
+            d = tail.decoded
+            of = self.sources.get((d.process, d.rank)) if d.process is not None else None
+            found = of.attempts.get(d.attempt.get("attempt") or "") if of is not None else None
+            if found is not None and id(found) not in judged:
+                fresh.setdefault(id(found), (found, []))[1].append(path)
+        now = time.time()
+        for a, journals in fresh.values():
+            a.over = a.dead(now)
+            for path in journals if a.over is not None else []:
                 frame = self._journal(path, final)
                 if frame is not None:
                     frames.append(frame)
@@ -570,13 +594,25 @@ class Follower:
         -inf: fewer sources than expected wrote so far)."""
         if ending:
             return math.inf
-        if len(sources) < (self.expected or 1):
+        now = time.time()
+        if counted(sources) < (self.expected or 1) and not self.missing_let_go(sources, now):
             return -math.inf
         newest = max((s.clock for s in sources.values()), default=-math.inf)
-        now = time.time()
         return min(
             (of(s) for s in sources.values() if s.holds(newest, now, self.let_go_after)), default=math.inf
         )
+
+    def missing_let_go(self, sources: dict[Source, SourceState], now: float) -> bool:
+        """Whether the sources expected that never wrote stop holding the global steps:
+        ``let_go_after`` seconds passed since the first record of the job's writers, as a
+        source silent that long is let go (a rank that died before its first record left no
+        file to be seen dying by). A count not known yet (no run.json) is waited for."""
+        if self.let_go_after is None or not self.expected or self.expected >= UNKNOWN_SOURCES:
+            return False
+        if counted(sources) >= self.expected:
+            return False
+        first = min((s.first for s in sources.values() if not s.static), default=math.inf)
+        return now - first > self.let_go_after
 
     def _rows(self, complete: pl.DataFrame, sources: dict[Source, SourceState]) -> list[Ready]:
         plan, bucket = self.plan, self.plan.bucket
@@ -626,6 +662,13 @@ class Follower:
 
 def _or_infinity(step: int | None) -> float:
     return -math.inf if step is None else float(step)
+
+
+def counted(sources: dict[Source, SourceState]) -> int:
+    """The sources that count toward the job's size (``run.json``'s world_size, ``--sources``):
+    the writer's own; another tool's files beside them are not the job's ranks (of a run
+    only another tool wrote, every source)."""
+    return sum(1 for s in sources.values() if not s.static) or len(sources)
 
 
 def expected_sources(meta: dict[str, Any]) -> int | None:

@@ -33,7 +33,15 @@ from metric_core.offline.inspect import stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
-from metric_core.offline.tail import Follower, Ready, RunTail, SourceState, expected_sources
+from metric_core.offline.tail import (
+    UNKNOWN_SOURCES,
+    Follower,
+    Ready,
+    RunTail,
+    SourceState,
+    counted,
+    expected_sources,
+)
 from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import (
@@ -85,13 +93,33 @@ class FollowState:
     outcomes: list[RunOutcome] = field(default_factory=list)
     sources: dict[tuple[str, int], SourceState] = field(default_factory=dict)
     expected: int = 1  # sources that must have written (run.json's world_size, --sources)
+    counted_by: str = "run.json"  # what gave ``expected``: run.json's world_size, or --sources
     dead: dict[tuple[str, int], str] = field(default_factory=dict)  # sources over without shutdown(): why
 
     @property
     def all_finished(self) -> bool:
         """Every source shut down cleanly, and as many wrote as the run expects."""
         done = all(s.finished or s.static for s in self.sources.values())
-        return bool(self.sources) and done and len(self.sources) >= self.expected
+        return bool(self.sources) and done and counted(self.sources) >= self.expected
+
+    @property
+    def missing(self) -> str:
+        """The expected sources that never wrote a record, in ``inspect``'s words ("": none,
+        or their count is not known yet)."""
+        seen = counted(self.sources)
+        if seen >= self.expected or self.expected >= UNKNOWN_SOURCES:
+            return ""
+        if self.counted_by == "run.json":  # ranks 0 .. world_size - 1, as inspect names them
+            own = [key for key, s in self.sources.items() if not s.static] or list(self.sources)
+            ranks = sorted(set(range(self.expected)) - {rank for _, rank in own})
+            if ranks:
+                which = ", ".join(map(str, ranks))
+                return (
+                    f"{'rank' if len(ranks) == 1 else 'ranks'} {which} of world_size {self.expected} "
+                    "never wrote a record"
+                )
+        by = "run.json expects" if self.counted_by == "run.json" else "--sources counts"
+        return f"{self.expected - seen} of the {self.expected} sources {by} never wrote a record"
 
 
 def follow_upload(
@@ -123,7 +151,7 @@ def follow_upload(
     a new record, or ``stop`` is set (Ctrl-C: what is ready is handed over first). A live
     source holds the global steps however long it is silent, unless ``let_go_after``."""
     stop = stop or threading.Event()
-    state = FollowState()
+    state = FollowState(counted_by="run.json" if sources is None else "--sources")
     key = request_key(plan, request, share_run)
     if not wait and not root.exists():  # a mistyped path never waits
         raise missing_run(root)  # type: ignore[misc]
@@ -190,6 +218,7 @@ class _Pass:
     sender: Sender | None = None
     said: int = 0
     waiting_said: bool = False
+    missing_said: bool = False  # the sources expected that never wrote were let go (--let-go-after)
     quiet_said: bool = False
     replacing: bool = False  # a pass after a restart replaced rows handed over
     let_go: set[tuple[str, int]] = field(default_factory=set)
@@ -244,14 +273,16 @@ class _Pass:
                 return STOPPED
 
     def _over(self, state: FollowState) -> bool:
-        """Every source finished or died, and no new attempt began within ``restart_grace``."""
+        """Every source finished or died, and no new attempt began within ``restart_grace``;
+        or every source that wrote ended, and the sources expected that never wrote (a rank
+        that died before its first record left no file to be seen dying by) did not come
+        within it either."""
         sources = self.tail.sources
-        done = (
-            bool(sources)
-            and len(sources) >= state.expected
-            and all(s.finished or s.static or key in state.dead for key, s in sources.items())
+        ended = bool(sources) and all(
+            s.finished or s.static or key in state.dead for key, s in sources.items()
         )
-        if not done or not state.dead:
+        missing = state.missing
+        if not ended or not (missing or (counted(sources) >= state.expected and state.dead)):
             self.over_since = None
             return False
         if self.over_since is None:
@@ -259,8 +290,11 @@ class _Pass:
             if self.restart_grace > 0:
                 self.events.message(
                     "note",
-                    f"every source finished or died; waiting {duration(self.restart_grace)} for the job to "
-                    "be restarted (--restart-grace)",
+                    f"every source that wrote finished or died, and {missing}; waiting "
+                    f"{duration(self.restart_grace)} for it or a restart (--restart-grace)"
+                    if missing
+                    else f"every source finished or died; waiting {duration(self.restart_grace)} for the "
+                    "job to be restarted (--restart-grace)",
                 )
         return time.monotonic() - self.over_since >= self.restart_grace
 
@@ -318,12 +352,24 @@ class _Pass:
                     )
             else:
                 self.held.discard(key)
+        if holding and not self.missing_said and self.follower.missing_let_go(self.tail.sources, now):
+            self.missing_said = True
+            first = min((s.first for s in self.tail.sources.values() if not s.static), default=now)
+            self.events.message(
+                "warning",
+                f"{state.missing or 'a source expected never wrote a record'}, {duration(now - first)} after "
+                f"the first record (--let-go-after {duration(let_go_after or 0)}): the steps go on without "
+                "it; if it writes, the runs are written again under fresh ids",
+            )
         quiet = time.monotonic() - last_new
-        if quiet > QUIET_SAID_S and not self.quiet_said and self.tail.sources:
+        # (while every source is over and the follow waits --restart-grace, it said so)
+        if quiet > QUIET_SAID_S and not self.quiet_said and self.tail.sources and self.over_since is None:
             self.quiet_said = True
+            shut = all(s.finished or s.static for s in self.tail.sources.values())
             self.events.message(
                 "note",
-                f"nothing was written for {duration(quiet)} and not every source shut down: the job may "
+                f"nothing was written for {duration(quiet)} and "
+                f"{state.missing if shut and state.missing else 'not every source shut down'}: the job may "
                 "have died. Still following; Ctrl-C ends it (what is complete was handed over), "
                 "--until-idle DURATION ends a follow after such a silence",
             )
@@ -341,9 +387,15 @@ class _Pass:
             raise StrictModeError(f"{self.tail.skipped} record(s) skipped (said above)")
         if wait:
             self.follower.expected = _expected(self.tail.meta, first_record)
-        expected, seen = self.follower.expected or 1, len(self.tail.sources)
+        expected, seen = self.follower.expected or 1, counted(self.tail.sources)
         waited = first_record is not None and time.monotonic() - first_record > WAITING_SAID_S
-        if waited and seen < expected < (1 << 30) and not self.follower.per_source and not self.waiting_said:
+        if (
+            waited
+            and seen < expected < UNKNOWN_SOURCES
+            and not self.follower.per_source
+            and not self.waiting_said
+            and not self.missing_said
+        ):
             self.waiting_said = True
             self.events.message(
                 "warning",
@@ -495,7 +547,7 @@ def _expected(meta: dict[str, Any], first_record: float | None) -> int | None:
         first_record is not None and time.monotonic() - first_record > NO_RUN_JSON_WAIT_S
     ):
         return expected_sources(meta)
-    return 1 << 30
+    return UNKNOWN_SOURCES
 
 
 def _wandb_init() -> Callable[..., Any]:

@@ -102,7 +102,7 @@ def settled_runs(
     when a source may still write: the job goes on); ``warnings`` say what was skipped."""
     import polars as pl
 
-    from metric_core.offline.tail import Follower, RunTail, expected_sources
+    from metric_core.offline.tail import Follower, RunTail, counted, expected_sources
     from metric_core.offline.upload.follow import _identity
 
     assert isinstance(root, Path)  # ``running`` is False for a run in object storage
@@ -111,7 +111,7 @@ def settled_runs(
     expected = expected_sources(tail.meta) or 1
     over = (
         bool(tail.sources)
-        and len(tail.sources) >= expected
+        and counted(tail.sources) >= expected
         and all(s.finished or s.static or s.over is not None for s in tail.sources.values())
     )
     if over:  # every source finished or died since: its records no flush covered are read as they are
