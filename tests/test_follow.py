@@ -34,6 +34,8 @@ run, rank = c["run"], c["rank"]
 open(f"{c['go']}.{rank}", "w").close()  # imported; the ranks started together init together
 while not os.path.exists(c["go"]):
     time.sleep(0.01)
+if c.get("die") == "before_init":  # init() puts the attempt on disk: this rank leaves no file
+    os.kill(os.getpid(), signal.SIGKILL)
 metric_core.init(
     run, rank=rank, process_name=f"Trainer_r{rank}", world_size=c["world"],
     flush_interval=c.get("flush_interval") or 0.02,
@@ -516,9 +518,8 @@ def test_a_rank_dead_before_its_first_record_is_named_and_the_follow_ends_by_its
     run = tmp_path / "run"
     log = tmp_path / "follow.log"
     sidecar = follow_logged(run, log, "--restart-grace", "1s")
-    # rank 1 is SIGKILLed as its first step begins, before its writer wrote anything (its
-    # background flush is a minute away): no file of it is there to be seen dying
-    ranks = writers(run, steps=20, ranks=2, die={1: 0}, flush_interval={1: 60.0})
+    # rank 1 is SIGKILLed before its init(): no file of it is there to be seen dying
+    ranks = writers(run, steps=20, ranks=2, die={1: "before_init"})
     finish(ranks)
     assert ranks[1].returncode == -signal.SIGKILL and ranks[0].returncode == 0
     assert not list(run.glob("Trainer_r1.*")), "rank 1 left no file"
@@ -533,7 +534,7 @@ def test_let_go_after_lets_a_rank_that_never_wrote_go_while_the_others_train(tmp
     run = tmp_path / "run"
     log = tmp_path / "follow.log"
     sidecar = follow_logged(run, log, "--let-go-after", "2s", "--restart-grace", "1s")
-    ranks = writers(run, steps=30, ranks=2, die={1: 0}, flush_interval={1: 60.0}, hold_at={0: 20})
+    ranks = writers(run, steps=30, ranks=2, die={1: "before_init"}, hold_at={0: 20})
     # rank 0 holds at step 20, alive; steps 0-19 go without the rank that never wrote
     wait_for(lambda: rows_sent(run) >= 20, "the steps to go without rank 1")
     assert ranks[0].poll() is None, "rank 0 is still training"
