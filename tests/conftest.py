@@ -207,17 +207,35 @@ def killed_after(work: Callable[[], object]) -> None:
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, "the writing child failed (see stderr)"
 
 
-def on_a_terminal(command: list[str]) -> tuple[int, str, bytes]:
+@pytest.fixture
+def wandb_offline(monkeypatch):
+    """W&B offline and logged out: no key, no netrc, its files in the test's own place."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("NETRC", "/nonexistent-netrc")
+
+
+def on_a_terminal(command: list[str], *, width: int | None = None) -> tuple[int, str, bytes]:
     """Run ``command`` with stderr on a pseudo-terminal and stdout on a pipe: its exit code,
-    what the terminal showed (colours and cursor moves removed), and its stdout."""
+    what the terminal showed (colours and cursor moves removed), and its stdout. The
+    terminal is 160 columns wide by ``COLUMNS``, or, given ``width``, by its own size with
+    ``COLUMNS`` unset."""
+    import fcntl
     import pty
     import re
+    import struct
     import subprocess
+    import termios
 
     screen, terminal = pty.openpty()
-    child = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=terminal, env={**os.environ, "COLUMNS": "160"}
-    )
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    if width is None:
+        env["COLUMNS"] = "160"
+    else:
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, width, 0, 0))
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=terminal, env=env)
     os.close(terminal)
     shown = b""
     while True:

@@ -837,34 +837,9 @@ def test_messages_and_inspects_story_are_wrapped_at_columns_and_data_never_is(tm
 
 @pytest.mark.slow  # the installed command, with stderr on a terminal
 def test_on_a_terminal_messages_are_wrapped_at_its_width_without_columns(tmp_path):
-    import fcntl
-    import os
-    import pty
-    import re
-    import struct
-    import subprocess
-    import termios
-
-    screen, terminal = pty.openpty()
-    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 72, 0, 0))
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    child = subprocess.Popen(
-        [METRICLOG, "reduce", SAMPLE, "--ranks", "7"], stdout=subprocess.PIPE, stderr=terminal, env=env
-    )
-    os.close(terminal)
-    shown = b""
-    while True:
-        try:
-            chunk = os.read(screen, 65536)
-        except OSError:  # EIO: the process closed the terminal
-            break
-        if not chunk:
-            break
-        shown += chunk
-    os.close(screen)
-    child.communicate(timeout=120)
-    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode()).replace("\r\n", "\n")
-    assert child.returncode == 1 and fits(text, 72), text
+    code, shown, _ = on_a_terminal([METRICLOG, "reduce", SAMPLE, "--ranks", "7"], width=72)
+    text = shown.replace("\r\n", "\n")
+    assert code == 1 and fits(text, 72), text
     assert " ".join(text.split()).endswith(
         "Error: no record in " + str(SAMPLE) + " matches the filters: --ranks '7' matches no record "
         "(no rank 7); the run's ranks: 0-1"

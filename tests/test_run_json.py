@@ -28,12 +28,8 @@ STEPS = 4
 
 
 @pytest.fixture(autouse=True)
-def offline_env(monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_DIR", raising=False)
-    monkeypatch.setenv("NETRC", "/nonexistent-netrc")
+def offline_env(wandb_offline):
+    """Every test here runs W&B offline, logged out."""
 
 
 @pytest.fixture(scope="module")
