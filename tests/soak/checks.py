@@ -47,7 +47,7 @@ def check_job(job) -> None:
     for mode in ("global_reduce", "per_rank_reduce"):
         reducing(job, seen, mode)
     by_time(job, seen)
-    overrides(job, seen)
+    reducing(job, seen, job.job["overrides"]["mode"], tuple(job.job["overrides"]["patterns"]))
     keys(job, seen)
     if spec["sample_keys"]:
         samples(job, truth)
@@ -234,39 +234,18 @@ def compare_groups(
         result.fail(f"{kind}: {len(bad)} wrong value(s), e.g. " + "; ".join(bad[:3]))
 
 
-def reducing(job, seen: list[dict], mode: str) -> None:
-    out = job.dir / "out" / f"{mode}.parquet"
+def reducing(job, seen: list[dict], mode: str, patterns: tuple[str, ...] = ()) -> None:
+    """``reduce --mode MODE`` (with ``--reduce`` overrides: ``patterns``) against the
+    groups of the records read raw."""
+    name = "overrides" if patterns else mode
+    out = job.dir / "out" / f"{name}.parquet"
+    args = [a for p in patterns for a in ("--reduce", p)]
     done = job.command(
-        f"reduce-{mode}",
+        f"reduce-{name}",
         "reduce",
         str(job.run),
         "--mode",
         mode,
-        "--out",
-        str(out),
-        expect=(0,) if seen else (0, 1),
-    )
-    if done.code == 0:
-        compare_groups(
-            job,
-            f"reduce --mode {mode}",
-            read_frame(out),
-            expected_groups(seen, mode),
-            mode,
-            lambda key, red: red,
-        )
-
-
-def overrides(job, seen: list[dict]) -> None:
-    spec = job.job["overrides"]
-    out = job.dir / "out" / "overrides.parquet"
-    args = [a for p in spec["patterns"] for a in ("--reduce", p)]
-    done = job.command(
-        "reduce-overrides",
-        "reduce",
-        str(job.run),
-        "--mode",
-        spec["mode"],
         *args,
         "--out",
         str(out),
@@ -275,11 +254,11 @@ def overrides(job, seen: list[dict]) -> None:
     if done.code == 0:
         compare_groups(
             job,
-            "reduce " + " ".join(args),
+            " ".join(["reduce --mode", mode, *args]),
             read_frame(out),
-            expected_groups(seen, spec["mode"]),
-            spec["mode"],
-            lambda key, red: statistic_of(key, red, spec["patterns"]),
+            expected_groups(seen, mode),
+            mode,
+            lambda key, red: statistic_of(key, red, patterns) if patterns else red,
         )
 
 
