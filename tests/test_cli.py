@@ -933,10 +933,13 @@ main()
 """
 
 
+BUG_TAIL = "not in the run or the command: please report it, with the traceback above"
+
+
 @pytest.mark.parametrize(
     ("raised", "tracebacks", "last_line"),
     [
-        ("ZeroDivisionError", 1, "Error: this is a bug in metriclog, not in the run or the command: please report it, with the traceback above"),
+        ("ZeroDivisionError", 1, f"Error: this is a bug in metriclog, {BUG_TAIL}"),
         ("UploadError", 0, "Error: the rows could not be sent"),
     ],
     ids=["bug", "expected"],
