@@ -432,8 +432,9 @@ def watch(
     On a terminal, a table of the sources redrawn in place; into a pipe or a file, a line each
     time a source appears or its state changes (stalls, deaths and restarts: on stderr).
 
-    Exit 0 once every source finished, 4 once every source finished or died and no restart
-    came within --restart-grace, 3 on a stall with --exit-on-stall, 130 on Ctrl-C.
+    Exit 0 once every source finished, 4 once every source finished or died (or ranks of
+    world_size never wrote) and no restart came within --restart-grace, 3 on a stall with
+    --exit-on-stall, 130 on Ctrl-C.
 
     Example:
 

@@ -308,7 +308,7 @@ def test_inspect_command_table_verdict_and_json(crashed, india):
         story,
     ), story
     assert verdict == [
-        "Ranks 5 of world_size 6 never wrote a record.",
+        "Rank 5 of world_size 6 never wrote a record.",
         "TrainActor_r1 (rank 1) stopped first: last record at step 40, 2025-10-09T14:24:40+05:30, "
         "2.1 min before the newest record of the run.",
         f"  its last values: trainer/grad_norm=5, trainer/loss={1 / 41:.6g}",

@@ -29,7 +29,7 @@ import polars as pl
 
 from metric_core.clock import duration
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
-from metric_core.offline.inspect import stall_threshold
+from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
@@ -113,11 +113,7 @@ class FollowState:
             own = [key for key, s in self.sources.items() if not s.static] or list(self.sources)
             ranks = sorted(set(range(self.expected)) - {rank for _, rank in own})
             if ranks:
-                which = ", ".join(map(str, ranks))
-                return (
-                    f"{'rank' if len(ranks) == 1 else 'ranks'} {which} of world_size {self.expected} "
-                    "never wrote a record"
-                )
+                return never_wrote(ranks, self.expected)
         by = "run.json expects" if self.counted_by == "run.json" else "--sources counts"
         return f"{self.expected - seen} of the {self.expected} sources {by} never wrote a record"
 
