@@ -7,6 +7,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import polars as pl
@@ -46,7 +47,7 @@ def _recorded_nothing(report: ReadReport) -> str:
     from metric_core.offline import story
     from metric_core.offline.storage import newest_listed
 
-    now = newest_listed(report.run_dir) if is_remote(report.run_dir) else time.time()
+    now = time.time() if isinstance(report.run_dir, Path) else newest_listed(report.run_dir)
     story.tell(report, report.run_dir, now)
     attempts = sorted(report.attempts, key=lambda a: (a.ended_at or math.inf, a.process, a.rank))
     several = len({a.number for a in attempts}) > 1
