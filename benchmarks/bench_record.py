@@ -17,6 +17,17 @@ before the loop to just after shutdown, divided by N. Variants, side by side:
   wandb       every record streamed through wandb.log, offline mode (fewer records,
               since it is slow; the cost per record is what is compared)
 
+  parquet-nostats, jsonl-nostats
+              parquet and jsonl with the writer's per-segment key statistics (``key_stats``
+              in a sealed segment's metadata, which ``metriclog keys`` answers from) not
+              computed, each run beside its counterpart as it ships, to show their cost
+
+The writing's throughput, as it ships (key_stats on): the process's CPU but for the
+record_metric calls themselves (``time.thread_time`` around them in the caller's thread):
+flush() making the step durable, the writer thread, sealing each segment (1M records by
+default: a 2M-record run seals two, key_stats included), a record's share of each. Printed
+as ns a record and records a second on one core, with and without key_stats.
+
   parquet@REV, jsonl@REV (with --baseline REV)
               the same, with metric_core as it was at git revision REV, so a change
               is measured against its base in the same run
@@ -161,6 +172,10 @@ CHILD = textwrap.dedent(
         mean = None
     else:
         import metric_core
+        if variant.endswith("-nostats"):  # the writer without its per-segment key statistics
+            from metric_core.writer import seal
+            seal._key_stats = lambda table: ()
+            variant = variant[: -len("-nostats")]
         own = variant in ("torchforge", "sample") or variant.startswith("call-")
         file_format = "parquet" if own else variant
         metric_core.init(run_dir, rank=0, process_name="bench", file_format=file_format)
@@ -230,8 +245,10 @@ CHILD = textwrap.dedent(
             step += 1
     else:
         for i in range(n // step_every):
+            t = time.thread_time()
             for j in range(step_every):
                 record_metric(keys[j %% len(keys)], 0.001 * j + i, mean)
+            caller += time.thread_time() - t
             flush(step)
             step += 1
     shutdown()
@@ -304,7 +321,9 @@ def main() -> None:
     variants = {} if args.only_calls else {
         "seed": args.records,
         "parquet": args.records,
+        "parquet-nostats": args.records,  # beside its counterpart: paired rounds are adjacent
         "jsonl": args.records,
+        "jsonl-nostats": args.records,
         "torchforge": args.records,
         "sample": args.records // 10,
         "wandb": args.wandb_records,
@@ -355,6 +374,7 @@ def main() -> None:
         f"wandb.log / parquet = {med['wandb'] / med['parquet']:.0f}x, wandb.log / jsonl = "
         f"{med['wandb'] / med['jsonl']:.0f}x (target >= 50x)"
     )
+    print_writing(results, callers)
     copy = _shallow_copy_ns()
     print(
         f"a 2 KB sample: {statistics.median(callers['sample']):.0f} ns in the caller's thread (a shallow "
@@ -369,6 +389,23 @@ def main() -> None:
                 f"(median of paired rounds {statistics.median(ratios):.3f}x, range "
                 f"{min(ratios):.3f}-{max(ratios):.3f}; target <= 1.05x)"
             )
+
+
+def print_writing(cpu: dict[str, list[float]], callers: dict[str, list[float]]) -> None:
+    """The writing's CPU a record (the process's but for the record_metric calls) and its
+    throughput on one core, with key_stats as it ships and without: medians, and the
+    median of the paired rounds' ratios."""
+    print("writing (flush, the writer thread, sealing), CPU a record and throughput on one core; medians")
+    print(f"{'format':<9}{'ns/record':>11}{'records/s':>13}{'without key_stats':>19}{'key_stats':>12}")
+    for fmt in ("parquet", "jsonl"):
+        on = [c - k for c, k in zip(cpu[fmt], callers[fmt], strict=True)]
+        off = [c - k for c, k in zip(cpu[f"{fmt}-nostats"], callers[f"{fmt}-nostats"], strict=True)]
+        ratio = statistics.median(a / b for a, b in zip(on, off, strict=True))
+        print(
+            f"{fmt:<9}{statistics.median(on):>11.0f}{1e9 / statistics.median(on):>13,.0f}"
+            f"{statistics.median(off):>16.0f} ns{ratio:>11.3f}x"
+        )
+    print()
 
 
 CALL_KINDS = (

@@ -2,7 +2,8 @@
 
 Each command takes its options, makes one metric_core call and prints the result
 (``output``). Errors are mapped by type: a ``PlanError`` is a usage error (exit 2), any
-other ``MetricLogError`` or an ``OSError`` one ``Error: ...`` line and exit 1.
+other ``MetricLogError`` or an ``OSError`` one ``Error: ...`` line and exit 1. Anything
+else is a bug: its traceback, once, and a line saying it is one, exit 1.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from metric_core.offline.storage import check_target
 from . import options as o
 from . import output, tuning
 from .start import STOPPED, catch_stops, stopping
+
+BUG = "this is a bug in metriclog, not in the run or the command: please report it, with the traceback above"
 
 
 class _Command(typer.core.TyperCommand):
@@ -429,8 +432,9 @@ def watch(
     On a terminal, a table of the sources redrawn in place; into a pipe or a file, a line each
     time a source appears or its state changes (stalls, deaths and restarts: on stderr).
 
-    Exit 0 once every source finished, 4 once every source finished or died and no restart
-    came within --restart-grace, 3 on a stall with --exit-on-stall, 130 on Ctrl-C.
+    Exit 0 once every source finished, 4 once every source finished or died (or ranks of
+    world_size never wrote) and no restart came within --restart-grace, 3 on a stall with
+    --exit-on-stall, 130 on Ctrl-C.
 
     Example:
 
@@ -465,7 +469,7 @@ def watch(
 def main() -> None:
     """The commands, run with stops caught (``start``): a stop by SIGTERM is a Ctrl-C, so
     what a command made in temporary directories and half-written files is removed on the
-    way out."""
+    way out. An unexpected error is a bug: its traceback once, one line saying so, exit 1."""
     catch_stops()
     tuning.apply()
     try:
@@ -474,13 +478,25 @@ def main() -> None:
         sys.exit(STOPPED)
     except Exception as exc:
         if not stopping():
-            raise
+            _report_bug(exc)
+            sys.exit(1)
         # The stop landed inside a library that made its KeyboardInterrupt an error of its
         # own (pydantic building wandb's models on import): stopped, not broken. Anything
         # else that failed on the way out is still said.
         if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
             output.error(_gist(exc))
         sys.exit(STOPPED)
+
+
+def _report_bug(exc: BaseException) -> None:
+    """An unexpected error's traceback, printed here rather than by the interpreter's hook: a
+    library may have chained a hook of its own to it (wandb's prints the traceback, then
+    calls the one it found), and the report is one traceback."""
+    import traceback
+
+    traceback.print_exception(exc)
+    sys.stderr.flush()
+    output.error(BUG)
 
 
 def _gist(said: object) -> str:

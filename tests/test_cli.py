@@ -913,3 +913,51 @@ def test_each_command_says_the_sample_runs_skipped_records_once(args, tmp_path):
     result = invoke(command, SAMPLE, *options)
     assert result.exit_code in (0, 1), result.output
     assert result.stderr.count("21 record(s) skipped") == 1, result.stderr
+
+
+# A command whose work raises: a bug (ZeroDivisionError) after wandb.init hooked itself to the
+# interpreter's excepthook, or an expected failure (UploadError), raised where the W&B run's
+# rows are sent.
+CRASH = """
+import sys
+from metric_core.errors import UploadError
+from metric_core.offline.upload import send
+
+def fail(*args, **kwargs):
+    raise {raised}("the rows could not be sent")
+
+send.Sender._log = fail
+from metriclog.start import main
+sys.argv = ["metriclog", *sys.argv[1:]]
+main()
+"""
+
+
+BUG_TAIL = "not in the run or the command: please report it, with the traceback above"
+
+
+@pytest.mark.parametrize(
+    ("raised", "tracebacks", "last_line"),
+    [
+        ("ZeroDivisionError", 1, f"Error: this is a bug in metriclog, {BUG_TAIL}"),
+        ("UploadError", 0, "Error: the rows could not be sent"),
+    ],
+    ids=["bug", "expected"],
+)  # fmt: skip
+def test_a_bug_prints_one_traceback_and_says_it_is_a_bug_an_expected_failure_one_line(
+    tmp_path, wandb_offline, raised, tracebacks, last_line
+):
+    import os
+    import subprocess
+
+    run = tmp_path / "run"
+    write_collector_run(run, [("TrainActor_r0", 0)], steps=5)
+    env = {**os.environ, "WANDB_DIR": str(tmp_path), "COLUMNS": "400"}
+    done = subprocess.run(
+        [sys.executable, "-c", CRASH.format(raised=raised), "upload", run, "--project", "p", "--offline"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("Traceback (most recent call last)") == tracebacks, done.stderr
+    assert done.stderr.rstrip("\n").splitlines()[-1] == last_line, done.stderr
+    assert sum(line.startswith("Error:") for line in done.stderr.splitlines()) == 1, done.stderr

@@ -546,6 +546,55 @@ def test_let_go_after_lets_a_rank_that_never_wrote_go_while_the_others_train(tmp
     check(rows_of(run, "run"), expected_steps(truth(run, 2)[0]))
 
 
+def started_at(run: Path, rank: int) -> str:
+    """When rank ``rank``'s attempt started, as its journal's header says (``init()`` writes
+    it), in local ISO 8601 time to the second."""
+    from datetime import datetime
+
+    from metric_core import journal
+
+    (path,) = run.glob(f"Trainer_r{rank}.r{rank}.*.journal")
+    started = journal.decode(path.read_bytes()).attempt["attempt_started"]
+    return datetime.fromtimestamp(started).astimezone().isoformat(timespec="seconds")
+
+
+def test_a_rank_alive_but_silent_since_its_init_is_said_from_its_start_and_its_kill_as_a_death(tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--restart-grace", "1s")
+    ranks = writers(run, steps=20, ranks=2, hold_at={1: 0})  # rank 1 hangs after init(), before a record
+    finish(ranks[:1])
+    said = "Trainer_r1 (rank 1) is alive and has written no record in the "
+    wait_for(lambda: said in " ".join(log.read_text().split()), "the follower to say it holds the steps")
+    ranks[1].kill()  # killed before its first record
+    ranks[1].wait()
+    assert sidecar.wait(timeout=120) == 0, log.read_text()
+    err = " ".join(log.read_text().split())
+    assert f"since it started at {started_at(run, 1)}: the global steps wait for it" in err, err
+    assert f"Trainer_r1 (rank 1) died before its first record: its process (pid {ranks[1].pid}) is " in err
+    assert "unknown" not in err, err
+    check(rows_of(run, "run"), expected_steps(truth(run, 2)[0]))
+
+
+def test_let_go_after_counts_a_rank_that_has_not_written_from_its_start(tmp_path):
+    run = tmp_path / "run"
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--let-go-after", "3s", "--restart-grace", "1s")
+    ranks = writers(run, steps=30, ranks=2, hold_at={1: 0, 0: 20})
+    wait_for(lambda: rows_sent(run) >= 20, "the steps to go without rank 1")
+    started = started_at(run, 1)  # its journal, before it writes and seals it
+    release(run)
+    finish(ranks)
+    assert sidecar.wait(timeout=120) == 0, log.read_text()
+    err = " ".join(log.read_text().split())
+    said = err.split("Trainer_r1 (rank 1) has written no record in the ", 1)[1].split(" (--let-go-after")[0]
+    seconds, rest = said.split(" s since it started at ")  # let go after 3 s of silence, not at once
+    assert float(seconds) >= 3.0 and rest == started, err
+    assert "unknown" not in err, err
+    values = [v for vs in truth(run, 2).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))  # the newest run: every record, exact
+
+
 def test_a_follow_started_after_a_restart_reads_the_dead_attempts_records_no_flush_covered(tmp_path):
     run = tmp_path / "run"
     first = writers(run, steps=20, ranks=2, die_unflushed={1: 5})

@@ -308,7 +308,7 @@ def test_inspect_command_table_verdict_and_json(crashed, india):
         story,
     ), story
     assert verdict == [
-        "Ranks 5 of world_size 6 never wrote a record.",
+        "Rank 5 of world_size 6 never wrote a record.",
         "TrainActor_r1 (rank 1) stopped first: last record at step 40, 2025-10-09T14:24:40+05:30, "
         "2.1 min before the newest record of the run.",
         f"  its last values: trainer/grad_norm=5, trainer/loss={1 / 41:.6g}",
@@ -714,3 +714,42 @@ def test_a_cache_never_gives_a_file_the_aggregates_of_an_older_version_of_it(tmp
         "checked_at": report.to_dict()["checked_at"]
     }
     live.shutdown()
+
+
+# A rank that calls init() and ends before it records a metric: killed, an exception (line 4
+# of the script), or a clean shutdown.
+ENDED_AT_ONCE = """
+import os, signal, sys, metric_core
+metric_core.init(sys.argv[1], rank=0, process_name="Trainer_r0", world_size=1)
+if sys.argv[2] == "exception": raise ValueError("bad config")
+if sys.argv[2] == "kill": os.kill(os.getpid(), signal.SIGKILL)
+metric_core.shutdown()
+"""
+
+
+@pytest.mark.parametrize(
+    ("end", "code", "told"),
+    [
+        ("kill", -9, "died: no exception or signal recorded (SIGKILL, the OOM killer, os._exit or a native "
+                     "crash)"),
+        ("exception", 1, "raised ValueError('bad config') at <string>:4 (<module>)"),
+        ("shutdown", 0, "shut down cleanly"),
+    ],
+)  # fmt: skip
+def test_a_run_whose_attempt_ended_before_recording_says_so_and_how_it_ended(tmp_path, end, code, told):
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    rank = subprocess.run([sys.executable, "-c", ENDED_AT_ONCE, str(run), end], capture_output=True)
+    assert rank.returncode == code, rank.stderr
+    assert list(run.glob("Trainer_r0.r0.*")), "init() put the attempt on disk"
+    for command in (["inspect", str(run)], ["reduce", str(run)]):
+        done = subprocess.run(
+            [str(Path(sys.executable).with_name("metriclog")), *command], capture_output=True, text=True
+        )
+        assert done.returncode == 1 and done.stdout == "", done.stderr
+        assert done.stderr == (
+            f"Error: no readable metric record in {run}: its attempt ended before recording any metric: "
+            f"Trainer_r0 (rank 0) {told}\n"
+        ), command

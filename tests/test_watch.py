@@ -27,7 +27,8 @@ from metric_core import Reduce, record_metric
 run, process = sys.argv[1], sys.argv[2]
 rank, steps, hang_at = (int(a) for a in sys.argv[3:6])
 step_s = float(sys.argv[6])
-metric_core.init(run, rank=rank, process_name=process, flush_interval=0.05)
+world = int(sys.argv[7]) if len(sys.argv) > 7 else None
+metric_core.init(run, rank=rank, process_name=process, flush_interval=0.05, world_size=world)
 for step in range(steps):
     if step == hang_at:
         print("hung", flush=True)
@@ -39,8 +40,11 @@ metric_core.shutdown()
 """
 
 
-def writers(run: Path, plan: list[tuple[int, int]], step_s: float = STEP_S) -> list[subprocess.Popen]:
-    """One writer process per (steps, step it hangs at: -1 for none)."""
+def writers(
+    run: Path, plan: list[tuple[int, int]], step_s: float = STEP_S, world: int | None = None
+) -> list[subprocess.Popen]:
+    """One writer process per (steps, step it hangs at: -1 for none); ``world``: the job's
+    world_size, when it has more ranks than the plan starts."""
     return [
         subprocess.Popen(
             [
@@ -53,6 +57,7 @@ def writers(run: Path, plan: list[tuple[int, int]], step_s: float = STEP_S) -> l
                 str(steps),
                 str(hang),
                 str(step_s),
+                *([str(world)] if world is not None else []),
             ],
             stdout=subprocess.DEVNULL,
         )
@@ -127,6 +132,21 @@ def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path
     assert "stalled" not in done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[-2:] == sorted(lines[-2:]) and all("finished at step" in line for line in lines[-2:])
+
+
+def test_watch_does_not_call_a_run_finished_while_a_rank_of_world_size_never_wrote(tmp_path):
+    run = tmp_path / "run"
+    children = writers(run, [(10, -1), (12, -1)], world=3)  # rank 2 of 3 never starts
+    try:
+        done, stalls = watch(run, tmp_path, "--restart-grace", "1s")
+        codes = [child.wait(timeout=60) for child in children]
+    finally:
+        stop(children)
+    assert codes == [0, 0] and stalls == []
+    assert done.returncode == 4, done.stderr  # over, not finished
+    said = " ".join(done.stderr.split())
+    assert "rank 2 of world_size 3 never wrote a record" in said, said
+    assert "waiting 1.0 s for it or a restart (--restart-grace)" in said, said
 
 
 def test_a_mistyped_path_is_an_error_at_once_unless_wait_is_given(tmp_path):

@@ -178,6 +178,13 @@ class SourceState:
                 self.step_end = (step, max(at, self.step_end[1]))
 
     @property
+    def silent_since(self) -> float:
+        """What its silence counts from: its newest record, or its newest attempt's start
+        (``init()`` writes it in the journal's header) when that is later: a rank that has
+        not written yet, or restarted and not written since."""
+        return max(self.clock, self.newest.started)
+
+    @property
     def over(self) -> str | None:
         """Why the newest attempt's process is over without a shutdown, as the last poll found
         it before it read the source's files (None: alive, or not known): its records no flush
@@ -210,7 +217,7 @@ class SourceState:
         (an older one) by ``inspect``'s stop rule."""
         if self.finished or self.static:
             return False
-        if let_go_after is not None and now - self.clock > let_go_after:
+        if let_go_after is not None and now - self.silent_since > let_go_after:
             return False
         if self.has_life:
             return self.over is None

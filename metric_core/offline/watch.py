@@ -16,7 +16,9 @@ Sources that go silent within ``EPISODE_S`` of each other are one **episode**: o
 the others soon wait for it); a source that joins it, or a stack dump that appears later,
 is said (``on_note``), never a second ``on_stall``. A new attempt of a source is said as
 a restart. Watching ends by itself once every source finished (``FINISHED``), or every
-source finished or died and no new attempt began within ``restart_grace`` (``OVER``).
+source finished or died and no new attempt began within ``restart_grace`` (``OVER``). A
+rank of ``world_size`` (run.json) that never wrote is waited for as long, and named: a run
+with one is never ``FINISHED``.
 
 A file unchanged since the last poll is not read again (``inspect_run``'s cache).
 
@@ -35,9 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from metric_core.clock import duration
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
-from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run
+from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
@@ -162,13 +165,25 @@ def watch_run(
                 if on_stall is not None:
                     on_stall(episode)
             states = {state_of(s) for s in report.sources}
-            if states == {"finished"}:
+            # A rank of world_size that never wrote (it died before init(), or never started)
+            # left no file to be seen finishing or dying by: the run did not finish.
+            absent = (
+                never_wrote(report.missing_ranks, report.world_size)
+                if report.missing_ranks and report.world_size is not None
+                else ""
+            )
+            if states == {"finished"} and not absent:
                 result.code = FINISHED
                 return result
             if exit_on_stall and fresh:
                 result.code = STALLED
                 return result
             if states <= {"finished", "died"} and not restarted:
+                if over_since is None and absent:
+                    note(
+                        f"every source that wrote finished or died, and {absent}; waiting "
+                        f"{duration(restart_grace)} for it or a restart (--restart-grace)"
+                    )
                 over_since = over_since if over_since is not None else time.monotonic()
                 if time.monotonic() - over_since >= restart_grace:
                     result.code = OVER

@@ -51,6 +51,7 @@ from metric_core.offline.inspect.health import (
     stall_threshold,
 )
 from metric_core.offline.inspect.report import FirstToStop, InspectReport, NonFinite, SourceHealth, Straggler
+from metric_core.offline.inspect.verdict import never_wrote
 from metric_core.offline.read import OnProgress, OnRead, RunScan, explain_read_errors, scan_run
 from metric_core.offline.samples import read_samples
 from metric_core.offline.storage import newest_listed
@@ -67,6 +68,7 @@ __all__ = [
     "SourceHealth",
     "Straggler",
     "inspect_run",
+    "never_wrote",
     "stall_threshold",
 ]
 

@@ -3,6 +3,7 @@ what the run as a whole looks like."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from metric_core.clock import duration, local_time
@@ -21,11 +22,9 @@ def verdict_lines(report: InspectReport) -> list[str]:
     lines = story.story_lines(
         report.first_failure, [a for s in report.sources for a in s.attempts], report.pauses
     )
-    if report.missing_ranks:
-        lines.append(
-            f"Ranks {', '.join(map(str, report.missing_ranks))} of world_size {report.world_size} "
-            "never wrote a record."
-        )
+    if report.missing_ranks and report.world_size is not None:
+        said = never_wrote(report.missing_ranks, report.world_size)
+        lines.append(f"{said[0].upper()}{said[1:]}.")
     for i, stop in enumerate(report.stopped_early):
         kind = "stopped first" if i == 0 and len(report.stopped_early) > 1 else "stopped early"
         lines.append(
@@ -75,6 +74,19 @@ def verdict_lines(report: InspectReport) -> list[str]:
             "could not be read (see the warning above)."
         )
     return lines
+
+
+def never_wrote(ranks: Sequence[int], world_size: int) -> str:
+    """The ranks of ``world_size`` that left no record, as ``inspect``, ``watch`` and
+    ``upload --follow`` say them.
+
+    >>> never_wrote([2], 3)
+    'rank 2 of world_size 3 never wrote a record'
+    >>> never_wrote([1, 3], 4)
+    'ranks 1, 3 of world_size 4 never wrote a record'
+    """
+    which = "rank" if len(ranks) == 1 else "ranks"
+    return f"{which} {', '.join(map(str, ranks))} of world_size {world_size} never wrote a record"
 
 
 def _overall(report: InspectReport, problems: bool) -> list[str]:

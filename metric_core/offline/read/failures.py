@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core.errors import NoDataError, RunChangedError, StorageError
+from metric_core.offline.read.attempts import Attempt
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import RunPath, explain_store_failure, is_remote, is_store_failure
 from metric_core.sample import DIRECTORY, is_samples_file
@@ -20,8 +23,10 @@ T = TypeVar("T")
 
 
 def all_skipped(report: ReadReport) -> NoDataError:
-    """The error of a run whose every record was skipped, with what the reader skipped (a
-    run whose files are checked as they are read finds it out once they all were)."""
+    """The error of a run without a record to read: with what the reader skipped (a run
+    whose files are checked as they are read finds it out once they all were); or, where
+    nothing was skipped, what the run holds instead: samples, or attempts that recorded no
+    metric (an ``init()`` then a crash), each told as it ended."""
     extra = report.summary()
     if not extra and _has_samples(report.run_dir):
         return NoDataError(
@@ -29,7 +34,41 @@ def all_skipped(report: ReadReport) -> NoDataError:
             f"it holds samples (Reduce.SAMPLE) only, no record: `metriclog samples {report.run_dir}` "
             "lists them",
         )
+    if not extra and report.attempts:
+        return NoDataError(str(report.run_dir), _recorded_nothing(report))
     return NoDataError(str(report.run_dir), "every record was skipped" + (f"\n{extra}" if extra else ""))
+
+
+def _recorded_nothing(report: ReadReport) -> str:
+    """The attempts of a run that holds no record, as inspect's story tells their ends:
+    "its attempt ended before recording any metric: Trainer_r0 (rank 0) raised ..."."""
+    import time
+
+    from metric_core.offline import story
+    from metric_core.offline.storage import newest_listed
+
+    now = time.time() if isinstance(report.run_dir, Path) else newest_listed(report.run_dir)
+    story.tell(report, report.run_dir, now)
+    attempts = sorted(report.attempts, key=lambda a: (a.ended_at or math.inf, a.process, a.rank))
+    several = len({a.number for a in attempts}) > 1
+
+    def told(a: Attempt) -> str:
+        who = f"{a.process} (rank {a.rank})" + (f" attempt {a.number}" if several else "")
+        if a.failed:
+            return f"{who} {story.ended_how(a)}"
+        if a.ended_well:
+            return f"{who} shut down cleanly"
+        return f"{who} {'is still running' if a.end == 'running' else 'recorded no end'}"
+
+    running = sum(a.end == "running" for a in attempts)
+    its = "its attempt" if len(attempts) == 1 else f"its {len(attempts)} attempts"
+    if not running:
+        how = "ended before recording any metric"
+    elif running == len(attempts):
+        how = f"{'has' if len(attempts) == 1 else 'have'} recorded no metric yet"
+    else:
+        how = "recorded no metric"
+    return f"{its} {how}: " + "; ".join(told(a) for a in attempts)
 
 
 def _has_samples(run_dir: RunPath) -> bool:

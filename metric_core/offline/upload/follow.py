@@ -27,9 +27,9 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.clock import duration
+from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
-from metric_core.offline.inspect import stall_threshold
+from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
@@ -113,11 +113,7 @@ class FollowState:
             own = [key for key, s in self.sources.items() if not s.static] or list(self.sources)
             ranks = sorted(set(range(self.expected)) - {rank for _, rank in own})
             if ranks:
-                which = ", ".join(map(str, ranks))
-                return (
-                    f"{'rank' if len(ranks) == 1 else 'ranks'} {which} of world_size {self.expected} "
-                    "never wrote a record"
-                )
+                return never_wrote(ranks, self.expected)
         by = "run.json expects" if self.counted_by == "run.json" else "--sources counts"
         return f"{self.expected - seen} of the {self.expected} sources {by} never wrote a record"
 
@@ -307,9 +303,14 @@ class _Pass:
         let_go_after = self.follower.let_go_after
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
-            since = f"since step {source.step_end[0]}" if source.step_end else "since it started"
             # its last flushed step: the records of a step it did not flush are read, but it died in it
-            after = f"after step {source.done}" if source.done is not None else "before its first step"
+            after = (
+                f"after step {source.done}"
+                if source.done is not None
+                else "before its first step"
+                if source.step_end is not None
+                else "before its first record"
+            )
             why = source.over
             if why is None:
                 state.dead.pop(key, None)
@@ -328,14 +329,14 @@ class _Pass:
                 )
                 self.events.message(
                     "warning",
-                    f"{who} is silent for {duration(now - source.clock)} {since} ({rule}): the steps go on "
-                    "without it; if it writes again, the runs are written again under fresh ids",
+                    f"{who} {_silence(source, now)} ({rule}): the steps go on without it; if it writes "
+                    "again, the runs are written again under fresh ids",
                 )
             if let_go:
                 self.let_go.add(key)
             elif key in self.let_go and source.finished:
                 self.let_go.discard(key)
-            silent = now - source.clock
+            silent = now - source.silent_since
             typical = statistics.median(source.gaps) if source.gaps else None
             if (
                 holding
@@ -347,8 +348,8 @@ class _Pass:
                     self.held.add(key)
                     self.events.message(
                         "note",
-                        f"{who} is alive but silent for {duration(silent)} {since}: the global steps wait "
-                        "for it (a long evaluation, or a hang); --let-go-after DURATION lets a silent one go",
+                        f"{who} {_silence(source, now, alive=True)}: the global steps wait for it (a long "
+                        "evaluation, or a hang); --let-go-after DURATION lets a silent one go",
                     )
             else:
                 self.held.discard(key)
@@ -510,6 +511,19 @@ class _Pass:
                     opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
                 )
                 opened.wb = None
+
+
+def _silence(source: SourceState, now: float, *, alive: bool = False) -> str:
+    """How long ``source`` is silent, said from its newest step, or from its start (the
+    journal's header) when it has written no record."""
+    if source.step_end is not None:
+        but = "alive but " if alive else ""
+        return f"is {but}silent for {duration(now - source.clock)} since step {source.step_end[0]}"
+    started = source.newest.started
+    said = ("is alive and " if alive else "") + "has written no record"
+    if not math.isfinite(started):  # an older writer's journal, which does not say when it started
+        return f"{said} since it started"
+    return f"{said} in the {duration(now - started)} since it started at {local_time(started)}"
 
 
 def _wandb_teardown() -> None:
