@@ -178,8 +178,10 @@ def _key_stats(table: pa.Table) -> tuple[Any, ...]:
         return ()
     keys, key_names = _codes(table["key"])
     reductions, reduction_names = _codes(table["reduction"])
-    pairs, group = np.unique(keys * max(len(reduction_names), 1) + reductions, return_inverse=True)
-    order = np.argsort(group, kind="stable")
+    width = max(len(reduction_names), 1)
+    pairs, group = _numbered(keys * width + reductions, max(len(key_names), 1) * width)
+    # a stable sort of at most 2**16 groups' numbers sorts them as uint16: numpy's radix sort
+    order = np.argsort(group.astype(np.uint16) if len(pairs) <= 1 << 16 else group, kind="stable")
     starts = np.flatnonzero(np.r_[True, np.diff(group[order]) != 0])
     step = records.as_numpy(table["step"], np.int64)[order]
     at = records.as_numpy(table["timestamp"], np.float64)[order]
@@ -196,6 +198,17 @@ def _key_stats(table: pa.Table) -> tuple[Any, ...]:
         strict=True,
     )
     return tuple(sorted(found))
+
+
+def _numbered(ids: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``ids`` (each below ``span``), sorted, and each one's place among them:
+    ``np.unique(ids, return_inverse=True)``, without its sort where ``span`` is small."""
+    if span > 1 << 16:
+        return np.unique(ids, return_inverse=True)
+    distinct = np.flatnonzero(np.bincount(ids, minlength=span))
+    place = np.zeros(span, dtype=np.int64)
+    place[distinct] = np.arange(len(distinct))
+    return distinct, place[ids]
 
 
 def _codes(column: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
