@@ -18,6 +18,7 @@ everything else here.
 from __future__ import annotations
 
 import _signal
+import _thread
 import atexit
 import os
 import sys
@@ -26,6 +27,8 @@ STOPPED = 130  # a command's exit code when a stop ended it (a shell's, for a Ct
 
 _stopping = False  # a stop came
 _done = False  # the command is done: the interpreter ends
+_first = _signal.SIGINT  # the signal of the first stop
+_lost = False  # a stop's KeyboardInterrupt landed where Python could not raise it
 
 
 def main() -> None:
@@ -58,6 +61,7 @@ def catch_stops() -> None:
     # Registered first, so it runs last: from there on the interpreter drops its own
     # handlers, and a stop would kill the process by the signal's default action.
     atexit.register(_ignore_stops)
+    sys.unraisablehook = _unraisable(sys.unraisablehook)
 
 
 def stopping() -> bool:
@@ -66,13 +70,34 @@ def stopping() -> bool:
 
 
 def _stop(signum: int, frame: object) -> None:
-    global _stopping
+    global _stopping, _lost, _first
     if _done:
         os._exit(STOPPED)  # the command is done and its output flushed: nothing to clean up
-    if _stopping and signum == _signal.SIGTERM:
+    if _lost:
+        _lost = False  # raised again, where it can go through
+    elif _stopping and signum == _signal.SIGTERM:
         return  # again (timeout(1) signals the process, then its group): the cleanup goes on
-    _stopping = True
+    elif not _stopping:
+        _stopping, _first = True, signum
     raise KeyboardInterrupt
+
+
+def _unraisable(report):  # type: ignore[no-untyped-def]
+    """``sys.unraisablehook`` that gives a stop back: a stop that lands in code whose
+    exceptions Python cannot raise (a weakref callback, as the import system's module
+    locks have; a ``__del__``) would be reported as "Exception ignored ... Traceback" and
+    lost. It is delivered again instead, from another thread (from this one, it would
+    land in this hook), to raise in the main thread's next instruction."""
+
+    def hook(unraisable) -> None:  # type: ignore[no-untyped-def]
+        global _lost
+        if _stopping and isinstance(unraisable.exc_value, KeyboardInterrupt):
+            _lost = True
+            _thread.start_new_thread(_thread.interrupt_main, (_first,))
+        else:
+            report(unraisable)
+
+    return hook
 
 
 def _end() -> None:

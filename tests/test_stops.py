@@ -135,3 +135,38 @@ def test_ctrl_c_at_any_moment_exits_130_quietly(tmp_path, name):
         if code == 130:
             assert len(said.splitlines()) <= 1, f"{name} after {delay} s:\n{said}"
     assert ends[0][0] == 130, ends[0][2]  # sent while its commands loaded: it cannot have ended
+
+
+LOST_STOP = """
+import os, signal, sys, time
+from cli.start import catch_stops
+
+class Collected:
+    def __del__(self):  # run where Python cannot raise: an exception here is "ignored"
+        os.kill(os.getpid(), signal.{signal})
+        for _ in range(100_000):
+            pass
+
+catch_stops()
+try:
+    Collected()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pass
+    print("the stop was lost")
+except KeyboardInterrupt:
+    print("stopped")
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_a_stop_that_lands_where_python_cannot_raise_is_raised_again(name):
+    """A stop inside a weakref callback or ``__del__`` (the import system's module locks
+    have one: a Ctrl-C while a command loads can land there) is not reported as "Exception
+    ignored ... Traceback" and lost: it is raised at the main thread's next instruction."""
+    ran = subprocess.run(
+        [sys.executable, "-c", LOST_STOP.format(signal=name)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert (ran.stdout, ran.stderr) == ("stopped\n", "")

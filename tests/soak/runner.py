@@ -74,9 +74,12 @@ class JobResult:
 class Job:
     """One job's directory, processes and results."""
 
-    def __init__(self, seed: int, root: Path) -> None:
+    def __init__(self, seed: int, root: Path, only: frozenset[str] | None = None) -> None:
         self.seed = seed
         self.job = make_job(seed)
+        self.only = only  # the checks to run (checks.CHECKS); None: all of them
+        if only is not None and "uploads" not in only:  # no upload beside the job either
+            self.job.update(follow=False, live_upload=False, uploads=False)
         self.dir = root / f"seed-{seed}"
         shutil.rmtree(self.dir, ignore_errors=True)
         (self.dir / "ledger").mkdir(parents=True)
@@ -382,11 +385,13 @@ def _quote(arg: str) -> str:
 # -- a job, start to end -------------------------------------------------------------
 
 
-def run_one(seed: int, root: Path, *, keep: bool = False) -> JobResult:
+def run_one(seed: int, root: Path, *, keep: bool = False, only: frozenset[str] | None = None) -> JobResult:
+    """One seed's job, run and checked (``only``: those of ``checks.CHECKS``, the raw
+    records' always; the job's ranks and faults are the seed's whatever is checked)."""
     from tests.soak import checks
 
     started = time.monotonic()
-    job = Job(seed, root)
+    job = Job(seed, root, only)
     try:
         job.run_ranks()
         checks.check_job(job)
@@ -419,7 +424,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=Path, default=None, help="where jobs run (default: a temporary dir)")
     parser.add_argument("--keep", action="store_true", help="keep passed jobs' directories too")
     parser.add_argument("--first-seed", type=int, default=None, help="new seeds count up from here")
+    parser.add_argument(
+        "--only", default=None, help="run only these checks (comma-separated; the raw records' always)"
+    )
     args = parser.parse_args(argv)
+    from tests.soak.checks import CHECKS
+
+    only = None if args.only is None else frozenset(args.only.split(","))
+    if only is not None and not only <= CHECKS:
+        parser.error(f"--only: unknown check in {args.only!r}; the checks: {','.join(sorted(CHECKS))}")
     root = args.root or Path(tempfile.mkdtemp(prefix="metriclog-soak-"))
     root.mkdir(parents=True, exist_ok=True)
     total = Counter()
@@ -442,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.seed:
         with ThreadPoolExecutor(args.jobs) as pool:
-            for result in pool.map(lambda s: run_one(s, root, keep=args.keep), args.seed):
+            for result in pool.map(lambda s: run_one(s, root, keep=args.keep, only=only), args.seed):
                 done(result)
     else:
         first = args.first_seed if args.first_seed is not None else random.SystemRandom().randrange(10**9)
@@ -453,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
             while time.monotonic() < end:
                 with lock:
                     seed = next(seeds)
-                done(run_one(seed, root, keep=args.keep))
+                done(run_one(seed, root, keep=args.keep, only=only))
 
         threads = [threading.Thread(target=loop) for _ in range(args.jobs)]
         for t in threads:
