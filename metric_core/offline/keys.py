@@ -7,10 +7,11 @@ The writer declares all of this per segment (``key_stats`` in its metadata, docs
 so a run of its sealed segments is answered from their footers or first lines, once each
 segment reads whole: its row groups read once and let go, their pages verified as reduce
 verifies them (``RunScan.reads_whole``), no record grouped. A damaged row group is said
-as reduce says it, and the segment's other row groups are read as below. Other files (another tool's, the journals of a running job, segments
-sealed before the writer declared it, a segment a restart rewound) are read once, only the
-columns the answer needs, a row group at a time, and folded into per-key rows as they
-come: memory holds the keys, not the records.
+as reduce says it, and the segment's other row groups are read as below. Other files
+(another tool's, the journals of a running job, segments sealed before the writer
+declared it, a segment a restart rewound) are read once, only the columns the answer
+needs, a row group at a time, and folded into per-key rows as they come: memory holds
+the keys, not the records.
 """
 
 from __future__ import annotations
