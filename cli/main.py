@@ -345,7 +345,7 @@ def keys(
 ) -> None:
     """List every key of a run: its reduction, records, sources, first and last step and time,
     and how many of its values are NaN or infinite. The writer's sealed files answer from
-    their metadata; other files are read once.
+    their metadata once their checksums verify; other files are read once.
 
     A row a key: a table on a terminal, CSV into a pipe; --format json (or --json) prints one
     JSON array of objects, jsonl an object a line.

@@ -184,6 +184,19 @@ def _source_records(rng: np.random.Generator, process: str, rank: int, steps: ra
     return out
 
 
+def flip_a_page(path: Path, group: int, column: str = "value") -> None:
+    """Flip a bit of the last byte of one row group's ``column`` chunk in a Parquet file: page
+    data, which a page checksum covers; the footer stays as it was."""
+    import pyarrow.parquet as pq
+
+    meta = pq.read_metadata(path)
+    chunk = meta.row_group(group).column(meta.schema.names.index(column))
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    data = bytearray(path.read_bytes())
+    data[start + chunk.total_compressed_size - 1] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
 def killed_after(work: Callable[[], object]) -> None:
     """Run ``work`` in a forked child that then SIGKILLs itself: no shutdown, no exit handler,
     nothing sealed; what is on disk is what a kill leaves."""

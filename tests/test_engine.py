@@ -833,7 +833,7 @@ def test_by_time_starts_at_the_first_record_kept_when_a_cast_skips_the_earliest(
     rows = {"key": ["a"] * 3, "value": ["x", "1.0", "2.0"], "reduction": ["mean"] * 3, "step": [0, 1, 2]}
     rows |= {"timestamp": [BASE_TIME, BASE_TIME + 1.5, BASE_TIME + 2.5], "rank": [0, 0, 0]}
     write_foreign(tmp_path / "text.parquet", rows)
-    assert parquet.kept_first_time(tmp_path / "text.parquet") is None
+    assert parquet.kept_first_times(tmp_path / "text.parquet") is None
     result = run_plan(tmp_path, make_plan(by="time", every=1.0))
     assert result.frame["window_start"].to_list() == [BASE_TIME + 1.5, BASE_TIME + 2.5]
     assert result.scan.report.skipped_records == 1

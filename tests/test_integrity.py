@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow.parquet as pq
 import pytest
 from metriclog.main import app
 from typer.testing import CliRunner
@@ -30,6 +31,7 @@ from metric_core import scan_run
 from metric_core.errors import NoDataError
 from metric_core.offline.engine import make_plan, run_plan
 from metric_core.writer.segments import RawFileWriter
+from tests.conftest import flip_a_page
 
 KEYS = [("loss", "mean"), ("grad/norm", "max"), ("tokens", "sum")]
 STEPS, PER_STEP, BLOCK = 10, 50, 100  # 500 records in units of 100
@@ -256,3 +258,35 @@ def test_a_damaged_shutdown_line_still_ends_the_source_as_its_checked_metadata_s
     report = run_plan(run, make_plan()).scan.report
     assert report.clean_shutdowns() == {SOURCE}
     assert "block's checksum (the file is damaged)" in report.summary()
+
+
+@pytest.mark.parametrize("keys", [(), ("l*", "g*")], ids=["declared", "read"])
+@pytest.mark.parametrize("mode", ["per_rank_no_reduce", "global_reduce"])
+@pytest.mark.parametrize("writer", ["metriclog", "another tool"])
+def test_by_time_windows_start_at_the_first_record_read_when_its_row_group_is_damaged(
+    tmp_path, writer, mode, keys
+):
+    """A bit flipped in a page of the row group that holds the earliest records (soak seed
+    606100269): the group is skipped, and the windows start at the first record read
+    (docs/modes.md), not at the earliest time the file declares (the segment's metadata, or
+    another tool's footer statistics) or a query over the run finds: a record no read
+    returns. (A --key filter makes the engine find that time by reading the files.)"""
+    run, truth = written_run(tmp_path / "run", "parquet")
+    (path,) = run.glob("*.parquet")
+    if writer == "another tool":  # the same records, with page checksums and footer statistics
+        table = pq.read_table(path).drop_columns(["key_hash"]).replace_schema_metadata(None)
+        path.unlink()
+        pq.write_table(table, run / "other.parquet", row_group_size=BLOCK, write_page_checksum=True)
+        path = run / "other.parquet"
+    flip_a_page(path, group=0)
+    every = 0.05
+    kept = [k for k, _ in KEYS if not keys or k[0] in "lg"]
+    times = np.array([t for k, _, _, t, _, _ in truth[BLOCK:] if k in kept])  # of row groups 1-4
+    t0 = times.min()
+    windows = t0 + np.floor((times - t0) / every) * every
+    frame = run_plan(run, make_plan(mode=mode, by="time", every=every, keys=keys)).frame
+    if mode == "per_rank_no_reduce":
+        assert frame["timestamp"].to_list() == times.tolist()
+        assert frame["window_start"].to_list() == windows.tolist()
+    else:
+        assert sorted(set(frame["window_start"].to_list())) == sorted(set(windows.tolist()))

@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 from metric_core import Metric, MetricCollector, Reduce, list_keys
 from metric_core.errors import NoDataError
 from metric_core.offline.engine import make_plan, run_plan
+from metric_core.writer import segments
+from tests.conftest import flip_a_page
 
 BASE = 1_760_000_000.0
 runner = CliRunner()
@@ -171,21 +173,52 @@ def _damage_values(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_keys_answers_from_the_metadata_without_reading_the_value_column(tmp_path):
-    """A segment whose values are destroyed but whose footer is whole lists the same keys:
-    keys never reads the value column of the writer's files (reduce, which does, finds
-    every row group damaged)."""
+def test_keys_of_segments_whose_values_are_destroyed_fail_as_reduce_does(tmp_path):
+    """Segments whose values are destroyed but whose footers are whole: their metadata is not
+    taken for what a read gives. keys finds every row group damaged, as reduce does, and
+    fails as reduce fails, saying so."""
     run = tmp_path / "run"
     truth = _write(run, "parquet")
-    want = _expected(truth)
     for path in run.glob("*.parquet"):
         _damage_values(path)
-    assert list_keys(run).to_dicts() == want
     reports: list = []
-    with pytest.raises(NoDataError):  # every row group damaged: no record left to reduce
+    with pytest.raises(NoDataError) as listed:
+        list_keys(run, on_read=reports.append)
+    with pytest.raises(NoDataError) as reduced:  # every row group damaged: no record left to reduce
         run_plan(run, make_plan(), on_read=reports.append).frame  # noqa: B018
-    assert reports[-1].skipped_records == len(truth)
-    assert "row group 0 is damaged" in reports[-1].summary()
+    assert reports[0].skipped_records == reports[-1].skipped_records == len(truth)
+    assert "row group 0 is damaged" in reports[0].summary()
+    assert str(listed.value) == str(reduced.value)
+
+
+def test_keys_of_a_flipped_and_a_truncated_segment_count_what_reduce_reads(tmp_path, monkeypatch):
+    """A bit flipped in one row group's page of a sealed segment, another segment cut short
+    (soak seeds 9061, 9066): keys counts neither from their metadata. The flipped segment's
+    other row groups are read, the truncated one is unreadable, and the rows equal those of
+    the records written less the damaged ones (read from the files before the damage), and
+    those of the records per_rank_no_reduce returns, with the same warning."""
+    monkeypatch.setattr(segments, "ROW_GROUP_RECORDS", 8)  # row groups of 8 records
+    run = tmp_path / "run"
+    truth = _write(run, "parquet", segment_records=20)
+    flipped, cut = run / "TrainActor_r0.r0.00001.parquet", run / "GenActor_r1.r1.00002.parquet"
+    assert pq.read_metadata(flipped).num_row_groups == 3
+    lost = pq.ParquetFile(flipped).read_row_group(1).to_pylist() + pq.read_table(cut).to_pylist()
+    flip_a_page(flipped, group=1)
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    gone = {(r["rank"], r["key"], r["timestamp"]) for r in lost}
+    kept = [r for r in truth if (r["rank"], r["key"], r["timestamp"]) not in gone]
+    assert len(gone) == len(lost) > 8 and len(kept) == len(truth) - len(lost)
+
+    reports: list = []
+    listed = list_keys(run, on_read=reports.append).to_dicts()
+    raw = run_plan(run, make_plan(mode="per_rank_no_reduce"))
+    assert listed == _expected(kept) == _expected(raw.frame.to_dicts())
+    assert reports[0].summary() == raw.scan.report.summary()
+    said = reports[0].summary()
+    assert "row group 1 is damaged" in said and f"{cut.name}: unreadable" in said
+    result = runner.invoke(app, ["keys", str(run), "--format", "json"])
+    assert result.exit_code == 0 and json.loads(result.stdout) == _expected(kept)
+    assert "row group 1 is damaged" in result.stderr
 
 
 @pytest.mark.parametrize("folded_rows", [4, 1_000_000])

@@ -4,11 +4,14 @@ Every key with the reduction its records are kept under, how many records, from 
 sources, its first and last step and time, and how many of its values are NaN or infinite.
 
 The writer declares all of this per segment (``key_stats`` in its metadata, docs/format.md),
-so a run of its sealed segments is answered from their footers or first lines alone: no
-column is read. Other files (another tool's, the journals of a running job, segments
-sealed before the writer declared it, a segment a restart rewound) are read once, only the
-columns the answer needs, a row group at a time, and folded into per-key rows as they
-come: memory holds the keys, not the records.
+so a run of its sealed segments is answered from their footers or first lines, once each
+segment reads whole: its row groups read once and let go, their pages verified as reduce
+verifies them (``RunScan.reads_whole``), no record grouped. A damaged row group is said
+as reduce says it, and the segment's other row groups are read as below. Other files
+(another tool's, the journals of a running job, segments sealed before the writer
+declared it, a segment a restart rewound) are read once, only the columns the answer
+needs, a row group at a time, and folded into per-key rows as they come: memory holds
+the keys, not the records.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import polars as pl
 
 from metric_core.offline import filters
 from metric_core.offline.plan import key_matcher, make_plan
-from metric_core.offline.read import OnProgress, OnRead, RunScan, scan_run
+from metric_core.offline.read import OnProgress, OnRead, RunScan, all_skipped, scan_run
 from metric_core.offline.read.parquet import footer
 
 # Records of a file read at a time (a frame, then its per-key rows).
@@ -40,6 +43,9 @@ _STATS = {
     "last_time": pl.Float64,
     "nonfinite": pl.UInt32,
 }
+# What a thread takes at a time: a file (its row groups, None: all), and whether its
+# writer's metadata answers for it once it reads whole (``_declares_rows``).
+_Part = tuple[int, list[int] | None, bool]
 # A (key, reduction, source)'s row: what the frames and the declared statistics give.
 _ROW = {"key": pl.String, "reduction": pl.Categorical, "source": pl.UInt32, **_STATS}
 
@@ -56,7 +62,8 @@ def list_keys(
     """A row a key: ``key``, ``reductions``, ``records``, ``sources``, ``first_step``,
     ``last_step``, ``first_time``, ``last_time`` (epoch seconds), ``nonfinite``, as a
     polars DataFrame sorted by key; ``keys``: only keys matching these globs (``--key``).
-    The writer's sealed segments are answered from their metadata; other files are read
+    The writer's sealed segments are answered from their metadata once they read whole
+    (their pages verified); other files, and a segment with a damaged row group, are read
     (their key, reduction, source, step, time and value columns), once, on the engine's
     threads. Raises ``NoDataError`` for a run without a readable record,
     ``FilteredOutError`` when no key matches ``keys``.
@@ -81,21 +88,23 @@ def list_keys(
             return rows
         return rows.filter(pl.col("key").is_in([k for k in rows["key"].unique() if match(k)]))
 
-    def read(part: tuple[int, list[int] | None]) -> Iterator[pl.DataFrame]:
-        fid, groups = part
+    def read(part: _Part) -> Iterator[pl.DataFrame]:
+        fid, groups, declared = part
+        if declared and scan.reads_whole(fid, _COLUMNS):  # else read: what reads of it counts
+            yield kept(_declared_rows(scan, fid, fold.source_id))
+            return
         for df in scan.batches(fid, _COLUMNS, row_groups=groups, rows=BATCH_ROWS):
             if df.height:
                 yield kept(_frame_rows(df, fold.source_id))
 
     try:
-        parts: list[tuple[int, list[int] | None]] = []
+        parts: list[_Part] = []
         for fid in scan.file_ids:
-            declared = _declared_rows(scan, fid, fold.source_id)
-            if declared is not None:
-                fold.add(kept(declared))
+            if _declares_rows(scan, fid):
+                parts.append((fid, None, True))
             else:
-                parts += _parts(scan, fid)
-        sizes = [_size(scan, fid, groups) for fid, groups in parts]
+                parts += [(fid, groups, False) for groups in _parts(scan, fid)]
+        sizes = [_size(scan, fid, groups) for fid, groups, _ in parts]
         for _, rows in on_threads(read, parts, sizes, on_progress):
             if rows is not None:
                 fold.add(rows)
@@ -103,35 +112,47 @@ def list_keys(
     finally:
         if on_read is not None:
             on_read(scan.report)
-    if found.height == 0 and patterns and scan.report.records:
+    if found.height == 0 and not scan.report.records:  # every record found damaged as it was read
+        raise all_skipped(scan.report)
+    if found.height == 0 and patterns:
         plan = make_plan(keys=patterns)
         raise filters.nothing_left(str(scan.run_dir), plan, filters.unmatched(plan, seen))
     return found
 
 
-def _declared_rows(scan: RunScan, fid: int, source_id: Callable[[str, int], int]) -> pl.DataFrame | None:
-    """A file's rows a (key, reduction, source) from its writer's ``key_stats``, when the
-    file is its writer's as sealed and no restart cut it; else None (its records are read)."""
+def _declares_rows(scan: RunScan, fid: int) -> bool:
+    """Whether a file's writer declared its rows a (key, reduction, source) (``key_stats``):
+    the file is its writer's as sealed and no restart cut it. They hold once it reads whole."""
     rep = scan.report.files[fid]
-    if rep.key_stats is None or rep.source is None or not scan.trusted(fid) or rep.replaced_from is not None:
-        return None
+    return (
+        rep.key_stats is not None
+        and rep.source is not None
+        and scan.trusted(fid)
+        and rep.replaced_from is None
+    )
+
+
+def _declared_rows(scan: RunScan, fid: int, source_id: Callable[[str, int], int]) -> pl.DataFrame:
+    """A file's rows a (key, reduction, source) from its writer's ``key_stats``."""
+    rep = scan.report.files[fid]
+    assert rep.key_stats is not None and rep.source is not None
     stats = list(zip(*rep.key_stats, strict=True)) if rep.key_stats else [()] * 8
     names = ["key", "reduction", *_STATS]
     frame = pl.DataFrame(dict(zip(names, map(list, stats), strict=True)), schema={n: _ROW[n] for n in names})
     return frame.with_columns(source=pl.lit(source_id(*rep.source), pl.UInt32)).select(*_ROW)
 
 
-def _parts(scan: RunScan, fid: int) -> list[tuple[int, list[int] | None]]:
+def _parts(scan: RunScan, fid: int) -> list[list[int] | None]:
     """What of a file is read at a time, on a thread: a Parquet file's row groups, one by
-    one; another file whole."""
+    one; another file whole (None)."""
     rep = scan.report.files[fid]
     if rep.format != "parquet" or rep.unreadable is not None:
-        return [(fid, None)]
+        return [None]
     try:
         groups = footer(rep.path).num_row_groups
     except Exception:  # read whole: its reading says what is wrong
-        return [(fid, None)]
-    return [(fid, [g]) for g in range(groups)] if groups > 1 else [(fid, None)]
+        return [None]
+    return [[g] for g in range(groups)] if groups > 1 else [None]
 
 
 def _size(scan: RunScan, fid: int, groups: list[int] | None) -> int:

@@ -15,14 +15,13 @@ from typing import Any
 import polars as pl
 
 from metric_core.errors import NoDataError, PlanError
-from metric_core.metric import LoggingMode
 from metric_core.offline import filters, partials
 from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import RunScan, all_skipped
-from metric_core.offline.read.parquet import kept_first_time, row_group_lows
+from metric_core.offline.read.parquet import kept_first_times, row_group_lows
 from metric_core.offline.storage import RunPath, open_read, raise_store_failure
 from metric_core.offline.timeorder import Part
-from metric_core.schema import default_process_name, parse_json
+from metric_core.schema import TIMESTAMP_RANGE, default_process_name, parse_json
 
 # Records a partition holds (its states are made and folded as one): smaller partitions
 # lower the peak memory on another tool's large files, for no speed (bench_memory.py).
@@ -318,33 +317,50 @@ def statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
 def first_time(plan: ReducePlan, scan: RunScan) -> float:
     """The earliest timestamp among the records the filters keep: where ``--by time`` windows
     start. What the files declare tells it when it is exact (``_declared_first_time``);
-    else a query over every file (another tool's files checked first, in a read of their
-    own) finds it."""
+    else every file is read for it (``_read_first_time``)."""
     declared = _declared_first_time(plan, scan)
     if declared is not None:
         return declared
-    lf = plan_filtered(dataclasses.replace(plan, mode=LoggingMode.PER_RANK_REDUCE), scan.frame)
-    every_key = lf.group_by("key").agg(pl.col("timestamp").min()).collect(engine="streaming")
-    per_key = every_key
-    if plan.keys:
-        match = key_matcher(plan.keys)
-        per_key = per_key.filter(pl.col("key").map_elements(match, return_dtype=pl.Boolean))
-    t0 = per_key["timestamp"].min()
+    return _read_first_time(plan, scan)
+
+
+def _read_first_time(plan: ReducePlan, scan: RunScan) -> float:
+    """The earliest timestamp of the records kept, from a read of every file on the engine's
+    threads, as the reduction reads it (``RunScan.batches``, the columns it reads): another
+    tool's rows checked and counted, a damaged row group skipped (and skipped by the
+    reduction too), so the windows start at a record the reduction reads."""
+    from metric_core.offline.engine.pool import on_threads
+
+    match = key_matcher(plan.keys) if plan.keys else None
+    # the keys of the records the rank and step filters keep, to name what a --key matched
+    seen = dataclasses.replace(filters.Seen.wanted_by(plan), ranks=None) if plan.keys else filters.Seen()
+    fields = sorted({*columns_read(plan, scan), "key", "rank", "step", "timestamp"})
+
+    def lows(fid: int) -> Iterator[float]:
+        for df in read_batches(plan, scan, fid, True, fields, None, PARTITION_ROWS, filters.Seen()):
+            seen.add(None, df["key"].unique().cast(pl.String))
+            low = key_matching(df, match)["timestamp"].min()
+            if low is not None:
+                yield float(low)  # type: ignore[arg-type]
+
+    fids = scan.file_ids
+    found = on_threads(lows, fids, [scan.report.files[fid].size for fid in fids], None)
+    t0 = min((low for _, low in found if low is not None), default=None)
     if t0 is None:  # named as the engine names them, with the keys of the records kept
-        # what the keys matched (the ranks are not looked at in this query)
-        seen = dataclasses.replace(filters.Seen.wanted_by(plan), ranks=None) if plan.keys else filters.Seen()
-        seen.add(None, every_key["key"].to_list())
         raise nothing_kept(plan, scan, filters.unmatched(plan, seen))
-    return float(t0)  # type: ignore[arg-type]
+    return t0
 
 
 def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
     """The earliest timestamp of the records kept, from what the run's files declare
-    without a read of their records: the writer's time range of each of its segments,
-    another tool's Parquet footer where it shows that record is kept (``kept_first_time``).
-    With ``--ranks``, of the files of the ranks kept, where every file holds one source.
-    None when a key or step filter or a restart's rewind drops records, or a file declares
-    nothing exact."""
+    without a read of their records: the earliest time of each row group of the writer's
+    checksummed segments (else of each of its segments), of each row group of another
+    tool's Parquet file where its footer shows that record is kept (``kept_first_times``).
+    The earliest of these is where the windows start if its row group reads, checked as
+    the reduction will read it (``RunScan.reads_whole``): a damaged one is skipped there,
+    and the next earliest is taken. With ``--ranks``, of the files of the ranks kept, where
+    every file holds one source. None when a key or step filter or a restart's rewind
+    drops records, or a file declares nothing exact."""
     if plan.keys or plan.steps is not None:
         return None
     fids = scan.file_ids
@@ -354,21 +370,28 @@ def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
             return None
         kept = [ids for (_, rank), ids in sources.items() if any(lo <= rank <= hi for lo, hi in plan.ranks)]
         fids = [fid for ids in kept for fid in ids]
-    lows = []
+    lows: list[tuple[float, int, int | None]] = []  # (time, file, its row group, or None: the file)
     for fid in fids:
         rep = scan.report.files[fid]
         if rep.replaced_from is not None:
             return None
-        if scan.trusted(fid) and rep.timestamps is not None:  # the writer's, trusted
-            lows.append(rep.timestamps[0])
+        if scan.trusted(fid) and rep.row_groups is not None:  # the writer's, checksummed
+            lows += [(t, fid, g) for g, (_, _, t) in enumerate(rep.row_groups)]
+        elif scan.trusted(fid) and rep.timestamps is not None:  # the writer's, trusted
+            lows.append((rep.timestamps[0], fid, None))
         elif rep.format == "parquet" and not scan.trusted(fid):  # another tool's: its footer
-            low = kept_first_time(rep.path)
-            if low is None:
+            times = kept_first_times(rep.path)
+            if times is None:
                 return None
-            lows.append(low)
+            lows += [(t, fid, g) for g, t in enumerate(times)]
         else:
             return None
-    return min(lows, default=None)
+    fields = columns_read(plan, scan)
+    for low, fid, group in sorted(lows):
+        if group is None or scan.reads_whole(fid, fields, [group]):
+            lo, hi = TIMESTAMP_RANGE
+            return low if lo <= low < hi else None  # else a time no clock's: the record is skipped
+    return None
 
 
 def nothing_kept(plan: ReducePlan, scan: RunScan, unmatched: list[PlanError]) -> NoDataError:

@@ -30,7 +30,7 @@ from metric_core.offline.storage import (
     size_and_mtime,
     source,
 )
-from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS, TIMESTAMP_RANGE
+from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
 from metric_core.segment import SegmentMeta
 
 _EXACT_TYPES = {name: POLARS_SCHEMA[name] for name in REQUIRED_FIELDS}
@@ -276,13 +276,20 @@ def categorical_batches(
     exprs = typed_columns(schema, hashed, strings=pl.Categorical)
     text_key = typed_columns(schema, hashed)["key"]  # for a frame of too many keys: interned
     wanted = [c for c in columns if c in exprs]
-    sources = {c for c in wanted if c in schema} | ({"rank"} if "process" in wanted else set())
-    strings = [
-        c for c in sources & {"key", "reduction", "process"} if schema[c] in (pl.String, pl.Categorical)
-    ]
+    sources, strings = _stored(schema, wanted)
     with arrow_source(path) as where:  # a remote file, open until the last frame
         file = pq.ParquetFile(where, metadata=meta, read_dictionary=strings, page_checksum_verification=True)
         yield from _frames(file, wanted, exprs, text_key, sources, row_groups, rows, rep)
+
+
+def _stored(schema: Mapping[str, pl.DataType], fields: list[str]) -> tuple[set[str], list[str]]:
+    """The columns of a Parquet file (of this schema) that the record ``fields`` are read
+    from, and those of them that are strings (read as dictionary codes)."""
+    stored = {c for c in fields if c in schema} | ({"rank"} if "process" in fields else set())
+    strings = [
+        c for c in stored & {"key", "reduction", "process"} if schema[c] in (pl.String, pl.Categorical)
+    ]
+    return stored, strings
 
 
 def _frames(
@@ -368,21 +375,46 @@ def checked_groups(
                 rep.skip(f"row group {g} {damaged} ({why})", written)
 
 
+def check_groups(
+    rep: FileReport, fields: list[str] | None = None, row_groups: list[int] | None = None
+) -> bool:
+    """Whether the ``row_groups`` (None: all) of a Parquet file read whole: each read once
+    now and let go, checked as every read of the record ``fields`` (None: of every column)
+    checks it (``checked_groups``: the pages of their columns verified where they carry
+    checksums, decoded, as many records as declared). One that fails is counted in ``rep``
+    once, and every later read skips it. A file that cannot be opened does not read (its
+    read says why)."""
+    import pyarrow.parquet as pq
+
+    groups: list[int] = []
+    try:
+        meta = footer(rep.path)
+        columns, strings = _stored(_polars_schema(meta), fields) if fields is not None else (None, [])
+        with arrow_source(rep.path) as where:
+            file = pq.ParquetFile(
+                where, metadata=meta, read_dictionary=strings, page_checksum_verification=True
+            )
+            groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
+            for _ in checked_groups(file, groups, None if columns is None else sorted(columns), rep):
+                pass  # checked and let go: damage is rare, and a segment may be large
+    except (Exception, PanicException) as exc:
+        raise_store_failure(rep.path, exc)
+        return False
+    return not rep.damaged_groups.intersection(groups)
+
+
 def verify(rep: FileReport) -> pl.LazyFrame | None:
-    """Read every row group of a checksummed segment to verify it (``checked_groups``);
-    when one is damaged, the frame of the others (typed as ``scan_parquet`` types them),
-    else None: the file's scan stands."""
+    """Read every row group of a checksummed segment to verify it (``check_groups``, every
+    column); when one is damaged, the frame of the others (typed as ``scan_parquet`` types
+    them), else None: the file's scan stands."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    if check_groups(rep):
+        return None
     with arrow_source(rep.path) as where:
         file = pq.ParquetFile(where, metadata=footer(rep.path), page_checksum_verification=True)
-        groups = list(range(file.num_row_groups))
-        for _ in checked_groups(file, groups, None, rep):
-            pass  # verified and let go: damage is rare, and a segment may be large
-        if not rep.damaged_groups:
-            return None
-        tables = list(checked_groups(file, groups, None, rep))
+        tables = list(checked_groups(file, list(range(file.num_row_groups)), None, rep))
     table = pa.concat_tables(tables) if tables else file.schema_arrow.empty_table()
     frame = pl.from_arrow(table)
     assert isinstance(frame, pl.DataFrame)
@@ -410,11 +442,12 @@ def row_group_lows(path: RunPath, column: str = "timestamp") -> list[tuple[float
     return out
 
 
-def kept_first_time(path: RunPath) -> float | None:
-    """Another tool's file's earliest timestamp, from its footer, when the footer shows
-    that the record holding it is kept: no field's cast can make a null (``casts_keep``),
-    every row group has statistics, no record field holds a null, and the lowest
-    timestamp is a clock's. Else None (then only reading the records tells)."""
+def kept_first_times(path: RunPath) -> list[float] | None:
+    """Another tool's file's earliest timestamp of each row group, from its footer, when the
+    footer shows that the record holding it is kept if its row group reads (and its time is
+    a clock's, which the caller checks): no field's cast can make a null (``casts_keep``),
+    every row group has statistics, no record field holds a null. Else None (then only
+    reading the records tells)."""
     lows = row_group_lows(path, "timestamp")
     if not lows:
         return None
@@ -431,9 +464,7 @@ def kept_first_time(path: RunPath) -> float | None:
     except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
         return None
-    low = min(t for t, _ in lows)
-    lo, hi = TIMESTAMP_RANGE
-    return low if lo <= low < hi else None
+    return [t for t, _ in lows]
 
 
 def casts_keep(schema: Mapping[str, pl.DataType]) -> bool:

@@ -35,6 +35,7 @@ from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import (
     categorical_batches,
+    check_groups,
     drop_bad_rows,
     run_parquet_checks,
     scan_parquet,
@@ -140,6 +141,18 @@ class RunScan:
         """The file's rows need no check (the writer's): what its metadata declares of them
         (their steps and times) holds."""
         return fid not in self._pending and fid not in self._counted
+
+    def reads_whole(self, fid: int, fields: list[str], row_groups: list[int] | None = None) -> bool:
+        """Whether a read of the file's record ``fields`` gives every record it holds (of its
+        ``row_groups``, None: all): what its metadata declares of them holds only then. A
+        Parquet file's row groups are read once for it, checked as every read checks them
+        (``check_groups``): one that fails is counted in the report, and skipped by every
+        read after. A file given up on does not; another's damage (a JSONL segment's
+        blocks, a journal's frames) was found as it was listed."""
+        rep = self.report.files[fid]
+        if fid in self._failed or rep.unreadable is not None:
+            return False
+        return rep.format != "parquet" or check_groups(rep, fields, row_groups)
 
     def checks_as_read(self, fid: int) -> bool:
         """A read of the file checks its rows or verifies its pages as it goes: read it
