@@ -43,6 +43,7 @@ COMMANDS = {
     "keys": ["keys", "{run}", "--out", "{out}.parquet"],
     "global_reduce": ["reduce", "{run}", "--out", "{out}.parquet"],
     "per_rank_reduce": ["reduce", "{run}", "--mode", "per_rank_reduce", "--out", "{out}.parquet"],
+    "per_rank_no_reduce": ["reduce", "{run}", "--mode", "per_rank_no_reduce", "--out", "{out}.parquet"],
     "inspect": ["inspect", "{run}", "--json"],
     "samples": ["samples", "{run}", "--format", "json"],
 }

@@ -520,6 +520,53 @@ def test_raw_mode_streams_a_source_in_time_order_and_gives_the_bits_of_one_sort(
     assert max(b.height for b in batches) <= 20
 
 
+@pytest.mark.parametrize("row_groups", [False, True], ids=["files", "row_groups"])
+def test_raw_mode_sets_aside_the_sources_of_a_file_of_many_and_gives_the_bits_of_one_sort(
+    tmp_path, monkeypatch, row_groups
+):
+    """Another tool's files that each hold several sources, interleaved, out of time order
+    and with ties, one of them also a source of the writer's files: read once, set aside
+    by source (not held whole), each source handed over as one stable sort of its own
+    files, then its rows of the others, gives it."""
+    write_collector_run(tmp_path, SOURCES[:2], steps=30, seed=5, segment_records=50)
+    process, rank = SOURCES[0]
+    rng = np.random.default_rng(7)
+    files = []
+    (tmp_path / "other").mkdir()
+    for name, n, base in (("a.parquet", 90, 0.0), ("b.parquet", 60, 1000.0)):
+        ranks = rng.choice([rank, 7, 8], n)
+        times = BASE_TIME + base + rng.integers(0, 25, n).astype(np.float64)  # ties, unsorted
+        frame = {
+            "key": ["ext/a"] * n,
+            "value": rng.normal(size=n),
+            "reduction": ["mean"] * n,
+            "step": rng.integers(0, 30, n),
+            "timestamp": times,
+            "rank": ranks,
+            "process": [process if r == rank else f"Other_r{r}" for r in ranks],
+        }
+        write_foreign(tmp_path / "other" / name, frame, row_group_size=9)
+        files.append(tmp_path / "other" / name)
+    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0 if row_groups else 10**12)
+    monkeypatch.setattr(engine.raw, "RAW_BATCH_ROWS", 20)
+    read_whole = []
+    real_read_part = engine.raw.read_part
+    monkeypatch.setattr(
+        engine.raw, "read_part", lambda *a, **k: read_whole.append(a[2]) or real_read_part(*a, **k)
+    )
+    result = run_plan(tmp_path, make_plan(mode="per_rank_no_reduce"))
+    got = pl.concat(list(result.batches()))
+    columns = result.plan.output_columns
+    ours = sorted(tmp_path.glob("*.parquet"))
+    truth = pl.concat(
+        [pl.read_parquet(f).select(columns) for f in ours] + [pl.read_parquet(f).select(columns) for f in files],
+        how="vertical_relaxed",
+    ).sort("process", "rank", "timestamp", maintain_order=True)
+    assert got.equals(truth.with_columns(pl.col("process", "key", "reduction").cast(pl.String)))
+    foreign = {fid for fid in result.scan.file_ids if result.scan.report.files[fid].path.parent.name == "other"}
+    assert not foreign & set(read_whole)  # never read whole to be split by source
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_in_time_order_equals_one_stable_sort(seed):
     """Parts with random, overlapping (or unknown) time ranges and ties, read in any batch

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import tempfile
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import polars as pl
+import pyarrow as pa
 
 from metric_core.errors import (
     PlanError,
@@ -23,7 +27,7 @@ from metric_core.offline.engine.reading import (
 )
 from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import OnProgress, RunScan, explain_read_errors
-from metric_core.offline.timeorder import in_time_order
+from metric_core.offline.timeorder import Part, Read, in_time_order
 
 # per_rank_no_reduce hands over a source's records in frames of at most this many: the
 # peak memory of the raw output's writer grows with it (benchmarks/bench_memory.py).
@@ -37,7 +41,9 @@ def raw_mode(
     stream of its frames, and the filters that matched no record (once it ended).
 
     A file of one source (the writer's) is read when its source's turn comes; files that
-    hold several sources (or do not say) are read first and held, to be split by source."""
+    hold several sources (or do not say) are read first, once, their rows set aside by
+    source in a temporary directory (``_Spilled``): each source's turn then holds about
+    ``RAW_BATCH_ROWS`` of its records, however large a file of many sources is."""
     t0 = first_time(plan, scan) if plan.by is By.TIME else None
     match = key_matcher(plan.keys) if plan.keys else None
     dictionaries = reads_dictionaries(scan)
@@ -57,25 +63,25 @@ def raw_mode(
 
     @explain_read_errors
     def stream() -> Iterator[pl.DataFrame]:
+        with tempfile.TemporaryDirectory(prefix="metriclog-raw-") as spill_dir:
+            yield from sources_in_turn(Path(spill_dir))
+
+    def sources_in_turn(spill_dir: Path) -> Iterator[pl.DataFrame]:
         done = 0
-        held = pl.concat([read(fid) for fid in mixed], how="vertical_relaxed") if mixed else None
-        if held is not None:
-            done += sum(sizes[fid] for fid in mixed)
-        sources = set(by_source)
-        if held is not None:
-            sources |= set(held.select("process", "rank").unique().iter_rows())
+        spilled = _Spilled(spill_dir)
+        for fid in mixed:  # read once, each source's rows set aside on disk
+            for batch in read_batches(plan, scan, fid, dictionaries, kept, None, RAW_BATCH_ROWS, seen):
+                spilled.add(key_matching(batch, match))
+            done += sizes[fid]
+        spilled.close()
         produced = False
-        for i, (process, rank) in enumerate(sorted(sources)):
-            fids = by_source.get((process, rank), [])
-            if held is None:
-                batches = in_time_order(parts_of(scan, fids, dictionaries), read, RAW_BATCH_ROWS)
-            else:  # its held rows may fall anywhere in its time: all of it at once
-                mine = held.filter((pl.col("process") == process) & (pl.col("rank") == rank))
-                whole = pl.concat([*(read(fid) for fid in fids), mine], how="vertical_relaxed")
-                batches = iter(
-                    [whole.sort("timestamp", maintain_order=True)]
-                )  # ties: the files' order (data_order)
-            for batch in batches:
+        sources = sorted({*by_source, *spilled.parts})
+        for i, source in enumerate(sources):
+            fids = by_source.get(source, [])
+            # its files' parts, then its rows of the files that hold several sources: records
+            # of one time in the files' order, those of its own files first
+            parts = [*parts_of(scan, fids, dictionaries), *spilled.parts.get(source, [])]
+            for batch in in_time_order(parts, spilled.or_read(read), RAW_BATCH_ROWS):
                 if batch.height == 0:  # a filter left none of the source's records
                     continue
                 if t0 is not None:
@@ -122,3 +128,55 @@ def _lower_reductions(df: pl.DataFrame) -> pl.DataFrame:
     if not changed:
         return df
     return df.with_columns(pl.col("reduction").cast(pl.String).replace(changed).cast(df["reduction"].dtype))
+
+
+class _Spilled:
+    """Rows of files that hold several sources, set aside by source: a file of Arrow record
+    batches (uncompressed) a source, a batch for each frame read, each a part for
+    ``in_time_order`` whose earliest timestamp is known exactly; their files are numbered
+    below the run's file ids, so that ``or_read`` tells them apart."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.parts: dict[tuple[str, int], list[Part]] = {}
+        self.paths: dict[int, Path] = {}
+        self._writers: dict[tuple[str, int], tuple[int, pa.ipc.RecordBatchFileWriter, pa.Schema]] = {}
+
+    def add(self, frame: pl.DataFrame) -> None:
+        if frame.height == 0:
+            return
+        frame = frame.with_columns(pl.col(pl.Categorical).cast(pl.String))  # one schema a file
+        for (process, rank), rows in frame.partition_by("process", "rank", as_dict=True).items():
+            source = (str(process), int(rank))
+            batch = rows.rechunk().to_arrow().combine_chunks().to_batches()[0]  # one batch, one part
+            if source not in self._writers:
+                fid = -1 - len(self._writers)
+                self.paths[fid] = self.folder / f"{-fid}.arrow"
+                self._writers[source] = (
+                    fid,
+                    pa.ipc.new_file(str(self.paths[fid]), batch.schema),
+                    batch.schema,
+                )
+            fid, writer, schema = self._writers[source]
+            writer.write_batch(batch.cast(schema))
+            parts = self.parts.setdefault(source, [])
+            earliest = rows["timestamp"].min()
+            lo = -math.inf if earliest is None else float(earliest)  # type: ignore[arg-type]
+            parts.append(Part(fid, (len(parts),), lo, rows.height))
+
+    def close(self) -> None:
+        for _, writer, _ in self._writers.values():
+            writer.close()
+
+    def or_read(self, read: Read) -> Read:
+        """``read``, but for the parts set aside here."""
+
+        def either(fid: int, groups: list[int] | None) -> pl.DataFrame:
+            if fid >= 0:
+                return read(fid, groups)
+            with pa.OSFile(str(self.paths[fid]), "rb") as source:  # read into memory of its own
+                batches = pa.ipc.open_file(source)
+                table = pa.Table.from_batches([batches.get_batch(g) for g in groups or ()])
+            return pl.from_arrow(table).rechunk()  # type: ignore[return-value]
+
+        return either
