@@ -559,11 +559,12 @@ def test_raw_mode_sets_aside_the_sources_of_a_file_of_many_and_gives_the_bits_of
     columns = result.plan.output_columns
     ours = sorted(tmp_path.glob("*.parquet"))
     truth = pl.concat(
-        [pl.read_parquet(f).select(columns) for f in ours] + [pl.read_parquet(f).select(columns) for f in files],
+        [pl.read_parquet(f).select(columns) for f in [*ours, *files]],
         how="vertical_relaxed",
     ).sort("process", "rank", "timestamp", maintain_order=True)
     assert got.equals(truth.with_columns(pl.col("process", "key", "reduction").cast(pl.String)))
-    foreign = {fid for fid in result.scan.file_ids if result.scan.report.files[fid].path.parent.name == "other"}
+    files_of = result.scan.report.files
+    foreign = {fid for fid in result.scan.file_ids if files_of[fid].path.parent.name == "other"}
     assert not foreign & set(read_whole)  # never read whole to be split by source
 
 
