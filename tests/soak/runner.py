@@ -65,6 +65,7 @@ class JobResult:
     ranks: int = 0
     seconds: float = 0.0
     cpu: float = 0.0  # CPU seconds of its processes: ranks and commands
+    cpu_by_kind: Counter = field(default_factory=Counter)  # of the commands, by kind; "ranks"
     artefacts: Path | None = None
 
     def fail(self, what: str) -> None:
@@ -140,6 +141,7 @@ class Job:
         )
         self.result.commands[kind] += 1
         self.result.cpu += usage.ru_utime + usage.ru_stime
+        self.result.cpu_by_kind[kind] += usage.ru_utime + usage.ru_stime
         line = stem.with_suffix(".cmd").read_text().strip()
         if proc.returncode == -signal.SIGKILL and not any(c == -9 for c in expect):
             self.result.fail(f"{kind}: did not end within {timeout:.0f} s (killed): {line}")
@@ -214,6 +216,7 @@ class Job:
                 del procs[rank]
                 code = proc.returncode = os.waitstatus_to_exitcode(status)
                 self.result.cpu += usage.ru_utime + usage.ru_stime
+                self.result.cpu_by_kind["ranks"] += usage.ru_utime + usage.ru_stime
                 self._check_exit(rank, attempt, code, plan)
                 if attempt == 1 and plan["restart"] and code != 0:
                     start = self._restart_step(rank, plan)
@@ -487,6 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"  CPU of the jobs' processes: {cpu:.1f} s a job (on 2 idle cores, about "
         f"{120 / max(cpu, 1e-9):.0f} jobs/min); load average now {os.getloadavg()[0]:.1f}"
+    )
+    by_kind = Counter()
+    for r in results:
+        by_kind.update(r.cpu_by_kind)
+    print(
+        "  CPU a job, by what ran: "
+        + ", ".join(f"{k} {v / max(len(results), 1):.1f} s" for k, v in by_kind.most_common())
     )
     print(f"  peak memory of any child: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss // 1024} MiB")
     print(
