@@ -167,6 +167,10 @@ def _family(rng: np.random.Generator, name: str, n: int) -> np.ndarray:
         v = rng.normal(0, 1, n)
         v[rng.integers(0, n)] = rng.choice([np.inf, -np.inf])
         return v
+    if name == "near_ties":  # (2A + 1) 2**e, a tie, and a bit far below it that breaks it
+        a, e = int(rng.integers(2**51, 2**52)) * 2, int(rng.integers(-1000, 900))
+        far = math.ldexp(float(rng.choice([-1.0, 1.0])), e - int(rng.integers(54, 130)))
+        return np.array([math.ldexp(2 * a, e), math.ldexp(1.0, e), far, -0.0][: max(n, 3)] * max(1, n // 4))
     if name == "std_ties":  # std exactly between two floats, or exactly a float
         return rng.choice([0.0, TINY], n) if rng.random() < 0.5 else rng.choice([1.0, 3.0], n)
     raise ValueError(name)
@@ -175,7 +179,7 @@ def _family(rng: np.random.Generator, name: str, n: int) -> np.ndarray:
 FAMILIES = (
     "integers", "big_integers", "decimals", "offset", "nano", "subnormal", "edge_of_normal",
     "huge", "mixed_signs", "zeros", "span", "cancel", "ties", "bits", "nonfinite",
-    "one_infinity", "std_ties",
+    "one_infinity", "std_ties", "near_ties",
 )  # fmt: skip
 
 
@@ -257,6 +261,20 @@ def test_known_answers(values, sum_, mean, std):
         if want is not None:
             assert_bits(getattr(state, name)(), np.array([want]), name)
     check(state, np.zeros(len(values), np.int64), np.array(values), 1)
+
+
+def test_a_mean_whose_only_sign_of_being_past_a_tie_is_the_remainder():
+    """The mean (T + 1/N) 2**-1074, T a 54-bit odd pattern times 2**36: truncated, a tie
+    that goes down to even; the remainder 1/N of the long division says it goes up."""
+    a, n = 2**52 + 2, 2**20
+    x = math.ldexp(2 * a * 2**36, -1074)
+    y = math.ldexp((a + n // 4) * 2**38, -1074)
+    values = np.array([x] * (n - 2) + [y, TINY])
+    exact_mean = ((n - 2) * Fraction(x) + Fraction(y) + Fraction(TINY)) / n
+    assert exact_mean == (Fraction((2 * a + 1) * 2**36) + Fraction(1, n)) * Fraction(TINY)
+    want = math.ldexp((2 * a + 2) * 2**36, -1074)
+    assert float(exact_mean) == want
+    assert_bits(accumulate(np.zeros(n, np.int64), values, 1).mean(), np.array([want]), "mean")
 
 
 def test_an_empty_group_gives_what_the_engine_gives():
@@ -379,6 +397,84 @@ def test_groups_of_far_apart_exponents_get_spans_of_their_own():
     local = np.searchsorted(few, groups[rows])
     assert accumulate(local, values[rows], len(few)).equals(state.take(few))
     check(state.take(few), local, values[rows], len(few))
+
+
+def test_std_settles_from_candidates_several_floats_off():
+    """The exact check alone finds the answer: started from the right float moved up to 4
+    floats either way, or from the power of two nearest (where the gap below halves)."""
+    groups, values, n_groups = generate(21, n_groups=500)
+    state = accumulate(groups, values, n_groups)
+    want = oracle(groups, values, n_groups)["std"]
+    some = np.flatnonzero(np.isfinite(want) & (want > 0))
+    d = exact._spread(state.sum_digits.take(some), state.squares.take(some), state.count[some])
+    rng = np.random.default_rng(0)
+    for moves in (rng.integers(-4, 5, len(some)), np.full(len(some), 0)):
+        start = want[some].copy()
+        for i, m in enumerate(moves.tolist()):
+            for _ in range(abs(m)):
+                start[i] = np.nextafter(start[i], np.inf if m > 0 else 0.0)
+        assert_bits(exact._settle(d, state.count[some], start), want[some], "std")
+    # std the float just below a power of two, started from that power: the gap below it is
+    # half the gap above, and so is the midpoint's distance
+    below = np.nextafter(np.ldexp(1.0, np.arange(-1000, 1000, 37)), 0.0)
+    pairs = np.stack([np.zeros_like(below), 2 * below], axis=1).ravel()
+    ids = np.repeat(np.arange(len(below)), 2)
+    state = accumulate(ids, pairs, len(below))
+    d = exact._spread(state.sum_digits, state.squares, state.count)
+    assert_bits(exact._settle(d, state.count, np.ldexp(1.0, np.arange(-1000, 1000, 37))), below, "std")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_compare_orders_the_root_and_a_midpoint_exactly(seed):
+    """``_compare``: the sign of sqrt(D 2**SQUARE_BASE) / n - mid 2**exp, against Python
+    integers, where D is just above, at, and below (n mid)**2, or far from it."""
+    rng = np.random.default_rng(seed)
+    rows = 300
+    n = rng.integers(1, 2**31, rows)
+    mid = rng.integers(1, 2**56, rows)
+    exp = rng.integers(-1075, 900, rows)
+    ints, wants = [], []
+    for i in range(rows):
+        z = 2 * int(exp[i]) - exact.SQUARE_BASE
+        p = (int(n[i]) * int(mid[i])) ** 2 << z
+        kind = i % 6
+        delta = [0, 1, -1, 1 << max(0, z - 40), -(1 << max(0, z - 3)), p][kind]
+        if kind == 5:  # far above, past the compared window
+            delta = p * 2**200
+        ints.append(p + delta)
+        wants.append((delta > 0) - (delta < 0))
+    d = _digits_of(ints)
+    got = exact._compare(d, np.arange(rows), n, mid, exp)
+    np.testing.assert_array_equal(got, wants)
+
+
+def _digits_of(ints: list[int]) -> exact.Digits:
+    """Digits of non-negative Python ints, built without the kernel's carrying."""
+    sign, low, size, digits = [], [], [], []
+    for x in ints:
+        limbs = []
+        while x:
+            limbs.append(x & 0xFFFFFFFF)
+            x >>= 32
+        start = next((j for j, v in enumerate(limbs) if v), len(limbs))
+        limbs = limbs[start:]
+        sign.append(1 if limbs else 0)
+        low.append(start if limbs else 0)
+        size.append(len(limbs))
+        digits += limbs
+    return exact.Digits(
+        np.array(sign, np.int8),
+        np.array(low, np.int16),
+        np.array(size, np.uint8),
+        np.array(digits, np.uint32),
+    )
+
+
+def test_digits_built_by_hand_are_what_the_kernel_makes():
+    groups, values, n_groups = generate(9, n_groups=80)
+    state = accumulate(groups, values[:], n_groups)
+    magnitudes = [abs(x) for x in state.squares.to_ints()]
+    assert _digits_of(magnitudes).equals(state.squares)
 
 
 def test_std_without_squares_is_refused_and_bad_ids_are_said():

@@ -602,18 +602,25 @@ def _std(s: Digits, q: Digits, n: np.ndarray) -> np.ndarray:
     odd = unit & 1
     with np.errstate(over="ignore", under="ignore"):
         candidate = np.ldexp(np.sqrt(approx * (1 + odd)) / n, (unit - odd) // 2)
-    candidate = np.minimum(candidate, np.finfo(np.float64).max)
-    pending = np.arange(len(n))
-    result = np.empty(len(n))
-    with np.errstate(over="ignore"):  # MAX's next float up is inf: never the answer
-        _settle(d, n, candidate, pending, result)
-    out[some] = result
+    out[some] = _settle(d, n, np.minimum(candidate, np.finfo(np.float64).max))
     return out
 
 
-def _settle(d: Digits, n: np.ndarray, candidate: np.ndarray, pending: np.ndarray, result: np.ndarray) -> None:
-    """Move each candidate a float at a time until sqrt(D 2**SQUARE_BASE) / n lies between
-    its midpoints; into ``result``."""
+def _settle(d: Digits, n: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """The float64 nearest sqrt(D 2**SQUARE_BASE) / n for each group of ``d`` (D > 0),
+    from finite ``candidate``s near it: each moves a float at a time until the root lies
+    between its midpoints."""
+    candidate = candidate.copy()
+    pending = np.arange(len(n))
+    result = np.empty(len(n))
+    with np.errstate(over="ignore"):  # MAX's next float up is inf: never the answer
+        _settle_into(d, n, candidate, pending, result)
+    return result
+
+
+def _settle_into(
+    d: Digits, n: np.ndarray, candidate: np.ndarray, pending: np.ndarray, result: np.ndarray
+) -> None:
     for _ in range(64):  # the candidate is a few floats off at most
         c = candidate[pending]
         cbits = c.view(np.int64)
