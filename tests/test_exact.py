@@ -277,6 +277,24 @@ def test_a_mean_whose_only_sign_of_being_past_a_tie_is_the_remainder():
     assert_bits(accumulate(np.zeros(n, np.int64), values, 1).mean(), np.array([want]), "mean")
 
 
+def test_ties_broken_by_a_far_bit_at_every_alignment():
+    """(2A + 1) 2**e is a tie for the sum; 2**(e - s) far below breaks it (up, or down
+    when negative). Every alignment of e to the digits and every distance s puts that bit
+    in each place the rounding looks: the window, the bits below it, the digits below
+    those, the long division's last quotient digit."""
+    a = 2**52 + 2
+    groups, values = [], []
+    for e in range(-40, 40):
+        for s in range(40, 110, 3):
+            for sign in (1.0, -1.0):
+                g = len(groups) // 4
+                groups += [g] * 4
+                values += [math.ldexp(2 * a, e), math.ldexp(1.0, e), sign * math.ldexp(1.0, e - s), 0.0]
+    groups_, values_ = np.array(groups), np.array(values)
+    n_groups = len(groups) // 4
+    check(accumulate(groups_, values_, n_groups), groups_, values_, n_groups)
+
+
 def test_an_empty_group_gives_what_the_engine_gives():
     state = accumulate(np.array([1]), np.array([5.0]), 3)
     assert_bits(state.sum(), np.array([0.0, 5.0, 0.0]), "sum")
@@ -437,10 +455,12 @@ def test_compare_orders_the_root_and_a_midpoint_exactly(seed):
     for i in range(rows):
         z = 2 * int(exp[i]) - exact.SQUARE_BASE
         p = (int(n[i]) * int(mid[i])) ** 2 << z
-        kind = i % 6
-        delta = [0, 1, -1, 1 << max(0, z - 40), -(1 << max(0, z - 3)), p][kind]
-        if kind == 5:  # far above, past the compared window
-            delta = p * 2**200
+        kind = i % 7
+        delta = [0, 1, -1, 1 << max(0, z - 40), -(1 << max(0, z - 3)), p, 0][kind]
+        if kind == 5:  # above, in the digits just past the compared window, or far past
+            delta = p << int(rng.integers(40, 300))
+        if kind == 6:  # a power of two just past the window: no digit of it in the window
+            delta = (1 << (32 * ((z >> 5) + 8) + int(rng.integers(0, 64)))) - p
         ints.append(p + delta)
         wants.append((delta > 0) - (delta < 0))
     d = _digits_of(ints)
