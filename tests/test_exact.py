@@ -219,10 +219,41 @@ def check(state: ExactState, groups: np.ndarray, values: np.ndarray, n_groups: i
 # --- the tests -------------------------------------------------------------------------
 
 
+def _binned_window(biased: np.ndarray, n_groups: int) -> tuple[int, int] | None:
+    """A window over as many exponents as binning takes, whatever the rows a group."""
+    fit = biased[biased < exact._BINNED_TOP]
+    if not len(fit):
+        return None
+    first = int(fit.min())
+    return first, min(int(fit.max()) - first + 1, exact._WIDEST)
+
+
+@pytest.fixture(params=["auto", "direct", "binned"])
+def path(request, monkeypatch):
+    """accumulate as it chooses, every row straight into digits, or as many rows as
+    possible binned by (group, exponent) first."""
+    if request.param == "direct":
+        monkeypatch.setattr(exact, "_window", lambda biased, n_groups: None)
+    elif request.param == "binned":
+        monkeypatch.setattr(exact, "_window", _binned_window)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_every_statistic_of_every_family_is_correctly_rounded(seed):
+def test_every_statistic_of_every_family_is_correctly_rounded(seed, path):
     groups, values, n_groups = generate(seed)
     check(accumulate(groups, values, n_groups), groups, values, n_groups)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_path_gives_the_same_state(seed, monkeypatch):
+    groups, values, n_groups = generate(100 + seed)
+    auto = accumulate(groups, values, n_groups)
+    monkeypatch.setattr(exact, "_window", lambda biased, n_groups: None)
+    direct = accumulate(groups, values, n_groups)
+    monkeypatch.setattr(exact, "_window", _binned_window)
+    binned = accumulate(groups, values, n_groups)
+    assert direct.equals(auto) and binned.equals(auto)
 
 
 def test_the_oracle_is_right_where_the_answer_is_known():
@@ -255,7 +286,7 @@ def test_the_oracle_is_right_where_the_answer_is_known():
         ([math.nan, math.inf], math.nan, math.nan, math.nan),
     ],
 )
-def test_known_answers(values, sum_, mean, std):
+def test_known_answers(values, sum_, mean, std, path):
     state = accumulate(np.zeros(len(values), np.int64), np.array(values), 1)
     for name, want in (("sum", sum_), ("mean", mean), ("std", std)):
         if want is not None:
@@ -277,7 +308,7 @@ def test_a_mean_whose_only_sign_of_being_past_a_tie_is_the_remainder():
     assert_bits(accumulate(np.zeros(n, np.int64), values, 1).mean(), np.array([want]), "mean")
 
 
-def test_ties_broken_by_a_far_bit_at_every_alignment():
+def test_ties_broken_by_a_far_bit_at_every_alignment(path):
     """(2A + 1) 2**e is a tie for the sum; 2**(e - s) far below breaks it (up, or down
     when negative). Every alignment of e to the digits and every distance s puts that bit
     in each place the rounding looks: the window, the bits below it, the digits below
@@ -305,7 +336,7 @@ def test_an_empty_group_gives_what_the_engine_gives():
     assert np.isnan(empty.mean()).all() and np.isnan(empty.std()).all()
 
 
-def test_a_sum_of_integers_is_that_integer():
+def test_a_sum_of_integers_is_that_integer(path):
     rng = np.random.default_rng(7)
     groups = rng.integers(0, 2000, 200_000)
     values = rng.integers(0, 2**20, len(groups)).astype(np.float64)
@@ -390,7 +421,7 @@ def test_counts_past_the_vector_path_take_python_integers(monkeypatch):
     assert_bits(state.std(), vector[1], "std")
 
 
-def test_many_rows_a_group_cross_the_bincount_limit(monkeypatch):
+def test_many_rows_a_group_cross_the_bincount_limit(monkeypatch, path):
     """More rows than one float64 bincount may add exactly, in one group: pieces near
     2**32 each, a sum near 2**53 in a digit if they were not split."""
     monkeypatch.setattr(exact, "ROWS_PER_BINCOUNT", 1000)

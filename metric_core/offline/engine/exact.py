@@ -86,7 +86,15 @@ _VECTOR_COUNT = MAX_COUNT  # counts above this are finished in Python integers
 _MASK = np.int64(0xFFFFFFFF)
 _FRACTION = np.int64((1 << 52) - 1)
 _HIDDEN = np.int64(1 << 52)
-_SPARSE_BINS = 1 << 22  # past this many bins (and 4 a row), each group gets its own span
+_SPARSE_BINS = 1 << 22
+# Binning by (group, exponent) first: at most this many rows a call (a bin's float64 sum of
+# halves under 2**27 stays exact), exponents below _BINNED_TOP (such a sum stays finite),
+# at most _WIDEST exponents, and only where there are _ROWS_A_BIN rows a bin or more
+_BINNED_ROWS = 1 << 26
+_BINNED_TOP = 2019
+_WIDEST = 64
+_ROWS_A_BIN = 4
+_HALF_MASK = (1 << 26) - 1  # past this many bins (and 4 a row), each group gets its own span
 
 
 @dataclass(frozen=True, eq=False)
@@ -304,12 +312,31 @@ def accumulate(groups: np.ndarray, values: np.ndarray, n_groups: int, *, squares
         neg_inf = np.bincount(sg[sv == -np.inf], minlength=n_groups)
         keep = ~special
         g, bits, biased = g[keep], bits[keep], biased[keep]
-    normal = biased > 0
-    m = (bits & _FRACTION) | (normal.astype(np.int64) << 52)
-    e = np.maximum(biased, 1)  # a value is m * 2**(e - 1075)
-    negative = bits < 0
-    sums = _sum_digits(g, m, e + (-1075 - SUM_BASE), negative, n_groups)
-    sq = _square_digits(g, m, 2 * e + (-2150 - SQUARE_BASE), n_groups) if squares else None
+    sum_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    square_parts: list[Digits] = []
+    window = _window(biased, n_groups)
+    if window is not None:  # most rows binned by (group, exponent) first
+        inside = (biased >= window[0]) & (biased < window[0] + window[1])
+        if inside.all():
+            sum_rows, square_parts = _binned(g, bits, biased, window, n_groups, squares)
+            g = bits = biased = np.zeros(0, np.int64)
+        else:
+            sum_rows, square_parts = _binned(
+                g[inside], bits[inside], biased[inside], window, n_groups, squares
+            )
+            g, bits, biased = g[~inside], bits[~inside], biased[~inside]
+    m, e = _significands(bits, biased)
+    sum_rows.append((g, m, e + (-1075 - SUM_BASE), bits < 0))
+    group, mantissa, offset, negative = (np.concatenate(c) for c in zip(*sum_rows, strict=True))
+    sums = _sum_digits(group, mantissa, offset, negative, n_groups)
+    sq = None
+    if squares:
+        square_parts.append(_square_digits(g, m, 2 * e + (-2150 - SQUARE_BASE), n_groups))
+        sq = (
+            square_parts[0]
+            if len(square_parts) == 1
+            else _add_digits(square_parts, [np.arange(n_groups)] * len(square_parts), n_groups)
+        )
     return ExactState(count, nan, pos_inf, neg_inf, sums, sq)
 
 
@@ -365,6 +392,67 @@ def concat(states: list[ExactState]) -> ExactState:
 # --- accumulating -------------------------------------------------------------------
 
 
+def _significands(bits: np.ndarray, biased: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``m`` and ``e`` of finite values (their bits and biased exponents): each is ``m * 2**(e - 1075)``."""
+    m = (bits & _FRACTION) | ((biased > 0).astype(np.int64) << 52)
+    return m, np.maximum(biased, 1)
+
+
+def _window(biased: np.ndarray, n_groups: int) -> tuple[int, int] | None:
+    """The exponents (first, how many) whose rows are binned by (group, exponent) before
+    they become digits, or None where binning would not pay: fewer than
+    ``_ROWS_A_BIN`` rows a bin, or most rows outside any window."""
+    rows = len(biased)
+    if rows > _BINNED_ROWS or not rows:
+        return None
+    width = min(_WIDEST, rows // (_ROWS_A_BIN * max(n_groups, 1)))
+    if width < 1:
+        return None
+    hist = np.bincount(biased, minlength=2048)[:_BINNED_TOP]
+    total = np.concatenate([[0], np.cumsum(hist)])
+    covered = total[width:] - total[:-width]
+    first = int(np.argmax(covered))
+    if covered[first] * 2 < rows:
+        return None
+    used = np.flatnonzero(hist[first : first + width])
+    return first + int(used[0]), int(used[-1] - used[0]) + 1
+
+
+def _binned(
+    g: np.ndarray, bits: np.ndarray, biased: np.ndarray, window: tuple[int, int], n_groups: int, squares: bool
+) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], list[Digits]]:
+    """Rows of exponents in ``window`` added by (group, exponent) bin: the sums as two
+    float64 halves (exact: see the module docstring), handed on as rows of ``_sum_digits``;
+    the squares as four 32-bit limbs, made digits here."""
+    first, width = window
+    key = g * width + (biased - first)
+    bins = n_groups * width
+    high = (bits & ~np.int64(_HALF_MASK)).view(np.float64)
+    low = bits.view(np.float64) - high
+    sum_rows = []
+    for weights in (high, low):
+        total = np.bincount(key, weights=weights, minlength=bins)
+        at = np.flatnonzero(total)
+        tbits = total[at].view(np.int64)
+        tm, te = _significands(tbits, (tbits >> 52) & 0x7FF)
+        sum_rows.append((at // width, tm, te + (-1075 - SUM_BASE), tbits < 0))
+    if not squares:
+        return sum_rows, []
+    m, _ = _significands(bits, biased)
+    limbs = _square_limbs(m)
+    sums = np.zeros((4, bins), np.int64)
+    for start in range(0, len(g), ROWS_PER_BINCOUNT):
+        part = slice(start, start + ROWS_PER_BINCOUNT)
+        for j, limb in enumerate(limbs):
+            sums[j] += np.bincount(key[part], weights=limb[part], minlength=bins).astype(np.int64)
+    at = np.flatnonzero(sums.any(axis=0))
+    e = np.maximum(at % width + first, 1)
+    group = np.tile(at // width, 4)
+    offset = np.concatenate([2 * e + (-2150 - SQUARE_BASE) + 32 * j for j in range(4)])
+    digits = _sum_digits(group, sums[:, at].ravel(), offset, np.zeros(len(group), bool), n_groups)
+    return sum_rows, [digits]
+
+
 def _sum_digits(
     g: np.ndarray, m: np.ndarray, offset: np.ndarray, negative: np.ndarray, n_groups: int
 ) -> Digits:
@@ -376,20 +464,25 @@ def _sum_digits(
     return _place(g, d, pieces, negative, n_groups)
 
 
-def _square_digits(g: np.ndarray, m: np.ndarray, offset: np.ndarray, n_groups: int) -> Digits:
-    """Digits of the sums of ``m**2 * 2**offset`` a group (offset >= 0 and even)."""
+def _square_limbs(m: np.ndarray) -> list[np.ndarray]:
+    """``m**2`` (m under 2**53) as four int64 limbs under 2**32, lowest first."""
     um = m.view(np.uint64)
     lo, hi = um & np.uint64(0xFFFFFFFF), um >> np.uint64(32)
     mask, w = np.uint64(0xFFFFFFFF), np.uint64(32)
     ll = lo * lo  # under 2**64: exact in uint64
     t = np.uint64(2) * hi * lo + (ll >> w)  # under 2**55
     u = hi * hi + (t >> w)  # under 2**43
-    limbs = [
+    return [
         (ll & mask).view(np.int64),
         (t & mask).view(np.int64),
         (u & mask).view(np.int64),
         (u >> w).view(np.int64),
     ]
+
+
+def _square_digits(g: np.ndarray, m: np.ndarray, offset: np.ndarray, n_groups: int) -> Digits:
+    """Digits of the sums of ``m**2 * 2**offset`` a group (offset >= 0 and even)."""
+    limbs = _square_limbs(m)
     d, r = offset >> 5, offset & 31  # r even, at most 30: a limb shifted stays under 2**62
     shifted = [limb << r for limb in limbs]
     pieces = [shifted[0] & _MASK]
