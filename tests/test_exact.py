@@ -432,6 +432,19 @@ def test_many_rows_a_group_cross_the_bincount_limit(monkeypatch, path):
     check(accumulate(groups, values, 2), groups, values, 2)
 
 
+def test_a_bin_of_more_rows_than_one_bincount_takes_stays_exact(path):
+    """2**21 + 3 rows of a value with all 53 bits set, in one group: each float64 bin and
+    int64 digit is at its bound (the sum known exactly without adding them one by one)."""
+    n = 2**21 + 3
+    x = math.ldexp(2**53 - 1, -20)
+    state = accumulate(np.zeros(n, np.int64), np.full(n, x), 1)
+    total = Fraction(x) * n
+    assert_bits(state.sum(), np.array([float(total)]), "sum")
+    assert_bits(state.mean(), np.array([x]), "mean")
+    assert_bits(state.std(), np.array([0.0]), "std")
+    assert state.squares.to_ints()[0] * Fraction(2) ** exact.SQUARE_BASE == Fraction(x) ** 2 * n
+
+
 def test_groups_of_far_apart_exponents_get_spans_of_their_own():
     """A group of 1e-300s beside a group of 1e300s: too many digits for one span a group,
     each gets its own (the same state either way)."""
