@@ -17,18 +17,32 @@ the lowest, digit ``j`` of a group weighs ``2**(32 * (low + j))`` units; ``size`
 so equal integers are equal arrays. A group's digits span its values' exponents: two to
 four digits for most groups, at most 68 for a sum and 136 for a sum of squares.
 
-How a value enters (``accumulate``): from its bits, ``M`` and ``E`` (subnormals have no
-hidden bit). ``M * 2**(s mod 32)``, ``s`` the value's offset from the units, is under 2**85:
-three pieces under 2**32 at digits ``s // 32`` and the two above. ``M**2`` is four 32-bit
-limbs from integer products (``M = h * 2**32 + l``, ``l * l`` in uint64, ``2 h l`` and
-``h * h`` under 2**54), never ``v * v``; shifted by the square's even offset (at most 30
-bits: each shifted limb stays under 2**62) it is five pieces under 2**32. Equal (group,
-digit) pieces are added by ``np.bincount`` over float64 weights, positive and negative
-values in separate bins: each bin adds at most ``ROWS_PER_BINCOUNT`` = 2**21 pieces under
-2**32, so every partial sum is an integer under 2**53 and float64 holds it exactly. Those
-bins go to int64 (exact) and add there: a digit of one call holds at most 5 * 2**53 in
-magnitude, and a group's rows of many calls add under 2**63 as long as a state holds
-fewer than 2**31 rows a group (``count``; ``merge`` keeps to it the same way).
+How a value enters (``accumulate``), straight into digits: from its bits, ``M`` and ``E``
+(subnormals have no hidden bit). ``M * 2**(s mod 32)``, ``s`` the value's offset from the
+units, is under 2**85: three pieces under 2**32 at digits ``s // 32`` and the two above.
+``M**2`` is four 32-bit limbs from integer products (``M = h * 2**32 + l``, ``l * l`` in
+uint64, ``2 h l`` and ``h * h`` under 2**55), never ``v * v``; shifted by the square's even
+offset (at most 30 bits: each shifted limb stays under 2**62) it is five pieces under
+2**32. Equal (group, digit) pieces are added by ``np.bincount`` over float64 weights,
+positive and negative values in separate bins: each bin adds at most
+``ROWS_PER_BINCOUNT`` = 2**21 pieces under 2**32, so every partial sum is an integer under
+2**53 and float64 holds it exactly. Those bins go to int64 (exact) and add there: a row
+gives a digit one piece at most, so a digit of a group of fewer than 2**31 rows
+(``MAX_COUNT``) stays under 2**63.
+
+Where many rows share a group and an exponent (``_window``: at least ``_ROWS_A_BIN`` rows
+a bin, most rows in a window of exponents), those rows are first added by (group, biased
+exponent) bin (``_binned``), and only the bins' sums become digits as above. The sum: a
+value is split in ``high`` (its bits but the low 26 of the significand: at most 27
+significant bits, a multiple of ``2**(E-1075+26)``) and ``low = v - high`` (exact: the low
+26 bits, a multiple of ``2**(E-1075)`` under ``2**(E-1075+26)``). In one bin every
+``high`` is a multiple of one quantum and under 2**27 quanta, so the float64 sum of at
+most 2**26 of them (``_BINNED_ROWS``) is a whole number of quanta under 2**53: exact, the
+same for ``low``; below exponent ``_BINNED_TOP`` such a sum is finite, and it is a float64,
+so it enters the digits as a value does. The square: its four limbs, each bin's sums of
+at most 2**21 limbs under 2**32 exact in float64, then in int64 (under 2**58), enter as
+integers ``L * 2**(2E-2150+32j)`` (``_sum_digits`` splits any ``L`` under 2**63 in three
+pieces). Either way the state is the same integers, so the same arrays.
 
 Carries (``_canonical``): each digit but a group's top one keeps its value mod 2**32 and
 passes the rest up (an arithmetic shift: floor division, exact on int64); the top digit
