@@ -93,23 +93,24 @@ def main() -> None:
         for (mine, _, _), p in zip(parts, float_parts, strict=True):
             acc[:, mine] = partials.fold(acc[:, mine], p)
 
+    def each_part(fn: Callable[[np.ndarray, np.ndarray, int], object]) -> Callable[[], object]:
+        return lambda: [fn(local, vals, len(mine)) for mine, local, vals in parts]
+
+    def float_sum(local: np.ndarray, vals: np.ndarray, n: int) -> np.ndarray:
+        return np.bincount(local, weights=vals, minlength=n)
+
+    def exact_sums(local: np.ndarray, vals: np.ndarray, n: int) -> exact.ExactState:
+        return exact.accumulate(local, vals, n, squares=False)
+
     stages: dict[str, tuple[int, Callable[[], object]]] = {
-        "accumulate, one call: float sum (1 bincount)": (rows, lambda: np.bincount(g, weights=v, minlength=n_groups)),
+        "accumulate, one call: float sum (1 bincount)": (rows, lambda: float_sum(g, v, n_groups)),
         "accumulate, one call: float state (partials._sums)": (rows, lambda: float_state(g, v, n_groups)),
-        "accumulate, one call: exact, sums only": (rows, lambda: exact.accumulate(g, v, n_groups, squares=False)),
+        "accumulate, one call: exact, sums only": (rows, lambda: exact_sums(g, v, n_groups)),
         "accumulate, one call: exact, with squares": (rows, lambda: exact.accumulate(g, v, n_groups)),
-        "accumulate, a call a partition: float sum (1 bincount)": (
-            rows, lambda: [np.bincount(local, weights=vals, minlength=len(mine)) for mine, local, vals in parts],
-        ),
-        "accumulate, a call a partition: float state (partials._sums)": (
-            rows, lambda: [float_state(local, vals, len(mine)) for mine, local, vals in parts],
-        ),
-        "accumulate, a call a partition: exact, sums only": (
-            rows, lambda: [exact.accumulate(local, vals, len(mine), squares=False) for mine, local, vals in parts],
-        ),
-        "accumulate, a call a partition: exact, with squares": (
-            rows, lambda: [exact.accumulate(local, vals, len(mine)) for mine, local, vals in parts],
-        ),
+        "accumulate, a call a partition: float sum (1 bincount)": (rows, each_part(float_sum)),
+        "accumulate, a call a partition: float state (partials._sums)": (rows, each_part(float_state)),
+        "accumulate, a call a partition: exact, sums only": (rows, each_part(exact_sums)),
+        "accumulate, a call a partition: exact, with squares": (rows, each_part(exact.accumulate)),
         "merge, a partition after another: float (partials.fold)": (rows, fold_float),
         "merge, a partition after another: exact (merge)": (rows, fold_exact),
         "merge, all at once: exact (combine)": (
@@ -135,9 +136,8 @@ def main() -> None:
         unit = "groups/s" if kind.startswith("finish") else "rows/s"
         print(f"{name:64s} {medians[name]:9.3f} {count / medians[name]:10.3g} {unit:8s} {ratio}")
     exact_sum, float_sum = whole.sum(), partials.statistic(folded, "sum")
-    print(
-        f"groups whose float-state sum differs from the correctly rounded one: {(exact_sum != float_sum).sum():,}"
-    )
+    differ = int((exact_sum != float_sum).sum())
+    print(f"groups whose float-state sum differs from the correctly rounded one: {differ:,}")
 
 
 if __name__ == "__main__":
