@@ -461,6 +461,20 @@ def test_groups_of_far_apart_exponents_get_spans_of_their_own():
     check(state.take(few), local, values[rows], len(few))
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_std_by_the_exact_check_alone(seed, monkeypatch):
+    """Every group's std found by the digit comparisons, none by the double-double."""
+    original = exact._quick
+
+    def undecided(d, n):
+        result, _ = original(d, n)
+        return result, np.zeros(len(n), bool)
+
+    monkeypatch.setattr(exact, "_quick", undecided)
+    groups, values, n_groups = generate(40 + seed)
+    check(accumulate(groups, values, n_groups), groups, values, n_groups)
+
+
 def test_std_settles_from_candidates_several_floats_off():
     """The exact check alone finds the answer: started from the right float moved up to 4
     floats either way, or from the power of two nearest (where the gap below halves)."""
@@ -507,7 +521,7 @@ def test_compare_orders_the_root_and_a_midpoint_exactly(seed):
             delta = (1 << (32 * ((z >> 5) + 8) + int(rng.integers(0, 64)))) - p
         ints.append(p + delta)
         wants.append((delta > 0) - (delta < 0))
-    d = _digits_of(ints)
+    d = exact._Dense.from_digits(_digits_of(ints))
     got = exact._compare(d, np.arange(rows), n, mid, exp)
     np.testing.assert_array_equal(got, wants)
 

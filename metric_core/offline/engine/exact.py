@@ -100,7 +100,7 @@ _VECTOR_COUNT = MAX_COUNT  # counts above this are finished in Python integers
 _MASK = np.int64(0xFFFFFFFF)
 _FRACTION = np.int64((1 << 52) - 1)
 _HIDDEN = np.int64(1 << 52)
-_SPARSE_BINS = 1 << 22
+_SPARSE_BINS = 1 << 22  # past this many bins (and 4 a row), each group gets its own span
 # Binning by (group, exponent) first: at most this many rows a call (a bin's float64 sum of
 # halves under 2**27 stays exact), exponents below _BINNED_TOP (such a sum stays finite),
 # at most _WIDEST exponents, and only where there are _ROWS_A_BIN rows a bin or more
@@ -108,7 +108,8 @@ _BINNED_ROWS = 1 << 26
 _BINNED_TOP = 2019
 _WIDEST = 64
 _ROWS_A_BIN = 4
-_HALF_MASK = (1 << 26) - 1  # past this many bins (and 4 a row), each group gets its own span
+_HALF_MASK = (1 << 26) - 1
+_STD_BATCH = 1 << 15  # groups whose n Q - S**2 are held dense at once
 
 
 @dataclass(frozen=True, eq=False)
@@ -690,110 +691,201 @@ def _to_float(window: np.ndarray, unit: np.ndarray, sticky: np.ndarray) -> np.nd
 
 
 def _std(s: Digits, q: Digits, n: np.ndarray) -> np.ndarray:
-    """sqrt(n Q - S**2) / n, scaled, correctly rounded, for groups with squares and n < 2**31."""
-    d = _spread(s, q, n)
+    """sqrt(n Q - S**2) / n, scaled, correctly rounded, for groups with squares and n < 2**31;
+    in batches of groups of like widths (what a batch's dense digits hold)."""
     out = np.zeros(len(n))
-    some = np.flatnonzero(d.size)
-    if not len(some):
-        return out
-    d, n = d.take(some), n[some]
-    k = d.size.astype(np.int64)
-    top = d.ends() - 1
-    a2, a1, a0 = (_digit_at(d.digits, top - j, k > j) for j in range(3))
+    width = _spread_width(s, q)
+    order = np.argsort(width, kind="stable")
+    for start in range(0, len(order), _STD_BATCH):
+        rows = order[start : start + _STD_BATCH]
+        d = _spread(s.take(rows), q.take(rows), n[rows])
+        some = np.flatnonzero(d.top >= 0)
+        if not len(some):
+            continue
+        part, n_part = d.take(some), n[rows[some]]
+        result, decided = _quick(part, n_part)
+        doubt = np.flatnonzero(~decided)
+        if len(doubt):
+            result[doubt] = _settle(
+                part.take(doubt), n_part[doubt], _candidate(part.take(doubt), n_part[doubt])
+            )
+        out[rows[some]] = result
+    return out
+
+
+def _quick(d: _Dense, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sqrt(D 2**SQUARE_BASE) / n to about 2**-62 in double-double from D's top 62 bits,
+    rounded; and whether that rounding is certain: the root is further than 2**-60 of
+    itself from a midpoint between floats, and the result normal (else ``_settle``)."""
+    rows = np.arange(len(n))
+    a2, a1, a0 = (d.digit(rows, d.top - j) for j in range(3))
     length = np.frexp(a2.astype(np.float64))[1].astype(np.int64)
     shift = 32 - length
     b2 = ((a2 << shift) | (a1 >> (32 - shift))) & _MASK
     b1 = ((a1 << shift) | (a0 >> (32 - shift))) & _MASK
-    unit = 32 * (d.low.astype(np.int64) + k - 3) - shift + 32 + SQUARE_BASE  # b1's unit
+    window = (b2 << 30) | (b1 >> 2)  # D = (window + f) 2**unit, 0 <= f < 1, window >= 2**61
+    unit = 32 * (d.base + d.top - 2) + SQUARE_BASE - shift + 34
+    odd = unit & 1
+    window <<= odd
+    unit -= odd
+    high = (window & ~np.int64(1023)).astype(np.float64)  # 53 bits or fewer: exact
+    low = (window & 1023).astype(np.float64)
+    root = np.sqrt(high)
+    p, e = _two_product(root, root)
+    root_low = (((high - p) - e) + low) / (2 * root)  # one Newton step: sqrt(high + low) = root + root_low
+    nf = n.astype(np.float64)
+    q = root / nf
+    p, e = _two_product(q, nf)
+    q_low = (((root - p) - e) + root_low) / nf  # (root + root_low) / n = q + q_low
+    c = q + q_low
+    off = (q - c) + q_low  # where q + q_low lies from c
+    power = (c.view(np.int64) & _FRACTION) == 0
+    gap = np.spacing(c) * np.where(power & (off < 0), 0.25, 0.5)  # to the midpoint on that side
+    scale = unit // 2
+    exponent = np.frexp(c)[1] + scale
+    decided = (gap - np.abs(off) > c * 2.0**-60) & (exponent > -1020) & (exponent < 1020)
+    with np.errstate(over="ignore", under="ignore"):
+        return np.ldexp(c, scale), decided
+
+
+def _two_product(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``p, e`` with ``p + e == a * b`` exactly (Dekker's product: no fma in numpy)."""
+    p = a * b
+    split = 134217729.0  # 2**27 + 1
+    ca, cb = split * a, split * b
+    ah, bh = ca - (ca - a), cb - (cb - b)
+    al, bl = a - ah, b - bh
+    return p, ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """Non-negative integers, one a row, as digits in columns: row r is the sum of
+    ``x[r, c] * 2**(32 * (base[r] + c))``, every digit in [0, 2**32); ``top`` and
+    ``bottom``: the columns of the highest and lowest nonzero digit (-1 for zero)."""
+
+    x: np.ndarray
+    base: np.ndarray
+    top: np.ndarray
+    bottom: np.ndarray
+
+    @classmethod
+    def of(cls, x: np.ndarray, base: np.ndarray) -> _Dense:
+        nonzero = x != 0
+        held = nonzero.any(axis=1)
+        top = np.where(held, x.shape[1] - 1 - np.argmax(nonzero[:, ::-1], axis=1), -1)
+        return cls(x, base, top, np.where(held, np.argmax(nonzero, axis=1), -1))
+
+    @classmethod
+    def from_digits(cls, d: Digits) -> _Dense:
+        """Digits' magnitudes, dense."""
+        size = d.size.astype(np.int64)
+        x = np.zeros((len(d), max(int(size.max(initial=0)), 1)), np.int64)
+        x[np.repeat(np.arange(len(d)), size), _within(size)] = d.digits
+        return cls.of(x, d.low.astype(np.int64))
+
+    def take(self, rows: np.ndarray) -> _Dense:
+        return _Dense(self.x[rows], self.base[rows], self.top[rows], self.bottom[rows])
+
+    def digit(self, rows: np.ndarray, column: np.ndarray) -> np.ndarray:
+        """The digit in ``column`` of each row (0 outside the columns)."""
+        inside = (column >= 0) & (column < self.x.shape[1])
+        return np.where(inside, self.x[rows, np.clip(column, 0, self.x.shape[1] - 1)], 0)
+
+
+def _spread_width(s: Digits, q: Digits) -> np.ndarray:
+    """The columns ``_spread`` gives each group: from the lowest of S**2's and nQ's digits
+    to nQ's highest (n under 2**31 adds one) or S**2's, and one for carries."""
+    ks, kq = s.size.astype(np.int64), q.size.astype(np.int64)
+    ls, lq = s.low.astype(np.int64), q.low.astype(np.int64)
+    base = np.where(ks > 0, np.minimum(2 * ls, lq), lq)
+    return np.maximum(lq + kq, np.where(ks > 0, 2 * (ls + ks) - 1, lq)) - base + 2
+
+
+def _spread(s: Digits, q: Digits, n: np.ndarray) -> _Dense:
+    """``D = n Q - S**2`` a group (in units of 2**SQUARE_BASE), dense."""
+    groups = len(n)
+    ks, kq = s.size.astype(np.int64), q.size.astype(np.int64)
+    ls, lq = s.low.astype(np.int64), q.low.astype(np.int64)
+    base = np.where(ks > 0, np.minimum(2 * ls, lq), lq)
+    x = np.zeros((groups, int(_spread_width(s, q).max(initial=1))), np.int64)
+    qd = _Dense.from_digits(q).x
+    for c in range(qd.shape[1]):  # n Q: digits under 2**32 times n under 2**31
+        at = np.flatnonzero(c < kq)
+        x[at, lq[at] - base[at] + c] += qd[at, c] * n[at]
+    sd = _Dense.from_digits(s).x
+    shift = 2 * ls - base
+    for i in range(sd.shape[1]):  # S**2, digit by digit: uint64 products in 32-bit halves
+        for j in range(i, sd.shape[1]):
+            at = np.flatnonzero(j < ks)
+            product = sd[at, i].astype(np.uint64) * sd[at, j].astype(np.uint64)
+            lo = (product & np.uint64(0xFFFFFFFF)).astype(np.int64)
+            hi = (product >> np.uint64(32)).astype(np.int64)
+            times = 1 if i == j else 2
+            column = shift[at] + i + j
+            x[at, column] -= times * lo
+            x[at, column + 1] -= times * hi
+    for c in range(x.shape[1] - 1):  # carried from the lowest column up, in one pass
+        x[:, c + 1] += x[:, c] >> 32
+        x[:, c] &= _MASK
+    if (x[:, -1] < 0).any() or (x[:, -1] >> 32).any():
+        raise AssertionError("a negative variance, or past its columns")
+    return _Dense.of(x, base)
+
+
+def _candidate(d: _Dense, n: np.ndarray) -> np.ndarray:
+    """A float near sqrt(D 2**SQUARE_BASE) / n (D > 0), from D's top 64 bits."""
+    rows = np.arange(len(n))
+    a2, a1, a0 = (d.digit(rows, d.top - j) for j in range(3))
+    length = np.frexp(a2.astype(np.float64))[1].astype(np.int64)
+    shift = 32 - length
+    b2 = ((a2 << shift) | (a1 >> (32 - shift))) & _MASK
+    b1 = ((a1 << shift) | (a0 >> (32 - shift))) & _MASK
+    unit = 32 * (d.base + d.top - 2) - shift + 32 + SQUARE_BASE  # b1's unit
     approx = b2.astype(np.float64) * 2.0**32 + b1.astype(np.float64)  # D ~ approx 2**unit
     odd = unit & 1
     with np.errstate(over="ignore", under="ignore"):
         candidate = np.ldexp(np.sqrt(approx * (1 + odd)) / n, (unit - odd) // 2)
-    out[some] = _settle(d, n, np.minimum(candidate, np.finfo(np.float64).max))
-    return out
+    return np.minimum(candidate, np.finfo(np.float64).max)
 
 
-def _settle(d: Digits, n: np.ndarray, candidate: np.ndarray) -> np.ndarray:
-    """The float64 nearest sqrt(D 2**SQUARE_BASE) / n for each group of ``d`` (D > 0),
+def _settle(d: _Dense, n: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """The float64 nearest sqrt(D 2**SQUARE_BASE) / n for each row of ``d`` (D > 0),
     from finite ``candidate``s near it: each moves a float at a time until the root lies
     between its midpoints."""
     candidate = candidate.copy()
     pending = np.arange(len(n))
     result = np.empty(len(n))
     with np.errstate(over="ignore"):  # MAX's next float up is inf: never the answer
-        _settle_into(d, n, candidate, pending, result)
-    return result
+        for _ in range(64):  # the candidate is a few floats off at most
+            c = candidate[pending]
+            cbits = c.view(np.int64)
+            biased = cbits >> 52
+            big_c = (cbits & _FRACTION) | ((biased > 0).astype(np.int64) << 52)
+            e = np.maximum(biased, 1) - 1075  # c = big_c 2**e
+            above = _compare(d, pending, n[pending], 2 * big_c + 1, e - 1)
+            binade = (big_c == _HIDDEN) & (biased > 1)  # below a power of two the gap halves
+            lower = np.where(binade, 4 * big_c - 1, 2 * big_c - 1)
+            below = np.where(
+                c == 0, 1, _compare(d, pending, n[pending], np.maximum(lower, 1), e - 1 - binade)
+            )
+            even = (big_c & 1) == 0
+            up = (above > 0) | ((above == 0) & ~even)
+            down = (below < 0) | ((below == 0) & ~even)
+            settled = ~((above > 0) | (below < 0))
+            result[pending[settled]] = np.where(
+                up[settled], np.nextafter(c[settled], np.inf),
+                np.where(down[settled], np.nextafter(c[settled], 0.0), c[settled]),
+            )  # fmt: skip
+            candidate[pending] = np.where(above > 0, np.nextafter(c, np.inf), np.nextafter(c, 0.0))
+            pending = pending[~settled]
+            if not len(pending):
+                return result
+    raise AssertionError("std: the candidate did not settle")
 
 
-def _settle_into(
-    d: Digits, n: np.ndarray, candidate: np.ndarray, pending: np.ndarray, result: np.ndarray
-) -> None:
-    for _ in range(64):  # the candidate is a few floats off at most
-        c = candidate[pending]
-        cbits = c.view(np.int64)
-        biased = cbits >> 52
-        big_c = (cbits & _FRACTION) | ((biased > 0).astype(np.int64) << 52)
-        e = np.maximum(biased, 1) - 1075  # c = big_c 2**e
-        above = _compare(d, pending, n[pending], 2 * big_c + 1, e - 1)
-        binade = (big_c == _HIDDEN) & (biased > 1)  # below a power of two the gap halves
-        lower = np.where(binade, 4 * big_c - 1, 2 * big_c - 1)
-        below = np.where(
-            c == 0, 1,
-            _compare(d, pending, n[pending], np.maximum(lower, 1), e - 1 - binade),
-        )  # fmt: skip
-        even = (big_c & 1) == 0
-        up = (above > 0) | ((above == 0) & ~even)
-        down = (below < 0) | ((below == 0) & ~even)
-        settled = ~((above > 0) | (below < 0))
-        result[pending[settled]] = np.where(
-            up[settled], np.nextafter(c[settled], np.inf),
-            np.where(down[settled], np.nextafter(c[settled], 0.0), c[settled]),
-        )  # fmt: skip
-        candidate[pending] = np.where(above > 0, np.nextafter(c, np.inf), np.nextafter(c, 0.0))
-        pending = pending[~settled]
-        if not len(pending):
-            break
-    else:
-        raise AssertionError("std: the candidate did not settle")
-
-
-def _spread(s: Digits, q: Digits, n: np.ndarray) -> Digits:
-    """``n Q - S**2`` a group, in units of 2**SQUARE_BASE."""
-    n_groups = len(n)
-    qv, qg, qp = q.signed()
-    qv = qv * n[qg]  # digits under 2**32 times n under 2**31
-    sk = s.size.astype(np.int64)
-    s_high = np.where(sk > 0, 2 * (s.low.astype(np.int64) + sk), np.iinfo(np.int64).min)
-    q_high = np.where(q.size > 0, q.low.astype(np.int64) + q.size + 1, np.iinfo(np.int64).min)
-    s_low = np.where(sk > 0, 2 * s.low.astype(np.int64), np.iinfo(np.int64).max)
-    q_low = np.where(q.size > 0, q.low.astype(np.int64), np.iinfo(np.int64).max)
-    low = np.minimum(s_low, q_low)
-    size = np.where(q.size > 0, np.maximum(s_high, q_high) - low + 1, 0)
-    low = np.where(size > 0, low, 0)
-    starts = np.cumsum(size) - size
-    x = np.zeros(int(size.sum()), np.int64)
-    x[starts[qg] + qp - low[qg]] += qv
-    # S**2: every pair of a group's digits (i, j), a uint64 product split in halves
-    pairs = sk * sk
-    group = np.repeat(np.arange(n_groups), pairs)
-    index = _within(pairs)
-    i, j = index // sk[group], index % sk[group]
-    begin = (s.ends() - sk)[group]
-    product = s.digits[begin + i].astype(np.uint64) * s.digits[begin + j].astype(np.uint64)
-    at = starts[group] + 2 * s.low[group].astype(np.int64) + i + j - low[group]
-    halves = np.concatenate([at, at + 1])
-    weights = np.concatenate([(product & np.uint64(0xFFFFFFFF)), product >> np.uint64(32)]).astype(np.float64)
-    x -= np.bincount(halves, weights=weights, minlength=len(x)).astype(
-        np.int64
-    )  # a bin adds < 2 * 136 halves
-    d = _canonical(x, low, size)
-    if (d.sign < 0).any():
-        raise AssertionError("a negative variance")
-    return d
-
-
-def _compare(d: Digits, rows: np.ndarray, n: np.ndarray, mid: np.ndarray, exp: np.ndarray) -> np.ndarray:
-    """The sign of ``sqrt(D 2**SQUARE_BASE) / n - mid 2**exp`` for ``D`` = d's groups ``rows``
+def _compare(d: _Dense, rows: np.ndarray, n: np.ndarray, mid: np.ndarray, exp: np.ndarray) -> np.ndarray:
+    """The sign of ``sqrt(D 2**SQUARE_BASE) / n - mid 2**exp`` for ``D`` = d's ``rows``
     (``0 < mid < 2**56``, ``2 exp - SQUARE_BASE >= 0``): ``D`` against ``(n mid)**2`` shifted."""
     m0, m1 = mid & _MASK, mid >> 32
     t0 = n * m0
@@ -816,17 +908,12 @@ def _compare(d: Digits, rows: np.ndarray, n: np.ndarray, mid: np.ndarray, exp: n
         shifted[c] = ((cols[c] << zr) & _MASK) | (cols[c - 1] >> (32 - zr))
     shifted[7] = cols[6] >> (32 - zr)
     # D's digits at the same positions zq .. zq + 7
-    low = d.low[rows].astype(np.int64)
-    k = d.size[rows].astype(np.int64)
-    start = (d.ends()[rows]) - k
+    base, top, bottom = d.base[rows], d.top[rows], d.bottom[rows]
     diff = np.zeros((8, len(mid)), np.int64)
     for c in range(8):
-        j = zq + c - low
-        inside = (j >= 0) & (j < k)
-        digit = np.where(inside, d.digits[np.where(inside, start + j, 0)].astype(np.int64), 0)
-        diff[c] = np.sign(digit - shifted[c])
-    above = low + k - 1 > zq + 7  # D has digits above the window: it is larger
-    below = low < zq  # ... or below it (the lowest digit is nonzero)
+        diff[c] = np.sign(d.digit(rows, zq + c - base) - shifted[c])
+    above = base + top > zq + 7  # D has digits above the window: it is larger
+    below = base + bottom < zq  # ... or below it (the lowest digit is nonzero)
     nonzero = diff != 0
     first = 7 - np.argmax(nonzero[::-1], axis=0)
     sign = np.where(nonzero.any(axis=0), diff[first, np.arange(len(mid))], np.where(below, 1, 0))
