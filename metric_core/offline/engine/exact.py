@@ -67,12 +67,17 @@ Rounding (``sum``, ``mean``, ``std``), vectorised over groups, once:
 - ``mean``: long division of the magnitude's top four digits by the count (``r << 32 |
   digit`` stays under 2**63 for counts under 2**31), the remainder and the digits not used
   as the sticky bit, then the same window.
-- ``std`` (population): ``D = n Q - S**2`` exactly in digits (``S**2`` from uint64 digit
-  products split in 32-bit halves), ``std = sqrt(D * 2**SQUARE_BASE) / n``. A float
-  candidate from ``D``'s top digits, then the exact check: for a float ``c``, the midpoints
-  ``m`` to its neighbours are dyadic, and ``std`` vs ``m`` is ``D`` vs ``(n m)**2`` (scaled),
-  compared digit by digit; the candidate moves one float at a time until ``std`` lies
-  between its midpoints (a tie goes to the even one).
+- ``std`` (population): ``D = n Q - S**2`` exactly (``_spread``: groups of like widths
+  held dense, groups x digit columns, ``S**2`` from uint64 digit products split in 32-bit
+  halves, carried in one pass from the lowest column), ``std = sqrt(D * 2**SQUARE_BASE) /
+  n``. ``_quick``: D's top 62 bits (relative error under 2**-61, so under 2**-62 for the
+  root) give the root and its quotient by n in double-double (Dekker's exact products;
+  their own error is near 2**-100); where that is further than 2**-60 of itself from the
+  midpoint between two floats, and the result is normal, it rounds as the exact root does.
+  Else ``_settle``: for a candidate float ``c``, the midpoints ``m`` to its neighbours are
+  dyadic, and ``std`` vs ``m`` is ``D`` vs ``(n m)**2`` (scaled), compared digit by digit
+  (``_compare``); the candidate moves one float at a time until ``std`` lies between its
+  midpoints (a tie goes to the even one).
 
 Counts of 2**31 or more in one group take Python integers (``_python_mean``,
 ``_python_std``), as does nothing else. Non-finite: a NaN, or both infinities, gives NaN;
