@@ -51,10 +51,12 @@ of fewer than 2**31 terms each under 2**(32 t) is under 2**(32 t + 31): the top 
 never needs to pass anything on. Then a group whose top digit is negative is negated and
 carried again, which gives its magnitude, and the zero digits at both ends are dropped.
 
-Merging (``merge``, ``combine``): each state's digits, signed, are added as int64 into the
-target groups' digits (positions aligned by ``low``, one more digit on top), then carried
-as above: digits under 2**32 times fewer than 2**31 states added to one group stay under
-2**63.
+Merging (``merge``, ``combine``): a group that one state's nonzero integer reaches takes
+its digits as they are (canonical already: a fold copies the accumulator's untouched
+groups, it does not carry them again). Where several reach one group, their digits,
+signed, are added as int64 (positions aligned by ``low``, one more digit on top), then
+carried as above: fewer than 2**31 digits under 2**32 added stay under 2**63. Counts add
+in float64 bins, exact below 2**53.
 
 Rounding (``sum``, ``mean``, ``std``), vectorised over groups, once:
 
@@ -386,10 +388,13 @@ def combine(states: list[ExactState], mappings: list[np.ndarray], n_groups: int)
         raise ValueError("combine needs one mapping a state, one entry a group")
     if any(len(m) and (m.min() < 0 or m.max() >= n_groups) for m in maps):
         raise ValueError(f"mappings must be in range({n_groups})")
-    count, nan, pos_inf, neg_inf = (np.zeros(n_groups, np.int64) for _ in range(4))
-    for s, m in zip(states, maps, strict=True):
-        for total, part in ((count, s.count), (nan, s.nan), (pos_inf, s.pos_inf), (neg_inf, s.neg_inf)):
-            np.add.at(total, m, part)
+    target = np.concatenate(maps)
+
+    def added(name: str) -> np.ndarray:  # counts under 2**53: float64 adds them exactly
+        weights = np.concatenate([getattr(s, name) for s in states]).astype(np.float64)
+        return np.bincount(target, weights=weights, minlength=n_groups).astype(np.int64)
+
+    count, nan, pos_inf, neg_inf = (added(name) for name in ("count", "nan", "pos_inf", "neg_inf"))
     sums = _add_digits([s.sum_digits for s in states], maps, n_groups)
     kept = [(s.squares, m) for s, m in zip(states, maps, strict=True) if s.squares is not None]
     sq = _add_digits([q for q, _ in kept], [m for _, m in kept], n_groups) if kept else None
@@ -610,34 +615,51 @@ def _carry(x: np.ndarray, top: np.ndarray) -> None:
 
 
 def _add_digits(parts: list[Digits], maps: list[np.ndarray], n_groups: int) -> Digits:
-    """The sums of ``parts``' integers, each group j of part i into group ``maps[i][j]``."""
+    """The sums of ``parts``' integers, each group j of part i into group ``maps[i][j]``.
+
+    A group that one nonzero integer reaches takes it as it is (it is canonical already);
+    only groups that several reach are added and carried."""
+    held = [np.flatnonzero(part.size) for part in parts]
+    reached = np.bincount(np.concatenate([m[h] for m, h in zip(maps, held, strict=True)]), minlength=n_groups)
+    several = np.flatnonzero(reached > 1)
+    number = np.full(n_groups, -1, np.int64)
+    number[several] = np.arange(len(several))
+    source = np.full(n_groups, -1, np.int64)  # each group's integer in the pieces below
+    offset = 0
+    adding: list[tuple[Digits, np.ndarray]] = []
+    for part, m, h in zip(parts, maps, held, strict=True):
+        one = reached[m[h]] == 1
+        source[m[h[one]]] = offset + h[one]
+        offset += len(part)
+        if not one.all():
+            adding.append((part.take(h[~one]), number[m[h[~one]]]))
+    pieces = [*parts, Digits.zeros(1)]
+    source[source < 0] = offset  # nothing reaches it: the zero
+    if len(several):
+        source[several] = offset + 1 + np.arange(len(several))
+        pieces.append(_add_several([a for a, _ in adding], [m for _, m in adding], len(several)))
+    return _concat_digits(pieces).take(source)
+
+
+def _add_several(parts: list[Digits], maps: list[np.ndarray], n_groups: int) -> Digits:
+    """The sums of ``parts``' nonzero integers, group j of part i into ``maps[i][j]``."""
     low = np.full(n_groups, np.iinfo(np.int64).max)
     high = np.full(n_groups, np.iinfo(np.int64).min)
     for part, m in zip(parts, maps, strict=True):
-        held = part.size > 0
-        np.minimum.at(low, m[held], part.low[held].astype(np.int64))
-        np.maximum.at(high, m[held], part.low[held].astype(np.int64) + part.size[held] - 1)
-    size = np.where(high >= low, high - low + 2, 0)  # one digit on top for carries
-    low = np.where(size > 0, low, 0)
+        np.minimum.at(low, m, part.low.astype(np.int64))
+        np.maximum.at(high, m, part.low.astype(np.int64) + part.size - 1)
+    size = high - low + 2  # one digit on top for carries
     starts = np.cumsum(size) - size
     x = np.zeros(int(size.sum()), np.int64)
     for part, m in zip(parts, maps, strict=True):
         value, group, position = part.signed()
         target = m[group]
-        at = starts[target] + position - low[target]
-        if _injective(m):
-            x[at] += value
-        else:
-            np.add.at(x, at, value)
+        np.add.at(x, starts[target] + position - low[target], value)
     return _canonical(x, low, size)
 
 
 def _concat_digits(parts: list[Digits]) -> Digits:
     return Digits(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Digits)))
-
-
-def _injective(m: np.ndarray) -> bool:
-    return len(m) < 2 or bool(np.bincount(m).max() <= 1)
 
 
 def _ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
