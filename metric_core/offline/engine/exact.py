@@ -335,15 +335,15 @@ def accumulate(groups: np.ndarray, values: np.ndarray, n_groups: int, *, squares
         keep = ~special
         g, bits, biased = g[keep], bits[keep], biased[keep]
     sum_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-    square_parts: list[Digits] = []
+    square_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     window = _window(biased, n_groups)
     if window is not None:  # most rows binned by (group, exponent) first
         inside = (biased >= window[0]) & (biased < window[0] + window[1])
         if inside.all():
-            sum_rows, square_parts = _binned(g, bits, biased, window, n_groups, squares)
+            sum_rows, square_rows = _binned(g, bits, biased, window, n_groups, squares)
             g = bits = biased = np.zeros(0, np.int64)
         else:
-            sum_rows, square_parts = _binned(
+            sum_rows, square_rows = _binned(
                 g[inside], bits[inside], biased[inside], window, n_groups, squares
             )
             g, bits, biased = g[~inside], bits[~inside], biased[~inside]
@@ -352,13 +352,13 @@ def accumulate(groups: np.ndarray, values: np.ndarray, n_groups: int, *, squares
     group, mantissa, offset, negative = (np.concatenate(c) for c in zip(*sum_rows, strict=True))
     sums = _sum_digits(group, mantissa, offset, negative, n_groups)
     sq = None
-    if squares:
-        square_parts.append(_square_digits(g, m, 2 * e + (-2150 - SQUARE_BASE), n_groups))
-        sq = (
-            square_parts[0]
-            if len(square_parts) == 1
-            else _add_digits(square_parts, [np.arange(n_groups)] * len(square_parts), n_groups)
-        )
+    if squares and not square_rows:
+        sq = _square_digits(g, m, 2 * e + (-2150 - SQUARE_BASE), n_groups)
+    elif squares:  # the rows outside the window as limbs too: one carrying for all
+        limbs = _square_limbs(m)
+        square_rows += [(g, limbs[j], 2 * e + (-2150 - SQUARE_BASE) + 32 * j) for j in range(4)]
+        group, limb, offset = (np.concatenate(c) for c in zip(*square_rows, strict=True))
+        sq = _sum_digits(group, limb, offset, np.zeros(len(group), bool), n_groups)
     return ExactState(count, nan, pos_inf, neg_inf, sums, sq)
 
 
@@ -445,10 +445,13 @@ def _window(biased: np.ndarray, n_groups: int) -> tuple[int, int] | None:
 
 def _binned(
     g: np.ndarray, bits: np.ndarray, biased: np.ndarray, window: tuple[int, int], n_groups: int, squares: bool
-) -> tuple[list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], list[Digits]]:
+) -> tuple[
+    list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
+    list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+]:
     """Rows of exponents in ``window`` added by (group, exponent) bin: the sums as two
     float64 halves (exact: see the module docstring), handed on as rows of ``_sum_digits``;
-    the squares as four 32-bit limbs, made digits here."""
+    the squares as four 32-bit limbs a bin, as rows (group, limb sum, offset)."""
     first, width = window
     key = g * width + (biased - first)
     bins = n_groups * width
@@ -472,10 +475,8 @@ def _binned(
             sums[j] += np.bincount(key[part], weights=limb[part], minlength=bins).astype(np.int64)
     at = np.flatnonzero(sums.any(axis=0))
     e = np.maximum(at % width + first, 1)
-    group = np.tile(at // width, 4)
-    offset = np.concatenate([2 * e + (-2150 - SQUARE_BASE) + 32 * j for j in range(4)])
-    digits = _sum_digits(group, sums[:, at].ravel(), offset, np.zeros(len(group), bool), n_groups)
-    return sum_rows, [digits]
+    offset = 2 * e + (-2150 - SQUARE_BASE)
+    return sum_rows, [(at // width, sums[j, at], offset + 32 * j) for j in range(4)]
 
 
 def _sum_digits(
