@@ -562,6 +562,8 @@ def test_std_without_squares_is_refused_and_bad_ids_are_said():
         state.std()
     with pytest.raises(ValueError, match=r"range\(1\)"):
         accumulate(np.array([1]), np.array([1.0]), 1)
+    with pytest.raises(ValueError, match=r"range\(1\)"):
+        accumulate(np.array([-1]), np.array([1.0]), 1)
 
 
 finite_floats = st.floats(allow_nan=False, allow_infinity=False, width=64)

@@ -184,9 +184,11 @@ class ExactState:
     """The exact states of ``n_groups`` groups (group i is entry i of every array).
 
     ``count`` counts every row, non-finite ones too; ``nan``, ``pos_inf``, ``neg_inf``
-    count those; ``sum`` holds the sum of the finite values in units of 2**SUM_BASE and
-    ``squares`` the sum of their squares in units of 2**SQUARE_BASE, or None where the
-    squares were not kept (``std`` then refuses; merging counts them as zero).
+    count those; ``sum_digits`` holds the sum of the finite values in units of
+    2**SUM_BASE and ``squares`` the sum of their squares in units of 2**SQUARE_BASE, or
+    None where the squares were not kept (``std`` then refuses; merging a state without
+    them into one with them counts them as zero, so only a group whose every part kept
+    them has a std to read: the engine keeps them for every part of a std group).
     """
 
     count: np.ndarray
@@ -316,9 +318,9 @@ def accumulate(groups: np.ndarray, values: np.ndarray, n_groups: int, *, squares
     v = np.ascontiguousarray(values, dtype=np.float64)
     if g.shape != v.shape or g.ndim != 1:
         raise ValueError(f"groups and values must be 1-d and of one length, not {g.shape} and {v.shape}")
-    count = np.bincount(g, minlength=n_groups)
-    if len(count) > n_groups or (len(g) and g.min() < 0):
+    if len(g) and (g.min() < 0 or g.max() >= n_groups):
         raise ValueError(f"group ids must be in range({n_groups})")
+    count = np.bincount(g, minlength=n_groups)
     if count.max(initial=0) > MAX_COUNT:
         raise ValueError(f"a group holds more than {MAX_COUNT} rows: accumulate them in parts and merge")
     bits = v.view(np.int64)
