@@ -340,15 +340,10 @@ def accumulate(groups: np.ndarray, values: np.ndarray, n_groups: int, *, squares
     square_rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     window = _window(biased, n_groups)
     if window is not None:  # most rows binned by (group, exponent) first
-        inside = (biased >= window[0]) & (biased < window[0] + window[1])
-        if inside.all():
-            sum_rows, square_rows = _binned(g, bits, biased, window, n_groups, squares)
-            g = bits = biased = np.zeros(0, np.int64)
-        else:
-            sum_rows, square_rows = _binned(
-                g[inside], bits[inside], biased[inside], window, n_groups, squares
-            )
-            g, bits, biased = g[~inside], bits[~inside], biased[~inside]
+        outside = (biased < window[0]) | (biased >= window[0] + window[1])
+        sum_rows, square_rows = _binned(g, bits, biased, outside, window, n_groups, squares)
+        rest = np.flatnonzero(outside)
+        g, bits, biased = g[rest], bits[rest], biased[rest]
     m, e = _significands(bits, biased)
     sum_rows.append((g, m, e + (-1075 - SUM_BASE), bits < 0))
     group, mantissa, offset, negative = (np.concatenate(c) for c in zip(*sum_rows, strict=True))
@@ -446,22 +441,32 @@ def _window(biased: np.ndarray, n_groups: int) -> tuple[int, int] | None:
 
 
 def _binned(
-    g: np.ndarray, bits: np.ndarray, biased: np.ndarray, window: tuple[int, int], n_groups: int, squares: bool
+    g: np.ndarray,
+    bits: np.ndarray,
+    biased: np.ndarray,
+    outside: np.ndarray,
+    window: tuple[int, int],
+    n_groups: int,
+    squares: bool,
 ) -> tuple[
     list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]],
     list[tuple[np.ndarray, np.ndarray, np.ndarray]],
 ]:
-    """Rows of exponents in ``window`` added by (group, exponent) bin: the sums as two
-    float64 halves (exact: see the module docstring), handed on as rows of ``_sum_digits``;
-    the squares as four 32-bit limbs a bin, as rows (group, limb sum, offset)."""
+    """Rows of exponents in ``window`` (not ``outside`` it) added by (group, exponent) bin:
+    the sums as two float64 halves (exact: see the module docstring), handed on as rows of
+    ``_sum_digits``; the squares as four 32-bit limbs a bin, as rows (group, limb sum,
+    offset). Rows outside go to one bin past the others, never read (not filtered out:
+    that would copy every column)."""
     first, width = window
-    key = g * width + (biased - first)
     bins = n_groups * width
+    key = g * width + (biased - first)
+    if outside.any():
+        key[outside] = bins
     high = (bits & ~np.int64(_HALF_MASK)).view(np.float64)
     low = bits.view(np.float64) - high
     sum_rows = []
     for weights in (high, low):
-        total = np.bincount(key, weights=weights, minlength=bins)
+        total = np.bincount(key, weights=weights, minlength=bins + 1)[:bins]
         at = np.flatnonzero(total)
         tbits = total[at].view(np.int64)
         tm, te = _significands(tbits, (tbits >> 52) & 0x7FF)
@@ -474,7 +479,7 @@ def _binned(
     for start in range(0, len(g), ROWS_PER_BINCOUNT):
         part = slice(start, start + ROWS_PER_BINCOUNT)
         for j, limb in enumerate(limbs):
-            sums[j] += np.bincount(key[part], weights=limb[part], minlength=bins).astype(np.int64)
+            sums[j] += np.bincount(key[part], weights=limb[part], minlength=bins + 1)[:bins].astype(np.int64)
     at = np.flatnonzero(sums.any(axis=0))
     e = np.maximum(at % width + first, 1)
     offset = 2 * e + (-2150 - SQUARE_BASE)
