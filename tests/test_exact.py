@@ -334,6 +334,8 @@ def test_an_empty_group_gives_what_the_engine_gives():
     empty = ExactState.empty(2)
     assert_bits(empty.sum(), np.zeros(2), "sum")
     assert np.isnan(empty.mean()).all() and np.isnan(empty.std()).all()
+    assert combine([], [], 2).equals(empty) and merge(empty, empty).equals(empty)
+    assert accumulate(np.zeros(0, np.int64), np.zeros(0), 2).equals(empty)
 
 
 def test_a_sum_of_integers_is_that_integer(path):

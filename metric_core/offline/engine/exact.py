@@ -385,6 +385,8 @@ def combine(states: list[ExactState], mappings: list[np.ndarray], n_groups: int)
         raise ValueError("combine needs one mapping a state, one entry a group")
     if any(len(m) and (m.min() < 0 or m.max() >= n_groups) for m in maps):
         raise ValueError(f"mappings must be in range({n_groups})")
+    if not states:
+        return ExactState.empty(n_groups)
     target = np.concatenate(maps)
 
     def added(name: str) -> np.ndarray:  # counts under 2**53: float64 adds them exactly
