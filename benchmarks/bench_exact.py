@@ -1,0 +1,144 @@
+"""The exact kernel (``metric_core.offline.engine.exact``) against the float states it replaces.
+
+Data: --rows values (normal(10, 3), as bench_engine.py's foreign run) in --groups groups,
+laid out as 32 files would hold them (each file every group in order, rows-a-group / 32
+rows of each), cut in partitions of --partition rows, each numbering its own groups (as
+``partials.partition_states`` does; that numbering is not timed).
+
+Each stage, medians of --repeats rounds, the two ways side by side in each round:
+
+  accumulate   rows to states: the exact state (sums only, and with squares) against
+               float64 bincounts, the sum alone (one bincount) and the engine's present
+               state (``partials._sums``: raw, shift, dev and sq, three bincounts)
+               -- in one call over every row, and a call a partition
+  merge        every partition's state into the groups' numbering: ``combine`` at once
+               and ``merge`` one partition after another (the accumulator's fold),
+               against the float states' ``partials.fold`` (mapped the same way)
+  finish       sum, mean and std of every group: exact against ``partials.statistic``
+
+Figures are rows per second (groups per second for finish) and the ratio exact / float
+(how many times the float way's time the exact way takes).
+
+Usage: python benchmarks/bench_exact.py [--rows 20000000] [--groups 62500]
+                                        [--partition 125000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from metric_core.offline import partials
+from metric_core.offline.engine import exact
+
+
+def data(
+    rows: int, groups: int, partition: int
+) -> tuple[np.ndarray, np.ndarray, list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    per_file = rows // 32
+    each = max(1, per_file // groups)
+    file_groups = np.repeat(np.arange(groups), each)[:per_file]
+    g = np.tile(file_groups, 32)
+    v = np.random.default_rng(0).normal(10.0, 3.0, len(g))
+    parts = []
+    for start in range(0, len(g), partition):
+        pg = g[start : start + partition]
+        mine, local = np.unique(pg, return_inverse=True)
+        parts.append((mine, local.astype(np.int64), v[start : start + partition]))
+    return g, v, parts
+
+
+def float_state(local: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    state = partials.empty_cells(n, partials.UNTIMED)
+    state[partials.N] = np.bincount(local, minlength=n)
+    partials._sums(state, local, values, need_sq=True)
+    return state
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=20_000_000)
+    parser.add_argument("--groups", type=int, default=62_500)
+    parser.add_argument("--partition", type=int, default=125_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    g, v, parts = data(args.rows, args.groups, args.partition)
+    n_groups, rows = args.groups, len(g)
+    print(f"{rows:,} rows, {n_groups:,} groups, {len(parts)} partitions of {args.partition:,} rows")
+
+    exact_parts = [exact.accumulate(local, vals, len(mine)) for mine, local, vals in parts]
+    float_parts = [float_state(local, vals, len(mine)) for mine, local, vals in parts]
+    whole = exact.combine(exact_parts, [mine for mine, _, _ in parts], n_groups)
+    folded = partials.empty_cells(n_groups, partials.UNTIMED)
+    for (mine, _, _), p in zip(parts, float_parts, strict=True):
+        folded[:, mine] = partials.fold(folded[:, mine], p)
+
+    def fold_exact() -> None:
+        acc = exact.ExactState.empty(n_groups)
+        for (mine, _, _), p in zip(parts, exact_parts, strict=True):
+            acc = exact.merge(acc, p, mine)
+
+    def fold_float() -> None:
+        acc = partials.empty_cells(n_groups, partials.UNTIMED)
+        for (mine, _, _), p in zip(parts, float_parts, strict=True):
+            acc[:, mine] = partials.fold(acc[:, mine], p)
+
+    def each_part(fn: Callable[[np.ndarray, np.ndarray, int], object]) -> Callable[[], object]:
+        return lambda: [fn(local, vals, len(mine)) for mine, local, vals in parts]
+
+    def float_sum(local: np.ndarray, vals: np.ndarray, n: int) -> np.ndarray:
+        return np.bincount(local, weights=vals, minlength=n)
+
+    def exact_sums(local: np.ndarray, vals: np.ndarray, n: int) -> exact.ExactState:
+        return exact.accumulate(local, vals, n, squares=False)
+
+    stages: dict[str, tuple[int, Callable[[], object]]] = {
+        "accumulate, one call: float sum (1 bincount)": (rows, lambda: float_sum(g, v, n_groups)),
+        "accumulate, one call: float state (partials._sums)": (rows, lambda: float_state(g, v, n_groups)),
+        "accumulate, one call: exact, sums only": (rows, lambda: exact_sums(g, v, n_groups)),
+        "accumulate, one call: exact, with squares": (rows, lambda: exact.accumulate(g, v, n_groups)),
+        "accumulate, a call a partition: float sum (1 bincount)": (rows, each_part(float_sum)),
+        "accumulate, a call a partition: float state (partials._sums)": (rows, each_part(float_state)),
+        "accumulate, a call a partition: exact, sums only": (rows, each_part(exact_sums)),
+        "accumulate, a call a partition: exact, with squares": (rows, each_part(exact.accumulate)),
+        "merge, a partition after another: float (partials.fold)": (rows, fold_float),
+        "merge, a partition after another: exact (merge)": (rows, fold_exact),
+        "merge, all at once: exact (combine)": (
+            rows, lambda: exact.combine(exact_parts, [mine for mine, _, _ in parts], n_groups),
+        ),
+        "finish sum+mean+std: float (partials.statistic)": (
+            n_groups, lambda: [partials.statistic(folded, name) for name in ("sum", "mean", "std")],
+        ),
+        "finish sum+mean+std: exact": (n_groups, lambda: (whole.sum(), whole.mean(), whole.std())),
+    }  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in stages}
+    for _ in range(args.repeats):
+        for name, (_, fn) in stages.items():
+            times[name].append(timed(fn))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    print(f"{'stage':64s} {'median s':>9s} {'per second':>14s} {'x float':>8s}")
+    for name, (count, _) in stages.items():
+        kind, way = name.split(": ")
+        base = next((medians[f"{kind}: {w}"] for w in (
+            "float state (partials._sums)", "float (partials.fold)", "float (partials.statistic)",
+        ) if f"{kind}: {w}" in medians), None)  # fmt: skip
+        ratio = f"{medians[name] / base:8.1f}" if base and "exact" in way else ""
+        unit = "groups/s" if kind.startswith("finish") else "rows/s"
+        print(f"{name:64s} {medians[name]:9.3f} {count / medians[name]:10.3g} {unit:8s} {ratio}")
+    exact_sum, float_sum = whole.sum(), partials.statistic(folded, "sum")
+    differ = int((exact_sum != float_sum).sum())
+    print(f"groups whose float-state sum differs from the correctly rounded one: {differ:,}")
+
+
+if __name__ == "__main__":
+    main()
