@@ -41,10 +41,11 @@ lint: $(STAMP)
 
 # The seeded soak (tests/soak/): random jobs with faults, every command checked against an
 # exact oracle. `make soak SEED=1234` replays one seed; `make soak MINUTES=60` runs new
-# seeds for that long (JOBS at a time) and prints a summary. A failure prints its seed and
+# seeds for that long (JOBS at a time, 3 by default) and prints a summary. A failure prints its seed and
 # keeps its run directory. The fixed seeds of tests/soak/seeds.txt run in `make test`.
 MINUTES ?= 10
-JOBS ?= 2
+# a job waits on its hangs and follows: three at a time keep two cores busy
+JOBS ?= 3
 soak: $(STAMP)
 	$(BIN)/python -m tests.soak $(if $(SEED),$(foreach s,$(SEED),--seed $(s)),--minutes $(MINUTES)) --jobs $(JOBS)
 
