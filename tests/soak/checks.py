@@ -110,13 +110,14 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
         times = [r["timestamp"] for r in got]
         if times != sorted(times):
             result.fail(f"{kind}: {source[0]} (rank {source[1]}): raw records not in time order")
-        gi, lost = 0, []
-        for rec in want:
-            if gi < len(got) and _is(got[gi], rec):
-                seen.append(got[gi])
-                gi += 1
-            elif rec.required:
-                lost.append(rec)
+        gi, matched, lost = _match(got, want)
+        if gi < len(got) and source in damaged and source in truth.unrewound:
+            # the damage may have taken the restarted attempt's declaration of its restart
+            # (its segment's first line, say): the records it replaced are read again
+            again = _match(got, truth.unrewound[source])
+            if again[0] == len(got):
+                gi, matched, lost = again
+        seen += matched
         extra = got[gi:]
         result.values += gi
         if lost:
@@ -150,6 +151,19 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
         job.notes["damaged_sources"] = sorted(damaged)
     seen.sort(key=lambda r: r["order"])
     return seen
+
+
+def _match(got: list[dict], want: list[Rec]) -> tuple[int, list[dict], list[Rec]]:
+    """``got`` (a source's rows, in the order read) matched in order against ``want``: how
+    many of ``got`` matched, those rows, and the required records of ``want`` not met."""
+    gi, matched, lost = 0, [], []
+    for rec in want:
+        if gi < len(got) and _is(got[gi], rec):
+            matched.append(got[gi])
+            gi += 1
+        elif rec.required:
+            lost.append(rec)
+    return gi, matched, lost
 
 
 def _is(row: dict, rec: Rec) -> bool:

@@ -19,7 +19,7 @@ import fnmatch
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from decimal import Decimal, localcontext
 from fractions import Fraction
 from pathlib import Path
@@ -75,6 +75,9 @@ class Truth:
     records: dict[tuple[str, int], list[Rec]]  # rewound, in the order recorded
     samples: list[Smp]
     foreign: dict[tuple[str, int], list[Rec]]
+    # every attempt's records, in the order recorded, those a restart replaced optional:
+    # what a source whose restarted attempt's declaration was destroyed may read back
+    unrewound: dict[tuple[str, int], list[Rec]] = field(default_factory=dict)
 
     def sources(self) -> dict[tuple[str, int], list[Rec]]:
         return {**self.records, **self.foreign}
@@ -91,14 +94,17 @@ def read_truth(job_dir: Path, job: dict, runner_notes: dict) -> Truth:
                 notes = runner_notes.get(f"{plan['rank']}.{number}", {})
                 found.append(_attempt(path, source, number, notes, plan["segment_records"]))
         attempts[source] = found
-    records, samples = {}, []
+    records, samples, unrewound = {}, [], {}
     for source, those in attempts.items():
         kept: list[Rec] = []
+        every: list[Rec] = []
         for i, attempt in enumerate(those):
             later = [a.first_step for a in those[i + 1 :] if a.first_step is not None]
             kept += [_rewound(r, later) for r in attempt.records if _kept(r, later)]
+            every += [r if _kept(r, later) else replace(r, required=False) for r in attempt.records]
             samples += [_rewound(s, later) for s in attempt.samples if _kept(s, later)]
         records[source] = kept
+        unrewound[source] = every
     foreign: dict[tuple[str, int], list[Rec]] = defaultdict(list)
     path = job_dir / "ledger" / "foreign.jsonl"
     if path.exists():
@@ -107,7 +113,7 @@ def read_truth(job_dir: Path, job: dict, runner_notes: dict) -> Truth:
             foreign[(e["p"], e["rank"])].append(
                 Rec(e["p"], e["rank"], e["s"], e["k"], e["r"], e["v"], True, 0)
             )
-    return Truth(attempts, records, samples, dict(foreign))
+    return Truth(attempts, records, samples, dict(foreign), unrewound)
 
 
 def _kept(r: Rec | Smp, later: list[int]) -> bool:
@@ -127,9 +133,11 @@ def _attempt(path: Path, source: tuple[str, int], number: int, notes: dict, segm
     them. A journal that fills up between two flushes (twice ``segment_records`` records,
     or ``segment_records`` before the attempt's first flush) is sealed then, and the
     records sealed keep the step they were recorded in (docs/format.md): where that could
-    have happened, either label is allowed (``alt_step``). ``rows`` is an upper bound of
-    the open journal's records."""
-    rows, flushed = 0, False
+    have happened, either label is allowed (``alt_step``). ``low``..``rows`` bound the
+    open journal's records at the last flush: where a seal may have come between two
+    flushes, how many records followed it in the new journal depends on the writer
+    thread's timing (a flush then seals a journal of ``segment_records`` or more)."""
+    low, rows, flushed = 0, 0, False
     pending_r: list[dict] = []
     pending_s: list[dict] = []
     records: list[Rec] = []
@@ -149,6 +157,7 @@ def _attempt(path: Path, source: tuple[str, int], number: int, notes: dict, segm
             ended = e["time"]
             if first_step is None:
                 first_step = e["step"]
+            low += len(pending_r) + len(pending_s)
             rows += len(pending_r) + len(pending_s)
             early = rows >= 2 * segment_records or (not flushed and rows >= segment_records)
             records += [
@@ -159,8 +168,12 @@ def _attempt(path: Path, source: tuple[str, int], number: int, notes: dict, segm
                 Smp(*source, e["step"], s["k"], s["d"], True, s["s"] if early else None) for s in pending_s
             ]
             pending_r, pending_s = [], []
-            if rows >= segment_records:
-                rows = 0  # sealed at this flush
+            if early:  # sealed between the flushes, maybe: what followed, sealed now if full
+                low, rows = 0, min(rows, segment_records - 1)
+            elif low >= segment_records:
+                low = rows = 0  # sealed at this flush
+            elif rows >= segment_records:
+                low, rows = 0, segment_records - 1  # sealed now, or not full
             flushed = True
         elif t == "big":
             big = e
