@@ -301,7 +301,6 @@ def _frames(
     for table in checked_groups(file, groups, sorted(sources), rep, rows):
         empty = False
         yield _typed_frame(table, wanted, exprs, text_key)
-        _let_go()  # what typing the frame took, and the last row group once its frames went
     if empty:  # every row group asked for was damaged: a frame of no records, typed as others
         yield _typed_frame(file.schema_arrow.empty_table().select(sorted(sources)), wanted, exprs, text_key)
 
@@ -356,7 +355,6 @@ def checked_groups(
             parts = [file.read_row_group(g, columns=columns)]
             if rows is not None:
                 parts = parts[0].to_batches(max_chunksize=rows)
-            _let_go()
             for part in parts if rep.row_groups is not None else ():  # a dictionary index out of
                 part.validate(full=True)  # range, say, that a damaged page header let decode
             found = sum(len(part) for part in parts)
@@ -374,16 +372,6 @@ def checked_groups(
                 rep.records -= written
                 damaged = "is damaged" if rep.row_groups is not None else "cannot be read"
                 rep.skip(f"row group {g} {damaged} ({why})", written)
-
-
-def _let_go() -> None:
-    """Arrow's memory that this thread freed (the pages a row group was decompressed and
-    decoded in, the last row group's table) handed back to the system: its pool (mimalloc)
-    keeps freed pages for reuse, and over a large file they came to several times what a
-    row group holds."""
-    import pyarrow as pa
-
-    pa.default_memory_pool().release_unused()
 
 
 def verify(rep: FileReport) -> pl.LazyFrame | None:
