@@ -1388,3 +1388,35 @@ def test_a_step_of_more_groups_than_a_frame_is_handed_over_in_frames_in_order(tm
             want = np.std(values) if int(k.split("_")[1][:5]) % 2 else np.mean(values)
             assert row["value"] == pytest.approx(want, rel=1e-12, abs=1e-15), (mode, row)
             assert row["count"] == len(values)
+
+
+@pytest.mark.parametrize("far", [7, 2**40])
+def test_per_rank_reduce_of_one_file_of_several_sources_puts_them_in_process_then_rank_order(tmp_path, far):
+    """Sources met in another order than their names' (a file of several, so reduced as one
+    and put in order at the end), ranks close together or spanning more than 2**31: each
+    source's rows come in the order of (process, rank), each value the numpy mean of its
+    records."""
+    process = ["zeta", "alpha", "zeta", "alpha", "mid", "mid"] * 2
+    rank = [far, 1, 0, 2, far, 1] * 2
+    value = np.arange(12, dtype=np.float64) * 0.1
+    write_foreign(
+        tmp_path / "several.parquet",
+        {
+            "key": ["k"] * 12,
+            "value": value,
+            "reduction": ["mean"] * 12,
+            "step": [0] * 12,
+            "timestamp": [BASE_TIME] * 12,
+            "rank": rank,
+            "process": process,
+        },
+    )
+    got = (
+        run_plan(tmp_path, make_plan(mode="per_rank_reduce")).frame.select("process", "rank", "value").rows()
+    )
+    sources = sorted(set(zip(process, rank, strict=True)))
+    want = [
+        (p, r, float(np.mean([v for v, q, s in zip(value, process, rank, strict=True) if (q, s) == (p, r)])))
+        for p, r in sources
+    ]
+    assert got == want

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -317,3 +319,46 @@ def test_an_earlier_scan_gives_the_counts_of_the_files_unchanged_since(tmp_path)
     assert {Path(f.path).name: (f.records, f.skipped) for f in again.report.files} == counts | {
         "grown.jsonl": (2, 0)
     }
+
+
+def test_a_row_group_of_distinct_keys_read_in_frames_holds_its_dictionary_once(tmp_path):
+    """Another tool's row group of 200,000 distinct keys (an Arrow dictionary, as pyarrow
+    writes one), read in frames of 25,000 records: every key comes back once, and the most
+    Arrow held (its pool's count, in a process of its own) stays within a few times the
+    keys' text, not a dictionary of all of them a frame (pyarrow's batches each carry their
+    own: 13 times the text on main, under 6 since)."""
+    n = 200_000
+    keys = [f"eval/rollout/reward/sample_{i:010d}/abcdefghij" for i in range(n)]
+    table = pa.table(
+        {
+            "key": pa.DictionaryArray.from_arrays(pa.array(np.arange(n, dtype=np.int32)), pa.array(keys)),
+            "value": pa.array(np.arange(n, dtype=np.float64)),
+            "reduction": pa.array(["mean"] * n),
+            "step": pa.array(np.zeros(n, dtype=np.int64)),
+            "timestamp": pa.array(np.full(n, 1.76e9)),
+            "rank": pa.array(np.zeros(n, dtype=np.int64)),
+        }
+    )
+    run = tmp_path / "run"
+    run.mkdir()
+    pq.write_table(table, run / "other.parquet", row_group_size=n)
+    child = f"""
+import sys, polars as pl, pyarrow as pa
+from metric_core import scan_run
+scan = scan_run(sys.argv[1])
+frames = list(scan.batches(scan.file_ids[0], ["key", "value"], row_groups=[0], rows={n // 8}))
+pl.concat([f.select(pl.col("key").cast(pl.String), "value") for f in frames]).write_parquet(sys.argv[2])
+print(pa.default_memory_pool().max_memory())
+"""
+    out = tmp_path / "got.parquet"
+    found = subprocess.run(
+        [sys.executable, "-c", child, str(run), str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    got = pl.read_parquet(out)
+    assert got["key"].to_list() == keys
+    assert got["value"].to_list() == list(map(float, range(n)))
+    text = sum(len(k) for k in keys)
+    assert int(found.stdout) < 8 * text, (found.stdout, text)

@@ -86,16 +86,7 @@ def _sorted_frames(
     columns = [key_rank[combo], group_bucket]
     source = None
     if per_source:  # each combo's source, ranked in the order of (process, rank)
-        sources = labels.select("process", "rank")  # process Categorical: no string a combo
-        ranked = sources.unique().sort(pl.col("process").cast(pl.String), "rank").with_row_index("_source")
-        source = (
-            sources.join(ranked, on=["process", "rank"], how="left", nulls_equal=True, maintain_order="left")[
-                "_source"
-            ]
-            .to_numpy()
-            .astype(np.int64)[combo]
-        )
-        del sources
+        source = _source_ranks(labels.select("process", "rank"))[combo]
         columns.append(source)
     order = np.lexsort(columns)
     del columns, combo
@@ -116,6 +107,28 @@ def _sorted_frames(
             bucket.alias(plan.bucket), value=pl.Series(value[at]), count=pl.Series(taken.count[at])
         )
         yield out.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
+
+
+def _source_ranks(sources: pl.DataFrame) -> np.ndarray:
+    """Each row's source (process Categorical, rank) as its place among the distinct ones in
+    the order of (process, rank): told apart on the process's code and the rank as one
+    integer (a join of millions of rows on them held several copies of its columns), by a
+    join only where a process is null or the ranks span more than 2**31."""
+    process, rank = sources["process"], sources["rank"]
+    lo, hi = rank.min(), rank.max()
+    if process.null_count() or rank.null_count() or lo is None or int(hi) - int(lo) >= 1 << 31:  # type: ignore[arg-type]
+        ranked = sources.unique().sort(pl.col("process").cast(pl.String), "rank").with_row_index("_source")
+        joined = sources.join(
+            ranked, on=["process", "rank"], how="left", nulls_equal=True, maintain_order="left"
+        )
+        return joined["_source"].to_numpy().astype(np.int64)
+    pair = (process.to_physical().to_numpy().astype(np.int64) << 31) | (rank.to_numpy() - int(lo))  # type: ignore[arg-type]
+    distinct, first, inverse = np.unique(pair, return_index=True, return_inverse=True)
+    del pair
+    ranked = sources[first].with_row_index("_distinct").sort(pl.col("process").cast(pl.String), "rank")
+    place = np.empty(len(distinct), dtype=np.int64)
+    place[ranked["_distinct"].to_numpy()] = np.arange(len(distinct))
+    return place[inverse]
 
 
 def _combos(combo: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

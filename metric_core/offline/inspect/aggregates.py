@@ -169,7 +169,9 @@ def _batched_aggregates(
             pl.col("records").sum(), pl.col("reached").min(), pl.col("done").max()
         )
     strings = pl.col(pl.Categorical).cast(pl.String)
-    return steps.with_columns(strings), merged.with_columns(strings)
+    # a key's row keeps its process as a code (4 bytes, not a string's 16: millions of keys)
+    text = [c for c in (key,) if merged.schema[c] == pl.Categorical]
+    return steps.with_columns(strings), merged.with_columns(pl.col(text).cast(pl.String))
 
 
 def _merged_keys(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:

@@ -71,8 +71,16 @@ def find_stopped_early(per_key: pl.DataFrame, sources: list[SourceHealth]) -> li
         return []
     values = {}
     for s in stopped:  # the first LAST_VALUES keys by name: a source of millions lists no million
-        own = per_key.filter((pl.col("process").cast(pl.String) == s.process) & (pl.col("rank") == s.rank))
-        first = own.select("key", "last_value").top_k(LAST_VALUES, by="key", reverse=True).sort("key")
+        # Two columns of the source's rows, never a copy of its rows whole or of the
+        # processes as text (millions of keys): a query of its own per source.
+        first = (
+            per_key.lazy()
+            .filter((pl.col("process") == s.process) & (pl.col("rank") == s.rank))
+            .select("key", "last_value")
+            .top_k(LAST_VALUES, by="key", reverse=True)
+            .sort("key")
+            .collect()
+        )
         values[(s.process, s.rank)] = dict(first.iter_rows())
     return [
         FirstToStop(

@@ -10,7 +10,7 @@ import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core.offline.read.discover import take_declared
-from metric_core.offline.read.interned import categorical_keys
+from metric_core.offline.read.interned import KEY_BUDGET, categorical_keys
 from metric_core.offline.read.report import COUNTING, FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import (
     BAD_TIME,
@@ -321,10 +321,14 @@ def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr], text_
         column = table.column("key")
         chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
         if pa.types.is_dictionary(column.type):
-            distinct = pl.Series(pa.chunked_array([c.dictionary for c in chunks], column.type.value_type))
+            # a slice of a row group shares its dictionary: past the budget it is not copied
+            if sum(len(c.dictionary) for c in chunks) > KEY_BUDGET:
+                distinct = None
+            else:
+                distinct = pl.Series(pa.chunked_array([c.dictionary for c in chunks], column.type.value_type))
         else:
             distinct = pl.Series(pa.chunked_array(chunks, column.type)).unique()
-        if not categorical_keys(distinct):
+        if distinct is None or not categorical_keys(distinct):
             exprs = {**exprs, "key": text_key}
             if pa.types.is_dictionary(column.type):
                 at = table.schema.get_field_index("key")
@@ -352,10 +356,12 @@ def checked_groups(
             continue
         written = rep.row_groups[g][0] if rep.row_groups is not None else file.metadata.row_group(g).num_rows
         try:
-            if rows is None:
-                parts = [file.read_row_group(g, columns=columns)]
-            else:
-                parts = list(file.iter_batches(rows, row_groups=[g], columns=columns))
+            # Read as one table, then sliced: pyarrow's batches of a row group each carry
+            # a dictionary of their own (the row group's, whole, or all read so far), so a
+            # row group of a million distinct keys held eight copies of them.
+            parts = [file.read_row_group(g, columns=columns)]
+            if rows is not None:
+                parts = parts[0].to_batches(max_chunksize=rows)
             for part in parts if rep.row_groups is not None else ():  # a dictionary index out of
                 part.validate(full=True)  # range, say, that a damaged page header let decode
             found = sum(len(part) for part in parts)
