@@ -750,16 +750,23 @@ def _std(s: Digits, q: Digits, n: np.ndarray) -> np.ndarray:
     return out
 
 
-def _quick(d: _Dense, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """sqrt(D 2**SQUARE_BASE) / n to about 2**-62 in double-double from D's top 62 bits,
-    rounded; and whether that rounding is certain: the root is further than 2**-60 of
-    itself from a midpoint between floats, and the result normal (else ``_settle``)."""
-    rows = np.arange(len(n))
+def _top_64(d: _Dense, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """D's top 64 bits from its leading one, as two 32-bit digits (``b2``, ``b1``), and how
+    far they were shifted up to put that one at bit 31 of ``b2``."""
+    rows = np.arange(groups)
     a2, a1, a0 = (d.digit(rows, d.top - j) for j in range(3))
     length = np.frexp(a2.astype(np.float64))[1].astype(np.int64)
     shift = 32 - length
     b2 = ((a2 << shift) | (a1 >> (32 - shift))) & _MASK
     b1 = ((a1 << shift) | (a0 >> (32 - shift))) & _MASK
+    return b2, b1, shift
+
+
+def _quick(d: _Dense, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """sqrt(D 2**SQUARE_BASE) / n to about 2**-62 in double-double from D's top 62 bits,
+    rounded; and whether that rounding is certain: the root is further than 2**-60 of
+    itself from a midpoint between floats, and the result normal (else ``_settle``)."""
+    b2, b1, shift = _top_64(d, len(n))
     window = (b2 << 30) | (b1 >> 2)  # D = (window + f) 2**unit, 0 <= f < 1, window >= 2**61
     unit = 32 * (d.base + d.top - 2) + SQUARE_BASE - shift + 34
     odd = unit & 1
@@ -872,12 +879,7 @@ def _spread(s: Digits, q: Digits, n: np.ndarray) -> _Dense:
 
 def _candidate(d: _Dense, n: np.ndarray) -> np.ndarray:
     """A float near sqrt(D 2**SQUARE_BASE) / n (D > 0), from D's top 64 bits."""
-    rows = np.arange(len(n))
-    a2, a1, a0 = (d.digit(rows, d.top - j) for j in range(3))
-    length = np.frexp(a2.astype(np.float64))[1].astype(np.int64)
-    shift = 32 - length
-    b2 = ((a2 << shift) | (a1 >> (32 - shift))) & _MASK
-    b1 = ((a1 << shift) | (a0 >> (32 - shift))) & _MASK
+    b2, b1, shift = _top_64(d, len(n))
     unit = 32 * (d.base + d.top - 2) - shift + 32 + SQUARE_BASE  # b1's unit
     approx = b2.astype(np.float64) * 2.0**32 + b1.astype(np.float64)  # D ~ approx 2**unit
     odd = unit & 1
