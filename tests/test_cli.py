@@ -951,7 +951,9 @@ def test_a_bug_prints_one_traceback_and_says_it_is_a_bug_an_expected_failure_one
     import subprocess
 
     run = tmp_path / "run"
-    write_collector_run(run, [("TrainActor_r0", 0)], steps=5)
+    # a source of its own a case: the W&B run id derives from the sources, and the two cases'
+    # uploads may run at once (W&B refuses a second run of one id: "is in use")
+    write_collector_run(run, [(f"{raised}_r0", 0)], steps=5)
     env = {**os.environ, "WANDB_DIR": str(tmp_path), "COLUMNS": "400"}
     done = subprocess.run(
         [sys.executable, "-c", CRASH.format(raised=raised), "upload", run, "--project", "p", "--offline"],
