@@ -31,7 +31,7 @@ from metric_core import scan_run
 from metric_core.errors import NoDataError
 from metric_core.offline.engine import make_plan, run_plan
 from metric_core.writer.segments import RawFileWriter
-from tests.conftest import flip_a_page
+from tests.conftest import flip_a_page, write_collector_run
 
 KEYS = [("loss", "mean"), ("grad/norm", "max"), ("tokens", "sum")]
 STEPS, PER_STEP, BLOCK = 10, 50, 100  # 500 records in units of 100
@@ -290,3 +290,47 @@ def test_by_time_windows_start_at_the_first_record_read_when_its_row_group_is_da
         assert frame["window_start"].to_list() == windows.tolist()
     else:
         assert sorted(set(frame["window_start"].to_list())) == sorted(set(windows.tolist()))
+
+
+@pytest.mark.parametrize("file_format", ["parquet", "jsonl"])
+def test_a_flip_in_the_metadata_declaring_a_restart_is_said_when_the_restart_is_lost(tmp_path, file_format):
+    """A restarted attempt's first segment declares, in its writer's metadata (a Parquet
+    footer entry, a JSONL first line), the restart that replaces the records before it. A
+    flip there that the reader cannot take (text that is no longer JSON, a JSONL line no
+    longer the writer's, a checksum that fails) loses the declaration: the replaced records
+    come back, as another tool's would, and the file is named as damaged. Soak seed
+    238951129 found a flipped brace read as another tool's file, silently."""
+    run = tmp_path / "run"
+    first = write_collector_run(run, [("trainer", 0)], steps=3, file_format=file_format, shutdown=False)
+    second = write_collector_run(run, [("trainer", 0)], steps=3, file_format=file_format, seed=9)
+    replaced = sorted(r["value"] for r in second)
+    both = sorted(r["value"] for r in first + second)
+    *_, restarted = sorted(run.glob(f"*.{file_format}"))
+    pristine = restarted.read_bytes()
+    if file_format == "parquet":
+        meta = pq.read_schema(restarted).metadata[b"metriclog"]
+        lo = pristine.index(meta)
+        hi = lo + len(meta)
+    else:
+        lo, hi = 0, pristine.index(b"\n")
+    rng = random.Random(f"restart-{file_format}")
+    outcomes = collections.Counter()
+    for at in sorted(rng.sample(range(lo, hi), 120)):
+        bit = rng.randrange(8)
+        damaged = bytearray(pristine)
+        damaged[at] ^= 1 << bit
+        restarted.write_bytes(bytes(damaged))
+        scan = scan_run(run)
+        got = sorted(scan.frame.collect()["value"].to_list())
+        said = scan.report.summary()
+        where = f"bit {bit} of byte {at - lo} of the metadata {pristine[lo:hi][:60]!r}..."
+        if got == replaced:
+            outcomes["restart kept"] += 1
+            continue
+        assert restarted.name in said and ("damaged" in said or "unreadable" in said), (
+            f"{where}: {len(got)} records read (the restart lost), and nothing said: {said!r}"
+        )
+        assert got in (both, sorted(r["value"] for r in first)), f"{where}: {len(got)} records"
+        outcomes["said"] += 1
+    restarted.write_bytes(pristine)
+    assert outcomes["said"] > 20, outcomes  # the trials reached the declaration, not only its padding

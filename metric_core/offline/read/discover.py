@@ -267,7 +267,12 @@ def _parquet_meta(path: RunPath) -> SegmentMeta | Derived | Damaged | None:
     if DERIVED_KEY in kv:
         return Derived(kv[DERIVED_KEY])
     raw = kv.get(PARQUET_KEY)
-    return None if raw is None else SegmentMeta.parse(raw)
+    if raw is None:
+        return None
+    # Only metriclog's writer sets this key: text under it that is not its metadata (a
+    # flipped brace or quote) was changed after it was sealed, like text failing its checksum
+    meta = SegmentMeta.parse(raw)
+    return Damaged("its metriclog metadata is not valid JSON") if meta is None else meta
 
 
 def _jsonl_segment_meta(path: RunPath) -> SegmentMeta | Damaged | None:

@@ -67,7 +67,9 @@ def read_jsonl(
     size = len(data) - first
     data = data[:first] + _without_long_lines(data[first:], rep, first=2 if first else 1)
     if blocks:
-        if sealed is None and not _is_json_object(data[:first]):
+        # Its writer's metadata, unless damaged: metadata that fails its checksum was said
+        # by the scan; a line that is not JSON, or not the writer's metadata, is said here.
+        if sealed is None and not (_is_json_object(data[:first]) and data.startswith(_SEGMENT_LINE)):
             rep.skip("line 1, its writer's metadata, is damaged: ignored", 0)
         if sealed is not None and sealed.source is not None:
             rep.source = sealed.source  # its (checked) metadata vouches for it, as a Parquet footer's does
