@@ -1,4 +1,4 @@
-"""The exact kernel (``metric_core.offline.engine.exact``) against the float states it replaces.
+"""The exact kernel (``metric_core.offline.engine.exact``) against the float states it replaced.
 
 Data: --rows values (normal(10, 3), as bench_engine.py's foreign run) in --groups groups,
 laid out as 32 files would hold them (each file every group in order, rows-a-group / 32
@@ -9,12 +9,13 @@ Each stage, medians of --repeats rounds, the two ways side by side in each round
 
   accumulate   rows to states: the exact state (sums only, and with squares) against
                float64 bincounts, the sum alone (one bincount) and the engine's present
-               state (``partials._sums``: raw, shift, dev and sq, three bincounts)
+               state before it (``float_state`` here, the engine's until 2026-12-06: raw,
+               shift, dev and sq, three bincounts)
                -- in one call over every row, and a call a partition
   merge        every partition's state into the groups' numbering: ``combine`` at once
                and ``merge`` one partition after another (the accumulator's fold),
-               against the float states' ``partials.fold`` (mapped the same way)
-  finish       sum, mean and std of every group: exact against ``partials.statistic``
+               against the float states' fold (``float_fold``, mapped the same way)
+  finish       sum, mean and std of every group: exact against ``float_statistic``
 
 Figures are rows per second (groups per second for finish) and the ratio exact / float
 (how many times the float way's time the exact way takes).
@@ -32,8 +33,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from metric_core.offline import partials
 from metric_core.offline.engine import exact
+
+# The float states the engine folded before its sums were exact (2026-12-06): count, raw
+# sum, shift (raw / n), dev = sum(v - shift), sq = sum((v - shift)**2), re-centred on fold.
+N, RAW, SHIFT, DEV, SQ = range(5)
 
 
 def data(
@@ -53,10 +57,39 @@ def data(
 
 
 def float_state(local: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    state = partials.empty_cells(n, partials.UNTIMED)
-    state[partials.N] = np.bincount(local, minlength=n)
-    partials._sums(state, local, values, need_sq=True)
+    state = np.zeros((5, n))
+    count = state[N] = np.bincount(local, minlength=n)
+    raw = np.bincount(local, weights=values, minlength=n)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        shift = raw / count
+    shift[~np.isfinite(shift)] = 0.0
+    dev_each = values - shift[local]
+    state[RAW], state[SHIFT] = raw, shift
+    state[DEV] = np.bincount(local, weights=dev_each, minlength=n)
+    state[SQ] = np.bincount(local, weights=dev_each * dev_each, minlength=n)
     return state
+
+
+def float_fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
+    k = np.where(a[N] == 0, p[SHIFT], a[SHIFT])
+    offset = p[SHIFT] - k
+    a[SHIFT] = k
+    a[N] += p[N]
+    a[RAW] += p[RAW]
+    a[SQ] += p[SQ] + 2 * offset * p[DEV] + p[N] * offset * offset
+    a[DEV] += p[DEV] + p[N] * offset
+    return a
+
+
+def float_statistic(s: np.ndarray, name: str) -> np.ndarray:
+    n, dev, base, raw = s[N], s[DEV], s[SHIFT], s[RAW]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        if name == "sum":
+            return np.where(np.isfinite(raw), n * base + dev, raw)
+        if name == "mean":
+            return np.where(np.isfinite(raw), base + dev / n, raw / n)
+        var = np.maximum((s[SQ] - dev * dev / n) / n, 0.0)
+        return np.where(np.isfinite(raw), np.sqrt(var), np.nan)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -79,9 +112,9 @@ def main() -> None:
     exact_parts = [exact.accumulate(local, vals, len(mine)) for mine, local, vals in parts]
     float_parts = [float_state(local, vals, len(mine)) for mine, local, vals in parts]
     whole = exact.combine(exact_parts, [mine for mine, _, _ in parts], n_groups)
-    folded = partials.empty_cells(n_groups, partials.UNTIMED)
+    folded = np.zeros((5, n_groups))
     for (mine, _, _), p in zip(parts, float_parts, strict=True):
-        folded[:, mine] = partials.fold(folded[:, mine], p)
+        folded[:, mine] = float_fold(folded[:, mine], p)
 
     def fold_exact() -> None:
         acc = exact.ExactState.empty(n_groups)
@@ -89,9 +122,9 @@ def main() -> None:
             acc = exact.merge(acc, p, mine)
 
     def fold_float() -> None:
-        acc = partials.empty_cells(n_groups, partials.UNTIMED)
+        acc = np.zeros((5, n_groups))
         for (mine, _, _), p in zip(parts, float_parts, strict=True):
-            acc[:, mine] = partials.fold(acc[:, mine], p)
+            acc[:, mine] = float_fold(acc[:, mine], p)
 
     def each_part(fn: Callable[[np.ndarray, np.ndarray, int], object]) -> Callable[[], object]:
         return lambda: [fn(local, vals, len(mine)) for mine, local, vals in parts]
@@ -104,20 +137,20 @@ def main() -> None:
 
     stages: dict[str, tuple[int, Callable[[], object]]] = {
         "accumulate, one call: float sum (1 bincount)": (rows, lambda: float_sum(g, v, n_groups)),
-        "accumulate, one call: float state (partials._sums)": (rows, lambda: float_state(g, v, n_groups)),
+        "accumulate, one call: float state (float_state)": (rows, lambda: float_state(g, v, n_groups)),
         "accumulate, one call: exact, sums only": (rows, lambda: exact_sums(g, v, n_groups)),
         "accumulate, one call: exact, with squares": (rows, lambda: exact.accumulate(g, v, n_groups)),
         "accumulate, a call a partition: float sum (1 bincount)": (rows, each_part(float_sum)),
-        "accumulate, a call a partition: float state (partials._sums)": (rows, each_part(float_state)),
+        "accumulate, a call a partition: float state (float_state)": (rows, each_part(float_state)),
         "accumulate, a call a partition: exact, sums only": (rows, each_part(exact_sums)),
         "accumulate, a call a partition: exact, with squares": (rows, each_part(exact.accumulate)),
-        "merge, a partition after another: float (partials.fold)": (rows, fold_float),
+        "merge, a partition after another: float (float_fold)": (rows, fold_float),
         "merge, a partition after another: exact (merge)": (rows, fold_exact),
         "merge, all at once: exact (combine)": (
             rows, lambda: exact.combine(exact_parts, [mine for mine, _, _ in parts], n_groups),
         ),
-        "finish sum+mean+std: float (partials.statistic)": (
-            n_groups, lambda: [partials.statistic(folded, name) for name in ("sum", "mean", "std")],
+        "finish sum+mean+std: float (float_statistic)": (
+            n_groups, lambda: [float_statistic(folded, name) for name in ("sum", "mean", "std")],
         ),
         "finish sum+mean+std: exact": (n_groups, lambda: (whole.sum(), whole.mean(), whole.std())),
     }  # fmt: skip
@@ -130,12 +163,12 @@ def main() -> None:
     for name, (count, _) in stages.items():
         kind, way = name.split(": ")
         base = next((medians[f"{kind}: {w}"] for w in (
-            "float state (partials._sums)", "float (partials.fold)", "float (partials.statistic)",
+            "float state (float_state)", "float (float_fold)", "float (float_statistic)",
         ) if f"{kind}: {w}" in medians), None)  # fmt: skip
         ratio = f"{medians[name] / base:8.1f}" if base and "exact" in way else ""
         unit = "groups/s" if kind.startswith("finish") else "rows/s"
         print(f"{name:64s} {medians[name]:9.3f} {count / medians[name]:10.3g} {unit:8s} {ratio}")
-    exact_sum, float_sum = whole.sum(), partials.statistic(folded, "sum")
+    exact_sum, float_sum = whole.sum(), float_statistic(folded, "sum")
     differ = int((exact_sum != float_sum).sum())
     print(f"groups whose float-state sum differs from the correctly rounded one: {differ:,}")
 

@@ -928,7 +928,7 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch, s
 
 def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path, monkeypatch):
     """A partition whose every group is median/pNN keeps its groups' counts alone (their
-    values are kept apart), one of means alone keeps the sums, one with std the squares
+    values are kept apart), one of means the exact sums too, one with std the exact squares
     too; folded together (a mean's groups with and without the squares, p99's with and
     without sums), each statistic and count still equals numpy's over its records."""
     rng = np.random.default_rng(3)
@@ -946,11 +946,13 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
         for s, k, v in zip(step.tolist(), key, value.tolist(), strict=True):
             truth.setdefault((s, k), []).append(v)
     blocks: list[int] = []
+    exacts: list[str] = []  # what each partition's exact sums held
     add = accumulator.Accumulator.add
 
     def fields(self, p):
         add(self, p)
         blocks.append(max(b.fields for b in self.blocks.values()))
+        exacts.append("none" if p.exact is None else "sums" if p.exact.squares is None else "squares")
 
     monkeypatch.setattr(accumulator.Accumulator, "add", fields)
     monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 60)  # each file alone in its partitions
@@ -960,13 +962,15 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
     for (s, k), values in truth.items():
         want = {"q": lambda v: np.percentile(v, 99), "m": np.mean, "s": np.std}[k](np.array(values))
         assert got[s, k] == (pytest.approx(want, rel=1e-12), len(values)), (s, k)
-    # a's counts, b's sums (mean), d's spread (std): m's groups fold sums with spread
-    assert blocks[0] == partials.COUNTED and max(blocks) == partials.UNTIMED
-    assert partials.SUMS in blocks
+    # a's counts, b's exact sums (mean), d's exact squares (std): m's groups fold sums with squares
+    assert set(blocks) == {partials.COUNTED}  # no min, max, first or last: counts alone
+    assert set(exacts) == {"none", "sums", "squares"}
 
     blocks.clear()
+    exacts.clear()
     quantiles = run_plan(tmp_path, make_plan(reduce=["*=p99"])).frame
     assert set(blocks) == {partials.COUNTED}  # the whole run: counts alone
+    assert set(exacts) == {"none"}
     for s, k, v, n in quantiles.select("step", "key", "value", "count").iter_rows():
         assert (v, n) == (pytest.approx(np.percentile(truth[s, k], 99), rel=1e-15), len(truth[s, k])), (s, k)
 

@@ -1,6 +1,6 @@
-"""The Accumulator: partitions' states (``partials``) folded in a fixed order, group by
-group, in blocks of buckets; median/pNN values held beside them (spilled to temporary
-files past SPILL_VALUES); finished groups taken out as frames."""
+"""The Accumulator: partitions' states (``partials``) folded group by group, in blocks of
+buckets, their exact sums added beside them; median/pNN values held beside them (spilled
+to temporary files past SPILL_VALUES); finished groups taken out as frames."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
@@ -18,13 +18,18 @@ import polars as pl
 from metric_core.offline.partials import (
     COUNTED,
     Partial,
+    add_exact,
     empty_cells,
     fold,
     is_statistic,
     statistic,
+    take_exact,
     with_fields,
 )
 from metric_core.offline.plan import Statistic
+
+if TYPE_CHECKING:
+    from metric_core.offline.engine.exact import ExactState
 
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
 # A group's place in its block: its bucket's offset in the block, then its combo
@@ -142,11 +147,41 @@ def _same_rows(a: pl.DataFrame, b: pl.DataFrame) -> np.ndarray:
 
 @dataclass
 class _Chunk:
-    """Some of a block's groups: ``ids`` (each group's place: _COMBO_BITS), sorted, and
-    their ``state`` (fields x groups)."""
+    """Some of a block's groups: ``ids`` (each group's place: _COMBO_BITS), sorted, their
+    ``state`` (fields x groups) and their exact sums (``exact``, None while no group has
+    one); ``pending``: exact sums folded in since, each with the places of its groups in
+    the chunk, added to ``exact`` all at once (``settled``)."""
 
     ids: np.ndarray
     state: np.ndarray
+    exact: ExactState | None = None
+    pending: list[tuple[ExactState, np.ndarray]] = field(default_factory=list)
+    pending_groups: int = 0
+
+    def add(self, exact: ExactState | None, at: np.ndarray) -> None:
+        """Exact sums of the chunk's groups at places ``at``, to be added."""
+        if exact is None:
+            return
+        self.pending.append((exact, at))
+        self.pending_groups += len(at)
+        if self.pending_groups > max(len(self.ids) >> 2, LOOSE_GROUPS) or len(self.pending) > LOOSE_PARTS:
+            self.settled()
+
+    def settled(self) -> ExactState | None:
+        """``exact`` with every pending sum added."""
+        if self.pending:
+            parts = [(self.exact, np.arange(len(self.ids))), *self.pending]
+            self.exact = add_exact(parts, len(self.ids))
+            self.pending, self.pending_groups = [], 0
+        return self.exact
+
+    def piece(self, lo: int, hi: int) -> _Chunk:
+        """Its groups ``lo`` to ``hi`` as a chunk of their own (copies)."""
+        exact = self.settled()
+        hi = min(hi, len(self.ids))
+        return _Chunk(
+            self.ids[lo:hi].copy(), self.state[:, lo:hi].copy(), take_exact(exact, np.arange(lo, hi))
+        )
 
 
 @dataclass
@@ -160,7 +195,7 @@ class _Block:
     chunks: list[_Chunk] = field(default_factory=list)
     fields: int = COUNTED
     held: int = 0  # the groups in chunks
-    loose: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    loose: list[tuple[np.ndarray, np.ndarray, ExactState | None]] = field(default_factory=list)
     loose_groups: int = 0
 
     @property
@@ -172,8 +207,8 @@ class _Block:
         firsts = np.array([int(c.ids[0]) if len(c.ids) else -1 for c in self.chunks], dtype=np.int64)
         return np.maximum(np.searchsorted(firsts, ids, side="right") - 1, 0)
 
-    def fold(self, ids: np.ndarray, state: np.ndarray) -> None:
-        """One partition's states of the groups ``ids`` (each once) folded in."""
+    def fold(self, ids: np.ndarray, state: np.ndarray, exact: ExactState | None) -> None:
+        """One partition's states (and exact sums) of the groups ``ids`` (each once) folded in."""
         if len(state) > self.fields:
             self.fields = len(state)
             for chunk in self.chunks:
@@ -191,9 +226,9 @@ class _Block:
             start = int(np.searchsorted(chunk.ids, mine_ids[0]))
             if np.array_equal(chunk.ids[start : start + len(sel)], mine_ids):  # a run of the chunk's groups
                 hit[sel] = True
-                fold(
-                    chunk.state[:, start : start + len(sel)], state if len(sel) == len(ids) else state[:, sel]
-                )
+                whole = len(sel) == len(ids)
+                fold(chunk.state[:, start : start + len(sel)], state if whole else state[:, sel])
+                chunk.add(exact if whole else take_exact(exact, sel), np.arange(start, start + len(sel)))
                 continue
             at = _found(chunk.ids, mine_ids)  # else each looked up
             found = at >= 0
@@ -201,10 +236,13 @@ class _Block:
                 at, rows = at[found], sel[found]
                 hit[rows] = True
                 chunk.state[:, at] = fold(chunk.state[:, at], state[:, rows])
+                chunk.add(take_exact(exact, rows), at)
         if hit.all():
             return
         new = ~hit
-        self.loose.append((ids, state) if not hit.any() else (ids[new], state[:, new]))
+        if hit.any():
+            ids, state, exact = ids[new], state[:, new], take_exact(exact, np.flatnonzero(new))
+        self.loose.append((ids, state, exact))
         self.loose_groups += int(new.sum())
         if (
             self.loose_groups > min(max(self.held >> 2, LOOSE_GROUPS), CHUNK_GROUPS)
@@ -213,20 +251,26 @@ class _Block:
             self.settle()
 
     def settle(self) -> None:
-        """The loose groups placed among the others, each folded in the order its states
-        came: the same bits as folding each state as it came."""
+        """The loose groups placed among the others, each one's states folded, its exact
+        sums added (in one ``add_exact`` for all, and one a chunk they go to)."""
         if not self.loose:
             return
         fields = self.fields
-        ids = np.concatenate([i for i, _ in self.loose])
-        states = np.concatenate([with_fields(s, fields) for _, s in self.loose], axis=1)
+        ids = np.concatenate([i for i, _, _ in self.loose])
+        states = np.concatenate([with_fields(s, fields) for _, s, _ in self.loose], axis=1)
+        exacts = [e for _, _, e in self.loose]
+        sizes = [len(i) for i, _, _ in self.loose]
         self.loose, self.loose_groups = [], 0
         if (ids[1:] > ids[:-1]).all():  # each group once, in order (a partition's new steps)
             merged = fold(empty_cells(len(ids), fields), states)
+            group_of = np.arange(len(ids))
         else:
             order = np.argsort(ids, kind="stable")
             ids, states = ids[order], states[:, order]
-            starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+            first = np.r_[True, ids[1:] != ids[:-1]]
+            starts = np.flatnonzero(first)
+            group_of = np.empty(len(ids), dtype=np.int64)
+            group_of[order] = np.cumsum(first) - 1
             runs = np.diff(np.r_[starts, len(ids)])
             merged = fold(empty_cells(len(starts), fields), states[:, starts])
             for j in range(1, int(runs.max())):  # each group's next state, where it has one
@@ -234,15 +278,27 @@ class _Block:
                 merged[:, at] = fold(merged[:, at], states[:, starts[at] + j])
             ids = ids[starts]
         del states
+        edges = np.cumsum([0, *sizes])
+        merged_exact = add_exact(
+            [(e, group_of[lo:hi]) for e, lo, hi in zip(exacts, edges[:-1], edges[1:], strict=True)], len(ids)
+        )
+        del exacts
         if not self.chunks:
             self.chunks = [_Chunk(np.empty(0, dtype=np.int64), empty_cells(0, fields))]
         chunks: list[_Chunk] = []
         for chunk, sel in _by_chunk(self._chunk_of(ids), self.chunks, len(ids), every=True):
             if len(sel):
                 where = np.searchsorted(chunk.ids, ids[sel])
+                size = len(chunk.ids) + len(sel)
+                moved = np.arange(len(chunk.ids)) + np.searchsorted(
+                    where, np.arange(len(chunk.ids)), side="right"
+                )
+                parts = [(chunk.exact, moved), *((e, moved[at]) for e, at in chunk.pending)]
+                parts.append((take_exact(merged_exact, sel), where + np.arange(len(sel))))
                 chunk = _Chunk(
                     np.insert(chunk.ids, where, ids[sel]),
                     np.insert(chunk.state, where, merged[:, sel], axis=1),
+                    add_exact(parts, size),
                 )
             chunks += _split(chunk)
         self.chunks = chunks
@@ -262,8 +318,8 @@ class _Block:
                 out.append(self.chunks.pop(0))
                 continue
             if n:
-                out.append(_Chunk(chunk.ids[:n], chunk.state[:, :n]))
-                self.chunks[0] = _Chunk(chunk.ids[n:].copy(), chunk.state[:, n:].copy())
+                out.append(chunk.piece(0, n))
+                self.chunks[0] = chunk.piece(n, len(chunk.ids))
             break
         self.held -= sum(len(c.ids) for c in out)
         return out
@@ -290,11 +346,7 @@ def _split(chunk: _Chunk) -> list[_Chunk]:
     """A chunk in pieces of CHUNK_GROUPS, when it grew past twice that."""
     if len(chunk.ids) <= 2 * CHUNK_GROUPS:
         return [chunk]
-    cuts = range(0, len(chunk.ids), CHUNK_GROUPS)
-    return [
-        _Chunk(chunk.ids[c : c + CHUNK_GROUPS].copy(), chunk.state[:, c : c + CHUNK_GROUPS].copy())
-        for c in cuts
-    ]
+    return [chunk.piece(c, c + CHUNK_GROUPS) for c in range(0, len(chunk.ids), CHUNK_GROUPS)]
 
 
 @dataclass
@@ -325,7 +377,9 @@ class Accumulator:
         for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
             b = int(block_of[lo])
             ids = ((p.bucket[lo:hi] - (b << _BLOCK_BITS)) << _COMBO_BITS) | combo[lo:hi]
-            self.blocks.setdefault(b, _Block()).fold(ids, p.state[:, lo:hi])
+            whole = lo == 0 and hi == len(block_of)
+            exact = p.exact if whole else take_exact(p.exact, np.arange(lo, hi))
+            self.blocks.setdefault(b, _Block()).fold(ids, p.state[:, lo:hi], exact)
         if len(p.values):
             self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
             self.held_values += len(p.values)
@@ -434,7 +488,7 @@ class Accumulator:
         (``_value_ranges``), to be read before ``close``. Each chunk of states is freed
         once its statistics are read."""
         hi = None if upto == math.inf else math.floor(upto)
-        buckets, combos, parts = [], [], []
+        buckets, combos, parts, exacts = [], [], [], []
         for b in sorted(self.blocks):
             first = b << _BLOCK_BITS
             if hi is not None and first >= hi:
@@ -443,6 +497,7 @@ class Accumulator:
             part = hi is not None and first + (1 << _BLOCK_BITS) > hi  # the block hi falls in
             for chunk in block.take((hi - first) << _COMBO_BITS if part and hi is not None else None):
                 parts.append(chunk.state)
+                exacts.append(chunk.settled())
                 buckets.append(first + (chunk.ids >> _COMBO_BITS))
                 combos.append(chunk.ids & _COMBO_MASK)
             if not block.groups:
@@ -470,17 +525,21 @@ class Accumulator:
         ]
         counts, values_of = [], []
         parts.reverse()
+        exacts.reverse()
         for combo in combos:  # a chunk at a time, each freed once read
-            state = parts.pop()
+            state, exact = parts.pop(), exacts.pop()
             code = reduction[combo]
             value = np.full(len(combo), np.nan)
             for c, name in plain:
                 rows = code == c
-                if rows.any():
-                    value[rows] = statistic(state, name)[rows]
-            counts.append(statistic(state, "count"))
+                if rows.all():
+                    value = statistic(state, exact, name)
+                elif rows.any():
+                    at = np.flatnonzero(rows)
+                    value[at] = statistic(state[:, at], take_exact(exact, at), name)
+            counts.append(statistic(state, exact, "count"))
             values_of.append(value)
-            del state
+            del state, exact
         return Taken(
             np.concatenate(buckets),
             np.concatenate(combos),

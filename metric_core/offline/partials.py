@@ -1,19 +1,19 @@
-"""Mergeable partial states: each partition reduced on its own, then folded in a fixed order.
+"""Mergeable partial states: each partition reduced on its own, then folded.
 
 This is GLOBAL_REDUCE as the seed runs it live (each rank's state, merged by the
 controller), done offline. A partition (a piece of about 125,000 records of one task: a
 file, or a row group of one, see ``engine.reading.tasks``) is reduced to one row of state
 per group (``partition_states``), and an ``Accumulator`` (``offline.accumulator``) folds
-the partitions' states with ``fold`` in a fixed order (the tasks in the order of the first
-step or window each may hold, then of the files' contents), so the result does not depend
-on the thread count, the files' names or on which partition finished first.
+the partitions' states with ``fold``.
 
 The state of a group in one partition, over its values v (n of them):
 
-  n, raw      the count and the plain float sum (what a group holding inf or NaN gives)
-  shift       raw / n, the partition's approximate mean
-  dev, sq     sum(v - shift) and sum((v - shift)**2); near the mean, v - shift is exact,
-              so these lose almost nothing to rounding
+  n           the count
+  exact       for a group whose statistic is sum, mean or std: its exact sum (and, for
+              std, its exact sum of squares) as integers (``engine.exact.ExactState``),
+              one state for all the partition's groups (None where none needs it).
+              Adding two is adding integers, so a sum, mean or std is the correctly
+              rounded value of the exact one, whatever the order of the folds
   min, max    NaN-propagating, as numpy's
   first/last  the value with the smallest / largest timestamp, with ``first_at`` /
               ``last_at``, the place in that order of the part it came from (ties: the
@@ -21,13 +21,6 @@ The state of a group in one partition, over its values v (n of them):
   values      for median and pNN only: the group's values themselves. Of the fields
               above, only n of such a group is ever read, so a partition whose groups
               are all median/pNN keeps n alone
-
-Folding re-centres every partition on one shift K per group (the first partition's):
-sum(v - K) = dev + n (shift - K) and sum((v - K)**2) = sq + 2 (shift - K) dev +
-n (shift - K)**2, where shift - K is exact for partitions whose means are close. Then
-sum = n K + sum(v - K), mean = K + sum(v - K) / n, and the population variance is
-(sum((v - K)**2) - sum(v - K)**2 / n) / n. ``tests/test_engine.py``
-(``test_sum_mean_and_std_are_exact_to_1e_12``) holds these against ``fractions``.
 
 Every computation is numpy over a partition's columns in row order (``bincount`` and
 ``ufunc.at`` add in index order), so a partition's state is the same on every run.
@@ -37,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import polars as pl
@@ -44,20 +38,19 @@ import polars as pl
 from metric_core.errors import PlanError
 from metric_core.offline.plan import By, ReducePlan, Statistic
 
+if TYPE_CHECKING:  # imported where used: the engine package imports this module
+    from metric_core.offline.engine.exact import ExactState
+
 # The fields of a group's state, and what a field holds where nothing was folded in yet.
-FIELDS = (
-    "n", "raw", "shift", "dev", "sq", "min", "max",
-    "first_ts", "first", "first_at", "last_ts", "last", "last_at",
-)  # fmt: skip
-_EMPTY = np.array([0, 0, 0, 0, 0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
-N, RAW, SHIFT, DEV, SQ, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
-# A state holds the fields a partition's statistics need: up to dev for sum and mean
-# (4 fields), up to max where std, min or max is among them (7), first and last only where
-# a statistic needs them (13); a partition whose every statistic is median or pNN (their
-# values are kept apart) holds the count alone.
+FIELDS = ("n", "min", "max", "first_ts", "first", "first_at", "last_ts", "last", "last_at")
+_EMPTY = np.array([0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
+N, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
+# A state holds the fields a partition's statistics need: the count alone for sum, mean,
+# std (their sums are exact, apart), median and pNN (their values are kept apart), up to
+# max where min or max is among them (3), first and last only where a statistic needs them.
 UNTIMED = FIRST_TS
-SUMS = SQ
-COUNTED = RAW
+COUNTED = MIN
+_EXACT = ("sum", "mean", "std")  # the statistics of the exact sums
 _FAMILIES = ("min", "max", "first", "last")  # what only some statistics need
 _DENSE_SLACK = 1 << 16  # a dense index may be this much (plus 4x the rows) larger than the rows
 
@@ -79,6 +72,7 @@ class Partial:
     state: np.ndarray  # FIELDS x groups
     value_group: np.ndarray
     values: np.ndarray
+    exact: ExactState | None = None
 
 
 def is_statistic(name: str) -> bool:
@@ -149,13 +143,23 @@ def partition_states(
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
     quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
-    spread = any(s is not None and s.name in ("std", "min", "max") for s in stats)
-    fields = COUNTED if quantile.all() else len(FIELDS) if timed else UNTIMED if spread else SUMS
+    spread = any(s is not None and s.name in ("min", "max") for s in stats)
+    fields = len(FIELDS) if timed else UNTIMED if spread else COUNTED
     state = empty_cells(n_groups, fields)
     state[N] = count
     stat_codes = stat_of_combo[combo] if len(names) > 1 else None
-    if len(state) > COUNTED:
-        _sums(state, ids, value, need_sq="std" in names)
+    summed = np.array([s is not None and s.name in _EXACT for s in stats])
+    exact = None
+    if summed.any():
+        from metric_core.offline.engine import exact as exact_sums
+
+        subset = None if stat_codes is None else np.flatnonzero(summed[stat_codes])
+        exact = exact_sums.accumulate(
+            ids if subset is None else ids[subset],
+            value if subset is None else value[subset],
+            n_groups,
+            squares="std" in names,
+        )
     for family in _FAMILIES:
         wanted = np.array([s is not None and s.name == family for s in stats])
         if wanted.any():
@@ -165,7 +169,7 @@ def partition_states(
     if quantile.any():
         subset = np.arange(rows) if stat_codes is None else np.flatnonzero(quantile[stat_codes])
         value_group, values = ids[subset], value[subset]
-    return Partial(group_bucket, group_combo, labels, state, value_group, values)
+    return Partial(group_bucket, group_combo, labels, state, value_group, values, exact)
 
 
 def _groups(
@@ -249,21 +253,6 @@ def _representatives(ids: np.ndarray, n: int) -> np.ndarray:
     return rep
 
 
-def _sums(state: np.ndarray, ids: np.ndarray, value: np.ndarray, need_sq: bool) -> None:
-    """The sums of the module docstring, into ``state`` (which holds the counts)."""
-    n = state.shape[1]
-    count = state[N]
-    raw = np.bincount(ids, weights=value, minlength=n)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        shift = raw / count
-    shift[~np.isfinite(shift)] = 0.0  # raw keeps what a non-finite value did
-    dev_each = value - shift[ids]
-    state[RAW], state[SHIFT] = raw, shift
-    state[DEV] = np.bincount(ids, weights=dev_each, minlength=n)
-    if need_sq:
-        state[SQ] = np.bincount(ids, weights=dev_each * dev_each, minlength=n)
-
-
 def _extreme(
     state: np.ndarray,
     family: str,
@@ -299,48 +288,30 @@ def _extreme(
     state[FIRST_AT if lowest else LAST_AT, uniq] = at
 
 
-def statistic(s: np.ndarray, name: str) -> np.ndarray:
-    """Statistic ``name`` (not median or pNN: those need the values) of merged states ``s``,
-    one value a group."""
+def statistic(s: np.ndarray, exact: ExactState | None, name: str) -> np.ndarray:
+    """Statistic ``name`` (not median or pNN: those need the values) of merged states ``s``
+    and their exact sums ``exact`` (sum, mean and std read them), one value a group."""
     if name == "count":
         return s[N].astype(np.int64)
-    if name in ("std", "min", "max") or len(s) < SUMS:  # a part of fewer fields than it reads
-        s = with_fields(s, UNTIMED)
-    n, dev, base, raw = s[N], s[DEV], s[SHIFT], s[RAW]
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # over: sums no statistic reads
-        if name == "sum":
-            return np.where(np.isfinite(raw), n * base + dev, raw)
-        if name == "mean":
-            return np.where(np.isfinite(raw), base + dev / n, raw / n)
-        if name == "std":
-            var = np.maximum((s[SQ] - dev * dev / n) / n, 0.0)
-            return np.where(np.isfinite(raw), np.sqrt(var), np.nan)
-        if name in ("min", "max"):
-            return s[MIN if name == "min" else MAX]
-        if name in ("first", "last"):
-            at = FIRST if name == "first" else LAST
-            return s[at] if len(s) > at else np.full(len(n), np.nan)
-    return np.full(len(n), np.nan)  # median, pNN: from their values
+    if name in _EXACT:
+        if exact is None:  # no group of these states is one of theirs
+            return np.full(s.shape[1], np.nan)
+        return getattr(exact, name)()  # type: ignore[no-any-return]
+    if name in ("min", "max"):
+        return with_fields(s, UNTIMED)[MIN if name == "min" else MAX]
+    if name in ("first", "last"):
+        at = FIRST if name == "first" else LAST
+        return s[at] if len(s) > at else np.full(s.shape[1], np.nan)
+    return np.full(s.shape[1], np.nan)  # median, pNN: from their values
 
 
 def fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     """Accumulated states ``a`` with one partition's states ``p`` of the same groups folded
-    in (``a`` has at least ``p``'s fields)."""
-    if len(p) == COUNTED:  # median/pNN groups: only their counts are read
-        a[N] += p[N]
+    in (``a`` has at least ``p``'s fields). Their exact sums are added apart (``add_exact``)."""
+    a[N] += p[N]
+    if len(p) == COUNTED:
         return a
-    fresh = a[N] == 0
-    k = np.where(fresh, p[SHIFT], a[SHIFT])
-    n_p, dev_p = p[N], p[DEV]
-    a[SHIFT] = k
-    a[N] += n_p
-    a[RAW] += p[RAW]
-    with np.errstate(invalid="ignore", over="ignore"):  # a non-finite group's sums are not used
-        offset = p[SHIFT] - k
-        a[DEV] += dev_p + n_p * offset
-        if len(p) == SUMS:
-            return a
-        a[SQ] += p[SQ] + 2 * offset * dev_p + n_p * offset * offset
+    with np.errstate(invalid="ignore"):
         np.minimum(a[MIN], p[MIN], out=a[MIN])
         np.maximum(a[MAX], p[MAX], out=a[MAX])
     if len(p) == UNTIMED:
@@ -352,6 +323,29 @@ def fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     take = (p[LAST_TS] > a[LAST_TS]) | ((p[LAST_TS] == a[LAST_TS]) & earlier)
     a[LAST_TS : LAST_AT + 1, take] = p[LAST_TS : LAST_AT + 1, take]
     return a
+
+
+def add_exact(parts: Sequence[tuple[ExactState | None, np.ndarray]], n_groups: int) -> ExactState | None:
+    """Exact sums added into ``n_groups`` groups: group j of each part's state goes to group
+    ``mapping[j]`` (``engine.exact.combine``; a part without a state adds nothing). None
+    where no part has one. Integers add exactly: the order of the parts does not matter."""
+    from metric_core.offline.engine import exact as exact_sums
+
+    held = [(state, mapping) for state, mapping in parts if state is not None]
+    if not held:
+        return None
+    if len(held) == 1 and len(held[0][0]) == n_groups and _identity(held[0][1]):
+        return held[0][0]
+    return exact_sums.combine([e for e, _ in held], [m for _, m in held], n_groups)
+
+
+def take_exact(exact: ExactState | None, groups: np.ndarray) -> ExactState | None:
+    """The exact sums of ``groups`` (indices, in that order), or None."""
+    return None if exact is None else exact.take(groups)
+
+
+def _identity(mapping: np.ndarray) -> bool:
+    return bool(len(mapping) == 0 or (mapping[0] == 0 and (np.diff(mapping) == 1).all()))
 
 
 def empty_cells(size: int, fields: int = len(FIELDS)) -> np.ndarray:
