@@ -5,6 +5,7 @@ and the same result from any format holding the same records."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ from metric_core.offline import accumulator, engine, partials, read
 from metric_core.offline.engine import reduce_run, run_plan
 from metric_core.offline.plan import make_plan
 from metric_core.offline.read import RunScan, parquet, scan_run
+from metric_core.schema import default_process_name
 
 from .conftest import BASE_TIME, killed_after, write_collector_run
 
@@ -43,6 +45,14 @@ def write_foreign(
                     table.column_names.index(name), name, table[name].dictionary_encode()
                 )
     pq.write_table(table, path, row_group_size=row_group_size)
+
+
+def tie_order(timestamp: float, step: int, process: str, rank: int, value: float) -> tuple:
+    """Where a record stands in the order first and last are taken in (docs/modes.md): by
+    timestamp, then step, then source (a blake2b digest of the process name, as int64,
+    then the rank), then the value's bits as int64."""
+    digest = int.from_bytes(hashlib.blake2b(process.encode(), digest_size=8).digest(), "little", signed=True)
+    return (timestamp, step, digest, rank, int(np.float64(value).view(np.int64)))
 
 
 def exact_std(values: np.ndarray) -> float:
@@ -619,7 +629,7 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
     """Another tool's files, one rank each, rows in step order in many row groups: tasks of
     row groups are folded in step order, and the steps no later task can hold leave memory
     as they are done. Every statistic still equals numpy over the records (ties of first
-    and last: the record read first; p90's values spilled to files between), globally, per
+    and last: by content, ``tie_order``; p90's values spilled to files between), globally, per
     rank and by time, while at most a few blocks of steps are ever held."""
     rng = np.random.default_rng(5)
     stats = ["mean", "sum", "std", "min", "max", "first", "last", "p90"]
@@ -651,13 +661,15 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
 
     monkeypatch.setattr(accumulator.Accumulator, "add", counting)
 
-    def truth(group: list[dict]) -> float:  # the records in file order
+    def truth(group: list[dict]) -> float:
         values = np.array([r["value"] for r in group])
-        times = np.array([r["timestamp"] for r in group])
         name = group[0]["reduction"]
         if name in ("first", "last"):
-            best = times.min() if name == "first" else times.max()
-            return float(values[np.flatnonzero(times == best)[0]])
+            order = [
+                tie_order(r["timestamp"], r["step"], default_process_name(r["rank"]), r["rank"], r["value"])
+                for r in group
+            ]
+            return float(group[order.index(min(order) if name == "first" else max(order))]["value"])
         if name == "p90":
             return float(np.percentile(values, 90))
         return float(
@@ -692,7 +704,8 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
 def test_a_large_row_group_is_reduced_a_partition_at_a_time(tmp_path, monkeypatch):
     """A row group far larger than a partition is read once, in frames, and reduced a
     partition at a time (never held whole as states); every statistic still equals numpy
-    over the records, first and last ties going to the record read first."""
+    over the records, first and last ties (one step, one source) going to the lowest and
+    the highest value's bits."""
     rng = np.random.default_rng(11)
     stats = ["mean", "sum", "std", "min", "max", "first", "last", "p90"]
     steps = 400
@@ -725,7 +738,8 @@ def test_a_large_row_group_is_reduced_a_partition_at_a_time(tmp_path, monkeypatc
         name = key.split("/")[1]
         want = {
             "mean": np.mean, "sum": np.sum, "std": np.std, "min": np.min, "max": np.max,
-            "first": lambda v: v[0], "last": lambda v: v[0], "p90": lambda v: np.percentile(v, 90),
+            "first": lambda v: v[np.argmin(v.view(np.int64))],
+            "last": lambda v: v[np.argmax(v.view(np.int64))], "p90": lambda v: np.percentile(v, 90),
         }[name](picked)  # fmt: skip
         assert group["value"][0] == pytest.approx(want, rel=1e-12), (s, key)
         assert group["count"][0] == len(picked)

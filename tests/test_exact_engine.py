@@ -186,26 +186,32 @@ def test_every_sum_mean_and_std_is_the_correctly_rounded_exact_value(tmp_path, m
 
 
 def test_an_integer_sum_is_that_integer(tmp_path):
-    """The issue's case: six token counts of one step, per-rank sums 6738, 2812 and 2136."""
-    counts = [3012.0, 3726.0, 1406.0, 1406.0, 1068.0, 1068.0]
-    rank = [0, 0, 1, 1, 2, 2]
-    n = len(counts)
-    write(
-        pl.DataFrame(
-            {
-                "key": ["tokens"] * n,
-                "value": counts,
-                "reduction": ["sum"] * n,
-                "step": [0] * n,
-                "timestamp": [BASE_TIME] * n,
-                "rank": rank,
-                "process": ["p"] * n,
-            }
-        ),
-        tmp_path / "tokens.parquet",
-    )
-    got = reduce_run(tmp_path)
-    assert got["value"].to_list() == [11686.0]
+    """Token counts of one step, three a rank in four files (the float states gave
+    31425.999999999996)."""
+    counts = [
+        [2210.0, 2521.0, 335.0],
+        [5080.0, 2864.0, 8151.0],
+        [2990.0, 898.0, 644.0],
+        [4067.0, 327.0, 1339.0],
+    ]
+    for rank, mine in enumerate(counts):
+        n = len(mine)
+        write(
+            pl.DataFrame(
+                {
+                    "key": ["tokens"] * n,
+                    "value": mine,
+                    "reduction": ["sum"] * n,
+                    "step": [0] * n,
+                    "timestamp": [BASE_TIME] * n,
+                    "rank": [rank] * n,
+                    "process": ["p"] * n,
+                }
+            ),
+            tmp_path / f"rank{rank}.parquet",
+        )
+    got = reduce_run(tmp_path)["value"].to_list()
+    assert got == [float(sum(int(v) for mine in counts for v in mine))] == [31426.0]
 
 
 # --- the same bits however the records are split ---------------------------------------

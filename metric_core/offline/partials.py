@@ -15,19 +15,26 @@ The state of a group in one partition, over its values v (n of them):
               Adding two is adding integers, so a sum, mean or std is the correctly
               rounded value of the exact one, whatever the order of the folds
   min, max    NaN-propagating, as numpy's
-  first/last  the value with the smallest / largest timestamp, with ``first_at`` /
-              ``last_at``, the place in that order of the part it came from (ties: the
-              earlier part, then the earlier row)
+  first/last  the value of the record first / last in the order of (timestamp, step,
+              source, the value's bits), with that record's timestamp, step and source
+              (``first_ts``, ``first_step``, ``first_process``, ``first_rank``, the same
+              for last; step, process and rank as int64 bits): ties of timestamps are
+              broken by content, never by where a record was stored. The source's
+              process is held as a digest of its name (``_process_digests``)
   values      for median and pNN only: the group's values themselves. Of the fields
               above, only n of such a group is ever read, so a partition whose groups
               are all median/pNN keeps n alone
 
-Every computation is numpy over a partition's columns in row order (``bincount`` and
-``ufunc.at`` add in index order), so a partition's state is the same on every run.
+Every field is a function of the set of records folded in, not of their order: counts
+and exact sums add integers, min and max pick one value (a tie of -0.0 and 0.0 goes to
+-0.0 for min, 0.0 for max), first and last one record by content. So the result is the
+same bits however the records are split into files, row groups, partitions, threads or
+Ray tasks, whatever the files' names and the order of their rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -42,9 +49,16 @@ if TYPE_CHECKING:  # imported where used: the engine package imports this module
     from metric_core.offline.engine.exact import ExactState
 
 # The fields of a group's state, and what a field holds where nothing was folded in yet.
-FIELDS = ("n", "min", "max", "first_ts", "first", "first_at", "last_ts", "last", "last_at")
-_EMPTY = np.array([0, np.inf, -np.inf, np.inf, np.nan, np.inf, -np.inf, np.nan, np.inf])
-N, MIN, MAX, FIRST_TS, FIRST, FIRST_AT, LAST_TS, LAST, LAST_AT = range(len(FIELDS))
+FIELDS = (
+    "n", "min", "max",
+    "first_ts", "first", "first_step", "first_process", "first_rank",
+    "last_ts", "last", "last_step", "last_process", "last_rank",
+)  # fmt: skip
+_EMPTY = np.array([0, np.inf, -np.inf, np.inf, np.nan, 0, 0, 0, -np.inf, np.nan, 0, 0, 0])
+N, MIN, MAX = range(3)
+FIRST_TS, FIRST, FIRST_STEP, FIRST_PROCESS, FIRST_RANK = range(3, 8)
+LAST_TS, LAST, LAST_STEP, LAST_PROCESS, LAST_RANK = range(8, 13)
+_ORDER = ("step", "process", "rank")  # what breaks a tie of timestamps, after them the value's bits
 # A state holds the fields a partition's statistics need: the count alone for sum, mean,
 # std (their sums are exact, apart), median and pNN (their values are kept apart), up to
 # max where min or max is among them (3), first and last only where a statistic needs them.
@@ -88,12 +102,10 @@ def partition_states(
     plan: ReducePlan,
     statistic_of: Callable[[str, str], str],
     t0: float | None,
-    places: Sequence[tuple[int, int]] = (),
 ) -> Partial:
-    """Reduce one partition's records (a collected frame with the plan's input columns).
-
-    ``places`` are the (place in the files' order, rows) of the parts ``df`` was concatenated
-    from, in that order (none: one part, place 0): what breaks ties of first and last.
+    """Reduce one partition's records (a collected frame with the plan's input columns,
+    and the step, process and rank where a first or last may be wanted: what breaks ties
+    of timestamps, ``engine.reading.columns_read``).
 
     ``statistic_of(key, recorded_reduction)`` names the statistic a key gets; it is part
     of the group, so records of one key with different recorded reductions form one group
@@ -164,7 +176,7 @@ def partition_states(
         wanted = np.array([s is not None and s.name == family for s in stats])
         if wanted.any():
             subset = None if stat_codes is None else np.flatnonzero(wanted[stat_codes])
-            _extreme(state, family, ids, value, df, subset, places)
+            _extreme(state, family, ids, value, df, subset)
     value_group, values = np.empty(0, dtype=np.int64), np.empty(0)
     if quantile.any():
         subset = np.arange(rows) if stat_codes is None else np.flatnonzero(quantile[stat_codes])
@@ -260,32 +272,74 @@ def _extreme(
     value: np.ndarray,
     df: pl.DataFrame,
     subset: np.ndarray | None,
-    places: Sequence[tuple[int, int]],
 ) -> None:
     g = ids if subset is None else ids[subset]
     v = value if subset is None else value[subset]
     lowest = family in ("min", "first")
-    pick = np.minimum if lowest else np.maximum
     if family in ("min", "max"):
         out = state[MIN if lowest else MAX].copy()
         with np.errstate(invalid="ignore"):
-            pick.at(out, g, v)
+            (np.minimum if lowest else np.maximum).at(out, g, v)
+        zero = v == 0  # which zero ufunc.at kept depends on the rows' order: decide by content
+        if zero.any():
+            wanted = np.zeros(len(out), dtype=bool)  # a -0.0 for min, a 0.0 for max
+            wanted[g[zero & (np.signbit(v) == lowest)]] = True
+            at = out == 0
+            out[at] = np.where(wanted[at] == lowest, -0.0, 0.0)
         state[MIN if lowest else MAX] = out
         return
     ts = df["timestamp"].to_numpy()
     ts = ts if subset is None else ts[subset]
     best = state[FIRST_TS if lowest else LAST_TS].copy()
-    pick.at(best, g, ts)
+    (np.minimum if lowest else np.maximum).at(best, g, ts)
     candidates = np.flatnonzero(ts == best[g])
-    uniq, index = np.unique(g[candidates], return_index=True)  # the earliest row of each
-    state[FIRST_TS if lowest else LAST_TS] = best
-    state[FIRST if lowest else LAST, uniq] = v[candidates[index]]
-    chosen = candidates[index] if subset is None else subset[candidates[index]]
-    at = np.zeros(len(chosen))
-    if places:
-        place, rows = (np.array(c) for c in zip(*places, strict=True))
-        at = place[np.searchsorted(np.cumsum(rows), chosen, side="right")].astype(np.float64)
-    state[FIRST_AT if lowest else LAST_AT, uniq] = at
+    rows = candidates if subset is None else subset[candidates]
+    order = [g[candidates], *_tie_columns(df, rows), v[candidates].view(np.int64)]
+    ranked = np.lexsort(order[::-1])  # by group, then step, source and the value's bits
+    group = g[candidates][ranked]
+    ends = np.r_[group[1:] != group[:-1], True] if not lowest else np.r_[True, group[1:] != group[:-1]]
+    chosen = candidates[ranked[ends]]  # each group's first (or last) in that order
+    uniq = g[chosen]
+    at = FIRST_TS if lowest else LAST_TS
+    state[at] = best
+    state[at + 1, uniq] = v[chosen]
+    rows = chosen if subset is None else subset[chosen]
+    for field, column in enumerate(_tie_columns(df, rows), start=at + 2):
+        state[field, uniq] = column.view(np.float64)
+
+
+def _tie_columns(df: pl.DataFrame, rows: np.ndarray) -> list[np.ndarray]:
+    """The step, the process's digest and the rank of ``rows`` (int64; 0 where ``df`` has
+    no such column: then every record of the run lacks it)."""
+    out = []
+    for name in _ORDER:
+        if name not in df.columns:
+            out.append(np.zeros(len(rows), dtype=np.int64))
+        elif name == "process":
+            out.append(_process_digests(df["process"][rows]))
+        else:
+            out.append(df[name].fill_null(0).cast(pl.Int64).to_numpy()[rows])
+    return out
+
+
+def _process_digests(process: pl.Series) -> np.ndarray:
+    """Each process name as an int64 digest of its text (blake2b): an order of sources
+    every partition and every machine agrees on (null: 0). Each distinct name is
+    digested once."""
+    names = process.cast(pl.String)
+    distinct = names.unique()
+    digests = [
+        0
+        if name is None
+        else int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
+        for name in distinct.to_list()
+    ]
+    lookup = pl.DataFrame({"name": distinct, "digest": pl.Series(digests, dtype=pl.Int64)})
+    return (
+        names.to_frame("name")
+        .join(lookup, on="name", how="left", nulls_equal=True, maintain_order="left")["digest"]
+        .to_numpy()
+    )
 
 
 def statistic(s: np.ndarray, exact: ExactState | None, name: str) -> np.ndarray:
@@ -298,7 +352,9 @@ def statistic(s: np.ndarray, exact: ExactState | None, name: str) -> np.ndarray:
             return np.full(s.shape[1], np.nan)
         return getattr(exact, name)()  # type: ignore[no-any-return]
     if name in ("min", "max"):
-        return with_fields(s, UNTIMED)[MIN if name == "min" else MAX]
+        out = with_fields(s, UNTIMED)[MIN if name == "min" else MAX].copy()
+        out[np.isnan(out)] = np.nan  # one NaN whichever a group met first
+        return out
     if name in ("first", "last"):
         at = FIRST if name == "first" else LAST
         return s[at] if len(s) > at else np.full(s.shape[1], np.nan)
@@ -311,18 +367,36 @@ def fold(a: np.ndarray, p: np.ndarray) -> np.ndarray:
     a[N] += p[N]
     if len(p) == COUNTED:
         return a
-    with np.errstate(invalid="ignore"):
-        np.minimum(a[MIN], p[MIN], out=a[MIN])
-        np.maximum(a[MAX], p[MAX], out=a[MAX])
+    for at, pick in ((MIN, np.minimum), (MAX, np.maximum)):
+        zeros = (a[at] == 0) & (p[at] == 0)  # -0.0 and 0.0: min's -0.0, max's 0.0, in any order
+        signs = np.signbit(a[at]) | np.signbit(p[at]) if at == MIN else np.signbit(a[at]) & np.signbit(p[at])
+        with np.errstate(invalid="ignore"):
+            pick(a[at], p[at], out=a[at])
+        a[at, zeros] = np.where(signs[zeros], -0.0, 0.0)
     if len(p) == UNTIMED:
         return a
-    earlier = p[FIRST_AT] < a[FIRST_AT]  # ties: the earlier part in the files' order
-    take = (p[FIRST_TS] < a[FIRST_TS]) | ((p[FIRST_TS] == a[FIRST_TS]) & earlier)
-    a[FIRST_TS : FIRST_AT + 1, take] = p[FIRST_TS : FIRST_AT + 1, take]
-    earlier = p[LAST_AT] < a[LAST_AT]
-    take = (p[LAST_TS] > a[LAST_TS]) | ((p[LAST_TS] == a[LAST_TS]) & earlier)
-    a[LAST_TS : LAST_AT + 1, take] = p[LAST_TS : LAST_AT + 1, take]
+    for at, later in ((FIRST_TS, False), (LAST_TS, True)):
+        mine, theirs = _order_key(a, at), _order_key(p, at)
+        take = _before(mine, theirs) if later else _before(theirs, mine)
+        a[at : at + 5, take] = p[at : at + 5, take]
     return a
+
+
+def _order_key(s: np.ndarray, at: int) -> list[np.ndarray]:
+    """The (timestamp, step, process, rank, value's bits) of a first (``at``: FIRST_TS) or
+    last (LAST_TS) held in states ``s``."""
+    ints = [np.ascontiguousarray(s[at + k]).view(np.int64) for k in (2, 3, 4)]
+    return [s[at], *ints, np.ascontiguousarray(s[at + 1]).view(np.int64)]
+
+
+def _before(x: list[np.ndarray], y: list[np.ndarray]) -> np.ndarray:
+    """Where ``x`` comes before ``y`` in the lexicographic order of their columns."""
+    less = np.zeros(len(x[0]), dtype=bool)
+    equal = np.ones(len(x[0]), dtype=bool)
+    for a, b in zip(x, y, strict=True):
+        less |= equal & (a < b)
+        equal &= a == b
+    return less
 
 
 def add_exact(parts: Sequence[tuple[ExactState | None, np.ndarray]], n_groups: int) -> ExactState | None:

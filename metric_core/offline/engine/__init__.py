@@ -2,10 +2,11 @@
 
 A ``ReducePlan`` (``metric_core.offline.plan``) says what to compute and knows nothing about
 how. ``execute`` cuts the run's files into tasks (``reading.tasks``: files, or row groups,
-in the order of the first step or window each may hold; fixed by the files' contents,
-not by their names or the machine), reads each once on a pool of threads as partitions of about PARTITION_ROWS
-records, reduces each to partial states (``metric_core.offline.partials``) and folds
-those in that fixed order, so the output is the same bits whatever the thread count.
+in the order of the first step or window each may hold), reads each once on a pool of
+threads as partitions of about PARTITION_ROWS records, reduces each to partial states
+(``metric_core.offline.partials``) and folds those. A state depends on the records folded
+in, not on their order (exact sums, first and last by content), so the output is the
+same bits however the records are split, named, ordered or spread over threads.
 Memory grows with the number of output groups (and with the values of median/pNN keys),
 not with the records. Another engine can run the same plan over the same tasks
 (docs/modes.md, "How results are computed").
@@ -208,15 +209,16 @@ def execute(
 
     A reducing mode runs as partial states (``metric_core.offline.partials``): the run's
     files (or their Parquet row groups) are cut into tasks in the order of their first
-    step (``reading.tasks``), each task's states are computed on a pool of threads and folded in
-    that fixed order, and the groups no task still to come can touch are handed over as
-    a frame and dropped. So the output is the same bits whatever the thread count, the
-    order the files were listed in or their names, and memory holds the groups of the steps in flight.
+    step (``reading.tasks``), each task's states are computed on a pool of threads and folded,
+    and the groups no task still to come can touch are handed over as a frame and dropped.
+    The states fold in any order to the same bits (``partials``), so the output is the same
+    whatever the thread count, the files' names or how the records are split among them,
+    and memory holds the groups of the steps in flight.
     The result is a stream, read when it is iterated.
 
     ``engine="ray"`` computes the tasks' states as Ray tasks (``engine.ray_pool``, on
-    the cluster at ``ray_address``, ``RAY_ADDRESS``, or a local one) and folds them here in
-    the same order: the same bits. Raw mode has nothing to reduce and is read here.
+    the cluster at ``ray_address``, ``RAY_ADDRESS``, or a local one) and folds them here:
+    the same bits. Raw mode has nothing to reduce and is read here.
     """
     engine = Engine.of(engine)
     if counts_back(plan.steps):  # --steps -5: the last 5 steps of the sources kept

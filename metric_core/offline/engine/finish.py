@@ -201,12 +201,19 @@ def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFr
             lo = ((n - 1).cast(pl.Float64) * stat.quantile).floor().cast(pl.Int64)
             hi = pl.min_horizontal(lo + 1, n - 1)
         between = pl.col("value").sort().slice(lo, hi - lo + 1)  # one sort for both
-        order = {k: np.full(merged.height, np.nan) for k in ("n", "lo", "hi", "nan")}
+        # a sort leaves -0.0 and 0.0 in the order the rows came: these zeros' signs are
+        # those of the order where -0.0 comes first (the values below 0.0 counted)
+        negative = (pl.col("value") < 0) | ((pl.col("value") == 0) & (1.0 / pl.col("value") < 0))
+        order = {k: np.full(merged.height, np.nan) for k in ("n", "lo", "hi", "nan", "below", "rank")}
         for part in values:  # a slice of groups at a time, each put at its row of merged
             if combos is not None:
                 part = part.filter(pl.col("_combo").is_in(combos))
             nan = pl.col("value").is_nan().any()
-            found = part.group_by("bucket", "_combo").agg(n=n, between=between, nan=nan).collect()
+            found = (
+                part.group_by("bucket", "_combo")
+                .agg(n=n, between=between, nan=nan, below=negative.sum(), rank=lo)
+                .collect()
+            )
             bucket = found["bucket"].to_numpy()
             rank = np.minimum(np.searchsorted(buckets, bucket), len(buckets) - 1)
             mine = (rank << 32) | found["_combo"].to_numpy()
@@ -218,6 +225,9 @@ def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFr
             order["nan"][row] = found["nan"].to_numpy()[known]
             order["lo"][row] = found["between"].list.first().to_numpy()[known]
             order["hi"][row] = found["between"].list.last().to_numpy()[known]
+            order["below"][row] = found["below"].to_numpy()[known]
+            order["rank"][row] = found["rank"].to_numpy()[known]
+        _signed_zeros(order, stat.quantile)
         value[rows] = _as_numpy(order, stat.quantile)[rows]
     return value
 
@@ -235,6 +245,18 @@ def _group_places(merged: pl.DataFrame, rows: np.ndarray) -> tuple[np.ndarray, n
         order = np.argsort(code)
         at, code = at[order], code[order]
     return at, code, buckets
+
+
+def _signed_zeros(order: dict[str, np.ndarray], q: float | None) -> None:
+    """The order statistics ``lo`` and ``hi`` that are zeros given the sign they have where
+    -0.0 sorts before 0.0: -0.0 if their rank is below the count of values below 0.0
+    (``below``, -0.0 counted), else 0.0. So a median or pNN does not depend on which zero
+    came first."""
+    n, lo_rank = order["n"], order["rank"]
+    hi_rank = n // 2 if q is None else np.minimum(lo_rank + 1, n - 1)
+    for at, rank in (("lo", lo_rank), ("hi", hi_rank)):
+        zero = order[at] == 0
+        order[at][zero] = np.where(rank[zero] < order["below"][zero], -0.0, 0.0)
 
 
 def _as_numpy(order: dict[str, np.ndarray], q: float | None) -> np.ndarray:

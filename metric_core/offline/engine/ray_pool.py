@@ -2,8 +2,9 @@
 
 Each Ray task runs the local engine's own code (``reading.TaskWork``) on one task's
 partitions (files, or Parquet row groups: the plan and the files fix them, never the
-cluster) and returns their partial states; this process folds them in the tasks' fixed
-order, so the output is bit-identical to ``--engine local``. At most twice the
+cluster) and returns their partial states (numpy arrays and a small frame of labels,
+exact sums included: they pickle); this process folds them in the tasks' order, and the
+output is bit-identical to ``--engine local``. At most twice the
 cluster's CPUs of tasks are in flight. Ray is an optional extra (``metriclog[ray]``),
 imported only here.
 """

@@ -1,6 +1,7 @@
 """What a plan reads, and in which order: the filters, the files cut into tasks of about
-PARTITION_ROWS records in an order their data fixes, the columns read, and where
-``--by time`` windows start."""
+PARTITION_ROWS records in the order of the first bucket each may hold, the columns read,
+and where ``--by time`` windows start; the files' order by content (``data_order``: what
+breaks ties of time in per_rank_no_reduce)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from metric_core.offline.storage import RunPath, open_read, raise_store_failure
 from metric_core.offline.timeorder import Part
 from metric_core.schema import TIMESTAMP_RANGE, default_process_name, parse_json
 
+# What breaks a tie of timestamps between a first (or last) record and another, after them
+# the value's bits (``partials``)
+TIE_COLUMNS = ("step", "process", "rank")
+
 # Records a partition holds (its states are made and folded as one): smaller partitions
 # lower the peak memory on another tool's large files, for no speed (bench_memory.py).
 PARTITION_ROWS = 125_000
@@ -35,11 +40,11 @@ DICTIONARY_READ_RECORDS = 2_000_000
 
 @dataclass(frozen=True)
 class Task:
-    """What one thread reduces: ``reads`` (file id, row groups or None for the whole file,
-    place in the files' order (``data_order``) of the first of them), in that order; ``lo``, the first bucket
-    they may hold; ``size``, their bytes (what progress counts)."""
+    """What one thread reduces: ``reads`` (file id, row groups or None for the whole file),
+    in that order; ``lo``, the first bucket they may hold; ``size``, their bytes (what
+    progress counts)."""
 
-    reads: list[tuple[int, list[int] | None, int]]
+    reads: list[tuple[int, list[int] | None]]
     lo: float
     size: int
 
@@ -53,17 +58,17 @@ def tasks(
     rows: int | None = None,
 ) -> list[Task]:
     """The files ``fids`` cut into tasks of about ``rows`` records, in the order of the
-    first bucket (step, or ``--by time`` window) each may hold, then of ``data_order``.
+    first bucket (step, or ``--by time`` window) each may hold, then of ``fids``: a bucket
+    is finished once no task still to come may hold it.
 
     A part is a Parquet row group when the files are read through the dictionaries
     (``row_groups``) and its footer has the statistics, else a whole file with the range
-    its writer declared (or none: it may hold any bucket, and goes first). Tasks depend on
-    the files' contents alone, never on the thread count or the files' names, and are
-    folded in this order.
+    its writer declared (or none: it may hold any bucket, and goes first). Which records
+    share a task or a partition changes no bit of the result (``partials``).
     """
     rows = PARTITION_ROWS if rows is None else rows
     column = "timestamp" if plan.by is By.TIME else "step"
-    parts = parts_of(scan, data_order(scan, fids), row_groups, column)
+    parts = parts_of(scan, fids, row_groups, column)
     if plan.by is By.TIME:
         assert t0 is not None and plan.every is not None
         every = float(plan.every)
@@ -82,7 +87,7 @@ def tasks(
         held += parts[i].rows
     out = []
     for chunk in chunks:
-        reads: list[tuple[int, list[int] | None, int]] = []
+        reads: list[tuple[int, list[int] | None]] = []
         size = 0
         for i in sorted(chunk):
             p, rep = parts[i], scan.report.files[parts[i].fid]
@@ -91,7 +96,7 @@ def tasks(
             if last is not None and p.groups is not None and last[0] == p.fid and last[1] is not None:
                 last[1].extend(p.groups)  # the next row groups of the same file: one read
             else:
-                reads.append((p.fid, None if p.groups is None else list(p.groups), i))
+                reads.append((p.fid, None if p.groups is None else list(p.groups)))
         out.append(Task(reads, parts[chunk[0]].lo, size))
     return out
 
@@ -100,8 +105,8 @@ def data_order(scan: RunScan, fids: Sequence[int]) -> list[int]:
     """``fids`` in an order their contents fix, whatever the files are named or wherever
     they were copied: by source, attempt, first step and time, and bytes (as listed, so
     whatever was checked of them since); files alike in all of these by a digest of their
-    bytes (read only for them). Sums are folded in this order, so a renamed run gives the
-    same bits."""
+    bytes (read only for them). per_rank_no_reduce puts records of one time in this order,
+    so a renamed run gives the same rows."""
 
     def described(fid: int) -> tuple[Any, ...]:
         rep = scan.report.files[fid]
@@ -209,23 +214,21 @@ class TaskWork:
         statistic_of = statistic_chooser(plan)
         rows = self.rows
         pieces: list[pl.DataFrame] = []
-        places: list[tuple[int, int]] = []
         held = 0
-        for fid, groups, at in task.reads:
+        for fid, groups in task.reads:
             batches = read_batches(plan, self.scan, fid, self.dictionaries, self.kept, groups, rows, seen)
             for frame in batches:
                 for start in range(0, frame.height, rows):  # a whole file read at once, too
                     pieces.append(key_matching(frame.slice(start, rows), match))
-                    places.append((at, pieces[-1].height))
                     held += pieces[-1].height
                     if held >= rows:
                         yield partials.partition_states(
-                            pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, places
+                            pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0
                         )
-                        pieces, places, held = [], [], 0
+                        pieces, held = [], 0
         if held:
             yield partials.partition_states(
-                pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, places
+                pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0
             )
 
 
@@ -251,12 +254,13 @@ def read_batches(
 
 
 def columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:
-    """The plan's input columns, and the timestamp wherever a file's recorded reductions
-    may be first or last (so every file of a run gives the same columns)."""
-    first_last = any(
+    """The plan's input columns, and wherever a key's statistic may be first or last (a
+    file's recorded reductions, or a ``--reduce`` pattern) the timestamp, and the step,
+    process and rank that break its ties (so every file of a run gives the same columns)."""
+    first_last = any(s.name in ("first", "last") for _, s in plan.overrides) or any(
         rep.keys is None or any(r in ("first", "last") for _, r in rep.keys) for rep in scan.report.files
     )
-    return sorted({*plan.input_columns, *(("timestamp",) if first_last else ())})
+    return sorted({*plan.input_columns, *(("timestamp", *TIE_COLUMNS) if first_last else ())})
 
 
 def reads_dictionaries(scan: RunScan) -> bool:
