@@ -188,8 +188,8 @@ class _Chunk:
 class _Block:
     """The groups of 2**_BLOCK_BITS consecutive buckets folded so far, in ``chunks`` of
     consecutive ids (each at most twice CHUNK_GROUPS); and, in ``loose``, the states (ids,
-    states) of groups met since the last ``settle``, in the order they came (a group may be
-    there more than once). Memory grows with the groups, not with the combos times the
+    states, exact sums) of groups met since the last ``settle``, in the order they came (a
+    group may be there more than once). Memory grows with the groups, not with the combos times the
     buckets, and placing new groups copies one chunk at a time."""
 
     chunks: list[_Chunk] = field(default_factory=list)
@@ -351,7 +351,7 @@ def _split(chunk: _Chunk) -> list[_Chunk]:
 
 @dataclass
 class Accumulator:
-    """Partitions' states folded in the order they are given, into blocks of buckets.
+    """Partitions' states folded into blocks of buckets (in any order: the same bits).
 
     Memory grows with the groups (bucket and combo) not taken out yet (``take``) and the
     combos met, not with the records; the values of median/pNN groups are held with them
