@@ -90,6 +90,15 @@ class AttemptState:
     def flushed(self, step: int) -> None:
         self.done = step if self.done is None else max(self.done, step)
 
+    def first_flushed(self, step: int | None) -> None:
+        """The step of its first ``flush(step)`` as a file declares it (``attempt_first_step``,
+        or a journal's first ``F`` frame), the lowest of them, as ``read.attempts`` takes it:
+        what a restart replaces from. A segment sealed before the attempt's first flush
+        declares none, and its records' steps are not it (they keep the step ``init()`` was
+        given, while the flush may come steps later): it tells nothing."""
+        if step is not None:
+            self.first_step = step if self.first_step is None else min(self.first_step, step)
+
     def lived(self, name: str, life: Life) -> None:
         """What the file ``name`` (a journal, or the segment that replaced it) recorded."""
         self.lives[name] = life
@@ -353,8 +362,7 @@ class RunTail:
             state = self.source(*meta.source)
             attempt = meta.attempt or ""
             a = state.attempt(attempt, meta.attempt_started)
-            if a.first_step is None:
-                a.first_step = meta.attempt_first_step if meta.attempt_first_step is not None else _low(frame)
+            a.first_flushed(meta.attempt_first_step)
             if meta.steps is not None:
                 # A segment ends at a flush, but one sealed at twice its size without one ends
                 # inside a step: its last step is complete only at a clean end (or the next flush).
@@ -404,9 +412,7 @@ class RunTail:
         state = self.source(decoded.process, decoded.rank)
         attempt = decoded.attempt.get("attempt") or ""
         a = state.attempt(attempt, decoded.attempt.get("attempt_started"))
-        first = decoded.attempt.get("attempt_first_step", decoded.first_flush)
-        if first is not None and a.first_step is None:
-            a.first_step = first
+        a.first_flushed(decoded.attempt.get("attempt_first_step", decoded.first_flush))
         if decoded.last_flush is not None:
             a.flushed(decoded.last_flush)
         a.finished |= decoded.shutdown is not None
@@ -445,10 +451,6 @@ class RunTail:
 
 def _empty() -> pl.DataFrame:
     return pl.DataFrame(schema=TAIL_SCHEMA)
-
-
-def _low(frame: pl.DataFrame) -> int | None:
-    return None if frame.height == 0 else int(frame["step"].min())  # type: ignore[arg-type]
 
 
 @dataclass
