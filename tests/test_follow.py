@@ -6,6 +6,7 @@ however long it is silent, a dead one is let go, and the follow ends by itself."
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -641,12 +642,16 @@ def test_a_restart_replaces_from_its_first_flush_not_from_the_step_its_first_seg
     # recorded before that flush was sealed first and keeps step 5. As every reader takes it,
     # the restart replaces from its first flush's step (6), so step 5 holds both attempts'
     # records; the follow took the sealed segment's lowest step for it and left out the dead
-    # attempt's step 5.
+    # attempt's step 5. Here step 5 goes before the restart's records of it come: they are
+    # late, and said to be the restart's.
     run = tmp_path / "run"
     sidecar = follow(run)
     first = writers(run, steps=20, ranks=2, die_unflushed={1: 5}, die_signal={1: "SIGTERM"})
     first[1].wait(timeout=120)
     assert first[1].returncode == -signal.SIGTERM
+    # rank 1 over, the follow hands step 5 over without it once rank 0 flushed it: the
+    # restart's records of step 5 then come after it, and the follow writes a fresh run
+    wait_for(lambda: rows_sent(run) >= 6, "step 5 handed over")
     again = writers(run, steps=20, ranks=[1], start=5, first_flush=6, segment_records=1, world=2)
     finish([first[0], *again])
     assert again[0].returncode == 0
@@ -661,6 +666,8 @@ def test_a_restart_replaces_from_its_first_flush_not_from_the_step_its_first_seg
     assert sorted(by_step) == sorted(plain["step"].unique().to_list())
     for step, key, value in plain.select("step", "key", "value").iter_rows():
         assert by_step[step][key] == pytest.approx(value, rel=1e-12, abs=1e-12), (step, key)
+    said = re.search(r"Trainer_r1 \(rank 1\): \d+ of its restart: a restart's records from before", err)
+    assert said and "let go" not in err, err  # the late records are named as the restart's
 
 
 def test_a_sidecar_with_a_bad_option_fails_in_init_before_the_job_trains(tmp_path):

@@ -478,6 +478,9 @@ class Follower:
         self.sent: dict[str | None, float] = {}  # each run's last bucket handed over
         self.sent_steps: dict[tuple[str, int, str], int] = {}  # each attempt's highest step handed over
         self.late: dict[Source, int] = {}  # records that came after their bucket was handed over
+        # of those, sources whose late records are a restart's (another attempt's steps were
+        # handed over): recorded before its first flush and sealed, they keep its start's step
+        self.late_restarts: set[Source] = set()
         self.kept_sources: set[Source] = set()  # of the records kept (the plan's filters passed)
         self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
         self.t0: float | None = None
@@ -550,8 +553,10 @@ class Follower:
         late = self._bucket() <= sent
         found = self.pending.filter(late)
         if found.height:
-            for process, rank, n in found.group_by("process", "rank").len().iter_rows():
+            for process, rank, attempt, n in found.group_by("process", "rank", "attempt").len().iter_rows():
                 self.late[(process, rank)] = self.late.get((process, rank), 0) + n
+                if any(at[:2] == (process, rank) and at[2] != attempt for at in self.sent_steps):
+                    self.late_restarts.add((process, rank))
             self.pending = self.pending.filter(~late)
 
     def ready(self, sources: dict[Source, SourceState], ending: bool = False) -> list[Ready]:
