@@ -375,6 +375,40 @@ def test_a_hung_rank_holds_the_steps_while_alive_and_its_kill_lets_the_follow_en
     check(rows_of(run, "run"), expected_steps(values))
 
 
+def test_a_follower_that_could_not_look_for_a_while_does_not_take_a_live_rank_for_dead(tmp_path):
+    # On a loaded machine the follower itself may not run for seconds: the heartbeats a live
+    # rank wrote meanwhile are in its journal, and a writer's silence is counted to when the
+    # follower last read it, not to the wall clock (it said "died: no heartbeat for 12 s" of a
+    # rank it had not read, and handed its steps over without it).
+    from metric_core import journal
+    from metric_core.life import DEAD_AFTER_MIN_S
+
+    run = tmp_path / "run"
+    ranks = writers(run, steps=30, ranks=3, hold_at={2: 10})  # held until released below
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log)
+    finish(ranks[:2])
+    wait_for(lambda: rows_sent(run) == 10, "steps 0-9 handed over")
+
+    def heartbeat() -> float:
+        (path,) = run.glob("Trainer_r2.r2.*.journal")
+        return journal.decode(path.read_bytes(), records=False).life.alive or 0.0
+
+    sidecar.send_signal(signal.SIGSTOP)  # the follower does not run (a loaded machine)
+    try:
+        stopped = time.time()
+        wait_for(lambda: heartbeat() > stopped + DEAD_AFTER_MIN_S + 1, "rank 2 to beat on meanwhile")
+    finally:
+        sidecar.send_signal(signal.SIGCONT)
+    release(run)
+    finish(ranks[2:])
+    assert sidecar.wait(timeout=120) == 0
+    err = log.read_text()
+    assert "died" not in err and "came after" not in err and "fresh" not in err, err
+    values = [v for vs in truth(run, 3).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+
+
 def test_let_go_after_lets_a_silent_rank_go_and_its_return_writes_fresh_runs(tmp_path):
     run = tmp_path / "run"
     ranks = writers(run, steps=40, ranks=3, hold_at={2: 10})

@@ -112,7 +112,8 @@ class AttemptState:
 
     def dead(self, now: float) -> str | None:
         """Why its process is over, though it did not shut down (None: it is alive, or its
-        files record no life: an older writer's)."""
+        files record no life: an older writer's); ``now``: when its files were read last
+        (every frame written before then was read)."""
         life = self.life
         if self.finished or life is None:
             return None
@@ -259,6 +260,7 @@ class RunTail:
         self.run_json_damaged: str | None = None  # why run.json is damaged, as the latest poll read it
         self.skipped = 0
         self.active = False  # the last poll found something written (settled or not)
+        self.looked_at: float | None = None  # when the last poll began to read the files
         self._noticed: set[str] = set()
         fetch_numpy_api()  # before a stop can land in polars' first hand-over to numpy
 
@@ -276,17 +278,21 @@ class RunTail:
         attempt first seen in this poll is judged once its files were read, and a dead one's
         journal is read again then."""
         self.active = False
-        now = time.time()
+        # A writer's silence is counted to when its files were last read, not to now: a
+        # follower that did not look for a while (a loaded machine, a slow hand-over to W&B)
+        # must not take a live writer whose heartbeats it has not read yet for dead.
+        looked_at = time.time() if self.looked_at is None else self.looked_at
         judged = set()
         for state in self.sources.values():
             for a in state.attempts.values():
-                a.over = a.dead(now)
+                a.over = a.dead(looked_at)
                 judged.add(id(a))
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
             self.meta = read_run_json(self.root, report)
             self.run_json_damaged = report.run_json_damaged
         frames = []
+        self.looked_at = time.time()  # every frame written before this is read below
         paths = list_data_files(self.root, report, follow_symlinks=self.follow_symlinks)
         sealed = [p for p in paths if p.suffix != ".journal" and p not in self.done]
         for path in sealed:  # first: a sealed segment ends the journal it replaces
@@ -308,9 +314,8 @@ class RunTail:
             found = of.attempts.get(d.attempt.get("attempt") or "") if of is not None else None
             if found is not None and id(found) not in judged:
                 fresh.setdefault(id(found), (found, []))[1].append(path)
-        now = time.time()
         for a, journals in fresh.values():
-            a.over = a.dead(now)
+            a.over = a.dead(self.looked_at)
             for path in journals if a.over is not None else []:
                 frame = self._journal(path, final)
                 if frame is not None:
