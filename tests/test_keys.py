@@ -278,3 +278,36 @@ def test_inspect_lists_the_last_values_of_a_stopped_sources_first_keys_by_name(t
         key: float(30 * 10_000 + i) for i, key in enumerate(names[:1_000])
     }
     assert next(s.keys for s in report.sources if s.rank == 0) == 1_200
+
+
+@pytest.mark.parametrize("range_keys", [1, 16, 1 << 20])
+def test_keys_of_many_keys_come_a_range_of_keys_at_a_time_in_key_order(tmp_path, monkeypatch, range_keys):
+    """Past RANGE_KEYS rows the keys are sorted a range at a time (never all at once) and
+    handed over a frame a range: the frames, one after another, are the sorted answer of
+    the records themselves."""
+    from metric_core.offline import keyorder
+    from metric_core.offline.keys import key_frames
+
+    monkeypatch.setattr(keyorder, "RANGE_KEYS", range_keys)
+    rng = np.random.default_rng(5)
+    n = 400
+    ids = rng.integers(0, 300, n)
+    rows = {
+        "key": [f"k/{'é' if k % 7 == 0 else ''}{int(k) * 7919 % 1000:03d}/{'x' * int(k % 40)}" for k in ids],
+        "value": [float(v) if v > -1.5 else math.inf for v in rng.normal(size=n)],
+        "reduction": [["mean", "max"][int(k % 3 == 0)] for k in ids],
+        "step": [int(s) for s in rng.integers(0, 9, n)],
+        "timestamp": [BASE + float(t) for t in rng.uniform(0, 100, n)],
+        "rank": [int(r) for r in rng.integers(0, 3, n)],
+    }
+    rows["process"] = [f"Actor_r{r}" for r in rows["rank"]]
+    (tmp_path / "run").mkdir()
+    pq.write_table(pa.table(rows), tmp_path / "run" / "part.parquet", row_group_size=60)
+    truth = [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
+
+    frames = list(key_frames(tmp_path / "run"))
+    assert pl.concat(frames).to_dicts() == _expected(truth)
+    if range_keys < 300:  # about a frame a range, none empty
+        assert len(frames) > 1 and all(f.height for f in frames)
+    else:
+        assert len(frames) == 1

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 import polars as pl
 
 from metric_core.offline import filters
+from metric_core.offline.keyorder import boundaries, range_of
 from metric_core.offline.plan import key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, all_skipped, scan_run
 from metric_core.offline.read.parquet import footer
@@ -66,12 +67,36 @@ def list_keys(
     (their pages verified); other files, and a segment with a damaged row group, are read
     (their key, reduction, source, step, time and value columns), once, on the engine's
     threads. Raises ``NoDataError`` for a run without a readable record,
-    ``FilteredOutError`` when no key matches ``keys``.
+    ``FilteredOutError`` when no key matches ``keys``. ``key_frames`` hands the same rows
+    over a range of keys at a time.
 
     >>> list_keys("sample_logs/rl_run").select("key", "reductions", "records", "sources").row(0)
     ('policy/latency_s', 'mean', 3840, 2)
     >>> list_keys("sample_logs/rl_run", keys=["trainer/*"])["key"].to_list()
     ['trainer/grad_norm', 'trainer/loss', 'trainer/lr', 'trainer/tokens_per_s']
+    """
+    frames = key_frames(
+        run, keys=keys, follow_symlinks=follow_symlinks, attempts=attempts, on_read=on_read,
+        on_progress=on_progress,
+    )  # fmt: skip
+    return pl.concat(list(frames), rechunk=False)
+
+
+def key_frames(
+    run: str | os.PathLike[str],
+    *,
+    keys: Iterable[str] = (),
+    follow_symlinks: bool = False,
+    attempts: str = "rewind",
+    on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
+) -> Iterator[pl.DataFrame]:
+    """``list_keys``' rows as frames in key order, each a range of keys (on millions of
+    keys, the whole answer is never held): the run is read before this returns, the
+    frames are sorted as they are taken. Raises as ``list_keys``.
+
+    >>> [f.height for f in key_frames("sample_logs/rl_run", keys=["trainer/*"])]
+    [4]
     """
     from metric_core.offline.engine.pool import on_threads
 
@@ -108,16 +133,15 @@ def list_keys(
         for _, rows in on_threads(read, parts, sizes, on_progress):
             if rows is not None:
                 fold.add(rows)
-        found = fold.keys()
     finally:
         if on_read is not None:
             on_read(scan.report)
-    if found.height == 0 and not scan.report.records:  # every record found damaged as it was read
+    if fold.held == 0 and not scan.report.records:  # every record found damaged as it was read
         raise all_skipped(scan.report)
-    if found.height == 0 and patterns:
+    if fold.held == 0 and patterns:
         plan = make_plan(keys=patterns)
         raise filters.nothing_left(str(scan.run_dir), plan, filters.unmatched(plan, seen))
-    return found
+    return fold.frames()
 
 
 def _declares_rows(scan: RunScan, fid: int) -> bool:
@@ -213,49 +237,70 @@ class _Fold:
             self.held = self.folded = self.parts[0].height
             self.distinct = self.folded > before // 2
 
-    def keys(self) -> pl.DataFrame:
-        """A row a key, sorted by key."""
-        rows = pl.concat(self.parts, how="vertical_relaxed") if self.parts else pl.DataFrame(schema=_ROW)
-        self.parts = []
-        # Sorted a column at a time, each let go once gathered: a copy of the rows is never
-        # held whole (a string column's gather copies its views, not its text).
-        order = rows["key"].arg_sort()
-        columns = {}
-        for name in list(rows.columns):
-            columns[name] = rows[name].gather(order)
-            rows = rows.drop(name)
-        del order
-        rows = pl.DataFrame(columns)
-        del columns
-        starts = rows.select(start=pl.col("key").ne_missing(pl.col("key").shift(1)).fill_null(True))["start"]
-        if starts.all():  # every key once: its row is its answer
-            return rows.select(
-                "key",
-                reductions=pl.col("reduction").cast(pl.String),
-                records=pl.col("records").cast(pl.UInt64),
-                sources=pl.lit(1, pl.UInt32),
-                first_step="first_step",
-                last_step="last_step",
-                first_time="first_time",
-                last_time="last_time",
-                nonfinite=pl.col("nonfinite").cast(pl.UInt64),
-            )
-        return (
-            rows.with_columns(group=starts.cum_sum())
-            .group_by("group", maintain_order=True)
-            .agg(
-                pl.col("key").first(),
-                reductions=pl.col("reduction").cast(pl.String).unique().sort().str.join(","),
-                records=pl.col("records").cast(pl.UInt64).sum(),
-                sources=pl.col("source").n_unique(),
-                first_step=pl.col("first_step").min(),
-                last_step=pl.col("last_step").max(),
-                first_time=pl.col("first_time").min(),
-                last_time=pl.col("last_time").max(),
-                nonfinite=pl.col("nonfinite").cast(pl.UInt64).sum(),
-            )
-            .drop("group")
+    def frames(self) -> Iterator[pl.DataFrame]:
+        """A row a key, in key order: the rows cut into ranges of keys (``keyorder``), each
+        range sorted and answered on its own, a frame a range."""
+        parts, self.parts = self.parts, []
+        bounds = boundaries([p["key"] for p in parts], self.held)
+        if not len(bounds):
+            yield _answer(pl.concat(parts, how="vertical_relaxed") if parts else pl.DataFrame(schema=_ROW))
+            return
+        pieces: list[list[pl.DataFrame]] = [[] for _ in range(len(bounds) + 1)]
+        while parts:  # each part cut by range and let go
+            part = parts.pop(0)
+            which = pl.Series("_range", range_of(part["key"], bounds))
+            for (r,), piece in (
+                part.with_columns(which).partition_by("_range", as_dict=True, include_key=False).items()
+            ):
+                pieces[int(r)].append(piece)  # type: ignore[call-overload]
+            del part, which
+        for r in range(len(pieces)):
+            mine, pieces[r] = pieces[r], []
+            if mine:
+                yield _answer(pl.concat(mine, how="vertical_relaxed"))
+
+
+def _answer(rows: pl.DataFrame) -> pl.DataFrame:
+    """Rows a (key, reduction, source) as a row a key, sorted by key."""
+    # Sorted a column at a time, each let go once gathered: a copy of the rows is never
+    # held whole (a string column's gather copies its views, not its text).
+    order = rows["key"].arg_sort()
+    columns = {}
+    for name in list(rows.columns):
+        columns[name] = rows[name].gather(order)
+        rows = rows.drop(name)
+    del order
+    rows = pl.DataFrame(columns)
+    del columns
+    starts = rows.select(start=pl.col("key").ne_missing(pl.col("key").shift(1)).fill_null(True))["start"]
+    if starts.all():  # every key once: its row is its answer
+        return rows.select(
+            "key",
+            reductions=pl.col("reduction").cast(pl.String),
+            records=pl.col("records").cast(pl.UInt64),
+            sources=pl.lit(1, pl.UInt32),
+            first_step="first_step",
+            last_step="last_step",
+            first_time="first_time",
+            last_time="last_time",
+            nonfinite=pl.col("nonfinite").cast(pl.UInt64),
         )
+    return (
+        rows.with_columns(group=starts.cum_sum())
+        .group_by("group", maintain_order=True)
+        .agg(
+            pl.col("key").first(),
+            reductions=pl.col("reduction").cast(pl.String).unique().sort().str.join(","),
+            records=pl.col("records").cast(pl.UInt64).sum(),
+            sources=pl.col("source").n_unique(),
+            first_step=pl.col("first_step").min(),
+            last_step=pl.col("last_step").max(),
+            first_time=pl.col("first_time").min(),
+            last_time=pl.col("last_time").max(),
+            nonfinite=pl.col("nonfinite").cast(pl.UInt64).sum(),
+        )
+        .drop("group")
+    )
 
 
 def _folded(rows: pl.DataFrame) -> pl.DataFrame:
