@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -280,15 +281,26 @@ def test_inspect_lists_the_last_values_of_a_stopped_sources_first_keys_by_name(t
     assert next(s.keys for s in report.sources if s.rank == 0) == 1_200
 
 
-@pytest.mark.parametrize("range_keys", [1, 16, 1 << 20])
-def test_keys_of_many_keys_come_a_range_of_keys_at_a_time_in_key_order(tmp_path, monkeypatch, range_keys):
+@pytest.mark.parametrize(("range_keys", "spilled_rows"), [(1, 10**9), (16, 10**9), (16, 20), (1 << 20, 20)])
+def test_keys_of_many_keys_come_a_range_of_keys_at_a_time_in_key_order(
+    tmp_path, monkeypatch, range_keys, spilled_rows
+):
     """Past RANGE_KEYS rows the keys are sorted a range at a time (never all at once) and
-    handed over a frame a range: the frames, one after another, are the sorted answer of
-    the records themselves."""
+    handed over a frame a range, the rows of mostly distinct keys set aside in a temporary
+    directory past SPILLED_ROWS (removed at the end): the frames, one after another, are
+    the sorted answer of the records themselves."""
     from metric_core.offline import keyorder
+    from metric_core.offline import keys as keys_module
     from metric_core.offline.keys import key_frames
 
     monkeypatch.setattr(keyorder, "RANGE_KEYS", range_keys)
+    monkeypatch.setattr(keys_module, "SPILLED_ROWS", spilled_rows)
+    monkeypatch.setattr(keys_module, "SAMPLED_KEYS", 8)  # thinned as it grows
+    monkeypatch.setattr(keys_module, "FOLDED_ROWS", 30)
+    monkeypatch.setattr(keys_module, "BATCH_ROWS", 50)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     rng = np.random.default_rng(5)
     n = 400
     ids = rng.integers(0, 300, n)
@@ -305,8 +317,12 @@ def test_keys_of_many_keys_come_a_range_of_keys_at_a_time_in_key_order(tmp_path,
     pq.write_table(pa.table(rows), tmp_path / "run" / "part.parquet", row_group_size=60)
     truth = [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
 
-    frames = list(key_frames(tmp_path / "run"))
+    stream = key_frames(tmp_path / "run")
+    frames = [next(stream)]
+    assert any(temp.iterdir()) == (spilled_rows < n)
+    frames += list(stream)
     assert pl.concat(frames).to_dicts() == _expected(truth)
+    assert not any(temp.iterdir())
     if range_keys < 300:  # about a frame a range, none empty
         assert len(frames) > 1 and all(f.height for f in frames)
     else:

@@ -15,7 +15,7 @@ import polars as pl
 # Keys sorted at a time, at most about (a range's share of the sample may be uneven)
 RANGE_KEYS = 1 << 20
 # Keys of the sample a range, for choosing the boundaries
-_SAMPLE_PER_RANGE = 64
+SAMPLE_PER_RANGE = 64
 
 
 def key_ranks(keys: pl.Series) -> np.ndarray:
@@ -26,7 +26,7 @@ def key_ranks(keys: pl.Series) -> np.ndarray:
     if n <= RANGE_KEYS:
         rank[stable_order(keys)] = np.arange(n)
         return rank
-    which = range_of(keys, boundaries([keys], n))
+    which = range_of(keys, boundaries(sample_of(keys, n), n))
     counts = np.bincount(which, minlength=1)
     members = np.argsort(which, kind="stable")  # each range's keys in their first order
     del which
@@ -37,16 +37,21 @@ def key_ranks(keys: pl.Series) -> np.ndarray:
     return rank
 
 
-def boundaries(parts: list[pl.Series], n: int) -> pl.Series:
-    """Keys that cut the ``n`` keys of ``parts`` into ranges of about RANGE_KEYS (sorted,
-    distinct; none for ``n`` at most that), chosen from an even sample of every part."""
+def boundaries(sample: pl.Series, n: int) -> pl.Series:
+    """Keys that cut ``n`` keys into ranges of about RANGE_KEYS (sorted, distinct; none for
+    ``n`` at most that), chosen from an even ``sample`` of them."""
     ranges = -(-n // RANGE_KEYS)
-    if ranges <= 1:
+    if ranges <= 1 or not len(sample):
         return pl.Series(dtype=pl.String)
-    every = max(n // (ranges * _SAMPLE_PER_RANGE), 1)
-    sample = pl.concat([p.cast(pl.String).gather_every(every) for p in parts if len(p)]).sort()
-    picks = (np.arange(1, ranges) * len(sample)) // ranges
-    return sample.gather(picks).unique(maintain_order=True)
+    ordered = sample.cast(pl.String).sort()
+    picks = (np.arange(1, ranges) * len(ordered)) // ranges
+    return ordered.gather(picks).unique(maintain_order=True)
+
+
+def sample_of(keys: pl.Series, n: int) -> pl.Series:
+    """An even sample of ``keys`` (``n`` of them in all), enough for ``boundaries``."""
+    ranges = -(-n // RANGE_KEYS)
+    return keys.gather_every(max(n // (ranges * SAMPLE_PER_RANGE), 1))
 
 
 def range_of(keys: pl.Series, bounds: pl.Series) -> np.ndarray:
