@@ -190,10 +190,9 @@ def compacted(keys: pl.DataFrame) -> tuple[pl.DataFrame, dict[Source, int]]:
     if keys.height <= LAST_VALUES * max(len(counts), 1):
         return keys, counts
     kept = [keys.filter(pl.col("nonfinite") > 0)]
-    for process, rank in counts:
-        mine = keys.filter((pl.col("process") == process) & (pl.col("rank") == rank))
-        first = mine.filter(pl.col("nonfinite") == 0).top_k(LAST_VALUES, by="key", reverse=True)
-        kept.append(first)
+    for process, rank in counts:  # a query a source: never a copy of its rows
+        mine = (pl.col("process") == process) & (pl.col("rank") == rank) & (pl.col("nonfinite") == 0)
+        kept.append(keys.lazy().filter(mine).top_k(LAST_VALUES, by="key", reverse=True).collect())
     return pl.concat(kept, how="vertical_relaxed"), counts
 
 
