@@ -49,7 +49,8 @@ typedef struct {
     int64_t n_groups;
     const int16_t *e_low, *e_high; /* each group's exponent range (e_low > e_high: none) */
     int scale, shift, pieces; /* a value of exponent E lands at digit (scale E + shift) >> 5 */
-    int64_t *start; /* where each group's span starts in bins; n_groups + 1 entries */
+    int64_t *start;  /* where each group's span starts in bins; n_groups + 1 entries */
+    int64_t *origin; /* where digit 0 of each group would be in bins: start - lowest digit */
     int64_t *bins;
 } Spans;
 
@@ -59,9 +60,11 @@ static inline int64_t digit_of(const Spans *sp, int e) { return ((int64_t)sp->sc
 static int spans_alloc(Spans *sp) {
     int64_t total = 0;
     sp->start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(sp->n_groups + 1));
-    if (!sp->start) return -1;
+    sp->origin = (int64_t *)malloc(sizeof(int64_t) * (size_t)(sp->n_groups + 1));
+    if (!sp->start || !sp->origin) return -1;
     for (int64_t g = 0; g < sp->n_groups; g++) {
         sp->start[g] = total;
+        sp->origin[g] = total - digit_of(sp, sp->e_low[g]);
         if (sp->e_low[g] <= sp->e_high[g])  /* one digit on top for carries */
             total += digit_of(sp, sp->e_high[g]) - digit_of(sp, sp->e_low[g]) + sp->pieces + 1;
     }
@@ -72,6 +75,7 @@ static int spans_alloc(Spans *sp) {
 
 static void spans_free(Spans *sp) {
     free(sp->start);
+    free(sp->origin);
     free(sp->bins);
 }
 
@@ -202,12 +206,12 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
         for (int64_t i = 0; i < n_groups; i++)
             if (count[i] > MAX_COUNT) status = TOO_MANY;
     if (status == OK) {
-        sums = (Spans){n_groups, e_low, e_high, 1, SUM_SHIFT, SUM_PIECES, NULL, NULL};
-        sq = (Spans){squares ? n_groups : 0, e_low, e_high, 2, SQUARE_SHIFT, SQUARE_PIECES, NULL, NULL};
+        sums = (Spans){n_groups, e_low, e_high, 1, SUM_SHIFT, SUM_PIECES, NULL, NULL, NULL};
+        sq = (Spans){squares ? n_groups : 0, e_low, e_high, 2, SQUARE_SHIFT, SQUARE_PIECES, NULL, NULL, NULL};
         if (spans_alloc(&sums) || spans_alloc(&sq)) status = NO_MEMORY;
     }
     if (status == OK) {
-        int64_t *sb = sums.bins, *qb = sq.bins;
+        int64_t *sb = sums.bins, *qb = sq.bins, *s_origin = sums.origin, *q_origin = sq.origin;
         for (int64_t i = 0; i < rows; i++) { /* pass 2 */
             uint64_t bits = v[i];
             int biased = (int)((bits >> 52) & 0x7FF);
@@ -216,7 +220,7 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
             int e = biased > 0 ? biased : 1;
             uint64_t m = (bits & ((UINT64_C(1) << 52) - 1)) | ((uint64_t)(biased > 0) << 52);
             int s = e + SUM_SHIFT;
-            int64_t *x = sb + sums.start[gi] + ((s >> 5) - digit_of(&sums, e_low[gi]));
+            int64_t *x = sb + s_origin[gi] + (s >> 5);
             int r = s & 31;
             uint64_t low32 = (m & MASK32) << r;                   /* under 2**63 */
             uint64_t carried = (low32 >> 32) + ((m >> 32) << r); /* under 2**53 */
@@ -233,7 +237,7 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
             uint64_t l0 = ll & MASK32, l1 = t & MASK32, l2 = u & MASK32, l3 = u >> 32;
             int qs = 2 * e + SQUARE_SHIFT;
             int qr = qs & 31; /* even, at most 30: a limb shifted stays under 2**62 */
-            int64_t *y = qb + sq.start[gi] + ((qs >> 5) - digit_of(&sq, e_low[gi]));
+            int64_t *y = qb + q_origin[gi] + (qs >> 5);
             l0 <<= qr;
             l1 <<= qr;
             l2 <<= qr;
