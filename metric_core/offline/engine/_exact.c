@@ -56,27 +56,66 @@ typedef struct {
 
 static inline int64_t digit_of(const Spans *sp, int e) { return ((int64_t)sp->scale * e + sp->shift) >> 5; }
 
-/* Lay out each group's span; 0 on success, -1 out of memory. */
-static int spans_alloc(Spans *sp) {
+/* Lay out each group's span (start and origin must have n_groups + 1 entries); returns the
+ * bins the spans take. */
+static int64_t spans_layout(Spans *sp) {
     int64_t total = 0;
-    sp->start = (int64_t *)malloc(sizeof(int64_t) * (size_t)(sp->n_groups + 1));
-    sp->origin = (int64_t *)malloc(sizeof(int64_t) * (size_t)(sp->n_groups + 1));
-    if (!sp->start || !sp->origin) return -1;
     for (int64_t g = 0; g < sp->n_groups; g++) {
         sp->start[g] = total;
         sp->origin[g] = total - digit_of(sp, sp->e_low[g]);
-        if (sp->e_low[g] <= sp->e_high[g])  /* one digit on top for carries */
+        if (sp->e_low[g] <= sp->e_high[g]) /* one digit on top for carries */
             total += digit_of(sp, sp->e_high[g]) - digit_of(sp, sp->e_low[g]) + sp->pieces + 1;
     }
     sp->start[sp->n_groups] = total;
-    sp->bins = (int64_t *)calloc((size_t)(total > 0 ? total : 1), sizeof(int64_t));
-    return sp->bins ? 0 : -1;
+    return total;
 }
 
-static void spans_free(Spans *sp) {
-    free(sp->start);
-    free(sp->origin);
-    free(sp->bins);
+/* Scratch memory kept between calls: a partition's call after another's would otherwise
+ * take fresh pages from the system each time, and touching them costs more than the
+ * adding. A few are kept (taken and given back under the GIL), each up to KEEP bytes. */
+typedef struct {
+    void *p;
+    size_t cap;
+} Buf;
+typedef struct {
+    Buf groups, bins;
+} Scratch;
+#define POOL 4
+#define KEEP ((size_t)64 << 20)
+static Scratch pool[POOL];
+static int pooled = 0;
+
+static Scratch scratch_take(void) {
+    Scratch none = {{NULL, 0}, {NULL, 0}};
+    return pooled ? pool[--pooled] : none;
+}
+
+static void buf_drop(Buf *b) {
+    free(b->p);
+    b->p = NULL;
+    b->cap = 0;
+}
+
+static void scratch_give(Scratch s) {
+    if (s.groups.cap > KEEP) buf_drop(&s.groups);
+    if (s.bins.cap > KEEP) buf_drop(&s.bins);
+    if (pooled < POOL) {
+        pool[pooled++] = s;
+        return;
+    }
+    buf_drop(&s.groups);
+    buf_drop(&s.bins);
+}
+
+/* At least need bytes in b (its contents not kept); 0, or -1 out of memory. */
+static int buf_fit(Buf *b, size_t need) {
+    if (b->cap >= need && b->p) return 0;
+    buf_drop(b);
+    need += need / 4; /* room to grow a little before the next call takes it again */
+    b->p = malloc(need > 0 ? need : 1);
+    if (!b->p) return -1;
+    b->cap = need;
+    return 0;
 }
 
 /* Carry each group's span into canonical digits: signs, lows and sizes a group, the
@@ -149,6 +188,7 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
     PyObject *result = NULL, *s_out = NULL, *q_out = NULL;
     int16_t *e_low = NULL, *e_high = NULL;
     Spans sums = {0}, sq = {0};
+    Scratch scratch = scratch_take();
     int64_t n_groups = (int64_t)n_groups_arg;
     int64_t rows = (int64_t)(a.groups.len / 8);
     int64_t q_groups = squares ? n_groups : 0;
@@ -165,12 +205,16 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
     const uint64_t *v = (const uint64_t *)a.values.buf;
     int64_t *count = (int64_t *)a.count.buf, *nan = (int64_t *)a.nan.buf;
     int64_t *pos_inf = (int64_t *)a.pos_inf.buf, *neg_inf = (int64_t *)a.neg_inf.buf;
-    e_low = (int16_t *)malloc(sizeof(int16_t) * (size_t)(n_groups > 0 ? n_groups : 1));
-    e_high = (int16_t *)malloc(sizeof(int16_t) * (size_t)(n_groups > 0 ? n_groups : 1));
-    if (!e_low || !e_high) {
+    /* the groups' scratch: four int64 arrays of n_groups + 1 (spans' starts and origins),
+     * then e_low and e_high */
+    size_t longs = 4 * (size_t)(n_groups + 1);
+    if (buf_fit(&scratch.groups, longs * 8 + 4 * (size_t)n_groups)) {
         PyErr_NoMemory();
         goto done;
     }
+    int64_t *longs_at = (int64_t *)scratch.groups.p;
+    e_low = (int16_t *)(longs_at + longs);
+    e_high = e_low + n_groups;
     int status = OK;
     int64_t n_sum = 0, n_sq = 0;
     Py_BEGIN_ALLOW_THREADS
@@ -206,9 +250,18 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
         for (int64_t i = 0; i < n_groups; i++)
             if (count[i] > MAX_COUNT) status = TOO_MANY;
     if (status == OK) {
-        sums = (Spans){n_groups, e_low, e_high, 1, SUM_SHIFT, SUM_PIECES, NULL, NULL, NULL};
-        sq = (Spans){squares ? n_groups : 0, e_low, e_high, 2, SQUARE_SHIFT, SQUARE_PIECES, NULL, NULL, NULL};
-        if (spans_alloc(&sums) || spans_alloc(&sq)) status = NO_MEMORY;
+        int64_t k = n_groups + 1;
+        sums = (Spans){n_groups, e_low, e_high, 1, SUM_SHIFT, SUM_PIECES, longs_at, longs_at + k, NULL};
+        sq = (Spans){squares ? n_groups : 0, e_low, e_high, 2, SQUARE_SHIFT, SQUARE_PIECES, longs_at + 2 * k,
+                     longs_at + 3 * k, NULL};
+        int64_t s_total = spans_layout(&sums), q_total = spans_layout(&sq);
+        if (buf_fit(&scratch.bins, 8 * (size_t)(s_total + q_total))) {
+            status = NO_MEMORY;
+        } else {
+            sums.bins = (int64_t *)scratch.bins.p;
+            sq.bins = sums.bins + s_total;
+            memset(sums.bins, 0, 8 * (size_t)(s_total + q_total));
+        }
     }
     if (status == OK) {
         int64_t *sb = sums.bins, *qb = sq.bins, *s_origin = sums.origin, *q_origin = sq.origin;
@@ -286,10 +339,7 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(s_out);
     Py_XDECREF(q_out);
-    spans_free(&sums);
-    spans_free(&sq);
-    free(e_low);
-    free(e_high);
+    scratch_give(scratch);
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
         if (all[i]->obj) PyBuffer_Release(all[i]);
     return result;
