@@ -776,3 +776,17 @@ def test_the_version_says_which_path_is_in_use(tmp_path):
     assert version(METRICLOG_PURE="1").endswith("(exact sums: pure numpy)")
     built = "compiled" if COMPILED is not None else "pure numpy"
     assert version().endswith(f"(exact sums: {built})")
+
+
+def test_threads_accumulating_at_once_get_their_own_states(kernel):
+    """The compiled path lets go of the GIL while it adds, and keeps scratch memory between
+    calls: calls on several threads at once, of different sizes, each give the state a
+    call alone gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [generate(300 + i, n_groups=[50, 400, 3000][i % 3]) for i in range(12)]
+    alone = [accumulate(g, v, n) for g, v, n in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            together = list(pool.map(lambda args: accumulate(*args), inputs))
+            assert all(a.equals(b) for a, b in zip(alone, together, strict=True))
