@@ -19,7 +19,8 @@ Each stage, medians of --repeats rounds, every way side by side in each round:
                against the float states' ``partials.fold`` (mapped the same way)
   finish       sum, mean and std of every group: exact against ``partials.statistic``
 
-Figures are nanoseconds a row (a group, for finish) and ratios: ``x float`` is the time
+Figures are nanoseconds a row (a group, for finish), of wall time and of the process's CPU
+time (on a loaded machine the CPU time moves less), and ratios: ``x float`` is the time
 over the float state's (``partials._sums``, or the float fold and finish), ``x duckdb``
 over DuckDB's 1-thread GROUP BY sum (the accumulate stages in one call). The compiled
 path runs on one thread.
@@ -76,10 +77,12 @@ def duckdb_group_by(g: np.ndarray, v: np.ndarray, threads: int, select: str) -> 
     return lambda: con.execute(query).fetchnumpy()
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds, and the process's CPU seconds (every thread's: DuckDB's 2 threads count
+    twice), of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -174,19 +177,28 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, (_, fn) in stages.items():
             times[name].append(timed(fn))
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    duck = medians["accumulate, one call: duckdb GROUP BY sum, 1 thread"]
-    print(f"{'stage':76s} {'median s':>9s} {'ns a row':>9s} {'x float':>8s} {'x duckdb':>9s}")
+    medians = {name: statistics.median(w for w, _ in t) for name, t in times.items()}
+    cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
+    duck = "accumulate, one call: duckdb GROUP BY sum, 1 thread"
+    print(
+        f"{'stage':72s} {'median s':>8s} {'ns a row':>8s} {'cpu ns':>8s} {'x float':>7s} "
+        f"{'x duckdb':>8s} {'cpu x duckdb':>12s}"
+    )
     for name, (count, _) in stages.items():
         kind, way = name.split(": ")
         base = next((medians[f"{kind}: {w}"] for w in (
             "float state (partials._sums)", "float (partials.fold)", "float (partials.statistic)",
         ) if f"{kind}: {w}" in medians), None)  # fmt: skip
-        ratio = f"{medians[name] / base:8.2f}" if base and "float" not in way else ""
-        versus = f"{medians[name] / duck:9.2f}" if kind == "accumulate, one call" else ""
-        per = medians[name] / count * 1e9
-        unit = "ns a group" if kind.startswith("finish") else ""
-        print(f"{name:76s} {medians[name]:9.3f} {per:9.1f} {ratio:>8s} {versus:>9s} {unit}")
+        ratio = f"{medians[name] / base:7.2f}" if base and "float" not in way else ""
+        one = kind == "accumulate, one call"
+        versus = f"{medians[name] / medians[duck]:8.2f}" if one else ""
+        cpu_versus = f"{cpu[name] / cpu[duck]:12.2f}" if one else ""
+        per, cpu_per = medians[name] / count * 1e9, cpu[name] / count * 1e9
+        unit = "(a group)" if kind.startswith("finish") else ""
+        print(
+            f"{name:72s} {medians[name]:8.3f} {per:8.1f} {cpu_per:8.1f} {ratio:>7s} "
+            f"{versus:>8s} {cpu_versus:>12s} {unit}"
+        )
     exact_sum, float_sum = whole.sum(), partials.statistic(folded, "sum")
     differ = int((exact_sum != float_sum).sum())
     print(f"groups whose float-state sum differs from the correctly rounded one: {differ:,}")
