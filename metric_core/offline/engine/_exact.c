@@ -172,12 +172,13 @@ static int check_length(Py_buffer *b, int64_t n, Py_ssize_t itemsize, const char
     return 0;
 }
 
-enum { OK = 0, BAD_GROUP = 1, TOO_MANY = 2, NO_MEMORY = 3, HEADROOM = 4 };
+enum { OK = 0, BAD_GROUP = 1, TOO_MANY = 2, NO_MEMORY = 3 };
 
 static PyObject *accumulate(PyObject *self, PyObject *args) {
     Args a;
     Py_ssize_t n_groups_arg;
     int squares;
+    (void)self;
     memset(&a, 0, sizeof(a));
     if (!PyArg_ParseTuple(args, "y*y*npw*w*w*w*w*w*w*w*w*w*", &a.groups, &a.values, &n_groups_arg, &squares,
                           &a.count, &a.nan, &a.pos_inf, &a.neg_inf, &a.s_sign, &a.s_low, &a.s_size, &a.q_sign,
@@ -355,7 +356,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_exact", "The compiled path of metric_core.offline.engine.exact.accumulate.", -1,
-    methods,
+    methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__exact(void) { return PyModule_Create(&module); }
