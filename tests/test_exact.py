@@ -790,3 +790,19 @@ def test_threads_accumulating_at_once_get_their_own_states(kernel):
         for _ in range(3):
             together = list(pool.map(lambda args: accumulate(*args), inputs))
             assert all(a.equals(b) for a, b in zip(alone, together, strict=True))
+
+
+@pytest.mark.parametrize("rows", [2047, 2048, 4096, 4097])
+def test_groups_about_the_rows_where_a_carry_digit_is_added(rows, kernel):
+    """From 2**11 rows a group's span gains a digit on top for carries (compiled path;
+    4097 rows would not fit without it): values whose pieces are widest (53 bits set, every
+    alignment to the digits), all of one sign, give the exact sum either side of it."""
+    align = np.arange(32)
+    base = np.ldexp(np.full(32, float(2**53 - 1)), align + 40)
+    values = np.repeat(base, rows)
+    groups = np.repeat(align, rows)
+    for sign in (1, -1):
+        state = accumulate(groups, sign * values, 32)
+        for g, s in enumerate(state.sum_digits.to_ints()):
+            assert Fraction(s) * Fraction(2) ** exact.SUM_BASE == sign * Fraction(base[g]) * rows
+        check(state, groups, sign * values, 32)

@@ -10,8 +10,8 @@
  * Three passes over the rows' groups (plain C99, no compiler extensions):
  *   1. check every group id, count rows and non-finite values, and keep each group's
  *      lowest and highest biased exponent of its nonzero finite values;
- *   2. give each group a span of int64 digits from its lowest piece to one past its
- *      highest (the exponents fix both), and add each value's pieces into its group's span:
+ *   2. give each group a span of int64 digits from its lowest piece to its highest (the
+ *      exponents fix both; one more on top for carries in groups of many rows), and add each value's pieces into its group's span:
  *      M * 2**(s mod 32) in three pieces under 2**32, M**2 (from 32-bit halves of M in
  *      uint64 products, never v * v) shifted by an even offset in five pieces under 2**32;
  *      a digit takes at most one piece a row, so fewer than 2**31 rows a group stay
@@ -38,6 +38,12 @@
 #define SQUARE_SHIFT 26
 #define SUM_PIECES 3
 #define SQUARE_PIECES 5
+/* A group's span is its pieces' digits and, from this many rows on, one digit on top for
+ * carries. Below it the pieces' own top digit has room: a value's pieces are under 2**84
+ * (M * 2**r, r < 32) in three digits, so fewer than 2**12 of them stay under 2**96; a
+ * square's are under 2**136 in five, so fewer than 2**24 stay under 2**160. */
+#define SUM_ROOMY ((int64_t)1 << 11)
+#define SQUARE_ROOMY ((int64_t)1 << 23)
 
 /* floor(x / 2**32) for any int64 x, without relying on >> of a negative number */
 static inline int64_t carry_of(int64_t x) {
@@ -49,6 +55,8 @@ typedef struct {
     int64_t n_groups;
     const int16_t *e_low, *e_high; /* each group's exponent range (e_low > e_high: none) */
     int scale, shift, pieces; /* a value of exponent E lands at digit (scale E + shift) >> 5 */
+    int64_t roomy;            /* groups of fewer rows need no digit on top for carries */
+    const int64_t *count;
     int64_t *start;  /* where each group's span starts in bins; n_groups + 1 entries */
     int64_t *origin; /* where digit 0 of each group would be in bins: start - lowest digit */
     int64_t *bins;
@@ -63,8 +71,9 @@ static int64_t spans_layout(Spans *sp) {
     for (int64_t g = 0; g < sp->n_groups; g++) {
         sp->start[g] = total;
         sp->origin[g] = total - digit_of(sp, sp->e_low[g]);
-        if (sp->e_low[g] <= sp->e_high[g]) /* one digit on top for carries */
-            total += digit_of(sp, sp->e_high[g]) - digit_of(sp, sp->e_low[g]) + sp->pieces + 1;
+        if (sp->e_low[g] <= sp->e_high[g])
+            total += digit_of(sp, sp->e_high[g]) - digit_of(sp, sp->e_low[g]) + sp->pieces +
+                     (sp->count[g] >= sp->roomy);
     }
     sp->start[sp->n_groups] = total;
     return total;
@@ -252,9 +261,10 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
             if (count[i] > MAX_COUNT) status = TOO_MANY;
     if (status == OK) {
         int64_t k = n_groups + 1;
-        sums = (Spans){n_groups, e_low, e_high, 1, SUM_SHIFT, SUM_PIECES, longs_at, longs_at + k, NULL};
-        sq = (Spans){squares ? n_groups : 0, e_low, e_high, 2, SQUARE_SHIFT, SQUARE_PIECES, longs_at + 2 * k,
-                     longs_at + 3 * k, NULL};
+        sums = (Spans){n_groups, e_low, e_high, 1, SUM_SHIFT, SUM_PIECES, SUM_ROOMY, count,
+                       longs_at, longs_at + k, NULL};
+        sq = (Spans){squares ? n_groups : 0, e_low, e_high, 2, SQUARE_SHIFT, SQUARE_PIECES, SQUARE_ROOMY, count,
+                     longs_at + 2 * k, longs_at + 3 * k, NULL};
         int64_t s_total = spans_layout(&sums), q_total = spans_layout(&sq);
         if (buf_fit(&scratch.bins, 8 * (size_t)(s_total + q_total))) {
             status = NO_MEMORY;
