@@ -66,9 +66,11 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
+        from metric_core.offline.engine import exact
+
         from . import __version__
 
-        typer.echo(f"metriclog {__version__}")
+        typer.echo(f"metriclog {__version__} (exact sums: {exact.path()})")
         raise typer.Exit()
 
 
