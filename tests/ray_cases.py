@@ -55,8 +55,14 @@ def runs(tmp_path_factory, local_ray):
         {"keys": ["trainer/*"], "ranks": "0", "steps": "5:30"},
         # each statistic on one key at a time, four at once (a Ray session's tasks are what
         # this file spends its time on)
-        *({"reduce": [f"{k}={s}" for k, s in zip(KEYS, STATS[i : i + 4])]} for i in range(0, len(STATS), 4)),
-        {"mode": "per_rank_reduce", "reduce": [f"{k}={s}" for k, s in zip(KEYS, ("median", "first", "std"))]},
+        *(
+            {"reduce": [f"{k}={s}" for k, s in zip(KEYS, STATS[i : i + 4], strict=False)]}
+            for i in range(0, len(STATS), 4)
+        ),
+        {
+            "mode": "per_rank_reduce",
+            "reduce": [f"{k}={s}" for k, s in zip(KEYS, ("median", "first", "std"), strict=False)],
+        },
     ],
     ids=str,
 )

@@ -226,7 +226,8 @@ def _left_out(whole: list[dict], damaged: list[dict]) -> list[dict]:
 
 
 def _ident(row: dict) -> tuple:
-    return (row["process"], row["rank"], row["step"], row["key"], row["reduction"], row["timestamp"], float(row["value"]).hex())
+    value = float(row["value"]).hex()
+    return (row["process"], row["rank"], row["step"], row["key"], row["reduction"], row["timestamp"], value)
 
 
 # -- reducing modes ------------------------------------------------------------------
@@ -285,7 +286,8 @@ def compare_groups(
         choices = [sure, sure + extra_rows] if extra_rows else [sure]
         choices = [c for c in choices if c]
         if extra_rows and not len(sure) <= row["count"] <= len(sure) + len(extra_rows):
-            bad.append(f"{where}: count {row['count']}, expected {len(sure)} to {len(sure) + len(extra_rows)}")
+            most = len(sure) + len(extra_rows)
+            bad.append(f"{where}: count {row['count']}, expected {len(sure)} to {most}")
             continue
         if extra_rows and row["count"] not in {len(c) for c in choices}:
             continue  # some of the doubtful rows only: their values are not known apart
