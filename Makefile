@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast lint bench samples soak clean
 
-$(STAMP): pyproject.toml
+# setup.py and the C source too: an editable install builds the extension in place once,
+# so a change to either is built only by installing again
+$(STAMP): pyproject.toml setup.py metric_core/offline/engine/_exact.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'

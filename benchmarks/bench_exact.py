@@ -5,23 +5,30 @@ laid out as 32 files would hold them (each file every group in order, rows-a-gro
 rows of each), cut in partitions of --partition rows, each numbering its own groups (as
 ``partials.partition_states`` does; that numbering is not timed).
 
-Each stage, medians of --repeats rounds, the two ways side by side in each round:
+Each stage, medians of --repeats rounds, every way side by side in each round:
 
-  accumulate   rows to states: the exact state (sums only, and with squares) against
-               float64 bincounts, the sum alone (one bincount) and the engine's present
-               state before it (``float_state`` here, the engine's until 2026-12-06: raw,
-               shift, dev and sq, three bincounts)
+  accumulate   rows to states: the exact state (sums only, and with squares), on the
+               compiled path (``_exact.c``) and on the pure numpy one, against float64
+               bincounts, the sum alone (one bincount) and the engine's state before
+               it (``float_state`` here, the engine's until 2026-12-06: raw, shift, dev and
+               sq, three bincounts), and against
+               DuckDB's GROUP BY over the same arrays in memory (an Arrow table, no
+               file): sum alone, and sum, avg and stddev_pop, on 1 thread and on 2
                -- in one call over every row, and a call a partition
   merge        every partition's state into the groups' numbering: ``combine`` at once
                and ``merge`` one partition after another (the accumulator's fold),
                against the float states' fold (``float_fold``, mapped the same way)
   finish       sum, mean and std of every group: exact against ``float_statistic``
 
-Figures are rows per second (groups per second for finish) and the ratio exact / float
-(how many times the float way's time the exact way takes).
+Figures are nanoseconds a row (a group, for finish), of wall time and of the process's CPU
+time (on a loaded machine the CPU time moves less), and ratios: ``x float`` is the time
+over the float state's (``float_state``, or the float fold and finish), ``x duckdb``
+over DuckDB's 1-thread GROUP BY sum (the accumulate stages in one call). The compiled
+path runs on one thread.
 
 Usage: python benchmarks/bench_exact.py [--rows 20000000] [--groups 62500]
-                                        [--partition 125000] [--repeats 3]
+                                        [--partition 125000] [--repeats 5]
+(METRICLOG_PURE=1 leaves the compiled path out.)
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ import statistics
 import time
 from collections.abc import Callable
 
+import duckdb
 import numpy as np
+import pyarrow as pa
 
 from metric_core.offline.engine import exact
 
@@ -92,10 +101,21 @@ def float_statistic(s: np.ndarray, name: str) -> np.ndarray:
         return np.where(np.isfinite(raw), np.sqrt(var), np.nan)
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
+def duckdb_group_by(g: np.ndarray, v: np.ndarray, threads: int, select: str) -> Callable[[], object]:
+    """DuckDB's GROUP BY g over the arrays as an in-memory Arrow table, the result fetched."""
+    con = duckdb.connect()
+    con.execute(f"SET threads = {threads}")
+    con.register("rows", pa.table({"g": g, "v": v}))
+    query = f"SELECT g, {select} FROM rows GROUP BY g"
+    return lambda: con.execute(query).fetchnumpy()
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds, and the process's CPU seconds (every thread's: DuckDB's 2 threads count
+    twice), of one call."""
+    wall, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - start
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def main() -> None:
@@ -103,7 +123,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=20_000_000)
     parser.add_argument("--groups", type=int, default=62_500)
     parser.add_argument("--partition", type=int, default=125_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     g, v, parts = data(args.rows, args.groups, args.partition)
     n_groups, rows = args.groups, len(g)
@@ -132,18 +152,50 @@ def main() -> None:
     def float_sum(local: np.ndarray, vals: np.ndarray, n: int) -> np.ndarray:
         return np.bincount(local, weights=vals, minlength=n)
 
+    native = exact._native
+    if native is None:
+        print("the compiled path is not in use (not built, or METRICLOG_PURE): its rows are left out")
+
+    def on(path: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def run(*args: object, **kwargs: object) -> object:
+            exact._native = native if path == "compiled" else None
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                exact._native = native
+
+        return run
+
     def exact_sums(local: np.ndarray, vals: np.ndarray, n: int) -> exact.ExactState:
         return exact.accumulate(local, vals, n, squares=False)
+
+    paths = ["numpy"] if native is None else ["compiled", "numpy"]
+    full = "sum(v), avg(v), stddev_pop(v)"
+    peers: dict[str, tuple[int, Callable[[], object]]] = {
+        "accumulate, one call: duckdb GROUP BY sum, 1 thread": (rows, duckdb_group_by(g, v, 1, "sum(v)")),
+        "accumulate, one call: duckdb GROUP BY sum, 2 threads": (rows, duckdb_group_by(g, v, 2, "sum(v)")),
+        "accumulate, one call: duckdb GROUP BY sum+avg+stddev_pop, 1 thread": (
+            rows, duckdb_group_by(g, v, 1, full),
+        ),
+        "accumulate, one call: duckdb GROUP BY sum+avg+stddev_pop, 2 threads": (
+            rows, duckdb_group_by(g, v, 2, full),
+        ),
+    }  # fmt: skip
+    one_call: dict[str, tuple[int, Callable[[], object]]] = {}
+    per_part: dict[str, tuple[int, Callable[[], object]]] = {}
+    for path in paths:
+        for what, fn in (("sums only", on(path, exact_sums)), ("with squares", on(path, exact.accumulate))):
+            one_call[f"accumulate, one call: exact {path}, {what}"] = (rows, lambda f=fn: f(g, v, n_groups))
+            per_part[f"accumulate, a call a partition: exact {path}, {what}"] = (rows, each_part(fn))
 
     stages: dict[str, tuple[int, Callable[[], object]]] = {
         "accumulate, one call: float sum (1 bincount)": (rows, lambda: float_sum(g, v, n_groups)),
         "accumulate, one call: float state (float_state)": (rows, lambda: float_state(g, v, n_groups)),
-        "accumulate, one call: exact, sums only": (rows, lambda: exact_sums(g, v, n_groups)),
-        "accumulate, one call: exact, with squares": (rows, lambda: exact.accumulate(g, v, n_groups)),
+        **one_call,
+        **peers,
         "accumulate, a call a partition: float sum (1 bincount)": (rows, each_part(float_sum)),
         "accumulate, a call a partition: float state (float_state)": (rows, each_part(float_state)),
-        "accumulate, a call a partition: exact, sums only": (rows, each_part(exact_sums)),
-        "accumulate, a call a partition: exact, with squares": (rows, each_part(exact.accumulate)),
+        **per_part,
         "merge, a partition after another: float (float_fold)": (rows, fold_float),
         "merge, a partition after another: exact (merge)": (rows, fold_exact),
         "merge, all at once: exact (combine)": (
@@ -158,16 +210,28 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, (_, fn) in stages.items():
             times[name].append(timed(fn))
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    print(f"{'stage':64s} {'median s':>9s} {'per second':>14s} {'x float':>8s}")
+    medians = {name: statistics.median(w for w, _ in t) for name, t in times.items()}
+    cpu = {name: statistics.median(c for _, c in t) for name, t in times.items()}
+    duck = "accumulate, one call: duckdb GROUP BY sum, 1 thread"
+    print(
+        f"{'stage':72s} {'median s':>8s} {'ns a row':>8s} {'cpu ns':>8s} {'x float':>7s} "
+        f"{'x duckdb':>8s} {'cpu x duckdb':>12s}"
+    )
     for name, (count, _) in stages.items():
         kind, way = name.split(": ")
         base = next((medians[f"{kind}: {w}"] for w in (
             "float state (float_state)", "float (float_fold)", "float (float_statistic)",
         ) if f"{kind}: {w}" in medians), None)  # fmt: skip
-        ratio = f"{medians[name] / base:8.1f}" if base and "exact" in way else ""
-        unit = "groups/s" if kind.startswith("finish") else "rows/s"
-        print(f"{name:64s} {medians[name]:9.3f} {count / medians[name]:10.3g} {unit:8s} {ratio}")
+        ratio = f"{medians[name] / base:7.2f}" if base and "float" not in way else ""
+        one = kind == "accumulate, one call"
+        versus = f"{medians[name] / medians[duck]:8.2f}" if one else ""
+        cpu_versus = f"{cpu[name] / cpu[duck]:12.2f}" if one else ""
+        per, cpu_per = medians[name] / count * 1e9, cpu[name] / count * 1e9
+        unit = "(a group)" if kind.startswith("finish") else ""
+        print(
+            f"{name:72s} {medians[name]:8.3f} {per:8.1f} {cpu_per:8.1f} {ratio:>7s} "
+            f"{versus:>8s} {cpu_versus:>12s} {unit}"
+        )
     exact_sum, float_sum = whole.sum(), float_statistic(folded, "sum")
     differ = int((exact_sum != float_sum).sum())
     print(f"groups whose float-state sum differs from the correctly rounded one: {differ:,}")

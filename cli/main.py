@@ -66,9 +66,11 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
+        from metric_core.offline.engine import exact
+
         from . import __version__
 
-        typer.echo(f"metriclog {__version__}")
+        typer.echo(f"metriclog {__version__} (exact sums: {exact.path()})")
         raise typer.Exit()
 
 
@@ -355,13 +357,13 @@ def keys(
     \b
         metriclog keys runs/exp1 --key 'trainer/*' --format json | jq '.[].key'
     """
-    from metric_core.offline.keys import list_keys
+    from metric_core.offline.keys import key_frames
 
     with command_run():
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
-            found = list_keys(
+            found = key_frames(
                 run_dir, keys=key or (), follow_symlinks=follow_symlinks, attempts=attempts,
                 on_read=output.said_skips, on_progress=progress,
             )  # fmt: skip

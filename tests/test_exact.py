@@ -6,13 +6,22 @@ correctly rounded ``float(Fraction)``, and the square root found from ``math.isq
 settled by comparing the squares of the midpoints between neighbouring floats with the
 exact variance. The same rows split into parts, accumulated apart and merged in any order,
 give the same state, bit for bit.
+
+Each test that accumulates runs on both paths: the compiled extension (``_exact.c``;
+skipped, with the reason, where it was not built) and pure numpy. Both give the same
+state, bit for bit, on every input (a seeded generator and hypothesis check that apart
+from the oracle).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
+import os
 import pickle
+import subprocess
+import sys
 from fractions import Fraction
 
 import numpy as np
@@ -25,6 +34,36 @@ from metric_core.offline.engine.exact import ExactState, accumulate, combine, co
 
 TINY = 5e-324  # 2**-1074
 MAX = np.finfo(np.float64).max
+
+try:  # imported itself: METRICLOG_PURE turns it off in exact, not here
+    from metric_core.offline.engine import _exact as COMPILED
+except ImportError:
+    COMPILED = None
+NOT_BUILT = (
+    "the C extension metric_core.offline.engine._exact was not built (no C compiler at install): "
+    "only the pure numpy path is tested"
+)
+KERNELS = ("compiled", "numpy")
+
+
+@contextlib.contextmanager
+def kernel_of(name: str):
+    """accumulate on the compiled path or the pure numpy one, for the block."""
+    if name == "compiled" and COMPILED is None:
+        pytest.skip(NOT_BUILT)
+    saved = exact._native
+    exact._native = COMPILED if name == "compiled" else None
+    try:
+        yield
+    finally:
+        exact._native = saved
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    """accumulate on the compiled path, or on the pure numpy one."""
+    with kernel_of(request.param):
+        yield request.param
 
 
 # --- the oracle ------------------------------------------------------------------------
@@ -228,15 +267,16 @@ def _binned_window(biased: np.ndarray, n_groups: int) -> tuple[int, int] | None:
     return first, min(int(fit.max()) - first + 1, exact._WIDEST)
 
 
-@pytest.fixture(params=["auto", "direct", "binned"])
+@pytest.fixture(params=["compiled", "auto", "direct", "binned"])
 def path(request, monkeypatch):
-    """accumulate as it chooses, every row straight into digits, or as many rows as
-    possible binned by (group, exponent) first."""
+    """accumulate compiled; or in numpy as it chooses, every row straight into digits, or
+    as many rows as possible binned by (group, exponent) first."""
     if request.param == "direct":
         monkeypatch.setattr(exact, "_window", lambda biased, n_groups: None)
     elif request.param == "binned":
         monkeypatch.setattr(exact, "_window", _binned_window)
-    return request.param
+    with kernel_of("compiled" if request.param == "compiled" else "numpy"):
+        yield request.param
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -248,12 +288,15 @@ def test_every_statistic_of_every_family_is_correctly_rounded(seed, path):
 @pytest.mark.parametrize("seed", range(4))
 def test_every_path_gives_the_same_state(seed, monkeypatch):
     groups, values, n_groups = generate(100 + seed)
-    auto = accumulate(groups, values, n_groups)
-    monkeypatch.setattr(exact, "_window", lambda biased, n_groups: None)
-    direct = accumulate(groups, values, n_groups)
-    monkeypatch.setattr(exact, "_window", _binned_window)
-    binned = accumulate(groups, values, n_groups)
+    with kernel_of("numpy"):
+        auto = accumulate(groups, values, n_groups)
+        monkeypatch.setattr(exact, "_window", lambda biased, n_groups: None)
+        direct = accumulate(groups, values, n_groups)
+        monkeypatch.setattr(exact, "_window", _binned_window)
+        binned = accumulate(groups, values, n_groups)
     assert direct.equals(auto) and binned.equals(auto)
+    with kernel_of("compiled"):
+        assert accumulate(groups, values, n_groups).equals(auto)
 
 
 def test_the_oracle_is_right_where_the_answer_is_known():
@@ -294,7 +337,7 @@ def test_known_answers(values, sum_, mean, std, path):
     check(state, np.zeros(len(values), np.int64), np.array(values), 1)
 
 
-def test_a_mean_whose_only_sign_of_being_past_a_tie_is_the_remainder():
+def test_a_mean_whose_only_sign_of_being_past_a_tie_is_the_remainder(kernel):
     """The mean (T + 1/N) 2**-1074, T a 54-bit odd pattern times 2**36: truncated, a tie
     that goes down to even; the remainder 1/N of the long division says it goes up."""
     a, n = 2**52 + 2, 2**20
@@ -326,7 +369,7 @@ def test_ties_broken_by_a_far_bit_at_every_alignment(path):
     check(accumulate(groups_, values_, n_groups), groups_, values_, n_groups)
 
 
-def test_an_empty_group_gives_what_the_engine_gives():
+def test_an_empty_group_gives_what_the_engine_gives(kernel):
     state = accumulate(np.array([1]), np.array([5.0]), 3)
     assert_bits(state.sum(), np.array([0.0, 5.0, 0.0]), "sum")
     assert_bits(state.mean(), np.array([np.nan, 5.0, np.nan]), "mean")
@@ -348,7 +391,7 @@ def test_a_sum_of_integers_is_that_integer(path):
 
 
 @pytest.mark.parametrize("parts", [1, 3, 7])
-def test_the_same_rows_split_and_merged_in_any_order_give_the_same_bits(parts):
+def test_the_same_rows_split_and_merged_in_any_order_give_the_same_bits(parts, kernel):
     groups, values, n_groups = generate(11, n_groups=300)
     whole = accumulate(groups, values, n_groups)
     rng = np.random.default_rng(parts)
@@ -371,7 +414,7 @@ def test_the_same_rows_split_and_merged_in_any_order_give_the_same_bits(parts):
     check(whole, groups, values, n_groups)
 
 
-def test_merge_maps_groups_and_grows_the_group_space():
+def test_merge_maps_groups_and_grows_the_group_space(kernel):
     a = accumulate(np.array([0, 1, 1]), np.array([1.0, 2.0, 0.5]), 2)
     b = accumulate(np.array([0, 1, 1]), np.array([10.0, 1e-300, -2.0]), 2)
     merged = merge(a, b, np.array([3, 1]))  # b's 0 is a new group 3, b's 1 is a's 1
@@ -381,7 +424,7 @@ def test_merge_maps_groups_and_grows_the_group_space():
         merge(a, b, np.array([0]))
 
 
-def test_combine_adds_groups_that_map_to_one():
+def test_combine_adds_groups_that_map_to_one(kernel):
     groups, values, n_groups = generate(5, n_groups=60)
     whole = accumulate(groups, values, n_groups)
     halves = whole.take(np.arange(n_groups)), whole.take(np.arange(n_groups))
@@ -390,7 +433,7 @@ def test_combine_adds_groups_that_map_to_one():
     assert doubled.equals(want)
 
 
-def test_take_concat_and_pickle_keep_the_states():
+def test_take_concat_and_pickle_keep_the_states(kernel):
     groups, values, n_groups = generate(3, n_groups=50)
     state = accumulate(groups, values, n_groups)
     order = np.random.default_rng(0).permutation(n_groups)
@@ -400,7 +443,7 @@ def test_take_concat_and_pickle_keep_the_states():
     assert all(isinstance(getattr(state, f), np.ndarray) for f in ("count", "nan", "pos_inf", "neg_inf"))
 
 
-def test_the_digits_are_the_exact_integers():
+def test_the_digits_are_the_exact_integers(kernel):
     groups, values, n_groups = generate(4, n_groups=120)
     state = accumulate(groups, values, n_groups)
     finite = np.isfinite(values)
@@ -410,7 +453,7 @@ def test_the_digits_are_the_exact_integers():
         assert Fraction(q) * Fraction(2) ** exact.SQUARE_BASE == sum((v * v for v in vs), Fraction(0))
 
 
-def test_counts_past_the_vector_path_take_python_integers(monkeypatch):
+def test_counts_past_the_vector_path_take_python_integers(monkeypatch, kernel):
     """Counts of 2**31 and more are finished with Python ints: made to happen here by
     lowering the bound, so the same groups go both ways."""
     groups, values, n_groups = generate(8, n_groups=150)
@@ -447,7 +490,7 @@ def test_a_bin_of_more_rows_than_one_bincount_takes_stays_exact(path):
     assert state.squares.to_ints()[0] * Fraction(2) ** exact.SQUARE_BASE == Fraction(x) ** 2 * n
 
 
-def test_groups_of_far_apart_exponents_get_spans_of_their_own():
+def test_groups_of_far_apart_exponents_get_spans_of_their_own(kernel):
     """A group of 1e-300s beside a group of 1e300s: too many digits for one span a group,
     each gets its own (the same state either way)."""
     rng = np.random.default_rng(3)
@@ -464,7 +507,7 @@ def test_groups_of_far_apart_exponents_get_spans_of_their_own():
 
 
 @pytest.mark.parametrize("seed", range(2))
-def test_std_by_the_exact_check_alone(seed, monkeypatch):
+def test_std_by_the_exact_check_alone(seed, monkeypatch, kernel):
     """Every group's std found by the digit comparisons, none by the double-double."""
     original = exact._quick
 
@@ -550,14 +593,14 @@ def _digits_of(ints: list[int]) -> exact.Digits:
     )
 
 
-def test_digits_built_by_hand_are_what_the_kernel_makes():
+def test_digits_built_by_hand_are_what_the_kernel_makes(kernel):
     groups, values, n_groups = generate(9, n_groups=80)
     state = accumulate(groups, values[:], n_groups)
     magnitudes = [abs(x) for x in state.squares.to_ints()]
     assert _digits_of(magnitudes).equals(state.squares)
 
 
-def test_std_without_squares_is_refused_and_bad_ids_are_said():
+def test_std_without_squares_is_refused_and_bad_ids_are_said(kernel):
     state = accumulate(np.array([0]), np.array([1.0]), 1, squares=False)
     assert state.squares is None
     with pytest.raises(ValueError, match="squares=True"):
@@ -571,6 +614,7 @@ def test_std_without_squares_is_refused_and_bad_ids_are_said():
 finite_floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 
+@pytest.mark.parametrize("kernel_name", KERNELS)
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(
@@ -582,16 +626,183 @@ finite_floats = st.floats(allow_nan=False, allow_infinity=False, width=64)
     st.integers(1, 4),
     st.randoms(use_true_random=False),
 )
-def test_property_split_anyhow_merge_anyhow(rows, parts, rnd):
+def test_property_split_anyhow_merge_anyhow(kernel_name, rows, parts, rnd):
     groups = np.array([g for g, _ in rows], dtype=np.int64)
     values = np.array([v for _, v in rows], dtype=np.float64)
-    whole = accumulate(groups, values, 4)
-    cuts = sorted(rnd.randint(0, len(rows)) for _ in range(parts - 1))
-    bounds = [0, *cuts, len(rows)]
-    states = [accumulate(groups[a:b], values[a:b], 4) for a, b in itertools.pairwise(bounds)]
+    with kernel_of(kernel_name):
+        whole = accumulate(groups, values, 4)
+        cuts = sorted(rnd.randint(0, len(rows)) for _ in range(parts - 1))
+        bounds = [0, *cuts, len(rows)]
+        states = [accumulate(groups[a:b], values[a:b], 4) for a, b in itertools.pairwise(bounds)]
     rnd.shuffle(states)
     folded = states[0]
     for s in states[1:]:
         folded = merge(s, folded) if rnd.random() < 0.5 else merge(folded, s)
     assert folded.equals(whole)
     check(whole, groups, values, 4)
+
+
+# --- the two paths -----------------------------------------------------------------------
+
+
+def both(groups: np.ndarray, values: np.ndarray, n_groups: int, *, squares: bool = True):
+    """The state on the compiled path and on the pure numpy one."""
+    with kernel_of("compiled"):
+        compiled = accumulate(groups, values, n_groups, squares=squares)
+    with kernel_of("numpy"):
+        numpy_ = accumulate(groups, values, n_groups, squares=squares)
+    return compiled, numpy_
+
+
+def assert_same_state(a: ExactState, b: ExactState) -> None:
+    """Equal arrays, dtypes included (``equals`` compares values only)."""
+    assert a.equals(b)
+    for name in ("count", "nan", "pos_inf", "neg_inf"):
+        assert getattr(a, name).dtype == getattr(b, name).dtype, name
+    for da, db in ((a.sum_digits, b.sum_digits), (a.squares, b.squares)):
+        if da is None or db is None:
+            assert da is db
+            continue
+        for name in ("sign", "low", "size", "digits"):
+            assert getattr(da, name).dtype == getattr(db, name).dtype, name
+
+
+def _shape(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
+    """Rows of one random shape: 0 to 3,000 groups (some empty), 0 to 20,000 rows, groups
+    of one row or of most rows, values from any family, sorted or shuffled."""
+    n_groups = int(rng.choice([0, 1, 2, 7, 300, 3000]))
+    if n_groups == 0:
+        return np.zeros(0, np.int64), np.zeros(0), 0
+    rows = int(rng.choice([0, 1, 5, 1000, 20_000]))
+    kind = rng.integers(0, 3)
+    if kind == 0:  # uniform
+        groups = rng.integers(0, n_groups, rows)
+    elif kind == 1:  # one group holds most rows, the others one each
+        groups = np.where(rng.random(rows) < 0.9, 0, rng.integers(0, n_groups, rows))
+    else:  # sorted, as a partition's rows often are
+        groups = np.sort(rng.integers(0, n_groups, rows))
+    if not rows:
+        return groups.astype(np.int64), np.zeros(0), n_groups
+    names = rng.choice(FAMILIES, int(rng.integers(1, 4)))
+    values = np.resize(np.concatenate([_family(rng, str(name), rows) for name in names]), rows)
+    return groups.astype(np.int64), rng.permutation(values), n_groups
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_two_paths_give_the_same_state_on_random_shapes(seed):
+    if COMPILED is None:
+        pytest.skip(NOT_BUILT)
+    rng = np.random.default_rng(1000 + seed)
+    for _ in range(5):
+        groups, values, n_groups = _shape(rng)
+        for squares in (True, False):
+            assert_same_state(*both(groups, values, n_groups, squares=squares))
+
+
+def test_the_two_paths_give_the_same_state_on_the_generator():
+    if COMPILED is None:
+        pytest.skip(NOT_BUILT)
+    for seed in range(200, 230):
+        groups, values, n_groups = generate(seed, n_groups=200)
+        assert_same_state(*both(groups, values, n_groups))
+
+
+any_float = st.integers(0, 2**64 - 1).map(lambda b: float(np.uint64(b).view(np.float64)))
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.one_of(any_float, finite_floats)), max_size=60),
+    st.integers(0, 4),
+    st.booleans(),
+)
+def test_property_the_two_paths_give_the_same_state(rows, spare_groups, squares):
+    """Any bits (NaNs of any payload, infinities, subnormals, -0.0), any groups."""
+    if COMPILED is None:
+        pytest.skip(NOT_BUILT)
+    groups = np.array([g for g, _ in rows], dtype=np.int64)
+    values = np.array([v for _, v in rows], dtype=np.float64)
+    n_groups = int(groups.max(initial=-1)) + 1 + spare_groups
+    compiled, numpy_ = both(groups, values, n_groups, squares=squares)
+    assert_same_state(compiled, numpy_)
+
+
+def test_millions_of_rows_in_a_group_on_both_paths():
+    """3 million rows, most in one group, of every exponent and sign (and cancelling): the
+    compiled path's int64 digits take a piece a row each, as numpy's bins do."""
+    if COMPILED is None:
+        pytest.skip(NOT_BUILT)
+    rng = np.random.default_rng(5)
+    n = 3_000_000
+    bits = rng.integers(0, 2**63 - 1, n, dtype=np.int64) | (rng.integers(0, 2, n) << 63)
+    values = bits.view(np.float64)
+    values = np.where(np.isfinite(values), values, 2.5)
+    values[: n // 2] = rng.normal(0, 1e6, n // 2)
+    values[n // 2 : n // 2 + 1000] = -values[:1000]
+    groups = np.where(rng.random(n) < 0.95, 0, rng.integers(0, 5, n)).astype(np.int64)
+    compiled, numpy_ = both(groups, values, 5)
+    assert_same_state(compiled, numpy_)
+    big = np.full(n, math.ldexp(2**53 - 1, 970))  # all 53 bits set, near MAX: every digit at its bound
+    compiled, numpy_ = both(np.zeros(n, np.int64), big, 1)
+    assert_same_state(compiled, numpy_)
+    assert compiled.sum_digits.to_ints()[0] * Fraction(2) ** exact.SUM_BASE == Fraction(big[0]) * n
+
+
+def test_inputs_of_other_layouts_give_the_same_state(kernel):
+    """Strided views, int32 ids, float32 and big-endian values: converted, not misread."""
+    groups, values, n_groups = generate(12, n_groups=100)
+    want = accumulate(groups[::2].copy(), values[::2].copy(), n_groups)
+    assert accumulate(groups[::2], values[::2], n_groups).equals(want)
+    assert accumulate(groups[::2].astype(np.int32), values[::2].astype(">f8"), n_groups).equals(want)
+    with np.errstate(over="ignore"):  # past float32's range: inf, on both sides
+        small = values[::2].astype(np.float32)
+    assert accumulate(groups[::2], small, n_groups).equals(
+        accumulate(groups[::2].copy(), small.astype(np.float64), n_groups)
+    )
+    with pytest.raises(ValueError, match="one length"):
+        accumulate(groups, values[:-1], n_groups)
+
+
+def test_the_version_says_which_path_is_in_use(tmp_path):
+    def version(**env: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "metriclog", "--version"],
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+            env={**os.environ, "METRICLOG_PURE": "", **env},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert version(METRICLOG_PURE="1").endswith("(exact sums: pure numpy)")
+    built = "compiled" if COMPILED is not None else "pure numpy"
+    assert version().endswith(f"(exact sums: {built})")
+
+
+def test_threads_accumulating_at_once_get_their_own_states(kernel):
+    """The compiled path lets go of the GIL while it adds, and keeps scratch memory between
+    calls: calls on several threads at once, of different sizes, each give the state a
+    call alone gives."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = [generate(300 + i, n_groups=[50, 400, 3000][i % 3]) for i in range(12)]
+    alone = [accumulate(g, v, n) for g, v, n in inputs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            together = list(pool.map(lambda args: accumulate(*args), inputs))
+            assert all(a.equals(b) for a, b in zip(alone, together, strict=True))
+
+
+@pytest.mark.parametrize("rows", [2047, 2048, 4096, 4097])
+def test_groups_about_the_rows_where_a_carry_digit_is_added(rows, kernel):
+    """From 2**11 rows a group's span gains a digit on top for carries (compiled path;
+    4097 rows would not fit without it): values whose pieces are widest (53 bits set, every
+    alignment to the digits), all of one sign, give the exact sum either side of it."""
+    align = np.arange(32)
+    base = np.ldexp(np.full(32, float(2**53 - 1)), align + 40)
+    values = np.repeat(base, rows)
+    groups = np.repeat(align, rows)
+    for sign in (1, -1):
+        state = accumulate(groups, sign * values, 32)
+        for g, s in enumerate(state.sum_digits.to_ints()):
+            assert Fraction(s) * Fraction(2) ** exact.SUM_BASE == sign * Fraction(base[g]) * rows
+        check(state, groups, sign * values, 32)

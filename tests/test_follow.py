@@ -6,6 +6,7 @@ however long it is silent, a dead one is let go, and the follow ends by itself."
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow  # real writer processes and a follower, for secon
 WRITER = """
 import glob, json, os, signal, sys, time
 import numpy as np
+import pyarrow.parquet as pq
 import metric_core
 from metric_core import Reduce, journal, record_metric
 c = json.loads(sys.argv[1])
@@ -43,8 +45,14 @@ metric_core.init(
     segment_records=c.get("segment_records") or 1_000_000,
 )
 rng = np.random.default_rng([rank, c.get("start") or 0])
-with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
+# A restart whose first flush is flush(first_flush), steps after init(step=start): what it
+# recorded before, sealed before that flush (segment_records 1), keeps the step start, and it
+# replaces the earlier attempt's records from first_flush on (the truth file is named so).
+first_flush = c.get("first_flush")
+with open(f"{run}/../truth-{rank}-{first_flush or c.get('start') or 0}.jsonl", "a") as truth:
     for step in range(c.get("start") or 0, c["steps"]):
+        if first_flush is not None and c["start"] < step <= first_flush:
+            continue  # the steps up to its first flush recorded nothing of their own
         if step == c.get("die"):
             os.kill(os.getpid(), signal.SIGKILL)  # after its flush of the step before
         if step == c.get("pause_at"):
@@ -70,7 +78,19 @@ with open(f"{run}/../truth-{rank}-{c.get('start') or 0}.jsonl", "a") as truth:
                 if decoded.table is not None and decoded.table.num_rows >= recorded:
                     break
                 time.sleep(0.01)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), getattr(signal, c.get("die_signal") or "SIGKILL"))
+            time.sleep(60)  # a caught SIGTERM ends the process from the signal's handler
+        if first_flush is not None and step == c["start"]:  # once all it recorded is sealed
+            sealed, deadline = 0, time.monotonic() + 120
+            while sealed < 12 and time.monotonic() < deadline:
+                time.sleep(0.01)
+                sealed = sum(
+                    pq.ParquetFile(path).metadata.num_rows
+                    for path in glob.glob(f"{run}/Trainer_r{rank}.r{rank}.*.parquet")
+                )
+            assert sealed == 12, sealed
+            metric_core.flush(first_flush)
+            continue
         metric_core.flush(step)
 metric_core.shutdown()
 """
@@ -79,11 +99,13 @@ HOW = {"loss": np.mean, "tokens": np.sum, "grad/max": np.max}
 
 def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1, **more) -> list:
     """A writer process per rank (``ranks``: how many, or which), ``more``: die, die_unflushed,
-    pause_at, hold_at and flush_interval (rank -> the step it SIGKILLs itself at, or at the
-    end of, once the step's records are on disk and before its flush; pauses ``pause_s`` at,
-    hangs at until ``release(run)`` or its kill; its writer's background flush interval;
-    or pause_at, hold_at: the step every rank pauses or hangs at), sidecar (rank 0's), start
-    (the step it resumes from), world.
+    die_signal, pause_at, hold_at and flush_interval (rank -> the step it SIGKILLs itself at,
+    or at the end of, once the step's records are on disk and before its flush; the signal
+    of that end (default SIGKILL); pauses ``pause_s`` at, hangs at until ``release(run)`` or
+    its kill; its writer's background flush interval; or pause_at, hold_at: the step every
+    rank pauses or hangs at), sidecar (rank 0's), start (the step it resumes from),
+    first_flush (a restart's first flush: the step after start it flushes first, its records
+    of start sealed before it), segment_records, world.
 
     Steps of ``pause`` (0.1 s): the sidecar calls a rank stopped early after about ten
     steps of silence and hands its steps over without it; at 0.04 s a loaded machine
@@ -97,10 +119,10 @@ def writers(run: Path, steps: int, ranks: int | list[int], *, pause: float = 0.1
     go = run.parent / f"go-{uuid.uuid4().hex}"
     config = {"run": str(run), "steps": steps, "pause": pause, "world": world, "go": str(go)}
     config["release"] = str(run.parent / "release")
-    config.update({k: more[k] for k in ("start", "segment_records", "pause_s") if k in more})
+    config.update({k: more[k] for k in ("start", "first_flush", "segment_records", "pause_s") if k in more})
 
     def of(r: int) -> dict:
-        steps = {k: more.get(k, {}).get(r) for k in ("die", "die_unflushed", "flush_interval")}
+        steps = {k: more.get(k, {}).get(r) for k in ("die", "die_unflushed", "die_signal", "flush_interval")}
         for name in ("pause_at", "hold_at"):
             at = more.get(name)
             steps[name] = at.get(r) if isinstance(at, dict) else at
@@ -349,6 +371,40 @@ def test_a_hung_rank_holds_the_steps_while_alive_and_its_kill_lets_the_follow_en
     assert sidecar.wait(timeout=120) == 0
     err = log.read_text()
     assert "Trainer_r2 (rank 2) died" in err and "the steps go on without it" in err
+    values = [v for vs in truth(run, 3).values() for v in vs]
+    check(rows_of(run, "run"), expected_steps(values))
+
+
+def test_a_follower_that_could_not_look_for_a_while_does_not_take_a_live_rank_for_dead(tmp_path):
+    # On a loaded machine the follower itself may not run for seconds: the heartbeats a live
+    # rank wrote meanwhile are in its journal, and a writer's silence is counted to when the
+    # follower last read it, not to the wall clock (it said "died: no heartbeat for 12 s" of a
+    # rank it had not read, and handed its steps over without it).
+    from metric_core import journal
+    from metric_core.life import DEAD_AFTER_MIN_S
+
+    run = tmp_path / "run"
+    ranks = writers(run, steps=30, ranks=3, hold_at={2: 10})  # held until released below
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log)
+    finish(ranks[:2])
+    wait_for(lambda: rows_sent(run) == 10, "steps 0-9 handed over")
+
+    def heartbeat() -> float:
+        (path,) = run.glob("Trainer_r2.r2.*.journal")
+        return journal.decode(path.read_bytes(), records=False).life.alive or 0.0
+
+    sidecar.send_signal(signal.SIGSTOP)  # the follower does not run (a loaded machine)
+    try:
+        stopped = time.time()
+        wait_for(lambda: heartbeat() > stopped + DEAD_AFTER_MIN_S + 1, "rank 2 to beat on meanwhile")
+    finally:
+        sidecar.send_signal(signal.SIGCONT)
+    release(run)
+    finish(ranks[2:])
+    assert sidecar.wait(timeout=120) == 0
+    err = log.read_text()
+    assert "died" not in err and "came after" not in err and "fresh" not in err, err
     values = [v for vs in truth(run, 3).values() for v in vs]
     check(rows_of(run, "run"), expected_steps(values))
 
@@ -612,6 +668,40 @@ def test_a_follow_started_after_a_restart_reads_the_dead_attempts_records_no_flu
     rows = {r["step"]: r for r in rows_of(run, "run")}
     for step, key, value in plain.select("step", "key", "value").iter_rows():
         assert rows[step][key] == pytest.approx(value, rel=1e-12, abs=1e-12)
+
+
+def test_a_restart_replaces_from_its_first_flush_not_from_the_step_its_first_segment_holds(tmp_path):
+    # Soak seed 238951300: rank 1 SIGTERMed with its records of step 5 on disk, no flush
+    # covering them, restarted at step 5 (init(step=5)), its first flush steps later: what it
+    # recorded before that flush was sealed first and keeps step 5. As every reader takes it,
+    # the restart replaces from its first flush's step (6), so step 5 holds both attempts'
+    # records; the follow took the sealed segment's lowest step for it and left out the dead
+    # attempt's step 5. Here step 5 goes before the restart's records of it come: they are
+    # late, and said to be the restart's.
+    run = tmp_path / "run"
+    sidecar = follow(run)
+    first = writers(run, steps=20, ranks=2, die_unflushed={1: 5}, die_signal={1: "SIGTERM"})
+    first[1].wait(timeout=120)
+    assert first[1].returncode == -signal.SIGTERM
+    # rank 1 over, the follow hands step 5 over without it once rank 0 flushed it: the
+    # restart's records of step 5 then come after it, and the follow writes a fresh run
+    wait_for(lambda: rows_sent(run) >= 6, "step 5 handed over")
+    again = writers(run, steps=20, ranks=[1], start=5, first_flush=6, segment_records=1, world=2)
+    finish([first[0], *again])
+    assert again[0].returncode == 0
+    _, err = sidecar.communicate(timeout=120)
+    assert sidecar.returncode == 0, err
+    recorded = truth(run, 2)
+    assert sum(1 for s, _, _ in recorded[1] if s == 5) == 24, "both attempts' step 5 are in the truth"
+    rows = rows_of(run, "run")
+    check(rows, expected_steps([v for vs in recorded.values() for v in vs]))  # numpy over the records
+    plain = reduce_run(run)  # what a plain upload of the finished run hands W&B
+    by_step = {r["step"]: r for r in rows}
+    assert sorted(by_step) == sorted(plain["step"].unique().to_list())
+    for step, key, value in plain.select("step", "key", "value").iter_rows():
+        assert by_step[step][key] == pytest.approx(value, rel=1e-12, abs=1e-12), (step, key)
+    said = re.search(r"Trainer_r1 \(rank 1\): \d+ of its restart: a restart's records from before", err)
+    assert said and "let go" not in err, err  # the late records are named as the restart's
 
 
 def test_a_sidecar_with_a_bad_option_fails_in_init_before_the_job_trains(tmp_path):

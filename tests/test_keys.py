@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import pytest
 from metriclog.main import app
 from typer.testing import CliRunner
 
-from metric_core import Metric, MetricCollector, Reduce, list_keys
+from metric_core import Metric, MetricCollector, Reduce, list_keys, scan_run
 from metric_core.errors import NoDataError
 from metric_core.offline.engine import make_plan, run_plan
 from metric_core.writer import segments
@@ -278,3 +279,117 @@ def test_inspect_lists_the_last_values_of_a_stopped_sources_first_keys_by_name(t
         key: float(30 * 10_000 + i) for i, key in enumerate(names[:1_000])
     }
     assert next(s.keys for s in report.sources if s.rank == 0) == 1_200
+
+
+@pytest.mark.parametrize(("range_keys", "spilled_rows"), [(1, 10**9), (16, 10**9), (16, 20), (1 << 20, 20)])
+def test_keys_of_many_keys_come_a_range_of_keys_at_a_time_in_key_order(
+    tmp_path, monkeypatch, range_keys, spilled_rows
+):
+    """Past RANGE_KEYS rows the keys are sorted a range at a time (never all at once) and
+    handed over a frame a range, the rows of mostly distinct keys set aside in a temporary
+    directory past SPILLED_ROWS (removed at the end): the frames, one after another, are
+    the sorted answer of the records themselves."""
+    from metric_core.offline import keyorder
+    from metric_core.offline import keys as keys_module
+    from metric_core.offline.keys import key_frames
+
+    monkeypatch.setattr(keyorder, "RANGE_KEYS", range_keys)
+    monkeypatch.setattr(keys_module, "SPILLED_ROWS", spilled_rows)
+    monkeypatch.setattr(keys_module, "SAMPLED_KEYS", 8)  # thinned as it grows
+    monkeypatch.setattr(keys_module, "FOLDED_ROWS", 30)
+    monkeypatch.setattr(keys_module, "BATCH_ROWS", 50)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    rng = np.random.default_rng(5)
+    n = 400
+    ids = rng.integers(0, 300, n)
+    rows = {
+        "key": [f"k/{'é' if k % 7 == 0 else ''}{int(k) * 7919 % 1000:03d}/{'x' * int(k % 40)}" for k in ids],
+        "value": [float(v) if v > -1.5 else math.inf for v in rng.normal(size=n)],
+        "reduction": [["mean", "max"][int(k % 3 == 0)] for k in ids],
+        "step": [int(s) for s in rng.integers(0, 9, n)],
+        "timestamp": [BASE + float(t) for t in rng.uniform(0, 100, n)],
+        "rank": [int(r) for r in rng.integers(0, 3, n)],
+    }
+    rows["process"] = [f"Actor_r{r}" for r in rows["rank"]]
+    (tmp_path / "run").mkdir()
+    pq.write_table(pa.table(rows), tmp_path / "run" / "part.parquet", row_group_size=60)
+    truth = [dict(zip(rows, values, strict=True)) for values in zip(*rows.values(), strict=True)]
+
+    stream = key_frames(tmp_path / "run")
+    frames = [next(stream)]
+    assert any(temp.iterdir()) == (spilled_rows < n)
+    frames += list(stream)
+    assert pl.concat(frames).to_dicts() == _expected(truth)
+    assert not any(temp.iterdir())
+    if range_keys < 300:  # about a frame a range, none empty
+        assert len(frames) > 1 and all(f.height for f in frames)
+    else:
+        assert len(frames) == 1
+
+
+@pytest.mark.parametrize("layout", ["a file a source", "one file", "a source in two files"])
+def test_inspect_of_sources_of_many_keys_holds_what_it_lists_and_counts_every_key(
+    tmp_path, monkeypatch, layout
+):
+    """A source whose records are all in one file keeps, of its rows a key, only what the
+    report lists (its first LAST_VALUES keys by name, its keys with non-finite values) and
+    its count of keys; the report is that of the records themselves, in every layout."""
+    from metric_core import inspect_run
+    from metric_core.offline.inspect import aggregates, health
+
+    monkeypatch.setattr(aggregates, "LAST_VALUES", 5)
+    monkeypatch.setattr(health, "LAST_VALUES", 5)
+    monkeypatch.setattr(aggregates, "BATCH_ROWS", 40)
+    rng = np.random.default_rng(4)
+    frames = []
+    for rank in range(3):
+        n = 150 + 30 * rank
+        ids = rng.permutation(n)
+        steps = np.arange(n) // 10 if rank else np.minimum(np.arange(n) // 10, 4)  # rank 0 stops early
+        value = rng.normal(size=n)
+        value[rng.random(n) < 0.05] = np.inf
+        frames.append(
+            pl.DataFrame(
+                {
+                    "key": [f"r/{int(i) * 7 % 1000:04d}" for i in ids],
+                    "value": value,
+                    "reduction": "mean",
+                    "step": steps,
+                    "timestamp": BASE + steps + rank * 0.01 + np.arange(n) * 1e-4,
+                    "rank": rank,
+                    "process": f"Actor_r{rank}",
+                }
+            )
+        )
+    run = tmp_path / "run"
+    run.mkdir()
+    if layout == "a file a source":
+        for rank, frame in enumerate(frames):
+            frame.write_parquet(run / f"r{rank}.parquet", row_group_size=50)
+    elif layout == "one file":
+        pl.concat(frames).sort("timestamp").write_parquet(run / "all.parquet", row_group_size=50)
+    else:
+        for rank, frame in enumerate(frames):
+            frame[:70].write_parquet(run / f"r{rank}a.parquet")
+            frame[70:].write_parquet(run / f"r{rank}b.parquet")
+    records = pl.concat(frames)
+
+    report = inspect_run(run)
+    for s in report.sources:
+        mine = records.filter(pl.col("rank") == s.rank)
+        assert s.keys == mine["key"].n_unique()
+    (stopped,) = report.stopped_early
+    mine = records.filter(pl.col("rank") == 0)
+    newest = mine.sort("timestamp").group_by("key").last().sort("key").head(5)
+    assert stopped.last_values == dict(zip(newest["key"], newest["value"], strict=True))
+    bad = records.filter(~pl.col("value").is_finite())
+    truth = bad.group_by("process", "rank", "key").agg(count=pl.len(), first_step=pl.col("step").min())
+    got = {(n.process, n.rank, n.key): (n.count, n.first_step) for n in report.nonfinite}
+    assert got == {(p, r, k): (c, f) for p, r, k, c, f in truth.iter_rows()}
+    per_key = aggregates.aggregate(scan_run(run))[1]
+    if layout == "a source in two files":  # merged from every row
+        assert per_key.height == records.select("rank", "key").n_unique()
+    else:
+        assert per_key.height <= 5 * 3 + bad.height

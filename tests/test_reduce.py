@@ -523,3 +523,71 @@ def test_counting_steps_back_takes_the_last_step_of_the_sources_kept_from_every_
     df = reduce_run(tmp_path, mode="per_rank_no_reduce", steps="-2:", **({"ranks": ranks} if ranks else {}))
     assert sorted(set(df["step"].to_list())) == [last - 1, last]
     assert df.height == sum(1 for step in kept if step >= last - 1)
+
+
+@pytest.mark.parametrize("held_keys", [2, 1 << 20])
+def test_keys_met_set_aside_on_disk_decide_a_later_sources_mixed_key_as_if_held(
+    tmp_path, monkeypatch, held_keys
+):
+    """per_rank_reduce of sources each in files of their own is reduced a source at a time,
+    and remembers each key's reduction for the sources after: past HELD_KEYS, the keys met go
+    to a temporary directory (removed at the end) and are read back only when a later frame
+    meets one of them again. A key a later source recorded under another reduction keeps
+    the first one, its other records skipped and counted, as when every key is held."""
+    import tempfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from metric_core.offline.engine import reductions
+
+    monkeypatch.setattr(reductions, "HELD_KEYS", held_keys)
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    rng = np.random.default_rng(9)
+    run = tmp_path / "run"
+    run.mkdir()
+    truth: dict[tuple[int, int, str], list[float]] = defaultdict(list)
+    reduction_of = {}
+    for rank in range(3):
+        keys = [f"u/r{rank}/k{i}" for i in range(6)] + (["shared"] if rank != 1 else [])
+        rows: dict[str, list] = {c: [] for c in ("key", "value", "reduction", "step", "timestamp", "rank")}
+        for step in range(3):
+            for i, key in enumerate(keys):
+                for _ in range(2):
+                    red = ("max" if rank == 2 else "mean") if key == "shared" else ["mean", "max"][i % 2]
+                    value = float(rng.normal())
+                    rows["key"].append(key)
+                    rows["value"].append(value)
+                    rows["reduction"].append(red)
+                    rows["step"].append(step)
+                    rows["timestamp"].append(1.76e9 + step + rank * 0.1)
+                    rows["rank"].append(rank)
+                    if key != "shared" or rank == 0:  # rank 2's 'shared' records are skipped
+                        truth[(rank, step, key)].append(value)
+                        reduction_of[key] = red
+        pq.write_table(pa.table(rows), run / f"rank{rank}.parquet")
+    result = run_plan(run, make_plan(mode="per_rank_reduce"))
+    frame = result.frame
+    assert not any(temp.iterdir())
+    got = {
+        (r, s, k): (v, red, n)
+        for r, s, k, v, red, n in frame.select(
+            "rank", "step", "key", "value", "reduction", "count"
+        ).iter_rows()
+    }
+    want = {}
+    for (rank, step, key), values in truth.items():
+        red = reduction_of[key]
+        want[(rank, step, key)] = (
+            float(np.mean(values) if red == "mean" else np.max(values)),
+            red,
+            len(values),
+        )
+    assert got.keys() == want.keys()
+    for k, (v, red, n) in want.items():
+        assert got[k][1:] == (red, n)
+        assert got[k][0] == pytest.approx(v, rel=1e-12, abs=1e-15)
+    mixed = result.scan.report.mixed["shared"]
+    assert (mixed.kept, mixed.skipped) == ("mean", {"max": 6})

@@ -90,6 +90,15 @@ class AttemptState:
     def flushed(self, step: int) -> None:
         self.done = step if self.done is None else max(self.done, step)
 
+    def first_flushed(self, step: int | None) -> None:
+        """The step of its first ``flush(step)`` as a file declares it (``attempt_first_step``,
+        or a journal's first ``F`` frame), the lowest of them, as ``read.attempts`` takes it:
+        what a restart replaces from. A segment sealed before the attempt's first flush
+        declares none, and its records' steps are not it (they keep the step ``init()`` was
+        given, while the flush may come steps later): it tells nothing."""
+        if step is not None:
+            self.first_step = step if self.first_step is None else min(self.first_step, step)
+
     def lived(self, name: str, life: Life) -> None:
         """What the file ``name`` (a journal, or the segment that replaced it) recorded."""
         self.lives[name] = life
@@ -103,7 +112,8 @@ class AttemptState:
 
     def dead(self, now: float) -> str | None:
         """Why its process is over, though it did not shut down (None: it is alive, or its
-        files record no life: an older writer's)."""
+        files record no life: an older writer's); ``now``: when its files were read last
+        (every frame written before then was read)."""
         life = self.life
         if self.finished or life is None:
             return None
@@ -250,6 +260,7 @@ class RunTail:
         self.run_json_damaged: str | None = None  # why run.json is damaged, as the latest poll read it
         self.skipped = 0
         self.active = False  # the last poll found something written (settled or not)
+        self.looked_at: float | None = None  # when the last poll began to read the files
         self._noticed: set[str] = set()
         fetch_numpy_api()  # before a stop can land in polars' first hand-over to numpy
 
@@ -267,17 +278,21 @@ class RunTail:
         attempt first seen in this poll is judged once its files were read, and a dead one's
         journal is read again then."""
         self.active = False
-        now = time.time()
+        # A writer's silence is counted to when its files were last read, not to now: a
+        # follower that did not look for a while (a loaded machine, a slow hand-over to W&B)
+        # must not take a live writer whose heartbeats it has not read yet for dead.
+        looked_at = time.time() if self.looked_at is None else self.looked_at
         judged = set()
         for state in self.sources.values():
             for a in state.attempts.values():
-                a.over = a.dead(now)
+                a.over = a.dead(looked_at)
                 judged.add(id(a))
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
             self.meta = read_run_json(self.root, report)
             self.run_json_damaged = report.run_json_damaged
         frames = []
+        self.looked_at = time.time()  # every frame written before this is read below
         paths = list_data_files(self.root, report, follow_symlinks=self.follow_symlinks)
         sealed = [p for p in paths if p.suffix != ".journal" and p not in self.done]
         for path in sealed:  # first: a sealed segment ends the journal it replaces
@@ -299,9 +314,8 @@ class RunTail:
             found = of.attempts.get(d.attempt.get("attempt") or "") if of is not None else None
             if found is not None and id(found) not in judged:
                 fresh.setdefault(id(found), (found, []))[1].append(path)
-        now = time.time()
         for a, journals in fresh.values():
-            a.over = a.dead(now)
+            a.over = a.dead(self.looked_at)
             for path in journals if a.over is not None else []:
                 frame = self._journal(path, final)
                 if frame is not None:
@@ -353,8 +367,7 @@ class RunTail:
             state = self.source(*meta.source)
             attempt = meta.attempt or ""
             a = state.attempt(attempt, meta.attempt_started)
-            if a.first_step is None:
-                a.first_step = meta.attempt_first_step if meta.attempt_first_step is not None else _low(frame)
+            a.first_flushed(meta.attempt_first_step)
             if meta.steps is not None:
                 # A segment ends at a flush, but one sealed at twice its size without one ends
                 # inside a step: its last step is complete only at a clean end (or the next flush).
@@ -404,9 +417,7 @@ class RunTail:
         state = self.source(decoded.process, decoded.rank)
         attempt = decoded.attempt.get("attempt") or ""
         a = state.attempt(attempt, decoded.attempt.get("attempt_started"))
-        first = decoded.attempt.get("attempt_first_step", decoded.first_flush)
-        if first is not None and a.first_step is None:
-            a.first_step = first
+        a.first_flushed(decoded.attempt.get("attempt_first_step", decoded.first_flush))
         if decoded.last_flush is not None:
             a.flushed(decoded.last_flush)
         a.finished |= decoded.shutdown is not None
@@ -447,10 +458,6 @@ def _empty() -> pl.DataFrame:
     return pl.DataFrame(schema=TAIL_SCHEMA)
 
 
-def _low(frame: pl.DataFrame) -> int | None:
-    return None if frame.height == 0 else int(frame["step"].min())  # type: ignore[arg-type]
-
-
 @dataclass
 class Ready:
     """A W&B run's rows that became complete on one poll: ``run`` is the process of a
@@ -476,6 +483,9 @@ class Follower:
         self.sent: dict[str | None, float] = {}  # each run's last bucket handed over
         self.sent_steps: dict[tuple[str, int, str], int] = {}  # each attempt's highest step handed over
         self.late: dict[Source, int] = {}  # records that came after their bucket was handed over
+        # of those, sources whose late records are a restart's (another attempt's steps were
+        # handed over): recorded before its first flush and sealed, they keep its start's step
+        self.late_restarts: set[Source] = set()
         self.kept_sources: set[Source] = set()  # of the records kept (the plan's filters passed)
         self.replaced: dict[Source, int] = {}  # a restart replaced what was handed over, from this step
         self.t0: float | None = None
@@ -548,8 +558,10 @@ class Follower:
         late = self._bucket() <= sent
         found = self.pending.filter(late)
         if found.height:
-            for process, rank, n in found.group_by("process", "rank").len().iter_rows():
+            for process, rank, attempt, n in found.group_by("process", "rank", "attempt").len().iter_rows():
                 self.late[(process, rank)] = self.late.get((process, rank), 0) + n
+                if any(at[:2] == (process, rank) and at[2] != attempt for at in self.sent_steps):
+                    self.late_restarts.add((process, rank))
             self.pending = self.pending.filter(~late)
 
     def ready(self, sources: dict[Source, SourceState], ending: bool = False) -> list[Ready]:

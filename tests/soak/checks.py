@@ -114,11 +114,13 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
         times = [r["timestamp"] for r in got]
         if times != sorted(times):
             result.fail(f"{kind}: {source[0]} (rank {source[1]}): raw records not in time order")
-        gi, matched, lost = _match(got, want)
+        # when each attempt's successor started: no record of an attempt is stamped after it
+        until = {a.number - 1: a.started for a in truth.attempts.get(source, []) if a.number > 1}
+        gi, matched, lost = _match(got, want, until)
         if gi < len(got) and source in damaged and source in truth.unrewound:
             # the damage may have taken the restarted attempt's declaration of its restart
             # (its segment's first line, say): the records it replaced are read again
-            again = _match(got, truth.unrewound[source])
+            again = _match(got, truth.unrewound[source], until)
             if again[0] == len(got):
                 gi, matched, lost = again
         seen += matched
@@ -157,12 +159,21 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
     return seen
 
 
-def _match(got: list[dict], want: list[Rec]) -> tuple[int, list[dict], list[Rec]]:
+def _match(
+    got: list[dict], want: list[Rec], until: dict[int, float] | None = None
+) -> tuple[int, list[dict], list[Rec]]:
     """``got`` (a source's rows, in the order read) matched in order against ``want``: how
-    many of ``got`` matched, those rows, and the required records of ``want`` not met."""
+    many of ``got`` matched, those rows, and the required records of ``want`` not met.
+    ``until``: attempt number -> when the next attempt started. An optional record (one no
+    flush covered, of an attempt that died) is not met by a row stamped after that: the row
+    is the next attempt's, an equal record of it (a NaN of the same key, kept at the same
+    step by a seal before its first flush), which must then meet its own record."""
+    until = until or {}
     gi, matched, lost = 0, [], []
     for rec in want:
         if gi < len(got) and _is(got[gi], rec):
+            if not rec.required and got[gi]["timestamp"] >= until.get(rec.attempt, math.inf):
+                continue  # the next attempt's row
             matched.append(got[gi])
             gi += 1
         elif rec.required:
@@ -215,7 +226,8 @@ def _left_out(whole: list[dict], damaged: list[dict]) -> list[dict]:
 
 
 def _ident(row: dict) -> tuple:
-    return (row["process"], row["rank"], row["step"], row["key"], row["reduction"], row["timestamp"], float(row["value"]).hex())
+    value = float(row["value"]).hex()
+    return (row["process"], row["rank"], row["step"], row["key"], row["reduction"], row["timestamp"], value)
 
 
 # -- reducing modes ------------------------------------------------------------------
@@ -274,7 +286,8 @@ def compare_groups(
         choices = [sure, sure + extra_rows] if extra_rows else [sure]
         choices = [c for c in choices if c]
         if extra_rows and not len(sure) <= row["count"] <= len(sure) + len(extra_rows):
-            bad.append(f"{where}: count {row['count']}, expected {len(sure)} to {len(sure) + len(extra_rows)}")
+            most = len(sure) + len(extra_rows)
+            bad.append(f"{where}: count {row['count']}, expected {len(sure)} to {most}")
             continue
         if extra_rows and row["count"] not in {len(c) for c in choices}:
             continue  # some of the doubtful rows only: their values are not known apart

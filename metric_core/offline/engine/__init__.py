@@ -248,7 +248,8 @@ def execute(
 
     @explain_read_errors
     def stream() -> Iterator[pl.DataFrame]:
-        recorded = KeyReductions(first_reductions(plan, scan))  # each key's: decided, or in the frames so far
+        # each key's: decided, or in the frames so far
+        recorded = KeyReductions(first_reductions(plan, scan), spills=True)
         for key, reduction in recorded.decided.items():
             scan.report.mixed.setdefault(key, MixedKey(key, reduction))
         produced = False
@@ -276,6 +277,7 @@ def execute(
         finally:
             states.close()  # stops the pool's threads, whatever ended the stream
             acc.close()
+            recorded.close()
         unmatched[:] = filters.unmatched(plan, seen)
         if not produced:
             raise nothing_kept(plan, scan, unmatched)

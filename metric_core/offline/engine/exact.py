@@ -81,6 +81,11 @@ Rounding (``sum``, ``mean``, ``std``), vectorised over groups, once:
   (``_compare``); the candidate moves one float at a time until ``std`` lies between its
   midpoints (a tie goes to the even one).
 
+Two paths accumulate, with the same result bit for bit (the digits' form is unique):
+the numpy one above, and a compiled one (``_exact.c``, built at install where a C
+compiler is there) that adds each value's pieces into int64 digits of its group's span
+in one pass. ``path()`` says which is in use; ``METRICLOG_PURE=1`` forces numpy.
+
 Counts of 2**31 or more in one group take Python integers (``_python_mean``,
 ``_python_std``), as does nothing else. Non-finite: a NaN, or both infinities, gives NaN;
 one infinity gives that infinity for the sum and the mean, NaN for std. A group of no
@@ -94,10 +99,20 @@ rows: sum 0.0, mean and std NaN. An exact zero is +0.0.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, fields
 from fractions import Fraction
+from types import ModuleType
 
 import numpy as np
+
+_native: ModuleType | None
+try:  # the compiled path, where the extension was built (setup.py)
+    from . import _exact as _native
+except ImportError:
+    _native = None
+if os.environ.get("METRICLOG_PURE", "") not in ("", "0"):
+    _native = None
 
 SUM_BASE = -1088  # the sum's unit: 2**SUM_BASE, at or below 2**-1074, a multiple of 32
 SQUARE_BASE = 2 * SUM_BASE  # the squares' unit, at or below 2**-2148; S**2 is in it too
@@ -318,6 +333,8 @@ def accumulate(groups: np.ndarray, values: np.ndarray, n_groups: int, *, squares
     v = np.ascontiguousarray(values, dtype=np.float64)
     if g.shape != v.shape or g.ndim != 1:
         raise ValueError(f"groups and values must be 1-d and of one length, not {g.shape} and {v.shape}")
+    if _native is not None:
+        return _compiled(g, v, n_groups, squares)
     if len(g) and (g.min() < 0 or g.max() >= n_groups):
         raise ValueError(f"group ids must be in range({n_groups})")
     count = np.bincount(g, minlength=n_groups)
@@ -413,7 +430,30 @@ def concat(states: list[ExactState]) -> ExactState:
     )
 
 
+def path() -> str:
+    """Which path ``accumulate`` takes: "compiled" or "pure numpy" (``METRICLOG_PURE=1``,
+    or no extension built)."""
+    return "pure numpy" if _native is None else "compiled"
+
+
 # --- accumulating -------------------------------------------------------------------
+
+
+def _compiled(g: np.ndarray, v: np.ndarray, n_groups: int, squares: bool) -> ExactState:
+    """``accumulate`` by the extension: it fills the groups' arrays and hands back the
+    digits (the same arrays as the numpy path's, since their form is unique)."""
+    g = np.ascontiguousarray(g)
+    count, nan, pos_inf, neg_inf = (np.empty(n_groups, np.int64) for _ in range(4))
+    kept = n_groups if squares else 0
+    s_parts = np.empty(n_groups, np.int8), np.empty(n_groups, np.int16), np.empty(n_groups, np.uint8)
+    q_parts = np.empty(kept, np.int8), np.empty(kept, np.int16), np.empty(kept, np.uint8)
+    assert _native is not None
+    s_digits, q_digits = _native.accumulate(
+        g, v, n_groups, squares, count, nan, pos_inf, neg_inf, *s_parts, *q_parts
+    )
+    sums = Digits(*s_parts, np.frombuffer(s_digits, np.uint32))
+    sq = None if q_digits is None else Digits(*q_parts, np.frombuffer(q_digits, np.uint32))
+    return ExactState(count, nan, pos_inf, neg_inf, sums, sq)
 
 
 def _significands(bits: np.ndarray, biased: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,6 +14,7 @@ from metric_core.offline import partials
 from metric_core.offline.accumulator import Accumulator, Taken
 from metric_core.offline.engine.reading import statistic_chooser
 from metric_core.offline.engine.reductions import KeyReductions, kept_reductions
+from metric_core.offline.keyorder import key_ranks
 from metric_core.offline.plan import By, ReducePlan, Statistic
 from metric_core.offline.read import RunScan
 from metric_core.offline.read.report import MixedKey
@@ -79,8 +80,7 @@ def _sorted_frames(
     FRAME_GROUPS rows each, cut where a (source and) bucket ends while one is that small:
     never the whole result gathered and sorted as one frame."""
     per_source = "process" in labels.columns and "process" in plan.sort_columns
-    key_rank = np.empty(labels.height, dtype=np.int64)
-    key_rank[labels["key"].arg_sort().to_numpy()] = np.arange(labels.height)
+    key_rank = key_ranks(labels["key"])  # a range of keys at a time: a sort of all is large
     combo = group_combo[rows]
     group_bucket = taken.bucket[rows]
     columns = [key_rank[combo], group_bucket]

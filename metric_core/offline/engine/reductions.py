@@ -3,7 +3,9 @@ first record, decided before any result is handed over, the others' records coun
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import polars as pl
@@ -17,26 +19,53 @@ from metric_core.offline.plan import ReducePlan, key_matcher
 from metric_core.offline.read import RunScan
 from metric_core.offline.read.report import MixedKey
 
+# Keys met held in memory, at most, by a stream that sets them aside (``KeyReductions``)
+HELD_KEYS = 1 << 20
+_MET = {"key": pl.String, "reduction": pl.String}
+
 
 @dataclass
 class KeyReductions:
     """Each key's reduction as far as a stream has read: ``decided`` for a key met under
     more than one (its first record's), and ``met`` (a frame of key, reduction) for the
     keys met under one in earlier frames: a run of millions of keys holds them as columns,
-    not as a Python object each."""
+    not as a Python object each. With ``spills``, met keys past HELD_KEYS go to a temporary
+    directory (removed by ``close``) until a frame needs them (``known``): a stream whose
+    every frame brings keys not met before (told by ``met_hashes``) never reads them back."""
 
     decided: dict[str, str] = field(default_factory=dict)
-    met: pl.DataFrame = field(
-        default_factory=lambda: pl.DataFrame(schema={"key": pl.String, "reduction": pl.String})
-    )
+    met: pl.DataFrame = field(default_factory=lambda: pl.DataFrame(schema=_MET))
     # the 64-bit hashes of met's keys, sorted: a frame none of whose keys' hashes is here
     # met none of them before (no join of millions of strings to tell)
     met_hashes: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.uint64))
+    spills: bool = False
+    spilled: list[Path] = field(default_factory=list)
+    spill_dir: tempfile.TemporaryDirectory[str] | None = None
 
     def remember(self, met: pl.DataFrame) -> None:
         """Keys (and their reductions) met in a frame, added to ``met``."""
         self.met = pl.concat([self.met, met]) if self.met.height else met
         self.met_hashes = np.sort(np.concatenate([self.met_hashes, _hashes(met["key"])]))
+        if self.spills and self.met.height > HELD_KEYS:
+            if self.spill_dir is None:
+                self.spill_dir = tempfile.TemporaryDirectory(prefix="metriclog-keys-met-")
+            self.spilled.append(Path(self.spill_dir.name) / f"{len(self.spilled):06d}.arrow")
+            self.met.write_ipc(self.spilled[-1], compression="uncompressed")
+            self.met = pl.DataFrame(schema=_MET)
+
+    def known(self) -> pl.DataFrame:
+        """Every key met so far with its reduction: read back once, if set aside, and held
+        from then on (a stream that meets its keys again needs them at every frame)."""
+        if self.spilled:
+            self.met = pl.concat([*(pl.read_ipc(path) for path in self.spilled), self.met]).rechunk()
+            self.spilled, self.spills = [], False
+            self.close()
+        return self.met
+
+    def close(self) -> None:
+        if self.spill_dir is not None:
+            self.spill_dir.cleanup()
+            self.spill_dir = None
 
 
 def kept_reductions(
@@ -54,7 +83,7 @@ def kept_reductions(
     in earlier frames; this frame's keys are added to it (``remember``: a frame follows).
     None: keep every group. A reduction that is not a statistic is an error."""
     reductions = merged["reduction"].unique()
-    if len(reductions) == 1 and not recorded.decided and not recorded.met.height:  # no key's to group
+    if len(reductions) == 1 and not recorded.decided and not len(recorded.met_hashes):  # no key's to group
         if not partials.is_statistic(reductions[0]):
             raise UnknownReductionError(dict.fromkeys(merged["key"].unique().sort().to_list(), reductions[0]))
         if remember:
@@ -76,7 +105,7 @@ def kept_reductions(
     per_key = (
         merged.group_by("key")
         .agg(reductions=pl.col("reduction").n_unique(), reduction=pl.col("reduction").cast(pl.String).min())
-        .join(recorded.met.rename({"reduction": "prior"}), on="key", how="left")
+        .join(recorded.known().rename({"reduction": "prior"}), on="key", how="left")
     )
     # Met with two at once, and never before: the first record decides.
     fresh_mixed = (

@@ -113,7 +113,7 @@ def inspect_run(
             run, follow_symlinks=follow_symlinks, attempts=attempts, defer_checks=True, earlier=earlier
         )
     try:  # another tool's files are checked as they are aggregated: the report is whole after
-        steps, per_key = aggregate(scan, on_progress, cache)
+        steps, per_key, keys = aggregate(scan, on_progress, cache)
     finally:
         if on_read is not None:
             on_read(scan.report)
@@ -125,10 +125,6 @@ def inspect_run(
         first_timestamp=pl.col("first_bad_timestamp"),
         count=pl.col("nonfinite"),
     )
-    sources_keys = (
-        per_key.select(pl.col("process").cast(pl.Categorical), "rank").group_by("process", "rank").len()
-    )
-    keys = {(p, r): n for p, r, n in sources_keys.iter_rows()}  # grouped on codes: millions of keys
     newest = max(s.last_timestamp for s in steps.values())
     clean = scan.report.clean_shutdowns()
     cadence = cadence_of(steps)

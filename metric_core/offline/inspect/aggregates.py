@@ -18,6 +18,9 @@ BATCH_ROWS = 500_000
 # Per-key rows of a file's frames held before they are merged (or twice the keys merged):
 # merging at every frame would group a run of millions of keys again and again
 MERGED_KEYS = 500_000
+# Keys whose last value a source that stopped early lists, at most (the first by name; the
+# source's ``keys`` says how many it has)
+LAST_VALUES = 1_000
 
 Source = tuple[str, int]  # (process, rank)
 # A cache's entry for the scan its files' aggregates come from: the next call's ``earlier``
@@ -63,10 +66,15 @@ class SourceSteps:
 
 def aggregate(
     scan: RunScan, on_progress: OnProgress | None = None, cache: dict[Any, Any] | None = None
-) -> tuple[dict[Source, SourceSteps], pl.DataFrame]:
-    """Per source its steps, and per (source, key), a file at a time: each file is read
-    once, and memory holds one file's columns (another tool's: a frame of them), not the
-    run's.
+) -> tuple[dict[Source, SourceSteps], pl.DataFrame, dict[Source, int]]:
+    """Per source its steps, per (source, key) what inspect says of keys, and per source
+    how many keys it has, a file at a time: each file is read once, and memory holds one
+    file's columns (another tool's: a frame of them), not the run's.
+
+    A source whose records are all in one file (its footer says so) keeps, of that file's
+    rows a key, only what the report lists (``compacted``): its first LAST_VALUES keys by
+    name and its keys with non-finite values, and its count of keys; a source of millions
+    of keys holds no row for each. A source across files keeps every row, to be merged.
 
     ``cache`` (kept between calls) holds each file's aggregates and the scan they were
     read in: a file unchanged since that scan (``RunScan.unchanged``: ``scan`` was made
@@ -79,6 +87,9 @@ def aggregate(
     files = scan.report.files
     sources = {i: files[i].source or files[i].single_source for i in scan.file_ids}
     one_source = {i for i, source in sources.items() if source is not None}
+    # files whose sources no other file holds: their rows a key are compacted as they are read
+    alone = _files_alone(scan.file_ids, sources)
+    counted: dict[Source, int] = {}  # the keys of the sources of those files
     # the writer's files group on its key hashes (another tool's file of one source, on strings)
     hashes = _key_hashes([files[i] for i in one_source if files[i].hashed])
     sizes = {fid: files[fid].size for fid in scan.file_ids}
@@ -88,9 +99,9 @@ def aggregate(
     used = {}
     shared = False  # a source's keys come from more than one file (then merged)
     for n, fid in enumerate(scan.file_ids, 1):
-        known = (files[fid].identity, sources[fid])
+        known = (files[fid].identity, sources[fid], fid in alone)
         if cache is not None and scan.unchanged(fid) and known in cache:  # as the last call read it
-            steps, keys = cache[known]
+            steps, keys, counts = cache[known]
         else:
             by = [] if fid in one_source else ["process", "rank"]
             names = hashes if fid in one_source and files[fid].hashed else None
@@ -114,8 +125,13 @@ def aggregate(
                     pl.lit(rank, pl.Int64).alias("rank"),
                 ]
                 keys = keys.select(*source, pl.all())
+            counts = None
+            if fid in alone:
+                keys, counts = compacted(keys)
+        if counts is not None:
+            counted.update(counts)
         if cache is not None and known[0] is not None:
-            used[known] = (steps, keys)
+            used[known] = (steps, keys, counts)
         for source, found in steps.items():
             per_source.setdefault(source, []).append((fid, found))  # type: ignore[arg-type]
         shared = shared or any(len(per_source[source]) > 1 for source in steps)
@@ -142,7 +158,42 @@ def aggregate(
     steps = {source: its for source, its in merged.items() if its is not None}  # not all checked away
     if not steps:
         raise all_skipped(scan.report)
-    return steps, per_key
+    # the other sources' keys, counted on their rows (grouped on codes: millions of keys)
+    rows = per_key.select(pl.col("process").cast(pl.Categorical), "rank").group_by("process", "rank").len()
+    counts = {(process, rank): n for process, rank, n in rows.iter_rows()}
+    counts.update(counted)  # a compacted source's rows are not all its keys
+    return steps, per_key, counts
+
+
+def _files_alone(file_ids: list[int], sources: dict[int, Source | None]) -> set[int]:
+    """The files no other file shares a source with: a file of one source no other file of
+    one source has, when every file has one (another file's sources are known only once it
+    is read); the only file, whatever it holds."""
+    if len(file_ids) == 1:
+        return set(file_ids)
+    if any(sources[fid] is None for fid in file_ids):
+        return set()
+    files_of: dict[Source | None, int] = {}
+    for fid in file_ids:
+        files_of[sources[fid]] = files_of.get(sources[fid], 0) + 1
+    return {fid for fid in file_ids if files_of[sources[fid]] == 1}
+
+
+def compacted(keys: pl.DataFrame) -> tuple[pl.DataFrame, dict[Source, int]]:
+    """A file's rows a (source, key), of sources no other file holds, cut to what the report
+    lists: each source's first LAST_VALUES keys by name and its keys with non-finite values;
+    and each source's count of keys."""
+    counts = {
+        (str(process), int(rank)): int(n)
+        for process, rank, n in keys.group_by("process", "rank").len().iter_rows()
+    }
+    if keys.height <= LAST_VALUES * max(len(counts), 1):
+        return keys, counts
+    kept = [keys.filter(pl.col("nonfinite") > 0)]
+    for process, rank in counts:  # a query a source: never a copy of its rows
+        mine = (pl.col("process") == process) & (pl.col("rank") == rank) & (pl.col("nonfinite") == 0)
+        kept.append(keys.lazy().filter(mine).top_k(LAST_VALUES, by="key", reverse=True).collect())
+    return pl.concat(kept, how="vertical_relaxed"), counts
 
 
 def _batched_aggregates(

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.offline.inspect.aggregates import Source, SourceSteps
+from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
 from metric_core.offline.read import RunScan
 
@@ -18,9 +18,6 @@ QUIET_FACTOR = 10.0
 STALL_MIN_S = 10.0  # no silence shorter than this is a stall: scheduling noise on fast steps
 OWN_GAP_FACTOR = 2.0
 STRAGGLER_RATIO = 1.2
-# Keys whose last value a source that stopped early lists, at most (the first by name; the
-# source's ``keys`` says how many it has)
-LAST_VALUES = 1_000
 MIN_STEP_TIMES = 10
 _ROLE = re.compile(r"_r\d+$")
 

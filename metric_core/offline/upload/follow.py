@@ -251,7 +251,9 @@ class _Pass:
                 self.events.message("warning", _replaced(self.follower.replaced, self.to.offline))
                 return REPLACED
             if self.follower.late:
-                self.events.message("warning", _late(self.follower.late, self.to.offline))
+                self.events.message(
+                    "warning", _late(self.follower.late, self.follower.late_restarts, self.to.offline)
+                )
                 return REPLACED
             ending = state.all_finished or idle or over
             self._send(self.follower.ready(self.tail.sources, ending=ending))
@@ -582,13 +584,23 @@ def _identity(tail: RunTail) -> str:
     return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
 
 
-def _late(late: dict[tuple[str, int], int], offline: bool) -> str:
-    which = ", ".join(f"{p} (rank {r}): {n}" for (p, r), n in sorted(late.items()))
+def _late(late: dict[tuple[str, int], int], restarts: set[tuple[str, int]], offline: bool) -> str:
+    which = ", ".join(
+        f"{p} (rank {r}): {n}" + (" of its restart" if (p, r) in restarts else "")
+        for (p, r), n in sorted(late.items())
+    )
+    why = [
+        "a restart's records from before its first flush, sealed with the step it started at",
+        "a source that was let go, or started after --sources were counted",
+    ]
+    if all(source in restarts for source in late):
+        why = why[:1]
+    elif not restarts:
+        why = why[1:]
     where = "its files are removed" if offline else "it is left unfinished in W&B; delete it there"
     return (
-        f"record(s) came after their step or window was handed to W&B ({which}: a source that was let go, "
-        "or started after --sources were counted); the run is read again and written to fresh W&B runs that "
-        f"hold them. The earlier run lacks them: {where}"
+        f"record(s) came after their step or window was handed to W&B ({which}: {'; or '.join(why)}); the "
+        f"run is read again and written to fresh W&B runs that hold them. The earlier run lacks them: {where}"
     )
 
 
