@@ -233,7 +233,7 @@ def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
         text=True,
     )
     deadline = time.monotonic() + 60
-    while len(list(run.glob("*.journal"))) < 2:  # a condition: both are writing
+    while not both_recorded(run):  # a condition: each has a step's records, not only its journal's header
         assert time.monotonic() < deadline, "the writers did not start"
         time.sleep(0.05)
     for child in children:
@@ -242,6 +242,18 @@ def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
     _, err = watching.communicate(timeout=60)
     assert watching.returncode == 4, err
     assert err.count(" died in step ") == 2 and "no exception or signal recorded" in err
+
+
+def both_recorded(run: Path) -> bool:
+    """Whether both writers' records are in the run (a killed writer's journal is read)."""
+    from metric_core import scan_run
+    from metric_core.errors import NoDataError, RunChangedError
+
+    try:
+        frame = scan_run(run).frame.select("process").unique().collect()
+    except (NoDataError, RunChangedError, OSError):
+        return False
+    return frame.height == 2
 
 
 def test_on_a_terminal_the_table_redraws_in_place_under_the_lines_it_says(tmp_path):
