@@ -34,7 +34,6 @@ Ray tasks, whatever the files' names and the order of their rows.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,6 +43,7 @@ import polars as pl
 
 from metric_core.errors import PlanError
 from metric_core.offline.plan import By, ReducePlan, Statistic
+from metric_core.schema import key_hash
 
 if TYPE_CHECKING:  # imported where used: the engine package imports this module
     from metric_core.offline.engine.exact import ExactState
@@ -323,17 +323,12 @@ def _tie_columns(df: pl.DataFrame, rows: np.ndarray) -> list[np.ndarray]:
 
 
 def _process_digests(process: pl.Series) -> np.ndarray:
-    """Each process name as an int64 digest of its text (blake2b): an order of sources
+    """Each process name as an int64 digest of its text (``schema.key_hash``): an order of sources
     every partition and every machine agrees on (null: 0). Each distinct name is
     digested once."""
     names = process.cast(pl.String)
     distinct = names.unique()
-    digests = [
-        0
-        if name is None
-        else int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little", signed=True)
-        for name in distinct.to_list()
-    ]
+    digests = [0 if name is None else key_hash(name) for name in distinct.to_list()]
     lookup = pl.DataFrame({"name": distinct, "digest": pl.Series(digests, dtype=pl.Int64)})
     return (
         names.to_frame("name")
