@@ -753,3 +753,90 @@ def test_a_run_whose_attempt_ended_before_recording_says_so_and_how_it_ended(tmp
             f"Error: no readable metric record in {run}: its attempt ended before recording any metric: "
             f"Trainer_r0 (rank 0) {told}\n"
         ), command
+
+
+@pytest.mark.parametrize("layout", ["one file of three sources", "a file a source"])
+def test_a_file_of_many_keys_is_compacted_frame_by_frame_and_its_keys_counted_on_disk(
+    tmp_path, monkeypatch, layout
+):
+    """A file whose sources no other file holds, read in frames, never holds a row for each
+    of its keys: what it merges at a time is at most a frame's first keys by name and what
+    it kept, and its (source, key) pairs past COUNTED_KEYS wait in a temporary directory,
+    removed at the end. The report is the records': each source's count of keys, the last
+    values of the one that stopped (a key's newest record in an earlier frame than its
+    others), its non-finite values (a key NaN in two frames, another past the first keys)."""
+    import tempfile
+
+    import polars as pl
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from metric_core.offline.inspect import aggregates, health
+
+    for module, name, value in [
+        (aggregates, "LAST_VALUES", 5),
+        (health, "LAST_VALUES", 5),
+        (aggregates, "BATCH_ROWS", 40),
+        (aggregates, "MERGED_KEYS", 20),
+        (aggregates, "COUNTED_KEYS", 60),
+        (aggregates, "SHARES", 4),
+    ]:
+        monkeypatch.setattr(module, name, value)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    merged: list[int] = []  # the rows a key of each merge
+    for name in ("_merged_keys", "_merged_share"):
+        merge = getattr(aggregates, name)
+        monkeypatch.setattr(
+            aggregates, name, lambda keys, by, f=merge: merged.append(keys.height) or f(keys, by)
+        )
+    spills: list[int] = []
+    spill = aggregates._DistinctKeys._spill
+    monkeypatch.setattr(aggregates._DistinctKeys, "_spill", lambda self: spills.append(1) or spill(self))
+
+    rng = np.random.default_rng(11)
+    rows = []
+    for rank in range(3):
+        n = 400 + 50 * rank
+        for i in range(n):
+            key = f"k/{int(rng.integers(0, 150 + 40 * rank)):04d}"  # keys met again in later frames
+            step = min(i // 20, 3) if rank == 0 else i * 100 // n  # rank 0 stops early
+            value = float(rng.normal())
+            if (rank, i) in {(1, 10), (1, 230), (2, 50), (2, 60), (2, 300)}:  # in two frames or more
+                key, value = "k/0003" if rank == 1 else "k/0170", math.nan  # among the first, and not
+            stamp = T0 + step + i * 1e-3 + rank * 1e-4
+            if rank == 0 and i % 97 == 5:
+                stamp += 4.0  # newer than the key's records in later frames
+            rows.append(
+                {"key": key, "value": value, "reduction": "mean", "step": step, "timestamp": stamp}
+                | {"rank": rank, "process": f"Actor_r{rank}"}
+            )
+    records = pl.DataFrame(rows)
+    run = tmp_path / "run"
+    run.mkdir()
+    if layout == "one file of three sources":
+        pq.write_table(pa.Table.from_pylist(rows), run / "all.parquet", row_group_size=100)
+    else:
+        for rank in range(3):
+            mine = [r for r in rows if r["rank"] == rank]
+            pq.write_table(pa.Table.from_pylist(mine), run / f"r{rank}.parquet", row_group_size=100)
+
+    report = inspect_run(run, now=T0 + 1000)
+    for s in report.sources:
+        assert s.keys == records.filter(pl.col("rank") == s.rank)["key"].n_unique()
+    (stopped,) = report.stopped_early
+    mine = records.filter(pl.col("rank") == 0).with_row_index()
+    newest = mine.sort("timestamp", "index").group_by("key").last().sort("key").head(5)
+    assert list(stopped.last_values) == newest["key"].to_list()
+    assert list(stopped.last_values.values()) == newest["value"].to_list()
+    bad = records.with_row_index().filter(pl.col("value").is_nan())
+    truth = bad.group_by("process", "rank", "key").agg(
+        count=pl.len(), first_step=pl.col("step").min(), first_timestamp=pl.col("timestamp").min()
+    )
+    got = {(b.process, b.rank, b.key): (b.count, b.first_step, b.first_timestamp) for b in report.nonfinite}
+    assert got == {(p, r, k): (c, f, t) for p, r, k, c, f, t in truth.iter_rows()}
+    assert len(got) == 2 and all(c > 1 for c, _, _ in got.values())
+    assert spills  # counted on disk
+    assert not any(temp.iterdir())  # and the disk let go
+    assert max(merged) <= 2 * max(20, 3 * 5) + 3 * 5 + bad.height  # never every key's row

@@ -3,8 +3,10 @@ reached and done) and each (source, key)'s last value and non-finite values."""
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +23,10 @@ MERGED_KEYS = 500_000
 # Keys whose last value a source that stopped early lists, at most (the first by name; the
 # source's ``keys`` says how many it has)
 LAST_VALUES = 1_000
+# Distinct (source, key) pairs of a compacted file held to be counted, at most: past it they
+# wait in a temporary directory, in SHARES shares of a hash of the key, counted a share at a time
+COUNTED_KEYS = 1 << 20
+SHARES = 32
 
 Source = tuple[str, int]  # (process, rank)
 # A cache's entry for the scan its files' aggregates come from: the next call's ``earlier``
@@ -74,7 +80,9 @@ def aggregate(
     A source whose records are all in one file (its footer says so) keeps, of that file's
     rows a key, only what the report lists (``compacted``): its first LAST_VALUES keys by
     name and its keys with non-finite values, and its count of keys; a source of millions
-    of keys holds no row for each. A source across files keeps every row, to be merged.
+    of keys holds no row for each. A file read in frames is cut so frame by frame
+    (``_Compaction``), so that not even the file's rows are held at once. A source across
+    files keeps every row, to be merged.
 
     ``cache`` (kept between calls) holds each file's aggregates and the scan they were
     read in: a file unchanged since that scan (``RunScan.unchanged``: ``scan`` was made
@@ -107,12 +115,18 @@ def aggregate(
             names = hashes if fid in one_source and files[fid].hashed else None
             key = KEY_HASH if names is not None else "key"
             columns = [*by, "step", key, "value", "timestamp"]
-            # another tool's file: checked as it is read, once; a checksummed segment: verified
+            counts = None
+            # another tool's file: checked as it is read, once; a checksummed segment: verified.
+            # Read in frames, a file whose sources are its own is compacted frame by frame.
             if scan.checks_as_read(fid):
-                found, keys = _batched_aggregates(scan.batches(fid, columns, rows=BATCH_ROWS), by, key)
+                frames = scan.batches(fid, columns, rows=BATCH_ROWS)
+                if fid in alone:
+                    found, keys, counts = _compacted_aggregates(frames, by, key, names)
+                else:
+                    found, keys = _batched_aggregates(frames, by, key)
             else:
                 found, keys = _file_aggregates(scan.file_frame(fid).select(columns), by, key)
-            if names is not None:
+            if names is not None and counts is None:
                 keys = keys.join(names, on=KEY_HASH).select("key", *keys.columns[1:])
             if by:
                 steps = found.partition_by("process", "rank", as_dict=True, include_key=False)
@@ -125,8 +139,9 @@ def aggregate(
                     pl.lit(rank, pl.Int64).alias("rank"),
                 ]
                 keys = keys.select(*source, pl.all())
-            counts = None
-            if fid in alone:
+                if counts is not None:  # keyed by no column: the one source's
+                    counts = {(process, rank): counts[()]} if () in counts else {}
+            if fid in alone and counts is None:
                 keys, counts = compacted(keys)
         if counts is not None:
             counted.update(counts)
@@ -196,6 +211,165 @@ def compacted(keys: pl.DataFrame) -> tuple[pl.DataFrame, dict[Source, int]]:
     return pl.concat(kept, how="vertical_relaxed"), counts
 
 
+def _compacted_aggregates(
+    frames: Iterator[pl.DataFrame], by: list[str], key: str, names: pl.DataFrame | None
+) -> tuple[pl.DataFrame, pl.DataFrame, dict[tuple[Any, ...], int]]:
+    """``_batched_aggregates`` of a file whose sources no other file holds, its rows a key
+    compacted as its frames come (``_Compaction``; ``names``: the key of each key hash),
+    with each source's count of keys (keyed by its ``by`` values)."""
+    parts: list[pl.DataFrame] = []
+    compaction = _Compaction(by, names)
+    try:
+        for df in frames:
+            steps, found = _file_aggregates(df.lazy(), by, key)
+            parts.append(steps)
+            compaction.add(found)
+            del df, found
+        keys, counts = compaction.result()
+    finally:
+        compaction.close()
+    return _merged_steps(parts, by), keys, counts
+
+
+class _Compaction:
+    """A file's rows a (source, key), frame by frame, cut to what ``compacted`` keeps: each
+    source's first LAST_VALUES keys by name (a key among a source's first is among the first
+    of each frame that holds it, so merging each frame's first with those kept gives the
+    file's, whole), its keys with non-finite values, and its count of keys
+    (``_DistinctKeys``). A key listed only for its non-finite values (not among the first)
+    has no last value here: the report lists none for it, and the frames where its values
+    were finite are not kept."""
+
+    def __init__(self, by: list[str], names: pl.DataFrame | None) -> None:
+        self.by, self.names = by, names
+        self.first: list[pl.DataFrame] = []  # merged (the first), then frames' not merged yet
+        self.firsts = 0
+        self.bad: list[pl.DataFrame] = []  # the same
+        self.bads = 0
+        self.distinct = _DistinctKeys(by)
+
+    def add(self, keys: pl.DataFrame) -> None:
+        """A frame's rows a (``by``, key) (or key hash, named here)."""
+        if self.names is not None:
+            keys = keys.join(self.names, on=KEY_HASH).select("key", *keys.columns[1:])
+        keys = keys.with_columns(pl.col("key").cast(pl.String))
+        self.distinct.add(keys.select(*self.by, "key"))
+        first = _first_by_name(keys, self.by)
+        self.first.append(first)
+        self.firsts += first.height
+        if len(self.first) > 1 and self.firsts > max(MERGED_KEYS, 2 * self.first[0].height):
+            self.first = [self._first()]
+            self.firsts = self.first[0].height
+        bad = keys.filter(pl.col("nonfinite") > 0)
+        if bad.height:
+            self.bad.append(bad)
+            self.bads += bad.height
+            if len(self.bad) > 1 and self.bads > max(MERGED_KEYS, 2 * self.bad[0].height):
+                self.bad = [_merged_keys(pl.concat(self.bad, how="vertical_relaxed"), [*self.by, "key"])]
+                self.bads = self.bad[0].height
+
+    def _first(self) -> pl.DataFrame:
+        """The rows of the first keys by name of the frames so far, merged (in file order)."""
+        if len(self.first) == 1:
+            return self.first[0]
+        merged = _merged_keys(pl.concat(self.first, how="vertical_relaxed"), [*self.by, "key"])
+        return _first_by_name(merged, self.by)
+
+    def result(self) -> tuple[pl.DataFrame, dict[tuple[Any, ...], int]]:
+        """The rows kept, and each source's count of keys (keyed by its ``by`` values)."""
+        assert self.first, "a file read gives a frame at least"
+        kept = self._first()
+        if self.bad:
+            on = [*self.by, "key"]
+            bad = self.bad[0]
+            if len(self.bad) > 1:
+                bad = _merged_keys(pl.concat(self.bad, how="vertical_relaxed"), on)
+            only = bad.join(kept.select(on), on=on, how="anti").with_columns(
+                last_value=pl.lit(None, pl.Float64), last_timestamp=pl.lit(None, pl.Float64)
+            )
+            kept = pl.concat([kept, only], how="vertical_relaxed")
+        return kept, self.distinct.counts()
+
+    def close(self) -> None:
+        self.distinct.close()
+
+
+def _first_by_name(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
+    """The rows of each source's (``by``'s) first LAST_VALUES keys by name."""
+    if keys.height <= LAST_VALUES:
+        return keys
+    if not by:
+        return keys.top_k(LAST_VALUES, by="key", reverse=True)
+    return keys.filter(pl.col("key").rank("ordinal").over(by) <= LAST_VALUES)
+
+
+class _DistinctKeys:
+    """The distinct (``by``, key) pairs of a file's frames, counted per ``by``: held (and made
+    distinct as they double) while they are at most COUNTED_KEYS, else set aside in a
+    temporary directory ($TMPDIR, removed when done) in SHARES shares of a hash of the key
+    as they come, each share counted on its own at the end: memory holds a share."""
+
+    def __init__(self, by: list[str]) -> None:
+        self.by = by
+        self.parts: list[pl.DataFrame] = []
+        self.held = 0
+        self.distinct = 0
+        self.spill: tempfile.TemporaryDirectory[str] | None = None
+        self.spilled = 0
+
+    def add(self, rows: pl.DataFrame) -> None:
+        """A frame's (``by``, key) pairs, each once."""
+        self.parts.append(rows)  # processes as codes
+        self.held += rows.height
+        if self.spill is None and len(self.parts) > 1 and self.held > max(COUNTED_KEYS, 2 * self.distinct):
+            self.parts = [pl.concat(self.parts).unique()]
+            self.held = self.distinct = self.parts[0].height
+        if self.held > COUNTED_KEYS:  # mostly distinct (millions of keys): to disk
+            self._spill()
+
+    def counts(self) -> dict[tuple[Any, ...], int]:
+        """Each ``by``'s count of distinct keys."""
+        if self.spill is None:
+            rows = pl.concat(self.parts).unique() if len(self.parts) > 1 else self.parts[0]
+            return _counted(rows.lazy(), self.by)
+        self._spill()
+        counts: dict[tuple[Any, ...], int] = {}
+        folder = Path(self.spill.name)
+        for share in range(SHARES):
+            files = sorted(folder.glob(f"{share:03d}-*.arrow"))
+            if files:
+                for source, n in _counted(pl.scan_ipc(files).unique(), self.by).items():
+                    counts[source] = counts.get(source, 0) + n
+                for path in files:
+                    path.unlink()
+        return counts
+
+    def _spill(self) -> None:
+        if self.spill is None:
+            self.spill = tempfile.TemporaryDirectory(prefix="metriclog-inspect-")
+        share = (pl.col("key").hash(seed=0) % SHARES).alias("_share")
+        while self.parts:
+            part = self.parts.pop(0).with_columns(share)
+            for (n,), piece in part.partition_by("_share", as_dict=True, include_key=False).items():
+                name = f"{int(n):03d}-{self.spilled:06d}.arrow"  # type: ignore[call-overload]
+                piece.write_ipc(Path(self.spill.name) / name, compression="uncompressed")
+            self.spilled += 1
+        self.held = 0
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.cleanup()
+            self.spill = None
+
+
+def _counted(rows: pl.LazyFrame, by: list[str]) -> dict[tuple[Any, ...], int]:
+    """Rows a distinct (``by``, key), counted per ``by``."""
+    if not by:
+        n = rows.select(pl.len()).collect().item()
+        return {(): n} if n else {}
+    return {tuple(row[:-1]): row[-1] for row in rows.group_by(by).len().collect().iter_rows()}
+
+
 def _batched_aggregates(
     frames: Iterator[pl.DataFrame], by: list[str], key: str
 ) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -214,15 +388,19 @@ def _batched_aggregates(
             held = keys[0].height
     assert keys, "a file read gives a frame at least"
     merged = _merged_keys(pl.concat(keys, how="vertical_relaxed"), [*by, key]) if len(keys) > 1 else keys[0]
+    # a key's row keeps its process as a code (4 bytes, not a string's 16: millions of keys)
+    text = [c for c in (key,) if merged.schema[c] == pl.Categorical]
+    return _merged_steps(parts, by), merged.with_columns(pl.col(text).cast(pl.String))
+
+
+def _merged_steps(parts: list[pl.DataFrame], by: list[str]) -> pl.DataFrame:
+    """A file's rows a (``by``, step), from its frames' (processes as text)."""
     steps = pl.concat(parts)
     if len(parts) > 1:
         steps = steps.group_by(*by, "step", maintain_order=True).agg(
             pl.col("records").sum(), pl.col("reached").min(), pl.col("done").max()
         )
-    strings = pl.col(pl.Categorical).cast(pl.String)
-    # a key's row keeps its process as a code (4 bytes, not a string's 16: millions of keys)
-    text = [c for c in (key,) if merged.schema[c] == pl.Categorical]
-    return steps.with_columns(strings), merged.with_columns(pl.col(text).cast(pl.String))
+    return steps.with_columns(pl.col(pl.Categorical).cast(pl.String))
 
 
 def _merged_keys(keys: pl.DataFrame, by: list[str]) -> pl.DataFrame:
