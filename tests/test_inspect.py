@@ -840,3 +840,48 @@ def test_a_file_of_many_keys_is_compacted_frame_by_frame_and_its_keys_counted_on
     assert spills  # counted on disk
     assert not any(temp.iterdir())  # and the disk let go
     assert max(merged) <= 2 * max(20, 3 * 5) + 3 * 5 + bad.height  # never every key's row
+
+
+def test_keys_met_again_and_again_past_the_counted_keys_take_the_disk_of_their_distinct_pairs(
+    tmp_path, monkeypatch
+):
+    """A file whose keys come back every step, read in frames past COUNTED_KEYS (so its
+    pairs go to disk): what waits on disk, counted in the files themselves after each write,
+    stays near its distinct (source, key) pairs, not its records; the count is the keys'."""
+    import tempfile
+
+    import polars as pl
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from metric_core.offline.inspect import aggregates
+
+    monkeypatch.setattr(aggregates, "BATCH_ROWS", 40)
+    monkeypatch.setattr(aggregates, "COUNTED_KEYS", 20)
+    monkeypatch.setattr(aggregates, "SHARES", 4)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    on_disk: list[int] = []
+    write = aggregates._DistinctKeys._write
+
+    def counted(self, share, rows):
+        write(self, share, rows)
+        on_disk.append(sum(pl.read_ipc(f).height for f in Path(self.spill.name).glob("*.arrow")))
+
+    monkeypatch.setattr(aggregates._DistinctKeys, "_write", counted)
+    keys, steps = 60, 100
+    rows = [
+        {"key": f"metric/{k:03d}", "value": float(k * step), "step": step, "timestamp": T0 + step + k * 1e-3}
+        | {"rank": 0, "reduction": "mean"}
+        for step in range(steps)
+        for k in range(keys)
+    ]
+    run = tmp_path / "run"
+    run.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), run / "rank0.parquet", row_group_size=200)
+    (source,) = inspect_run(run, now=T0 + steps).sources
+    assert source.keys == keys and source.records == keys * steps
+    assert on_disk  # its pairs went to disk
+    assert max(on_disk) <= 2 * keys + 4 * 20 // 4 + 2 * 40  # never its records' (6,000)
+    assert not any(temp.iterdir())

@@ -307,7 +307,10 @@ class _DistinctKeys:
     """The distinct (``by``, key) pairs of a file's frames, counted per ``by``: held (and made
     distinct as they double) while they are at most COUNTED_KEYS, else set aside in a
     temporary directory ($TMPDIR, removed when done) in SHARES shares of a hash of the key
-    as they come, each share counted on its own at the end: memory holds a share."""
+    as they come, each share counted on its own at the end: memory holds a share. A share
+    on disk is made distinct again as it doubles past a quarter of COUNTED_KEYS, so keys
+    met again and again (millions of keys a step, many steps) take the disk of their
+    distinct pairs, not of their records."""
 
     def __init__(self, by: list[str]) -> None:
         self.by = by
@@ -316,6 +319,8 @@ class _DistinctKeys:
         self.distinct = 0
         self.spill: tempfile.TemporaryDirectory[str] | None = None
         self.spilled = 0
+        self.on_disk = [0] * SHARES  # rows in each share's files
+        self.kept = [0] * SHARES  # rows of each share made distinct last
 
     def add(self, rows: pl.DataFrame) -> None:
         """A frame's (``by``, key) pairs, each once."""
@@ -351,10 +356,29 @@ class _DistinctKeys:
         while self.parts:
             part = self.parts.pop(0).with_columns(share)
             for (n,), piece in part.partition_by("_share", as_dict=True, include_key=False).items():
-                name = f"{int(n):03d}-{self.spilled:06d}.arrow"  # type: ignore[call-overload]
-                piece.write_ipc(Path(self.spill.name) / name, compression="uncompressed")
-            self.spilled += 1
+                at = int(n)  # type: ignore[call-overload]
+                self._write(at, piece)
+                if self.on_disk[at] > max(COUNTED_KEYS // 4, 2 * self.kept[at]):
+                    self._made_distinct(at)
         self.held = 0
+
+    def _write(self, share: int, rows: pl.DataFrame) -> None:
+        assert self.spill is not None
+        self.spilled += 1
+        rows.write_ipc(
+            Path(self.spill.name) / f"{share:03d}-{self.spilled:06d}.arrow", compression="uncompressed"
+        )
+        self.on_disk[share] += rows.height
+
+    def _made_distinct(self, share: int) -> None:
+        assert self.spill is not None
+        files = sorted(Path(self.spill.name).glob(f"{share:03d}-*.arrow"))
+        rows = pl.scan_ipc(files).unique().collect()
+        for path in files:
+            path.unlink()
+        self.on_disk[share] = 0
+        self._write(share, rows)
+        self.kept[share] = rows.height
 
     def close(self) -> None:
         if self.spill is not None:
