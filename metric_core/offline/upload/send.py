@@ -171,7 +171,7 @@ def decide(
     restarted = entry.get("attempts", run.attempts) != run.attempts  # the job restarted since
     done = "written offline" if entry.get("offline") else "uploaded"
     stale = stale_in(entry, run)
-    if stale:  # a restart replaced rows it holds: never skipped, never merely continued
+    if stale:  # an attempt it held flushed since, replacing rows it holds: never skipped nor continued
         return _replaced(run, entry, stale, offline, fresh)
     if entry.get("finished") and not restarted:
         sent = entry.get("rows_sent", 0)
@@ -235,10 +235,12 @@ def decide(
 
 
 def stale_in(entry: dict[str, Any] | None, run: PlannedRun) -> dict[Source, tuple[int, int | None]]:
-    """The rows of the W&B run of ``entry`` that a restart replaced since they were sent
-    (per source, its first and last stale step); none for an entry written before the
-    ledger kept the attempts sent."""
-    if entry is None:
+    """The rows of the W&B run of ``entry`` that an attempt it held replaced since they
+    were sent, by a flush that came after them (per source, its first and last stale
+    step); none for an entry written before the ledger kept the attempts sent. A run whose
+    sources have new attempts since is a restart of the job, which ``decide`` sends anew
+    whatever it replaced."""
+    if entry is None or entry.get("attempts", run.attempts) != run.attempts:
         return {}
     return stale_steps(entry.get("attempts_sent"), run.attempt_steps, entry.get("last_step"))
 
