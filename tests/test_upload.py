@@ -30,7 +30,8 @@ from metric_core.offline.plan import make_plan
 from metric_core.offline.upload import runs as upload_runs
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.runs import plan_runs, safe_keys
-from metric_core.offline.upload.send import Destination, send_runs
+from metric_core.offline.upload.send import Destination, UploadEvents, send_runs
+from metric_core.offline.upload.tensorboard import TensorBoard
 
 from .conftest import BASE_TIME, on_a_terminal, write_collector_run
 from .wandb_file import config_of, find_run_file, history_rows, metric_definitions, read_records, run_record
@@ -1083,6 +1084,7 @@ def test_a_restart_into_steps_a_finished_upload_sent_is_said_and_its_values_sent
         monkeypatch.setattr(upload_package, "running", lambda root, **_: False)  # checked before it began
         first = upload_package.upload_run(run, make_plan(), Destination("proj", offline=True))
         assert [o.action for o in first.outcomes] == ["wrote offline"]
+        upload_package.upload_run(run, make_plan(), TensorBoard(tmp_path / "tb"))
         monkeypatch.undo()
         assert [r["step"] for r in newest_rows(run)] == list(range(10))
     finally:
@@ -1093,7 +1095,7 @@ def test_a_restart_into_steps_a_finished_upload_sent_is_said_and_its_values_sent
     assert "skipped" not in second.stderr
     warned = [line for line in second.stderr.splitlines() if line.startswith("warning: run: restarted")]
     assert len(warned) == 1, second.stderr
-    assert "Trainer_r1 (rank 1) from step 5" in second.stderr and "steps 5-9 of the W&B run" in second.stderr
+    assert "Trainer_r1 (rank 1) from step 5" in warned[0] and "steps 5-9 of the W&B run ml-" in warned[0]
     rows = newest_rows(run)
     assert [r["step"] for r in rows] == sorted(truth)
     assert {r["step"]: r["loss"] for r in rows} == pytest.approx(truth, rel=1e-12)
@@ -1104,6 +1106,14 @@ def test_a_restart_into_steps_a_finished_upload_sent_is_said_and_its_values_sent
     again = upload_cli(run, "--offline", "--force-new", process=True)
     assert again.exit_code == 0 and "restarted from a checkpoint" not in again.stderr, again.output
     assert {r["step"]: r["loss"] for r in newest_rows(run)} == pytest.approx(truth, rel=1e-12)
+    from .test_tensorboard import scalars  # it skips itself without tensorboard
+
+    said: list[str] = []
+    events = UploadEvents(message=lambda kind, text: said.append(f"{kind}: {text}"))
+    upload_package.upload_run(run, make_plan(), TensorBoard(tmp_path / "tb"), events=events)
+    assert any("restarted from a checkpoint" in s and "steps 5-9 of" in s for s in said), said
+    loss = scalars(tmp_path / "tb" / "run")["loss"]
+    assert [(step, value) for step, value, _ in loss] == [(s, float(np.float32(v))) for s, v in truth.items()]
 
 
 def test_a_restart_begun_while_a_plain_upload_read_the_run_leaves_its_runs_open(tmp_path, monkeypatch):

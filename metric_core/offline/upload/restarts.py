@@ -67,14 +67,15 @@ def replacing(replaced: dict[Source, int], to: str = "W&B") -> str:
     return f"restarted from a checkpoint: {which}, replacing rows already handed to {to}"
 
 
-def steps_said(stale: dict[Source, tuple[int, int | None]]) -> str:
-    """``step 9``, ``steps 9-12``, ``steps 9 on`` of the stale rows of every source."""
+def steps_said(stale: dict[Source, tuple[int, int | None]], of: str) -> str:
+    """``step 9 of {of} was``, ``steps 9-12 of {of} were``, ``steps 9 on of {of} were``: the
+    stale rows of every source."""
     lo = min(first for first, _ in stale.values())
     lasts = [last for _, last in stale.values()]
     if any(last is None for last in lasts):
-        return f"steps {lo} on"
+        return f"steps {lo} on of {of} were"
     hi = max(last for last in lasts if last is not None)
-    return f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
+    return f"step {lo} of {of} was" if lo == hi else f"steps {lo}-{hi} of {of} were"
 
 
 def _cuts(attempts: Iterable[Sequence[Any]]) -> dict[tuple[str, int, str], int | None]:

@@ -258,8 +258,8 @@ def _replaced(
     first = min(lo for lo, _ in stale.values())
     old = entry.get("id", run.run_id)
     said = (
-        f"{run.name}: {replacing({source: lo for source, (lo, _) in stale.items()})}: {steps_said(stale)} "
-        f"of the W&B run {old} were sent before it"
+        f"{run.name}: {replacing({source: lo for source, (lo, _) in stale.items()})}: "
+        f"{steps_said(stale, f'the W&B run {old}')} sent before it"
     )
     row = None if offline else run.first_row_from(first)
     if row is not None:

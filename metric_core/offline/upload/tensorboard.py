@@ -113,8 +113,8 @@ def write_runs(
             events.message(
                 "warning",
                 f"{run.name}: {replacing({s: lo for s, (lo, _) in replaced.items()}, 'TensorBoard')}: "
-                f"{steps_said(replaced)} of "
-                f"{logdir / run.name} were written before it; its file is written again",
+                f"{steps_said(replaced, str(logdir / run.name))} written before it; its file is written "
+                "again",
             )
         folder = logdir / run.name
         folder.mkdir(parents=True, exist_ok=True)
