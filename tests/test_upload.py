@@ -1146,3 +1146,25 @@ def test_a_restart_begun_while_a_plain_upload_read_the_run_leaves_its_runs_open(
     second = upload_cli(run, "--offline", process=True)
     assert second.exit_code == 0 and "skipped" not in second.stderr, second.output
     assert {r["step"]: r["loss"] for r in newest_rows(run)} == pytest.approx(truth, rel=1e-12)
+
+
+A, B, C = ("T_r1", 1, "a"), ("T_r1", 1, "b"), ("T_r1", 1, "c")
+
+
+@pytest.mark.parametrize(
+    ("sent", "now", "last_step", "stale"),
+    [
+        (None, [(*A, 0), (*B, 5)], 9, {}),  # a ledger written before it kept attempts: as before
+        ([(*A, 0), (*B, 5)], [(*A, 0), (*B, 5)], 9, {}),  # replaced from 5 when sent already
+        ([(*A, 0), (*B, None)], [(*A, 0), (*B, 5)], 9, {("T_r1", 1): (5, 9)}),  # flushed since
+        ([(*A, 0), (*B, None)], [(*A, 0), (*B, 12)], 9, {}),  # from a step past the rows sent
+        ([(*A, 0), (*B, 7)], [(*A, 0), (*B, 7), (*C, 3)], 9, {("T_r1", 1): (3, 9)}),  # A and B
+        ([(*A, 0), (*B, 7)], [(*A, 0), (*B, 5)], 9, {("T_r1", 1): (5, 6)}),  # 7 on was replaced then
+        ([(*A, 0), (*B, None)], [(*A, 0), (*B, 5)], None, {("T_r1", 1): (5, None)}),  # time windows
+        ([("T_r0", 0, "x", 0), (*A, 0)], [("T_r0", 0, "x", 0), (*A, 0)], 9, {}),
+    ],
+)
+def test_the_steps_a_restart_replaced_since_they_were_sent(sent, now, last_step, stale):
+    from metric_core.offline.upload.restarts import stale_steps
+
+    assert stale_steps(sent, now, last_step) == stale
