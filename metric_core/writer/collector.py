@@ -52,7 +52,8 @@ from metric_core import records
 from metric_core.errors import CollectorClosedError, ConfigError, RecordsDroppedError, WriteError, warn
 from metric_core.metric import Metric, Reduce, SampleAccumulator
 from metric_core.schema import MAX_KEY_BYTES, default_process_name
-from metric_core.writer import ends
+from metric_core.life import STALL_MIN_S
+from metric_core.writer import ends, where
 from metric_core.writer.backends import Backends, LoggerBackend
 from metric_core.writer.segments import MAX_UNWRITTEN, RawFileWriter
 from metric_core.writer.steps import StepReducer
@@ -179,6 +180,7 @@ class MetricCollector:
         # How the attempt ends, and where it hangs (writer.ends): the stack files it registered.
         self._stack_files: dict[str, Any] = {}
         self._last_flush = time.monotonic()  # when the latest flush() returned (or init)
+        self._threads_said: float | None = None  # the silence (its _last_flush) whose threads were said
         self._unflushed = False  # records drained to the writer since the latest flush()
         self._hang = ends.HangWatch(self, _hang_dump_after(hang_dump_after))
         # The attempt is on disk before init() returns, so a kill before any write still has
@@ -325,9 +327,9 @@ class MetricCollector:
                 self._drain()  # always: the queue, not the buffer, enforces the memory bound
                 if time.monotonic() < retry_at:
                     continue
+                self._beat()
                 self._writer.write()
                 self._writer.seal_ready()
-                self._writer.heartbeat(self.flush_interval)
                 self._hang.check(self._last_flush)
                 failures = 0
             except Exception as exc:
@@ -336,6 +338,16 @@ class MetricCollector:
                 cap = min(self.flush_interval * _MAX_BACKOFF_INTERVALS, _MAX_BACKOFF)
                 backoff = min(self.flush_interval * 2.0 ** min(failures, 16), cap)
                 retry_at = time.monotonic() + max(backoff, self.flush_interval)
+
+    def _beat(self) -> None:
+        """Queue this wake's heartbeat: where the main thread is, and once the source has been
+        silent ``STALL_MIN_S``, every thread (once a silence)."""
+        threads = None
+        silent_since = self._last_flush
+        if time.monotonic() - silent_since >= STALL_MIN_S and self._threads_said != silent_since:
+            self._threads_said = silent_since
+            threads = where.all_places()
+        self._writer.heartbeat(where.main_place(), threads)
 
     def _report(self, error: WriteError | None) -> None:
         """Raise (or warn about) what writing hit since the previous flush."""

@@ -12,10 +12,10 @@ import polars as pl
 
 from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
+from metric_core.life import STALL_MIN_S  # no silence shorter is a stall: scheduling noise
 from metric_core.offline.read import RunScan
 
 QUIET_FACTOR = 10.0
-STALL_MIN_S = 10.0  # no silence shorter than this is a stall: scheduling noise on fast steps
 OWN_GAP_FACTOR = 2.0
 STRAGGLER_RATIO = 1.2
 MIN_STEP_TIMES = 10
