@@ -786,29 +786,11 @@ class StallCommands:
     def run(self, episode: Any) -> None:
         import subprocess
 
-        from metric_core.clock import duration
-
-        source = episode.first
-        who = f"{source.process} (rank {source.rank})"
-        pace = f", steps every {duration(source.cadence_s)}" if source.cadence_s else ""
-        others = episode.sources[1:]
-        also = f"; with it: {', '.join(f'{s.process} (rank {s.rank})' for s in others)}" if others else ""
-        dumps = f"; stack dumps: {', '.join(sorted(episode.stacks))}" if episode.stacks else ""
-        silent = duration(source.silent_s)
-        say("warning", f"{who} stalled at step {source.last_step}: silent for {silent}{pace}{also}{dumps}")
+        say("warning", episode.told())
         if self.command is None:
             return
-        root = str(self.run_dir).rstrip("/")
-        env = {
-            **os.environ,
-            "METRICLOG_RUN_DIR": str(self.run_dir),
-            "METRICLOG_PROCESS": source.process,
-            "METRICLOG_RANK": str(source.rank),
-            "METRICLOG_LAST_STEP": str(source.last_step),
-            "METRICLOG_SILENT_S": f"{source.silent_s:.3f}",
-            "METRICLOG_PROCESSES": ",".join(s.process for s in episode.sources),
-            "METRICLOG_STACKS": " ".join(f"{root}/{p}" for p in sorted(episode.stacks)),
-        }
+        who = episode.who()
+        env = {**os.environ, **episode.variables(str(self.run_dir))}
         if not self.relay:
             self.children.append((who, subprocess.Popen(self.command, shell=True, env=env)))
             return

@@ -240,6 +240,11 @@ class Life:
         return out
 
 
+def place_text(own: str, inner: str) -> str:
+    """A place as the commands say it: the job's own line, and the library call it is in."""
+    return own if own == inner else f"{own}, in {inner}"
+
+
 def is_event(e: Any) -> bool:
     """An end event as the writer writes it: a kind, and a time that is a number."""
     at = e.get("timestamp", 0.0) if isinstance(e, dict) else None

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace
+from metric_core.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace, place_text
 from metric_core.offline.read.attempts import LEGACY, Attempt
 from metric_core.offline.read.report import ReadReport, rel
 from metric_core.offline.storage import RunPath, is_remote, listed_below, size_and_mtime
@@ -277,6 +277,9 @@ def _end(
     if not exits and newest and not life.dead(now) and not process_gone(life):
         a.end = "running"  # a thread's exception does not end a process that goes on
         return
+    if not exits and newest and _process_state(life) is True:
+        a.end, a.no_heartbeat = "running", True  # its process is there, its writer thread is not heard
+        return
     if a.thread_exceptions:  # the process ended without shutdown() after it: the likely cause
         a.end, a.exception = (
             "exception",
@@ -295,15 +298,28 @@ def process_gone(life: Life) -> bool:
     """Its process is known to be gone: written on this host and in this pid namespace (a
     container with this host name but pids of its own is another place), and no process
     has its pid."""
+    return _process_state(life) is False
+
+
+def _process_state(life: Life) -> bool | None:
+    """Whether its process is there (True), known gone (False), or not known (None: written
+    on another host or in another pid namespace, or without a pid)."""
     if life.pid is None or life.host != socket.gethostname() or life.pidns != pid_namespace():
-        return False
+        return None
     try:
         os.kill(life.pid, 0)
     except ProcessLookupError:
+        return False
+    except PermissionError:
         return True
     except OSError:
-        return False
-    return False
+        return None
+    try:  # a zombie (killed, not yet waited for by its parent) is gone
+        with open(f"/proc/{life.pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def _or_inf(x: float) -> float:
@@ -373,8 +389,11 @@ def pauses(
 
 
 def _stuck_in(a: Attempt, life: Life | None, stacks: list[StackFile], start: float, end: float) -> str | None:
-    """Where the attempt's main thread was during a pause: a hang dump the writer made in
-    it, else the stack file of the signal that ended it."""
+    """Where the attempt's main thread was during a pause: where its heartbeats said it was
+    (``Life.place_in``), else a hang dump the writer made in it, else the stack file of the
+    signal that ended it (writers before journal format 6 say no place)."""
+    if life is not None and (place := life.place_in(start, end)) is not None:
+        return place_text(*place)
     by_rel = {f.rel: f for f in stacks}
     for e in life.ends if life is not None else []:
         if e["kind"] == "dump" and start <= float(e.get("timestamp") or -1) <= end + SAME_EVENT_S:

@@ -41,6 +41,7 @@ from metric_core.clock import duration
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
+from metric_core.offline.inspect.health import culprit_of, held_by_hang, where_text
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
@@ -71,11 +72,66 @@ class Episode:
 
     sources: list[SourceHealth]
     since: float  # the newest record of its first source
+    # The source the others wait for (``inspect.health.culprit_of``), None when none stands
+    # apart; and every running source the hang holds, where it is (None: its writer does not say).
+    culprit: SourceHealth | None
+    held: list[tuple[SourceHealth, str | None]]
     stacks: set[str] = field(default_factory=set)  # dumps said so far, relative to the run directory
 
     @property
     def first(self) -> SourceHealth:
         return self.sources[0]
+
+    def who(self) -> str:
+        s = self.culprit or self.first
+        return f"{s.process} (rank {s.rank})"
+
+    def _where(self) -> dict[tuple[str, int], str | None]:
+        return {(h.process, h.rank): w for h, w in self.held}
+
+    def told(self) -> str:
+        """The stall in words: the culprit and where it is, then the others grouped by where
+        they wait; or, with none standing apart, every source by place."""
+        s = self.culprit or self.first
+        where = self._where()
+        pace = f", steps every {duration(s.cadence_s)}" if s.cadence_s else ""
+        dumps = f"; stack dumps: {', '.join(sorted(self.stacks))}" if self.stacks else ""
+        if self.culprit is not None:
+            at = f", at {where[(s.process, s.rank)]}" if where.get((s.process, s.rank)) else ""
+            others = [h for h, _ in self.held if h is not self.culprit]
+            waiting = f"; waiting for it: {_by_place(others, where)}" if others else ""
+            return f"{self.who()} stalled at step {s.last_step}: silent for {duration(s.silent_s)}{pace}{at}{waiting}{dumps}"
+        held = [h for h, _ in self.held] or self.sources
+        apart = "none stands apart" if any(where.values()) else "their writers do not say where they are"
+        return (
+            f"{len(held)} sources stalled together at step {s.last_step}, silent for {duration(s.silent_s)}"
+            f"{pace}: {_by_place(held, where)}; {apart}{dumps}"
+        )
+
+    def variables(self, run_dir: str) -> dict[str, str]:
+        """What ``--on-stall``'s command gets: the culprit's process, rank and place (empty
+        when none stands apart), and every source of the stall, the culprit first."""
+        c, s = self.culprit, self.culprit or self.first
+        held = [h for h, _ in self.held if h is not c] or [h for h in self.sources if h is not c]
+        root = run_dir.rstrip("/")
+        return {
+            "METRICLOG_RUN_DIR": run_dir,
+            "METRICLOG_PROCESS": c.process if c else "",
+            "METRICLOG_RANK": str(c.rank) if c else "",
+            "METRICLOG_WHERE": (self._where().get((c.process, c.rank)) or "") if c else "",
+            "METRICLOG_LAST_STEP": str(s.last_step),
+            "METRICLOG_SILENT_S": f"{s.silent_s:.3f}",
+            "METRICLOG_PROCESSES": ",".join(h.process for h in ([c] if c else []) + held),
+            "METRICLOG_STACKS": " ".join(f"{root}/{p}" for p in sorted(self.stacks)),
+        }
+
+
+def _by_place(sources: list[SourceHealth], where: dict[tuple[str, int], str | None]) -> str:
+    """Sources grouped by where each is: ``a (rank 0), b (rank 1) at train.py:150 in <module>``."""
+    groups: dict[str | None, list[str]] = {}
+    for s in sources:
+        groups.setdefault(where.get((s.process, s.rank)), []).append(f"{s.process} (rank {s.rank})")
+    return "; ".join(", ".join(names) + (f" at {place}" if place else "") for place, names in groups.items())
 
 
 @dataclass
@@ -241,7 +297,8 @@ def _stalls(
         stalled_at[key] = s.last_timestamp
         joined = next((e for e in episodes if abs(s.last_timestamp - e.since) <= EPISODE_S), None)
         if joined is None:
-            episode = Episode([s], s.last_timestamp)
+            held = held_by_hang(report.sources)
+            episode = Episode([s], s.last_timestamp, culprit_of(held), [(h, where_text(h)) for h in held])
             episodes.append(episode)
             fresh.append(episode)
         else:

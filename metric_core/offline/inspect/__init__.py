@@ -159,6 +159,11 @@ def inspect_run(
         health = sources[-1]
         health.silent_s = silent = now - its.last_timestamp
         health.end = health.attempts[-1].end if health.attempts else None
+        if health.end == "running":
+            health.no_heartbeat = tried[-1].no_heartbeat
+            life = scan.report.lives.get((source[0], source[1], tried[-1].attempt))
+            if life is not None and life.where is not None and not health.no_heartbeat:
+                health.where = dict(life.where)
         quiet = source_status(False, silent, typical, longest) == "stopped_early"
         over = bool(tried) and tried[-1].failed
         health.stall_after_s = stall_after or stall_threshold(typical, longest)

@@ -44,6 +44,10 @@ class SourceHealth:
     stalled: bool = False
     stall_after_s: float | None = None  # max(10 s, 10 step times, twice its longest pause), or as asked
     end: str | None = None  # its newest attempt's end (``offline.story``): "running", "died", ...
+    # Where its main thread is (a running source whose writer says it): {"own", "inner", "since"},
+    # and "threads" once it was silent 10 s.
+    where: dict[str, Any] | None = None
+    no_heartbeat: bool = False  # running, but its writer thread is not heard (native code, SIGSTOP)
 
 
 @dataclass
