@@ -134,3 +134,25 @@ def test_older_journals_read_as_before(version):
     decoded = journal.decode(version + head[4:] + journal.heartbeat_frame(2.0))
     assert decoded.problems == [] and decoded.version == int(version[3:]) and decoded.life.alive == 2.0
     assert decoded.life.where is None
+
+
+def test_the_odd_one_out_is_the_rank_the_others_wait_for():
+    from metric_core.offline.inspect.health import odd_one_out
+
+    wait = ("train.py:150 in <module>", "torch/distributed/distributed_c10d.py:2501 in all_reduce")
+    data = ("train.py:119 in data_wait", "train.py:119 in data_wait")
+    # Three wait in the collective, one is elsewhere: that one, whoever went silent first.
+    assert odd_one_out({0: wait, 1: wait, 2: data, 3: wait}) == 2
+    # Two ranks: no majority; the one not inside a known wait.
+    assert odd_one_out({0: wait, 1: data}) == 1
+    # All in one place: none stands apart.
+    assert odd_one_out({0: wait, 1: wait, 2: wait}) is None
+    # Alone in a wait while the others are all busy elsewhere: it waits for them, it is not it.
+    busy = ("train.py:80 in forward", "train.py:80 in forward")
+    assert odd_one_out({0: busy, 1: busy, 2: busy, 3: wait}) is None
+    # Two apart from two, both busy: not known.
+    assert odd_one_out({0: busy, 1: busy, 2: data, 3: data}) is None
+    # A queue, a lock, a pipe are waits too.
+    queue = ("train.py:60 in next_batch", "queue.py:180 in get")
+    assert odd_one_out({0: queue, 1: data}) == 1
+    assert odd_one_out({0: wait}) is None
