@@ -52,6 +52,7 @@ from metric_core.offline.read import ReadReport, fetch_numpy_api, read_sealed
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.report import MixedKey, rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
+from metric_core.offline.upload.restarts import replaced_from
 from metric_core.segment import Damaged, SegmentMeta
 
 Source = tuple[str, int]
@@ -522,11 +523,10 @@ class Follower:
             if len(state.attempts) < 2:
                 continue
             ordered = sorted(state.attempts.items(), key=lambda a: (a[1].started, a[0]))
-            for i, (attempt, _) in enumerate(ordered):
-                later = [a.first_step for _, a in ordered[i + 1 :] if a.first_step is not None]
-                if not later:
+            cuts = replaced_from([a.first_step for _, a in ordered])
+            for (attempt, _), cut in zip(ordered, cuts, strict=True):
+                if cut is None:
                     continue
-                cut = min(later)
                 old = (
                     (pl.col("process") == process)
                     & (pl.col("rank") == rank)

@@ -43,6 +43,7 @@ from metric_core.offline.tail import (
     expected_sources,
 )
 from metric_core.offline.upload.ledger import Ledger, only_upload
+from metric_core.offline.upload.restarts import AttemptStep, attempt_steps, replacing
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import (
     FOLLOW_PATIENCE,
@@ -66,9 +67,13 @@ class FollowedRun(PlannedRun):
     """A W&B run filled as the job writes: its rows are not known ahead."""
 
     sent: int = 0  # rows handed over (or, in a dry run, that would be)
+    top: int | None = None  # the highest step of the rows handed over
 
     def first_row_from(self, step: int) -> int | None:
         return None  # a restart's rewind is replayed from a fresh run (see ``decide``)
+
+    def last_step(self) -> int | None:
+        return self.top
 
     @property
     def rows(self) -> int:
@@ -418,6 +423,8 @@ class _Pass:
             keys = {k for row in part.rows for k in row if k not in (run.bucket, "_timestamp")}
             run.keys = sorted({*run.keys, *keys})
             rows = part.rows[max(0, opened.skip - run.sent) :]
+            if run.bucket == "step":
+                run.top = max((row["step"] for row in part.rows), default=run.top)
             if opened.wb is not None:
                 assert self.sender is not None
                 opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows, run)
@@ -428,7 +435,7 @@ class _Pass:
                 {
                     o.outcome.run_id: {
                         "rows_sent": o.outcome.rows_sent,
-                        "attempts": self._attempts(o.run.source),
+                        **self._held(o.run),
                         "request": self.key,
                         "t0": self.follower.t0,  # where windows start, for a follower after this one
                     }
@@ -462,6 +469,7 @@ class _Pass:
             raw=raw,
             bucket=self.plan.bucket,
             attempts=self._attempts(process),
+            attempt_steps=self._attempt_steps(process),
         )
         self.planned.runs.append(run)
         if self.dry_run:
@@ -506,12 +514,23 @@ class _Pass:
             {a for (p, _), s in self.tail.sources.items() if process in (None, p) for a in s.attempts if a}
         )
 
+    def _attempt_steps(self, process: str | None) -> list[AttemptStep]:
+        return attempt_steps(self.tail.sources, process) if self.plan.attempts == "rewind" else []
+
+    def _held(self, run: FollowedRun) -> dict[str, Any]:
+        """What the ledger keeps of the records a run's rows hold, for a later upload to
+        tell a restart into them (``restarts``)."""
+        run.attempt_steps = self._attempt_steps(run.source)
+        return {
+            "attempts": self._attempts(run.source),
+            "attempts_sent": run.attempt_steps,
+            "last_step": run.last_step(),
+        }
+
     def close(self, *, finished: bool) -> None:
         for opened in self.runs.values():
             if opened.wb is not None and self.sender is not None:
-                self.sender.close(
-                    opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
-                )
+                self.sender.close(opened.wb, opened.outcome, finished=finished, **self._held(opened.run))
                 opened.wb = None
 
 
@@ -605,10 +624,8 @@ def _late(late: dict[tuple[str, int], int], restarts: set[tuple[str, int]], offl
 
 
 def _replaced(replaced: dict[tuple[str, int], int], offline: bool) -> str:
-    which = ", ".join(f"{p} (rank {r}) from step {s}" for (p, r), s in sorted(replaced.items()))
     where = "its files are removed" if offline else "it is left unfinished in W&B; delete it there"
     return (
-        f"restarted from a checkpoint: {which}, replacing rows already handed to W&B; the run is read "
-        f"again and written to fresh W&B runs (W&B's rewind is not used while following). The earlier "
-        f"run holds the replaced rows: {where}"
+        f"{replacing(replaced)}; the run is read again and written to fresh W&B runs (W&B's rewind is "
+        f"not used while following). The earlier run holds the replaced rows: {where}"
     )
