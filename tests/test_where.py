@@ -156,3 +156,41 @@ def test_the_odd_one_out_is_the_rank_the_others_wait_for():
     queue = ("train.py:60 in next_batch", "queue.py:180 in get")
     assert odd_one_out({0: queue, 1: data}) == 1
     assert odd_one_out({0: wait}) is None
+
+
+def test_on_nonfinite_raise_stops_at_the_first_nan_of_a_watched_key_and_writes_it(tmp_path):
+    """As maxtext's abort_on_nan_loss: the NaN is recorded, then NonFiniteError; other keys'
+    NaNs, and every NaN without the option, are recorded as ever."""
+    import math
+
+    import numpy as np
+
+    import metric_core
+    from metric_core import NonFiniteError, Reduce
+
+    metric_core.init(tmp_path / "off", process_name="r0")
+    metric_core.record_metric("train/loss", math.nan, Reduce.MEAN)  # off by default: recorded
+    metric_core.shutdown()
+
+    run = tmp_path / "on"
+    metric_core.init(run, process_name="r0", on_nonfinite="raise", nonfinite_keys=["train/loss", "*/grad_norm"])
+    try:
+        metric_core.record_metric("train/loss", 0.5, Reduce.MEAN)
+        metric_core.record_metric("eval/reward", math.inf, Reduce.MEAN)  # not watched
+        metric_core.flush(0)
+        metric_core.record_metric("train/loss", 0.25, Reduce.MEAN)
+        with pytest.raises(NonFiniteError, match=r"metric 'train/loss' is nan at step 1") as caught:
+            metric_core.record_metric("train/loss", np.float32("nan"), Reduce.MEAN)
+        assert caught.value.key == "train/loss" and caught.value.step == 1
+        with pytest.raises(NonFiniteError, match="'opt/grad_norm' is -inf"):
+            metric_core.record_metric("opt/grad_norm", -math.inf, Reduce.MAX)
+        metric_core.flush(1)
+    finally:
+        metric_core.shutdown()
+    table = metric_core.scan_run(run).frame.collect().sort("step", "key", "value")
+    got = [(r["step"], r["key"], r["value"]) for r in table.to_dicts()]
+    assert got[:2] == [(0, "eval/reward", math.inf), (0, "train/loss", 0.5)]
+    assert got[2][:2] == (1, "opt/grad_norm") and got[2][2] == -math.inf
+    assert got[3] == (1, "train/loss", 0.25) and got[4][1] == "train/loss" and math.isnan(got[4][2])
+    with pytest.raises(metric_core.MetricLogError, match="on_nonfinite must be one of record, raise"):
+        metric_core.init(tmp_path / "bad", on_nonfinite="stop")
