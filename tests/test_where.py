@@ -194,3 +194,42 @@ def test_on_nonfinite_raise_stops_at_the_first_nan_of_a_watched_key_and_writes_i
     assert got[3] == (1, "train/loss", 0.25) and got[4][1] == "train/loss" and math.isnan(got[4][2])
     with pytest.raises(metric_core.MetricLogError, match="on_nonfinite must be one of record, raise"):
         metric_core.init(tmp_path / "bad", on_nonfinite="stop")
+
+
+def test_a_stopped_process_is_running_without_a_heartbeat_not_dead(tmp_path):
+    """SIGSTOP stands in for native code that holds the GIL: the writer thread cannot beat."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from metric_core.offline.inspect import inspect_run
+    from metric_core.offline.inspect.health import NO_HEARTBEAT, where_text
+
+    run = tmp_path / "run"
+    code = (
+        "import sys, time, metric_core\n"
+        "metric_core.init(sys.argv[1], process_name='r0', flush_interval=0.05)\n"
+        "for s in range(3):\n    metric_core.record_metric('loss', 1.0); metric_core.flush(s)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            (source,) = inspect_run(run).sources
+            if source.no_heartbeat:
+                break
+            time.sleep(0.2)
+        assert source.end == "running" and source.no_heartbeat, source
+        assert where_text(source) == NO_HEARTBEAT
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=60)
+        (source,) = inspect_run(run).sources
+        assert source.end == "died" and not source.no_heartbeat
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
