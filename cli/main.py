@@ -428,8 +428,12 @@ def watch(
     attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
     wait: o.Wait = False,
+    alert: o.Alert = None,
+    alert_on: o.AlertOn = "global",
+    on_alert: o.OnAlert = None,
 ) -> None:
-    """Follow a run while it is written: its sources' state, the ones that hang or die.
+    """Follow a run while it is written: its sources' state, the ones that hang or die, and
+    alarms on the values (--alert).
 
     On a terminal, a table of the sources redrawn in place; into a pipe or a file, a line each
     time a source appears or its state changes (stalls, deaths and restarts: on stderr).
@@ -441,13 +445,17 @@ def watch(
     Example:
 
     \b
-        metriclog watch runs/exp1 --on-stall 'echo "$METRICLOG_PROCESS hung at step $METRICLOG_LAST_STEP"'
+        metriclog watch runs/exp1 --on-stall 'echo "$METRICLOG_PROCESS hung in $METRICLOG_WHERE"'
+        metriclog watch runs/exp1 --alert 'train/loss: nonfinite' --alert 'train/grad_norm > 100'
     """
+    from metric_core.offline.alerts import Alarms, parse_rule
     from metric_core.offline.watch import STOPPED, watch_run
 
-    commands = output.StallCommands(on_stall, run_dir)
-    with command_run(), output.WatchDisplay() as show, commands:
-        commands.relay = show.live is not None
+    commands = output.EventCommands(on_stall, run_dir, option="--on-stall")
+    alerts = output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert")
+    with command_run(), output.WatchDisplay() as show, commands, alerts:
+        alarms = Alarms([parse_rule(r) for r in alert], on=alert_on) if alert else None
+        commands.relay = alerts.relay = show.live is not None
         try:
             result = watch_run(
                 run_dir,
@@ -462,6 +470,8 @@ def watch(
                 follow_symlinks=follow_symlinks,
                 attempts=attempts,
                 wait=wait,
+                alarms=alarms,
+                on_alert=alerts.run,
             )
         except KeyboardInterrupt:
             raise typer.Exit(STOPPED) from None

@@ -444,8 +444,9 @@ OnStall = Annotated[
         "--on-stall",
         metavar="CMD",
         help="Run CMD (a shell command) once per stall (the sources that went silent together), with "
-        "METRICLOG_PROCESSES (all of them), METRICLOG_PROCESS, METRICLOG_RANK, METRICLOG_LAST_STEP and "
-        "METRICLOG_SILENT_S (the first), METRICLOG_STACKS (stack dumps, when any) and METRICLOG_RUN_DIR.",
+        "METRICLOG_PROCESS, METRICLOG_RANK and METRICLOG_WHERE (the rank the others wait for; empty when "
+        "none stands apart), METRICLOG_PROCESSES (all of them, it first), METRICLOG_LAST_STEP, "
+        "METRICLOG_SILENT_S, METRICLOG_STACKS (stack dumps, when any) and METRICLOG_RUN_DIR.",
     ),
 ]
 StallAfter = Annotated[
@@ -460,6 +461,36 @@ StallAfter = Annotated[
 ]
 ExitOnStall = Annotated[
     bool, typer.Option("--exit-on-stall", help="Stop at the first stall, with exit code 3.")
+]
+
+
+Alert = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--alert",
+        metavar="RULE",
+        help="Alarm on values (repeatable): 'KEY: nonfinite', 'KEY > X', 'KEY < X', 'KEY: drop X% over N "
+        "steps', 'KEY: spike K sigma' (KEY: a pattern as --key takes it). One alarm per episode.",
+    ),
+]
+AlertOn = Annotated[
+    str,
+    typer.Option(
+        "--alert-on",
+        metavar="raw|global",
+        help="Judge each step's global reduction once every live rank flushed it (global), or every "
+        "raw value of every rank as it lands (raw).",
+    ),
+]
+OnAlert = Annotated[
+    str | None,
+    typer.Option(
+        "--on-alert",
+        metavar="CMD",
+        help="Run CMD (a shell command) once per alarm, with METRICLOG_KEY, METRICLOG_STEP, METRICLOG_VALUE, "
+        "METRICLOG_PROCESS and METRICLOG_RANK (the first rank it was seen on, when known), METRICLOG_RULE "
+        "and METRICLOG_RUN_DIR.",
+    ),
 ]
 
 

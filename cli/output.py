@@ -754,20 +754,21 @@ def _watch_table(report: InspectReport) -> Any:
     return table
 
 
-class StallCommands:
-    """``watch --on-stall CMD``: says each stall (an episode: the sources that went silent
-    together), and runs CMD once for it (a shell command, not waited for, with the sources
-    in its environment); waits for the commands at the end."""
+class EventCommands:
+    """``watch --on-stall CMD`` and ``--on-alert CMD``: says each event (a stall, an alarm:
+    anything with ``told()``, ``who()`` and ``variables(run_dir)``) on stderr, and runs CMD
+    once for it (a shell command, not waited for, with the event in its environment); waits
+    for the commands at the end."""
 
-    def __init__(self, command: str | None, run_dir: str) -> None:
-        self.command, self.run_dir = command, run_dir
+    def __init__(self, command: str | None, run_dir: str, *, option: str, kind: str = "warning") -> None:
+        self.command, self.run_dir, self.option, self.kind = command, run_dir, option, kind
         self.children: list[tuple[str, Any]] = []
         # On a terminal where watch redraws its table, a command's output goes through
         # this process's stderr (above the table): written straight to the terminal, it
         # would leave stale copies of the table behind.
         self.relay = False
 
-    def __enter__(self) -> StallCommands:
+    def __enter__(self) -> EventCommands:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -778,19 +779,19 @@ class StallCommands:
                 code = child.wait(timeout=STALL_COMMAND_WAIT_S)
             except subprocess.TimeoutExpired:
                 waited = f"{STALL_COMMAND_WAIT_S:.0f} s"
-                say("warning", f"--on-stall command for {who} still runs after {waited}; left running")
+                say("warning", f"{self.option} command for {who} still runs after {waited}; left running")
                 continue
             if code:
-                say("warning", f"--on-stall command for {who} exited with {code}")
+                say("warning", f"{self.option} command for {who} exited with {code}")
 
-    def run(self, episode: Any) -> None:
+    def run(self, event: Any) -> None:
         import subprocess
 
-        say("warning", episode.told())
+        say(self.kind, event.told())
         if self.command is None:
             return
-        who = episode.who()
-        env = {**os.environ, **episode.variables(str(self.run_dir))}
+        who = event.who()
+        env = {**os.environ, **event.variables(str(self.run_dir))}
         if not self.relay:
             self.children.append((who, subprocess.Popen(self.command, shell=True, env=env)))
             return
@@ -808,5 +809,5 @@ class StallCommands:
         self.children.append((who, child))
 
 
-# How long watch waits, at its end, for the --on-stall commands it started.
+# How long watch waits, at its end, for the --on-stall and --on-alert commands it started.
 STALL_COMMAND_WAIT_S = 30.0

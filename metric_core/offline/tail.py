@@ -472,9 +472,16 @@ class Follower:
     """Pending records, and the buckets that became complete (``ready``)."""
 
     def __init__(
-        self, plan: ReducePlan, *, share_run: bool, sources: int | None, let_go_after: float | None = None
+        self,
+        plan: ReducePlan,
+        *,
+        share_run: bool,
+        sources: int | None,
+        let_go_after: float | None = None,
+        rename: bool = True,
     ) -> None:
         self.plan = plan
+        self.rename = rename  # keys made W&B-safe (``runs.safe_keys``); off, rows keep them as recorded
         self.let_go_after = let_go_after
         self.share_run = share_run
         self.expected = sources
@@ -647,8 +654,9 @@ class Follower:
             out = complete.sort(at.replace_strict(started, default=-math.inf), maintain_order=True)
         else:
             out = reduce_records(plan, complete, self.t0, self.recorded, self.mixed)
-        self._map_keys(out["key"].unique().to_list())
-        key = pl.col("key").replace_strict(self.mapping, return_dtype=pl.String)
+        if self.rename:
+            self._map_keys(out["key"].unique().to_list())
+        key = pl.col("key").replace_strict(self.mapping, return_dtype=pl.String) if self.rename else pl.col("key")
         out = out.with_columns(key=pl.format("{}/{}", key, "process") if self.share_run else key)
         ready = []
         for part in out.partition_by("process", maintain_order=True) if self.per_source else [out]:

@@ -40,6 +40,7 @@ from typing import Any
 from metric_core.clock import duration
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
+from metric_core.offline.alerts import Alarms, Alert, ValueWatch
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
 from metric_core.offline.inspect.health import culprit_of, held_by_hang, where_text
 from metric_core.offline.read.report import ReadReport
@@ -141,6 +142,7 @@ class WatchResult:
     code: int
     report: InspectReport | None
     episodes: list[Episode] = field(default_factory=list)  # every stall, its sources
+    alerts: list[Alert] = field(default_factory=list)  # every alarm on values, in order
 
 
 def watch_run(
@@ -158,6 +160,8 @@ def watch_run(
     stall_after: float | None = None,
     restart_grace: float = RESTART_GRACE,
     wait: bool = False,
+    alarms: Alarms | None = None,
+    on_alert: Callable[[Alert], None] | None = None,
 ) -> WatchResult:
     """Poll ``run_dir`` every ``interval`` seconds until every source finished, or finished
     or died with no restart within ``restart_grace`` seconds, or, with ``exit_on_stall``,
@@ -169,6 +173,9 @@ def watch_run(
     while it was read: ``CHANGED_POLLS`` such polls in a row raise ``RunChangedError``).
     A ``run_dir`` that does not exist is a ``NoDataError`` (a mistyped path never waits),
     unless ``wait``: then it is waited for, as the job that creates it may not have started.
+    With ``alarms``, each poll also reads the values that settled since the last one
+    (``alerts.ValueWatch``) and gives ``on_alert`` each new episode; the values left when
+    watching ends are judged then.
     """
     missing = None if wait else missing_run(run_path(run_dir))
     if missing is not None:
@@ -181,6 +188,8 @@ def watch_run(
     stalled_at: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
     seen: dict[tuple[str, int], tuple[str, str]] = {}  # a source -> (newest attempt, state)
     result = WatchResult(FINISHED, None)
+    values = ValueWatch(run_path(run_dir), alarms, follow_symlinks=follow_symlinks) if alarms is not None else None
+    alert = on_alert or (lambda _: None)
     over_since: float | None = None
     said: set[str] = set()
 
@@ -214,6 +223,9 @@ def watch_run(
             result.report = report
             if on_poll is not None:
                 on_poll(report)
+            for found in values.poll() if values is not None else []:
+                result.alerts.append(found)
+                alert(found)
             restarted = _changes(report, seen, note)
             fresh = _stalls(report, episodes, stalled_at, note)
             for episode in fresh:
@@ -230,7 +242,7 @@ def watch_run(
             )
             if states == {"finished"} and not absent:
                 result.code = FINISHED
-                return result
+                return _last_values(result, values, alert)
             if exit_on_stall and fresh:
                 result.code = STALLED
                 return result
@@ -243,12 +255,20 @@ def watch_run(
                 over_since = over_since if over_since is not None else time.monotonic()
                 if time.monotonic() - over_since >= restart_grace:
                     result.code = OVER
-                    return result
+                    return _last_values(result, values, alert)
             else:
                 over_since = None
         if stop.wait(interval):
             result.code = STOPPED
             return result
+
+
+def _last_values(result: WatchResult, values: ValueWatch | None, alert: Callable[[Alert], None]) -> WatchResult:
+    """The job is over: what is left unsettled is judged (no flush will come)."""
+    for found in values.poll(final=True) if values is not None else []:
+        result.alerts.append(found)
+        alert(found)
+    return result
 
 
 def _changes(
