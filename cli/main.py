@@ -205,6 +205,9 @@ def upload(
     sample_random: o.SampleRandom = None,
     sample_seed: o.SampleSeed = 0,
     no_samples: o.NoSamples = False,
+    alert: o.Alert = None,
+    alert_on: o.AlertOn = "global",
+    on_alert: o.OnAlert = None,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
 
@@ -223,8 +226,9 @@ def upload(
 
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
-    with command_run():
+    with command_run(), output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert") as alerts:
         with output.upload_events() as events, output.read_progress() as progress:
+            events.alert = alerts.run
             result = upload_run(
                 run_dir,
                 o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
@@ -238,7 +242,10 @@ def upload(
                 follow_symlinks=follow_symlinks,
                 events=events,
                 on_progress=progress,
-                follow=o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait),
+                follow=o.follow(
+                    follow, interval, until_idle, sources, let_go_after, restart_grace, wait,
+                    o.alarms(alert, alert_on, on_alert),
+                ),  # fmt: skip
                 engine=engine,
                 ray_address=ray_address,
                 samples=o.sample_choice(
@@ -448,13 +455,12 @@ def watch(
         metriclog watch runs/exp1 --on-stall 'echo "$METRICLOG_PROCESS hung in $METRICLOG_WHERE"'
         metriclog watch runs/exp1 --alert 'train/loss: nonfinite' --alert 'train/grad_norm > 100'
     """
-    from metric_core.offline.alerts import Alarms, parse_rule
     from metric_core.offline.watch import STOPPED, watch_run
 
     commands = output.EventCommands(on_stall, run_dir, option="--on-stall")
     alerts = output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert")
     with command_run(), output.WatchDisplay() as show, commands, alerts:
-        alarms = Alarms([parse_rule(r) for r in alert], on=alert_on) if alert else None
+        alarms = o.alarms(alert, alert_on, on_alert)
         commands.relay = alerts.relay = show.live is not None
         try:
             result = watch_run(

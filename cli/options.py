@@ -578,8 +578,10 @@ def follow(
     let_go_after: str | None = None,
     restart_grace: str = RESTART_GRACE,
     wait: bool = False,
+    alerts: Any = None,
 ) -> Any:
-    """``upload_run``'s ``follow``, or None without ``--follow`` (its options alone are a usage error)."""
+    """``upload_run``'s ``follow``, or None without ``--follow`` (its options alone are a usage error);
+    ``alerts``: the ``--alert`` rules' ``Alarms``, or None."""
     from metric_core.offline.plan import parse_duration
     from metric_core.offline.upload import Follow
 
@@ -596,6 +598,7 @@ def follow(
         given += ["--interval"] if interval != FOLLOW_INTERVAL else []
         given += ["--wait"] if wait else []
         given += ["--restart-grace"] if restart_grace != RESTART_GRACE else []
+        given += ["--alert"] if alerts is not None else []
         if given:
             verb = "works" if len(given) == 1 else "work"
             raise typer.BadParameter(f"{' and '.join(given)} {verb} only with --follow", param_hint=given[0])
@@ -610,7 +613,20 @@ def follow(
         let_go_after=let_go,
         restart_grace=grace_s,
         wait=wait,
+        alarms=alerts,
     )
+
+
+def alarms(rules: list[str] | None, on: str, on_alert: str | None) -> Any:
+    """``--alert`` and ``--alert-on`` as ``Alarms``, or None without a rule (then ``--on-alert``
+    is a usage error: it would never run)."""
+    from metric_core.offline.alerts import Alarms, parse_rule
+
+    if not rules:
+        if on_alert is not None:
+            raise typer.BadParameter("--on-alert works only with --alert", param_hint="--on-alert")
+        return None
+    return Alarms([parse_rule(r) for r in rules], on=on)
 
 
 def grace(restart_grace: str) -> float:

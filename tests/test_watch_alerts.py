@@ -48,7 +48,14 @@ RULES = [
 ]
 
 
-def _watch(tmp_path: Path, steps: int, mode: str, *args: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+SIDECAR = ["upload", "--project", "p", "--offline", "--follow"]
+
+
+def _watch(
+    tmp_path: Path, steps: int, mode: str, *args: str, verb: list[str] | None = None
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``metriclog watch`` (or ``verb``: the sidecar) with the rules beside a job of 4 writers;
+    what it said, and its ``--on-alert`` commands' lines."""
     run, said = tmp_path / "run", tmp_path / "alerts.txt"
     command = (
         f'echo "$METRICLOG_KEY|$METRICLOG_STEP|$METRICLOG_VALUE|$METRICLOG_PROCESS|$METRICLOG_RANK|$METRICLOG_RULE"'
@@ -56,7 +63,8 @@ def _watch(tmp_path: Path, steps: int, mode: str, *args: str) -> tuple[subproces
     )
     rules = [a for r in RULES for a in ("--alert", r)]
     watcher = subprocess.Popen(
-        [METRICLOG, "watch", str(run), "--wait", "--interval", "0.2", *rules, "--on-alert", command, *args],
+        [METRICLOG, *(verb or ["watch"])[:1], str(run), *(verb or ["watch"])[1:], "--wait", "--interval", "0.2",
+         *rules, "--on-alert", command, *args],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -75,8 +83,9 @@ def _watch(tmp_path: Path, steps: int, mode: str, *args: str) -> tuple[subproces
     return done, sorted(said.read_text().splitlines()) if said.exists() else []
 
 
-def test_one_alarm_per_episode_naming_key_step_and_rank(tmp_path):
-    done, alerts = _watch(tmp_path, 120, "faults")
+@pytest.mark.parametrize("verb", [["watch"], SIDECAR], ids=["watch", "sidecar"])
+def test_one_alarm_per_episode_naming_key_step_and_rank(tmp_path, verb):
+    done, alerts = _watch(tmp_path, 120, "faults", verb=verb)
     assert done.returncode == 0, done.stderr
     grad = [a for a in alerts if a.startswith("train/grad_norm|")]
     (first_rank,) = {a.split("|")[4] for a in grad}  # the first rank whose own value broke it
@@ -138,3 +147,16 @@ def test_a_rule_that_is_none_is_an_error_naming_the_forms(tmp_path):
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "--alert 'train/loss explodes' is not a rule: write one of 'KEY: nonfinite'" in done.stderr
+
+
+def test_on_alert_without_a_rule_is_a_usage_error(tmp_path):
+    (tmp_path / "run").mkdir()
+    for verb in (["watch"], SIDECAR):
+        done = subprocess.run(
+            [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], "--on-alert", "true"], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and "--on-alert works only with --alert" in done.stderr, done.stderr
+    done = subprocess.run(
+        [METRICLOG, "upload", str(tmp_path / "run"), "--project", "p", "--alert", "x > 1"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--alert works only with --follow" in done.stderr, done.stderr

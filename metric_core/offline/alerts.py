@@ -235,22 +235,40 @@ class ValueWatch:
     ``Alarms``: raw, each source's records in step order; global, each step once every live
     source flushed it (``tail.Follower``, reduced as ``reduce`` would)."""
 
-    def __init__(self, run_dir: Path, alarms: Alarms, *, follow_symlinks: bool = False) -> None:
+    def __init__(self, run_dir: Path | None, alarms: Alarms, *, follow_symlinks: bool = False) -> None:
         from metric_core.offline.tail import Follower, RunTail
 
         self.alarms = alarms
-        self.tail = RunTail(run_dir, follow_symlinks=follow_symlinks)
+        # Its own reader (watch), or none: the sidecar hands over what its reader read (``judge``).
+        self.tail = RunTail(run_dir, follow_symlinks=follow_symlinks) if run_dir is not None else None
         patterns = sorted({r.pattern for r in alarms.rules})
-        plan = make_plan(mode="global_reduce", keys=patterns)
-        self.follower = Follower(plan, share_run=False, sources=None, rename=False) if alarms.on == "global" else None
+        self.plan = make_plan(mode="global_reduce", keys=patterns)
+        self.follower = self._follower()
         self.offender: dict[tuple[str, int], tuple[float, str, int]] = {}  # (key, step) -> first raw offender
+        self.judged: dict[tuple[str, Any], int] = {}  # a series' newest step judged, before a reading anew
+
+    def _follower(self) -> Any:
+        from metric_core.offline.tail import Follower
+
+        return Follower(self.plan, share_run=False, sources=None, rename=False) if self.alarms.on == "global" else None
+
+    def anew(self) -> None:
+        """The run is read again from its start (the sidecar's fresh pass): the steps judged
+        already are not judged again."""
+        self.judged = dict(self.alarms.last_step)
+        self.follower = self._follower()
 
     def poll(self, final: bool = False) -> list[Alert]:
         """The alarms of the values that settled since the last poll (``final``: the job is
         over, every value read is settled)."""
+        assert self.tail is not None
+        return self.judge(self.tail.poll(final), self.tail.sources, self.tail.meta, final)
+
+    def judge(self, records: Any, sources: dict[Any, Any], meta: dict[str, Any], final: bool = False) -> list[Alert]:
+        """The alarms of ``records`` (settled records, as ``RunTail.poll`` gives them), with the
+        sources and run.json that reader knows."""
         from metric_core.offline.tail import expected_sources
 
-        records = self.tail.poll(final)
         watched = [k for k in records["key"].unique().to_list() if self.alarms.watched(k)] if records.height else []
         mine = records.filter(records["key"].is_in(watched)) if watched else records.clear()
         out: list[Alert] = []
@@ -258,7 +276,8 @@ class ValueWatch:
             for process, rank, step, key, value in mine.sort("process", "rank", "step", "timestamp").select(
                 "process", "rank", "step", "key", "value"
             ).iter_rows():
-                out += self.alarms.feed(key, step, value, (process, rank))
+                if step > self.judged.get((key, (process, rank)), -1):
+                    out += self.alarms.feed(key, step, value, (process, rank))
             return out
         for process, rank, step, key, value, at in mine.select(
             "process", "rank", "step", "key", "value", "timestamp"
@@ -267,13 +286,13 @@ class ValueWatch:
                 first = self.offender.get((key, step))
                 if first is None or at < first[0]:
                     self.offender[(key, step)] = (at, process, rank)
-        self.follower.expected = expected_sources(self.tail.meta)
-        self.follower.add(mine, self.tail.sources)
-        for ready in self.follower.ready(self.tail.sources, ending=final):
+        self.follower.expected = expected_sources(meta)
+        self.follower.add(mine, sources)
+        for ready in self.follower.ready(sources, ending=final):
             for row in ready.rows:
                 step = int(row["step"])
                 for key, value in row.items():
-                    if key == "step" or value is None:
+                    if key == "step" or value is None or step <= self.judged.get((key, None), -1):
                         continue
                     for alert in self.alarms.feed(key, step, float(value)):
                         found = self.offender.get((key, step))

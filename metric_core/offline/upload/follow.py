@@ -33,6 +33,7 @@ from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
+from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.tail import (
     UNKNOWN_SOURCES,
     Follower,
@@ -146,6 +147,7 @@ def follow_upload(
     restart_grace: float = RESTART_GRACE,
     samples: SampleChoice | None = None,
     wait: bool = False,
+    alarms: Alarms | None = None,
 ) -> tuple[PlannedRuns, FollowState]:
     """Follow ``root`` until every source finished, every source finished or died and no
     new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
@@ -163,6 +165,7 @@ def follow_upload(
         if not dry_run:
             held.enter_context(only_upload(root / ".metriclog", key, root))
         replacing = False
+        values = ValueWatch(None, alarms) if alarms is not None else None
         while True:
             pass_ = _Pass(
                 root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
@@ -171,6 +174,7 @@ def follow_upload(
             pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
             pass_.follower = Follower(plan, share_run=share_run, sources=sources, let_go_after=let_go_after)
             pass_.restart_grace = restart_grace
+            pass_.values = values
             if samples is not None and samples.enabled and not dry_run:
                 pass_.samples = SampleTables(root, plan, samples, share_run=share_run)
             try:
@@ -193,6 +197,8 @@ def follow_upload(
             force_new = replacing = (
                 True  # the rows handed over hold replaced records: fresh runs hold the rest
             )
+            if values is not None:
+                values.anew()
 
 
 @dataclass
@@ -226,6 +232,7 @@ class _Pass:
     held: set[tuple[str, int]] = field(default_factory=set)  # live, silent sources said to hold the steps
     restart_grace: float = RESTART_GRACE
     samples: SampleTables | None = None  # each step's samples, sent with its row
+    values: ValueWatch | None = None  # alarms on values (--alert), judged on what the tail read
     over_since: float | None = None  # since when every source finished or died
 
     def run(
@@ -261,6 +268,9 @@ class _Pass:
                 )
                 return REPLACED
             ending = state.all_finished or idle or over
+            if self.values is not None:
+                for alert in self.values.judge(records, self.tail.sources, self.tail.meta, final=ending):
+                    self.events.alert(alert)
             self._send(self.follower.ready(self.tail.sources, ending=ending))
             for text in self.follower.mixed_notices():
                 self.events.message("warning", text)
