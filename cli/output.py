@@ -458,7 +458,7 @@ def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS, **
 # What a narrow terminal loses first of inspect's table (the rest from the right): it
 # keeps each source and its status.
 INSPECT_DROPPED_FIRST = ("files", "keys", "attempts", "truncated", "skipped", "records", "first")
-INSPECT_KEPT = ("rank", "status", "end")
+INSPECT_KEPT = ("rank", "state", "end")
 
 
 def sources_frame(report: InspectReport) -> pl.DataFrame:
@@ -470,6 +470,7 @@ def sources_frame(report: InspectReport) -> pl.DataFrame:
             {
                 "process": s.process,
                 "rank": s.rank,
+                "state": s.state,
                 "status": s.status,
                 "end": s.end,
                 "lag_s": s.lag_s,
@@ -499,7 +500,7 @@ def print_inspect(report: InspectReport) -> None:
         {
             "process": s.process,
             "rank": s.rank,
-            "status": s.status,
+            "state": s.state,
             "end": s.end or "",  # how its newest attempt ended
             "lag": duration(s.lag_s),
             "steps": f"{s.first_step}-{s.last_step}",
@@ -701,14 +702,14 @@ class WatchDisplay:
             self.live.update(_watch_table(report), refresh=True)
             return
         from metric_core.clock import local_time
-        from metric_core.offline.watch import state_of
+        from metric_core.offline.inspect.health import state_of, state_said
 
         for s in report.sources:
             state = state_of(s)
             if self.states.get((s.process, s.rank)) != state:
                 self.states[(s.process, s.rank)] = state
                 when = local_time(report.checked_at)
-                print(f"{when} {s.process} (rank {s.rank}) {state} at step {s.last_step}", flush=True)
+                print(f"{when} {s.process} (rank {s.rank}) {state_said(s)}", flush=True)
 
     def note(self, text: str) -> None:
         """A death, a restart, a dump: a line on stderr (above the table, on a terminal)."""
@@ -729,7 +730,7 @@ def _watch_table(report: InspectReport) -> Any:
     from rich.text import Text
 
     from metric_core.clock import duration, local_time
-    from metric_core.offline.watch import state_of
+    from metric_core.offline.inspect.health import state_of
 
     table = Table(title=f"{report.name}: {local_time(report.checked_at)}", title_justify="left")
     for name in ("process", "rank", "state", "step", "silent", "step time"):

@@ -258,7 +258,7 @@ def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
         child.wait()
     _, err = watching.communicate(timeout=60)
     assert watching.returncode == 4, err
-    assert err.count(" died in step ") == 2 and "no exception or signal recorded" in err
+    assert err.count(" died after step ") == 2 and "no exception or signal recorded" in err
 
 
 def both_recorded(run: Path) -> bool:

@@ -42,7 +42,7 @@ from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
 from metric_core.offline.alerts import Alarms, Alert, ValueWatch
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
-from metric_core.offline.inspect.health import culprit_of, held_by_hang, where_text
+from metric_core.offline.inspect.health import culprit_of, held_by_hang, state_of, state_said, where_text
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
@@ -53,18 +53,6 @@ CHANGED_POLLS = 5
 # Sources whose silence began this close together stall as one episode.
 EPISODE_S = 5.0
 RESTART_GRACE = 60.0
-
-
-def state_of(s: SourceHealth) -> str:
-    """A source as watch names it: finished, died, stalled, running (or, for a writer that
-    records no life, stopped_early by inspect's rule)."""
-    if s.status == "finished":
-        return "finished"
-    if s.attempts and s.attempts[-1].failed:
-        return "died"
-    if s.stalled:
-        return "stalled"
-    return "stopped_early" if s.status == "stopped_early" and s.end is None else "running"
 
 
 @dataclass

@@ -48,6 +48,7 @@ from metric_core.offline.inspect.health import (
     find_stopped_early,
     find_stragglers,
     source_status,
+    state_of,
     stall_threshold,
 )
 from metric_core.offline.inspect.report import FirstToStop, InspectReport, NonFinite, SourceHealth, Straggler
@@ -131,7 +132,7 @@ def inspect_run(
     sources = []
     if now is None:  # a copy in a bucket trails its job: judged at the time of its newest object
         now = time.time() if isinstance(scan.run_dir, Path) else newest_listed(scan.run_dir)
-    failure, stacks = story.tell(scan.report, scan.run_dir, now)
+    failure, together, stacks = story.tell(scan.report, scan.run_dir, now)
     live = False
     for source, its in sorted(steps.items()):
         typical, longest, _ = cadence[source]
@@ -170,6 +171,7 @@ def inspect_run(
         health.stalled = (
             health.status != "finished" and typical is not None and not over and silent > health.stall_after_s
         )
+        health.state = state_of(health)
         # Still running: its heartbeat goes on (a hang is running too), or, for a writer that
         # records none, it wrote within its quiet threshold of the wall clock.
         if health.end == "running" or (health.status == "unfinished" and not quiet and health.end is None):
@@ -199,6 +201,7 @@ def inspect_run(
         checked_at=now,
         stopped_early=stopped,
         first_failure=failure,
+        together=together,
         pauses=paused,
         samples=read_samples(scan.run_dir, known=scan.report.attempts).keys(),
     )

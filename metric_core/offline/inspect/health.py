@@ -13,6 +13,7 @@ import polars as pl
 from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
 from metric_core.life import STALL_MIN_S, place_text  # no silence shorter is a stall: scheduling noise
+from metric_core.offline import story
 from metric_core.offline.read import RunScan
 
 QUIET_FACTOR = 10.0
@@ -197,3 +198,24 @@ def culprit_of(held: list[SourceHealth]) -> SourceHealth | None:
     }
     found = odd_one_out(places)
     return next((s for s in held if (s.process, s.rank) == found), None)
+
+
+def state_of(s: SourceHealth) -> str:
+    """A source as watch names it: finished, died, stalled, running (or, for a writer that
+    records no life, stopped_early by inspect's rule)."""
+    if s.status == "finished":
+        return "finished"
+    if s.attempts and s.attempts[-1].failed:
+        return "died"
+    if s.stalled:
+        return "stalled"
+    return "stopped_early" if s.status == "stopped_early" and s.end is None else "running"
+
+
+def state_said(s: SourceHealth) -> str:
+    """A source's state with its one step: a death by the last step it flushed (as inspect
+    and the sidecar say it), any other state by its newest record's step."""
+    state = state_of(s)
+    if state == "died":
+        return "died" + story.after_step(s.attempts[-1].last_step if s.attempts else None)
+    return f"{state} at step {s.last_step}"

@@ -48,6 +48,9 @@ class SourceHealth:
     # and "threads" once it was silent 10 s.
     where: dict[str, Any] | None = None
     no_heartbeat: bool = False  # running, but its writer thread is not heard (native code, SIGSTOP)
+    # What it is now, in the one vocabulary of inspect, watch, plot and the sidecar: running,
+    # stalled, finished, died (or stopped_early, for files that record no life).
+    state: str = ""
 
 
 @dataclass
@@ -110,6 +113,9 @@ class InspectReport:
     stopped_early: list[FirstToStop] = field(default_factory=list)
     # The earliest attempt end that was not a clean shutdown (``offline.story``).
     first_failure: Failure | None = None
+    # The sources whose attempts failed first all together (one event, no culprit): then no
+    # first_failure. [{"process", "rank"}]
+    together: list[dict[str, Any]] = field(default_factory=list)
     pauses: list[Pause] = field(default_factory=list)
     # Samples (Reduce.SAMPLE) per key: not records, read by ``metriclog samples``.
     samples: dict[str, int] = field(default_factory=dict)

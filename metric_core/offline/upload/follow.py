@@ -320,22 +320,13 @@ class _Pass:
         let_go_after = self.follower.let_go_after
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
-            # its last flushed step: the records of a step it did not flush are read, but it died in it
-            after = (
-                f"after step {source.done}"
-                if source.done is not None
-                else "before its first step"
-                if source.step_end is not None
-                else "before its first record"
-            )
-            why = source.over
+            why = source.over  # how it ended, in inspect's words
             if why is None:
                 state.dead.pop(key, None)
             elif key not in state.dead:
                 state.dead[key] = why
                 self.events.message(
-                    "warning",
-                    f"{who} died {after}: {why}" + ("; the steps go on without it" if holding else ""),
+                    "warning", f"{who} {why}" + ("; the steps go on without it" if holding else "")
                 )
             let_go = not (source.finished or source.static) and not source.holds(newest, now, let_go_after)
             if let_go and why is None and key not in self.let_go:
@@ -381,7 +372,16 @@ class _Pass:
             )
         quiet = time.monotonic() - last_new
         # (while every source is over and the follow waits --restart-grace, it said so)
-        if quiet > QUIET_SAID_S and not self.quiet_said and self.tail.sources and self.over_since is None:
+        known_over = bool(self.tail.sources) and all(
+            s.finished or s.static or key in state.dead for key, s in self.tail.sources.items()
+        )  # every source finished or died: no "may have died" (it did, and the end is said)
+        if (
+            quiet > QUIET_SAID_S
+            and not self.quiet_said
+            and self.tail.sources
+            and self.over_since is None
+            and not known_over
+        ):
             self.quiet_said = True
             shut = all(s.finished or s.static for s in self.tail.sources.values())
             self.events.message(
