@@ -56,7 +56,7 @@ def _deep(n: int, then) -> None:
 
     def default(_):
         then()
-        return None
+        return
 
     nested: object = Deep()
     for _ in range(n):
@@ -106,18 +106,27 @@ def per_step(steps: int, runs: int) -> None:
     took: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(runs):
         for variant in ("on", "off"):
-            out = subprocess.run([sys.executable, "-c", JOB, variant, str(steps)], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, "-c", JOB, variant, str(steps)], capture_output=True, text=True, check=True
+            )
             took[variant].append(float(out.stdout.strip()))
     on, off = statistics.median(took["on"]), statistics.median(took["off"])
     beats = off * 100  # flush_interval 0.01 s: about this many wakes in the job
-    print(f"  places said    {on / steps * 1e6:8.2f} us a step  (median of {runs}: {on:.2f} s for {steps} steps)")
+    print(
+        f"  places said    {on / steps * 1e6:8.2f} us a step  "
+        f"(median of {runs}: {on:.2f} s for {steps} steps)"
+    )
     print(f"  no place (H)   {off / steps * 1e6:8.2f} us a step  ({off:.2f} s)")
-    print(f"  difference     {(on - off) / steps * 1e6:8.2f} us a step at 100 heartbeats a second, "
-          f"{(on - off) / beats * 1e6:.1f} us a heartbeat; ratio {on / off:.3f}")
+    print(
+        f"  difference     {(on - off) / steps * 1e6:8.2f} us a step at 100 heartbeats a second, "
+        f"{(on - off) / beats * 1e6:.1f} us a heartbeat; ratio {on / off:.3f}"
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--reps", type=int, default=20000)
     parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--runs", type=int, default=5)

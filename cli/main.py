@@ -243,9 +243,15 @@ def upload(
                 events=events,
                 on_progress=progress,
                 follow=o.follow(
-                    follow, interval, until_idle, sources, let_go_after, restart_grace, wait,
+                    follow,
+                    interval,
+                    until_idle,
+                    sources,
+                    let_go_after,
+                    restart_grace,
+                    wait,
                     o.alarms(alert, alert_on, on_alert),
-                ),  # fmt: skip
+                ),
                 engine=engine,
                 ray_address=ray_address,
                 samples=o.sample_choice(

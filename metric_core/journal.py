@@ -2,9 +2,9 @@
 
 ``flush()`` must make records durable without serializing them one by one on the
 training thread, so the open segment is a journal of the collector's own buffer.
-Format 6 (``MLJ6``; ``MLJ5``, the same without W frames, ``MLJ4``, without P frames, ``MLJ3``, whose F frames carry no
-time and which has no H and E frames, ``MLJ2``, the same without F frames, and ``MLJ1`` are
-still read)::
+Format 6 (``MLJ6``; ``MLJ5``, the same without W frames, ``MLJ4``, without P frames,
+``MLJ3``, whose F frames carry no time and which has no H and E frames, ``MLJ2``, the same
+without F frames, and ``MLJ1`` are still read)::
 
     header   b"MLJ6" u32:len u32:crc JSON{"format": 6, "process", "rank", "created",
                                            "attempt", "attempt_started", "attempt_first_step",
@@ -326,7 +326,9 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
             elif kind == WHERE:
                 body = parse_json(payload.tobytes())
                 where = body["where"]
-                if not (isinstance(where, list) and len(where) == 2 and all(isinstance(w, str) for w in where)):
+                if not (
+                    isinstance(where, list) and len(where) == 2 and all(isinstance(w, str) for w in where)
+                ):
                     raise ValueError("where frame without [own, inner]")
                 threads = body.get("threads")
                 out.life.beat(float(body["at"]), (where[0], where[1]), _threads(threads))

@@ -114,7 +114,9 @@ class Life:
             _beats=dict(self._beats),
         )
 
-    def beat(self, at: float, where: tuple[str, str] | None = None, threads: dict[str, Any] | None = None) -> None:
+    def beat(
+        self, at: float, where: tuple[str, str] | None = None, threads: dict[str, Any] | None = None
+    ) -> None:
         """A heartbeat at ``at``; ``where`` (a W frame) when the place changed, else it is the last one."""
         self.seen(at)
         if where is not None:

@@ -52,14 +52,33 @@ def trial(i: int, launcher: str, python: str, metriclog: str, base: Path) -> tup
     try:
         if launcher == "lockstep":
             action = "sleep" if order == "before" else "checkpoint"
-            run_job(run, world=WORLD, steps=STEPS, action=[action, str(sleeper), str(AT_STEP), str(seconds)], timeout=300)
+            run_job(
+                run,
+                world=WORLD,
+                steps=STEPS,
+                action=[action, str(sleeper), str(AT_STEP), str(seconds)],
+                timeout=300,
+            )
         else:
             env = {**os.environ, "PYTHONPATH": str(ROOT)}
             args = [str(run), str(STEPS), str(sleeper), str(AT_STEP), str(seconds), order]
             subprocess.run(
-                [python, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_port", str(29500 + i),
-                 str(ROOT / "tests" / "torchrun_worker.py"), *args],
-                env=env, check=True, timeout=300, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    python,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    str(WORLD),
+                    "--master_port",
+                    str(29500 + i),
+                    str(ROOT / "tests" / "torchrun_worker.py"),
+                    *args,
+                ],
+                env=env,
+                check=True,
+                timeout=300,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
         _, err = watcher.communicate(timeout=120)
     finally:
@@ -67,7 +86,9 @@ def trial(i: int, launcher: str, python: str, metriclog: str, base: Path) -> tup
             watcher.kill()
     name = f"Trainer_r{sleeper}"
     lines = said.read_text().splitlines() if said.exists() else []
-    report = json.loads(subprocess.run([metriclog, "inspect", str(run), "--json"], capture_output=True, text=True).stdout)
+    report = json.loads(
+        subprocess.run([metriclog, "inspect", str(run), "--json"], capture_output=True, text=True).stdout
+    )
     pauses = [p for p in report["pauses"] if p["seconds"] >= 10]
     groups = pauses[0]["stuck_in"] if len(pauses) == 1 else []
     apart = [g for g in groups if g["sources"] == [{"process": name, "rank": sleeper}]]
@@ -79,7 +100,8 @@ def trial(i: int, launcher: str, python: str, metriclog: str, base: Path) -> tup
         and len(apart) == 1
     )
     said_line = lines[0] if lines else "(no stall command ran)"
-    story = f"trial {i}: {name} slept {seconds} s {order} its flush of step {AT_STEP}: --on-stall got {said_line!r}"
+    story = f"trial {i}: {name} slept {seconds} s {order} its flush of step {AT_STEP}"
+    story += f": --on-stall got {said_line!r}"
     story += f"; inspect: {[(g['where'], [s['rank'] for s in g['sources']]) for g in groups]}"
     if watcher.returncode != 0:
         story += f"; watch exited {watcher.returncode}: {err.strip()[-300:]}"
@@ -87,7 +109,9 @@ def trial(i: int, launcher: str, python: str, metriclog: str, base: Path) -> tup
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--launcher", choices=("lockstep", "torchrun"), default="lockstep")
     parser.add_argument("--parallel", type=int, default=2)
@@ -97,12 +121,17 @@ def main() -> None:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="culprit-") as base, ThreadPoolExecutor(args.parallel) as pool:
         results = list(
-            pool.map(lambda i: trial(i, args.launcher, args.python, args.metriclog, Path(base)), range(args.runs))
+            pool.map(
+                lambda i: trial(i, args.launcher, args.python, args.metriclog, Path(base)), range(args.runs)
+            )
         )
     for ok, story in results:
         print(("PASS " if ok else "FAIL ") + story)
     passed = sum(ok for ok, _ in results)
-    print(f"{args.launcher}: the sleeping rank named in {passed} of {args.runs} trials ({time.monotonic() - start:.0f} s)")
+    print(
+        f"{args.launcher}: the sleeping rank named in {passed} of {args.runs} trials "
+        f"({time.monotonic() - start:.0f} s)"
+    )
     sys.exit(0 if passed == args.runs else 1)
 
 

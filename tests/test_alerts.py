@@ -21,7 +21,13 @@ def test_rules_parse_and_bad_ones_name_the_forms():
     assert (r.kind, r.x, r.n) == ("drop", 0.5, 20)
     r = parse_rule("train/loss: spike 5 sigma")
     assert (r.kind, r.x) == ("spike", 5.0)
-    for bad in ("train/loss", "loss: explodes", "loss >", "loss: drop 0% over 5 steps", "loss: spike 0 sigma"):
+    for bad in (
+        "train/loss",
+        "loss: explodes",
+        "loss >",
+        "loss: drop 0% over 5 steps",
+        "loss: spike 0 sigma",
+    ):
         with pytest.raises(AlertRuleError, match="--alert"):
             parse_rule(bad)
 

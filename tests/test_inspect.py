@@ -224,7 +224,10 @@ def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_sa
     died = inspect_run(scan_run(run), now=newest + 3600)
     assert not died.still_running and died.first_to_stop is None
     story, together = died.verdict()
-    assert re.fullmatch(r"all 3 ranks ended without shutdown\(\) together after step 100 \(their last flushed\) at \S+\.", story), story
+    assert re.fullmatch(
+        r"all 3 ranks ended without shutdown\(\) together after step 100 \(their last flushed\) at \S+\.",
+        story,
+    ), story
     assert re.fullmatch(
         r"No source stopped before the others: all 3 ended without shutdown\(\) within [\d.]+ m?s of each "
         r"other, the last at \S+ \(the whole job was stopped, or crashed together\)\.",
@@ -239,7 +242,9 @@ def test_a_source_without_shutdown_among_finished_ones_is_named(tmp_path, india)
     step_times(run, "TrainActor_r1", 1, times)
     step_times(run, "TrainActor_r2", 2, times, shutdown=False)
     report = inspect_run(scan_run(run), now=T0 + 10_000)
-    assert report.verdict() == ["TrainActor_r2 (rank 2) exited without shutdown() after step 49 (its last flushed)."]
+    assert report.verdict() == [
+        "TrainActor_r2 (rank 2) exited without shutdown() after step 49 (its last flushed)."
+    ]
 
 
 def test_a_source_of_another_tool_s_file_that_stopped_early_is_named_too(crashed):
@@ -303,9 +308,9 @@ def test_inspect_command_table_verdict_and_json(crashed, india):
     # (after step 70); the others' writers are this process, alive.
     story, *verdict = verdict.splitlines()
     assert re.fullmatch(
-        r"TrainActor_r1 \(rank 1\) died after step 40 \(its last flushed\): no exception or signal recorded \(SIGKILL, the OOM "
-        r"killer, os\._exit or a native crash\); [\d.]+ (ms|s) later 1 other rank died with no exception or "
-        r"signal recorded\.",
+        r"TrainActor_r1 \(rank 1\) died after step 40 \(its last flushed\): no exception or signal recorded "
+        r"\(SIGKILL, the OOM killer, os\._exit or a native crash\); [\d.]+ (ms|s) later 1 other rank died "
+        r"with no exception or signal recorded\.",
         story,
     ), story
     assert verdict == [
@@ -365,7 +370,9 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
     # Two queries may sum a step's values in another order (streaming is parallel).
     np.testing.assert_allclose(line.get_ydata(), truth["value"].to_numpy(), rtol=1e-12)
     assert ax_loss.collections, "the min-max band across sources"
-    marks = {ln.get_label(): ln.get_xdata()[0] for ln in ax_loss.get_lines() if not ln.get_label().startswith("_")}
+    marks = {
+        ln.get_label(): ln.get_xdata()[0] for ln in ax_loss.get_lines() if not ln.get_label().startswith("_")
+    }
     # Where each source that did not finish stopped, in the words inspect and watch use
     health = {s.process: s for s in inspect_run(scan).sources}
     assert marks == {

@@ -70,9 +70,8 @@ def watch(run: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedPr
     """``metriclog watch`` of a job started with it: ``--wait``, as the job may not have made
     its run directory yet (on a busy machine it had not, and watch refused the path)."""
     said = tmp_path / "stalls.txt"
-    command = (
-        f'echo "$METRICLOG_PROCESS $METRICLOG_RANK $METRICLOG_LAST_STEP|$METRICLOG_PROCESSES|$METRICLOG_WHERE" >> {said}'
-    )
+    fields = "$METRICLOG_PROCESS $METRICLOG_RANK $METRICLOG_LAST_STEP|$METRICLOG_PROCESSES|$METRICLOG_WHERE"
+    command = f'echo "{fields}" >> {said}'
     done = subprocess.run(
         [METRICLOG, "watch", str(run), "--wait", "--interval", "0.2", "--on-stall", command, *args],
         capture_output=True,
@@ -229,10 +228,13 @@ def test_a_lockstep_hang_is_one_stall_and_a_job_killed_whole_ends_watch(tmp_path
     assert together.split(",")[0] == "Trainer_r1"
     assert sorted(together.split(",")) == [f"Trainer_r{r}" for r in range(4)]
     assert done.stderr.count("stalled at step") == 1
-    assert "waiting for it: Trainer_r0 (rank 0), Trainer_r2 (rank 2), Trainer_r3 (rank 3) at tests/lockstep_worker.py:" in done.stderr
+    waiting = "waiting for it: Trainer_r0 (rank 0), Trainer_r2 (rank 2), Trainer_r3 (rank 3)"
+    assert f"{waiting} at tests/lockstep_worker.py:" in done.stderr
     # inspect afterwards: the pause, with the held rank's place apart from the others'
     report = json.loads(
-        subprocess.run([METRICLOG, "inspect", str(run), "--json"], capture_output=True, text=True, check=True).stdout
+        subprocess.run(
+            [METRICLOG, "inspect", str(run), "--json"], capture_output=True, text=True, check=True
+        ).stdout
     )
     (pause,) = [p for p in report["pauses"] if p["seconds"] >= 5]
     apart, waiting = pause["stuck_in"]

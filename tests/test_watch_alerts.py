@@ -58,19 +58,31 @@ def _watch(
     what it said, and its ``--on-alert`` commands' lines."""
     run, said = tmp_path / "run", tmp_path / "alerts.txt"
     command = (
-        f'echo "$METRICLOG_KEY|$METRICLOG_STEP|$METRICLOG_VALUE|$METRICLOG_PROCESS|$METRICLOG_RANK|$METRICLOG_RULE"'
-        f" >> {said}"
+        'echo "$METRICLOG_KEY|$METRICLOG_STEP|$METRICLOG_VALUE|$METRICLOG_PROCESS|$METRICLOG_RANK'
+        f'|$METRICLOG_RULE" >> {said}'
     )
     rules = [a for r in RULES for a in ("--alert", r)]
     watcher = subprocess.Popen(
-        [METRICLOG, *(verb or ["watch"])[:1], str(run), *(verb or ["watch"])[1:], "--wait", "--interval", "0.2",
-         *rules, "--on-alert", command, *args],  # fmt: skip
+        [
+            METRICLOG,
+            *(verb or ["watch"])[:1],
+            str(run),
+            *(verb or ["watch"])[1:],
+            "--wait",
+            "--interval",
+            "0.2",
+            *rules,
+            "--on-alert",
+            command,
+            *args,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     writers = [
-        subprocess.Popen([sys.executable, "-c", WRITER, str(run), str(rank), str(steps), mode]) for rank in range(4)
+        subprocess.Popen([sys.executable, "-c", WRITER, str(run), str(rank), str(steps), mode])
+        for rank in range(4)
     ]
     try:
         assert [w.wait(timeout=300) for w in writers] == [0, 0, 0, 0]
@@ -103,7 +115,10 @@ def test_one_alarm_per_episode_naming_key_step_and_rank(tmp_path, verb):
         ]
     ), done.stderr
     assert done.stderr.count("alert: ") == 5
-    assert "alert: train/loss is nan at step 30 on TrainActor_r2 (rank 2) (its global value: not finite" in done.stderr
+    assert (
+        "alert: train/loss is nan at step 30 on TrainActor_r2 (rank 2) (its global value: not finite"
+        in done.stderr
+    )
 
 
 def _mean_reward(at: int) -> float:
@@ -136,14 +151,19 @@ def test_raw_alarms_judge_each_rank_apart(tmp_path):
     assert grads == [f"train/grad_norm|50|500.0|TrainActor_r{r}|{r}|train/grad_norm > 100" for r in range(4)]
     losses = [a for a in alerts if a.startswith("train/loss|")]
     assert losses == sorted(
-        ["train/loss|30|nan|TrainActor_r2|2|train/loss: nonfinite", "train/loss|30|nan|TrainActor_r2|2|train/*: nonfinite"]
+        [
+            "train/loss|30|nan|TrainActor_r2|2|train/loss: nonfinite",
+            "train/loss|30|nan|TrainActor_r2|2|train/*: nonfinite",
+        ]
     )
 
 
 def test_a_rule_that_is_none_is_an_error_naming_the_forms(tmp_path):
     (tmp_path / "run").mkdir()
     done = subprocess.run(
-        [METRICLOG, "watch", str(tmp_path / "run"), "--alert", "train/loss explodes"], capture_output=True, text=True
+        [METRICLOG, "watch", str(tmp_path / "run"), "--alert", "train/loss explodes"],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "--alert 'train/loss explodes' is not a rule: write one of 'KEY: nonfinite'" in done.stderr
@@ -153,10 +173,14 @@ def test_on_alert_without_a_rule_is_a_usage_error(tmp_path):
     (tmp_path / "run").mkdir()
     for verb in (["watch"], SIDECAR):
         done = subprocess.run(
-            [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], "--on-alert", "true"], capture_output=True, text=True
+            [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], "--on-alert", "true"],
+            capture_output=True,
+            text=True,
         )
         assert done.returncode == 2 and "--on-alert works only with --alert" in done.stderr, done.stderr
     done = subprocess.run(
-        [METRICLOG, "upload", str(tmp_path / "run"), "--project", "p", "--alert", "x > 1"], capture_output=True, text=True
+        [METRICLOG, "upload", str(tmp_path / "run"), "--project", "p", "--alert", "x > 1"],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 2 and "--alert works only with --follow" in done.stderr, done.stderr

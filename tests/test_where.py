@@ -20,7 +20,6 @@ from metric_core.writer import collector as collector_module
 from metric_core.writer.collector import MetricCollector
 
 
-
 def _in(place: str, function: str) -> bool:
     """``place`` is a line of this file, in ``function``."""
     file, _, rest = place.partition(":")
@@ -52,7 +51,9 @@ def test_a_pause_is_kept_with_the_place_it_was_spent_in(tmp_path, monkeypatch):
         life = data_wait(
             tmp_path,
             at_least=1.2,
-            until=lambda life: life.where is not None and "threads" in life.where and "data_wait" in life.where["own"],
+            until=lambda life: (
+                life.where is not None and "threads" in life.where and "data_wait" in life.where["own"]
+            ),
         )
         own = life.where["own"]
         assert _in(own, "data_wait"), own
@@ -173,7 +174,9 @@ def test_on_nonfinite_raise_stops_at_the_first_nan_of_a_watched_key_and_writes_i
     metric_core.shutdown()
 
     run = tmp_path / "on"
-    metric_core.init(run, process_name="r0", on_nonfinite="raise", nonfinite_keys=["train/loss", "*/grad_norm"])
+    metric_core.init(
+        run, process_name="r0", on_nonfinite="raise", nonfinite_keys=["train/loss", "*/grad_norm"]
+    )
     try:
         metric_core.record_metric("train/loss", 0.5, Reduce.MEAN)
         metric_core.record_metric("eval/reward", math.inf, Reduce.MEAN)  # not watched

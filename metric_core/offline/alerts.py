@@ -24,7 +24,6 @@ import collections
 import math
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from metric_core.errors import MetricLogError
@@ -83,7 +82,9 @@ def parse_rule(text: str) -> Rule:
     if m["pct"] is not None:
         pct, n = float(m["pct"]), int(m["n"])
         if not 0 < pct <= 100 or n < 1:
-            raise AlertRuleError(f"--alert {text!r}: a drop is more than 0% and at most 100%, over 1 step or more")
+            raise AlertRuleError(
+                f"--alert {text!r}: a drop is more than 0% and at most 100%, over 1 step or more"
+            )
         return Rule(text, pattern, "drop", pct / 100, n)
     k = float(m["k"])
     if k <= 0:
@@ -190,12 +191,10 @@ class Alarms:
             found = self._watched[key] = [i for i, m in enumerate(self.matchers) if m(key)]
         return found
 
-    def feed(
-        self, key: str, step: int, value: float, source: tuple[str, int] | None = None
-    ) -> list[Alert]:
+    def feed(self, key: str, step: int, value: float, source: tuple[str, int] | None = None) -> list[Alert]:
         """One value of a series (``source``: its source, raw; None: the global value). A
         step at or before the series' newest (a restart's rewind) starts its state again."""
-        out = []
+        out: list[Alert] = []
         rules = self.watched(key)
         if not rules:
             return out
@@ -235,8 +234,8 @@ class ValueWatch:
     ``Alarms``: raw, each source's records in step order; global, each step once every live
     source flushed it (``tail.Follower``, reduced as ``reduce`` would)."""
 
-    def __init__(self, run_dir: Path | None, alarms: Alarms, *, follow_symlinks: bool = False) -> None:
-        from metric_core.offline.tail import Follower, RunTail
+    def __init__(self, run_dir: Any, alarms: Alarms, *, follow_symlinks: bool = False) -> None:
+        from metric_core.offline.tail import RunTail
 
         self.alarms = alarms
         # Its own reader (watch), or none: the sidecar hands over what its reader read (``judge``).
@@ -250,7 +249,11 @@ class ValueWatch:
     def _follower(self) -> Any:
         from metric_core.offline.tail import Follower
 
-        return Follower(self.plan, share_run=False, sources=None, rename=False) if self.alarms.on == "global" else None
+        return (
+            Follower(self.plan, share_run=False, sources=None, rename=False)
+            if self.alarms.on == "global"
+            else None
+        )
 
     def anew(self) -> None:
         """The run is read again from its start (the sidecar's fresh pass): the steps judged
@@ -264,18 +267,24 @@ class ValueWatch:
         assert self.tail is not None
         return self.judge(self.tail.poll(final), self.tail.sources, self.tail.meta, final)
 
-    def judge(self, records: Any, sources: dict[Any, Any], meta: dict[str, Any], final: bool = False) -> list[Alert]:
+    def judge(
+        self, records: Any, sources: dict[Any, Any], meta: dict[str, Any], final: bool = False
+    ) -> list[Alert]:
         """The alarms of ``records`` (settled records, as ``RunTail.poll`` gives them), with the
         sources and run.json that reader knows."""
         from metric_core.offline.tail import expected_sources
 
-        watched = [k for k in records["key"].unique().to_list() if self.alarms.watched(k)] if records.height else []
+        watched = (
+            [k for k in records["key"].unique().to_list() if self.alarms.watched(k)] if records.height else []
+        )
         mine = records.filter(records["key"].is_in(watched)) if watched else records.clear()
         out: list[Alert] = []
         if self.follower is None:
-            for process, rank, step, key, value in mine.sort("process", "rank", "step", "timestamp").select(
-                "process", "rank", "step", "key", "value"
-            ).iter_rows():
+            for process, rank, step, key, value in (
+                mine.sort("process", "rank", "step", "timestamp")
+                .select("process", "rank", "step", "key", "value")
+                .iter_rows()
+            ):
                 if step > self.judged.get((key, (process, rank)), -1):
                     out += self.alarms.feed(key, step, value, (process, rank))
             return out

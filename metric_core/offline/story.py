@@ -187,7 +187,10 @@ def tell(
         group = [a for a in report.attempts if a.number == failure.number]
         over = [a for a in group if a.failed]
         if len(over) == len(group) and _together(over):
-            together = [{"process": a.process, "rank": a.rank} for a in sorted(over, key=lambda a: (a.rank, a.process))]
+            together = [
+                {"process": a.process, "rank": a.rank}
+                for a in sorted(over, key=lambda a: (a.rank, a.process))
+            ]
             return None, together, stacks
     return failure, [], stacks
 
@@ -474,7 +477,9 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             for a in others:
                 kinds.setdefault((a.end, a.signal, (a.exception or {}).get("type")), []).append(a)
             # in time order: the group that ended first is told first, whatever its ranks
-            for members in sorted(kinds.values(), key=lambda m: min(_or_inf(a.ended_at or math.nan) for a in m)):
+            for members in sorted(
+                kinds.values(), key=lambda m: min(_or_inf(a.ended_at or math.nan) for a in m)
+            ):
                 later = max((a.ended_at or failed.ended_at) - failed.ended_at for a in members)
                 n = len(members)
                 count = (
@@ -499,7 +504,9 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
 def after_step(last_step: int | None, many: bool = False) -> str:
     """The one step a death is told by: the last step the attempt flushed, said as such."""
     its = "their" if many else "its"
-    return f" before {its} first flush" if last_step is None else f" after step {last_step} ({its} last flushed)"
+    return (
+        f" before {its} first flush" if last_step is None else f" after step {last_step} ({its} last flushed)"
+    )
 
 
 def ended_how(f: Failure | Attempt) -> str:
@@ -510,7 +517,8 @@ def ended_how(f: Failure | Attempt) -> str:
     step = after_step(f.last_step)
     if f.end == "exception" and f.exception is not None:
         where = f.exception.get("where")
-        return f"raised {f.exception.get('type')}({short_paths(str(f.exception.get('message')))!r}){step}{_at(where)}"
+        message = short_paths(str(f.exception.get("message")))
+        return f"raised {f.exception.get('type')}({message!r}){step}{_at(where)}"
     if f.end == "signal":
         return f"was stopped by {f.signal}{step}{_at(f.where)}"
     if f.end == "exit":

@@ -40,17 +40,16 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.clock import duration
 from metric_core.errors import spell_options
-from metric_core.life import END_KINDS, Life
+from metric_core.life import Life
 from metric_core.metric import LoggingMode
 from metric_core.offline import story
 from metric_core.offline.engine import KeyReductions, key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
 from metric_core.offline.plan import By, ReducePlan, key_matcher, one_rank_a_process
 from metric_core.offline.read import ReadReport, fetch_numpy_api, read_sealed
-from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.attempts import Attempt
+from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.report import MixedKey, rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
 from metric_core.offline.upload.restarts import replaced_from
@@ -309,7 +308,9 @@ class RunTail:
             name = d.attempt.get("attempt") or ""
             found = of.attempts.get(name) if of is not None else None
             if found is not None and id(found) not in judged:
-                fresh.setdefault(id(found), (found, (str(d.process), int(d.rank or 0), name), []))[2].append(path)
+                fresh.setdefault(id(found), (found, (str(d.process), int(d.rank or 0), name), []))[2].append(
+                    path
+                )
         stacks = self._stacks() if fresh else stacks
         for a, who, journals in fresh.values():
             a.over = a.dead(self.looked_at, who, stacks)
@@ -659,7 +660,11 @@ class Follower:
             out = reduce_records(plan, complete, self.t0, self.recorded, self.mixed)
         if self.rename:
             self._map_keys(out["key"].unique().to_list())
-        key = pl.col("key").replace_strict(self.mapping, return_dtype=pl.String) if self.rename else pl.col("key")
+        key = (
+            pl.col("key").replace_strict(self.mapping, return_dtype=pl.String)
+            if self.rename
+            else pl.col("key")
+        )
         out = out.with_columns(key=pl.format("{}/{}", key, "process") if self.share_run else key)
         ready = []
         for part in out.partition_by("process", maintain_order=True) if self.per_source else [out]:

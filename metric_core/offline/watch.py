@@ -42,7 +42,7 @@ from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
 from metric_core.offline.alerts import Alarms, Alert, ValueWatch
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
-from metric_core.offline.inspect.health import culprit_of, held_by_hang, state_of, state_said, where_text
+from metric_core.offline.inspect.health import culprit_of, held_by_hang, state_of, where_text
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
@@ -89,7 +89,9 @@ class Episode:
             at = f", at {where[(s.process, s.rank)]}" if where.get((s.process, s.rank)) else ""
             others = [h for h, _ in self.held if h is not self.culprit]
             waiting = f"; waiting for it: {_by_place(others, where)}" if others else ""
-            return f"{self.who()} stalled at step {s.last_step}: silent for {duration(s.silent_s)}{pace}{at}{waiting}{dumps}"
+            silent = duration(s.silent_s)
+            head = f"{self.who()} stalled at step {s.last_step}: silent for {silent}"
+            return f"{head}{pace}{at}{waiting}{dumps}"
         held = [h for h, _ in self.held] or self.sources
         apart = "none stands apart" if any(where.values()) else "their writers do not say where they are"
         return (
@@ -176,7 +178,9 @@ def watch_run(
     stalled_at: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
     seen: dict[tuple[str, int], tuple[str, str]] = {}  # a source -> (newest attempt, state)
     result = WatchResult(FINISHED, None)
-    values = ValueWatch(run_path(run_dir), alarms, follow_symlinks=follow_symlinks) if alarms is not None else None
+    values = (
+        ValueWatch(run_path(run_dir), alarms, follow_symlinks=follow_symlinks) if alarms is not None else None
+    )
     alert = on_alert or (lambda _: None)
     over_since: float | None = None
     said: set[str] = set()
@@ -251,7 +255,9 @@ def watch_run(
             return result
 
 
-def _last_values(result: WatchResult, values: ValueWatch | None, alert: Callable[[Alert], None]) -> WatchResult:
+def _last_values(
+    result: WatchResult, values: ValueWatch | None, alert: Callable[[Alert], None]
+) -> WatchResult:
     """The job is over: what is left unsettled is judged (no flush will come)."""
     for found in values.poll(final=True) if values is not None else []:
         result.alerts.append(found)

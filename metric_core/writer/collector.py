@@ -58,9 +58,9 @@ from metric_core.errors import (
     WriteError,
     warn,
 )
+from metric_core.life import STALL_MIN_S
 from metric_core.metric import Metric, Reduce, SampleAccumulator
 from metric_core.schema import MAX_KEY_BYTES, default_process_name
-from metric_core.life import STALL_MIN_S
 from metric_core.writer import ends, where
 from metric_core.writer.backends import Backends, LoggerBackend
 from metric_core.writer.segments import MAX_UNWRITTEN, RawFileWriter
@@ -176,7 +176,7 @@ class MetricCollector:
             patterns = (nonfinite_keys,) if isinstance(nonfinite_keys, str) else tuple(nonfinite_keys)
             self._nonfinite_keys = patterns
             self._nonfinite_code: dict[int, bool] = {}
-            self._extend = self._extend_checked
+            self._extend = self._extend_checked  # type: ignore[assignment]
         # Samples (Reduce.SAMPLE) since the last drain: (key, timestamp, shallow copy of the dict).
         self._samples: list[tuple[str, float, dict[str, Any]]] = []
         self._step_samples: list[tuple[str, float, dict[str, Any]]] = []  # for live backends, per step
@@ -285,7 +285,9 @@ class MetricCollector:
         watched = self._nonfinite_code.get(code)
         key = self._code_table[code][0]
         if watched is None:
-            watched = self._nonfinite_code[code] = any(fnmatch.fnmatchcase(key, p) for p in self._nonfinite_keys)
+            watched = self._nonfinite_code[code] = any(
+                fnmatch.fnmatchcase(key, p) for p in self._nonfinite_keys
+            )
         if watched:
             raise NonFiniteError(key, float(value), self._step)
 

@@ -25,7 +25,7 @@ Place = tuple[str, str]  # (the caller's innermost frame, the innermost frame)
 def _library_roots() -> tuple[str, ...]:
     """Where library code lives, longest first (a frame under one is not the caller's own)."""
     roots = {sysconfig.get_paths().get(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")}
-    roots.update(getattr(site, "getsitepackages", lambda: [])())
+    roots.update(getattr(site, "getsitepackages", list)())
     roots.add(os.path.dirname(os.path.abspath(metric_core.__file__)))
     clean = {os.path.abspath(r) for r in roots if r}
     return tuple(sorted(clean, key=len, reverse=True))

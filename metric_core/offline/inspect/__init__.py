@@ -48,8 +48,8 @@ from metric_core.offline.inspect.health import (
     find_stopped_early,
     find_stragglers,
     source_status,
-    state_of,
     stall_threshold,
+    state_of,
 )
 from metric_core.offline.inspect.report import FirstToStop, InspectReport, NonFinite, SourceHealth, Straggler
 from metric_core.offline.inspect.verdict import never_wrote

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
-from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
 from metric_core.life import STALL_MIN_S, place_text  # no silence shorter is a stall: scheduling noise
 from metric_core.offline import story
+from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
+from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
 from metric_core.offline.read import RunScan
 
 QUIET_FACTOR = 10.0

@@ -29,11 +29,11 @@ import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
+from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
-from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.tail import (
     UNKNOWN_SOURCES,
     Follower,
