@@ -68,6 +68,7 @@ class Follow:
     let_go_after: float | None = None  # a live source silent this long stops holding the global steps
     restart_grace: float = 60.0  # every source finished or died: how long a restart is waited for
     wait: bool = False  # a run directory not there yet is waited for (else: an error at once)
+    alarms: Any = None  # alarms on values (``alerts.Alarms``), said through ``UploadEvents.alert``
 
 
 @dataclass
@@ -202,6 +203,7 @@ def upload_run(
             restart_grace=follow.restart_grace,
             samples=samples or SampleChoice(),
             wait=follow.wait,
+            alarms=follow.alarms,
         )
         return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
     request = {"entity": to.entity, "project": to.project, "name": name, "group": group}

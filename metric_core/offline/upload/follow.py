@@ -29,6 +29,7 @@ import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
+from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
@@ -146,6 +147,7 @@ def follow_upload(
     restart_grace: float = RESTART_GRACE,
     samples: SampleChoice | None = None,
     wait: bool = False,
+    alarms: Alarms | None = None,
 ) -> tuple[PlannedRuns, FollowState]:
     """Follow ``root`` until every source finished, every source finished or died and no
     new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
@@ -163,6 +165,7 @@ def follow_upload(
         if not dry_run:
             held.enter_context(only_upload(root / ".metriclog", key, root))
         replacing = False
+        values = ValueWatch(None, alarms) if alarms is not None else None
         while True:
             pass_ = _Pass(
                 root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
@@ -171,6 +174,7 @@ def follow_upload(
             pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
             pass_.follower = Follower(plan, share_run=share_run, sources=sources, let_go_after=let_go_after)
             pass_.restart_grace = restart_grace
+            pass_.values = values
             if samples is not None and samples.enabled and not dry_run:
                 pass_.samples = SampleTables(root, plan, samples, share_run=share_run)
             try:
@@ -193,6 +197,8 @@ def follow_upload(
             force_new = replacing = (
                 True  # the rows handed over hold replaced records: fresh runs hold the rest
             )
+            if values is not None:
+                values.anew()
 
 
 @dataclass
@@ -226,6 +232,7 @@ class _Pass:
     held: set[tuple[str, int]] = field(default_factory=set)  # live, silent sources said to hold the steps
     restart_grace: float = RESTART_GRACE
     samples: SampleTables | None = None  # each step's samples, sent with its row
+    values: ValueWatch | None = None  # alarms on values (--alert), judged on what the tail read
     over_since: float | None = None  # since when every source finished or died
 
     def run(
@@ -261,6 +268,9 @@ class _Pass:
                 )
                 return REPLACED
             ending = state.all_finished or idle or over
+            if self.values is not None:
+                for alert in self.values.judge(records, self.tail.sources, self.tail.meta, final=ending):
+                    self.events.alert(alert)
             self._send(self.follower.ready(self.tail.sources, ending=ending))
             for text in self.follower.mixed_notices():
                 self.events.message("warning", text)
@@ -310,22 +320,13 @@ class _Pass:
         let_go_after = self.follower.let_go_after
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
-            # its last flushed step: the records of a step it did not flush are read, but it died in it
-            after = (
-                f"after step {source.done}"
-                if source.done is not None
-                else "before its first step"
-                if source.step_end is not None
-                else "before its first record"
-            )
-            why = source.over
+            why = source.over  # how it ended, in inspect's words
             if why is None:
                 state.dead.pop(key, None)
             elif key not in state.dead:
                 state.dead[key] = why
                 self.events.message(
-                    "warning",
-                    f"{who} died {after}: {why}" + ("; the steps go on without it" if holding else ""),
+                    "warning", f"{who} {why}" + ("; the steps go on without it" if holding else "")
                 )
             let_go = not (source.finished or source.static) and not source.holds(newest, now, let_go_after)
             if let_go and why is None and key not in self.let_go:
@@ -371,7 +372,16 @@ class _Pass:
             )
         quiet = time.monotonic() - last_new
         # (while every source is over and the follow waits --restart-grace, it said so)
-        if quiet > QUIET_SAID_S and not self.quiet_said and self.tail.sources and self.over_since is None:
+        known_over = bool(self.tail.sources) and all(
+            s.finished or s.static or key in state.dead for key, s in self.tail.sources.items()
+        )  # every source finished or died: no "may have died" (it did, and the end is said)
+        if (
+            quiet > QUIET_SAID_S
+            and not self.quiet_said
+            and self.tail.sources
+            and self.over_since is None
+            and not known_over
+        ):
             self.quiet_said = True
             shut = all(s.finished or s.static for s in self.tail.sources.values())
             self.events.message(

@@ -71,6 +71,8 @@ class UploadEvents:
     # How a message names an option (``MetricLogError.text``): as Python does, by default.
     spelling: Callable[[str], str] = as_keyword
     progress: Callable[[PlannedRun, int], Callable[[int], None]] | None = None
+    # An alarm on values (``Follow.alarms``; an ``alerts.Alert``), as the sidecar finds it.
+    alert: Callable[[Any], None] = lambda alert: None
 
 
 @dataclass
