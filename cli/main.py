@@ -205,6 +205,9 @@ def upload(
     sample_random: o.SampleRandom = None,
     sample_seed: o.SampleSeed = 0,
     no_samples: o.NoSamples = False,
+    alert: o.Alert = None,
+    alert_on: o.AlertOn = "global",
+    on_alert: o.OnAlert = None,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
 
@@ -223,8 +226,9 @@ def upload(
 
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
-    with command_run():
+    with command_run(), output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert") as alerts:
         with output.upload_events() as events, output.read_progress() as progress:
+            events.alert = alerts.run
             result = upload_run(
                 run_dir,
                 o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
@@ -238,7 +242,16 @@ def upload(
                 follow_symlinks=follow_symlinks,
                 events=events,
                 on_progress=progress,
-                follow=o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait),
+                follow=o.follow(
+                    follow,
+                    interval,
+                    until_idle,
+                    sources,
+                    let_go_after,
+                    restart_grace,
+                    wait,
+                    o.alarms(alert, alert_on, on_alert),
+                ),
                 engine=engine,
                 ray_address=ray_address,
                 samples=o.sample_choice(
@@ -428,8 +441,12 @@ def watch(
     attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
     wait: o.Wait = False,
+    alert: o.Alert = None,
+    alert_on: o.AlertOn = "global",
+    on_alert: o.OnAlert = None,
 ) -> None:
-    """Follow a run while it is written: its sources' state, the ones that hang or die.
+    """Follow a run while it is written: its sources' state, the ones that hang or die, and
+    alarms on the values (--alert).
 
     On a terminal, a table of the sources redrawn in place; into a pipe or a file, a line each
     time a source appears or its state changes (stalls, deaths and restarts: on stderr).
@@ -441,13 +458,16 @@ def watch(
     Example:
 
     \b
-        metriclog watch runs/exp1 --on-stall 'echo "$METRICLOG_PROCESS hung at step $METRICLOG_LAST_STEP"'
+        metriclog watch runs/exp1 --on-stall 'echo "$METRICLOG_PROCESS hung in $METRICLOG_WHERE"'
+        metriclog watch runs/exp1 --alert 'train/loss: nonfinite' --alert 'train/grad_norm > 100'
     """
     from metric_core.offline.watch import STOPPED, watch_run
 
-    commands = output.StallCommands(on_stall, run_dir)
-    with command_run(), output.WatchDisplay() as show, commands:
-        commands.relay = show.live is not None
+    commands = output.EventCommands(on_stall, run_dir, option="--on-stall")
+    alerts = output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert")
+    with command_run(), output.WatchDisplay() as show, commands, alerts:
+        alarms = o.alarms(alert, alert_on, on_alert)
+        commands.relay = alerts.relay = show.live is not None
         try:
             result = watch_run(
                 run_dir,
@@ -462,6 +482,8 @@ def watch(
                 follow_symlinks=follow_symlinks,
                 attempts=attempts,
                 wait=wait,
+                alarms=alarms,
+                on_alert=alerts.run,
             )
         except KeyboardInterrupt:
             raise typer.Exit(STOPPED) from None

@@ -444,8 +444,9 @@ OnStall = Annotated[
         "--on-stall",
         metavar="CMD",
         help="Run CMD (a shell command) once per stall (the sources that went silent together), with "
-        "METRICLOG_PROCESSES (all of them), METRICLOG_PROCESS, METRICLOG_RANK, METRICLOG_LAST_STEP and "
-        "METRICLOG_SILENT_S (the first), METRICLOG_STACKS (stack dumps, when any) and METRICLOG_RUN_DIR.",
+        "METRICLOG_PROCESS, METRICLOG_RANK and METRICLOG_WHERE (the rank the others wait for; empty when "
+        "none stands apart), METRICLOG_PROCESSES (all of them, it first), METRICLOG_LAST_STEP, "
+        "METRICLOG_SILENT_S, METRICLOG_STACKS (stack dumps, when any) and METRICLOG_RUN_DIR.",
     ),
 ]
 StallAfter = Annotated[
@@ -460,6 +461,36 @@ StallAfter = Annotated[
 ]
 ExitOnStall = Annotated[
     bool, typer.Option("--exit-on-stall", help="Stop at the first stall, with exit code 3.")
+]
+
+
+Alert = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--alert",
+        metavar="RULE",
+        help="Alarm on values (repeatable): 'KEY: nonfinite', 'KEY > X', 'KEY < X', 'KEY: drop X% over N "
+        "steps', 'KEY: spike K sigma' (KEY: a pattern as --key takes it). One alarm per episode.",
+    ),
+]
+AlertOn = Annotated[
+    str,
+    typer.Option(
+        "--alert-on",
+        metavar="raw|global",
+        help="Judge each step's global reduction once every live rank flushed it (global), or every "
+        "raw value of every rank as it lands (raw).",
+    ),
+]
+OnAlert = Annotated[
+    str | None,
+    typer.Option(
+        "--on-alert",
+        metavar="CMD",
+        help="Run CMD (a shell command) once per alarm, with METRICLOG_KEY, METRICLOG_STEP, METRICLOG_VALUE, "
+        "METRICLOG_PROCESS and METRICLOG_RANK (the first rank it was seen on, when known), METRICLOG_RULE "
+        "and METRICLOG_RUN_DIR.",
+    ),
 ]
 
 
@@ -547,8 +578,10 @@ def follow(
     let_go_after: str | None = None,
     restart_grace: str = RESTART_GRACE,
     wait: bool = False,
+    alerts: Any = None,
 ) -> Any:
-    """``upload_run``'s ``follow``, or None without ``--follow`` (its options alone are a usage error)."""
+    """``upload_run``'s ``follow``, or None without ``--follow`` (its options alone are a usage error);
+    ``alerts``: the ``--alert`` rules' ``Alarms``, or None."""
     from metric_core.offline.plan import parse_duration
     from metric_core.offline.upload import Follow
 
@@ -565,6 +598,7 @@ def follow(
         given += ["--interval"] if interval != FOLLOW_INTERVAL else []
         given += ["--wait"] if wait else []
         given += ["--restart-grace"] if restart_grace != RESTART_GRACE else []
+        given += ["--alert"] if alerts is not None else []
         if given:
             verb = "works" if len(given) == 1 else "work"
             raise typer.BadParameter(f"{' and '.join(given)} {verb} only with --follow", param_hint=given[0])
@@ -579,7 +613,20 @@ def follow(
         let_go_after=let_go,
         restart_grace=grace_s,
         wait=wait,
+        alarms=alerts,
     )
+
+
+def alarms(rules: list[str] | None, on: str, on_alert: str | None) -> Any:
+    """``--alert`` and ``--alert-on`` as ``Alarms``, or None without a rule (then ``--on-alert``
+    is a usage error: it would never run)."""
+    from metric_core.offline.alerts import Alarms, parse_rule
+
+    if not rules:
+        if on_alert is not None:
+            raise typer.BadParameter("--on-alert works only with --alert", param_hint="--on-alert")
+        return None
+    return Alarms([parse_rule(r) for r in rules], on=on)
 
 
 def grace(restart_grace: str) -> float:

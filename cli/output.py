@@ -458,7 +458,7 @@ def print_rows(rows: list[dict[str, Any]], *, max_rows: int = MAX_TABLE_ROWS, **
 # What a narrow terminal loses first of inspect's table (the rest from the right): it
 # keeps each source and its status.
 INSPECT_DROPPED_FIRST = ("files", "keys", "attempts", "truncated", "skipped", "records", "first")
-INSPECT_KEPT = ("rank", "status", "end")
+INSPECT_KEPT = ("rank", "state", "end")
 
 
 def sources_frame(report: InspectReport) -> pl.DataFrame:
@@ -470,6 +470,7 @@ def sources_frame(report: InspectReport) -> pl.DataFrame:
             {
                 "process": s.process,
                 "rank": s.rank,
+                "state": s.state,
                 "status": s.status,
                 "end": s.end,
                 "lag_s": s.lag_s,
@@ -499,7 +500,7 @@ def print_inspect(report: InspectReport) -> None:
         {
             "process": s.process,
             "rank": s.rank,
-            "status": s.status,
+            "state": s.state,
             "end": s.end or "",  # how its newest attempt ended
             "lag": duration(s.lag_s),
             "steps": f"{s.first_step}-{s.last_step}",
@@ -701,14 +702,14 @@ class WatchDisplay:
             self.live.update(_watch_table(report), refresh=True)
             return
         from metric_core.clock import local_time
-        from metric_core.offline.watch import state_of
+        from metric_core.offline.inspect.health import state_of, state_said
 
         for s in report.sources:
             state = state_of(s)
             if self.states.get((s.process, s.rank)) != state:
                 self.states[(s.process, s.rank)] = state
                 when = local_time(report.checked_at)
-                print(f"{when} {s.process} (rank {s.rank}) {state} at step {s.last_step}", flush=True)
+                print(f"{when} {s.process} (rank {s.rank}) {state_said(s)}", flush=True)
 
     def note(self, text: str) -> None:
         """A death, a restart, a dump: a line on stderr (above the table, on a terminal)."""
@@ -729,7 +730,7 @@ def _watch_table(report: InspectReport) -> Any:
     from rich.text import Text
 
     from metric_core.clock import duration, local_time
-    from metric_core.offline.watch import state_of
+    from metric_core.offline.inspect.health import state_of
 
     table = Table(title=f"{report.name}: {local_time(report.checked_at)}", title_justify="left")
     for name in ("process", "rank", "state", "step", "silent", "step time"):
@@ -754,20 +755,21 @@ def _watch_table(report: InspectReport) -> Any:
     return table
 
 
-class StallCommands:
-    """``watch --on-stall CMD``: says each stall (an episode: the sources that went silent
-    together), and runs CMD once for it (a shell command, not waited for, with the sources
-    in its environment); waits for the commands at the end."""
+class EventCommands:
+    """``watch --on-stall CMD`` and ``--on-alert CMD``: says each event (a stall, an alarm:
+    anything with ``told()``, ``who()`` and ``variables(run_dir)``) on stderr, and runs CMD
+    once for it (a shell command, not waited for, with the event in its environment); waits
+    for the commands at the end."""
 
-    def __init__(self, command: str | None, run_dir: str) -> None:
-        self.command, self.run_dir = command, run_dir
+    def __init__(self, command: str | None, run_dir: str, *, option: str, kind: str = "warning") -> None:
+        self.command, self.run_dir, self.option, self.kind = command, run_dir, option, kind
         self.children: list[tuple[str, Any]] = []
         # On a terminal where watch redraws its table, a command's output goes through
         # this process's stderr (above the table): written straight to the terminal, it
         # would leave stale copies of the table behind.
         self.relay = False
 
-    def __enter__(self) -> StallCommands:
+    def __enter__(self) -> EventCommands:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -778,37 +780,19 @@ class StallCommands:
                 code = child.wait(timeout=STALL_COMMAND_WAIT_S)
             except subprocess.TimeoutExpired:
                 waited = f"{STALL_COMMAND_WAIT_S:.0f} s"
-                say("warning", f"--on-stall command for {who} still runs after {waited}; left running")
+                say("warning", f"{self.option} command for {who} still runs after {waited}; left running")
                 continue
             if code:
-                say("warning", f"--on-stall command for {who} exited with {code}")
+                say("warning", f"{self.option} command for {who} exited with {code}")
 
-    def run(self, episode: Any) -> None:
+    def run(self, event: Any) -> None:
         import subprocess
 
-        from metric_core.clock import duration
-
-        source = episode.first
-        who = f"{source.process} (rank {source.rank})"
-        pace = f", steps every {duration(source.cadence_s)}" if source.cadence_s else ""
-        others = episode.sources[1:]
-        also = f"; with it: {', '.join(f'{s.process} (rank {s.rank})' for s in others)}" if others else ""
-        dumps = f"; stack dumps: {', '.join(sorted(episode.stacks))}" if episode.stacks else ""
-        silent = duration(source.silent_s)
-        say("warning", f"{who} stalled at step {source.last_step}: silent for {silent}{pace}{also}{dumps}")
+        say(self.kind, event.told())
         if self.command is None:
             return
-        root = str(self.run_dir).rstrip("/")
-        env = {
-            **os.environ,
-            "METRICLOG_RUN_DIR": str(self.run_dir),
-            "METRICLOG_PROCESS": source.process,
-            "METRICLOG_RANK": str(source.rank),
-            "METRICLOG_LAST_STEP": str(source.last_step),
-            "METRICLOG_SILENT_S": f"{source.silent_s:.3f}",
-            "METRICLOG_PROCESSES": ",".join(s.process for s in episode.sources),
-            "METRICLOG_STACKS": " ".join(f"{root}/{p}" for p in sorted(episode.stacks)),
-        }
+        who = event.who()
+        env = {**os.environ, **event.variables(str(self.run_dir))}
         if not self.relay:
             self.children.append((who, subprocess.Popen(self.command, shell=True, env=env)))
             return
@@ -826,5 +810,5 @@ class StallCommands:
         self.children.append((who, child))
 
 
-# How long watch waits, at its end, for the --on-stall commands it started.
+# How long watch waits, at its end, for the --on-stall and --on-alert commands it started.
 STALL_COMMAND_WAIT_S = 30.0

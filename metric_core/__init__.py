@@ -48,6 +48,7 @@ _EXPORTS = {
     "DiskFullError": "metric_core.errors",
     "RunDirGoneError": "metric_core.errors",
     "RecordsDroppedError": "metric_core.errors",
+    "NonFiniteError": "metric_core.errors",
     "MetricLogWarning": "metric_core.errors",
     # offline side
     "scan_run": "metric_core.offline.read",
@@ -77,6 +78,7 @@ if TYPE_CHECKING:  # the same names, for type checkers
         DiskFullError,
         MetricLogError,
         MetricLogWarning,
+        NonFiniteError,
         RecordsDroppedError,
         RunDirGoneError,
         WriteError,

@@ -151,6 +151,18 @@ class NotInitializedError(MetricLogError):
             )
 
 
+class NonFiniteError(MetricLogError, ValueError):
+    """``record_metric`` of a NaN or an infinity under ``init(on_nonfinite="raise")``, for a
+    key ``nonfinite_keys`` matches: raised after the value is recorded (it is written)."""
+
+    def __init__(self, key: str, value: float, step: int) -> None:
+        self.key, self.value, self.step = key, value, step
+        super().__init__(
+            f"metric '{key}' is {value} at step {step} (init(on_nonfinite='raise'); the value is recorded "
+            "and written: flush() or shutdown() as the job ends)"
+        )
+
+
 class ConfigError(MetricLogError):
     """A backend or writer configuration that cannot work, with what to do instead."""
 

@@ -2,11 +2,11 @@
 
 ``flush()`` must make records durable without serializing them one by one on the
 training thread, so the open segment is a journal of the collector's own buffer.
-Format 5 (``MLJ5``; ``MLJ4``, the same without P frames, ``MLJ3``, whose F frames carry no
-time and which has no H and E frames, ``MLJ2``, the same without F frames, and ``MLJ1`` are
-still read)::
+Format 6 (``MLJ6``; ``MLJ5``, the same without W frames, ``MLJ4``, without P frames,
+``MLJ3``, whose F frames carry no time and which has no H and E frames, ``MLJ2``, the same
+without F frames, and ``MLJ1`` are still read)::
 
-    header   b"MLJ5" u32:len u32:crc JSON{"format": 5, "process", "rank", "created",
+    header   b"MLJ6" u32:len u32:crc JSON{"format": 6, "process", "rank", "created",
                                            "attempt", "attempt_started", "attempt_first_step",
                                            "host", "pid", "pidns", "flush_interval", "restart"}
     frames   u8:type u32:len u32:crc payload
@@ -19,8 +19,14 @@ still read)::
                      since the previous F frame (of this journal) belong to ``step``,
                      whatever step they were stamped with (the writer thread may write
                      them before the flush)
-             type H: f64:time    a heartbeat: the writer was alive at ``time`` (written
-                     when nothing else was for a flush interval)
+             type H: f64:time    a heartbeat: the writer was alive at ``time``, and the
+                     main thread where the last W frame said (written at each wake of
+                     the writer thread, once a flush interval)
+             type W: JSON {"at", "where": [own, inner], "threads": {name: [own, inner]}}
+                     a heartbeat that says where the main thread is (``writer.where``:
+                     the caller's innermost frame and the innermost frame), written
+                     instead of an H frame when the place changed; ``threads`` (every
+                     other thread's place) once the rank has been silent ``STALL_MIN_S``
              type E: JSON {"kind", "timestamp", ...}   how the attempt ended, or
                      something it lived through (``metric_core.life``)
              type P: i64:step, then JSON [[key, timestamp, sample], ...]: samples
@@ -55,8 +61,9 @@ from metric_core.life import Life, is_event
 from metric_core.records import build_table, int64_array
 from metric_core.schema import KEY_HASH, key_hash, parse_json
 
-MAGIC = b"MLJ5"  # 5: P frames (samples); 4: F frames carry their time, H and E frames
-FORMAT = 5
+MAGIC = b"MLJ6"  # 6: W frames (where); 5: P frames (samples); 4: F frames carry their time, H and E
+FORMAT = 6
+_MAGIC_V5 = b"MLJ5"
 _MAGIC_V4 = b"MLJ4"
 _MAGIC_V3 = b"MLJ3"
 _MAGIC_V2 = b"MLJ2"
@@ -72,7 +79,7 @@ _FLUSH = struct.Struct("<qd")
 _RECORD_BYTES = 24
 
 KEYS, RECORDS, DROPPED, SHUTDOWN, FLUSH = b"K", b"R", b"D", b"S", b"F"
-HEARTBEAT, EVENT, SAMPLES = b"H", b"E", b"P"
+HEARTBEAT, EVENT, SAMPLES, WHERE = b"H", b"E", b"P", b"W"
 
 
 def header(process: str, rank: int, created: float, attempt: dict[str, Any] | None = None) -> bytes:
@@ -110,6 +117,13 @@ def sample_frame(step: int, samples: bytes) -> bytes:
 
 def heartbeat_frame(at: float) -> bytes:
     return _frame(HEARTBEAT, _TIME.pack(at))
+
+
+def where_frame(at: float, where: tuple[str, str], threads: dict[str, tuple[str, str]] | None) -> bytes:
+    body: dict[str, Any] = {"at": at, "where": list(where)}
+    if threads:
+        body["threads"] = {name: list(place) for name, place in threads.items()}
+    return _frame(WHERE, json.dumps(body).encode())
 
 
 def event_frame(kind: bytes, body: dict[str, Any]) -> bytes:
@@ -171,7 +185,7 @@ def decode(data: bytes, after: Decoded | None = None, *, records: bool = True) -
         pairs=[],
         samples=[],
         settled_records=0,
-        life=dataclasses.replace(after.life, gaps=list(after.life.gaps), ends=list(after.life.ends)),
+        life=after.life.copy(),
     )
     out.valid_bytes = after.settled_bytes
     _frames(data, 0, after.settled_bytes, out, v1=after.version == 1)
@@ -183,7 +197,7 @@ def _decode(data: bytes, records: bool = True) -> Decoded:
     if not data:
         return out  # created, nothing written yet (or a failed first write, cut back)
     magic = data[:4]
-    if magic not in (MAGIC, _MAGIC_V4, _MAGIC_V3, _MAGIC_V2, _MAGIC_V1):
+    if magic not in (MAGIC, _MAGIC_V5, _MAGIC_V4, _MAGIC_V3, _MAGIC_V2, _MAGIC_V1):
         if len(data) < 4 and MAGIC.startswith(data):
             out.truncated = True  # killed while writing the header
         elif magic[:3] == MAGIC[:3]:
@@ -195,7 +209,7 @@ def _decode(data: bytes, records: bool = True) -> Decoded:
             out.problems.append("not a metriclog journal (bad magic)")
         return out
     v1 = magic == _MAGIC_V1
-    out.version = {MAGIC: 5, _MAGIC_V4: 4, _MAGIC_V3: 3, _MAGIC_V2: 2, _MAGIC_V1: 1}[magic]
+    out.version = {MAGIC: 6, _MAGIC_V5: 5, _MAGIC_V4: 4, _MAGIC_V3: 3, _MAGIC_V2: 2, _MAGIC_V1: 1}[magic]
     head_size = 8 if v1 else 4 + _HEAD.size
     if len(data) < head_size:
         out.truncated = True
@@ -308,7 +322,16 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
             elif kind == HEARTBEAT:
                 if length != _TIME.size:
                     raise ValueError(f"heartbeat frame of {length} bytes")
-                out.life.seen(_TIME.unpack_from(data, start)[0])
+                out.life.beat(_TIME.unpack_from(data, start)[0])
+            elif kind == WHERE:
+                body = parse_json(payload.tobytes())
+                where = body["where"]
+                if not (
+                    isinstance(where, list) and len(where) == 2 and all(isinstance(w, str) for w in where)
+                ):
+                    raise ValueError("where frame without [own, inner]")
+                threads = body.get("threads")
+                out.life.beat(float(body["at"]), (where[0], where[1]), _threads(threads))
             elif kind == EVENT:
                 event = parse_json(payload.tobytes())
                 if not is_event(event):
@@ -334,6 +357,14 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
             out.life.seen(float(rows[:, 2].max()))
         step_col = np.repeat(np.asarray(steps, dtype=np.int64), counts)
         out.table = _to_table(rows, step_col, keys, out)
+
+
+def _threads(raw: Any) -> dict[str, tuple[str, str]] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError("where frame's threads are not an object")
+    return {str(name): (str(p[0]), str(p[1])) for name, p in raw.items()}
 
 
 def _to_table(

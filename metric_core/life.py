@@ -12,6 +12,11 @@ least ``GAP_KEPT_S`` (the ``MAX_GAPS`` longest where there are more: a bounded l
 however many steps the segment holds), so a pause of a second or more shows in any
 file, also across steps that recorded nothing.
 
+Each heartbeat may say where the main thread is (``Life.where``: the caller's own innermost
+frame and the innermost frame, ``metric_core.writer.where``); a gap kept also keeps the place
+the rank spent most of it in (``Life.gap_where``), so a pause tells where it was spent in any
+file, whether or not a stack was dumped.
+
 An end event (``Life.ends``) is one of the writer's ``E`` frames: ``{"kind": ...,
 "timestamp": ...}`` with ``kind`` ``"exception"`` (``exception``: ``{"type", "message",
 "where"}``), ``"signal"`` (``signal``: ``"SIGINT"``, a ``KeyboardInterrupt``),
@@ -38,6 +43,9 @@ MAX_GAPS = 1000
 # is taken for dead: its background thread writes one at least every interval.
 DEAD_AFTER_INTERVALS = 10
 DEAD_AFTER_MIN_S = 5.0
+# A source silent (no flush) this long is stalled at the least (``offline.inspect.health``); the
+# writer then adds every thread's place to its heartbeat.
+STALL_MIN_S = 10.0
 END_KINDS = ("exception", "signal", "exit")
 # Stack files (``metric_core.writer.ends`` writes them, ``offline.story`` reads them):
 # ``stacks/{stem}.{attempt}.{what}.txt``, ``what`` a caught signal, ``fatal`` or ``hang-N``.
@@ -88,6 +96,40 @@ class Life:
     # Each gap between consecutive flushes of GAP_KEPT_S or more: [step in progress, start, seconds].
     gaps: list[list[Any]] = field(default_factory=list)
     ends: list[dict[str, Any]] = field(default_factory=list)  # its E frames, in order
+    # Where the main thread was at the newest heartbeat that said: {"own", "inner", "since"}
+    # (and "threads": {name: [own, inner]} once it was silent STALL_MIN_S).
+    where: dict[str, Any] | None = None
+    gap_where: list[list[Any]] = field(default_factory=list)  # [gap's start, own, inner] per gap kept
+    # Heartbeats at each place since the last flush (not stored: a gap's place is its most seen).
+    _beats: dict[tuple[str, str], int] = field(default_factory=dict, repr=False, compare=False)
+
+    def copy(self) -> Life:
+        """A copy whose lists and counts are its own (a follower decodes on from it)."""
+        return dataclasses.replace(
+            self,
+            gaps=list(self.gaps),
+            ends=list(self.ends),
+            gap_where=list(self.gap_where),
+            where=dict(self.where) if self.where is not None else None,
+            _beats=dict(self._beats),
+        )
+
+    def beat(
+        self, at: float, where: tuple[str, str] | None = None, threads: dict[str, Any] | None = None
+    ) -> None:
+        """A heartbeat at ``at``; ``where`` (a W frame) when the place changed, else it is the last one."""
+        self.seen(at)
+        if where is not None:
+            if self.where is None or (self.where["own"], self.where["inner"]) != where:
+                before = self.where
+                self.where = {"own": where[0], "inner": where[1], "since": at}
+                if before is not None and "threads" in before:  # the silence's, said once
+                    self.where["threads"] = before["threads"]
+            if threads:
+                self.where["threads"] = {name: list(p) for name, p in threads.items()}
+        if self.where is not None:
+            place = (self.where["own"], self.where["inner"])
+            self._beats[place] = self._beats.get(place, 0) + 1
 
     def flushed(self, step: int, at: float) -> None:
         """One flush(step) that ended at ``at``."""
@@ -95,10 +137,16 @@ class Life:
             gap = at - self.last_flush[1]
             if gap >= GAP_KEPT_S:
                 self.gaps.append([self.last_flush[0] + 1, self.last_flush[1], gap])
+                if self._beats:
+                    own, inner = max(self._beats, key=lambda p: self._beats[p])
+                    self.gap_where.append([self.last_flush[1], own, inner])
                 if len(self.gaps) > 2 * MAX_GAPS:
                     self._keep_longest_gaps()
         else:
             self.first_flush = (step, at)
+        self._beats.clear()
+        if self.where is not None:
+            self.where.pop("threads", None)  # they told the silence this flush ended
         self.last_flush = (step, at)
         self.flushes += 1
         self.seen(at)
@@ -106,6 +154,8 @@ class Life:
     def _keep_longest_gaps(self) -> None:
         longest = sorted(self.gaps, key=lambda g: -g[2])[:MAX_GAPS]
         self.gaps = sorted(longest, key=lambda g: g[1])
+        starts = {g[1] for g in self.gaps}
+        self.gap_where = [w for w in self.gap_where if w[0] in starts]
 
     def seen(self, at: float) -> None:
         if math.isfinite(at) and (self.alive is None or at > self.alive):
@@ -121,7 +171,20 @@ class Life:
     def to_dict(self) -> dict[str, Any]:
         if len(self.gaps) > MAX_GAPS:
             self._keep_longest_gaps()
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None and v != []}
+        fields = dataclasses.asdict(self)
+        del fields["_beats"]
+        return {k: v for k, v in fields.items() if v is not None and v != []}
+
+    def place_in(self, start: float, end: float) -> tuple[str, str] | None:
+        """Where the main thread spent the pause from ``start`` to ``end``: the place kept for a
+        gap that began there, or the newest heartbeat's place when it came before ``end`` and
+        the pause is still going on (no flush ended it)."""
+        for at, own, inner in self.gap_where:
+            if abs(at - start) < 1e-6:
+                return (own, inner)
+        if self.where is not None and self.last_flush is not None and abs(self.last_flush[1] - start) < 1e-6:
+            return (self.where["own"], self.where["inner"])
+        return None
 
     @classmethod
     def parse(cls, raw: Any) -> Life | None:
@@ -141,8 +204,10 @@ class Life:
                 last_flush=_pair(raw.get("last_flush")),
                 gaps=[[int(s), float(a), float(g)] for s, a, g in raw.get("gaps", [])],
                 ends=[e for e in raw.get("ends", []) if is_event(e)],
+                where=_where(raw.get("where")),
+                gap_where=[[float(a), str(o), str(i)] for a, o, i in raw.get("gap_where", [])],
             )
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, KeyError):
             return None
         return life
 
@@ -166,18 +231,35 @@ class Life:
                 else:
                     out.first_flush = life.first_flush
                 out.gaps.extend(life.gaps)
+                out.gap_where.extend(life.gap_where)
                 assert life.last_flush is not None
                 out.last_flush = life.last_flush
                 out.flushes += life.flushes
             out.ends.extend(life.ends)
+            if life.where is not None and (out.where is None or life.where["since"] >= out.where["since"]):
+                out.where = life.where
         out.ends.sort(key=lambda e: e.get("timestamp") or 0.0)
         return out
+
+
+def place_text(own: str, inner: str) -> str:
+    """A place as the commands say it: the job's own line, and the library call it is in."""
+    return own if own == inner else f"{own}, in {inner}"
 
 
 def is_event(e: Any) -> bool:
     """An end event as the writer writes it: a kind, and a time that is a number."""
     at = e.get("timestamp", 0.0) if isinstance(e, dict) else None
     return isinstance(e, dict) and isinstance(e.get("kind"), str) and type(at) in (int, float)
+
+
+def _where(raw: Any) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    out: dict[str, Any] = {"own": str(raw["own"]), "inner": str(raw["inner"]), "since": float(raw["since"])}
+    if isinstance(raw.get("threads"), dict):
+        out["threads"] = {str(n): [str(p[0]), str(p[1])] for n, p in raw["threads"].items()}
+    return out
 
 
 def _opt(value: Any, kind: type) -> Any:

@@ -17,6 +17,9 @@ import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
 
+# Scripts, not tests: a rank of a torchrun job (needs torch) and the trials that start them.
+collect_ignore = ["torchrun_worker.py", "culprit_trials.py"]
+
 # pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment, where
 # the pytest that started them had neither: the command line's tables would be cut to 80
 # columns there. A worker's terminal is its controller's.

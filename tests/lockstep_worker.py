@@ -5,7 +5,9 @@ stand-in for an allreduce, a blocking ``recv`` in native code until every rank i
 
 ACTION, done by rank RANK at step STEP: ``raise``, ``exit`` (``os._exit(1)``), ``kill``
 (SIGKILL itself), ``segv`` (SIGSEGV itself), ``sleep`` (SECONDS, while the others wait),
-``hold`` (while the others wait, until the file at SECONDS' place exists).
+``hold`` (while the others wait, until the file at SECONDS' place exists), ``checkpoint``
+(SECONDS in a function of its own after its flush of STEP, while the others wait in the next
+step's collective).
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ def train_step(rank: int, step: int, action: list[str]) -> None:
         time.sleep(0.01)
 
 
+def save_checkpoint(seconds: float) -> None:
+    time.sleep(seconds)
+
+
 def main() -> None:
     run_dir, port, steps, start, *action = sys.argv[1:]
     rank = int(os.environ["RANK"])
@@ -66,6 +72,8 @@ def main() -> None:
         train_step(rank, step, action)
         allreduce(sock, step)
         metric_core.flush(step)
+        if action and action[0] == "checkpoint" and int(action[1]) == rank and int(action[2]) == step:
+            save_checkpoint(float(action[3]))
     metric_core.shutdown()
 
 

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from metric_core import Metric, MetricCollector, Reduce, scan_run
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import inspect_run
+from metric_core.offline.inspect.health import state_said
 from metric_core.offline.plan import make_plan
 from metric_core.offline.plot import plot_run
 
@@ -223,7 +224,10 @@ def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_sa
     died = inspect_run(scan_run(run), now=newest + 3600)
     assert not died.still_running and died.first_to_stop is None
     story, together = died.verdict()
-    assert re.fullmatch(r"all 3 ranks ended without shutdown\(\) together in step 101 at \S+\.", story), story
+    assert re.fullmatch(
+        r"all 3 ranks ended without shutdown\(\) together after step 100 \(their last flushed\) at \S+\.",
+        story,
+    ), story
     assert re.fullmatch(
         r"No source stopped before the others: all 3 ended without shutdown\(\) within [\d.]+ m?s of each "
         r"other, the last at \S+ \(the whole job was stopped, or crashed together\)\.",
@@ -238,7 +242,9 @@ def test_a_source_without_shutdown_among_finished_ones_is_named(tmp_path, india)
     step_times(run, "TrainActor_r1", 1, times)
     step_times(run, "TrainActor_r2", 2, times, shutdown=False)
     report = inspect_run(scan_run(run), now=T0 + 10_000)
-    assert report.verdict() == ["TrainActor_r2 (rank 2) exited without shutdown() in step 50."]
+    assert report.verdict() == [
+        "TrainActor_r2 (rank 2) exited without shutdown() after step 49 (its last flushed)."
+    ]
 
 
 def test_a_source_of_another_tool_s_file_that_stopped_early_is_named_too(crashed):
@@ -286,7 +292,7 @@ def test_inspect_table_fits_the_terminal_and_says_what_it_left_out(crashed, indi
     def header(stdout: str) -> list[str]:
         return [c.strip() for c in next(x for x in stdout.splitlines() if x[:1] == "│").strip("│").split("┆")]
 
-    assert header(narrow.stdout)[:3] == ["process", "rank", "status"]
+    assert header(narrow.stdout)[:3] == ["process", "rank", "state"]
     said = " ".join(narrow.stdout.split())  # a note wrapped over lines, read as one
     hidden = ", ".join(c for c in header(wide.stdout) if c not in header(narrow.stdout))
     assert f"columns not shown, for the terminal's width (80): {hidden}; --json has them all" in said
@@ -302,9 +308,9 @@ def test_inspect_command_table_verdict_and_json(crashed, india):
     # (after step 70); the others' writers are this process, alive.
     story, *verdict = verdict.splitlines()
     assert re.fullmatch(
-        r"TrainActor_r1 \(rank 1\) died in step 41: no exception or signal recorded \(SIGKILL, the OOM "
-        r"killer, os\._exit or a native crash\); [\d.]+ (ms|s) later 1 other rank died with no exception or "
-        r"signal recorded\.",
+        r"TrainActor_r1 \(rank 1\) died after step 40 \(its last flushed\): no exception or signal recorded "
+        r"\(SIGKILL, the OOM killer, os\._exit or a native crash\); [\d.]+ (ms|s) later 1 other rank died "
+        r"with no exception or signal recorded\.",
         story,
     ), story
     assert verdict == [
@@ -365,14 +371,18 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
     np.testing.assert_allclose(line.get_ydata(), truth["value"].to_numpy(), rtol=1e-12)
     assert ax_loss.collections, "the min-max band across sources"
     marks = {
-        ln.get_label(): ln.get_xdata()[0]
-        for ln in ax_loss.get_lines()
-        if "stopped" in ln.get_label() or "non-finite" in ln.get_label()
+        ln.get_label(): ln.get_xdata()[0] for ln in ax_loss.get_lines() if not ln.get_label().startswith("_")
     }
+    # Where each source that did not finish stopped, in the words inspect and watch use
+    health = {s.process: s for s in inspect_run(scan).sources}
     assert marks == {
-        "TrainActor_r1 stopped (stopped_early)": 40,
-        "TrainActor_r2 stopped (stopped_early)": 70,
+        f"TrainActor_r1 {state_said(health['TrainActor_r1'])}": 40,
+        f"TrainActor_r2 {state_said(health['TrainActor_r2'])}": 70,
         "non-finite from here: TrainActor_r3": 55,
+    }
+    assert {state_said(health[p]) for p in ("TrainActor_r1", "TrainActor_r2")} == {
+        "died after step 40 (its last flushed)",
+        "died after step 70 (its last flushed)",
     }
     assert not any("non-finite" in ln.get_label() for ln in ax_grad.get_lines())
 
@@ -730,9 +740,9 @@ metric_core.shutdown()
 @pytest.mark.parametrize(
     ("end", "code", "told"),
     [
-        ("kill", -9, "died: no exception or signal recorded (SIGKILL, the OOM killer, os._exit or a native "
-                     "crash)"),
-        ("exception", 1, "raised ValueError('bad config') at <string>:4 (<module>)"),
+        ("kill", -9, "died before its first flush: no exception or signal recorded (SIGKILL, the OOM killer, "
+                     "os._exit or a native crash)"),
+        ("exception", 1, "raised ValueError('bad config') before its first flush at <string>:4 (<module>)"),
         ("shutdown", 0, "shut down cleanly"),
     ],
 )  # fmt: skip

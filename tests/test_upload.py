@@ -30,7 +30,8 @@ from metric_core.offline.plan import make_plan
 from metric_core.offline.upload import runs as upload_runs
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.runs import plan_runs, safe_keys
-from metric_core.offline.upload.send import Destination, send_runs
+from metric_core.offline.upload.send import Destination, UploadEvents, send_runs
+from metric_core.offline.upload.tensorboard import TensorBoard
 
 from .conftest import BASE_TIME, on_a_terminal, write_collector_run
 from .wandb_file import config_of, find_run_file, history_rows, metric_definitions, read_records, run_record
@@ -974,3 +975,196 @@ def test_a_second_upload_counts_only_samples_no_row_holds_not_those_sent_before(
     assert second.exit_code == 0, second.output
     assert "skipped" in second.output
     assert "6 step(s) of samples" not in second.output and "1 step(s) of samples" in second.output
+
+
+# Rank ``rank`` of a job of 2: 3 values of "loss" a step, each step flushed; with
+# ``die_unflushed``, SIGKILLed once its records of that step are on disk, before its flush;
+# with ``start``, a restart from that step (init(step=start)) that, with ``hold``, records
+# its first step and waits, alive and unflushed, for the file ``release`` before it
+# flushes. What it recorded goes to truth-<rank>-<start>.jsonl.
+RESTARTED_RANK = """
+import glob, json, os, signal, sys, time
+import metric_core
+from metric_core import Reduce, journal, record_metric
+c = json.loads(sys.argv[1])
+run, rank, start = c["run"], c["rank"], c.get("start") or 0
+metric_core.init(run, rank=rank, process_name=f"Trainer_r{rank}", world_size=2, flush_interval=0.02,
+                 step=c.get("start"))
+with open(f"{run}/../truth-{rank}-{start}.jsonl", "w") as truth:
+    for step in range(start, c["steps"]):
+        for i in range(3):
+            value = 1000.0 * (start + 1) + step + i / 8 + rank / 64
+            record_metric("loss", value, Reduce.MEAN)
+            truth.write(json.dumps([step, value]) + "\\n")
+        truth.flush()
+        if step == c.get("die_unflushed"):
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                (path,) = glob.glob(f"{run}/Trainer_r{rank}.r{rank}.*.journal")
+                decoded = journal.decode(open(path, "rb").read())
+                if decoded.table is not None and decoded.table.num_rows >= 3 * (step + 1 - start):
+                    break
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if c.get("hold") and step == start:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                path = sorted(glob.glob(f"{run}/Trainer_r{rank}.r{rank}.*.journal"))[-1]  # its own
+                decoded = journal.decode(open(path, "rb").read())
+                if decoded.table is not None and decoded.table.num_rows >= 3:
+                    break
+                time.sleep(0.01)
+            open(f"{run}/../held", "w").close()
+            while not os.path.exists(f"{run}/../release") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        metric_core.flush(step)
+metric_core.shutdown()
+"""
+
+
+def rank_process(run: Path, rank: int, **more) -> subprocess.Popen:
+    config = {"run": str(run), "rank": rank, "steps": 10, **more}
+    return subprocess.Popen([sys.executable, "-c", RESTARTED_RANK, json.dumps(config)], cwd=run.parent)
+
+
+def killed_then_restarted_and_held(run: Path) -> subprocess.Popen:
+    """Rank 0 trains steps 0-9; rank 1 is SIGKILLed with its step 5 on disk, unflushed, and
+    restarted from step 5: the restart has recorded its step 5 and not flushed it yet."""
+    run.mkdir()
+    ranks = [rank_process(run, 0), rank_process(run, 1, die_unflushed=5)]
+    for rank in ranks:
+        rank.wait(timeout=120)
+    assert [r.returncode for r in ranks] == [0, -signal.SIGKILL]
+    restart = rank_process(run, 1, start=5, hold=True)
+    deadline = time.monotonic() + 120
+    while not (run.parent / "held").exists():
+        assert restart.poll() is None and time.monotonic() < deadline, "the restart did not start"
+        time.sleep(0.02)
+    return restart
+
+
+def let_it_end(run: Path, restart: subprocess.Popen) -> None:
+    (run.parent / "release").touch()
+    assert restart.wait(timeout=120) == 0
+
+
+def restarted_truth(run: Path) -> dict[int, float]:
+    """numpy's mean of each step over what the ranks recorded, the restart replacing the
+    killed attempt's records from its first flush (step 5) on."""
+    values: dict[int, list[float]] = {}
+    for rank, attempts in ((0, [0]), (1, [0, 5])):
+        kept: list[tuple[int, float]] = []
+        for start in attempts:
+            kept = [v for v in kept if v[0] < start]
+            kept += [tuple(json.loads(line)) for line in (run.parent / f"truth-{rank}-{start}.jsonl").open()]
+        for step, value in kept:
+            values.setdefault(step, []).append(value)
+    return {step: float(np.mean(vs)) for step, vs in sorted(values.items())}
+
+
+def newest_rows(run: Path) -> list[dict]:
+    entries = json.loads((run / ".metriclog" / "uploads.json").read_text())["runs"]
+    run_id = max(entries, key=lambda i: entries[i]["updated"])
+    assert entries[run_id]["finished"]
+    return [r for r in history_rows(uploaded(run, run_id)) if "loss" in r]
+
+
+def test_a_restart_into_steps_a_finished_upload_sent_is_said_and_its_values_sent(tmp_path, monkeypatch):
+    """Soak seed 612915615: a plain upload read the run whole as a job that was over (its
+    check came before the rank's restart began) and finished the W&B run with the killed
+    attempt's step 5 and the restart's records read before its first flush; the restart's
+    flush(5) then replaced step 5 from there on. The next upload said 'skipped', leaving
+    W&B with values that are not the run's. It says which steps are stale and writes a
+    fresh run holding the restart's values; --force-new writes them again."""
+    from metric_core.offline import upload as upload_package
+
+    run = tmp_path / "run"
+    restart = killed_then_restarted_and_held(run)
+    try:
+        monkeypatch.setattr(upload_package, "running", lambda root, **_: False)  # checked before it began
+        first = upload_package.upload_run(run, make_plan(), Destination("proj", offline=True))
+        assert [o.action for o in first.outcomes] == ["wrote offline"]
+        upload_package.upload_run(run, make_plan(), TensorBoard(tmp_path / "tb"))
+        monkeypatch.undo()
+        assert [r["step"] for r in newest_rows(run)] == list(range(10))
+    finally:
+        let_it_end(run, restart)
+    truth = restarted_truth(run)
+    second = upload_cli(run, "--offline", process=True)
+    assert second.exit_code == 0, second.output
+    assert "skipped" not in second.stderr
+    warned = [line for line in second.stderr.splitlines() if line.startswith("warning: run: restarted")]
+    assert len(warned) == 1, second.stderr
+    assert "Trainer_r1 (rank 1) from step 5" in warned[0] and "steps 5-9 of the W&B run ml-" in warned[0]
+    rows = newest_rows(run)
+    assert [r["step"] for r in rows] == sorted(truth)
+    assert {r["step"]: r["loss"] for r in rows} == pytest.approx(truth, rel=1e-12)
+    offline_runs = list((run / ".metriclog" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1, "the stale run's files are removed: `wandb sync` would send them"
+    third = upload_cli(run, "--offline", process=True)
+    assert third.exit_code == 0 and "already written offline (10 rows" in third.stderr, third.output
+    again = upload_cli(run, "--offline", "--force-new", process=True)
+    assert again.exit_code == 0 and "restarted from a checkpoint" not in again.stderr, again.output
+    assert {r["step"]: r["loss"] for r in newest_rows(run)} == pytest.approx(truth, rel=1e-12)
+    from .test_tensorboard import scalars  # it skips itself without tensorboard
+
+    said: list[str] = []
+    events = UploadEvents(message=lambda kind, text: said.append(f"{kind}: {text}"))
+    upload_package.upload_run(run, make_plan(), TensorBoard(tmp_path / "tb"), events=events)
+    assert any("restarted from a checkpoint" in s and "steps 5-9 of" in s for s in said), said
+    loss = scalars(tmp_path / "tb" / "run")["loss"]
+    assert [(step, value) for step, value, _ in loss] == [(s, float(np.float32(v))) for s, v in truth.items()]
+
+
+def test_a_restart_begun_while_a_plain_upload_read_the_run_leaves_its_runs_open(tmp_path, monkeypatch):
+    """The same race, caught as it happens: the job looked over when the upload began, a
+    rank's restart began while the run was read. The upload sees it after its read and
+    takes the run as a running job's: the complete steps only, the run left open; the next
+    upload, after the job ended, sends every step as the records say."""
+    from metric_core.offline import upload as upload_package
+
+    real = upload_package.running
+    looks: list[bool] = []  # the first look came before the restart began
+
+    def running(root, **kw):
+        looks.append(bool(looks) and real(root, **kw))
+        return looks[-1]
+
+    run = tmp_path / "run"
+    restart = killed_then_restarted_and_held(run)
+    try:
+        monkeypatch.setattr(upload_package, "running", running)
+        first = upload_package.upload_run(run, make_plan(), Destination("proj", offline=True))
+        monkeypatch.undo()
+        assert first.plan.open and looks == [False, True]  # the restart holds the steps until it flushes
+        ledger = run / ".metriclog" / "uploads.json"
+        entries = json.loads(ledger.read_text())["runs"].values() if ledger.exists() else []
+        assert not any(e["finished"] for e in entries)
+    finally:
+        let_it_end(run, restart)
+    truth = restarted_truth(run)
+    second = upload_cli(run, "--offline", process=True)
+    assert second.exit_code == 0 and "skipped" not in second.stderr, second.output
+    assert {r["step"]: r["loss"] for r in newest_rows(run)} == pytest.approx(truth, rel=1e-12)
+
+
+A, B, C = ("T_r1", 1, "a"), ("T_r1", 1, "b"), ("T_r1", 1, "c")
+
+
+@pytest.mark.parametrize(
+    ("sent", "now", "last_step", "stale"),
+    [
+        (None, [(*A, 0), (*B, 5)], 9, {}),  # a ledger written before it kept attempts: as before
+        ([(*A, 0), (*B, 5)], [(*A, 0), (*B, 5)], 9, {}),  # replaced from 5 when sent already
+        ([(*A, 0), (*B, None)], [(*A, 0), (*B, 5)], 9, {("T_r1", 1): (5, 9)}),  # flushed since
+        ([(*A, 0), (*B, None)], [(*A, 0), (*B, 12)], 9, {}),  # from a step past the rows sent
+        ([(*A, 0), (*B, 7)], [(*A, 0), (*B, 7), (*C, 3)], 9, {("T_r1", 1): (3, 9)}),  # A and B
+        ([(*A, 0), (*B, 7)], [(*A, 0), (*B, 5)], 9, {("T_r1", 1): (5, 6)}),  # 7 on was replaced then
+        ([(*A, 0), (*B, None)], [(*A, 0), (*B, 5)], None, {("T_r1", 1): (5, None)}),  # time windows
+        ([("T_r0", 0, "x", 0), (*A, 0)], [("T_r0", 0, "x", 0), (*A, 0)], 9, {}),
+    ],
+)
+def test_the_steps_a_restart_replaced_since_they_were_sent(sent, now, last_step, stale):
+    from metric_core.offline.upload.restarts import stale_steps
+
+    assert stale_steps(sent, now, last_step) == stale

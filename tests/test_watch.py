@@ -4,6 +4,7 @@ by itself when the job is over."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -69,7 +70,8 @@ def watch(run: Path, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedPr
     """``metriclog watch`` of a job started with it: ``--wait``, as the job may not have made
     its run directory yet (on a busy machine it had not, and watch refused the path)."""
     said = tmp_path / "stalls.txt"
-    command = f'echo "$METRICLOG_PROCESS $METRICLOG_RANK $METRICLOG_LAST_STEP|$METRICLOG_PROCESSES" >> {said}'
+    fields = "$METRICLOG_PROCESS $METRICLOG_RANK $METRICLOG_LAST_STEP|$METRICLOG_PROCESSES|$METRICLOG_WHERE"
+    command = f'echo "{fields}" >> {said}'
     done = subprocess.run(
         [METRICLOG, "watch", str(run), "--wait", "--interval", "0.2", "--on-stall", command, *args],
         capture_output=True,
@@ -95,7 +97,7 @@ def test_watch_runs_its_command_for_a_hung_source_and_not_for_healthy_ones(tmp_p
     finally:
         stop(children)
     assert done.returncode == 3, done.stderr
-    assert stalls == ["TrainActor_r1 1 7|TrainActor_r1"]
+    assert stalls == ["TrainActor_r1 1 7|TrainActor_r1|<string>:13 in <module>"]
     assert running[0] and running[2]  # the healthy ones were still writing when it was caught
     assert "TrainActor_r1 (rank 1) stalled at step 7: silent for " in done.stderr
     assert "TrainActor_r1 (rank 1) stalled at step 7" in done.stdout  # a line per change
@@ -111,12 +113,12 @@ def test_watch_catches_every_rank_hanging_together(tmp_path):
         stop(children)
     assert done.returncode == 3, done.stderr
     (stall,) = stalls  # one stall of the sources that went silent together, not one per source
-    first, together = stall.split("|")
-    assert first in {f"TrainActor_r{r} {r} 9" for r in range(3)}
-    # --exit-on-stall ends at the first poll that finds the stall: with whoever crossed its
-    # threshold by then (the others hung a moment later)
-    assert first.split()[0] in together.split(",")
-    assert set(together.split(",")) <= {f"TrainActor_r{r}" for r in range(3)}
+    culprit, together, where = stall.split("|")
+    # All in one place: none stands apart, and none is named (who went silent first never decides)
+    assert culprit == "  9" and where == ""
+    assert set(together.split(",")) == {f"TrainActor_r{r}" for r in range(3)}
+    assert "3 sources stalled together at step 9" in done.stderr
+    assert "at <string>:13 in <module>; none stands apart" in done.stderr
 
 
 def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path):
@@ -212,15 +214,32 @@ def test_a_lockstep_hang_is_one_stall_and_a_job_killed_whole_ends_watch(tmp_path
     releaser = threading.Thread(target=go_on_once_stalled)
     releaser.start()
     try:
-        done, stalls = watch(run, tmp_path, "--stall-after", "2")
+        done, stalls = watch(run, tmp_path)  # default settings
     finally:
         go_on.touch()
         releaser.join()
         job.join()
     assert done.returncode == 0, done.stderr  # the job went on and finished
     (stall,) = stalls
-    assert sorted(stall.split("|")[1].split(",")) == [f"Trainer_r{r}" for r in range(4)]
+    culprit, together, where = stall.split("|")
+    # The held rank, not whoever went silent first: the others wait for it in their collective
+    assert culprit == "Trainer_r1 1 5", stall
+    assert where.startswith("tests/lockstep_worker.py:") and where.endswith(" in train_step"), where
+    assert together.split(",")[0] == "Trainer_r1"
+    assert sorted(together.split(",")) == [f"Trainer_r{r}" for r in range(4)]
     assert done.stderr.count("stalled at step") == 1
+    waiting = "waiting for it: Trainer_r0 (rank 0), Trainer_r2 (rank 2), Trainer_r3 (rank 3)"
+    assert f"{waiting} at tests/lockstep_worker.py:" in done.stderr
+    # inspect afterwards: the pause, with the held rank's place apart from the others'
+    report = json.loads(
+        subprocess.run(
+            [METRICLOG, "inspect", str(run), "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    (pause,) = [p for p in report["pauses"] if p["seconds"] >= 5]
+    apart, waiting = pause["stuck_in"]
+    assert apart["sources"] == [{"process": "Trainer_r1", "rank": 1}] and apart["where"] == where
+    assert [s["rank"] for s in waiting["sources"]] == [0, 2, 3] and waiting["where"].endswith(" in allreduce")
 
 
 def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
@@ -241,7 +260,7 @@ def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
         child.wait()
     _, err = watching.communicate(timeout=60)
     assert watching.returncode == 4, err
-    assert err.count(" died in step ") == 2 and "no exception or signal recorded" in err
+    assert err.count(" died after step ") == 2 and "no exception or signal recorded" in err
 
 
 def both_recorded(run: Path) -> bool:

@@ -4,6 +4,7 @@ to temporary files past SPILL_VALUES); finished groups taken out as frames."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import tempfile
@@ -27,6 +28,7 @@ from metric_core.offline.partials import (
     with_fields,
 )
 from metric_core.offline.plan import Statistic
+from metric_core.offline.setaside import SET_ASIDE_GROUPS, SetAside
 
 if TYPE_CHECKING:
     from metric_core.offline.engine.exact import ExactState
@@ -355,7 +357,10 @@ class Accumulator:
 
     Memory grows with the groups (bucket and combo) not taken out yet (``take``) and the
     combos met, not with the records; the values of median/pNN groups are held with them
-    (in a temporary directory past ``SPILL_VALUES``).
+    (in a temporary directory past ``SPILL_VALUES``). Past SET_ASIDE_GROUPS groups held
+    (and while no median/pNN value came), every group is set aside on disk with its label
+    (``setaside``), and the groups below a bucket are then read back a slice of keys at a
+    time (``slices``), not taken.
     """
 
     labels: _Labels = field(default_factory=_Labels)
@@ -367,10 +372,94 @@ class Accumulator:
     spilled: int = 0  # the files written so far (each one's name: its number)
     spill_dir: tempfile.TemporaryDirectory[str] | None = None
     taken: int | None = None  # the buckets below this one were taken out
+    aside: SetAside | None = None  # groups set aside on disk
+    sets_aside: bool = True  # may set groups aside (not once a median/pNN value came)
 
     def add(self, p: Partial) -> None:
         if not len(p.bucket):
             return
+        if len(p.values):  # a value's group is told by its combo: held with its labels
+            self.sets_aside = False
+            if self.aside is not None:
+                self._read_back()
+        self._fold(p)
+        if self.sets_aside and self._groups_held() > SET_ASIDE_GROUPS:
+            self.set_aside()
+
+    def _groups_held(self) -> int:
+        return sum(block.groups for block in self.blocks.values())
+
+    def set_aside(self) -> None:
+        """Every group held written to disk with its label (``setaside``), and forgotten
+        here, the labels too."""
+        if not self.blocks:
+            return
+        if self.labels.table["key"].null_count():  # a key without text has no place in key order
+            self.sets_aside = False
+            return
+        from metric_core.offline.engine import exact as exact_sums
+
+        fields = max(block.fields for block in self.blocks.values())
+        buckets, combos, states, exacts = [], [], [], []
+        for b in sorted(self.blocks):
+            for chunk in self.blocks[b].take(None):
+                buckets.append((b << _BLOCK_BITS) + (chunk.ids >> _COMBO_BITS))
+                combos.append(chunk.ids & _COMBO_MASK)
+                states.append(with_fields(chunk.state, fields))
+                exacts.append(chunk.settled())
+        self.blocks = {}
+        labels, self.labels = self.labels.table, _Labels()
+        exact = None
+        if any(e is not None for e in exacts):  # a group without exact sums takes empty ones
+            squares = any(e is not None and e.squares is not None for e in exacts)
+            exact = exact_sums.concat(
+                [
+                    exact_sums.ExactState.empty(len(c), squares=squares)
+                    if e is None
+                    else e
+                    if e.squares is not None or not squares
+                    else dataclasses.replace(e, squares=exact_sums.Digits.zeros(len(e)))
+                    for e, c in zip(exacts, combos, strict=True)
+                ]
+            )
+        del exacts
+        state = np.concatenate(states, axis=1)
+        del states
+        if self.aside is None:
+            self.aside = SetAside()
+        self.aside.write(np.concatenate(buckets), np.concatenate(combos), labels, state, exact)
+
+    def _read_back(self) -> None:
+        """The groups set aside folded back in (held from then on)."""
+        assert self.aside is not None
+        aside, self.aside = self.aside, None
+        try:
+            for p in aside.read(None, None):
+                self._fold(p)
+        finally:
+            aside.close()
+
+    def slices(self, upto: float) -> Iterator[tuple[Accumulator, bool]]:
+        """The groups of the buckets below ``upto``, when some are set aside: every group
+        set aside, then read back a slice of (bucket, key) at a time, each slice's in an
+        accumulator of its own (closed once the next is asked for), with whether it is the
+        last. Those groups are gone from this one after."""
+        self.set_aside()
+        assert self.aside is not None
+        bounds = self.aside.slices(upto)
+        for i, (lo, hi) in enumerate(bounds):
+            part = Accumulator(sets_aside=False)
+            try:
+                for p in self.aside.read(lo, hi):
+                    part.add(p)
+                yield part, i + 1 == len(bounds)
+            finally:
+                part.close()
+        self.aside.take(upto)
+        if upto == math.inf:
+            self.aside = None
+
+    def _fold(self, p: Partial) -> None:
         combo = self.labels.numbers(p.labels)[p.combo]
         block_of = p.bucket >> _BLOCK_BITS  # non-decreasing: the groups come in bucket order
         edges = np.flatnonzero(np.diff(block_of)) + 1
@@ -461,10 +550,14 @@ class Accumulator:
         if self.spill_dir is not None:
             self.spill_dir.cleanup()
             self.spill_dir = None
+        if self.aside is not None:
+            self.aside.close()
+            self.aside = None
 
     def cells_below(self, upto: float) -> int:
-        """The groups (at most) of the blocks that start below bucket ``upto``."""
-        return sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
+        """The groups (at most) of the blocks that start below bucket ``upto``, set aside ones too."""
+        aside = 0 if self.aside is None else self.aside.rows_below(upto)
+        return aside + sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
 
     def cuts(self, upto: float, groups: int) -> list[float]:
         """Where to cut the taking of the buckets below ``upto`` (block edges, then ``upto``)

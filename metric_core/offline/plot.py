@@ -34,6 +34,7 @@ from metric_core.errors import MissingDependencyError, PlanError, RequestError, 
 from metric_core.metric import LoggingMode
 from metric_core.offline.engine import execute
 from metric_core.offline.inspect import InspectReport, inspect_run
+from metric_core.offline.inspect.health import state_said
 from metric_core.offline.plan import Engine, ReducePlan, Statistic
 from metric_core.offline.read import OnProgress, OnRead, RunScan, explain_read_errors, scan_run
 from metric_core.offline.storage import run_path, written_at
@@ -384,7 +385,7 @@ def _mark(
             continue
         x = x_of(source.last_timestamp if x_col != "step" else source.last_step)
         ax.axvline(
-            x, color="grey", linestyle="--", linewidth=1, label=f"{source.process} stopped ({source.status})"
+            x, color="grey", linestyle="--", linewidth=1, label=f"{source.process} {state_said(source)}"
         )
     for item in health.nonfinite:
         if item.key != key:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace
+from metric_core.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace, place_text
 from metric_core.offline.read.attempts import LEGACY, Attempt
 from metric_core.offline.read.report import ReadReport, rel
 from metric_core.offline.storage import RunPath, is_remote, listed_below, size_and_mtime
@@ -166,8 +166,12 @@ def _text(path: RunPath, size: int, mtime_ns: int) -> str:
     return path.read_bytes()[: 1 << 20].decode(errors="replace")
 
 
-def tell(report: ReadReport, root: RunPath, now: float) -> tuple[Failure | None, dict[str, list[StackFile]]]:
-    """Fill every attempt's end fields; the first failure of the run."""
+def tell(
+    report: ReadReport, root: RunPath, now: float
+) -> tuple[Failure | None, list[dict[str, Any]], dict[str, list[StackFile]]]:
+    """Fill every attempt's end fields; the first failure of the run, or, where the
+    attempts that failed first all ended together (one event: the launcher stopped them,
+    the node went down), no first failure and those sources (``together``)."""
     stacks = list_stacks(root)
     shutdowns = {(s.process, s.rank, s.attempt): s.timestamp for s in report.shutdowns}
     by_source: dict[tuple[str, int], list[Attempt]] = {}
@@ -178,7 +182,17 @@ def tell(report: ReadReport, root: RunPath, now: float) -> tuple[Failure | None,
             life = report.lives.get((a.process, a.rank, a.attempt))
             a.number = life.restart + 1 if life is not None and life.restart is not None else i
             _end(a, life, stacks.get(a.attempt, []), shutdowns, a is attempts[-1], now)
-    return first_failure(report.attempts), stacks
+    failure = first_failure(report.attempts)
+    if failure is not None:
+        group = [a for a in report.attempts if a.number == failure.number]
+        over = [a for a in group if a.failed]
+        if len(over) == len(group) and _together(over):
+            together = [
+                {"process": a.process, "rank": a.rank}
+                for a in sorted(over, key=lambda a: (a.rank, a.process))
+            ]
+            return None, together, stacks
+    return failure, [], stacks
 
 
 def first_failure(attempts: list[Attempt]) -> Failure | None:
@@ -277,6 +291,9 @@ def _end(
     if not exits and newest and not life.dead(now) and not process_gone(life):
         a.end = "running"  # a thread's exception does not end a process that goes on
         return
+    if not exits and newest and _process_state(life) is True:
+        a.end, a.no_heartbeat = "running", True  # its process is there, its writer thread is not heard
+        return
     if a.thread_exceptions:  # the process ended without shutdown() after it: the likely cause
         a.end, a.exception = (
             "exception",
@@ -291,19 +308,39 @@ def _end(
     a.end, a.ended_at = "died", life.alive
 
 
+def end_of(a: Attempt, life: Life, stacks: list[StackFile], now: float) -> None:
+    """Fill the end fields of ``a``, the newest attempt of its source, which did not shut
+    down, from its life and stack files: the rule ``inspect`` tells ends by, for a follower
+    that reads the run as it grows."""
+    _end(a, life, stacks, {}, True, now)
+
+
 def process_gone(life: Life) -> bool:
     """Its process is known to be gone: written on this host and in this pid namespace (a
     container with this host name but pids of its own is another place), and no process
     has its pid."""
+    return _process_state(life) is False
+
+
+def _process_state(life: Life) -> bool | None:
+    """Whether its process is there (True), known gone (False), or not known (None: written
+    on another host or in another pid namespace, or without a pid)."""
     if life.pid is None or life.host != socket.gethostname() or life.pidns != pid_namespace():
-        return False
+        return None
     try:
         os.kill(life.pid, 0)
     except ProcessLookupError:
+        return False
+    except PermissionError:
         return True
     except OSError:
-        return False
-    return False
+        return None
+    try:  # a zombie (killed, not yet waited for by its parent) is gone
+        with open(f"/proc/{life.pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
 
 
 def _or_inf(x: float) -> float:
@@ -373,8 +410,11 @@ def pauses(
 
 
 def _stuck_in(a: Attempt, life: Life | None, stacks: list[StackFile], start: float, end: float) -> str | None:
-    """Where the attempt's main thread was during a pause: a hang dump the writer made in
-    it, else the stack file of the signal that ended it."""
+    """Where the attempt's main thread was during a pause: where its heartbeats said it was
+    (``Life.place_in``), else a hang dump the writer made in it, else the stack file of the
+    signal that ended it (writers before journal format 6 say no place)."""
+    if life is not None and (place := life.place_in(start, end)) is not None:
+        return place_text(*place)
     by_rel = {f.rel: f for f in stacks}
     for e in life.ends if life is not None else []:
         if e["kind"] == "dump" and start <= float(e.get("timestamp") or -1) <= end + SAME_EVENT_S:
@@ -404,11 +444,11 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
         if n > 1 and several:
             firsts = [a.first_step for a in group if a.first_step is not None]
             label += f" restarted from step {min(firsts)} and" if firsts else " restarted and"
-        failed = first_failure(group) if failure is not None else None
+        failed = first_failure(group)
         over = [a for a in group if a.failed]
         if failed is not None and _together(over) and len(over) == len(group):
             step = min((a.last_step for a in over if a.last_step is not None), default=None)
-            at = "" if step is None else f" in step {step + 1}"
+            at = after_step(step, many=True)
             when = f" at {local_time(over[0].ended_at)}" if over[0].ended_at is not None else ""
             head = f"{label}: " if label and not label.endswith("and") else f"{label} " if label else ""
             told.append(
@@ -436,7 +476,10 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             kinds: dict[tuple[Any, ...], list[Attempt]] = {}
             for a in others:
                 kinds.setdefault((a.end, a.signal, (a.exception or {}).get("type")), []).append(a)
-            for members in kinds.values():
+            # in time order: the group that ended first is told first, whatever its ranks
+            for members in sorted(
+                kinds.values(), key=lambda m: min(_or_inf(a.ended_at or math.nan) for a in m)
+            ):
                 later = max((a.ended_at or failed.ended_at) - failed.ended_at for a in members)
                 n = len(members)
                 count = (
@@ -458,14 +501,24 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
     return lines
 
 
+def after_step(last_step: int | None, many: bool = False) -> str:
+    """The one step a death is told by: the last step the attempt flushed, said as such."""
+    its = "their" if many else "its"
+    return (
+        f" before {its} first flush" if last_step is None else f" after step {last_step} ({its} last flushed)"
+    )
+
+
 def ended_how(f: Failure | Attempt) -> str:
     """How an attempt ended, in words that follow its name: "raised ValueError('bad batch')
-    in step 13 at train.py:25 (step)", "was stopped by SIGTERM in step 31", "died in step 9:
-    no exception or signal recorded (...)"."""
-    step = "" if f.last_step is None else f" in step {f.last_step + 1}"
+    after step 12 (its last flushed) at train.py:25 (step)", "was stopped by SIGTERM after
+    step 30 (its last flushed)", "died after step 8 (its last flushed): no exception or
+    signal recorded (...)". Used by ``inspect``, ``watch`` and the sidecar alike."""
+    step = after_step(f.last_step)
     if f.end == "exception" and f.exception is not None:
         where = f.exception.get("where")
-        return f"raised {f.exception.get('type')}({f.exception.get('message')!r}){step}{_at(where)}"
+        message = short_paths(str(f.exception.get("message")))
+        return f"raised {f.exception.get('type')}({message!r}){step}{_at(where)}"
     if f.end == "signal":
         return f"was stopped by {f.signal}{step}{_at(f.where)}"
     if f.end == "exit":
@@ -481,10 +534,19 @@ def _what_short(a: Attempt, many: bool) -> str:
         launcher = " (the launcher)" if a.signal in ("SIGTERM", "SIGHUP") else ""
         return f"{'were' if many else 'was'} stopped by {a.signal}{launcher}"
     if a.end == "exception" and a.exception is not None:
-        return f"raised {a.exception.get('type')}({str(a.exception.get('message'))[:80]!r})"
+        return f"raised {a.exception.get('type')}({short_paths(str(a.exception.get('message')))!r})"
     if a.end == "exit":
         return "ended without shutdown()"
     return "died with no exception or signal recorded"
+
+
+_LONG_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^/\\\s:'\"]+){4,}")
+
+
+def short_paths(message: str) -> str:
+    """A message with each long path in it shortened from the left to its last two parts
+    (a build path inside gloo's error): ``.../tcp/pair.cc``. The message is whole otherwise."""
+    return _LONG_PATH.sub(lambda m: ".../" + "/".join(re.split(r"[/\\]", m.group(0))[-2:]), message)
 
 
 def _at(where: str | None) -> str:

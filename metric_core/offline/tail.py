@@ -40,18 +40,19 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.clock import duration
 from metric_core.errors import spell_options
-from metric_core.life import END_KINDS, Life
+from metric_core.life import Life
 from metric_core.metric import LoggingMode
 from metric_core.offline import story
 from metric_core.offline.engine import KeyReductions, key_matching, plan_filtered, reduce_records
 from metric_core.offline.inspect import OWN_GAP_FACTOR, QUIET_FACTOR
 from metric_core.offline.plan import By, ReducePlan, key_matcher, one_rank_a_process
 from metric_core.offline.read import ReadReport, fetch_numpy_api, read_sealed
+from metric_core.offline.read.attempts import Attempt
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
 from metric_core.offline.read.report import MixedKey, rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
+from metric_core.offline.upload.restarts import replaced_from
 from metric_core.segment import Damaged, SegmentMeta
 
 Source = tuple[str, int]
@@ -110,26 +111,18 @@ class AttemptState:
             self.merged = Life.merged(list(self.lives.values()))
         return self.merged
 
-    def dead(self, now: float) -> str | None:
-        """Why its process is over, though it did not shut down (None: it is alive, or its
-        files record no life: an older writer's); ``now``: when its files were read last
-        (every frame written before then was read)."""
+    def dead(self, now: float, who: tuple[str, int, str], stacks: dict[str, list[Any]]) -> str | None:
+        """How its process ended, in ``inspect``'s words (``story.ended_how``: "was stopped by
+        SIGTERM after step 30 (its last flushed)"), though it did not shut down; None while it
+        is alive, or when its files record no life (an older writer's). ``now``: when its files
+        were read last (every frame written before then was read); ``who``: its process, rank
+        and attempt id; ``stacks``: the run's stack files by attempt (``story.list_stacks``)."""
         life = self.life
         if self.finished or life is None:
             return None
-        ended = [e for e in life.ends if e["kind"] in END_KINDS]
-        if ended:
-            e = ended[0]
-            if e["kind"] == "exception":
-                return f"it raised {(e.get('exception') or {}).get('type')}"
-            if e["kind"] == "signal":
-                return f"it was stopped by {e.get('signal')}"
-            return "it exited without shutdown()"
-        if story.process_gone(life):
-            return f"its process (pid {life.pid}) is gone"
-        if life.dead(now):
-            return f"no heartbeat for {duration(now - (life.alive or now))}"
-        return None
+        a = Attempt(who[0], who[1], who[2], self.started, self.first_step)
+        story.end_of(a, life, stacks.get(who[2], []), now)
+        return story.ended_how(a) if a.failed else None
 
 
 @dataclass
@@ -283,9 +276,10 @@ class RunTail:
         # must not take a live writer whose heartbeats it has not read yet for dead.
         looked_at = time.time() if self.looked_at is None else self.looked_at
         judged = set()
+        stacks = self._stacks()
         for state in self.sources.values():
-            for a in state.attempts.values():
-                a.over = a.dead(looked_at)
+            for name, a in state.attempts.items():
+                a.over = a.dead(looked_at, (state.process, state.rank, name), stacks)
                 judged.add(id(a))
         report = ReadReport(run_dir=self.root)
         if not self.meta.get("run_id"):
@@ -307,15 +301,19 @@ class RunTail:
         # Attempts first seen now (a follow started after a rank died, or a fresh reading of
         # the run): without this, their records no flush covered would wait for the next poll,
         # and a step, or the end, could go without them.
-        fresh: dict[int, tuple[AttemptState, list[Path]]] = {}
+        fresh: dict[int, tuple[AttemptState, tuple[str, int, str], list[Path]]] = {}
         for path, tail in self.journals.items():
             d = tail.decoded
             of = self.sources.get((d.process, d.rank)) if d.process is not None else None
-            found = of.attempts.get(d.attempt.get("attempt") or "") if of is not None else None
+            name = d.attempt.get("attempt") or ""
+            found = of.attempts.get(name) if of is not None else None
             if found is not None and id(found) not in judged:
-                fresh.setdefault(id(found), (found, []))[1].append(path)
-        for a, journals in fresh.values():
-            a.over = a.dead(self.looked_at)
+                fresh.setdefault(id(found), (found, (str(d.process), int(d.rank or 0), name), []))[2].append(
+                    path
+                )
+        stacks = self._stacks() if fresh else stacks
+        for a, who, journals in fresh.values():
+            a.over = a.dead(self.looked_at, who, stacks)
             for path in journals if a.over is not None else []:
                 frame = self._journal(path, final)
                 if frame is not None:
@@ -327,6 +325,13 @@ class RunTail:
                 self.skipped += n
                 self._notice(f"{rel(rep.path, self.root)}: {n} record(s) skipped: {reason}")
         return pl.concat([_empty(), *frames], how="vertical")
+
+    def _stacks(self) -> dict[str, list[Any]]:
+        """The run's stack files by attempt, where an attempt may have ended (a SIGTERM's
+        stacks say so): read only while some attempt has not shut down."""
+        if all(a.finished for s in self.sources.values() for a in s.attempts.values()):
+            return {}
+        return story.list_stacks(self.root)
 
     def _notice(self, text: str) -> None:
         if text not in self._noticed:
@@ -471,9 +476,16 @@ class Follower:
     """Pending records, and the buckets that became complete (``ready``)."""
 
     def __init__(
-        self, plan: ReducePlan, *, share_run: bool, sources: int | None, let_go_after: float | None = None
+        self,
+        plan: ReducePlan,
+        *,
+        share_run: bool,
+        sources: int | None,
+        let_go_after: float | None = None,
+        rename: bool = True,
     ) -> None:
         self.plan = plan
+        self.rename = rename  # keys made W&B-safe (``runs.safe_keys``); off, rows keep them as recorded
         self.let_go_after = let_go_after
         self.share_run = share_run
         self.expected = sources
@@ -522,11 +534,10 @@ class Follower:
             if len(state.attempts) < 2:
                 continue
             ordered = sorted(state.attempts.items(), key=lambda a: (a[1].started, a[0]))
-            for i, (attempt, _) in enumerate(ordered):
-                later = [a.first_step for _, a in ordered[i + 1 :] if a.first_step is not None]
-                if not later:
+            cuts = replaced_from([a.first_step for _, a in ordered])
+            for (attempt, _), cut in zip(ordered, cuts, strict=True):
+                if cut is None:
                     continue
-                cut = min(later)
                 old = (
                     (pl.col("process") == process)
                     & (pl.col("rank") == rank)
@@ -647,8 +658,13 @@ class Follower:
             out = complete.sort(at.replace_strict(started, default=-math.inf), maintain_order=True)
         else:
             out = reduce_records(plan, complete, self.t0, self.recorded, self.mixed)
-        self._map_keys(out["key"].unique().to_list())
-        key = pl.col("key").replace_strict(self.mapping, return_dtype=pl.String)
+        if self.rename:
+            self._map_keys(out["key"].unique().to_list())
+        key = (
+            pl.col("key").replace_strict(self.mapping, return_dtype=pl.String)
+            if self.rename
+            else pl.col("key")
+        )
         out = out.with_columns(key=pl.format("{}/{}", key, "process") if self.share_run else key)
         ready = []
         for part in out.partition_by("process", maintain_order=True) if self.per_source else [out]:

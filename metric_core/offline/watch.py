@@ -40,7 +40,9 @@ from typing import Any
 from metric_core.clock import duration
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
+from metric_core.offline.alerts import Alarms, Alert, ValueWatch
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
+from metric_core.offline.inspect.health import culprit_of, held_by_hang, state_of, where_text
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
@@ -53,29 +55,74 @@ EPISODE_S = 5.0
 RESTART_GRACE = 60.0
 
 
-def state_of(s: SourceHealth) -> str:
-    """A source as watch names it: finished, died, stalled, running (or, for a writer that
-    records no life, stopped_early by inspect's rule)."""
-    if s.status == "finished":
-        return "finished"
-    if s.attempts and s.attempts[-1].failed:
-        return "died"
-    if s.stalled:
-        return "stalled"
-    return "stopped_early" if s.status == "stopped_early" and s.end is None else "running"
-
-
 @dataclass
 class Episode:
     """Sources that went silent within ``EPISODE_S`` of each other: one stall."""
 
     sources: list[SourceHealth]
     since: float  # the newest record of its first source
+    # The source the others wait for (``inspect.health.culprit_of``), None when none stands
+    # apart; and every running source the hang holds, where it is (None: its writer does not say).
+    culprit: SourceHealth | None
+    held: list[tuple[SourceHealth, str | None]]
     stacks: set[str] = field(default_factory=set)  # dumps said so far, relative to the run directory
 
     @property
     def first(self) -> SourceHealth:
         return self.sources[0]
+
+    def who(self) -> str:
+        s = self.culprit or self.first
+        return f"{s.process} (rank {s.rank})"
+
+    def _where(self) -> dict[tuple[str, int], str | None]:
+        return {(h.process, h.rank): w for h, w in self.held}
+
+    def told(self) -> str:
+        """The stall in words: the culprit and where it is, then the others grouped by where
+        they wait; or, with none standing apart, every source by place."""
+        s = self.culprit or self.first
+        where = self._where()
+        pace = f", steps every {duration(s.cadence_s)}" if s.cadence_s else ""
+        dumps = f"; stack dumps: {', '.join(sorted(self.stacks))}" if self.stacks else ""
+        if self.culprit is not None:
+            at = f", at {where[(s.process, s.rank)]}" if where.get((s.process, s.rank)) else ""
+            others = [h for h, _ in self.held if h is not self.culprit]
+            waiting = f"; waiting for it: {_by_place(others, where)}" if others else ""
+            silent = duration(s.silent_s)
+            head = f"{self.who()} stalled at step {s.last_step}: silent for {silent}"
+            return f"{head}{pace}{at}{waiting}{dumps}"
+        held = [h for h, _ in self.held] or self.sources
+        apart = "none stands apart" if any(where.values()) else "their writers do not say where they are"
+        return (
+            f"{len(held)} sources stalled together at step {s.last_step}, silent for {duration(s.silent_s)}"
+            f"{pace}: {_by_place(held, where)}; {apart}{dumps}"
+        )
+
+    def variables(self, run_dir: str) -> dict[str, str]:
+        """What ``--on-stall``'s command gets: the culprit's process, rank and place (empty
+        when none stands apart), and every source of the stall, the culprit first."""
+        c, s = self.culprit, self.culprit or self.first
+        held = [h for h, _ in self.held if h is not c] or [h for h in self.sources if h is not c]
+        root = run_dir.rstrip("/")
+        return {
+            "METRICLOG_RUN_DIR": run_dir,
+            "METRICLOG_PROCESS": c.process if c else "",
+            "METRICLOG_RANK": str(c.rank) if c else "",
+            "METRICLOG_WHERE": (self._where().get((c.process, c.rank)) or "") if c else "",
+            "METRICLOG_LAST_STEP": str(s.last_step),
+            "METRICLOG_SILENT_S": f"{s.silent_s:.3f}",
+            "METRICLOG_PROCESSES": ",".join(h.process for h in ([c] if c else []) + held),
+            "METRICLOG_STACKS": " ".join(f"{root}/{p}" for p in sorted(self.stacks)),
+        }
+
+
+def _by_place(sources: list[SourceHealth], where: dict[tuple[str, int], str | None]) -> str:
+    """Sources grouped by where each is: ``a (rank 0), b (rank 1) at train.py:150 in <module>``."""
+    groups: dict[str | None, list[str]] = {}
+    for s in sources:
+        groups.setdefault(where.get((s.process, s.rank)), []).append(f"{s.process} (rank {s.rank})")
+    return "; ".join(", ".join(names) + (f" at {place}" if place else "") for place, names in groups.items())
 
 
 @dataclass
@@ -85,6 +132,7 @@ class WatchResult:
     code: int
     report: InspectReport | None
     episodes: list[Episode] = field(default_factory=list)  # every stall, its sources
+    alerts: list[Alert] = field(default_factory=list)  # every alarm on values, in order
 
 
 def watch_run(
@@ -102,6 +150,8 @@ def watch_run(
     stall_after: float | None = None,
     restart_grace: float = RESTART_GRACE,
     wait: bool = False,
+    alarms: Alarms | None = None,
+    on_alert: Callable[[Alert], None] | None = None,
 ) -> WatchResult:
     """Poll ``run_dir`` every ``interval`` seconds until every source finished, or finished
     or died with no restart within ``restart_grace`` seconds, or, with ``exit_on_stall``,
@@ -113,6 +163,9 @@ def watch_run(
     while it was read: ``CHANGED_POLLS`` such polls in a row raise ``RunChangedError``).
     A ``run_dir`` that does not exist is a ``NoDataError`` (a mistyped path never waits),
     unless ``wait``: then it is waited for, as the job that creates it may not have started.
+    With ``alarms``, each poll also reads the values that settled since the last one
+    (``alerts.ValueWatch``) and gives ``on_alert`` each new episode; the values left when
+    watching ends are judged then.
     """
     missing = None if wait else missing_run(run_path(run_dir))
     if missing is not None:
@@ -125,6 +178,10 @@ def watch_run(
     stalled_at: dict[tuple[str, int], float] = {}  # a stalled source -> its newest record then
     seen: dict[tuple[str, int], tuple[str, str]] = {}  # a source -> (newest attempt, state)
     result = WatchResult(FINISHED, None)
+    values = (
+        ValueWatch(run_path(run_dir), alarms, follow_symlinks=follow_symlinks) if alarms is not None else None
+    )
+    alert = on_alert or (lambda _: None)
     over_since: float | None = None
     said: set[str] = set()
 
@@ -158,6 +215,9 @@ def watch_run(
             result.report = report
             if on_poll is not None:
                 on_poll(report)
+            for found in values.poll() if values is not None else []:
+                result.alerts.append(found)
+                alert(found)
             restarted = _changes(report, seen, note)
             fresh = _stalls(report, episodes, stalled_at, note)
             for episode in fresh:
@@ -174,7 +234,7 @@ def watch_run(
             )
             if states == {"finished"} and not absent:
                 result.code = FINISHED
-                return result
+                return _last_values(result, values, alert)
             if exit_on_stall and fresh:
                 result.code = STALLED
                 return result
@@ -187,12 +247,22 @@ def watch_run(
                 over_since = over_since if over_since is not None else time.monotonic()
                 if time.monotonic() - over_since >= restart_grace:
                     result.code = OVER
-                    return result
+                    return _last_values(result, values, alert)
             else:
                 over_since = None
         if stop.wait(interval):
             result.code = STOPPED
             return result
+
+
+def _last_values(
+    result: WatchResult, values: ValueWatch | None, alert: Callable[[Alert], None]
+) -> WatchResult:
+    """The job is over: what is left unsettled is judged (no flush will come)."""
+    for found in values.poll(final=True) if values is not None else []:
+        result.alerts.append(found)
+        alert(found)
+    return result
 
 
 def _changes(
@@ -241,7 +311,8 @@ def _stalls(
         stalled_at[key] = s.last_timestamp
         joined = next((e for e in episodes if abs(s.last_timestamp - e.since) <= EPISODE_S), None)
         if joined is None:
-            episode = Episode([s], s.last_timestamp)
+            held = held_by_hang(report.sources)
+            episode = Episode([s], s.last_timestamp, culprit_of(held), [(h, where_text(h)) for h in held])
             episodes.append(episode)
             fresh.append(episode)
         else:

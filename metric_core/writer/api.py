@@ -57,6 +57,8 @@ def init(
     sidecar: dict[str, Any] | None = None,
     catch_signals: bool = True,
     hang_dump_after: float | None = HANG_DUMP_AFTER,
+    on_nonfinite: str = "record",
+    nonfinite_keys: str | list[str] | tuple[str, ...] = "*",
 ) -> MetricCollector:
     """Start recording this process's metrics into ``run_dir``.
 
@@ -92,6 +94,11 @@ def init(
     never) save every thread's stack into ``stacks/`` once per stall, so ``inspect``
     tells where a hung rank is stuck.
 
+    ``on_nonfinite="raise"`` stops the job at the first NaN or infinity of a key that
+    ``nonfinite_keys`` matches (shell-style patterns, as ``--key`` takes them; all keys by
+    default): ``record_metric`` records the value, then raises ``NonFiniteError``. Off
+    (``"record"``, the default) it costs nothing.
+
     >>> import metric_core, tempfile
     >>> _ = metric_core.init(tempfile.mkdtemp(), rank=0, process_name="trainer")
     >>> metric_core.record_metric("loss", 0.5, metric_core.Reduce.MEAN)
@@ -121,6 +128,8 @@ def init(
         max_unwritten=max_unwritten,
         catch_signals=catch_signals,
         hang_dump_after=hang_dump_after,
+        on_nonfinite=on_nonfinite,
+        nonfinite_keys=nonfinite_keys,
     )
     if rank == 0:
         _write_run_json(Path(run_dir), world_size=world_size, config=config)

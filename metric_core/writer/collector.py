@@ -36,6 +36,7 @@ import array
 import asyncio
 import atexit
 import contextlib
+import fnmatch
 import operator
 import os
 import sys
@@ -49,10 +50,18 @@ import numpy as np
 import pyarrow as pa
 
 from metric_core import records
-from metric_core.errors import CollectorClosedError, ConfigError, RecordsDroppedError, WriteError, warn
+from metric_core.errors import (
+    CollectorClosedError,
+    ConfigError,
+    NonFiniteError,
+    RecordsDroppedError,
+    WriteError,
+    warn,
+)
+from metric_core.life import STALL_MIN_S
 from metric_core.metric import Metric, Reduce, SampleAccumulator
 from metric_core.schema import MAX_KEY_BYTES, default_process_name
-from metric_core.writer import ends
+from metric_core.writer import ends, where
 from metric_core.writer.backends import Backends, LoggerBackend
 from metric_core.writer.segments import MAX_UNWRITTEN, RawFileWriter
 from metric_core.writer.steps import StepReducer
@@ -63,6 +72,7 @@ _now = time.time
 _MAX_BACKOFF_INTERVALS = 8
 _MAX_BACKOFF = 30.0
 ON_FLUSH_ERROR = ("raise", "warn")
+ON_NONFINITE = ("record", "raise")
 # A first flush(k) this far beyond the initial step, without init(step=...): a restart.
 _RESTART_JUMP = 100
 # Seconds without a returned flush() after which every thread's stack is saved (writer.ends).
@@ -118,6 +128,8 @@ class MetricCollector:
         max_unwritten: int = MAX_UNWRITTEN,
         catch_signals: bool = True,
         hang_dump_after: float | None = HANG_DUMP_AFTER,
+        on_nonfinite: str = "record",
+        nonfinite_keys: str | list[str] | tuple[str, ...] = "*",
     ) -> None:
         if flush_interval <= 0:
             raise ConfigError(f"flush_interval must be positive seconds, got {flush_interval}")
@@ -158,6 +170,13 @@ class MetricCollector:
 
         self._buffer = array.array("d")
         self._extend = self._buffer.extend
+        if on_nonfinite not in ON_NONFINITE:
+            raise ConfigError(f"on_nonfinite must be one of {', '.join(ON_NONFINITE)}, got {on_nonfinite!r}")
+        if on_nonfinite == "raise":  # off, the hot path is the array's own extend: no cost
+            patterns = (nonfinite_keys,) if isinstance(nonfinite_keys, str) else tuple(nonfinite_keys)
+            self._nonfinite_keys = patterns
+            self._nonfinite_code: dict[int, bool] = {}
+            self._extend = self._extend_checked  # type: ignore[assignment]
         # Samples (Reduce.SAMPLE) since the last drain: (key, timestamp, shallow copy of the dict).
         self._samples: list[tuple[str, float, dict[str, Any]]] = []
         self._step_samples: list[tuple[str, float, dict[str, Any]]] = []  # for live backends, per step
@@ -179,6 +198,7 @@ class MetricCollector:
         # How the attempt ends, and where it hangs (writer.ends): the stack files it registered.
         self._stack_files: dict[str, Any] = {}
         self._last_flush = time.monotonic()  # when the latest flush() returned (or init)
+        self._threads_said: float | None = None  # the silence (its _last_flush) whose threads were said
         self._unflushed = False  # records drained to the writer since the latest flush()
         self._hang = ends.HangWatch(self, _hang_dump_after(hang_dump_after))
         # The attempt is on disk before init() returns, so a kill before any write still has
@@ -255,6 +275,22 @@ class MetricCollector:
         _check_key(key)
         self._samples.append((key, timestamp if timestamp is not None else _now(), dict(sample)))
 
+    def _extend_checked(self, record: tuple[Any, int, float]) -> None:
+        """The buffer's extend under ``on_nonfinite="raise"``: the record is buffered, then a
+        NaN or an infinity of a watched key raises ``NonFiniteError``."""
+        self._buffer.extend(record)
+        value, code = record[0], record[1]
+        if value - value == 0:  # finite (NaN or an infinity minus itself is NaN)
+            return
+        watched = self._nonfinite_code.get(code)
+        key = self._code_table[code][0]
+        if watched is None:
+            watched = self._nonfinite_code[code] = any(
+                fnmatch.fnmatchcase(key, p) for p in self._nonfinite_keys
+            )
+        if watched:
+            raise NonFiniteError(key, float(value), self._step)
+
     def _intern(self, key: str, reduction: Any) -> int:
         _check_key(key)
         try:
@@ -325,9 +361,9 @@ class MetricCollector:
                 self._drain()  # always: the queue, not the buffer, enforces the memory bound
                 if time.monotonic() < retry_at:
                     continue
+                self._beat()
                 self._writer.write()
                 self._writer.seal_ready()
-                self._writer.heartbeat(self.flush_interval)
                 self._hang.check(self._last_flush)
                 failures = 0
             except Exception as exc:
@@ -336,6 +372,16 @@ class MetricCollector:
                 cap = min(self.flush_interval * _MAX_BACKOFF_INTERVALS, _MAX_BACKOFF)
                 backoff = min(self.flush_interval * 2.0 ** min(failures, 16), cap)
                 retry_at = time.monotonic() + max(backoff, self.flush_interval)
+
+    def _beat(self) -> None:
+        """Queue this wake's heartbeat: where the main thread is, and once the source has been
+        silent ``STALL_MIN_S``, every thread (once a silence)."""
+        threads = None
+        silent_since = self._last_flush
+        if time.monotonic() - silent_since >= STALL_MIN_S and self._threads_said != silent_since:
+            self._threads_said = silent_since
+            threads = where.all_places()
+        self._writer.heartbeat(where.main_place(), threads)
 
     def _report(self, error: WriteError | None) -> None:
         """Raise (or warn about) what writing hit since the previous flush."""

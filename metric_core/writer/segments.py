@@ -144,6 +144,9 @@ class RawFileWriter(LoggerBackend):
         self._said_samples: list[str] = []  # refused samples, fields kept as repr: for the caller
         self._repr_keys: set[str] = set()
         self._heartbeat_due = False
+        # The place the next heartbeat says, and the one this journal said last (a W frame).
+        self._beat: tuple[tuple[str, str] | None, dict[str, tuple[str, str]] | None] = (None, None)
+        self._where_written: tuple[str, str] | None = None
         self._header_due = False  # start(): the journal and its header, nothing else queued
         self._written_at = 0.0  # when a frame was last written (time.time())
         self._closed = False
@@ -268,13 +271,16 @@ class RawFileWriter(LoggerBackend):
         with contextlib.suppress(WriteError):
             self.write()
 
-    def heartbeat(self, interval: float) -> None:
-        """Leave a sign of life (an ``H`` frame) unless a frame was written within ``interval``."""
+    def heartbeat(
+        self, where: tuple[str, str] | None = None, threads: dict[str, tuple[str, str]] | None = None
+    ) -> None:
+        """Queue a sign of life for the next write: a ``W`` frame where the main thread's place
+        changed since this journal last said it (or ``threads`` are given), else an ``H`` frame."""
         with self._write_lock:
-            if self._closed or time.time() - self._written_at < interval:
+            if self._closed:
                 return
+            self._beat = (where, threads)
             self._heartbeat_due = True
-        self.write()
 
     def take_drops(self) -> dict[str, Any] | None:
         """What was dropped since the last call: {"records", "steps", "timestamps", "reason"}."""
@@ -304,8 +310,16 @@ class RawFileWriter(LoggerBackend):
                 )
             parts.extend(self._frame(step, rows, at) for step, rows, _, at in self._backlog)
             parts.extend(journal.event_frame(journal.EVENT, event) for event in self._events)
+            said = None
+            if self._offset == 0:
+                self._where_written = None  # a new journal says its place again
             if self._heartbeat_due:
-                parts.append(journal.heartbeat_frame(time.time()))
+                where, threads = self._beat
+                if where is not None and (where != self._where_written or threads):
+                    said = where
+                    parts.append(journal.where_frame(time.time(), where, threads))
+                else:
+                    parts.append(journal.heartbeat_frame(time.time()))
             at_flush = bool(self._backlog) and self._backlog[-1][1] is None
             if self._shutdown_at is not None:
                 parts.append(journal.event_frame(journal.SHUTDOWN, {"timestamp": self._shutdown_at}))
@@ -329,6 +343,8 @@ class RawFileWriter(LoggerBackend):
             self._shutdown_at = None
             self._events.clear()
             self._heartbeat_due = False
+            if said is not None:
+                self._where_written = said
             self._header_due = False
             self._written_at = time.time()
             # A segment ends at a flush, so a flush frame never has to relabel records sealed

@@ -40,6 +40,10 @@ def finished_frames(
     """The result of the groups folded into ``acc`` below bucket ``upto`` (``take``), in
     frames of about TAKEN_GROUPS groups; ``recorded`` and ``mixed`` as ``kept_reductions``
     (``last``: no frame of the stream follows these)."""
+    if acc.aside is not None:  # millions of groups: set aside on disk, read back a slice of keys at a time
+        for part, final in acc.slices(upto):
+            yield from finished_frames(plan, scan, part, t0, recorded, math.inf, mixed, last and final)
+        return
     if plan.by is By.TIME:
         bucket = pl.lit(t0) + pl.col("bucket").cast(pl.Float64) * float(plan.every or 0)
     else:

@@ -49,6 +49,7 @@ from metric_core.offline.inspect.health import (
     find_stragglers,
     source_status,
     stall_threshold,
+    state_of,
 )
 from metric_core.offline.inspect.report import FirstToStop, InspectReport, NonFinite, SourceHealth, Straggler
 from metric_core.offline.inspect.verdict import never_wrote
@@ -131,7 +132,7 @@ def inspect_run(
     sources = []
     if now is None:  # a copy in a bucket trails its job: judged at the time of its newest object
         now = time.time() if isinstance(scan.run_dir, Path) else newest_listed(scan.run_dir)
-    failure, stacks = story.tell(scan.report, scan.run_dir, now)
+    failure, together, stacks = story.tell(scan.report, scan.run_dir, now)
     live = False
     for source, its in sorted(steps.items()):
         typical, longest, _ = cadence[source]
@@ -159,12 +160,18 @@ def inspect_run(
         health = sources[-1]
         health.silent_s = silent = now - its.last_timestamp
         health.end = health.attempts[-1].end if health.attempts else None
+        if health.end == "running":
+            health.no_heartbeat = tried[-1].no_heartbeat
+            life = scan.report.lives.get((source[0], source[1], tried[-1].attempt))
+            if life is not None and life.where is not None and not health.no_heartbeat:
+                health.where = dict(life.where)
         quiet = source_status(False, silent, typical, longest) == "stopped_early"
         over = bool(tried) and tried[-1].failed
         health.stall_after_s = stall_after or stall_threshold(typical, longest)
         health.stalled = (
             health.status != "finished" and typical is not None and not over and silent > health.stall_after_s
         )
+        health.state = state_of(health)
         # Still running: its heartbeat goes on (a hang is running too), or, for a writer that
         # records none, it wrote within its quiet threshold of the wall clock.
         if health.end == "running" or (health.status == "unfinished" and not quiet and health.end is None):
@@ -194,6 +201,7 @@ def inspect_run(
         checked_at=now,
         stopped_early=stopped,
         first_failure=failure,
+        together=together,
         pauses=paused,
         samples=read_samples(scan.run_dir, known=scan.report.attempts).keys(),
     )

@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from metric_core.life import STALL_MIN_S, place_text  # no silence shorter is a stall: scheduling noise
+from metric_core.offline import story
 from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
 from metric_core.offline.read import RunScan
 
 QUIET_FACTOR = 10.0
-STALL_MIN_S = 10.0  # no silence shorter than this is a stall: scheduling noise on fast steps
 OWN_GAP_FACTOR = 2.0
 STRAGGLER_RATIO = 1.2
 MIN_STEP_TIMES = 10
@@ -23,6 +24,34 @@ _ROLE = re.compile(r"_r\d+$")
 
 
 Cadence = dict[Source, tuple[float | None, float | None, int]]
+
+# Where a rank waits for others (its innermost frame, as ``writer.where`` says it): a
+# collective, a lock, a queue, a pipe or a socket. A rank in one of these is not the culprit
+# when the others are not.
+KNOWN_WAIT = re.compile(
+    r"^(torch/distributed/|torch/_C|threading\.py|queue\.py|multiprocessing/|socket\.py|"
+    r"selectors\.py|ssl\.py|subprocess\.py|asyncio/|concurrent/futures/)"
+)
+
+
+def odd_one_out(places: dict[Source, tuple[str, str]]) -> Source | None:
+    """The source the others wait for, from where each is (its own line, its innermost frame):
+    the one whose line differs when all the others share one; with no such majority, the one
+    not inside a known wait (``KNOWN_WAIT``) when the others are; otherwise none. Who went
+    silent first never decides it."""
+    if len(places) < 2:
+        return None
+    lines: dict[str, list[Source]] = {}
+    for source, (own, _) in places.items():
+        lines.setdefault(own, []).append(source)
+    waiting = {source for source, (_, inner) in places.items() if KNOWN_WAIT.match(inner)}
+    if len(places) >= 3 and len(lines) == 2:
+        alone = [group[0] for group in lines.values() if len(group) == 1]
+        # (Alone in a wait while the others are all busy elsewhere: it waits for them.)
+        if len(alone) == 1 and not (alone[0] in waiting and not waiting - {alone[0]}):
+            return alone[0]
+    busy = [source for source in places if source not in waiting]
+    return busy[0] if len(busy) == 1 else None
 
 
 def cadence_of(steps: dict[Source, SourceSteps]) -> Cadence:
@@ -135,3 +164,58 @@ def find_stragglers(steps: dict[Source, SourceSteps], cadence: Cadence) -> list[
         if (process, rank) in slow
     ]
     return sorted(out, key=lambda s: -s.step_time_s / s.role_step_time_s)
+
+
+NO_HEARTBEAT = "no heartbeat: stuck in native code holding the GIL, or stopped"
+
+
+def where_text(s: SourceHealth) -> str | None:
+    """Where a running source is, as the commands say it (None: its writer does not say)."""
+    if s.no_heartbeat:
+        return NO_HEARTBEAT
+    return place_text(s.where["own"], s.where["inner"]) if s.where is not None else None
+
+
+def held_by_hang(sources: list[SourceHealth]) -> list[SourceHealth]:
+    """The running sources silent for half their stall threshold or more: those a hang
+    holds (the others still take steps)."""
+    return [s for s in sources if s.end == "running" and s.silent_s >= 0.5 * (s.stall_after_s or STALL_MIN_S)]
+
+
+def culprit_of(held: list[SourceHealth]) -> SourceHealth | None:
+    """Of the sources a hang holds (``held_by_hang``), the one the others wait for
+    (``odd_one_out``); a source whose heartbeat stopped while the others' go on is it;
+    None when no source stands apart."""
+    if len(held) == 1:
+        return held[0]  # alone in the hang: the others go on
+    unheard = [s for s in held if s.no_heartbeat]
+    if len(unheard) == 1 and len(held) > 1:
+        return unheard[0]
+    places = {
+        (s.process, s.rank): (s.where["own"], s.where["inner"])
+        for s in held
+        if s.where is not None and not s.no_heartbeat
+    }
+    found = odd_one_out(places)
+    return next((s for s in held if (s.process, s.rank) == found), None)
+
+
+def state_of(s: SourceHealth) -> str:
+    """A source as watch names it: finished, died, stalled, running (or, for a writer that
+    records no life, stopped_early by inspect's rule)."""
+    if s.status == "finished":
+        return "finished"
+    if s.attempts and s.attempts[-1].failed:
+        return "died"
+    if s.stalled:
+        return "stalled"
+    return "stopped_early" if s.status == "stopped_early" and s.end is None else "running"
+
+
+def state_said(s: SourceHealth) -> str:
+    """A source's state with its one step: a death by the last step it flushed (as inspect
+    and the sidecar say it), any other state by its newest record's step."""
+    state = state_of(s)
+    if state == "died":
+        return "died" + story.after_step(s.attempts[-1].last_step if s.attempts else None)
+    return f"{state} at step {s.last_step}"

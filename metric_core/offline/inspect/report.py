@@ -44,6 +44,13 @@ class SourceHealth:
     stalled: bool = False
     stall_after_s: float | None = None  # max(10 s, 10 step times, twice its longest pause), or as asked
     end: str | None = None  # its newest attempt's end (``offline.story``): "running", "died", ...
+    # Where its main thread is (a running source whose writer says it): {"own", "inner", "since"},
+    # and "threads" once it was silent 10 s.
+    where: dict[str, Any] | None = None
+    no_heartbeat: bool = False  # running, but its writer thread is not heard (native code, SIGSTOP)
+    # What it is now, in the one vocabulary of inspect, watch, plot and the sidecar: running,
+    # stalled, finished, died (or stopped_early, for files that record no life).
+    state: str = ""
 
 
 @dataclass
@@ -106,6 +113,9 @@ class InspectReport:
     stopped_early: list[FirstToStop] = field(default_factory=list)
     # The earliest attempt end that was not a clean shutdown (``offline.story``).
     first_failure: Failure | None = None
+    # The sources whose attempts failed first all together (one event, no culprit): then no
+    # first_failure. [{"process", "rank"}]
+    together: list[dict[str, Any]] = field(default_factory=list)
     pauses: list[Pause] = field(default_factory=list)
     # Samples (Reduce.SAMPLE) per key: not records, read by ``metriclog samples``.
     samples: dict[str, int] = field(default_factory=dict)

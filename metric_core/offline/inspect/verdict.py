@@ -116,7 +116,7 @@ def _overall(report: InspectReport, problems: bool) -> list[str]:
             else ["Every source finished cleanly; no non-finite values."]
         )
     unfinished = [s for s in report.sources if s.status == "unfinished"]
-    if not report.stopped_early and len(unfinished) == len(report.sources):
+    if not report.stopped_early and len(unfinished) == len(report.sources) and report.first_failure is None:
         # When they ended, where their writers recorded it; else their last records.
         ended = [
             s.attempts[-1].ended_at if s.attempts and s.attempts[-1].ended_at else s.last_timestamp

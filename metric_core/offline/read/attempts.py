@@ -60,6 +60,9 @@ class Attempt:
     # It started recording by itself (metric_core.torchforge with METRICLOG_DIR) and has no
     # shutdown() to call: its exit at the interpreter's end is how it was meant to end.
     adopted: bool = False
+    # Running (its process is still there) but its heartbeat stopped: stuck in native code
+    # that holds the GIL, or stopped (SIGSTOP, a debugger).
+    no_heartbeat: bool = False
 
     @property
     def failed(self) -> bool:

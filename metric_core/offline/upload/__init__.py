@@ -68,6 +68,7 @@ class Follow:
     let_go_after: float | None = None  # a live source silent this long stops holding the global steps
     restart_grace: float = 60.0  # every source finished or died: how long a restart is waited for
     wait: bool = False  # a run directory not there yet is waited for (else: an error at once)
+    alarms: Any = None  # alarms on values (``alerts.Alarms``), said through ``UploadEvents.alert``
 
 
 @dataclass
@@ -202,6 +203,7 @@ def upload_run(
             restart_grace=follow.restart_grace,
             samples=samples or SampleChoice(),
             wait=follow.wait,
+            alarms=follow.alarms,
         )
         return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
     request = {"entity": to.entity, "project": to.project, "name": name, "group": group}
@@ -219,13 +221,15 @@ def upload_run(
         engine=engine,
         ray_address=ray_address,
     )
-    if running(root, follow_symlinks=follow_symlinks):  # the job still writes: its settled rows
-        prepare = functools.partial(
-            settled_runs, root, plan, name=name or name_of(root), group=group, share_run=share_run,
-            request=request, follow_symlinks=follow_symlinks, strict=strict,
-        )  # fmt: skip
+    settled = functools.partial(
+        settled_runs, root, plan, name=name or name_of(root), group=group, share_run=share_run,
+        request=request, follow_symlinks=follow_symlinks, strict=strict,
+    )  # fmt: skip
+    live = running(root, follow_symlinks=follow_symlinks)
+    if live:  # the job still writes: its settled rows
+        prepare = settled
     if dry_run:
-        planned = _received(prepare, events)
+        planned = _started_meanwhile(_received(prepare, events), live, root, settled, follow_symlinks, events)
         try:
             _report_planned(planned, events)
             ledger = Ledger.existing(root, planned.identity)
@@ -240,7 +244,7 @@ def upload_run(
     pending = overlap.start(prepare)
     import wandb  # noqa: F401
 
-    planned = _received(pending, events)
+    planned = _started_meanwhile(_received(pending, events), live, root, settled, follow_symlinks, events)
     try:
         _report_planned(planned, events)
         ledger = Ledger.for_run_dir(root, planned.identity)
@@ -291,12 +295,15 @@ def _to_tensorboard(
         )
     request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
     prepare = functools.partial(_prepare, root, plan, request=request, **read)
-    if running(root, follow_symlinks=read["follow_symlinks"]):  # the job still writes: its settled rows
-        prepare = functools.partial(
-            settled_runs, root, plan, request=request,
-            **{k: read[k] for k in ("name", "group", "share_run", "follow_symlinks", "strict")},
-        )  # fmt: skip
+    settled = functools.partial(
+        settled_runs, root, plan, request=request,
+        **{k: read[k] for k in ("name", "group", "share_run", "follow_symlinks", "strict")},
+    )  # fmt: skip
+    live = running(root, follow_symlinks=read["follow_symlinks"])
+    if live:  # the job still writes: its settled rows
+        prepare = settled
     planned = _received(prepare, events)
+    planned = _started_meanwhile(planned, live, root, settled, read["follow_symlinks"], events)
     try:
         _report_planned(planned, events)
         if dry_run:
@@ -315,6 +322,23 @@ def _to_tensorboard(
         return UploadResult(planned, outcomes)
     finally:
         planned.close()
+
+
+def _started_meanwhile(
+    planned: PlannedRuns,
+    live: bool,
+    root: RunPath,
+    settled: Callable[[], PlannedRuns],
+    follow_symlinks: bool,
+    events: UploadEvents,
+) -> PlannedRuns:
+    """``planned`` read whole, as of a job that was over; but a writer that began while it
+    was read (a rank restarted from a checkpoint meanwhile) may have had records read that
+    its first flush then replaces or moves: the run is read again as a running job's."""
+    if live or not running(root, follow_symlinks=follow_symlinks):
+        return planned
+    planned.close()
+    return _received(settled, events)
 
 
 def _still_written(events: UploadEvents) -> str:

@@ -29,6 +29,7 @@ import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
+from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
@@ -43,6 +44,7 @@ from metric_core.offline.tail import (
     expected_sources,
 )
 from metric_core.offline.upload.ledger import Ledger, only_upload
+from metric_core.offline.upload.restarts import AttemptStep, attempt_steps, replacing
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, request_key, run_config, run_id_for
 from metric_core.offline.upload.send import (
     FOLLOW_PATIENCE,
@@ -66,9 +68,13 @@ class FollowedRun(PlannedRun):
     """A W&B run filled as the job writes: its rows are not known ahead."""
 
     sent: int = 0  # rows handed over (or, in a dry run, that would be)
+    top: int | None = None  # the highest step of the rows handed over
 
     def first_row_from(self, step: int) -> int | None:
         return None  # a restart's rewind is replayed from a fresh run (see ``decide``)
+
+    def last_step(self) -> int | None:
+        return self.top
 
     @property
     def rows(self) -> int:
@@ -141,6 +147,7 @@ def follow_upload(
     restart_grace: float = RESTART_GRACE,
     samples: SampleChoice | None = None,
     wait: bool = False,
+    alarms: Alarms | None = None,
 ) -> tuple[PlannedRuns, FollowState]:
     """Follow ``root`` until every source finished, every source finished or died and no
     new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
@@ -158,6 +165,7 @@ def follow_upload(
         if not dry_run:
             held.enter_context(only_upload(root / ".metriclog", key, root))
         replacing = False
+        values = ValueWatch(None, alarms) if alarms is not None else None
         while True:
             pass_ = _Pass(
                 root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
@@ -166,6 +174,7 @@ def follow_upload(
             pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
             pass_.follower = Follower(plan, share_run=share_run, sources=sources, let_go_after=let_go_after)
             pass_.restart_grace = restart_grace
+            pass_.values = values
             if samples is not None and samples.enabled and not dry_run:
                 pass_.samples = SampleTables(root, plan, samples, share_run=share_run)
             try:
@@ -188,6 +197,8 @@ def follow_upload(
             force_new = replacing = (
                 True  # the rows handed over hold replaced records: fresh runs hold the rest
             )
+            if values is not None:
+                values.anew()
 
 
 @dataclass
@@ -221,6 +232,7 @@ class _Pass:
     held: set[tuple[str, int]] = field(default_factory=set)  # live, silent sources said to hold the steps
     restart_grace: float = RESTART_GRACE
     samples: SampleTables | None = None  # each step's samples, sent with its row
+    values: ValueWatch | None = None  # alarms on values (--alert), judged on what the tail read
     over_since: float | None = None  # since when every source finished or died
 
     def run(
@@ -256,6 +268,9 @@ class _Pass:
                 )
                 return REPLACED
             ending = state.all_finished or idle or over
+            if self.values is not None:
+                for alert in self.values.judge(records, self.tail.sources, self.tail.meta, final=ending):
+                    self.events.alert(alert)
             self._send(self.follower.ready(self.tail.sources, ending=ending))
             for text in self.follower.mixed_notices():
                 self.events.message("warning", text)
@@ -305,22 +320,13 @@ class _Pass:
         let_go_after = self.follower.let_go_after
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
-            # its last flushed step: the records of a step it did not flush are read, but it died in it
-            after = (
-                f"after step {source.done}"
-                if source.done is not None
-                else "before its first step"
-                if source.step_end is not None
-                else "before its first record"
-            )
-            why = source.over
+            why = source.over  # how it ended, in inspect's words
             if why is None:
                 state.dead.pop(key, None)
             elif key not in state.dead:
                 state.dead[key] = why
                 self.events.message(
-                    "warning",
-                    f"{who} died {after}: {why}" + ("; the steps go on without it" if holding else ""),
+                    "warning", f"{who} {why}" + ("; the steps go on without it" if holding else "")
                 )
             let_go = not (source.finished or source.static) and not source.holds(newest, now, let_go_after)
             if let_go and why is None and key not in self.let_go:
@@ -366,7 +372,16 @@ class _Pass:
             )
         quiet = time.monotonic() - last_new
         # (while every source is over and the follow waits --restart-grace, it said so)
-        if quiet > QUIET_SAID_S and not self.quiet_said and self.tail.sources and self.over_since is None:
+        known_over = bool(self.tail.sources) and all(
+            s.finished or s.static or key in state.dead for key, s in self.tail.sources.items()
+        )  # every source finished or died: no "may have died" (it did, and the end is said)
+        if (
+            quiet > QUIET_SAID_S
+            and not self.quiet_said
+            and self.tail.sources
+            and self.over_since is None
+            and not known_over
+        ):
             self.quiet_said = True
             shut = all(s.finished or s.static for s in self.tail.sources.values())
             self.events.message(
@@ -418,6 +433,8 @@ class _Pass:
             keys = {k for row in part.rows for k in row if k not in (run.bucket, "_timestamp")}
             run.keys = sorted({*run.keys, *keys})
             rows = part.rows[max(0, opened.skip - run.sent) :]
+            if run.bucket == "step":
+                run.top = max((row["step"] for row in part.rows), default=run.top)
             if opened.wb is not None:
                 assert self.sender is not None
                 opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows, run)
@@ -428,7 +445,7 @@ class _Pass:
                 {
                     o.outcome.run_id: {
                         "rows_sent": o.outcome.rows_sent,
-                        "attempts": self._attempts(o.run.source),
+                        **self._held(o.run),
                         "request": self.key,
                         "t0": self.follower.t0,  # where windows start, for a follower after this one
                     }
@@ -462,6 +479,7 @@ class _Pass:
             raw=raw,
             bucket=self.plan.bucket,
             attempts=self._attempts(process),
+            attempt_steps=self._attempt_steps(process),
         )
         self.planned.runs.append(run)
         if self.dry_run:
@@ -506,12 +524,23 @@ class _Pass:
             {a for (p, _), s in self.tail.sources.items() if process in (None, p) for a in s.attempts if a}
         )
 
+    def _attempt_steps(self, process: str | None) -> list[AttemptStep]:
+        return attempt_steps(self.tail.sources, process) if self.plan.attempts == "rewind" else []
+
+    def _held(self, run: FollowedRun) -> dict[str, Any]:
+        """What the ledger keeps of the records a run's rows hold, for a later upload to
+        tell a restart into them (``restarts``)."""
+        run.attempt_steps = self._attempt_steps(run.source)
+        return {
+            "attempts": self._attempts(run.source),
+            "attempts_sent": run.attempt_steps,
+            "last_step": run.last_step(),
+        }
+
     def close(self, *, finished: bool) -> None:
         for opened in self.runs.values():
             if opened.wb is not None and self.sender is not None:
-                self.sender.close(
-                    opened.wb, opened.outcome, finished=finished, attempts=self._attempts(opened.run.source)
-                )
+                self.sender.close(opened.wb, opened.outcome, finished=finished, **self._held(opened.run))
                 opened.wb = None
 
 
@@ -605,10 +634,8 @@ def _late(late: dict[tuple[str, int], int], restarts: set[tuple[str, int]], offl
 
 
 def _replaced(replaced: dict[tuple[str, int], int], offline: bool) -> str:
-    which = ", ".join(f"{p} (rank {r}) from step {s}" for (p, r), s in sorted(replaced.items()))
     where = "its files are removed" if offline else "it is left unfinished in W&B; delete it there"
     return (
-        f"restarted from a checkpoint: {which}, replacing rows already handed to W&B; the run is read "
-        f"again and written to fresh W&B runs (W&B's rewind is not used while following). The earlier "
-        f"run holds the replaced rows: {where}"
+        f"{replacing(replaced)}; the run is read again and written to fresh W&B runs (W&B's rewind is "
+        f"not used while following). The earlier run holds the replaced rows: {where}"
     )

@@ -30,6 +30,7 @@ from metric_core.errors import DamagedRunJsonError, PlanError, opt
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import ReducePlan, one_rank_a_process
 from metric_core.offline.storage import name_of
+from metric_core.offline.upload.restarts import AttemptStep
 
 if TYPE_CHECKING:  # a plan is built with polars; it is read (and sent) without it
     import polars as pl
@@ -70,6 +71,9 @@ class PlannedRun:
     attempts: list[str] = field(default_factory=list)  # the writers' attempts whose records it holds
     legacy_id: str | None = None  # its id as metriclog 0.1 made it (run, mode, source only)
     first_steps: dict[str, int] = field(default_factory=dict)  # attempt -> its first step
+    # Each source's attempts in start order, with the step of their first flush (None: not
+    # yet), when restarts are rewound: what a later upload compares (``restarts``).
+    attempt_steps: list[AttemptStep] = field(default_factory=list)
     points: int = 0  # the most points of one key
     code_keys: list[str] | None = None  # a run's key of each code, when not ``keys``' order
     # A reduced run planned from a stream keeps its values long (key code, value, bucket
@@ -85,6 +89,13 @@ class PlannedRun:
             return None
         steps = self.columns["step"] if self.row_buckets is None else self.row_buckets
         return sum(int((steps[i : i + SCAN_ROWS] < step).sum()) for i in range(0, self.rows, SCAN_ROWS))
+
+    def last_step(self) -> int | None:
+        """The highest step its rows hold (None: no row, or a run of time windows)."""
+        if self.bucket != "step" or not self.rows:
+            return None
+        steps = self.columns["step"] if self.row_buckets is None else self.row_buckets
+        return max(int(steps[i : i + SCAN_ROWS].max()) for i in range(0, len(steps), SCAN_ROWS))
 
     def steps(self) -> set[int]:
         """The steps its rows hold (empty for a run of time windows)."""
@@ -291,6 +302,13 @@ def plan_runs(
         held = [a for a in result.scan.report.attempts if a.records and run.source in (None, a.process)]
         run.attempts = sorted(a.attempt for a in held)
         run.first_steps = {a.attempt: a.first_step for a in held if a.first_step is not None}
+        if plan.attempts == "rewind":  # in start order, each source's (as ``resolve`` lists them)
+            sources = {(a.process, a.rank) for a in held}
+            steps: dict[tuple[str, int, str], int | None] = {}
+            for a in result.scan.report.attempts:
+                if (a.process, a.rank) in sources:
+                    steps.setdefault((a.process, a.rank, a.attempt), a.first_step)
+            run.attempt_steps = [(*at, first) for at, first in steps.items()]
     planned = PlannedRuns(
         runs=runs,
         identity=identity,

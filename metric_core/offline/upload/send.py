@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metric_core.errors import MetricLogError, PlanError, UploadError, as_keyword, opt
+from metric_core.errors import MetricLogError, PlanError, UploadError, as_keyword, opt, spell_options
 from metric_core.offline.upload.ledger import Ledger
+from metric_core.offline.upload.restarts import Source, replacing, stale_steps, steps_said
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class UploadEvents:
     # How a message names an option (``MetricLogError.text``): as Python does, by default.
     spelling: Callable[[str], str] = as_keyword
     progress: Callable[[PlannedRun, int], Callable[[int], None]] | None = None
+    # An alarm on values (``Follow.alarms``; an ``alerts.Alert``), as the sidecar finds it.
+    alert: Callable[[Any], None] = lambda alert: None
 
 
 @dataclass
@@ -169,6 +172,9 @@ def decide(
         return first, fresh, None, f"uploading again under a fresh id {fresh} (--force-new)"
     restarted = entry.get("attempts", run.attempts) != run.attempts  # the job restarted since
     done = "written offline" if entry.get("offline") else "uploaded"
+    stale = stale_in(entry, run)
+    if stale:  # an attempt it held flushed since, replacing rows it holds: never skipped nor continued
+        return _replaced(run, entry, stale, offline, fresh)
     if entry.get("finished") and not restarted:
         sent = entry.get("rows_sent", 0)
         # the command to copy last on its line: nothing of the sentence sticks to the path
@@ -230,6 +236,55 @@ def decide(
     return "resumed", entry.get("id", run.run_id), "must", ""
 
 
+def stale_in(entry: dict[str, Any] | None, run: PlannedRun) -> dict[Source, tuple[int, int | None]]:
+    """The rows of the W&B run of ``entry`` that an attempt it held replaced since they
+    were sent, by a flush that came after them (per source, its first and last stale
+    step); none for an entry written before the ledger kept the attempts sent. A run whose
+    sources have new attempts since is a restart of the job, which ``decide`` sends anew
+    whatever it replaced."""
+    if entry is None or entry.get("attempts", run.attempts) != run.attempts:
+        return {}
+    return stale_steps(entry.get("attempts_sent"), run.attempt_steps, entry.get("last_step"))
+
+
+def _replaced(
+    run: PlannedRun,
+    entry: dict[str, Any],
+    stale: dict[Source, tuple[int, int | None]],
+    offline: bool,
+    fresh: str,
+) -> tuple[str, str, str | None, str]:
+    """``decide`` for a W&B run holding rows a restart replaced since they were sent: online,
+    rewound to the first of them where its rows allow; else a fresh run holding the whole
+    new history (as the follow writes one)."""
+    first = min(lo for lo, _ in stale.values())
+    old = entry.get("id", run.run_id)
+    said = (
+        f"{run.name}: {replacing({source: lo for source, (lo, _) in stale.items()})}: "
+        f"{steps_said(stale, f'the W&B run {old}')} sent before it"
+    )
+    row = None if offline else run.first_row_from(first)
+    if row is not None:
+        return (
+            "rewound",
+            old,
+            f"from:{row}",
+            f"{said}; it is rewound to its row {row} (resume_from) and the restart's history sent from there",
+        )
+    where = (
+        "its files are removed (if it was synced already, delete it in W&B)"
+        if offline
+        else "it stays in W&B as it is: delete it there"
+    )
+    return (
+        "restarted",
+        fresh,
+        None,
+        f"{said}; a fresh {'offline ' if offline else ''}run {fresh} holds its whole history, "
+        f"{run.rows} rows. The earlier run: {where}",
+    )
+
+
 @dataclass
 class Sender:
     """Hands planned runs to W&B: ``send`` a whole run, or ``open``, ``log_rows`` as they
@@ -265,6 +320,10 @@ class Sender:
         action, run_id, resume, message = decide(run, entry, self.to.offline, self.force_new)
         if action == "skipped":
             return RunOutcome(run, action, run_id, (entry or {}).get("rows_sent", 0), message), None
+        stale = bool(stale_in(entry, run)) and not self.force_new
+        if stale:  # said once, as a warning: the destination held values that were not the run's
+            self.events.message("warning", spell_options(message, self.events.spelling))
+            message = ""
         start = 0
         self.ledger.update(
             run_id,
@@ -279,8 +338,12 @@ class Sender:
             offline=self.to.offline,
             base_id=run.run_id,
             attempts=run.attempts,
+            attempts_sent=run.attempt_steps,
+            last_step=run.last_step(),
         )
-        if action == "restarted" and entry is not None and not entry.get("finished"):
+        if action == "restarted" and entry is not None and stale:
+            self.remove_partial(entry)  # said with the warning
+        elif action == "restarted" and entry is not None and not entry.get("finished"):
             message += self.remove_partial(entry)
         wb = self._start(run, run_id, resume)
         sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None

@@ -22,6 +22,7 @@ from metric_core.errors import StrictModeError
 from metric_core.life import END_KINDS
 from metric_core.offline.plan import ReducePlan
 from metric_core.offline.storage import RunPath, name_of
+from metric_core.offline.upload.restarts import attempt_steps
 from metric_core.offline.upload.runs import (
     PlannedRun,
     PlannedRuns,
@@ -80,6 +81,9 @@ class SettledRun(PlannedRun):
 
     def steps(self) -> set[int]:
         return {row["step"] for row in self.held} if self.bucket == "step" else set()
+
+    def last_step(self) -> int | None:
+        return max(self.steps(), default=None)
 
     def first_row_from(self, step: int) -> int | None:
         if self.bucket != "step" or (self.raw and self.source is None):
@@ -145,6 +149,8 @@ def settled_runs(
             run.first_steps = {
                 a: st.first_step for _, s in held for a, st in s.attempts.items() if st.first_step is not None
             }
+            if plan.attempts == "rewind":
+                run.attempt_steps = attempt_steps(tail.sources, process)
         run.held.extend(part.rows)
     for run in runs.values():
         run.keys = sorted({k for row in run.held for k in row if k not in (run.bucket, "_timestamp")})

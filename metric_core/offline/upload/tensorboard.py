@@ -35,8 +35,9 @@ import numpy as np
 
 from metric_core.atomic import replace_file
 from metric_core.errors import MissingDependencyError
+from metric_core.offline.upload.restarts import replacing, steps_said
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
-from metric_core.offline.upload.send import RunOutcome, UploadEvents
+from metric_core.offline.upload.send import RunOutcome, UploadEvents, stale_in
 
 LEDGER = ".metriclog-tensorboard.json"
 PARTIAL = ".metriclog-partial-"
@@ -107,6 +108,14 @@ def write_runs(
                 )
             )
             continue
+        replaced = stale_in(ledger.get(run.run_id), run)
+        if replaced and not force_new:  # written again whole, in place of the file that holds them
+            events.message(
+                "warning",
+                f"{run.name}: {replacing({s: lo for s, (lo, _) in replaced.items()}, 'TensorBoard')}: "
+                f"{steps_said(replaced, str(logdir / run.name))} written before it; its file is written "
+                "again",
+            )
         folder = logdir / run.name
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(f"{PARTIAL}*"):  # an interrupted write of this run
@@ -129,6 +138,8 @@ def write_runs(
             "file": str(final.relative_to(logdir)),
             "rows": rows,
             "attempts": run.attempts,
+            "attempts_sent": run.attempt_steps,  # a later upload tells a restart into its rows
+            "last_step": run.last_step(),
             # a run of a job that still writes it: written again whole by the next upload
             "finished": not planned.open,
         }
@@ -201,5 +212,6 @@ def _done(ledger: dict[str, Any], run: PlannedRun, logdir: Path) -> bool:
         entry
         and entry.get("finished")
         and entry.get("attempts") == run.attempts
+        and not stale_in(entry, run)
         and (logdir / entry["file"]).exists()
     )

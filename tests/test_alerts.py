@@ -1,0 +1,120 @@
+"""Alarms on values (issue 43): the rules against an oracle written apart from them (numpy's
+sliding windows, polars' exponentially weighted mean and variance), on seeded series."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from metric_core.offline.alerts import ALPHA, RECOVER_STEPS, WARM_UP, Alarms, AlertRuleError, parse_rule
+
+
+def test_rules_parse_and_bad_ones_name_the_forms():
+    assert parse_rule("train/loss: nonfinite").kind == "nonfinite"
+    r = parse_rule("train/grad_norm > 100")
+    assert (r.pattern, r.kind, r.x) == ("train/grad_norm", ">", 100.0)
+    assert parse_rule("eval/* < -1e3").x == -1000.0
+    r = parse_rule("rollout/reward: drop 50% over 20 steps")
+    assert (r.kind, r.x, r.n) == ("drop", 0.5, 20)
+    r = parse_rule("train/loss: spike 5 sigma")
+    assert (r.kind, r.x) == ("spike", 5.0)
+    for bad in (
+        "train/loss",
+        "loss: explodes",
+        "loss >",
+        "loss: drop 0% over 5 steps",
+        "loss: spike 0 sigma",
+    ):
+        with pytest.raises(AlertRuleError, match="--alert"):
+            parse_rule(bad)
+
+
+def _bad_oracle(kind: str, x: np.ndarray, a: float, n: int) -> np.ndarray:
+    """Whether each value breaks the rule, computed whole-array."""
+    finite = np.isfinite(x)
+    if kind == "nonfinite":
+        return ~finite
+    out = np.zeros(len(x), dtype=bool)
+    if kind == ">":
+        return finite & (x > a)
+    if kind == "<":
+        return finite & (x < a)
+    idx = np.flatnonzero(finite)
+    f = x[idx]
+    if kind == "drop":
+        if len(f) > n:
+            top = np.lib.stride_tricks.sliding_window_view(f[:-1], n).max(axis=1)
+            out[idx[n:]] = f[n:] < top - a * np.abs(top)
+        return out
+    s = pl.Series(f)
+    mean = s.ewm_mean(alpha=ALPHA, adjust=False).to_numpy()
+    var = s.ewm_var(alpha=ALPHA, adjust=False, bias=True).to_numpy()
+    j = np.arange(1, len(f))
+    judged = (j >= WARM_UP) & (var[:-1] > 0)
+    out[idx[1:]] = judged & (np.abs(f[1:] - mean[:-1]) > a * np.sqrt(np.where(var[:-1] > 0, var[:-1], 1.0)))
+    return out
+
+
+def _episodes(bad: np.ndarray) -> list[int]:
+    starts, inside, calm = [], False, 0
+    for t, b in enumerate(bad):
+        if b:
+            calm = 0
+            if not inside:
+                inside = True
+                starts.append(t)
+        elif inside:
+            calm += 1
+            if calm >= RECOVER_STEPS:
+                inside, calm = False, 0
+    return starts
+
+
+def _series(rng: np.random.Generator, steps: int) -> np.ndarray:
+    """A noisy curve with NaN stretches, excursions, collapses and spikes."""
+    x = 10 + np.cumsum(rng.normal(0, 0.1, steps)) + rng.normal(0, 0.3, steps)
+    for _ in range(rng.integers(0, 4)):
+        at = rng.integers(0, steps)
+        x[at : at + rng.integers(1, 8)] = rng.choice([math.nan, math.inf, -math.inf])
+    for _ in range(rng.integers(0, 4)):
+        at = rng.integers(0, steps)
+        x[at : at + rng.integers(1, 10)] *= rng.choice([0.2, 3.0])
+    for _ in range(rng.integers(0, 4)):
+        x[rng.integers(0, steps)] += rng.normal(0, 20)
+    return x
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_each_rule_alarms_once_an_episode_as_the_oracle_says(seed):
+    rng = np.random.default_rng(seed)
+    x = _series(rng, int(rng.integers(30, 400)))
+    rules = ["k: nonfinite", "k > 12", "k < 8", "k: drop 40% over 10 steps", "k: spike 4 sigma"]
+    for text in rules:
+        rule = parse_rule(text)
+        alarms = Alarms([rule], on="raw")
+        got = [a.step for t, v in enumerate(x) for a in alarms.feed("k", t, float(v), ("r0", 0))]
+        want = _episodes(_bad_oracle(rule.kind, x, rule.x, rule.n))
+        assert got == want, (text, seed)
+
+
+def test_a_series_is_a_key_of_a_source_and_an_alarm_names_it():
+    alarms = Alarms([parse_rule("train/*: nonfinite"), parse_rule("train/loss > 5")], on="raw")
+    said = []
+    for step in range(10):
+        for rank in range(4):
+            v = math.nan if (rank == 2 and step >= 4) else 1.0 + rank
+            said += alarms.feed("train/loss", step, v, (f"r{rank}", rank))
+        said += alarms.feed("eval/loss", step, math.nan, ("r0", 0))  # not watched
+    (alert,) = said  # rank 2 stays NaN: one alarm, on rank 2 only
+    assert (alert.key, alert.step, alert.process, alert.rank) == ("train/loss", 4, "r2", 2)
+    assert alert.variables()["METRICLOG_RULE"] == "train/*: nonfinite"
+    assert alert.told().startswith("train/loss is nan at step 4 on r2 (rank 2) (a raw value: not finite")
+
+
+def test_a_restart_rewinds_a_series():
+    alarms = Alarms([parse_rule("k > 1")], on="global")
+    got = [a.step for s, v in [(0, 2), (1, 2), (2, 2), (1, 2), (2, 0.5)] for a in alarms.feed("k", s, v)]
+    assert got == [0, 1]  # the rewind to step 1 starts the series again: a new episode

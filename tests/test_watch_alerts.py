@@ -1,0 +1,186 @@
+"""``metriclog watch --alert`` beside real writer processes: one alarm per episode, named by
+key, step and rank, and none over a healthy run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+METRICLOG = str(Path(sys.executable).with_name("metriclog"))
+
+WRITER = """
+import math, sys, time
+import numpy as np
+import metric_core
+from metric_core import Reduce, record_metric
+run, rank, steps, mode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+metric_core.init(run, rank=rank, process_name=f"TrainActor_r{rank}", flush_interval=0.05, world_size=4)
+rng = np.random.default_rng(rank)
+for step in range(steps):
+    loss = 2.0 / (1 + step / 100) + rng.normal(0, 0.01)
+    if mode == "faults" and rank == 2 and step == 30:
+        loss = math.nan  # one rank's loss turns NaN at one step
+    record_metric("train/loss", loss, Reduce.MEAN)
+    grad = 1.0 + rng.normal(0, 0.05)
+    if mode == "faults" and 50 <= step <= 52:
+        grad = 500.0  # an explosion of three steps: one episode
+    record_metric("train/grad_norm", grad, Reduce.MEAN)
+    reward = 1.0 + rng.normal(0, 0.02)
+    if mode == "faults" and step == 70:
+        reward = 3.0  # a spike
+    record_metric("rollout/reward", reward, Reduce.MEAN)
+    metric_core.flush(step)
+    if step % 20 == 0:
+        time.sleep(0.01)
+metric_core.shutdown()
+"""
+
+RULES = [
+    "train/loss: nonfinite",
+    "train/grad_norm > 100",
+    "rollout/reward: spike 6 sigma",
+    "rollout/reward: drop 50% over 20 steps",
+    "train/*: nonfinite",
+]
+
+
+SIDECAR = ["upload", "--project", "p", "--offline", "--follow"]
+
+
+def _watch(
+    tmp_path: Path, steps: int, mode: str, *args: str, verb: list[str] | None = None
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``metriclog watch`` (or ``verb``: the sidecar) with the rules beside a job of 4 writers;
+    what it said, and its ``--on-alert`` commands' lines."""
+    run, said = tmp_path / "run", tmp_path / "alerts.txt"
+    command = (
+        'echo "$METRICLOG_KEY|$METRICLOG_STEP|$METRICLOG_VALUE|$METRICLOG_PROCESS|$METRICLOG_RANK'
+        f'|$METRICLOG_RULE" >> {said}'
+    )
+    rules = [a for r in RULES for a in ("--alert", r)]
+    watcher = subprocess.Popen(
+        [
+            METRICLOG,
+            *(verb or ["watch"])[:1],
+            str(run),
+            *(verb or ["watch"])[1:],
+            "--wait",
+            "--interval",
+            "0.2",
+            *rules,
+            "--on-alert",
+            command,
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    writers = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(run), str(rank), str(steps), mode])
+        for rank in range(4)
+    ]
+    try:
+        assert [w.wait(timeout=300) for w in writers] == [0, 0, 0, 0]
+        _, err = watcher.communicate(timeout=120)
+    finally:
+        for p in [*writers, watcher]:
+            if p.poll() is None:
+                p.kill()
+    done = subprocess.CompletedProcess(watcher.args, watcher.returncode, "", err)
+    return done, sorted(said.read_text().splitlines()) if said.exists() else []
+
+
+@pytest.mark.parametrize("verb", [["watch"], SIDECAR], ids=["watch", "sidecar"])
+def test_one_alarm_per_episode_naming_key_step_and_rank(tmp_path, verb):
+    done, alerts = _watch(tmp_path, 120, "faults", verb=verb)
+    assert done.returncode == 0, done.stderr
+    grad = [a for a in alerts if a.startswith("train/grad_norm|")]
+    (first_rank,) = {a.split("|")[4] for a in grad}  # the first rank whose own value broke it
+    reward_71 = _mean_reward(71)
+    assert alerts == sorted(
+        [
+            "train/loss|30|nan|TrainActor_r2|2|train/loss: nonfinite",
+            "train/loss|30|nan|TrainActor_r2|2|train/*: nonfinite",
+            # every rank recorded 500.0 in the explosion (steps 50-52): one alarm, its mean exactly that
+            f"train/grad_norm|50|500.0|TrainActor_r{first_rank}|{first_rank}|train/grad_norm > 100",
+            # every rank recorded 3.0 at step 70: a spike of the global mean, no rank of its own
+            "rollout/reward|70|3.0|||rollout/reward: spike 6 sigma",
+            # and the step after it is less than half the largest of the previous 20 (the spike)
+            f"rollout/reward|71|{reward_71!r}|||rollout/reward: drop 50% over 20 steps",
+        ]
+    ), done.stderr
+    assert done.stderr.count("alert: ") == 5
+    assert (
+        "alert: train/loss is nan at step 30 on TrainActor_r2 (rank 2) (its global value: not finite"
+        in done.stderr
+    )
+
+
+def _mean_reward(at: int) -> float:
+    """The global mean of the ranks' rewards at step ``at`` (none faulty), from the writers'
+    own generators: the mean of 4 doubles, correctly rounded."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    values = []
+    for rank in range(4):
+        rng = np.random.default_rng(rank)
+        for _ in range(at + 1):  # each step draws loss, grad, reward noise, in that order
+            rng.normal(0, 0.01), rng.normal(0, 0.05)
+            reward = 1.0 + rng.normal(0, 0.02)
+        values.append(reward)
+    return float(sum(Fraction(v) for v in values) / 4)
+
+
+def test_a_healthy_run_of_2000_steps_raises_no_alarm(tmp_path):
+    done, alerts = _watch(tmp_path, 2000, "healthy")
+    assert done.returncode == 0, done.stderr
+    assert alerts == [] and "alert:" not in done.stderr
+
+
+def test_raw_alarms_judge_each_rank_apart(tmp_path):
+    done, alerts = _watch(tmp_path, 120, "faults", "--alert-on", "raw")
+    assert done.returncode == 0, done.stderr
+    grads = [a for a in alerts if a.startswith("train/grad_norm|")]
+    assert grads == [f"train/grad_norm|50|500.0|TrainActor_r{r}|{r}|train/grad_norm > 100" for r in range(4)]
+    losses = [a for a in alerts if a.startswith("train/loss|")]
+    assert losses == sorted(
+        [
+            "train/loss|30|nan|TrainActor_r2|2|train/loss: nonfinite",
+            "train/loss|30|nan|TrainActor_r2|2|train/*: nonfinite",
+        ]
+    )
+
+
+def test_a_rule_that_is_none_is_an_error_naming_the_forms(tmp_path):
+    (tmp_path / "run").mkdir()
+    done = subprocess.run(
+        [METRICLOG, "watch", str(tmp_path / "run"), "--alert", "train/loss explodes"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "--alert 'train/loss explodes' is not a rule: write one of 'KEY: nonfinite'" in done.stderr
+
+
+def test_on_alert_without_a_rule_is_a_usage_error(tmp_path):
+    (tmp_path / "run").mkdir()
+    for verb in (["watch"], SIDECAR):
+        done = subprocess.run(
+            [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], "--on-alert", "true"],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 2 and "--on-alert works only with --alert" in done.stderr, done.stderr
+    done = subprocess.run(
+        [METRICLOG, "upload", str(tmp_path / "run"), "--project", "p", "--alert", "x > 1"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "--alert works only with --follow" in done.stderr, done.stderr

@@ -1,0 +1,238 @@
+"""Every heartbeat says where the rank is (issue 43): W frames in the journal, read back.
+
+The main thread here is the test's own: it waits in functions of this file while the writer
+thread beats, and the journal it writes is decoded as a reader would.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from metric_core import journal
+from metric_core.life import Life
+from metric_core.writer import collector as collector_module
+from metric_core.writer.collector import MetricCollector
+
+
+def _in(place: str, function: str) -> bool:
+    """``place`` is a line of this file, in ``function``."""
+    file, _, rest = place.partition(":")
+    return file.endswith("test_where.py") and rest.endswith(f" in {function}")
+
+
+def _life(run: Path) -> Life:
+    (path,) = run.glob("*.journal")
+    return journal.decode(path.read_bytes()).life
+
+
+def data_wait(run: Path, *, at_least: float, until) -> Life:
+    """Stay here (the place under test) until the journal says ``until`` and ``at_least`` passed."""
+    start = time.monotonic()
+    while time.monotonic() < start + 120:
+        life = _life(run)
+        if until(life) and time.monotonic() - start >= at_least:
+            return life
+        time.sleep(0.02)
+    raise AssertionError(f"the journal never said it: {life.where}")
+
+
+def test_a_pause_is_kept_with_the_place_it_was_spent_in(tmp_path, monkeypatch):
+    monkeypatch.setattr(collector_module, "STALL_MIN_S", 0.3)
+    c = MetricCollector(tmp_path, rank=0, process_name="r0", flush_interval=0.05)
+    try:
+        c.record("loss", 1.0)
+        c.flush(0)
+        life = data_wait(
+            tmp_path,
+            at_least=1.2,
+            until=lambda life: (
+                life.where is not None and "threads" in life.where and "data_wait" in life.where["own"]
+            ),
+        )
+        own = life.where["own"]
+        assert _in(own, "data_wait"), own
+        # Silent past the stall threshold: every other thread's place, the writer's own excluded.
+        threads = life.where["threads"]
+        assert _in(threads["MainThread"][0], "data_wait") and "metriclog-writer-r0" not in threads
+        assert {t.name for t in threading.enumerate()} - set(threads) == {"metriclog-writer-r0"}
+        c.record("loss", 2.0)
+        c.flush(1)
+        after = _life(tmp_path)
+        (gap,) = after.gaps
+        assert gap[0] == 1 and gap[2] >= 1.2
+        spent = after.place_in(gap[1], gap[1] + gap[2])
+        assert spent is not None and _in(spent[0], "data_wait"), spent
+    finally:
+        c.shutdown()
+    (segment,) = tmp_path.glob("*.parquet")
+    sealed = Life.parse(json.loads(pq.read_metadata(segment).metadata[b"metriclog"])["life"])
+    assert sealed is not None and [w[1] for w in sealed.gap_where] == [spent[0]]
+
+
+def test_a_rank_waiting_in_a_library_shows_its_own_line_and_the_wait(tmp_path):
+    c = MetricCollector(tmp_path, rank=0, process_name="r0", flush_interval=0.05)
+    never = threading.Event()
+    try:
+        c.record("loss", 1.0)
+        c.flush(0)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            never.wait(0.05)  # the line the rank is at; the wait is the standard library's
+            life = _life(tmp_path)
+            if life.where is not None and life.where["inner"] != life.where["own"]:
+                break
+        assert life.where is not None
+        assert _in(life.where["own"], "test_a_rank_waiting_in_a_library_shows_its_own_line_and_the_wait")
+        assert life.where["inner"].startswith("threading.py:"), life.where
+    finally:
+        c.shutdown()
+
+
+def test_an_unchanged_place_is_an_h_frame_and_a_new_journal_says_it_again(tmp_path):
+    c = MetricCollector(tmp_path, rank=0, process_name="r0", flush_interval=0.02)
+    try:
+        c.record("loss", 1.0)
+        c.flush(0)
+        path = next(tmp_path.glob("*.journal"))
+
+        def kinds() -> list[bytes]:
+            data, pos, out = path.read_bytes(), 0, []
+            pos = 4 + 8 + int.from_bytes(data[4:8], "little")
+            while pos + 9 <= len(data):
+                kind, length = data[pos : pos + 1], int.from_bytes(data[pos + 1 : pos + 5], "little")
+                out.append(kind)
+                pos += 9 + length
+            return out
+
+        deadline = time.monotonic() + 120
+        while kinds().count(journal.HEARTBEAT) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen = kinds()
+        assert seen.count(journal.HEARTBEAT) >= 5
+        # One place, said once: the rest are 8-byte heartbeats.
+        assert seen.count(journal.WHERE) == 1
+    finally:
+        c.shutdown()
+
+
+def test_a_where_frame_that_is_not_one_ends_the_readable_part(tmp_path):
+    body = journal.header("r0", 0, 1.0) + journal.heartbeat_frame(2.0)
+    bad = journal._frame(journal.WHERE, json.dumps({"at": 3.0, "where": ["only one"]}).encode())
+    decoded = journal.decode(body + bad + journal.heartbeat_frame(4.0))
+    assert decoded.life.alive == 2.0
+    assert any("where frame" in p for p in decoded.problems), decoded.problems
+
+
+@pytest.mark.parametrize("version", [b"MLJ5", b"MLJ4"])
+def test_older_journals_read_as_before(version):
+    head = journal.header("r0", 0, 1.0)
+    decoded = journal.decode(version + head[4:] + journal.heartbeat_frame(2.0))
+    assert decoded.problems == [] and decoded.version == int(version[3:]) and decoded.life.alive == 2.0
+    assert decoded.life.where is None
+
+
+def test_the_odd_one_out_is_the_rank_the_others_wait_for():
+    from metric_core.offline.inspect.health import odd_one_out
+
+    wait = ("train.py:150 in <module>", "torch/distributed/distributed_c10d.py:2501 in all_reduce")
+    data = ("train.py:119 in data_wait", "train.py:119 in data_wait")
+    # Three wait in the collective, one is elsewhere: that one, whoever went silent first.
+    assert odd_one_out({0: wait, 1: wait, 2: data, 3: wait}) == 2
+    # Two ranks: no majority; the one not inside a known wait.
+    assert odd_one_out({0: wait, 1: data}) == 1
+    # All in one place: none stands apart.
+    assert odd_one_out({0: wait, 1: wait, 2: wait}) is None
+    # Alone in a wait while the others are all busy elsewhere: it waits for them, it is not it.
+    busy = ("train.py:80 in forward", "train.py:80 in forward")
+    assert odd_one_out({0: busy, 1: busy, 2: busy, 3: wait}) is None
+    # Two apart from two, both busy: not known.
+    assert odd_one_out({0: busy, 1: busy, 2: data, 3: data}) is None
+    # A queue, a lock, a pipe are waits too.
+    queue = ("train.py:60 in next_batch", "queue.py:180 in get")
+    assert odd_one_out({0: queue, 1: data}) == 1
+    assert odd_one_out({0: wait}) is None
+
+
+def test_on_nonfinite_raise_stops_at_the_first_nan_of_a_watched_key_and_writes_it(tmp_path):
+    """As maxtext's abort_on_nan_loss: the NaN is recorded, then NonFiniteError; other keys'
+    NaNs, and every NaN without the option, are recorded as ever."""
+    import math
+
+    import numpy as np
+
+    import metric_core
+    from metric_core import NonFiniteError, Reduce
+
+    metric_core.init(tmp_path / "off", process_name="r0")
+    metric_core.record_metric("train/loss", math.nan, Reduce.MEAN)  # off by default: recorded
+    metric_core.shutdown()
+
+    run = tmp_path / "on"
+    metric_core.init(
+        run, process_name="r0", on_nonfinite="raise", nonfinite_keys=["train/loss", "*/grad_norm"]
+    )
+    try:
+        metric_core.record_metric("train/loss", 0.5, Reduce.MEAN)
+        metric_core.record_metric("eval/reward", math.inf, Reduce.MEAN)  # not watched
+        metric_core.flush(0)
+        metric_core.record_metric("train/loss", 0.25, Reduce.MEAN)
+        with pytest.raises(NonFiniteError, match=r"metric 'train/loss' is nan at step 1") as caught:
+            metric_core.record_metric("train/loss", np.float32("nan"), Reduce.MEAN)
+        assert caught.value.key == "train/loss" and caught.value.step == 1
+        with pytest.raises(NonFiniteError, match="'opt/grad_norm' is -inf"):
+            metric_core.record_metric("opt/grad_norm", -math.inf, Reduce.MAX)
+        metric_core.flush(1)
+    finally:
+        metric_core.shutdown()
+    table = metric_core.scan_run(run).frame.collect().sort("step", "key", "value")
+    got = [(r["step"], r["key"], r["value"]) for r in table.to_dicts()]
+    assert got[:2] == [(0, "eval/reward", math.inf), (0, "train/loss", 0.5)]
+    assert got[2][:2] == (1, "opt/grad_norm") and got[2][2] == -math.inf
+    assert got[3] == (1, "train/loss", 0.25) and got[4][1] == "train/loss" and math.isnan(got[4][2])
+    with pytest.raises(metric_core.MetricLogError, match="on_nonfinite must be one of record, raise"):
+        metric_core.init(tmp_path / "bad", on_nonfinite="stop")
+
+
+def test_a_stopped_process_is_running_without_a_heartbeat_not_dead(tmp_path):
+    """SIGSTOP stands in for native code that holds the GIL: the writer thread cannot beat."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from metric_core.offline.inspect import inspect_run
+    from metric_core.offline.inspect.health import NO_HEARTBEAT, where_text
+
+    run = tmp_path / "run"
+    code = (
+        "import sys, time, metric_core\n"
+        "metric_core.init(sys.argv[1], process_name='r0', flush_interval=0.05)\n"
+        "for s in range(3):\n    metric_core.record_metric('loss', 1.0); metric_core.flush(s)\n"
+        "print('ready', flush=True)\ntime.sleep(600)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code, str(run)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            (source,) = inspect_run(run).sources
+            if source.no_heartbeat:
+                break
+            time.sleep(0.2)
+        assert source.end == "running" and source.no_heartbeat, source
+        assert where_text(source) == NO_HEARTBEAT
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=60)
+        (source,) = inspect_run(run).sources
+        assert source.end == "died" and not source.no_heartbeat
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
