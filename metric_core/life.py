@@ -54,7 +54,9 @@ CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 # A file armed for a signal (faulthandler writes into it if the signal comes) is hidden (a
 # leading dot) until it holds a dump and the process could show it: ``stacks/`` lists the
 # signals that came, not every one that might have.
-STACK_NAME = re.compile(r"^(?P<armed>\.)?(?P<stem>[^.].*)\.(?P<attempt>[0-9a-f]{16})\.(?P<what>[A-Za-z0-9-]+)\.txt$")
+STACK_NAME = re.compile(
+    r"^(?P<armed>\.)?(?P<stem>[^.].*)\.(?P<attempt>[0-9a-f]{16})\.(?P<what>[A-Za-z0-9-]+)\.txt$"
+)
 
 
 def stack_name(stem: str, attempt: str, what: str, *, armed: bool = False) -> str:
