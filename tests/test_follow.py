@@ -976,12 +976,11 @@ def test_a_lockstep_silence_is_one_note_naming_the_rank_the_others_wait_for(tmp_
     run, go_on = tmp_path / "run", tmp_path / "go-on"
     log = tmp_path / "follow.log"
     sidecar = follow_logged(run, log, "--restart-grace", "1s")
-    job = threading.Thread(
-        target=run_job, args=(run,), kwargs={"world": 4, "steps": 12, "action": ["hold", "1", "5", str(go_on)]}
-    )
+    hold = ["hold", "1", "5", str(go_on)]
+    job = threading.Thread(target=run_job, args=(run,), kwargs={"world": 4, "steps": 12, "action": hold})
     job.start()  # rank 1 is held in step 5 until go_on exists; the others wait in their collective
     try:
-        wait_for(lambda: "the global steps wait" in log.read_text(), "the follower to say the steps wait", 120)
+        wait_for(lambda: "the global steps wait" in log.read_text(), "the note that the steps wait", 120)
     finally:
         go_on.touch()
         job.join()
