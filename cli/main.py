@@ -227,6 +227,8 @@ def upload(
     os.environ.setdefault("WANDB_SILENT", "true")
     os.environ.setdefault("WANDB_CONSOLE", "off")
     with command_run(), output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert") as alerts:
+        alarms = o.alarms(alert, alert_on, on_alert)
+        following = o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait, alarms)
         with output.upload_events() as events, output.read_progress() as progress:
             events.alert = alerts.run
             result = upload_run(
@@ -242,16 +244,7 @@ def upload(
                 follow_symlinks=follow_symlinks,
                 events=events,
                 on_progress=progress,
-                follow=o.follow(
-                    follow,
-                    interval,
-                    until_idle,
-                    sources,
-                    let_go_after,
-                    restart_grace,
-                    wait,
-                    o.alarms(alert, alert_on, on_alert),
-                ),
+                follow=following,
                 engine=engine,
                 ray_address=ray_address,
                 samples=o.sample_choice(

@@ -51,12 +51,18 @@ END_KINDS = ("exception", "signal", "exit")
 # ``stacks/{stem}.{attempt}.{what}.txt``, ``what`` a caught signal, ``fatal`` or ``hang-N``.
 STACKS_DIR = "stacks"
 CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
-STACK_NAME = re.compile(r"^(?P<stem>.+)\.(?P<attempt>[0-9a-f]{16})\.(?P<what>[A-Za-z0-9-]+)\.txt$")
+# A file armed for a signal (faulthandler writes into it if the signal comes) is hidden (a
+# leading dot) until it holds a dump and the process could show it: ``stacks/`` lists the
+# signals that came, not every one that might have.
+STACK_NAME = re.compile(
+    r"^(?P<armed>\.)?(?P<stem>[^.].*)\.(?P<attempt>[0-9a-f]{16})\.(?P<what>[A-Za-z0-9-]+)\.txt$"
+)
 
 
-def stack_name(stem: str, attempt: str, what: str) -> str:
-    """The name of a stack file in ``STACKS_DIR`` (``STACK_NAME`` parses it back)."""
-    return f"{stem}.{attempt}.{what}.txt"
+def stack_name(stem: str, attempt: str, what: str, *, armed: bool = False) -> str:
+    """The name of a stack file in ``STACKS_DIR`` (``STACK_NAME`` parses it back); ``armed``:
+    a file made ready for a signal that has not come (hidden)."""
+    return f"{'.' if armed else ''}{stem}.{attempt}.{what}.txt"
 
 
 # Where launchers say how often they restarted the job: an attempt's number is this plus one.

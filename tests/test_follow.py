@@ -626,7 +626,9 @@ def test_a_rank_alive_but_silent_since_its_init_is_said_from_its_start_and_its_k
     ranks[1].wait()
     assert sidecar.wait(timeout=120) == 0, log.read_text()
     err = " ".join(log.read_text().split())
-    assert f"since it started at {started_at(run, 1)}: the global steps wait for it" in err, err
+    # where it is, as its heartbeats say: the line of the writer script it is held at
+    assert f"since it started at {started_at(run, 1)}, at <string>:" in err, err
+    assert "in <module>: the global steps wait" in err, err
     assert "Trainer_r1 (rank 1) died before its first flush: no exception or signal recorded (SIGKILL" in err
     assert "unknown" not in err, err
     check(rows_of(run, "run"), expected_steps(truth(run, 2)[0]))
@@ -962,3 +964,30 @@ def test_a_running_job_to_tensorboard_and_online_w_and_b_continues_where_it_stop
     assert fake.calls[0]["resume"] == "must" and outcome.action == "resumed"
     check([*first.logged, *second.logged], expected)  # every step once, in one W&B run
     assert ledger.get(outcome.run_id)["finished"]
+
+
+def test_a_lockstep_silence_is_one_note_naming_the_rank_the_others_wait_for(tmp_path):
+    """As watch gives one warning a stall: the sidecar's note of ranks that hold the steps is
+    one for the episode, the held rank first, whoever went silent first."""
+    import threading
+
+    from tests.lockstep import run_job
+
+    run, go_on = tmp_path / "run", tmp_path / "go-on"
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--restart-grace", "1s")
+    hold = ["hold", "1", "5", str(go_on)]
+    job = threading.Thread(target=run_job, args=(run,), kwargs={"world": 4, "steps": 12, "action": hold})
+    job.start()  # rank 1 is held in step 5 until go_on exists; the others wait in their collective
+    try:
+        wait_for(lambda: "the global steps wait" in log.read_text(), "the note that the steps wait", 120)
+    finally:
+        go_on.touch()
+        job.join()
+    assert sidecar.wait(timeout=120) == 0, log.read_text()
+    err = " ".join(log.read_text().split())
+    assert err.count("the global steps wait") == 1, err
+    (note,) = [n for n in err.split("note: ") if "the global steps wait" in n]
+    assert note.startswith("Trainer_r1 (rank 1) is alive but silent for "), note
+    assert ", at tests/lockstep_worker.py:" in note and " in train_step; waiting for it: " in note, note
+    assert "waiting for it: Trainer_r0 (rank 0), Trainer_r2 (rank 2), Trainer_r3 (rank 3)" in note, note

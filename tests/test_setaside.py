@@ -74,7 +74,8 @@ def test_groups_set_aside_give_the_same_bits_and_the_exact_values(run, monkeypat
     want = truth(df.filter(pl.col("key").str.split("/").list.last().is_in(["sum", "mean", "std"])), mode, by)
     bucket = "window_start" if by == "time" else "step"
     source = ["process", "rank"] if mode == "per_rank_reduce" else []
-    found = {tuple(r[:-2]): (r[-2], r[-1]) for r in got.select(*source, bucket, "key", "value", "count").iter_rows()}
+    rows = got.select(*source, bucket, "key", "value", "count").iter_rows()
+    found = {tuple(r[:-2]): (r[-2], r[-1]) for r in rows}
     wrong = [g for g in want if not same_bits(found[g][0], want[g][0]) or found[g][1] != want[g][1]]
     assert not wrong, wrong[:8]
     assert len(want) > 2 * SMALL["SET_ASIDE_GROUPS"]

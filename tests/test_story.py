@@ -286,6 +286,15 @@ def test_each_end_is_recorded_and_the_exit_status_kept(tmp_path, how, code, end,
         assert attempt["thread_exceptions"][0]["thread"] == "loader"
     if how == "spawned":  # the framework caught it; @metric_core.record recorded it
         assert attempt["exception"]["where"].endswith("in child")
+    # Stack files only for signals that came: the others were armed, hidden, and say only that
+    folder = run / "stacks"
+    files = list(folder.iterdir()) if folder.exists() else []
+    visible = {p.name.split(".")[-2] for p in files if not p.name.startswith(".")}
+    came = {"sigint": "SIGINT", "offline": "SIGTERM"}.get(how)
+    assert visible <= {came}, sorted(p.name for p in files)
+    for p in files:
+        first = p.read_text().splitlines()[0]
+        assert "received" not in first and (p.name.startswith(".") or p.name.split(".")[-2] == came), first
 
 
 def test_a_stalled_flush_leaves_a_stack_dump_and_a_pause(tmp_path):
@@ -386,7 +395,10 @@ def test_an_attempt_stopped_before_its_first_write_is_told(tmp_path):
             first.wait(timeout=0.05)
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == -signal.SIGTERM
-    (stopped,) = [p.name for p in (run / "stacks").glob("*.SIGTERM.txt")]
+    # Killed by the signal itself, the process never showed the file it filled: it keeps its
+    # armed (hidden) name, and only the signal that came has one
+    (stopped,) = [p.name for p in (run / "stacks").iterdir() if p.name.endswith(".SIGTERM.txt")]
+    assert not [p for p in (run / "stacks").iterdir() if not p.name.startswith(".")]
     assert [p.name for p in run.glob("Trainer_r0.*")] == ["Trainer_r0.r0.00000.journal"]
     second = subprocess.run([sys.executable, str(script), str(run), "2"], env=env, timeout=60)
     assert second.returncode == 0
@@ -398,7 +410,7 @@ def test_an_attempt_stopped_before_its_first_write_is_told(tmp_path):
     report = inspect_json(run)
     (source,) = report["sources"]
     first_attempt, second_attempt = source["attempts"]
-    assert stopped == f"Trainer_r0.r0.{first_attempt['attempt']}.SIGTERM.txt"
+    assert stopped == f".Trainer_r0.r0.{first_attempt['attempt']}.SIGTERM.txt"
     assert (first_attempt["number"], first_attempt["end"], first_attempt["signal"]) == (
         1,
         "signal",

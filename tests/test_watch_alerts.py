@@ -184,3 +184,14 @@ def test_on_alert_without_a_rule_is_a_usage_error(tmp_path):
         text=True,
     )
     assert done.returncode == 2 and "--alert works only with --follow" in done.stderr, done.stderr
+
+
+def test_the_sidecar_says_a_bad_rule_as_watch_does(tmp_path):
+    (tmp_path / "run").mkdir()
+    done = subprocess.run(
+        [METRICLOG, "upload", str(tmp_path / "run"), *SIDECAR[1:], "--alert", "loss: spike -1 sigma"],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "--alert 'loss: spike -1 sigma': a spike is more than 0 sigma" in done.stderr, done.stderr

@@ -42,7 +42,7 @@ from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline import story
 from metric_core.offline.alerts import Alarms, Alert, ValueWatch
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
-from metric_core.offline.inspect.health import culprit_of, held_by_hang, state_of, where_text
+from metric_core.offline.inspect.health import EPISODE_S, culprit_of, held_by_hang, state_of, where_text
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
@@ -50,8 +50,6 @@ from metric_core.offline.storage import missing_run, run_path
 FINISHED, STALLED, OVER, STOPPED = 0, 3, 4, 130
 # Polls in a row that may find a file changed while it was read before watch gives up.
 CHANGED_POLLS = 5
-# Sources whose silence began this close together stall as one episode.
-EPISODE_S = 5.0
 RESTART_GRACE = 60.0
 
 

@@ -240,28 +240,30 @@ def _forgotten_in_child() -> None:
     _collectors.clear()
 
 
-def _stack_path(collector: MetricCollector, what: str) -> Path:
+def _stack_path(collector: MetricCollector, what: str, *, armed: bool = False) -> Path:
     folder = collector.run_dir / STACKS_DIR
     if folder.is_symlink():  # never written through a link metriclog did not make
         raise OSError(f"{folder} is a symlink")
     folder.mkdir(exist_ok=True)
-    return folder / stack_name(collector._writer.stem, collector._writer.attempt, what)
+    return folder / stack_name(collector._writer.stem, collector._writer.attempt, what, armed=armed)
 
 
 def _open_stack_files(collector: MetricCollector) -> dict[str, tuple[Any, Path, Any]]:
-    """A file per caught signal (and one for fatal signals), registered with faulthandler."""
+    """A file per caught signal (and one for fatal signals), registered with faulthandler:
+    armed (hidden) until the signal comes; its first line says so, not that it came."""
     out: dict[str, tuple[Any, Path, Any]] = {}
     wanted = [s for s in CAUGHT_SIGNALS if hasattr(signal, s)]
     if not faulthandler.is_enabled() or any(FATAL in c._stack_files for c in _collectors[:-1]):
         wanted.append(FATAL)
     for name in wanted:
         try:
-            path = _stack_path(collector, name)
+            path = _stack_path(collector, name, armed=True)
             f = os.fdopen(create_exclusive(path), "w")
         except OSError:
             continue  # a read-only run directory: the records matter, these do not
         try:
-            f.write(main_thread_line(f"{name} signal received" if name != FATAL else "fatal signal"))
+            what = f"{name} comes" if name != FATAL else "a fatal signal comes"
+            f.write(main_thread_line(f"every thread's stack if {what}"))
             f.flush()
         except OSError:  # a full disk
             with contextlib.suppress(OSError):
@@ -291,13 +293,16 @@ def _reregister_newest() -> None:
 
 
 def _close_empty(f: Any, path: Path) -> None:
-    """Close a stack file; remove it when it holds only metriclog's first line (nothing was caught)."""
+    """Close an armed stack file: remove it when it holds only metriclog's first line (its
+    signal never came), else show it (its name without the leading dot)."""
     with contextlib.suppress(OSError):
         f.close()
         if path.read_text(errors="replace").count("\n") <= 1:
             path.unlink()
             with contextlib.suppress(OSError):
                 path.parent.rmdir()  # only when empty
+        else:
+            path.rename(path.with_name(path.name.lstrip(".")))
 
 
 _LIBRARY_PATHS = tuple(

@@ -166,6 +166,8 @@ def find_stragglers(steps: dict[Source, SourceSteps], cadence: Cadence) -> list[
     return sorted(out, key=lambda s: -s.step_time_s / s.role_step_time_s)
 
 
+# Sources whose silence began this close together stall as one episode (watch, the sidecar).
+EPISODE_S = 5.0
 NO_HEARTBEAT = "no heartbeat: stuck in native code holding the GIL, or stopped"
 
 

@@ -29,8 +29,10 @@ import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
+from metric_core.life import place_text
 from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
+from metric_core.offline.inspect.health import EPISODE_S, odd_one_out
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
@@ -230,6 +232,7 @@ class _Pass:
     replacing: bool = False  # a pass after a restart replaced rows handed over
     let_go: set[tuple[str, int]] = field(default_factory=set)
     held: set[tuple[str, int]] = field(default_factory=set)  # live, silent sources said to hold the steps
+    episode_clock: float = -math.inf  # the newest record of the silence episode said last
     restart_grace: float = RESTART_GRACE
     samples: SampleTables | None = None  # each step's samples, sent with its row
     values: ValueWatch | None = None  # alarms on values (--alert), judged on what the tail read
@@ -318,6 +321,7 @@ class _Pass:
         newest = max((s.clock for s in self.tail.sources.values()), default=-math.inf)
         holding = not self.follower.per_source
         let_go_after = self.follower.let_go_after
+        newly: list[tuple[str, int]] = []  # sources that began to hold the steps in this poll
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
             why = source.over  # how it ended, in inspect's words
@@ -354,13 +358,11 @@ class _Pass:
             ):
                 if key not in self.held:
                     self.held.add(key)
-                    self.events.message(
-                        "note",
-                        f"{who} {_silence(source, now, alive=True)}: the global steps wait for it (a long "
-                        "evaluation, or a hang); --let-go-after DURATION lets a silent one go",
-                    )
+                    newly.append(key)
             else:
                 self.held.discard(key)
+        if newly:
+            self._held_note(newly, now)
         if holding and not self.missing_said and self.follower.missing_let_go(self.tail.sources, now):
             self.missing_said = True
             first = min((s.first for s in self.tail.sources.values() if not s.static), default=now)
@@ -393,6 +395,41 @@ class _Pass:
             )
         elif quiet <= QUIET_SAID_S:
             self.quiet_said = False
+
+    def _held_note(self, newly: list[tuple[str, int]], now: float) -> None:
+        """One note a silence episode, as ``watch`` gives one warning a stall: the sources
+        that went silent within ``EPISODE_S`` of the episode's first are said together, with
+        the one the others wait for first (``odd_one_out``, from where their heartbeats say
+        they are); a source that joins an episode already said is not said again."""
+        sources = self.tail.sources
+        fresh = [k for k in newly if abs(sources[k].silent_since - self.episode_clock) > EPISODE_S]
+        if not fresh:
+            return
+        self.episode_clock = min(sources[k].silent_since for k in fresh)
+        together = sorted(
+            (k for k in self.held if abs(sources[k].silent_since - self.episode_clock) <= EPISODE_S),
+            key=lambda k: (k[1], k[0]),
+        )
+        places = {k: p for k in together if (p := _place(sources[k])) is not None}
+        culprit = odd_one_out(places) if len(together) > 1 else together[0]
+        first = sources[culprit] if culprit is not None else sources[together[0]]
+        where = f", at {place_text(*places[culprit])}" if culprit in places else ""
+        if len(together) == 1 or culprit is not None:
+            who = f"{culprit[0]} (rank {culprit[1]})" if culprit else ""
+            others = [k for k in together if k != culprit]
+            waiting = (
+                f"; waiting for it: {', '.join(f'{p} (rank {r})' for p, r in others)}" if others else ""
+            )
+            said = f"{who} {_silence(first, now, alive=True)}{where}{waiting}"
+        else:
+            names = ", ".join(f"{p} (rank {r})" for p, r in together)
+            since = f" since step {first.step_end[0]}" if first.step_end else ""
+            said = f"{names} are alive but silent{since}; none stands apart"
+        self.events.message(
+            "note",
+            f"{said}: the global steps wait (a long evaluation, or a hang); --let-go-after DURATION lets a "
+            "silent one go",
+        )
 
     def _notices(self, first_record: float | None, wait: bool) -> None:
         """What the reading found, each said once; why nothing goes, when it waits for sources."""
@@ -542,6 +579,12 @@ class _Pass:
             if opened.wb is not None and self.sender is not None:
                 self.sender.close(opened.wb, opened.outcome, finished=finished, **self._held(opened.run))
                 opened.wb = None
+
+
+def _place(source: SourceState) -> tuple[str, str] | None:
+    """Where a live source's main thread is, as its newest heartbeat said."""
+    life = source.newest.life if source.attempts else None
+    return (life.where["own"], life.where["inner"]) if life is not None and life.where is not None else None
 
 
 def _silence(source: SourceState, now: float, *, alive: bool = False) -> str:
