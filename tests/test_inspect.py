@@ -223,6 +223,10 @@ def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_sa
         c.abort()
     died = inspect_run(scan_run(run), now=newest + 3600)
     assert not died.still_running and died.first_to_stop is None
+    # One event, no culprit: no first failure, and the sources that ended together
+    as_json = json.loads(died.to_json())
+    assert as_json["first_failure"] is None
+    assert as_json["together"] == [{"process": f"TrainActor_r{r}", "rank": r} for r in range(3)]
     story, together = died.verdict()
     assert re.fullmatch(
         r"all 3 ranks ended without shutdown\(\) together after step 100 \(their last flushed\) at \S+\.",

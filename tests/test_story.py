@@ -422,3 +422,38 @@ def test_an_attempt_stopped_before_its_first_write_is_told(tmp_path):
     ff = report["first_failure"]
     assert (ff["attempt"], ff["end"], ff["signal"]) == (first_attempt["attempt"], "signal", "SIGTERM")
     assert "was stopped by SIGTERM" in verdict(run)
+
+
+def test_the_story_follows_time_and_keeps_messages_whole():
+    """Issue 43: the groups of ranks that followed a failure are told in the order they ended,
+    not by rank; an exception message is whole (a long path in it shortened from the left in
+    text only), never cut."""
+    from metric_core.offline import story
+    from metric_core.offline.read.attempts import Attempt
+
+    gloo = (
+        "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:598] Connection closed by peer "
+        "[127.0.0.1]:28561, after a long wait of the collective that the peer never joined"
+    )
+
+    def attempt(rank: int, end: str, at: float, **how: object) -> Attempt:
+        a = Attempt(f"Trainer_r{rank}", rank, f"{rank:016x}", 0.0, 0, number=1, end=end, ended_at=at)
+        a.last_step = 9
+        for k, v in how.items():
+            setattr(a, k, v)
+        return a
+
+    attempts = [
+        attempt(0, "signal", 100.9, signal="SIGTERM"),
+        attempt(1, "signal", 100.9, signal="SIGTERM"),
+        attempt(2, "exception", 100.0, exception={"type": "ValueError", "message": "bad batch"}),
+        attempt(3, "exception", 100.5, exception={"type": "RuntimeError", "message": gloo}),
+    ]
+    (line,) = story.story_lines(story.first_failure(attempts), attempts, [])
+    shown = gloo.replace("/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc", ".../tcp/pair.cc")
+    assert line == (
+        "Trainer_r2 (rank 2) raised ValueError('bad batch') after step 9 (its last flushed); "
+        f"500 ms later 1 other rank raised RuntimeError({shown!r}); "
+        "900 ms later 2 other ranks were stopped by SIGTERM (the launcher)."
+    ), line
+    assert attempts[3].exception["message"] == gloo  # JSON keeps it whole
