@@ -65,7 +65,7 @@ def _deep(n: int, then) -> None:
 
 
 def per_heartbeat(reps: int) -> None:
-    from metric_core import journal
+    from metric_core.format import journal
     from metric_core.writer import where
 
     ready, done = threading.Event(), threading.Event()

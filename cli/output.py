@@ -232,7 +232,7 @@ def _chosen(frames: Iterator[pl.DataFrame], limit: int | None, tail: int | None)
 def write_stdout(frames: Iterator[pl.DataFrame], form: str) -> None:
     """Rows as CSV, a JSON array or JSON lines on stdout, every one, uncut; NaN and the
     infinities as docs/format.md spells them (CSV: NaN, inf, -inf; JSON: "NaN", "Infinity")."""
-    from metric_core.records import to_jsonl
+    from metric_core.format.records import to_jsonl
 
     out = sys.stdout.buffer
     first = True

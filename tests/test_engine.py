@@ -22,11 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
+from metric_core.format.schema import default_process_name
 from metric_core.offline import accumulator, engine, partials, read
 from metric_core.offline.engine import reduce_run, run_plan
 from metric_core.offline.plan import make_plan
 from metric_core.offline.read import RunScan, parquet, scan_run
-from metric_core.schema import default_process_name
 
 from .conftest import BASE_TIME, killed_after, write_collector_run
 

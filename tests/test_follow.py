@@ -30,7 +30,8 @@ import glob, json, os, signal, sys, time
 import numpy as np
 import pyarrow.parquet as pq
 import metric_core
-from metric_core import Reduce, journal, record_metric
+from metric_core import Reduce, record_metric
+from metric_core.format import journal
 c = json.loads(sys.argv[1])
 run, rank = c["run"], c["rank"]
 open(f"{c['go']}.{rank}", "w").close()  # imported; the ranks started together init together
@@ -380,8 +381,8 @@ def test_a_follower_that_could_not_look_for_a_while_does_not_take_a_live_rank_fo
     # rank wrote meanwhile are in its journal, and a writer's silence is counted to when the
     # follower last read it, not to the wall clock (it said "died: no heartbeat for 12 s" of a
     # rank it had not read, and handed its steps over without it).
-    from metric_core import journal
-    from metric_core.life import DEAD_AFTER_MIN_S
+    from metric_core.format import journal
+    from metric_core.format.life import DEAD_AFTER_MIN_S
 
     run = tmp_path / "run"
     ranks = writers(run, steps=30, ranks=3, hold_at={2: 10})  # held until released below
@@ -607,7 +608,7 @@ def started_at(run: Path, rank: int) -> str:
     it), in local ISO 8601 time to the second."""
     from datetime import datetime
 
-    from metric_core import journal
+    from metric_core.format import journal
 
     (path,) = run.glob(f"Trainer_r{rank}.r{rank}.*.journal")
     started = journal.decode(path.read_bytes()).attempt["attempt_started"]
@@ -757,7 +758,8 @@ import numpy as np
 
 def rank_main(c, rank):
     import metric_core
-    from metric_core import Reduce, journal, record_metric
+    from metric_core import Reduce, record_metric
+    from metric_core.format import journal
     run = c["run"]
     metric_core.init(run, rank=rank, process_name=f"Trainer_r{rank}", world_size=4, flush_interval=0.02)
     rng = np.random.default_rng(rank)
@@ -878,7 +880,7 @@ def test_a_rank_sigkilled_mid_step_ends_the_follow_cleanly_equal_to_a_plain_uplo
 
 def flushed(run: Path, ranks: int, step: int) -> bool:
     """Every rank's journal holds its flush of ``step`` (a condition on the files, not a wait)."""
-    from metric_core import journal
+    from metric_core.format import journal
 
     done = 0
     for path in run.glob("*.journal"):

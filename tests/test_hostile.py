@@ -605,7 +605,8 @@ def test_a_format_3_journal_records_no_end_and_is_said_as_such(tmp_path):
     import struct
     import zlib
 
-    from metric_core import inspect_run, journal
+    from metric_core import inspect_run
+    from metric_core.format import journal
 
     head = json.dumps(
         {"format": 3, "process": "old", "rank": 0, "created": 1.7e9, "attempt": "a" * 16}

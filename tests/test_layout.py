@@ -78,25 +78,45 @@ def test_the_writer_side_and_the_ground_floor_import_no_offline_module():
     Python: ``loaded_by`` below holds it light), so a bad one fails in ``init()``."""
     allowed = {("sidecar.py", "metric_core.offline.plan")}
     offenders = []
-    ground = [p for p in (ROOT / "metric_core").glob("*.py") if p.name != "__init__.py"]
+    ground = [
+        *(p for p in (ROOT / "metric_core").glob("*.py") if p.name != "__init__.py"),
+        *(ROOT / "metric_core" / "format").rglob("*.py"),  # the on-disk format: the ground floor too
+    ]
     writer_side = [
         *(ROOT / "metric_core" / "writer").rglob("*.py"),
         *(ROOT / "metric_core" / "torchforge").rglob("*.py"),
     ]
     for path in [*ground, *writer_side]:
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names = [node.module]
-            for name in names:
-                if (path.name, name) in allowed:
-                    continue
-                if name.split(".")[0] in ("polars", "matplotlib", "typer", "pandas") or name.startswith(
-                    ("metric_core.offline", "metriclog")
-                ):
-                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+        for line, name in imports_of(path):
+            if (path.name, name) in allowed:
+                continue
+            if name.split(".")[0] in ("polars", "matplotlib", "typer", "pandas") or name.startswith(
+                ("metric_core.offline", "metriclog")
+            ):
+                offenders.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert offenders == []
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` names in an import, deferred ones too: (line, module)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.append((node.lineno, node.module))
+    return out
+
+
+def test_the_readers_import_nothing_of_the_upload():
+    """The reading of a run (``offline/read``: files, scans, the tail a follower reads) is
+    the ground the commands stand on; uploading stands on it, never the other way."""
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in (ROOT / "metric_core" / "offline" / "read").rglob("*.py")
+        for line, name in imports_of(path)
+        if name.startswith("metric_core.offline.upload")
+    ]
     assert offenders == []
 
 

@@ -344,8 +344,8 @@ def test_a_live_writer_is_running_and_a_killed_one_died(tmp_path, how):
 
 
 def test_an_error_that_follows_a_peers_death_yields_to_it_within_a_second():
+    from metric_core.offline.inspect.story import first_failure
     from metric_core.offline.read.attempts import Attempt
-    from metric_core.offline.story import first_failure
 
     def ended(process: str, end: str, at: float, **more) -> Attempt:
         return Attempt(process, int(process[-1]), "a" + process[-1], 0.0, 0, end=end, ended_at=at, **more)
@@ -428,7 +428,7 @@ def test_the_story_follows_time_and_keeps_messages_whole():
     """Issue 43: the groups of ranks that followed a failure are told in the order they ended,
     not by rank; an exception message is whole (a long path in it shortened from the left in
     text only), never cut."""
-    from metric_core.offline import story
+    from metric_core.offline.inspect import story
     from metric_core.offline.read.attempts import Attempt
 
     gloo = (

@@ -985,7 +985,8 @@ def test_a_second_upload_counts_only_samples_no_row_holds_not_those_sent_before(
 RESTARTED_RANK = """
 import glob, json, os, signal, sys, time
 import metric_core
-from metric_core import Reduce, journal, record_metric
+from metric_core import Reduce, record_metric
+from metric_core.format import journal
 c = json.loads(sys.argv[1])
 run, rank, start = c["run"], c["rank"], c.get("start") or 0
 metric_core.init(run, rank=rank, process_name=f"Trainer_r{rank}", world_size=2, flush_interval=0.02,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from metric_core import journal
-from metric_core.life import Life
+from metric_core.format import journal
+from metric_core.format.life import Life
 from metric_core.writer import collector as collector_module
 from metric_core.writer.collector import MetricCollector
 

@@ -556,7 +556,7 @@ def test_a_restart_that_does_not_give_its_step_is_placed_by_its_first_flush_and_
 def test_a_flush_marker_survives_the_memory_bound_and_labels_only_its_records(tmp_path):
     """While writing fails, the oldest waiting records are dropped past max_unwritten, but a
     flush marker never is: records written before it keep its step, not the next one's."""
-    from metric_core import journal
+    from metric_core.format import journal
     from metric_core.writer.segments import RawFileWriter
 
     w = RawFileWriter(tmp_path, process="w", rank=0, max_unwritten=5)

@@ -232,10 +232,10 @@ class Alarms:
 class ValueWatch:
     """A run's values as they settle (``tail.RunTail``, as the sidecar reads them), fed to
     ``Alarms``: raw, each source's records in step order; global, each step once every live
-    source flushed it (``tail.Follower``, reduced as ``reduce`` would)."""
+    source flushed it (``upload.settle.Follower``, reduced as ``reduce`` would)."""
 
     def __init__(self, run_dir: Any, alarms: Alarms, *, follow_symlinks: bool = False) -> None:
-        from metric_core.offline.tail import RunTail
+        from metric_core.offline.read.tail import RunTail
 
         self.alarms = alarms
         # Its own reader (watch), or none: the sidecar hands over what its reader read (``judge``).
@@ -247,7 +247,7 @@ class ValueWatch:
         self.judged: dict[tuple[str, Any], int] = {}  # a series' newest step judged, before a reading anew
 
     def _follower(self) -> Any:
-        from metric_core.offline.tail import Follower
+        from metric_core.offline.upload.settle import Follower
 
         return (
             Follower(self.plan, share_run=False, sources=None, rename=False)
@@ -272,7 +272,7 @@ class ValueWatch:
     ) -> list[Alert]:
         """The alarms of ``records`` (settled records, as ``RunTail.poll`` gives them), with the
         sources and run.json that reader knows."""
-        from metric_core.offline.tail import expected_sources
+        from metric_core.offline.read.tail import expected_sources
 
         watched = (
             [k for k in records["key"].unique().to_list() if self.alarms.watched(k)] if records.height else []

@@ -42,8 +42,8 @@ import numpy as np
 import polars as pl
 
 from metric_core.errors import PlanError
+from metric_core.format.schema import key_hash
 from metric_core.offline.plan import By, ReducePlan, Statistic
-from metric_core.schema import key_hash
 
 if TYPE_CHECKING:  # imported where used: the engine package imports this module
     from metric_core.offline.engine.exact import ExactState

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from metric_core.errors import PlanError
-from metric_core.segment import DERIVED_KEY, derived_marker
+from metric_core.format.segment import DERIVED_KEY, derived_marker
 
 if TYPE_CHECKING:
     import polars as pl
@@ -104,7 +104,7 @@ def _write(
             if suffix == ".csv":
                 frame.write_csv(f, include_header=frame is first)
             elif frame.height:
-                from metric_core.records import to_jsonl  # pyarrow: only for JSON
+                from metric_core.format.records import to_jsonl  # pyarrow: only for JSON
 
                 lines: Any = to_jsonl(frame.to_arrow())
                 if suffix == ".json":

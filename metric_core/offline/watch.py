@@ -4,7 +4,7 @@ Each poll is ``inspect``'s reading of the run, judged against the wall clock. A 
 
 * **finished**: its newest attempt shut down cleanly;
 * **died**: its newest attempt ended otherwise (an exception, a signal, an exit without
-  ``shutdown()``, or its heartbeat is gone: ``offline.story``);
+  ``shutdown()``, or its heartbeat is gone: ``offline.inspect.story``);
 * **stalled**: alive (its writer's heartbeat goes on) but silent for ``stall_after``
   seconds (default: max(10 s, ten times its usual step time, twice its longest pause), so
   scheduling noise on fast steps never fires), also when every source hangs together (a
@@ -39,9 +39,8 @@ from typing import Any
 
 from metric_core.clock import duration
 from metric_core.errors import NoDataError, RunChangedError
-from metric_core.offline import story
 from metric_core.offline.alerts import Alarms, Alert, ValueWatch
-from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote
+from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote, story
 from metric_core.offline.inspect.health import EPISODE_S, culprit_of, held_by_hang, state_of, where_text
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path

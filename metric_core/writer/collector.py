@@ -49,7 +49,6 @@ from typing import Any, NoReturn
 import numpy as np
 import pyarrow as pa
 
-from metric_core import records
 from metric_core.errors import (
     CollectorClosedError,
     ConfigError,
@@ -58,9 +57,10 @@ from metric_core.errors import (
     WriteError,
     warn,
 )
-from metric_core.life import STALL_MIN_S
+from metric_core.format import records
+from metric_core.format.life import STALL_MIN_S
+from metric_core.format.schema import MAX_KEY_BYTES, default_process_name
 from metric_core.metric import Metric, Reduce, SampleAccumulator
-from metric_core.schema import MAX_KEY_BYTES, default_process_name
 from metric_core.writer import ends, where
 from metric_core.writer.backends import Backends, LoggerBackend
 from metric_core.writer.segments import MAX_UNWRITTEN, RawFileWriter
@@ -266,7 +266,7 @@ class MetricCollector:
 
     def record_sample(self, key: str, sample: dict[str, Any], timestamp: float | None = None) -> None:
         """Record a whole sample (``Reduce.SAMPLE``): a shallow copy of the dict, and no more
-        on this thread; the writer encodes it (``metric_core.sample``). Mutating a nested
+        on this thread; the writer encodes it (``metric_core.format.sample``). Mutating a nested
         field of ``sample`` before the next flush may change what is written."""
         if not isinstance(sample, dict):
             raise TypeError(

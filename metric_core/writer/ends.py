@@ -47,7 +47,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from metric_core.atomic import create_exclusive
-from metric_core.life import CAUGHT_SIGNALS, STACKS_DIR, stack_name
+from metric_core.format.life import CAUGHT_SIGNALS, STACKS_DIR, stack_name
 
 if TYPE_CHECKING:
     from metric_core.writer.collector import MetricCollector

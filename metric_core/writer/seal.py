@@ -17,11 +17,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from metric_core import journal, records
-from metric_core import sample as sample_codec
 from metric_core.atomic import new_hidden_file, publish
-from metric_core.schema import KEY_HASH
-from metric_core.segment import BLOCK_EVENT, PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
+from metric_core.format import journal, records
+from metric_core.format import sample as sample_codec
+from metric_core.format.schema import KEY_HASH
+from metric_core.format.segment import BLOCK_EVENT, PARQUET_KEY, SHUTDOWN_EVENT, SegmentMeta
 
 if TYPE_CHECKING:
     from metric_core.writer.segments import RawFileWriter

@@ -1,8 +1,8 @@
 """The raw-stream file writer: every record of one process, crash-safely, on local disk.
 
-A source writes numbered segments, ``{stem}.r{rank}.{seq:05d}.*`` (see ``metric_core.schema``):
+A source writes numbered segments, ``{stem}.r{rank}.{seq:05d}.*`` (see ``metric_core.format.schema``):
 
-1. The open segment is a journal (``.journal``, see ``metric_core.journal``): each
+1. The open segment is a journal (``.journal``, see ``metric_core.format.journal``): each
    flush appends the collector's raw buffer with one ``write`` to an unbuffered file,
    so a returned ``flush()`` survives a SIGKILL and costs no per-record work.
 2. When the journal holds ``segment_records`` records, is ``seal_interval`` seconds
@@ -42,13 +42,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from metric_core import journal, records
-from metric_core import sample as sample_codec
 from metric_core.atomic import create_exclusive
 from metric_core.errors import ConfigError, DiskFullError, RunDirGoneError, WriteError, warn
-from metric_core.life import pid_namespace, restart_count
+from metric_core.format import journal, records
+from metric_core.format import sample as sample_codec
+from metric_core.format.life import pid_namespace, restart_count
+from metric_core.format.schema import segment_stem
 from metric_core.metric import BackendRole, Metric
-from metric_core.schema import segment_stem
 from metric_core.writer.backends import LoggerBackend
 from metric_core.writer.lock import SourceLock
 from metric_core.writer.seal import ROW_GROUP_RECORDS, seal_journal
@@ -256,7 +256,7 @@ class RawFileWriter(LoggerBackend):
             self._backlog.append((step, None, 0, time.time()))
 
     def end_event(self, event: dict[str, Any]) -> None:
-        """Write an end event (an ``E`` frame, ``metric_core.life``) after what is queued, now."""
+        """Write an end event (an ``E`` frame, ``metric_core.format.life``) after what is queued, now."""
         with self._write_lock:
             self._events.append(event)
         self.write()

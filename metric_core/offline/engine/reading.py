@@ -16,13 +16,13 @@ from typing import Any
 import polars as pl
 
 from metric_core.errors import NoDataError, PlanError
+from metric_core.format.schema import TIMESTAMP_RANGE, default_process_name, parse_json
 from metric_core.offline import filters, partials
 from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import RunScan, all_skipped
 from metric_core.offline.read.parquet import kept_first_times, row_group_lows
 from metric_core.offline.storage import RunPath, open_read, raise_store_failure
 from metric_core.offline.timeorder import Part
-from metric_core.schema import TIMESTAMP_RANGE, default_process_name, parse_json
 
 # What breaks a tie of timestamps between a first (or last) record and another, after them
 # the value's bits (``partials``)

@@ -35,7 +35,7 @@ from typing import Any
 
 import polars as pl
 
-from metric_core.offline import story
+from metric_core.offline.inspect import story
 from metric_core.offline.inspect.aggregates import EARLIER, aggregate
 from metric_core.offline.inspect.health import (
     MIN_STEP_TIMES,

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from metric_core.format.schema import KEY_HASH, keys_by_hash
 from metric_core.offline.read import FileReport, OnProgress, RunScan, all_skipped
-from metric_core.schema import KEY_HASH, keys_by_hash
 
 # Records of another tool's file aggregated at a time (the file is read once, in frames).
 BATCH_ROWS = 500_000

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.life import STALL_MIN_S, place_text  # no silence shorter is a stall: scheduling noise
-from metric_core.offline import story
+from metric_core.format.life import STALL_MIN_S, place_text  # no silence shorter is a stall: scheduling noise
+from metric_core.offline.inspect import story
 from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
 from metric_core.offline.read import RunScan
@@ -64,16 +64,23 @@ def cadence_of(steps: dict[Source, SourceSteps]) -> Cadence:
     return out
 
 
+def quiet_threshold(typical: float | None, longest: float | None, floor: float = 0.0) -> float:
+    """The one rule of "silent too long", for ``inspect`` (stopped early), ``watch`` (stalled)
+    and the sidecar (a source without a life let go): ten times its usual step time, or twice
+    its longest pause, whichever is longest (and ``floor`` at least)."""
+    return max(floor, QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0))
+
+
 def stall_threshold(typical: float | None, longest: float | None) -> float:
-    """How long a live source may be silent before it is stalled: ``STALL_MIN_S``, ten times
-    its usual step time, or twice its longest pause, whichever is longest."""
-    return max(STALL_MIN_S, QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0))
+    """How long a live source may be silent before it is stalled: ``quiet_threshold``, and
+    ``STALL_MIN_S`` at least."""
+    return quiet_threshold(typical, longest, STALL_MIN_S)
 
 
 def source_status(clean: bool, lag: float, typical: float | None, longest: float | None) -> str:
     if clean:
         return "finished"
-    threshold = max(QUIET_FACTOR * (typical or 0.0), OWN_GAP_FACTOR * (longest or 0.0))
+    threshold = quiet_threshold(typical, longest)
     return "stopped_early" if lag > threshold and lag > 0 else "unfinished"
 
 

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metric_core.errors import as_keyword, spell_options
+from metric_core.offline.inspect.story import Failure, Pause
 from metric_core.offline.inspect.verdict import verdict_lines
 from metric_core.offline.read.attempts import Attempt
-from metric_core.offline.story import Failure, Pause
 
 
 @dataclass
@@ -43,7 +43,7 @@ class SourceHealth:
     # once it has a cadence): a hang, even when every source hangs together.
     stalled: bool = False
     stall_after_s: float | None = None  # max(10 s, 10 step times, twice its longest pause), or as asked
-    end: str | None = None  # its newest attempt's end (``offline.story``): "running", "died", ...
+    end: str | None = None  # its newest attempt's end (``offline.inspect.story``): "running", "died", ...
     # Where its main thread is (a running source whose writer says it): {"own", "inner", "since"},
     # and "threads" once it was silent 10 s.
     where: dict[str, Any] | None = None
@@ -111,7 +111,7 @@ class InspectReport:
     checked_at: float = 0.0
     # Every source that stopped early, the first to stop first (``first_to_stop`` is the first).
     stopped_early: list[FirstToStop] = field(default_factory=list)
-    # The earliest attempt end that was not a clean shutdown (``offline.story``).
+    # The earliest attempt end that was not a clean shutdown (``offline.inspect.story``).
     first_failure: Failure | None = None
     # The sources whose attempts failed first all together (one event, no culprit): then no
     # first_failure. [{"process", "rank"}]

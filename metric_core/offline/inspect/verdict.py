@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import opt
-from metric_core.offline import story
+from metric_core.offline.inspect import story
 
 if TYPE_CHECKING:
     from metric_core.offline.inspect.report import InspectReport

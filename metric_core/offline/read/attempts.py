@@ -20,7 +20,7 @@ import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core.errors import PlanError, opt
-from metric_core.life import Life
+from metric_core.format.life import Life
 from metric_core.offline.read.report import ReadReport
 
 REWIND, ALL = "rewind", "all"
@@ -44,7 +44,7 @@ class Attempt:
     replaced_steps: tuple[int, int] | None = None
     replaced_by: str | None = None  # the attempt that replaced them
     restarted_at: int | None = None  # that attempt's first step
-    # How it ended (``offline.story`` tells it; docs/commands.md): "shutdown", "exception",
+    # How it ended (``offline.inspect.story`` tells it; docs/commands.md): "shutdown", "exception",
     # "signal", "exit", "died" or "running", and the details of that end.
     number: int | None = None  # 1, 2, ...: from the launcher's restart count where it set one
     end: str | None = None

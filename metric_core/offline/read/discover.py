@@ -17,11 +17,18 @@ import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core import run_json
+from metric_core.format.sample import is_samples_file
+from metric_core.format.schema import DATA_SUFFIXES, parse_json
+from metric_core.format.segment import (
+    DERIVED_KEY,
+    PARQUET_KEY,
+    SEGMENT_EVENT,
+    Damaged,
+    SegmentMeta,
+    derived_marker,
+)
 from metric_core.offline.read.report import FileReport, ReadReport, rel
 from metric_core.offline.storage import RunPath, listing, open_read, raise_store_failure, run_path, source
-from metric_core.sample import is_samples_file
-from metric_core.schema import DATA_SUFFIXES, parse_json
-from metric_core.segment import DERIVED_KEY, PARQUET_KEY, SEGMENT_EVENT, Damaged, SegmentMeta, derived_marker
 
 _MAX_SEGMENT_LINE = 1 << 26  # the writer's first line lists every key of the segment
 # run.json values past these are not a run's: ignored and said.

@@ -14,10 +14,10 @@ import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core.errors import NoDataError, RunChangedError, StorageError
+from metric_core.format.sample import DIRECTORY, is_samples_file
 from metric_core.offline.read.attempts import Attempt
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import RunPath, explain_store_failure, is_remote, is_store_failure
-from metric_core.sample import DIRECTORY, is_samples_file
 
 T = TypeVar("T")
 
@@ -44,7 +44,7 @@ def _recorded_nothing(report: ReadReport) -> str:
     "its attempt ended before recording any metric: Trainer_r0 (rank 0) raised ..."."""
     import time
 
-    from metric_core.offline import story
+    from metric_core.offline.inspect import story
     from metric_core.offline.storage import newest_listed
 
     now = time.time() if isinstance(report.run_dir, Path) else newest_listed(report.run_dir)

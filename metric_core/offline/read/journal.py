@@ -6,17 +6,17 @@ from typing import Any
 
 import polars as pl
 
+from metric_core.format.segment import SegmentMeta
 from metric_core.offline.read.discover import take_attempt, writer_meta
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import scan_parquet
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
 from metric_core.offline.storage import RunPath, raise_store_failure
-from metric_core.segment import SegmentMeta
 
 
 def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:
-    from metric_core import journal  # pyarrow: only for runs that hold a journal
+    from metric_core.format import journal  # pyarrow: only for runs that hold a journal
 
     try:
         data = path.read_bytes()

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from metric_core.format.schema import MAX_LINE_BYTES, NestedTooDeep, parse_json, spell_float
+from metric_core.format.segment import SegmentMeta
 from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
 from metric_core.offline.read.validate import POLARS_SCHEMA, TEXT_SCHEMA, TYPED_SCHEMA, accept
 from metric_core.offline.storage import RunPath, is_remote, raise_store_failure, source
-from metric_core.schema import MAX_LINE_BYTES, NestedTooDeep, parse_json, spell_float
-from metric_core.segment import SegmentMeta
 
 if TYPE_CHECKING:
     import numpy as np

@@ -9,6 +9,8 @@ from typing import Any
 import polars as pl
 from polars.exceptions import PanicException
 
+from metric_core.format.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
+from metric_core.format.segment import SegmentMeta
 from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.interned import KEY_BUDGET, categorical_keys
 from metric_core.offline.read.report import COUNTING, FileReport, ReadReport, Shutdown, rel
@@ -30,8 +32,6 @@ from metric_core.offline.storage import (
     size_and_mtime,
     source,
 )
-from metric_core.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
-from metric_core.segment import SegmentMeta
 
 _EXACT_TYPES = {name: POLARS_SCHEMA[name] for name in REQUIRED_FIELDS}
 
@@ -96,7 +96,7 @@ def scan_parquet(
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
 
 
-# The writer's columns as Parquet stores them (``metric_core.records.DICT_SCHEMA``).
+# The writer's columns as Parquet stores them (``metric_core.format.records.DICT_SCHEMA``).
 _PHYSICAL = {
     "key": "BYTE_ARRAY",
     "value": "DOUBLE",

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from metric_core.errors import Message, as_keyword, opt, spell_options
-from metric_core.life import Life
+from metric_core.format.life import Life
 from metric_core.offline.storage import RunPath, is_remote
 
 MAX_LINES_KEPT = 1000

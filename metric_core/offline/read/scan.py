@@ -18,6 +18,8 @@ import polars as pl
 from polars.exceptions import PanicException
 
 from metric_core.errors import NoDataError, RunChangedError
+from metric_core.format.schema import KEY_HASH, REQUIRED_FIELDS
+from metric_core.format.segment import Damaged, SegmentMeta
 from metric_core.offline.read.attempts import REWIND, resolve
 from metric_core.offline.read.discover import (
     Derived,
@@ -53,8 +55,6 @@ from metric_core.offline.storage import (
     size_and_mtime,
     storage_errors,
 )
-from metric_core.schema import KEY_HASH, REQUIRED_FIELDS
-from metric_core.segment import Damaged, SegmentMeta
 
 T = TypeVar("T")
 

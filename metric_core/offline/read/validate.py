@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import polars as pl
 
+from metric_core.format.schema import DEFAULT_PROCESS_PREFIX, FIELDS, REQUIRED_FIELDS, TIMESTAMP_RANGE
+from metric_core.format.segment import BLOCK_EVENT, SEGMENT_EVENT, SHUTDOWN_EVENT
 from metric_core.offline.read.report import MAX_LINES_KEPT, FileReport, ReadReport, Shutdown
-from metric_core.schema import DEFAULT_PROCESS_PREFIX, FIELDS, REQUIRED_FIELDS, TIMESTAMP_RANGE
-from metric_core.segment import BLOCK_EVENT, SEGMENT_EVENT, SHUTDOWN_EVENT
 
 if TYPE_CHECKING:
     import numpy as np

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from metric_core.errors import Message, NoSamplesError, PlanError, RequestError, opt
+from metric_core.format.sample import is_samples_file
 from metric_core.offline.filters import nearest
 from metric_core.offline.samples.choosing import SampleChoice, choose, number
 from metric_core.offline.samples.frame import EXACT_FLOAT_INT, FIXED, column_names, field_names, samples_frame
@@ -38,7 +39,6 @@ from metric_core.offline.samples.reading import (
     record_attempts,
 )
 from metric_core.offline.samples.upload_tables import SampleTables
-from metric_core.sample import is_samples_file
 
 if TYPE_CHECKING:
     import polars as pl

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from metric_core import journal
-from metric_core import sample as sample_codec
 from metric_core.errors import NoDataError
+from metric_core.format import journal
+from metric_core.format import sample as sample_codec
+from metric_core.format.schema import parse_json
 from metric_core.offline.read.report import FileReport, ReadReport, rel
 from metric_core.offline.storage import RunPath, arrow_source, listing, not_a_directory, open_read
-from metric_core.schema import parse_json
 
 _BLOCK_PREFIX = b'{"event": "block", '
 

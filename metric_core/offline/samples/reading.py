@@ -10,9 +10,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from metric_core import journal
-from metric_core import sample as sample_codec
 from metric_core.errors import MetricLogError, PlanError
+from metric_core.format import journal
+from metric_core.format import sample as sample_codec
 from metric_core.offline.plan import key_matcher
 from metric_core.offline.read.report import FileReport, ReadReport
 from metric_core.offline.samples.files import (

@@ -1,4 +1,4 @@
-"""``upload --follow``: the sidecar loop. Poll the run (``offline.tail``), hand each W&B
+"""``upload --follow``: the sidecar loop. Poll the run (``read.tail``), hand each W&B
 run the rows that became complete, keep the ledger, end when the job did.
 
 A W&B run is opened when its first row is ready, as a plain upload opens it (``decide``):
@@ -29,22 +29,14 @@ import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
-from metric_core.life import place_text
+from metric_core.format.life import place_text
 from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.inspect.health import EPISODE_S, odd_one_out
 from metric_core.offline.plan import By, ReducePlan
+from metric_core.offline.read.tail import RunTail, SourceState, counted, expected_sources
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
-from metric_core.offline.tail import (
-    UNKNOWN_SOURCES,
-    Follower,
-    Ready,
-    RunTail,
-    SourceState,
-    counted,
-    expected_sources,
-)
 from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.restarts import AttemptStep, attempt_steps, replacing
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, request_key, run_config, run_id_for
@@ -57,6 +49,7 @@ from metric_core.offline.upload.send import (
     decide,
     find_entry,
 )
+from metric_core.offline.upload.settle import UNKNOWN_SOURCES, Follower, Ready
 
 NEVER = 1 << 62  # rows to skip of a run that is skipped
 # How ``follow_upload`` ended: every source finished, idle for ``until_idle``, every source

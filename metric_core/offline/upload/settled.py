@@ -2,7 +2,7 @@
 
 ``running`` tells, from the journals alone, whether a writer of the run may still write
 (its journal has no clean end and its process is not over). Then ``settled_runs`` reads
-the run once as the sidecar does (``offline.tail``: ``RunTail`` and ``Follower``) and
+the run once as the sidecar does (``read.tail.RunTail`` and ``settle.Follower``) and
 plans the rows that are complete: a step every holding source flushed, a window every
 holding source's records passed. A partial step is never planned. The runs are ``open``:
 the upload leaves them unfinished in its ledger, and a later upload continues them
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from metric_core.errors import StrictModeError
-from metric_core.life import END_KINDS
+from metric_core.format.life import END_KINDS
 from metric_core.offline.plan import ReducePlan
 from metric_core.offline.storage import RunPath, name_of
 from metric_core.offline.upload.restarts import attempt_steps
@@ -38,10 +38,10 @@ def running(root: RunPath, *, follow_symlinks: bool = False) -> bool:
     end, and the process that writes it is not known to be over (its end recorded, its pid
     gone, its heartbeat stopped). Files of an older writer, which record no life, and runs
     in object storage, read as finished (as every command reads them)."""
-    from metric_core import journal
+    from metric_core.format import journal
+    from metric_core.offline.inspect.story import process_gone
     from metric_core.offline.read import ReadReport
     from metric_core.offline.read.discover import list_data_files
-    from metric_core.offline.story import process_gone
 
     if not isinstance(root, Path):
         return False
@@ -106,8 +106,9 @@ def settled_runs(
     when a source may still write: the job goes on); ``warnings`` say what was skipped."""
     import polars as pl
 
-    from metric_core.offline.tail import Follower, RunTail, counted, expected_sources
+    from metric_core.offline.read.tail import RunTail, counted, expected_sources
     from metric_core.offline.upload.follow import _identity
+    from metric_core.offline.upload.settle import Follower
 
     assert isinstance(root, Path)  # ``running`` is False for a run in object storage
     tail = RunTail(root, follow_symlinks=follow_symlinks)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from metric_core.format.sample import to_json
 from metric_core.metric import BackendRole, Metric
-from metric_core.sample import to_json
 from metric_core.writer.backends import LoggerBackend
 
 

@@ -21,8 +21,8 @@ import logging
 from typing import Any
 
 from metric_core.errors import ConfigError, MissingDependencyError
+from metric_core.format.sample import number_of, to_json
 from metric_core.metric import BackendRole, LoggingMode, Metric
-from metric_core.sample import number_of, to_json
 from metric_core.writer.backends import LoggerBackend
 
 logger = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.life import Life
-from metric_core.schema import TIMESTAMP_RANGE, parse_json
+from metric_core.format.life import Life
+from metric_core.format.schema import TIMESTAMP_RANGE, parse_json
 
 PARQUET_KEY = "metriclog"
 # A key's entry of ``key_stats``: key, reduction, records, first step, last step, first
@@ -68,7 +68,7 @@ class SegmentMeta:
     attempt: str | None = None  # the writer's attempt id: one per init() of the source
     attempt_started: float | None = None  # when that attempt started
     attempt_first_step: int | None = None  # the step of its first flush(step), once there was one
-    life: Life | None = None  # where it ran, its flush times, pauses and end events (``metric_core.life``)
+    life: Life | None = None  # where it ran, its flush times, pauses and end events (``format.life``)
     # Parquet: each row group's records, lowest step and earliest time, in order (what the
     # footer says too, but outside any checksum)
     row_groups: tuple[tuple[int, int, float], ...] | None = None

@@ -2,7 +2,7 @@
 heartbeat, when its steps ended, its pauses, and how it ended.
 
 Both halves use it: the writer's journal decoder fills a ``Life`` from the frames
-(``metric_core.journal``), sealing stores it in the segment's metadata
+(``metric_core.format.journal``), sealing stores it in the segment's metadata
 (``SegmentMeta.life``), and the reader merges the lives of an attempt's files
 (``Life.merged``) to tell its story (``offline.read.attempts``, ``inspect``).
 
@@ -47,7 +47,7 @@ DEAD_AFTER_MIN_S = 5.0
 # writer then adds every thread's place to its heartbeat.
 STALL_MIN_S = 10.0
 END_KINDS = ("exception", "signal", "exit")
-# Stack files (``metric_core.writer.ends`` writes them, ``offline.story`` reads them):
+# Stack files (``metric_core.writer.ends`` writes them, ``offline.inspect.story`` reads them):
 # ``stacks/{stem}.{attempt}.{what}.txt``, ``what`` a caught signal, ``fatal`` or ``hang-N``.
 STACKS_DIR = "stacks"
 CAUGHT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")

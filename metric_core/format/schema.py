@@ -1,7 +1,7 @@
 """The raw record (docs/format.md), its spellings, and the names of the files the writer leaves.
 
 This module is the one definition of the record: its fields and their types (from which
-``metric_core.records`` builds the Arrow schema and the reader the polars one), the
+``metric_core.format.records`` builds the Arrow schema and the reader the polars one), the
 process name a reader fills in, how JSON lines spell NaN and the infinities, and the
 timestamps a reader accepts. It imports nothing but the standard library.
 
@@ -9,10 +9,10 @@ Files of one source (``stem`` is the sanitized process name and the rank, e.g.
 ``TrainActor_r0.r0``, so two sources that share a process name never share a file):
 
 * ``{stem}.{seq:05d}.journal`` the open segment: an append-only binary journal of
-  the collector's buffer (see ``metric_core.journal``), readable up to its last
+  the collector's buffer (see ``metric_core.format.journal``), readable up to its last
   complete frame after a kill.
 * ``{stem}.{seq:05d}.parquet`` or ``.jsonl``: a sealed segment. Its metadata
-  (``metric_core.segment``) names the journal it supersedes, so a journal left behind
+  (``metric_core.format.segment``) names the journal it supersedes, so a journal left behind
   by a kill between the atomic rename and the unlink is not read twice.
 * ``.{name}.{random}.tmp``     work in progress; names starting with "." are not data.
 """

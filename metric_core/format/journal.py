@@ -28,7 +28,7 @@ without F frames, and ``MLJ1`` are still read)::
                      instead of an H frame when the place changed; ``threads`` (every
                      other thread's place) once the rank has been silent ``STALL_MIN_S``
              type E: JSON {"kind", "timestamp", ...}   how the attempt ended, or
-                     something it lived through (``metric_core.life``)
+                     something it lived through (``metric_core.format.life``)
              type P: i64:step, then JSON [[key, timestamp, sample], ...]: samples
                      (``Reduce.SAMPLE``), relabelled by F frames as records are
 
@@ -57,9 +57,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from metric_core.life import Life, is_event
-from metric_core.records import build_table, int64_array
-from metric_core.schema import KEY_HASH, key_hash, parse_json
+from metric_core.format.life import Life, is_event
+from metric_core.format.records import build_table, int64_array
+from metric_core.format.schema import KEY_HASH, key_hash, parse_json
 
 MAGIC = b"MLJ6"  # 6: W frames (where); 5: P frames (samples); 4: F frames carry their time, H and E
 FORMAT = 6

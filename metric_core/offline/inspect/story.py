@@ -1,7 +1,7 @@
 """The story of a run: how each attempt of each source ended, which failed first, and
 where the job paused (``inspect`` tells it; docs/commands.md describes the fields).
 
-An attempt's ``end`` comes from what its writer recorded (``metric_core.life``, and the
+An attempt's ``end`` comes from what its writer recorded (``metric_core.format.life``, and the
 stack files of ``metric_core.writer.ends`` in ``stacks/``):
 
 * ``shutdown``: a clean ``shutdown()``;
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace, place_text
+from metric_core.format.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace, place_text
 from metric_core.offline.read.attempts import LEGACY, Attempt
 from metric_core.offline.read.report import ReadReport, rel
 from metric_core.offline.storage import RunPath, is_remote, listed_below, size_and_mtime

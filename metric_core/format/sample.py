@@ -17,7 +17,7 @@ import json
 import zlib
 from typing import Any
 
-from metric_core.schema import MAX_LINE_BYTES
+from metric_core.format.schema import MAX_LINE_BYTES
 
 # A sealed JSONL line holds a sample and its step, rank, process, timestamp and key: the
 # reader refuses lines over MAX_LINE_BYTES, so the writer refuses samples that would make one.

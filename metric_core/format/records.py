@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from metric_core.schema import FIELDS, KEY_HASH, NONFINITE_SPELLING
+from metric_core.format.schema import FIELDS, KEY_HASH, NONFINITE_SPELLING
 
 ARROW_SCHEMA = pa.schema([(name, pa.type_for_alias(kind)) for name, kind in FIELDS.items()])
 # The writer's tables: string columns dictionary-encoded (Parquet writes them as they are;
