@@ -131,16 +131,17 @@ STATES_CHILD = """
 import sys, time
 from cli import tuning
 tuning.apply()
-from metric_core.offline import engine, partials
+from metric_core.offline import engine
+from metric_core.offline.engine import partials
 from metric_core.offline.plan import make_plan
 from metric_core.offline.read import scan_run
 scan = scan_run(sys.argv[1], defer_checks=True)
 plan = make_plan()
-kept, statistic_of = engine.reading.columns_read(plan, scan), engine.reading.statistic_chooser(plan)
+kept, statistic_of = engine.tasks.columns_read(plan, scan), engine.filters.statistic_chooser(plan)
 frames, held = [], 0
 for fid in scan.file_ids:
-    dictionaries = engine.reading.reads_dictionaries(scan)
-    frames += scan.batches(fid, kept, dictionaries=dictionaries, rows=engine.reading.PARTITION_ROWS)
+    dictionaries = engine.tasks.reads_dictionaries(scan)
+    frames += scan.batches(fid, kept, dictionaries=dictionaries, rows=engine.tasks.PARTITION_ROWS)
     held = sum(df.height for df in frames)
     if held >= 1_000_000:
         break

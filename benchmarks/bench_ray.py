@@ -45,8 +45,8 @@ def tasks_of(run: Path) -> tuple[int, float]:
     from metric_core.offline import engine
 
     scan = scan_run(run, defer_checks=True)
-    dictionaries = engine.reading.reads_dictionaries(scan)
-    found = engine.reading.tasks(make_plan(), scan, scan.file_ids, None, dictionaries)
+    dictionaries = engine.tasks.reads_dictionaries(scan)
+    found = engine.tasks.cut(make_plan(), scan, scan.file_ids, None, dictionaries)
     return len(found), scan.report.records / max(1, len(found))
 
 
@@ -55,14 +55,15 @@ def tasks_of(run: Path) -> tuple[int, float]:
 TASK_CHILD = """
 import resource, sys, time
 from metric_core import make_plan, scan_run
-from metric_core.offline import engine, filters
+from metric_core.offline import engine
+from metric_core.offline.engine import filters
 plan = make_plan(mode=sys.argv[2], reduce=sys.argv[3:])
 scan = scan_run(sys.argv[1])
 scan = scan.for_other_processes()
-dictionaries = engine.reading.reads_dictionaries(scan)
-found = engine.reading.tasks(plan, scan, scan.file_ids, None, dictionaries)[:16]
-kept = engine.reading.columns_read(plan, scan)
-work = engine.reading.TaskWork(plan, scan, dictionaries, kept, None, engine.reading.PARTITION_ROWS)
+dictionaries = engine.tasks.reads_dictionaries(scan)
+found = engine.tasks.cut(plan, scan, scan.file_ids, None, dictionaries)[:16]
+kept = engine.tasks.columns_read(plan, scan)
+work = engine.tasks.TaskWork(plan, scan, dictionaries, kept, None, engine.tasks.PARTITION_ROWS)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 cpu = time.process_time()
 records = sum(t.size for t in found)

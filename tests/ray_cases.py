@@ -69,7 +69,7 @@ def runs(tmp_path_factory, local_ray):
 def test_ray_gives_the_local_engines_bits(runs, options, monkeypatch):
     from metric_core.offline import engine
 
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 300)  # many tasks, several partitions each
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 300)  # many tasks, several partitions each
     for run in runs:
         local = reduce_run(run, **options)
         on_ray = reduce_run(run, engine="ray", **options)
@@ -94,7 +94,7 @@ def test_ray_reads_a_restarted_source_as_the_local_engine(tmp_path_factory, loca
     from metric_core import make_plan
     from metric_core.offline import engine
 
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 40)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 40)
     run = tmp_path_factory.getbasetemp() / "restarted"
     if not run.exists():
         run.mkdir()
@@ -115,7 +115,7 @@ def test_the_command_line_writes_the_same_file_with_either_engine(runs, tmp_path
     from cli.main import app
     from metric_core.offline import engine
 
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 300)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 300)
     own, _ = runs
     files = {}
     for name in ("local", "ray"):
@@ -135,7 +135,7 @@ def test_plot_and_upload_on_ray_give_the_local_engines_bits(runs, tmp_path, monk
     from metric_core.offline.upload import Destination
     from tests.wandb_file import find_run_file, history_rows, read_records
 
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 300)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 300)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_DIR", raising=False)

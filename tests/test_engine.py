@@ -23,8 +23,8 @@ import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
 from metric_core.format.schema import default_process_name
-from metric_core.offline import accumulator, engine, partials, read
-from metric_core.offline.engine import reduce_run, run_plan
+from metric_core.offline import engine, read
+from metric_core.offline.engine import accumulator, partials, reduce_run, run_plan
 from metric_core.offline.plan import make_plan
 from metric_core.offline.read import RunScan, parquet, scan_run
 
@@ -143,7 +143,7 @@ def _run_cli(run: Path, out: Path, threads: int, *args: str, dictionaries: bool 
     code = (
         "import sys\n"
         "from metric_core.offline import engine\n"
-        f"engine.reading.DICTIONARY_READ_RECORDS = {0 if dictionaries else 10**12}\n"
+        f"engine.tasks.DICTIONARY_READ_RECORDS = {0 if dictionaries else 10**12}\n"
         "from metriclog.main import app\n"
         "app(sys.argv[1:])\n"
     )
@@ -229,7 +229,7 @@ def row_group_reads(monkeypatch) -> list[tuple[str, int]]:
         return original(path, columns, hashed, row_groups, rows, rep=rep)
 
     monkeypatch.setattr(read.scan, "categorical_batches", counting)
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)
     return reads
 
 
@@ -478,7 +478,7 @@ def test_another_tools_bad_rows_are_skipped_whichever_way_its_file_is_read(tmp_p
     truth = run_plan(tmp_path / "clean", make_plan(**plan)).frame
     assert truth.height == 2
     for threshold in (0, 10**12):
-        monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", threshold)
+        monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", threshold)
         result = run_plan(tmp_path / "bad", make_plan(**plan))
         assert result.frame.equals(truth), threshold
         assert result.scan.report.skipped_records == 2
@@ -508,7 +508,7 @@ def test_raw_mode_streams_a_source_in_time_order_and_gives_the_bits_of_one_sort(
         },
         row_group_size=7,
     )
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0 if row_groups else 10**12)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0 if row_groups else 10**12)
     monkeypatch.setattr(engine.raw, "RAW_BATCH_ROWS", 20)
     result = run_plan(tmp_path, make_plan(mode="per_rank_no_reduce"))
     batches = list(result.batches())
@@ -557,7 +557,7 @@ def test_raw_mode_sets_aside_the_sources_of_a_file_of_many_and_gives_the_bits_of
         }
         write_foreign(tmp_path / "other" / name, frame, row_group_size=9)
         files.append(tmp_path / "other" / name)
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0 if row_groups else 10**12)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0 if row_groups else 10**12)
     monkeypatch.setattr(engine.raw, "RAW_BATCH_ROWS", 20)
     read_whole = []
     real_read_part = engine.raw.read_part
@@ -582,7 +582,7 @@ def test_raw_mode_sets_aside_the_sources_of_a_file_of_many_and_gives_the_bits_of
 def test_in_time_order_equals_one_stable_sort(seed):
     """Parts with random, overlapping (or unknown) time ranges and ties, read in any batch
     size: the rows of one stable sort of the parts concatenated in file order."""
-    from metric_core.offline.timeorder import Part, in_time_order
+    from metric_core.offline.engine.timeorder import Part, in_time_order
 
     rng = np.random.default_rng(seed)
     frames, parts = [], []
@@ -647,8 +647,8 @@ def test_the_steps_no_task_still_to_come_can_hold_are_handed_over_and_dropped(tm
         }
         write_foreign(tmp_path / f"part-{rank}.parquet", rows, row_group_size=4000)
         records += [dict(zip(rows, r, strict=True)) for r in zip(*rows.values(), strict=True)]
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 10_000)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 10_000)
     monkeypatch.setattr(accumulator, "SPILL_VALUES", 3_000)  # p90's values spill, and are taken back
     monkeypatch.setattr(accumulator, "SLICE_VALUES", 1_000)
     monkeypatch.setattr(engine.finish, "TAKEN_GROUPS", 2)  # steps are taken as soon as a block is done
@@ -720,8 +720,8 @@ def test_a_large_row_group_is_reduced_a_partition_at_a_time(tmp_path, monkeypatc
     }
     write_foreign(tmp_path / "one.parquet", rows)  # one row group of 9600 records
     assert pq.ParquetFile(tmp_path / "one.parquet").num_row_groups == 1
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 1000)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 1000)
     sizes: list[int] = []
     states = partials.partition_states
 
@@ -776,8 +776,8 @@ def test_partitions_with_and_without_first_and_last_fold_together(tmp_path, monk
             "rank": np.full(600, ord(name)),
         }
         write_foreign(tmp_path / f"{name}.parquet", rows)
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 200)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 200)
     records = pl.read_parquet(sorted(tmp_path.glob("*.parquet")))
     records = records.with_columns(pl.col(pl.Categorical).cast(pl.String))
     frame = run_plan(tmp_path, make_plan()).frame
@@ -826,7 +826,7 @@ def test_a_stream_left_half_read_by_an_error_does_not_keep_the_process_alive(man
     script = f"""
 import metric_core.offline.engine as engine
 from metric_core.offline.plan import make_plan
-engine.reading.PARTITION_ROWS = 50  # many partitions: the threads wait to hand theirs over
+engine.tasks.PARTITION_ROWS = 50  # many partitions: the threads wait to hand theirs over
 batches = engine.run_plan({str(many_files)!r}, make_plan(mode="per_rank_reduce")).batches()
 next(batches)
 raise SystemExit("failed while reading")
@@ -846,9 +846,9 @@ def test_a_thread_done_with_its_task_starts_a_later_one_while_an_earlier_one_is_
         write_collector_run(tmp_path, [(f"TrainActor_r{i}", i)], steps=10, first_step=10 * i, seed=i)
     want = run_plan(tmp_path, make_plan()).frame
     monkeypatch.setattr(engine.pl, "thread_pool_size", lambda: 2)
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 200)  # tasks of one partition, of a file or two
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 200)  # tasks of one partition, of a file or two
     lock, later, firsts = threading.Lock(), threading.Semaphore(0), []
-    work = engine.reading.TaskWork.__call__
+    work = engine.tasks.TaskWork.__call__
 
     def paced(self, task, **kwargs):  # task 0 (step 0 on) waits until tasks 1 and 2 have started
         with lock:
@@ -859,7 +859,7 @@ def test_a_thread_done_with_its_task_starts_a_later_one_while_an_earlier_one_is_
             raise AssertionError("task 2 never started while task 0 waited")
         yield from work(self, task, **kwargs)
 
-    monkeypatch.setattr(engine.reading.TaskWork, "__call__", paced)
+    monkeypatch.setattr(engine.tasks.TaskWork, "__call__", paced)
     got = run_plan(tmp_path, make_plan()).frame
     assert len(firsts) >= 3 and min(firsts) == 0, firsts
     assert got.equals(want)
@@ -925,8 +925,8 @@ def test_values_spilled_across_many_takes_all_come_back(tmp_path, monkeypatch, s
         write_foreign(tmp_path / f"part-{rank}.parquet", rows, row_group_size=1000)
         for s, k, v in zip(step.tolist(), key.tolist(), value.tolist(), strict=True):
             truth.setdefault((s, k), []).append(v)
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 500)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 500)
     monkeypatch.setattr(accumulator, "SPILL_VALUES", spill)  # dozens of spill files, or none
     monkeypatch.setattr(accumulator, "SLICE_VALUES", 400)  # a take's quantiles in several queries
     slices = value_slices(monkeypatch)
@@ -969,7 +969,7 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
         exacts.append("none" if p.exact is None else "sums" if p.exact.squares is None else "squares")
 
     monkeypatch.setattr(accumulator.Accumulator, "add", fields)
-    monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 60)  # each file alone in its partitions
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 60)  # each file alone in its partitions
     frame = run_plan(tmp_path, make_plan()).frame
     got = {(s, k): (v, n) for s, k, v, n in frame.select("step", "key", "value", "count").iter_rows()}
     assert set(got) == set(truth)
@@ -1047,7 +1047,7 @@ def test_how_groups_are_held_and_keys_typed_changes_no_bit(many_files, monkeypat
     """Groups placed a few at a time into chunks of a few (each group folded in the order
     its states came), and keys handed over as text past the interning budget: the same
     bits as the defaults, which hold everything in one chunk and keys as Categorical."""
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)
     want = run_plan(many_files, make_plan(**args)).frame
     monkeypatch.setattr(accumulator, "CHUNK_GROUPS", 16)
     monkeypatch.setattr(accumulator, "LOOSE_GROUPS", 8)
@@ -1077,8 +1077,8 @@ def test_many_distinct_keys_read_as_text_equal_numpy(tmp_path):
 import json, sys
 from metric_core.offline import engine, read
 from metric_core.offline.plan import make_plan
-engine.reading.DICTIONARY_READ_RECORDS = 0
-engine.reading.PARTITION_ROWS = 5000
+engine.tasks.DICTIONARY_READ_RECORDS = 0
+engine.tasks.PARTITION_ROWS = 5000
 read.interned.KEY_BUDGET = 1000
 admitted = []
 categorical_keys = read.interned.categorical_keys
@@ -1213,7 +1213,7 @@ def test_another_tools_bad_rows_are_counted_once_when_a_mixed_key_is_looked_up_m
     """A key under two reductions in another tool's file sends the engine back to the file
     for its first record while the file's row groups are being read and checked: its bad
     rows are counted once, as the truth has them."""
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)  # row groups, read in parts
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)  # row groups, read in parts
     n = 400
     steps = np.arange(n) // 4
     times = BASE_TIME + np.arange(n, dtype=float)
@@ -1338,8 +1338,8 @@ def test_every_plan_over_a_restarted_run_reads_every_record_it_keeps(
     of the records the plan keeps; raw rows are those records, bit for bit."""
     run, written, ids = restarted_runs[layout.split()[0]]
     if layout == "parquet by row group":
-        monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)
-        monkeypatch.setattr(engine.reading, "PARTITION_ROWS", 40)  # several tasks, several partitions each
+        monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)
+        monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 40)  # several tasks, several partitions each
     chosen = ATTEMPT_CHOICES[attempts]
     how = attempts if chosen is None else ids[chosen[0]][chosen[1] - 1]
     every = 3.0

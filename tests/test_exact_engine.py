@@ -220,8 +220,8 @@ _REDUCE = (
     """
 import json, sys
 import polars as pl
-from metric_core.offline.engine import reading, reduce_run
-reading.PARTITION_ROWS = int(sys.argv[2])
+from metric_core.offline.engine import tasks, reduce_run
+tasks.PARTITION_ROWS = int(sys.argv[2])
 out = {}
 for mode in ("global_reduce", "per_rank_reduce"):
     for by in ("step", "time"):

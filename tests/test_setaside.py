@@ -1,5 +1,5 @@
 """Millions of groups in one step are set aside on disk and read back a slice of keys at a
-time (``offline.setaside``): the same bits as when every group is held, and each
+time (``engine.setaside``): the same bits as when every group is held, and each
 statistic the exact one.
 
 The thresholds are lowered so that a few hundred groups (the records of
@@ -15,8 +15,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from metric_core.offline import accumulator, setaside
-from metric_core.offline.engine import reading, reduce_run
+from metric_core.offline.engine import accumulator, reduce_run, setaside, tasks
 from tests.test_exact_engine import EVERY, RANKS, records, same_bits, truth, write
 
 SMALL = {"SET_ASIDE_GROUPS": 40, "BATCH_ROWS": 8, "SLICE_GROUPS": 30}
@@ -36,7 +35,7 @@ def _set_aside(monkeypatch) -> dict[str, int]:
     monkeypatch.setattr(accumulator, "SET_ASIDE_GROUPS", SMALL["SET_ASIDE_GROUPS"])
     monkeypatch.setattr(setaside, "BATCH_ROWS", SMALL["BATCH_ROWS"])
     monkeypatch.setattr(setaside, "SLICE_GROUPS", SMALL["SLICE_GROUPS"])
-    monkeypatch.setattr(reading, "PARTITION_ROWS", 97)
+    monkeypatch.setattr(tasks, "PARTITION_ROWS", 97)
     seen = {"runs": 0, "held": 0}
     write_run, fold = setaside.SetAside.write, accumulator.Accumulator._fold
 

@@ -448,7 +448,7 @@ def test_a_raw_run_counts_the_points_of_its_busiest_key_over_every_frame(tmp_pat
     from metric_core.offline import engine
 
     monkeypatch.setattr(engine.raw, "RAW_BATCH_ROWS", 4)
-    monkeypatch.setattr(engine.reading, "DICTIONARY_READ_RECORDS", 0)  # row groups, each with its times
+    monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)  # row groups, each with its times
     monkeypatch.setattr(upload_runs, "MAX_POINTS_PER_METRIC", 20)
     lines = [
         {"key": key, "value": float(i), "reduction": "mean", "step": i, "timestamp": BASE_TIME + i, "rank": 0}

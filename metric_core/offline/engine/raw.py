@@ -14,20 +14,19 @@ import pyarrow as pa
 from metric_core.errors import (
     PlanError,
 )
-from metric_core.offline import filters
-from metric_core.offline.engine.reading import (
+from metric_core.offline.engine import filters
+from metric_core.offline.engine.filters import key_matching, nothing_kept
+from metric_core.offline.engine.tasks import (
     columns_read,
     data_order,
     first_time,
-    key_matching,
-    nothing_kept,
     parts_of,
     read_batches,
     reads_dictionaries,
 )
+from metric_core.offline.engine.timeorder import Part, Read, in_time_order
 from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import OnProgress, RunScan, explain_read_errors
-from metric_core.offline.timeorder import Part, Read, in_time_order
 
 # per_rank_no_reduce hands over a source's records in frames of at most this many: the
 # peak memory of the raw output's writer grows with it (benchmarks/bench_memory.py).

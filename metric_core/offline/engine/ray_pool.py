@@ -1,6 +1,6 @@
 """``--engine ray``: the engine's tasks computed as Ray tasks, folded here in task order.
 
-Each Ray task runs the local engine's own code (``reading.TaskWork``) on one task's
+Each Ray task runs the local engine's own code (``tasks.TaskWork``) on one task's
 partitions (files, or Parquet row groups: the plan and the files fix them, never the
 cluster) and returns their partial states (numpy arrays and a small frame of labels,
 exact sums included: they pickle); this process folds them in the tasks' order, and the
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from metric_core.errors import MetricLogError, MissingDependencyError, NoDataError
 
 if TYPE_CHECKING:
-    from metric_core.offline import filters, partials
-    from metric_core.offline.engine.reading import Task, TaskWork
+    from metric_core.offline.engine import filters, partials
+    from metric_core.offline.engine.tasks import Task, TaskWork
     from metric_core.offline.read import OnProgress
 
 
@@ -69,7 +69,7 @@ def on_ray(
 
 def _task(work: TaskWork, task: Task) -> tuple[list[partials.Partial], Any]:
     """One task on a Ray worker: its partitions' states, and the ranks and keys it read."""
-    from metric_core.offline import filters
+    from metric_core.offline.engine import filters
     from metric_core.offline.storage import is_remote
 
     if not is_remote(work.scan.run_dir) and not work.scan.run_dir.exists():

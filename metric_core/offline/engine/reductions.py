@@ -14,7 +14,7 @@ from polars.exceptions import PanicException
 from metric_core.errors import (
     UnknownReductionError,
 )
-from metric_core.offline import partials
+from metric_core.offline.engine import partials
 from metric_core.offline.plan import ReducePlan, key_matcher
 from metric_core.offline.read import RunScan
 from metric_core.offline.read.report import MixedKey

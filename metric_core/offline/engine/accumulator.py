@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from metric_core.offline.partials import (
+from metric_core.offline.engine.partials import (
     COUNTED,
     Partial,
     add_exact,
@@ -27,8 +27,8 @@ from metric_core.offline.partials import (
     take_exact,
     with_fields,
 )
+from metric_core.offline.engine.setaside import SET_ASIDE_GROUPS, SetAside
 from metric_core.offline.plan import Statistic
-from metric_core.offline.setaside import SET_ASIDE_GROUPS, SetAside
 
 if TYPE_CHECKING:
     from metric_core.offline.engine.exact import ExactState

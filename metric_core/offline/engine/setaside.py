@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
+from metric_core.offline.engine.partials import Partial
 from metric_core.offline.keyorder import key_ranks
-from metric_core.offline.partials import Partial
 
 if TYPE_CHECKING:
     import pyarrow as pa

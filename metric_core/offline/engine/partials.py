@@ -2,8 +2,8 @@
 
 This is GLOBAL_REDUCE as the seed runs it live (each rank's state, merged by the
 controller), done offline. A partition (a piece of about 125,000 records of one task: a
-file, or a row group of one, see ``engine.reading.tasks``) is reduced to one row of state
-per group (``partition_states``), and an ``Accumulator`` (``offline.accumulator``) folds
+file, or a row group of one, see ``engine.tasks.tasks``) is reduced to one row of state
+per group (``partition_states``), and an ``Accumulator`` (``engine.accumulator``) folds
 the partitions' states with ``fold``.
 
 The state of a group in one partition, over its values v (n of them):
@@ -105,7 +105,7 @@ def partition_states(
 ) -> Partial:
     """Reduce one partition's records (a collected frame with the plan's input columns,
     and the step, process and rank where a first or last may be wanted: what breaks ties
-    of timestamps, ``engine.reading.columns_read``).
+    of timestamps, ``engine.tasks.columns_read``).
 
     ``statistic_of(key, recorded_reduction)`` names the statistic a key gets; it is part
     of the group, so records of one key with different recorded reductions form one group

@@ -1,4 +1,4 @@
-"""What a plan reads, and in which order: the filters, the files cut into tasks of about
+"""What a plan reads, and in which order: the files cut into tasks of about
 PARTITION_ROWS records in the order of the first bucket each may hold, the columns read,
 and where ``--by time`` windows start; the files' order by content (``data_order``: what
 breaks ties of time in per_rank_no_reduce)."""
@@ -9,20 +9,20 @@ import dataclasses
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import polars as pl
 
-from metric_core.errors import NoDataError, PlanError
 from metric_core.format.schema import TIMESTAMP_RANGE, default_process_name, parse_json
-from metric_core.offline import filters, partials
+from metric_core.offline.engine import filters, partials
+from metric_core.offline.engine.filters import key_matching, nothing_kept, plan_filtered, statistic_chooser
+from metric_core.offline.engine.timeorder import Part
 from metric_core.offline.plan import By, ReducePlan, key_matcher
-from metric_core.offline.read import RunScan, all_skipped
+from metric_core.offline.read import RunScan
 from metric_core.offline.read.parquet import kept_first_times, row_group_lows
 from metric_core.offline.storage import RunPath, open_read, raise_store_failure
-from metric_core.offline.timeorder import Part
 
 # What breaks a tie of timestamps between a first (or last) record and another, after them
 # the value's bits (``partials``)
@@ -49,7 +49,7 @@ class Task:
     size: int
 
 
-def tasks(
+def cut(
     plan: ReducePlan,
     scan: RunScan,
     fids: Sequence[int],
@@ -280,44 +280,6 @@ def single_sources(scan: RunScan) -> dict[tuple[str, int], list[int]] | None:
     return out
 
 
-def plan_filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | None = None) -> pl.LazyFrame:
-    """``columns`` (the plan's input columns by default) with the plan's rank and step
-    filters applied (``--key`` is applied per file: ``key_matching``)."""
-    lf = frame.select(plan.input_columns if columns is None else columns)
-    if plan.ranks:
-        rank = pl.col("rank")
-        cond = pl.lit(False)
-        for lo, hi in plan.ranks:
-            cond = cond | rank.is_between(lo, hi)
-        lf = lf.filter(cond)
-    if plan.steps is not None:
-        start, stop = plan.steps
-        if start is not None:
-            lf = lf.filter(pl.col("step") >= start)
-        if stop is not None:
-            lf = lf.filter(pl.col("step") < stop)
-    return lf
-
-
-def key_matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.DataFrame:
-    """The records whose key a ``--key`` pattern matches (each distinct key tested once)."""
-    if match is None or df.height == 0:
-        return df
-    keys = [k for k in df["key"].unique().cast(pl.String) if match(k)]
-    return df.filter(pl.col("key").cast(pl.String).is_in(keys))
-
-
-def statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
-    """The statistic of a key: the last ``--reduce`` pattern that matches it, or its recorded reduction."""
-    overrides = [(key_matcher([pattern]), stat.name) for pattern, stat in plan.overrides]
-
-    def statistic_of(key: str, recorded: str) -> str:
-        chosen = [name for match, name in overrides if match(key)]
-        return chosen[-1] if chosen else recorded
-
-    return statistic_of
-
-
 def first_time(plan: ReducePlan, scan: RunScan) -> float:
     """The earliest timestamp among the records the filters keep: where ``--by time`` windows
     start. What the files declare tells it when it is exact (``_declared_first_time``);
@@ -396,11 +358,3 @@ def _declared_first_time(plan: ReducePlan, scan: RunScan) -> float | None:
             lo, hi = TIMESTAMP_RANGE
             return low if lo <= low < hi else None  # else a time no clock's: the record is skipped
     return None
-
-
-def nothing_kept(plan: ReducePlan, scan: RunScan, unmatched: list[PlanError]) -> NoDataError:
-    """The error of a result without a record: every record was skipped (another tool's
-    files, checked as they were read), or the filters left none."""
-    if scan.report.records == 0:
-        return all_skipped(scan.report)
-    return filters.nothing_left(str(scan.run_dir), plan, unmatched)

@@ -38,7 +38,7 @@ ORDER = "_file_order"
 
 
 def in_time_order(parts: list[Part], read: Read, batch_rows: int) -> Iterator[pl.DataFrame]:
-    """The records of ``parts`` (listed in the files' order, ``engine.reading.data_order``)
+    """The records of ``parts`` (listed in the files' order, ``engine.tasks.data_order``)
     sorted by timestamp, ties in that order, as frames of at most ``batch_rows`` records."""
     order = sorted(range(len(parts)), key=lambda i: (parts[i].lo, i))
     held: list[pl.DataFrame] = []
