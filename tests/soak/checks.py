@@ -558,8 +558,19 @@ def inspect(job, truth: Truth, damaged: set, seen_sources: set) -> None:
             job.result.fail(f"inspect: first_failure {first!r} in a job where every attempt shut down")
         return
     if first is None:
+        # Ranks that failed first all together (one event, no culprit: issue 43) have no first
+        # failure; they are listed in ``together``, each a source whose attempt failed, and
+        # they ended the same way within a second or two (the story's window)
+        together = {(s.get("process"), s.get("rank")) for s in report.get("together") or []}
+        earliest = min(a.ended_at for a in failed)
+        first_failed = {(a.process, a.rank) for a in failed if a.ended_at <= earliest + 2.5}
+        if together and together <= {(a.process, a.rank) for a in failed} and together & first_failed:
+            return
         if not damaged:
-            job.result.fail(f"inspect: first_failure is null; the job had {len(failed)} failed attempt(s)")
+            job.result.fail(
+                f"inspect: first_failure is null, together {sorted(together)}; the job had {len(failed)} "
+                "failed attempt(s)"
+            )
         return
     earliest = min(a.ended_at for a in failed)
     candidates = [a for a in failed if a.ended_at <= earliest + 2.5]
