@@ -137,7 +137,7 @@ from metric_core.offline.plan import make_plan
 from metric_core.offline.read import scan_run
 scan = scan_run(sys.argv[1], defer_checks=True)
 plan = make_plan()
-kept, statistic_of = engine.tasks.columns_read(plan, scan), engine.filters.statistic_chooser(plan)
+kept, statistic_of = engine.tasks.columns_read(plan, scan), engine.filtering.statistic_chooser(plan)
 frames, held = [], 0
 for fid in scan.file_ids:
     dictionaries = engine.tasks.reads_dictionaries(scan)

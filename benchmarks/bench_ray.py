@@ -56,7 +56,7 @@ TASK_CHILD = """
 import resource, sys, time
 from metric_core import make_plan, scan_run
 from metric_core.offline import engine
-from metric_core.offline.engine import filters
+from metric_core.offline import filters
 plan = make_plan(mode=sys.argv[2], reduce=sys.argv[3:])
 scan = scan_run(sys.argv[1])
 scan = scan.for_other_processes()

@@ -845,7 +845,7 @@ def test_a_thread_done_with_its_task_starts_a_later_one_while_an_earlier_one_is_
     for i in range(6):  # six files of ten steps each, one after the other
         write_collector_run(tmp_path, [(f"TrainActor_r{i}", i)], steps=10, first_step=10 * i, seed=i)
     want = run_plan(tmp_path, make_plan()).frame
-    monkeypatch.setattr(engine.pl, "thread_pool_size", lambda: 2)
+    monkeypatch.setattr(engine.pool.pl, "thread_pool_size", lambda: 2)
     monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 200)  # tasks of one partition, of a file or two
     lock, later, firsts = threading.Lock(), threading.Semaphore(0), []
     work = engine.tasks.TaskWork.__call__

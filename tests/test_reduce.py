@@ -365,7 +365,7 @@ def test_a_filter_or_pattern_that_matches_nothing_is_said_and_fatal_with_strict(
 def test_patterns_are_matched_against_every_key_though_only_some_are_held_to_name(run, monkeypatch):
     """Past SAMPLED_KEYS distinct keys, the keys held to name the nearest to a typo are the
     first few; a pattern that matches only a key never held is still matched."""
-    from metric_core.offline.engine import filters
+    from metric_core.offline import filters
 
     root, _ = run
     monkeypatch.setattr(filters, "SAMPLED_KEYS", 2)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import polars as pl
 
-from metric_core.offline.engine import filters
+from metric_core.offline import filters
 from metric_core.offline.keyorder import boundaries, range_of, sample_of
 from metric_core.offline.plan import key_matcher, make_plan
 from metric_core.offline.read import OnProgress, OnRead, RunScan, all_skipped, scan_run

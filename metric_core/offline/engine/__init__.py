@@ -18,7 +18,7 @@ statistic but ``count``, ``first`` and ``last``.
 
 One idea a module: ``run`` (``run_plan``, ``execute``, ``ReduceResult``), ``tasks`` (the
 files cut into tasks, in an order their data fixes; the columns read; where time windows
-start), ``filters`` (the plan's filters applied, and what they matched), ``partials`` and
+start), ``filtering`` (the plan's filters applied), ``partials`` and
 ``accumulator`` (partial states, folded), ``exact`` (exact sums), ``setaside`` (groups set
 aside on disk), ``pool`` and ``ray_pool`` (tasks computed on threads or as Ray tasks,
 handed over in order), ``finish`` (result frames from the folded states; median and pNN),
@@ -27,7 +27,7 @@ handed over in order), ``finish`` (result frames from the folded states; median 
 (``--wide``; per-rank frames put in source order).
 """
 
-from metric_core.offline.engine.filters import key_matching, plan_filtered
+from metric_core.offline.engine.filtering import key_matching, plan_filtered
 from metric_core.offline.engine.finish import reduce_records
 from metric_core.offline.engine.reductions import KeyReductions
 from metric_core.offline.engine.run import ReduceResult, execute, reduce_run, run_plan

@@ -12,7 +12,7 @@ import polars as pl
 
 from metric_core.offline.engine import partials
 from metric_core.offline.engine.accumulator import Accumulator, Taken
-from metric_core.offline.engine.filters import statistic_chooser
+from metric_core.offline.engine.filtering import statistic_chooser
 from metric_core.offline.engine.reductions import KeyReductions, kept_reductions
 from metric_core.offline.keyorder import key_ranks
 from metric_core.offline.plan import By, ReducePlan, Statistic

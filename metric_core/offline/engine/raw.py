@@ -14,8 +14,8 @@ import pyarrow as pa
 from metric_core.errors import (
     PlanError,
 )
-from metric_core.offline.engine import filters
-from metric_core.offline.engine.filters import key_matching, nothing_kept
+from metric_core.offline import filters
+from metric_core.offline.engine.filtering import key_matching, nothing_kept
 from metric_core.offline.engine.tasks import (
     columns_read,
     data_order,

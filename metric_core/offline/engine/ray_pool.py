@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 from metric_core.errors import MetricLogError, MissingDependencyError, NoDataError
 
 if TYPE_CHECKING:
-    from metric_core.offline.engine import filters, partials
+    from metric_core.offline import filters
+    from metric_core.offline.engine import partials
     from metric_core.offline.engine.tasks import Task, TaskWork
     from metric_core.offline.read import OnProgress
 
@@ -69,7 +70,7 @@ def on_ray(
 
 def _task(work: TaskWork, task: Task) -> tuple[list[partials.Partial], Any]:
     """One task on a Ray worker: its partitions' states, and the ranks and keys it read."""
-    from metric_core.offline.engine import filters
+    from metric_core.offline import filters
     from metric_core.offline.storage import is_remote
 
     if not is_remote(work.scan.run_dir) and not work.scan.run_dir.exists():

@@ -18,9 +18,10 @@ import polars as pl
 
 from metric_core.errors import PlanError, StrictModeError, UnmatchedError
 from metric_core.metric import LoggingMode
-from metric_core.offline.engine import filters, finish, tasks
+from metric_core.offline import filters
+from metric_core.offline.engine import finish, tasks
 from metric_core.offline.engine.accumulator import Accumulator
-from metric_core.offline.engine.filters import nothing_kept, plan_filtered
+from metric_core.offline.engine.filtering import nothing_kept, plan_filtered
 from metric_core.offline.engine.finish import finished_frames
 from metric_core.offline.engine.pool import on_threads
 from metric_core.offline.engine.raw import raw_mode

@@ -16,8 +16,9 @@ from typing import Any
 import polars as pl
 
 from metric_core.format.schema import TIMESTAMP_RANGE, default_process_name, parse_json
-from metric_core.offline.engine import filters, partials
-from metric_core.offline.engine.filters import key_matching, nothing_kept, plan_filtered, statistic_chooser
+from metric_core.offline import filters
+from metric_core.offline.engine import partials
+from metric_core.offline.engine.filtering import key_matching, nothing_kept, plan_filtered, statistic_chooser
 from metric_core.offline.engine.timeorder import Part
 from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import RunScan

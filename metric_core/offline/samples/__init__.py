@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 from metric_core.errors import Message, NoSamplesError, PlanError, RequestError, opt
 from metric_core.format.sample import is_samples_file
-from metric_core.offline.engine.filters import nearest
+from metric_core.offline.filters import nearest
 from metric_core.offline.samples.choosing import SampleChoice, choose, number
 from metric_core.offline.samples.frame import EXACT_FLOAT_INT, FIXED, column_names, field_names, samples_frame
 from metric_core.offline.samples.reading import (

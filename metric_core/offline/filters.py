@@ -1,5 +1,4 @@
-"""The filters of a plan (``keys``, ``ranks``, ``steps``) and its ``reduce`` patterns: applied
-(``plan_filtered``, ``key_matching``, ``statistic_chooser``), and what they matched.
+"""What the filters of a plan (``keys``, ``ranks``) and its ``reduce`` patterns matched.
 
 A pattern that matches nothing is most often a typo. The engine notes the ranks and keys
 the records held before any filter dropped them (``Seen``, filled as files are read), and
@@ -12,15 +11,12 @@ from __future__ import annotations
 
 import difflib
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import polars as pl
-
-from metric_core.errors import FilteredOutError, Message, NoDataError, PlanError, opt
+from metric_core.errors import FilteredOutError, Message, PlanError, opt
 from metric_core.offline.plan import ReducePlan, key_matcher
-from metric_core.offline.read import RunScan, all_skipped
 
 # Keys listed in full when the run has at most this many; else the nearest few.
 LISTED_KEYS = 6
@@ -178,49 +174,3 @@ def nearest(
     near = difflib.get_close_matches(wanted, names, NEAREST_KEYS, cutoff=0.0)
     among = f"the first {len(names):,} of {whose} {noun}" if more else f"{whose} {len(names)} {noun}"
     return f"nearest of {among}: " + ", ".join(near)
-
-
-def plan_filtered(plan: ReducePlan, frame: pl.LazyFrame, columns: list[str] | None = None) -> pl.LazyFrame:
-    """``columns`` (the plan's input columns by default) with the plan's rank and step
-    filters applied (``--key`` is applied per file: ``key_matching``)."""
-    lf = frame.select(plan.input_columns if columns is None else columns)
-    if plan.ranks:
-        rank = pl.col("rank")
-        cond = pl.lit(False)
-        for lo, hi in plan.ranks:
-            cond = cond | rank.is_between(lo, hi)
-        lf = lf.filter(cond)
-    if plan.steps is not None:
-        start, stop = plan.steps
-        if start is not None:
-            lf = lf.filter(pl.col("step") >= start)
-        if stop is not None:
-            lf = lf.filter(pl.col("step") < stop)
-    return lf
-
-
-def key_matching(df: pl.DataFrame, match: Callable[[str], bool] | None) -> pl.DataFrame:
-    """The records whose key a ``--key`` pattern matches (each distinct key tested once)."""
-    if match is None or df.height == 0:
-        return df
-    keys = [k for k in df["key"].unique().cast(pl.String) if match(k)]
-    return df.filter(pl.col("key").cast(pl.String).is_in(keys))
-
-
-def statistic_chooser(plan: ReducePlan) -> Callable[[str, str], str]:
-    """The statistic of a key: the last ``--reduce`` pattern that matches it, or its recorded reduction."""
-    overrides = [(key_matcher([pattern]), stat.name) for pattern, stat in plan.overrides]
-
-    def statistic_of(key: str, recorded: str) -> str:
-        chosen = [name for match, name in overrides if match(key)]
-        return chosen[-1] if chosen else recorded
-
-    return statistic_of
-
-
-def nothing_kept(plan: ReducePlan, scan: RunScan, unmatched: list[PlanError]) -> NoDataError:
-    """The error of a result without a record: every record was skipped (another tool's
-    files, checked as they were read), or the filters left none."""
-    if scan.report.records == 0:
-        return all_skipped(scan.report)
-    return nothing_left(str(scan.run_dir), plan, unmatched)
