@@ -301,6 +301,17 @@ class RunTail:
                 self._notice(f"{rel(rep.path, self.root)}: {n} record(s) skipped: {reason}")
         return pl.concat([empty_tail(), *frames], how="vertical")
 
+    def how_ended(self, key: Source) -> str | None:
+        """How the newest attempt of ``key`` ended, told from everything read so far (its
+        verdict, ``over``, was taken before the last poll read its files: its last flush may
+        have come after)."""
+        state = self.sources.get(key)
+        if state is None or not state.attempts:
+            return None
+        name = max(state.attempts.items(), key=lambda a: (a[1].started, a[0]))[0]
+        who = (state.process, state.rank, name)
+        return state.attempts[name].dead(self.looked_at or time.time(), who, self._stacks()) or state.over
+
     def _stacks(self) -> dict[str, list[Any]]:
         """The run's stack files by attempt, where an attempt may have ended (a SIGTERM's
         stacks say so): read only while some attempt has not shut down."""

@@ -317,10 +317,11 @@ class _Pass:
         newly: list[tuple[str, int]] = []  # sources that began to hold the steps in this poll
         for key, source in self.tail.sources.items():
             who = f"{key[0]} (rank {key[1]})"
-            why = source.over  # how it ended, in inspect's words
+            why = source.over  # over, as found before the poll read its files
             if why is None:
                 state.dead.pop(key, None)
             elif key not in state.dead:
+                why = self.tail.how_ended(key) or why  # in inspect's words, from all it read
                 state.dead[key] = why
                 self.events.message(
                     "warning", f"{who} {why}" + ("; the steps go on without it" if holding else "")
