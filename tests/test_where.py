@@ -236,3 +236,33 @@ def test_a_stopped_process_is_running_without_a_heartbeat_not_dead(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+def test_a_rank_that_steps_faster_than_its_flush_interval_is_not_looked_at(tmp_path):
+    """A look at the main thread takes the GIL from it: a wake that saw a flush since the
+    previous one writes a plain heartbeat; the place comes once the rank stops stepping."""
+    c = MetricCollector(tmp_path, rank=0, process_name="r0", flush_interval=0.02)
+    try:
+        path = None
+        step, start = 0, time.monotonic()
+        while time.monotonic() - start < 0.5 or path is None:  # stepping, many wakes long
+            c.record("loss", 1.0)
+            c.flush(step)
+            step += 1
+            path = next(tmp_path.glob("*.journal"), None)
+        data = path.read_bytes()
+        kinds = _kinds(data)
+        assert kinds.count(journal.HEARTBEAT) > 0 and kinds.count(journal.WHERE) == 0, kinds
+        life = data_wait(tmp_path, at_least=0.0, until=lambda life: life.where is not None)
+        assert _in(life.where["own"], "data_wait")
+    finally:
+        c.shutdown()
+
+
+def _kinds(data: bytes) -> list[bytes]:
+    """The frame types of a journal, in order."""
+    pos, out = 4 + 8 + int.from_bytes(data[4:8], "little"), []
+    while pos + 9 <= len(data):
+        out.append(data[pos : pos + 1])
+        pos += 9 + int.from_bytes(data[pos + 1 : pos + 5], "little")
+    return out

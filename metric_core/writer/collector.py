@@ -199,6 +199,7 @@ class MetricCollector:
         self._stack_files: dict[str, Any] = {}
         self._last_flush = time.monotonic()  # when the latest flush() returned (or init)
         self._threads_said: float | None = None  # the silence (its _last_flush) whose threads were said
+        self._beat_flush = self._last_flush  # the flush the previous wake saw last
         self._unflushed = False  # records drained to the writer since the latest flush()
         self._hang = ends.HangWatch(self, _hang_dump_after(hang_dump_after))
         # The attempt is on disk before init() returns, so a kill before any write still has
@@ -374,10 +375,16 @@ class MetricCollector:
                 retry_at = time.monotonic() + max(backoff, self.flush_interval)
 
     def _beat(self) -> None:
-        """Queue this wake's heartbeat: where the main thread is, and once the source has been
-        silent ``STALL_MIN_S``, every thread (once a silence)."""
-        threads = None
+        """Queue this wake's heartbeat: where the main thread is, when no ``flush()`` returned
+        since the previous wake (a rank that steps faster than its flush interval is not
+        looked at: it is where its steps are, and a look costs its thread the GIL), and once
+        the source has been silent ``STALL_MIN_S``, every thread (once a silence)."""
         silent_since = self._last_flush
+        stepping, self._beat_flush = silent_since != self._beat_flush, silent_since
+        if stepping:
+            self._writer.heartbeat(None, None)  # an H frame: alive, stepping
+            return
+        threads = None
         if time.monotonic() - silent_since >= STALL_MIN_S and self._threads_said != silent_since:
             self._threads_said = silent_since
             threads = where.all_places()
