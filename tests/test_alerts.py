@@ -118,3 +118,15 @@ def test_a_restart_rewinds_a_series():
     alarms = Alarms([parse_rule("k > 1")], on="global")
     got = [a.step for s, v in [(0, 2), (1, 2), (2, 2), (1, 2), (2, 0.5)] for a in alarms.feed("k", s, v)]
     assert got == [0, 1]  # the rewind to step 1 starts the series again: a new episode
+
+
+def test_a_key_recorded_several_times_a_step_is_one_series_not_a_rewind():
+    """Raw values of one step (micro-batches) follow one another: no reset between them."""
+    alarms = Alarms([parse_rule("k: nonfinite")], on="raw")
+    said = [
+        a.step
+        for step in range(6)
+        for v in ([math.nan] * 3 if step in (2, 3) else [1.0, 2.0, 3.0])
+        for a in alarms.feed("k", step, v, ("r0", 0))
+    ]
+    assert said == [2]  # one episode: steps 2-3, every value NaN

@@ -240,7 +240,8 @@ def test_a_stopped_process_is_running_without_a_heartbeat_not_dead(tmp_path):
 
 def test_a_rank_that_steps_faster_than_its_flush_interval_is_not_looked_at(tmp_path):
     """A look at the main thread takes the GIL from it: a wake that saw a flush since the
-    previous one writes a plain heartbeat; the place comes once the rank stops stepping."""
+    previous one writes nothing (the flushes say the rank lives); the place comes once the
+    rank stops stepping."""
     c = MetricCollector(tmp_path, rank=0, process_name="r0", flush_interval=0.02)
     try:
         path = None
@@ -252,7 +253,8 @@ def test_a_rank_that_steps_faster_than_its_flush_interval_is_not_looked_at(tmp_p
             path = next(tmp_path.glob("*.journal"), None)
         data = path.read_bytes()
         kinds = _kinds(data)
-        assert kinds.count(journal.HEARTBEAT) > 0 and kinds.count(journal.WHERE) == 0, kinds
+        # its flush frames say it lives: no look, and no heartbeat that would say it is where it was
+        assert kinds.count(journal.FLUSH) > 0 and kinds.count(journal.WHERE) == 0, kinds
         life = data_wait(tmp_path, at_least=0.0, until=lambda life: life.where is not None)
         assert _in(life.where["own"], "data_wait")
     finally:
@@ -266,3 +268,17 @@ def _kinds(data: bytes) -> list[bytes]:
         out.append(data[pos : pos + 1])
         pos += 9 + int.from_bytes(data[pos + 1 : pos + 5], "little")
     return out
+
+
+def test_a_pid_reused_by_a_later_process_is_not_the_attempt_still_running():
+    """A dead rank's pid taken by another process (containers reuse small pids) must not keep
+    the attempt running: a process that started after the attempt is another one."""
+    import os
+    import socket
+
+    from metric_core.format.life import pid_namespace
+    from metric_core.offline.inspect.story import _process_state
+
+    here = Life(host=socket.gethostname(), pid=os.getpid(), pidns=pid_namespace())
+    assert _process_state(here, time.time()) is True  # this process started before "now"
+    assert _process_state(here, time.time() - 10 * 24 * 3600) is False  # an attempt from before it

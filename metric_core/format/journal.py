@@ -19,9 +19,9 @@ without F frames, and ``MLJ1`` are still read)::
                      since the previous F frame (of this journal) belong to ``step``,
                      whatever step they were stamped with (the writer thread may write
                      them before the flush)
-             type H: f64:time    a heartbeat: the writer was alive at ``time`` (written at
-                     each wake of the writer thread, once a flush interval, that writes
-                     no W frame: the rank stepped since, or it is where the last said)
+             type H: f64:time    a heartbeat: the writer was alive at ``time``, its main
+                     thread where the last W frame said (written at a wake of the writer
+                     thread, once a flush interval, with no flush since the previous)
              type W: JSON {"at", "where": [own, inner], "threads": {name: [own, inner]}}
                      a heartbeat that says where the main thread is (``writer.where``:
                      the caller's innermost frame and the innermost frame), written

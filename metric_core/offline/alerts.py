@@ -192,14 +192,15 @@ class Alarms:
         return found
 
     def feed(self, key: str, step: int, value: float, source: tuple[str, int] | None = None) -> list[Alert]:
-        """One value of a series (``source``: its source, raw; None: the global value). A
-        step at or before the series' newest (a restart's rewind) starts its state again."""
+        """One value of a series (``source``: its source, raw; None: the global value), in
+        step order (a step's several raw values one after another). A step before the series'
+        newest (a restart's rewind) starts its state again."""
         out: list[Alert] = []
         rules = self.watched(key)
         if not rules:
             return out
         last = self.last_step.get((key, source))
-        if last is not None and step <= last:
+        if last is not None and step < last:  # a step before the newest: a restart rewound it
             for i in rules:
                 self.series.pop((i, (key, source)), None)
         self.last_step[(key, source)] = step
@@ -243,7 +244,8 @@ class ValueWatch:
         patterns = sorted({r.pattern for r in alarms.rules})
         self.plan = make_plan(mode="global_reduce", keys=patterns)
         self.follower = self._follower()
-        self.offender: dict[tuple[str, int], tuple[float, str, int]] = {}  # (key, step) -> first raw offender
+        # (key, step, rule) -> the first raw value that broke the rule by itself: (time, process, rank)
+        self.offender: dict[tuple[str, int, str], tuple[float, str, int]] = {}
         self.judged: dict[tuple[str, Any], int] = {}  # a series' newest step judged, before a reading anew
 
     def _follower(self) -> Any:
@@ -291,10 +293,10 @@ class ValueWatch:
         for process, rank, step, key, value, at in mine.select(
             "process", "rank", "step", "key", "value", "timestamp"
         ).iter_rows():
-            if self.alarms.offends(key, value):
-                first = self.offender.get((key, step))
+            for rule in self.alarms.offends(key, value):
+                first = self.offender.get((key, step, rule.text))
                 if first is None or at < first[0]:
-                    self.offender[(key, step)] = (at, process, rank)
+                    self.offender[(key, step, rule.text)] = (at, process, rank)
         self.follower.expected = expected_sources(meta)
         self.follower.add(mine, sources)
         for ready in self.follower.ready(sources, ending=final):
@@ -304,8 +306,8 @@ class ValueWatch:
                     if key == "step" or value is None or step <= self.judged.get((key, None), -1):
                         continue
                     for alert in self.alarms.feed(key, step, float(value)):
-                        found = self.offender.get((key, step))
-                        if found is not None and alert.rule.kind in ("nonfinite", "<", ">"):
+                        found = self.offender.get((key, step, alert.rule.text))
+                        if found is not None:
                             alert.process, alert.rank = found[1], found[2]
                         out.append(alert)
         return out

@@ -382,8 +382,8 @@ class MetricCollector:
         silent_since = self._last_flush
         stepping, self._beat_flush = silent_since != self._beat_flush, silent_since
         if stepping:
-            self._writer.heartbeat(None, None)  # an H frame: alive, stepping
-            return
+            return  # its flush frames say it lives; an H frame would say it is where it was
+
         threads = None
         if time.monotonic() - silent_since >= STALL_MIN_S and self._threads_said != silent_since:
             self._threads_said = silent_since

@@ -343,7 +343,7 @@ class _Pass:
             elif key in self.let_go and source.finished:
                 self.let_go.discard(key)
             silent = now - source.silent_since
-            typical = statistics.median(source.gaps) if source.gaps else None
+            typical = _typical(source)
             if (
                 holding
                 and source.holds(newest, now, let_go_after)
@@ -400,10 +400,22 @@ class _Pass:
         if not fresh:
             return
         self.episode_clock = min(sources[k].silent_since for k in fresh)
+        # Every live source the silence holds, as watch counts them (``held_by_hang``: silent
+        # half its stall threshold or more), not only those past theirs: thresholds differ by
+        # source (a rank with a long checkpoint has a longer one), and the rank the others
+        # wait for may be the last to cross its own.
         together = sorted(
-            (k for k in self.held if abs(sources[k].silent_since - self.episode_clock) <= EPISODE_S),
+            (
+                k
+                for k, s in sources.items()
+                if s.has_life
+                and s.over is None
+                and not (s.finished or s.static)
+                and abs(s.silent_since - self.episode_clock) <= EPISODE_S
+                and now - s.silent_since >= 0.5 * stall_threshold(_typical(s), s.longest)
+            ),
             key=lambda k: (k[1], k[0]),
-        )
+        ) or sorted(fresh, key=lambda k: (k[1], k[0]))
         places = {k: p for k in together if (p := _place(sources[k])) is not None}
         culprit = odd_one_out(places) if len(together) > 1 else together[0]
         first = sources[culprit] if culprit is not None else sources[together[0]]
@@ -411,9 +423,7 @@ class _Pass:
         if len(together) == 1 or culprit is not None:
             who = f"{culprit[0]} (rank {culprit[1]})" if culprit else ""
             others = [k for k in together if k != culprit]
-            waiting = (
-                f"; waiting for it: {', '.join(f'{p} (rank {r})' for p, r in others)}" if others else ""
-            )
+            waiting = f"; waiting for it: {_by_place(others, places)}" if others else ""
             said = f"{who} {_silence(first, now, alive=True)}{where}{waiting}"
         else:
             names = ", ".join(f"{p} (rank {r})" for p, r in together)
@@ -573,6 +583,19 @@ class _Pass:
             if opened.wb is not None and self.sender is not None:
                 self.sender.close(opened.wb, opened.outcome, finished=finished, **self._held(opened.run))
                 opened.wb = None
+
+
+def _typical(source: SourceState) -> float | None:
+    return statistics.median(source.gaps) if source.gaps else None
+
+
+def _by_place(keys: list[tuple[str, int]], places: dict[tuple[str, int], tuple[str, str]]) -> str:
+    """Sources grouped by where each is, as watch says them."""
+    groups: dict[str | None, list[str]] = {}
+    for p, r in keys:
+        place = places.get((p, r))
+        groups.setdefault(place_text(*place) if place else None, []).append(f"{p} (rank {r})")
+    return "; ".join(", ".join(names) + (f" at {at}" if at else "") for at, names in groups.items())
 
 
 def _place(source: SourceState) -> tuple[str, str] | None:
