@@ -591,3 +591,46 @@ def test_keys_met_set_aside_on_disk_decide_a_later_sources_mixed_key_as_if_held(
         assert got[k][0] == pytest.approx(v, rel=1e-12, abs=1e-15)
     mixed = result.scan.report.mixed["shared"]
     assert (mixed.kept, mixed.skipped) == ("mean", {"max": 6})
+
+
+@pytest.mark.parametrize("mode", ["global_reduce", "per_rank_reduce"])
+def test_counts_are_a_float_value_column_as_every_other_statistic(tmp_path, mode):
+    # Soak seed 894035802: a source whose every key reduced to a count came out as a frame of
+    # int64 values, and the Parquet writer refused it beside the other sources' float64 frames.
+    from metriclog.main import app
+    from typer.testing import CliRunner
+
+    run, out = tmp_path / "run", tmp_path / "out.parquet"
+    values = {0: [1.0, 2.0, 4.0], 1: [3.0, 5.0]}
+    for rank, keys in ((0, ["a", "q/x"]), (1, ["a"])):
+        c = MetricCollector(run, rank=rank)
+        for step in range(3):
+            for key in keys:
+                for v in values[rank]:
+                    c.record(key, v, Reduce.MEAN)
+            c.flush(step)
+        c.shutdown()
+    args = [
+        "reduce",
+        str(run),
+        "--mode",
+        mode,
+        "--reduce",
+        "*=count",
+        "--reduce",
+        "q/*=p50",
+        "--out",
+        str(out),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    table = pl.read_parquet(out)
+    assert table.schema["value"] == pl.Float64
+    counts = table.filter(pl.col("key") == "a").sort("step", *(["rank"] if mode == "per_rank_reduce" else []))
+    if mode == "global_reduce":
+        assert counts["value"].to_list() == [5.0] * 3
+    else:
+        assert counts["value"].to_list() == [3.0, 2.0] * 3
+    assert table.filter(pl.col("key") == "q/x")["value"].to_list() == [float(np.median(values[0]))] * 3
+    only_counts = reduce_run(run, mode=mode, reduce=["*=count"])
+    assert only_counts.schema["value"] == pl.Float64

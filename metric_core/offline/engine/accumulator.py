@@ -625,8 +625,8 @@ class Accumulator:
             value = np.full(len(combo), np.nan)
             for c, name in plain:
                 rows = code == c
-                if rows.all():
-                    value = statistic(state, exact, name)
+                if rows.all():  # a float column whatever the statistic (a count's is integral)
+                    value = statistic(state, exact, name).astype(np.float64, copy=False)
                 elif rows.any():
                     at = np.flatnonzero(rows)
                     value[at] = statistic(state[:, at], take_exact(exact, at), name)
