@@ -203,9 +203,9 @@ def test_the_same_records_split_renamed_and_shuffled_give_the_local_bits_on_ray(
 ):
     """Issue 42: tests/test_exact_engine.py's records (sums, means and stds that rounding
     trips on, and every other statistic) split into 1, 3 and 7 files a rank of random
-    names, each file's rows shuffled, reduced on Ray in small partitions (many tasks, their
-    states merged in whatever order they end): every value of every mode has the bits of
-    the local engine's reduction of the unsplit run in one partition a file."""
+    names, each file's rows shuffled, reduced on Ray in partitions of other sizes (a task a
+    file, their states merged in whatever order they end): every value of every mode has
+    the bits of the local engine's reduction of the unsplit run in one partition a file."""
     from metric_core.offline import engine
     from tests.test_exact_engine import EVERY, records, split
 
@@ -223,7 +223,7 @@ def test_the_same_records_split_renamed_and_shuffled_give_the_local_bits_on_ray(
             others = [c for c in local.columns if c != "value"]
             local = local.sort(others)
             assert local.height > 100
-            monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 41)
+            monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 300)  # 1 to 4 partitions a file
             for run in runs:
                 on_ray = reduce_run(run, engine="ray", **options).sort(others)
                 assert on_ray.select(others).equals(local.select(others)), (run.name, options)
