@@ -1,5 +1,6 @@
 """--engine ray on a local Ray (2 CPUs): every mode and statistic gives the same bits as
---engine local, on the writer's files (several segments a source) and another tool's.
+--engine local, on the writer's files (several segments a source) and another tool's, and
+on the same records split into 1, 3 and 7 files a rank, renamed, rows shuffled.
 
 Run by tests/test_ray.py in a pytest process of its own (Ray's driver can end the process
 it runs in)."""
@@ -195,3 +196,37 @@ def test_a_cluster_that_cannot_see_the_run_directory_says_so(tmp_path, local_ray
         f"Error: no readable metric record in {run}: this Ray cluster's workers cannot see it: give a run "
         "directory every node can read (a shared file system), or run with --engine local"
     ], done.stderr
+
+
+def test_the_same_records_split_renamed_and_shuffled_give_the_local_bits_on_ray(
+    tmp_path, local_ray, monkeypatch
+):
+    """Issue 42: tests/test_exact_engine.py's records (sums, means and stds that rounding
+    trips on, and every other statistic) split into 1, 3 and 7 files a rank of random
+    names, each file's rows shuffled, reduced on Ray in partitions of other sizes (a task a
+    file, their states merged in whatever order they end): every value of every mode has
+    the bits of the local engine's reduction of the unsplit run in one partition a file."""
+    from metric_core.offline import engine
+    from tests.test_exact_engine import EVERY, records, split
+
+    df = records(seed=31, others=True)
+    runs = []
+    for into in (1, 3, 7):
+        runs.append(tmp_path / f"split{into}")
+        split(df, into, runs[-1], seed=into)
+    assert len(list(runs[-1].glob("*.parquet"))) == 7 * 4
+    for mode in ("global_reduce", "per_rank_reduce"):
+        for by in ("step", "time"):
+            options = {"mode": mode, "by": by, **({"every": EVERY} if by == "time" else {})}
+            monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 1_000_000)
+            local = reduce_run(runs[0], **options)
+            others = [c for c in local.columns if c != "value"]
+            local = local.sort(others)
+            assert local.height > 100
+            monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 300)  # 1 to 4 partitions a file
+            for run in runs:
+                on_ray = reduce_run(run, engine="ray", **options).sort(others)
+                assert on_ray.select(others).equals(local.select(others)), (run.name, options)
+                want, got = (f["value"].cast(pl.Float64).to_numpy().view("int64") for f in (local, on_ray))
+                moved = local.filter(pl.Series(want != got)).select(others).rows()
+                assert not moved, f"{run.name} {options}: {len(moved)} values changed bits, e.g. {moved[:5]}"

@@ -9,9 +9,10 @@ of ``global_reduce`` and ``per_rank_reduce``, by step and by time, is checked bi
 against ``fractions``: the exact sum, the exact sum over the count, and the square root
 of the exact population variance (``tests.test_exact.root``: ``math.isqrt``, then settled
 on the midpoints), each correctly rounded. Then the same records split into 1, 3 and 7
-files a rank, with other names and their rows shuffled, reduced on 1 and 2 threads and
-in partitions of other sizes: every value of every mode has the same bits, min, max,
-first, last and the percentiles too (first and last ties broken by content).
+files a rank, with other names and their rows shuffled, reduced on 1 and 2 threads, in
+partitions of other sizes: every value of every mode has the same bits, min, max, first,
+last and the percentiles too (first and last ties broken by content). Both tests run on
+the compiled path and the pure numpy one (``METRICLOG_PURE``), which give the same bits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from metric_core.offline.engine import reduce_run
-from tests.test_exact import root, rounded
+from tests.test_exact import COMPILED, kernel_of, root, rounded
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_TIME = 1_700_000_000.0
@@ -158,14 +159,16 @@ def same_bits(got: float, want: float) -> bool:
     return (math.isnan(got) and math.isnan(want)) or bits(got) == bits(want)
 
 
+@pytest.mark.parametrize("kernel", ["compiled", "numpy"])
 @pytest.mark.parametrize("by", ["step", "time"])
 @pytest.mark.parametrize("mode", ["global_reduce", "per_rank_reduce"])
-def test_every_sum_mean_and_std_is_the_correctly_rounded_exact_value(tmp_path, mode, by):
+def test_every_sum_mean_and_std_is_the_correctly_rounded_exact_value(tmp_path, mode, by, kernel):
     df = records(seed=11)
     for rank in range(RANKS):  # one file a rank, half of them written by polars
         write(df.filter(pl.col("rank") == rank), tmp_path / f"rank{rank}.parquet", with_polars=rank % 2 == 1)
     options = {"every": EVERY} if by == "time" else {}
-    got = reduce_run(tmp_path, mode=mode, by=by, **options)
+    with kernel_of(kernel):
+        got = reduce_run(tmp_path, mode=mode, by=by, **options)
     want = truth(df, mode, by)
     bucket = "window_start" if by == "time" else "step"
     source = ["process", "rank"] if mode == "per_rank_reduce" else []
@@ -220,7 +223,7 @@ _REDUCE = (
     """
 import json, sys
 import polars as pl
-from metric_core.offline.engine import tasks, reduce_run
+from metric_core.offline.engine import exact, tasks, reduce_run
 tasks.PARTITION_ROWS = int(sys.argv[2])
 out = {}
 for mode in ("global_reduce", "per_rank_reduce"):
@@ -231,15 +234,16 @@ for mode in ("global_reduce", "per_rank_reduce"):
         frame = frame.sort(columns)
         bits = frame["value"].cast(pl.Float64).to_numpy().view("int64").tolist()
         out[f"{mode} {by}"] = [list(map(str, r)) for r in frame.select(columns).iter_rows()], bits
-print(json.dumps({"threads": pl.thread_pool_size(), "results": out}))
+print(json.dumps({"threads": pl.thread_pool_size(), "path": exact.path(), "results": out}))
 """
     % EVERY
 )
 
 
-def reduced(run: Path, threads: int, partition_rows: int) -> dict:
-    """Every mode's result of ``run`` (value bits), in a process of ``threads`` threads."""
-    env = {**os.environ, "POLARS_MAX_THREADS": str(threads)}
+def reduced(run: Path, threads: int, partition_rows: int, pure: bool) -> dict:
+    """Every mode's result of ``run`` (value bits), in a process of ``threads`` threads, on
+    the pure numpy path or (where it was built) the compiled one."""
+    env = {**os.environ, "POLARS_MAX_THREADS": str(threads), "METRICLOG_PURE": "1" if pure else ""}
     done = subprocess.run(
         [sys.executable, "-c", _REDUCE, str(run), str(partition_rows)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
@@ -247,6 +251,7 @@ def reduced(run: Path, threads: int, partition_rows: int) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["threads"] == threads
+    assert out["path"] == ("pure numpy" if pure or COMPILED is None else "compiled")
     return out["results"]
 
 
@@ -265,13 +270,13 @@ def split(df: pl.DataFrame, into: int, run: Path, seed: int) -> None:
 
 def test_the_same_records_split_renamed_and_shuffled_give_the_same_bits_on_any_threads(tmp_path):
     df = records(seed=23, others=True)
-    # (files a rank, threads, records a partition)
-    layouts = [(1, 1, 1_000_000), (3, 2, 37), (7, 1, 53), (7, 2, 1_000_000)]
+    # (files a rank, threads, records a partition, the pure numpy path)
+    layouts = [(1, 1, 1_000_000, False), (3, 2, 37, True), (7, 1, 53, False), (7, 2, 1_000_000, True)]
     results = []
-    for i, (into, threads, partition_rows) in enumerate(layouts):
+    for i, (into, threads, partition_rows, pure) in enumerate(layouts):
         run = tmp_path / f"run{i}"
         split(df, into, run, seed=i)
-        results.append(reduced(run, threads, partition_rows))
+        results.append(reduced(run, threads, partition_rows, pure))
     first = results[0]
     assert len(first) == 4 and all(len(groups) > 100 for groups, _ in first.values())
     for layout, other in zip(layouts[1:], results[1:], strict=True):
