@@ -169,15 +169,17 @@ def test_a_rule_that_is_none_is_an_error_naming_the_forms(tmp_path):
     assert "--alert 'train/loss explodes' is not a rule: write one of 'KEY: nonfinite'" in done.stderr
 
 
-def test_on_alert_without_a_rule_is_a_usage_error(tmp_path):
+def test_alert_on_or_on_alert_without_a_rule_is_an_error(tmp_path):
     (tmp_path / "run").mkdir()
     for verb in (["watch"], SIDECAR):
-        done = subprocess.run(
-            [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], "--on-alert", "true"],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 2 and "--on-alert works only with --alert" in done.stderr, done.stderr
+        for option, value in (("--on-alert", "true"), ("--alert-on", "raw"), ("--alert-on", "global")):
+            done = subprocess.run(
+                [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], option, value],
+                capture_output=True,
+                text=True,
+            )
+            assert done.returncode == 1 and "Traceback" not in done.stderr, (verb, option, done.stderr)
+            assert f"Error: {option} works only with --alert: add --alert RULE" in done.stderr, done.stderr
     done = subprocess.run(
         [METRICLOG, "upload", str(tmp_path / "run"), "--project", "p", "--alert", "x > 1"],
         capture_output=True,
@@ -195,3 +197,4 @@ def test_the_sidecar_says_a_bad_rule_as_watch_does(tmp_path):
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "--alert 'loss: spike -1 sigma': a spike is more than 0 sigma" in done.stderr, done.stderr
+
