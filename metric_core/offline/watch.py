@@ -308,7 +308,7 @@ def _stalls(
         stalled_at[key] = s.last_timestamp
         joined = next((e for e in episodes if abs(s.last_timestamp - e.since) <= EPISODE_S), None)
         if joined is None:
-            held = held_by_hang(report.sources)
+            held = held_by_hang(report.sources, since=s.last_timestamp)
             episode = Episode([s], s.last_timestamp, culprit_of(held), [(h, where_text(h)) for h in held])
             episodes.append(episode)
             fresh.append(episode)

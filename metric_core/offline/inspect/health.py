@@ -185,10 +185,18 @@ def where_text(s: SourceHealth) -> str | None:
     return place_text(s.where["own"], s.where["inner"]) if s.where is not None else None
 
 
-def held_by_hang(sources: list[SourceHealth]) -> list[SourceHealth]:
+def held_by_hang(sources: list[SourceHealth], since: float | None = None) -> list[SourceHealth]:
     """The running sources silent for half their stall threshold or more: those a hang
-    holds (the others still take steps)."""
-    return [s for s in sources if s.end == "running" and s.silent_s >= 0.5 * (s.stall_after_s or STALL_MIN_S)]
+    holds (the others still take steps); with ``since`` (an episode's start: the newest
+    record of its first source), only those whose silence began within ``EPISODE_S`` of it
+    (a source of an earlier stall, silent still, is that stall's)."""
+    return [
+        s
+        for s in sources
+        if s.end == "running"
+        and s.silent_s >= 0.5 * (s.stall_after_s or STALL_MIN_S)
+        and (since is None or abs(s.last_timestamp - since) <= EPISODE_S)
+    ]
 
 
 def culprit_of(held: list[SourceHealth]) -> SourceHealth | None:
