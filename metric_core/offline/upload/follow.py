@@ -193,7 +193,7 @@ def follow_upload(
                 True  # the rows handed over hold replaced records: fresh runs hold the rest
             )
             if values is not None:
-                values.anew()
+                values.anew(pass_.tail.sources)
 
 
 @dataclass
