@@ -47,6 +47,7 @@ from metric_core.offline.inspect.health import (
     file_health,
     find_stopped_early,
     find_stragglers,
+    live_where,
     source_status,
     stall_threshold,
     state_of,
@@ -163,8 +164,7 @@ def inspect_run(
         if health.end == "running":
             health.no_heartbeat = tried[-1].no_heartbeat
             life = scan.report.lives.get((source[0], source[1], tried[-1].attempt))
-            if life is not None and life.where is not None and not health.no_heartbeat:
-                health.where = dict(life.where)
+            health.where = live_where(life, health.no_heartbeat)
         quiet = source_status(False, silent, typical, longest) == "stopped_early"
         over = bool(tried) and tried[-1].failed
         health.stall_after_s = stall_after or stall_threshold(typical, longest)

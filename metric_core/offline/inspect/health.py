@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.format.life import STALL_MIN_S, place_text  # no silence shorter is a stall: scheduling noise
+from metric_core.format.life import STALL_MIN_S, Life, place_text  # no silence shorter is a stall: scheduling noise
 from metric_core.offline.inspect import story
 from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
@@ -178,11 +178,48 @@ EPISODE_S = 5.0
 NO_HEARTBEAT = "no heartbeat: stuck in native code holding the GIL, or stopped"
 
 
+def live_where(life: Life | None, no_heartbeat: bool) -> dict[str, Any] | None:
+    """Where a live source's main thread is: its newest heartbeat's place (``Life.where``:
+    own, inner, since, and every thread's once it was silent long), for ``inspect``, ``watch``
+    and the sidecar alike; None when its writer does not say, or is not heard (a place from
+    before its heartbeat stopped is not where it is)."""
+    if no_heartbeat or life is None or life.where is None:
+        return None
+    return dict(life.where)
+
+
+def where_said(where: dict[str, Any] | None, no_heartbeat: bool) -> str | None:
+    """A live source's place (``live_where``) in the commands' words; ``NO_HEARTBEAT`` for one
+    whose writer is not heard; None when its writer does not say."""
+    if no_heartbeat:
+        return NO_HEARTBEAT
+    return place_text(where["own"], where["inner"]) if where is not None else None
+
+
 def where_text(s: SourceHealth) -> str | None:
     """Where a running source is, as the commands say it (None: its writer does not say)."""
-    if s.no_heartbeat:
-        return NO_HEARTBEAT
-    return place_text(s.where["own"], s.where["inner"]) if s.where is not None else None
+    return where_said(s.where, s.no_heartbeat)
+
+
+Who = tuple[str, int]  # a source: its process and rank
+
+
+def culprit_among(held: dict[Who, tuple[dict[str, Any] | None, bool]]) -> Who | None:
+    """Of the sources a hang holds (each with ``live_where`` and whether its heartbeat
+    stopped), the one the others wait for: the only one; the one whose heartbeat stopped
+    while the others' go on; else ``odd_one_out`` of where they are; None when none stands
+    apart. ``watch`` (``culprit_of``) and the sidecar judge by it."""
+    if len(held) == 1:
+        return next(iter(held))  # alone in the hang: the others go on
+    unheard = [who for who, (_, no_heartbeat) in held.items() if no_heartbeat]
+    if len(unheard) == 1:
+        return unheard[0]
+    places = {
+        who: (where["own"], where["inner"])
+        for who, (where, no_heartbeat) in held.items()
+        if where is not None and not no_heartbeat
+    }
+    return odd_one_out(places)
 
 
 def held_by_hang(sources: list[SourceHealth], since: float | None = None) -> list[SourceHealth]:
@@ -201,19 +238,8 @@ def held_by_hang(sources: list[SourceHealth], since: float | None = None) -> lis
 
 def culprit_of(held: list[SourceHealth]) -> SourceHealth | None:
     """Of the sources a hang holds (``held_by_hang``), the one the others wait for
-    (``odd_one_out``); a source whose heartbeat stopped while the others' go on is it;
-    None when no source stands apart."""
-    if len(held) == 1:
-        return held[0]  # alone in the hang: the others go on
-    unheard = [s for s in held if s.no_heartbeat]
-    if len(unheard) == 1 and len(held) > 1:
-        return unheard[0]
-    places = {
-        (s.process, s.rank): (s.where["own"], s.where["inner"])
-        for s in held
-        if s.where is not None and not s.no_heartbeat
-    }
-    found = odd_one_out(places)
+    (``culprit_among``); None when no source stands apart."""
+    found = culprit_among({(s.process, s.rank): (s.where, s.no_heartbeat) for s in held})
     return next((s for s in held if (s.process, s.rank) == found), None)
 
 
