@@ -222,6 +222,28 @@ def culprit_among(held: dict[Who, tuple[dict[str, Any] | None, bool]]) -> Who | 
     return odd_one_out(places)
 
 
+def held_said(culprit: Who | None, held: list[Who], where: dict[Who, str | None]) -> str:
+    """The sources a stall holds, grouped by where each is (``where_said``), as ``watch`` and
+    the sidecar say them after their first words: with a culprit, where it is and who waits
+    for it (``, at P; waiting for it: a (rank 0), b (rank 1) at Q``); without, every source by
+    place and that none stands apart (``: a (rank 0), b (rank 1) at Q; none stands apart``)."""
+
+    def by_place(sources: list[Who]) -> str:
+        groups: dict[str | None, list[str]] = {}
+        for p, r in sources:
+            groups.setdefault(where.get((p, r)), []).append(f"{p} (rank {r})")
+        return "; ".join(", ".join(names) + (f" at {at}" if at else "") for at, names in groups.items())
+
+    if culprit is not None:
+        at = f", at {where[culprit]}" if where.get(culprit) else ""
+        others = [who for who in held if who != culprit]
+        return at + (f"; waiting for it: {by_place(others)}" if others else "")
+    apart = "none stands apart" if any(where.get(who) for who in held) else (
+        "their writers do not say where they are"
+    )
+    return f": {by_place(held)}; {apart}"
+
+
 def held_by_hang(sources: list[SourceHealth], since: float | None = None) -> list[SourceHealth]:
     """The running sources silent for half their stall threshold or more: those a hang
     holds (the others still take steps); with ``since`` (an episode's start: the newest

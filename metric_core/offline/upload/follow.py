@@ -31,7 +31,7 @@ from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
 from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
-from metric_core.offline.inspect.health import EPISODE_S, culprit_among, live_where, where_said
+from metric_core.offline.inspect.health import EPISODE_S, culprit_among, held_said, live_where, where_said
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.read.tail import RunTail, SourceState, counted, expected_sources
 from metric_core.offline.samples import SampleChoice, SampleTables
@@ -393,8 +393,8 @@ class _Pass:
         """One note a silence episode, as ``watch`` gives one warning a stall: the sources
         that went silent within ``EPISODE_S`` of the episode's first are said together, with
         the one the others wait for first (``culprit_among``, as watch judges it: from where
-        their heartbeats say they are, or the one whose heartbeat stopped); a source that
-        joins an episode already said is not said again."""
+        their heartbeats say they are, or the one whose heartbeat stopped), in watch's words
+        (``held_said``); a source that joins an episode already said is not said again."""
         sources = self.tail.sources
         fresh = [k for k in newly if abs(sources[k].silent_since - self.episode_clock) > EPISODE_S]
         if not fresh:
@@ -422,14 +422,11 @@ class _Pass:
         first = sources[culprit] if culprit is not None else sources[together[0]]
         where = {k: where_said(*state[k]) for k in together}
         if culprit is not None:
-            at = f", at {where[culprit]}" if where.get(culprit) else ""
-            others = [k for k in together if k != culprit]
-            waiting = f"; waiting for it: {_by_place(others, where)}" if others else ""
-            said = f"{culprit[0]} (rank {culprit[1]}) {_silence(first, now, alive=True)}{at}{waiting}"
+            head = f"{culprit[0]} (rank {culprit[1]}) {_silence(first, now, alive=True)}"
         else:
-            names = ", ".join(f"{p} (rank {r})" for p, r in together)
             since = f" since step {first.step_end[0]}" if first.step_end else ""
-            said = f"{names} are alive but silent{since}; none stands apart"
+            head = f"{len(together)} sources are alive but silent{since}"
+        said = head + held_said(culprit, together, where)
         self.events.message(
             "note",
             f"{said}: the global steps wait (a long evaluation, or a hang); --let-go-after DURATION lets a "
@@ -588,14 +585,6 @@ class _Pass:
 
 def _typical(source: SourceState) -> float | None:
     return statistics.median(source.gaps) if source.gaps else None
-
-
-def _by_place(keys: list[tuple[str, int]], where: dict[tuple[str, int], str | None]) -> str:
-    """Sources grouped by where each is (``where_said``), as watch says them."""
-    groups: dict[str | None, list[str]] = {}
-    for p, r in keys:
-        groups.setdefault(where.get((p, r)), []).append(f"{p} (rank {r})")
-    return "; ".join(", ".join(names) + (f" at {at}" if at else "") for at, names in groups.items())
 
 
 def _silence(source: SourceState, now: float, *, alive: bool = False) -> str:
