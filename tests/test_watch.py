@@ -311,9 +311,65 @@ def test_a_second_stall_names_its_own_culprit_not_a_source_of_an_earlier_one(tmp
     assert later.culprit is not None and later.culprit.process == "TrainActor_r1", later.told()
     assert sorted(h.process for h, _ in later.held) == ["TrainActor_r1", "TrainActor_r2"], later.told()
     said = later.variables(str(run))
-    assert said["METRICLOG_PROCESS"] == "TrainActor_r1" and said["METRICLOG_WHERE"].endswith(" in stuck_second")
+    assert said["METRICLOG_PROCESS"] == "TrainActor_r1" and said["METRICLOG_WHERE"].endswith(
+        " in stuck_second"
+    )
     assert said["METRICLOG_PROCESSES"] == "TrainActor_r1,TrainActor_r2"
     assert "waiting for it: TrainActor_r2 (rank 2) at " in later.told(), later.told()
+
+
+DIES_AFTER_INIT = """
+import os, signal, sys
+import metric_core
+from metric_core import Reduce, record_metric
+run, rank, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+metric_core.init(run, rank=rank, process_name=f"TrainActor_r{rank}", flush_interval=0.05)  # no world_size
+if how == "exit":
+    os._exit(1)  # after init(), before its first record
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+for step in range(20):
+    record_metric("loss", 1.0 / (step + 1), Reduce.MEAN)
+    metric_core.flush(step)
+metric_core.shutdown()
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_rank_that_died_after_init_before_its_first_record_is_a_source_that_died(tmp_path, how):
+    """run.json without world_size (another launcher): nothing says how many ranks there
+    are, so the rank's journal (init() writes its header) is all there is of it."""
+    run = tmp_path / "run"
+    for rank, does in ((1, how), (0, "steps")):
+        done = subprocess.run([sys.executable, "-c", DIES_AFTER_INIT, str(run), str(rank), does], timeout=120)
+        assert done.returncode == (0 if does == "steps" else 1 if how == "exit" else -signal.SIGKILL)
+    assert json.loads((run / "run.json").read_text()).get("world_size") is None
+    report = json.loads(
+        subprocess.run(
+            [METRICLOG, "inspect", str(run), "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    by_rank = {s["rank"]: s for s in report["sources"]}
+    assert sorted(by_rank) == [0, 1], report["sources"]
+    dead = by_rank[1]
+    assert (dead["process"], dead["records"], dead["first_step"], dead["last_step"]) == (
+        "TrainActor_r1",
+        0,
+        None,
+        None,
+    )
+    assert dead["state"] == "died" and dead["end"] in ("died", "exit"), dead
+    assert by_rank[0]["state"] == "finished" and by_rank[0]["records"] == 20
+    text = subprocess.run([METRICLOG, "inspect", str(run)], capture_output=True, text=True, check=True).stdout
+    assert "TrainActor_r1 (rank 1)" in text and "before its first flush" in text, text
+    done = subprocess.run(
+        [METRICLOG, "watch", str(run), "--interval", "0.2", "--restart-grace", "0s"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 4, (done.returncode, done.stdout, done.stderr)  # over, not finished: it died
+    assert "TrainActor_r1 (rank 1) died before its first flush" in done.stderr + done.stdout, done.stderr
 
 
 def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
