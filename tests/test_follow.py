@@ -1010,7 +1010,9 @@ def test_a_rank_whose_heartbeat_stopped_is_said_so_and_named_as_watch_names_it(t
     sidecar = follow_logged(run, log, "--restart-grace", "1s")
     written = run.parent / "truth-2-0.jsonl"
     try:
-        wait_for(lambda: written.exists() and len(written.read_text().splitlines()) >= 10 * 12, "step 9 of rank 2")
+        wait_for(
+            lambda: written.exists() and len(written.read_text().splitlines()) >= 10 * 12, "step 9 of rank 2"
+        )
         os.kill(ranks[2].pid, signal.SIGSTOP)
         wait_for(lambda: "the global steps wait" in log.read_text(), "the note that the steps wait", 120)
     finally:

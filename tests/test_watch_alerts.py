@@ -228,8 +228,10 @@ def test_the_sidecar_judges_a_restarts_rewound_steps_and_no_step_twice(tmp_path,
     run, said, log = tmp_path / "run", tmp_path / "alerts.txt", tmp_path / "sidecar.log"
     command = f'echo "$METRICLOG_KEY|$METRICLOG_STEP|$METRICLOG_VALUE|$METRICLOG_PROCESS" >> {said}'
     sidecar = subprocess.Popen(
-        [METRICLOG, "upload", str(run), *SIDECAR[1:], "--wait", "--interval", "0.2"]
-        + ["--alert", "train/loss: nonfinite", "--alert-on", on, "--on-alert", command],
+        [
+            *(METRICLOG, "upload", str(run), *SIDECAR[1:], "--wait", "--interval", "0.2", "--alert-on", on),
+            *("--alert", "train/loss: nonfinite", "--on-alert", command),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=log.open("w"),
     )

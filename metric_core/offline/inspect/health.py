@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.format.life import STALL_MIN_S, Life, place_text  # no silence shorter is a stall: scheduling noise
+# (STALL_MIN_S: no silence shorter is a stall, scheduling noise)
+from metric_core.format.life import STALL_MIN_S, Life, place_text
 from metric_core.offline.inspect import story
 from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
@@ -238,8 +239,10 @@ def held_said(culprit: Who | None, held: list[Who], where: dict[Who, str | None]
         at = f", at {where[culprit]}" if where.get(culprit) else ""
         others = [who for who in held if who != culprit]
         return at + (f"; waiting for it: {by_place(others)}" if others else "")
-    apart = "none stands apart" if any(where.get(who) for who in held) else (
-        "their writers do not say where they are"
+    apart = (
+        "none stands apart"
+        if any(where.get(who) for who in held)
+        else ("their writers do not say where they are")
     )
     return f": {by_place(held)}; {apart}"
 

@@ -186,7 +186,10 @@ def tell(
     if failure is not None:
         over = ended_together([a for a in report.attempts if a.number == failure.number])
         if over:
-            together = [{"process": a.process, "rank": a.rank} for a in sorted(over, key=lambda a: (a.rank, a.process))]
+            together = [
+                {"process": a.process, "rank": a.rank}
+                for a in sorted(over, key=lambda a: (a.rank, a.process))
+            ]
             return None, together, stacks
     return failure, [], stacks
 
