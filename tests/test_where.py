@@ -81,8 +81,8 @@ def long_wait(run: Path) -> None:
     (path,) = run.glob("*.journal")
     start = time.monotonic()
     while time.monotonic() < start + 120:
-        place = journal.decode(path.read_bytes()).life.most_seen()
-        if time.monotonic() - start >= 3.0 and place is not None and _in(place[0], "long_wait"):
+        where = journal.decode(path.read_bytes()).life.where
+        if time.monotonic() - start >= 3.0 and where is not None and _in(where["own"], "long_wait"):
             return
         time.sleep(0.02)
     raise AssertionError("the journal never said long_wait")
