@@ -206,7 +206,7 @@ def upload(
     sample_seed: o.SampleSeed = 0,
     no_samples: o.NoSamples = False,
     alert: o.Alert = None,
-    alert_on: o.AlertOn = "global",
+    alert_on: o.AlertOn = None,
     on_alert: o.OnAlert = None,
 ) -> None:
     """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
@@ -435,7 +435,7 @@ def watch(
     follow_symlinks: o.FollowSymlinks = False,
     wait: o.Wait = False,
     alert: o.Alert = None,
-    alert_on: o.AlertOn = "global",
+    alert_on: o.AlertOn = None,
     on_alert: o.OnAlert = None,
 ) -> None:
     """Follow a run while it is written: its sources' state, the ones that hang or die, and

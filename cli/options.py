@@ -474,12 +474,12 @@ Alert = Annotated[
     ),
 ]
 AlertOn = Annotated[
-    str,
+    str | None,
     typer.Option(
         "--alert-on",
         metavar="raw|global",
-        help="Judge each step's global reduction once every live rank flushed it (global), or every "
-        "raw value of every rank as it lands (raw).",
+        help="Judge each step's global reduction once every live rank flushed it (global, the default), "
+        "or every raw value of every rank as it lands (raw).",
     ),
 ]
 OnAlert = Annotated[
@@ -617,16 +617,17 @@ def follow(
     )
 
 
-def alarms(rules: list[str] | None, on: str, on_alert: str | None) -> Any:
-    """``--alert`` and ``--alert-on`` as ``Alarms``, or None without a rule (then ``--on-alert``
-    is a usage error: it would never run)."""
-    from metric_core.offline.alerts import Alarms, parse_rule
+def alarms(rules: list[str] | None, on: str | None, on_alert: str | None) -> Any:
+    """``--alert`` and ``--alert-on`` as ``Alarms``, or None without a rule (then ``--alert-on``
+    or ``--on-alert`` is an error: it would never be used)."""
+    from metric_core.offline.alerts import FORMS, Alarms, AlertRuleError, parse_rule
 
     if not rules:
-        if on_alert is not None:
-            raise typer.BadParameter("--on-alert works only with --alert", param_hint="--on-alert")
+        given = "--alert-on" if on is not None else "--on-alert" if on_alert is not None else None
+        if given is not None:
+            raise AlertRuleError(f"{given} works only with --alert: add --alert RULE (one of {FORMS})")
         return None
-    return Alarms([parse_rule(r) for r in rules], on=on)
+    return Alarms([parse_rule(r) for r in rules], on=on or "global")
 
 
 def grace(restart_grace: str) -> float:

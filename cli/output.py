@@ -503,7 +503,7 @@ def print_inspect(report: InspectReport) -> None:
             "state": s.state,
             "end": s.end or "",  # how its newest attempt ended
             "lag": duration(s.lag_s),
-            "steps": f"{s.first_step}-{s.last_step}",
+            "steps": f"{s.first_step}-{s.last_step}" if s.records else "none",
             "last": local_time(s.last_timestamp),
             "first": local_time(s.first_timestamp),
             "records": s.records,
@@ -748,7 +748,7 @@ def _watch_table(report: InspectReport) -> Any:
             s.process,
             str(s.rank),
             Text(state, style=styles[state]),
-            str(s.last_step),
+            "" if s.last_step is None else str(s.last_step),
             duration(s.silent_s),
             duration(s.cadence_s) if s.cadence_s else "",
         )

@@ -993,3 +993,35 @@ def test_a_lockstep_silence_is_one_note_naming_the_rank_the_others_wait_for(tmp_
     assert note.startswith("Trainer_r1 (rank 1) is alive but silent for "), note
     assert ", at tests/lockstep_worker.py:" in note and " in train_step; waiting for it: " in note, note
     assert "waiting for it: Trainer_r0 (rank 0), Trainer_r2 (rank 2), Trainer_r3 (rank 3)" in note, note
+
+
+def test_a_rank_whose_heartbeat_stopped_is_said_so_and_named_as_watch_names_it(tmp_path):
+    """Every rank held in step 10 at the same line; rank 2 stopped (SIGSTOP stands in for
+    native code holding the GIL): its writer is not heard. The sidecar's note says so
+    (``NO_HEARTBEAT``, not the place its last heartbeat said) and names it as the one the
+    others wait for, as watch's ``culprit_of`` does."""
+    import os
+
+    from metric_core.offline.inspect.health import NO_HEARTBEAT
+
+    run = tmp_path / "run"
+    ranks = writers(run, steps=40, ranks=3, hold_at=10)
+    log = tmp_path / "follow.log"
+    sidecar = follow_logged(run, log, "--restart-grace", "1s")
+    written = run.parent / "truth-2-0.jsonl"
+    try:
+        wait_for(
+            lambda: written.exists() and len(written.read_text().splitlines()) >= 10 * 12, "step 9 of rank 2"
+        )
+        os.kill(ranks[2].pid, signal.SIGSTOP)
+        wait_for(lambda: "the global steps wait" in log.read_text(), "the note that the steps wait", 120)
+    finally:
+        for child in [*ranks, sidecar]:
+            child.kill()
+            child.wait(timeout=60)
+    err = " ".join(log.read_text().split())
+    (note,) = [n for n in err.split("note: ") if "the global steps wait" in n]
+    assert note.startswith("Trainer_r2 (rank 2) is alive but silent for "), note
+    # (rank 0 and 1 wait in the same loop, seen at its one line or the other)
+    assert f", at {NO_HEARTBEAT}; waiting for it: Trainer_r0 (rank 0)" in note, note
+    assert "Trainer_r1 (rank 1)" in note.split("waiting for it: ")[1], note

@@ -242,6 +242,136 @@ def test_a_lockstep_hang_is_one_stall_and_a_job_killed_whole_ends_watch(tmp_path
     assert [s["rank"] for s in waiting["sources"]] == [0, 2, 3] and waiting["where"].endswith(" in allreduce")
 
 
+TWO_STALLS = """
+import os, sys, threading, time
+import metric_core
+from metric_core import Reduce, record_metric
+run, rank, second = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+metric_core.init(run, rank=rank, process_name=f"TrainActor_r{rank}", flush_interval=0.05)
+
+
+def stuck_first():
+    time.sleep(600)
+
+
+def stuck_second():
+    time.sleep(600)
+
+
+for step in range(100_000):
+    if rank == 0 and step == 5:
+        stuck_first()
+    if rank > 0 and os.path.exists(second):
+        if rank == 1:
+            stuck_second()
+        threading.Event().wait(600)  # rank 2 waits for rank 1, as in a collective
+    record_metric("loss", 1.0, Reduce.MEAN)
+    metric_core.flush(step)
+    time.sleep(0.1)
+"""
+
+
+def test_a_second_stall_names_its_own_culprit_not_a_source_of_an_earlier_one(tmp_path):
+    """Rank 0 hangs first; long after, rank 1 hangs and rank 2 waits for it. The second stall
+    is ranks 1 and 2's: rank 0, silent still, is the first stall's, not a third place that
+    hides rank 1 as the one standing apart."""
+    from metric_core.offline.inspect.health import EPISODE_S
+    from metric_core.offline.watch import watch_run
+
+    run, second = tmp_path / "run", tmp_path / "second"
+    children = [
+        subprocess.Popen([sys.executable, "-c", TWO_STALLS, str(run), str(rank), str(second)])
+        for rank in range(3)
+    ]
+    episodes, halt = [], threading.Event()
+    watching = threading.Thread(
+        target=watch_run,
+        args=(run,),
+        kwargs={"interval": 0.2, "on_stall": episodes.append, "stall_after": 2.0, "stop": halt, "wait": True},
+    )
+    watching.start()
+
+    def until(ok, what: str) -> None:
+        deadline = time.monotonic() + 120
+        while not ok():
+            assert time.monotonic() < deadline and watching.is_alive(), what
+            time.sleep(0.05)
+
+    try:
+        until(lambda: len(episodes) >= 1, "the first stall")
+        until(lambda: time.time() > episodes[0].since + 2 * EPISODE_S, "a second stall apart from the first")
+        second.touch()
+        until(lambda: len(episodes) >= 2, "the second stall")
+    finally:
+        halt.set()
+        watching.join(timeout=60)
+        stop(children)
+    first, later = episodes[:2]
+    assert (first.culprit.process, [h.process for h, _ in first.held]) == ("TrainActor_r0", ["TrainActor_r0"])
+    assert later.culprit is not None and later.culprit.process == "TrainActor_r1", later.told()
+    assert sorted(h.process for h, _ in later.held) == ["TrainActor_r1", "TrainActor_r2"], later.told()
+    said = later.variables(str(run))
+    assert said["METRICLOG_PROCESS"] == "TrainActor_r1" and said["METRICLOG_WHERE"].endswith(
+        " in stuck_second"
+    )
+    assert said["METRICLOG_PROCESSES"] == "TrainActor_r1,TrainActor_r2"
+    assert "waiting for it: TrainActor_r2 (rank 2) at " in later.told(), later.told()
+
+
+DIES_AFTER_INIT = """
+import os, signal, sys
+import metric_core
+from metric_core import Reduce, record_metric
+run, rank, how = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+metric_core.init(run, rank=rank, process_name=f"TrainActor_r{rank}", flush_interval=0.05)  # no world_size
+if how == "exit":
+    os._exit(1)  # after init(), before its first record
+if how == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+for step in range(20):
+    record_metric("loss", 1.0 / (step + 1), Reduce.MEAN)
+    metric_core.flush(step)
+metric_core.shutdown()
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_a_rank_that_died_after_init_before_its_first_record_is_a_source_that_died(tmp_path, how):
+    """run.json without world_size (another launcher): nothing says how many ranks there
+    are, so the rank's journal (init() writes its header) is all there is of it."""
+    run = tmp_path / "run"
+    for rank, does in ((1, how), (0, "steps")):
+        done = subprocess.run([sys.executable, "-c", DIES_AFTER_INIT, str(run), str(rank), does], timeout=120)
+        assert done.returncode == (0 if does == "steps" else 1 if how == "exit" else -signal.SIGKILL)
+    assert json.loads((run / "run.json").read_text()).get("world_size") is None
+    report = json.loads(
+        subprocess.run(
+            [METRICLOG, "inspect", str(run), "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    by_rank = {s["rank"]: s for s in report["sources"]}
+    assert sorted(by_rank) == [0, 1], report["sources"]
+    dead = by_rank[1]
+    assert (dead["process"], dead["records"], dead["first_step"], dead["last_step"]) == (
+        "TrainActor_r1",
+        0,
+        None,
+        None,
+    )
+    assert dead["state"] == "died" and dead["end"] in ("died", "exit"), dead
+    assert by_rank[0]["state"] == "finished" and by_rank[0]["records"] == 20
+    text = subprocess.run([METRICLOG, "inspect", str(run)], capture_output=True, text=True, check=True).stdout
+    assert "TrainActor_r1 (rank 1)" in text and "before its first flush" in text, text
+    done = subprocess.run(
+        [METRICLOG, "watch", str(run), "--interval", "0.2", "--restart-grace", "0s"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 4, (done.returncode, done.stdout, done.stderr)  # over, not finished: it died
+    assert "TrainActor_r1 (rank 1) died before its first flush" in done.stderr + done.stdout, done.stderr
+
+
 def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
     run = tmp_path / "run"
     children = writers(run, [(400, -1), (400, -1)])

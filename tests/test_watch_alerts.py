@@ -169,15 +169,17 @@ def test_a_rule_that_is_none_is_an_error_naming_the_forms(tmp_path):
     assert "--alert 'train/loss explodes' is not a rule: write one of 'KEY: nonfinite'" in done.stderr
 
 
-def test_on_alert_without_a_rule_is_a_usage_error(tmp_path):
+def test_alert_on_or_on_alert_without_a_rule_is_an_error(tmp_path):
     (tmp_path / "run").mkdir()
     for verb in (["watch"], SIDECAR):
-        done = subprocess.run(
-            [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], "--on-alert", "true"],
-            capture_output=True,
-            text=True,
-        )
-        assert done.returncode == 2 and "--on-alert works only with --alert" in done.stderr, done.stderr
+        for option, value in (("--on-alert", "true"), ("--alert-on", "raw"), ("--alert-on", "global")):
+            done = subprocess.run(
+                [METRICLOG, verb[0], str(tmp_path / "run"), *verb[1:], option, value],
+                capture_output=True,
+                text=True,
+            )
+            assert done.returncode == 1 and "Traceback" not in done.stderr, (verb, option, done.stderr)
+            assert f"Error: {option} works only with --alert: add --alert RULE" in done.stderr, done.stderr
     done = subprocess.run(
         [METRICLOG, "upload", str(tmp_path / "run"), "--project", "p", "--alert", "x > 1"],
         capture_output=True,
@@ -195,3 +197,70 @@ def test_the_sidecar_says_a_bad_rule_as_watch_does(tmp_path):
     )
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert "--alert 'loss: spike -1 sigma': a spike is more than 0 sigma" in done.stderr, done.stderr
+
+
+RESTARTED = """
+import math, os, sys, time
+import metric_core
+from metric_core import Reduce, record_metric
+run, start, end, nan_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), [int(a) for a in sys.argv[4:]]
+metric_core.init(run, rank=0, process_name="Trainer_r0", world_size=1, flush_interval=0.05, step=start)
+for step in range(start, end):
+    record_metric("train/loss", math.nan if step in nan_at else 1.0 / (step + 1), Reduce.MEAN)
+    metric_core.flush(step)
+    time.sleep(0.02)
+if end < 30:
+    time.sleep(600)  # alive until the test kills it: its job restarts it from a checkpoint
+metric_core.shutdown()
+"""
+
+
+@pytest.mark.parametrize("on", ["global", "raw"])
+def test_the_sidecar_judges_a_restarts_rewound_steps_and_no_step_twice(tmp_path, on):
+    """Attempt 1 has a NaN at step 5 and is killed after step 19; its restart from step 9 has
+    a NaN at step 9 (a step judged already, now with a value of its own). The restart replaces
+    rows handed over, so the sidecar reads the run anew: step 9 alarms, step 5 (unchanged)
+    does not alarm twice."""
+    import json
+    import signal
+    import time
+
+    run, said, log = tmp_path / "run", tmp_path / "alerts.txt", tmp_path / "sidecar.log"
+    command = f'echo "$METRICLOG_KEY|$METRICLOG_STEP|$METRICLOG_VALUE|$METRICLOG_PROCESS" >> {said}'
+    sidecar = subprocess.Popen(
+        [
+            *(METRICLOG, "upload", str(run), *SIDECAR[1:], "--wait", "--interval", "0.2", "--alert-on", on),
+            *("--alert", "train/loss: nonfinite", "--on-alert", command),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("w"),
+    )
+    first = subprocess.Popen([sys.executable, "-c", RESTARTED, str(run), "0", "20", "5"])
+    ledger = run / ".metriclog" / "uploads.json"
+
+    def sent() -> int:
+        try:
+            return max((e["rows_sent"] for e in json.loads(ledger.read_text())["runs"].values()), default=0)
+        except (OSError, ValueError):
+            return 0
+
+    try:
+        deadline = time.monotonic() + 120
+        while sent() < 15:  # rows past step 9 handed over: the restart replaces some
+            assert time.monotonic() < deadline and sidecar.poll() is None, log.read_text()
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+        restart = subprocess.run([sys.executable, "-c", RESTARTED, str(run), "9", "30", "9"], timeout=120)
+        assert restart.returncode == 0
+        assert sidecar.wait(timeout=120) == 0, log.read_text()
+    finally:
+        for p in (first, sidecar):
+            if p.poll() is None:
+                p.kill()
+    err = log.read_text()
+    assert "restarted from a checkpoint: Trainer_r0 (rank 0) from step 9" in err, err
+    assert said.read_text().splitlines() == [
+        "train/loss|5|nan|Trainer_r0",
+        "train/loss|9|nan|Trainer_r0",
+    ], err

@@ -75,6 +75,56 @@ def test_a_pause_is_kept_with_the_place_it_was_spent_in(tmp_path, monkeypatch):
     assert sealed is not None and [w[1] for w in sealed.gap_where] == [spent[0]]
 
 
+def long_wait(run: Path) -> None:
+    """Most of the pause is spent here: many heartbeats (the journal read here, not in a
+    helper, so that every look finds this function)."""
+    (path,) = run.glob("*.journal")
+    start = time.monotonic()
+    while time.monotonic() < start + 120:
+        where = journal.decode(path.read_bytes()).life.where
+        if time.monotonic() - start >= 3.0 and where is not None and _in(where["own"], "long_wait"):
+            return
+        time.sleep(0.02)
+    raise AssertionError("the journal never said long_wait")
+
+
+def short_end(run: Path) -> Life:
+    """The pause's last moments, still going on: a few heartbeats, the newest."""
+    (path,) = run.glob("*.journal")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        life = journal.decode(path.read_bytes()).life
+        if life.where is not None and _in(life.where["own"], "short_end"):
+            return life
+        time.sleep(0.02)
+    raise AssertionError("the journal never said short_end")
+
+
+def test_a_pause_still_going_on_is_where_it_was_spent_most_as_a_sealed_gap_is(tmp_path):
+    from metric_core.offline.inspect import inspect_run
+
+    c = MetricCollector(tmp_path, rank=0, process_name="r0", flush_interval=0.05)
+    try:
+        c.record("loss", 1.0)
+        c.flush(0)
+        long_wait(tmp_path)
+        life = short_end(tmp_path)
+        assert _in(life.where["own"], "short_end")  # the newest heartbeat's place
+        assert life.last_flush is not None
+        spent = life.place_in(life.last_flush[1], time.time())
+        assert spent is not None and _in(spent[0], "long_wait"), spent
+        (pause,) = inspect_run(tmp_path, pause_after=1.0).pauses
+        assert pause.ongoing
+        (stuck,) = [s["where"] for s in pause.stuck_in]
+        assert _in(stuck.split(",")[0], "long_wait"), pause.stuck_in
+        c.record("loss", 2.0)
+        c.flush(1)  # the pause ends: the gap kept says the same place
+        (kept,) = _life(tmp_path).gap_where
+        assert kept[1] == spent[0]
+    finally:
+        c.shutdown()
+
+
 def test_a_rank_waiting_in_a_library_shows_its_own_line_and_the_wait(tmp_path):
     c = MetricCollector(tmp_path, rank=0, process_name="r0", flush_interval=0.05)
     never = threading.Event()

@@ -143,9 +143,8 @@ class Life:
             gap = at - self.last_flush[1]
             if gap >= GAP_KEPT_S:
                 self.gaps.append([self.last_flush[0] + 1, self.last_flush[1], gap])
-                if self._beats:
-                    own, inner = max(self._beats, key=lambda p: self._beats[p])
-                    self.gap_where.append([self.last_flush[1], own, inner])
+                if (place := self.most_seen()) is not None:
+                    self.gap_where.append([self.last_flush[1], *place])
                 if len(self.gaps) > 2 * MAX_GAPS:
                     self._keep_longest_gaps()
         else:
@@ -156,6 +155,11 @@ class Life:
         self.last_flush = (step, at)
         self.flushes += 1
         self.seen(at)
+
+    def most_seen(self) -> tuple[str, str] | None:
+        """Where the heartbeats since the last flush said the main thread was most often
+        (the first of those seen as often): the place of the gap they fall in."""
+        return max(self._beats, key=lambda p: self._beats[p]) if self._beats else None
 
     def _keep_longest_gaps(self) -> None:
         longest = sorted(self.gaps, key=lambda g: -g[2])[:MAX_GAPS]
@@ -183,13 +187,13 @@ class Life:
 
     def place_in(self, start: float, end: float) -> tuple[str, str] | None:
         """Where the main thread spent the pause from ``start`` to ``end``: the place kept for a
-        gap that began there, or the newest heartbeat's place when it came before ``end`` and
-        the pause is still going on (no flush ended it)."""
+        gap that began there, or, for the pause still going on (no flush ended it), the place
+        its heartbeats said most so far (``most_seen``, the rule a gap is kept by)."""
         for at, own, inner in self.gap_where:
             if abs(at - start) < 1e-6:
                 return (own, inner)
-        if self.where is not None and self.last_flush is not None and abs(self.last_flush[1] - start) < 1e-6:
-            return (self.where["own"], self.where["inner"])
+        if self.last_flush is not None and abs(self.last_flush[1] - start) < 1e-6:
+            return self.most_seen()
         return None
 
     @classmethod
@@ -241,6 +245,9 @@ class Life:
                 assert life.last_flush is not None
                 out.last_flush = life.last_flush
                 out.flushes += life.flushes
+                out._beats = {}  # the beats since the newest flush are this file's (or a later one's)
+            for place, n in life._beats.items():
+                out._beats[place] = out._beats.get(place, 0) + n
             out.ends.extend(life.ends)
             if life.where is not None and (out.where is None or life.where["since"] >= out.where["since"]):
                 out.where = life.where

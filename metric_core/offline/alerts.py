@@ -246,7 +246,11 @@ class ValueWatch:
         self.follower = self._follower()
         # (key, step, rule) -> the first raw value that broke the rule by itself: (time, process, rank)
         self.offender: dict[tuple[str, int, str], tuple[float, str, int]] = {}
-        self.judged: dict[tuple[str, Any], int] = {}  # a series' newest step judged, before a reading anew
+        # Before a reading anew (``anew``): a global series' newest step judged, and a raw
+        # series' of each attempt, (key, source, attempt) -> step; what is fed, kept as it goes.
+        self.judged: dict[tuple[str, Any], int] = {}
+        self.judged_raw: dict[tuple[str, Any, Any], int] = {}
+        self.fed_raw: dict[tuple[str, Any, Any], int] = {}
 
     def _follower(self) -> Any:
         from metric_core.offline.upload.settle import Follower
@@ -257,10 +261,29 @@ class ValueWatch:
             else None
         )
 
-    def anew(self) -> None:
-        """The run is read again from its start (the sidecar's fresh pass): the steps judged
-        already are not judged again."""
-        self.judged = dict(self.alarms.last_step)
+    def anew(self, sources: dict[Any, Any]) -> None:
+        """The run is read again from its start (the sidecar's fresh pass, after a restart
+        replaced rows; ``sources``: the ``RunTail`` sources the pass before read). A value
+        judged already is not judged again, a restart's rewound steps are: raw, each
+        attempt's records after the newest of them judged (a restart is an attempt of its
+        own); global, the steps before the first step a restart replaced."""
+        from metric_core.offline.upload.restarts import replaced_from
+
+        cuts = [
+            cut
+            for state in sources.values()
+            for cut in replaced_from(
+                [a.first_step for a in sorted(state.attempts.values(), key=lambda a: a.started)]
+            )
+            if cut is not None
+        ]
+        rewound = min(cuts, default=None)
+        self.judged = {
+            series: step if rewound is None else min(step, rewound - 1)
+            for series, step in self.alarms.last_step.items()
+            if series[1] is None
+        }
+        self.judged_raw = dict(self.fed_raw)
         self.follower = self._follower()
 
     def poll(self, final: bool = False) -> list[Alert]:
@@ -282,13 +305,16 @@ class ValueWatch:
         mine = records.filter(records["key"].is_in(watched)) if watched else records.clear()
         out: list[Alert] = []
         if self.follower is None:
-            for process, rank, step, key, value in (
+            attempt = ["attempt"] if "attempt" in mine.columns else []  # the tail's records have it
+            for process, rank, step, key, value, *tried in (
                 mine.sort("process", "rank", "step", "timestamp")
-                .select("process", "rank", "step", "key", "value")
+                .select("process", "rank", "step", "key", "value", *attempt)
                 .iter_rows()
             ):
-                if step > self.judged.get((key, (process, rank)), -1):
+                series = (key, (process, rank), tried[0] if tried else None)
+                if step > self.judged_raw.get(series, -1):
                     out += self.alarms.feed(key, step, value, (process, rank))
+                    self.fed_raw[series] = max(step, self.fed_raw.get(series, -1))
             return out
         for process, rank, step, key, value, at in mine.select(
             "process", "rank", "step", "key", "value", "timestamp"

@@ -41,7 +41,14 @@ from metric_core.clock import duration
 from metric_core.errors import NoDataError, RunChangedError
 from metric_core.offline.alerts import Alarms, Alert, ValueWatch
 from metric_core.offline.inspect import InspectReport, SourceHealth, inspect_run, never_wrote, story
-from metric_core.offline.inspect.health import EPISODE_S, culprit_of, held_by_hang, state_of, where_text
+from metric_core.offline.inspect.health import (
+    EPISODE_S,
+    culprit_of,
+    held_by_hang,
+    held_said,
+    state_of,
+    where_text,
+)
 from metric_core.offline.read.report import ReadReport
 from metric_core.offline.storage import missing_run, run_path
 
@@ -77,24 +84,19 @@ class Episode:
 
     def told(self) -> str:
         """The stall in words: the culprit and where it is, then the others grouped by where
-        they wait; or, with none standing apart, every source by place."""
+        they wait; or, with none standing apart, every source by place (``held_said``, the
+        sidecar's words too)."""
         s = self.culprit or self.first
-        where = self._where()
+        held = [(h.process, h.rank) for h, _ in self.held] or [(h.process, h.rank) for h in self.sources]
+        culprit = (self.culprit.process, self.culprit.rank) if self.culprit is not None else None
         pace = f", steps every {duration(s.cadence_s)}" if s.cadence_s else ""
         dumps = f"; stack dumps: {', '.join(sorted(self.stacks))}" if self.stacks else ""
-        if self.culprit is not None:
-            at = f", at {where[(s.process, s.rank)]}" if where.get((s.process, s.rank)) else ""
-            others = [h for h, _ in self.held if h is not self.culprit]
-            waiting = f"; waiting for it: {_by_place(others, where)}" if others else ""
-            silent = duration(s.silent_s)
-            head = f"{self.who()} stalled at step {s.last_step}: silent for {silent}"
-            return f"{head}{pace}{at}{waiting}{dumps}"
-        held = [h for h, _ in self.held] or self.sources
-        apart = "none stands apart" if any(where.values()) else "their writers do not say where they are"
-        return (
-            f"{len(held)} sources stalled together at step {s.last_step}, silent for {duration(s.silent_s)}"
-            f"{pace}: {_by_place(held, where)}; {apart}{dumps}"
-        )
+        silent = duration(s.silent_s)
+        if culprit is not None:
+            head = f"{self.who()} stalled at step {s.last_step}: silent for {silent}{pace}"
+        else:
+            head = f"{len(held)} sources stalled together at step {s.last_step}, silent for {silent}{pace}"
+        return f"{head}{held_said(culprit, held, self._where())}{dumps}"
 
     def variables(self, run_dir: str) -> dict[str, str]:
         """What ``--on-stall``'s command gets: the culprit's process, rank and place (empty
@@ -112,14 +114,6 @@ class Episode:
             "METRICLOG_PROCESSES": ",".join(h.process for h in ([c] if c else []) + held),
             "METRICLOG_STACKS": " ".join(f"{root}/{p}" for p in sorted(self.stacks)),
         }
-
-
-def _by_place(sources: list[SourceHealth], where: dict[tuple[str, int], str | None]) -> str:
-    """Sources grouped by where each is: ``a (rank 0), b (rank 1) at train.py:150 in <module>``."""
-    groups: dict[str | None, list[str]] = {}
-    for s in sources:
-        groups.setdefault(where.get((s.process, s.rank)), []).append(f"{s.process} (rank {s.rank})")
-    return "; ".join(", ".join(names) + (f" at {place}" if place else "") for place, names in groups.items())
 
 
 @dataclass
@@ -308,7 +302,7 @@ def _stalls(
         stalled_at[key] = s.last_timestamp
         joined = next((e for e in episodes if abs(s.last_timestamp - e.since) <= EPISODE_S), None)
         if joined is None:
-            held = held_by_hang(report.sources)
+            held = held_by_hang(report.sources, since=s.last_timestamp)
             episode = Episode([s], s.last_timestamp, culprit_of(held), [(h, where_text(h)) for h in held])
             episodes.append(episode)
             fresh.append(episode)

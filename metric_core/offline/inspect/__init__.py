@@ -28,6 +28,7 @@ its JSON) and ``verdict`` (its plain words).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -47,6 +48,7 @@ from metric_core.offline.inspect.health import (
     file_health,
     find_stopped_early,
     find_stragglers,
+    live_where,
     source_status,
     stall_threshold,
     state_of,
@@ -134,37 +136,55 @@ def inspect_run(
         now = time.time() if isinstance(scan.run_dir, Path) else newest_listed(scan.run_dir)
     failure, together, stacks = story.tell(scan.report, scan.run_dir, now)
     live = False
-    for source, its in sorted(steps.items()):
-        typical, longest, _ = cadence[source]
-        lag = newest - its.last_timestamp
+    # A source whose attempt put its journal on disk (``init()`` writes the header) and
+    # recorded nothing (it died first, or has not stepped yet): a source all the same.
+    unrecorded = {(a.process, a.rank) for a in scan.report.attempts} - set(steps)
+    for source in sorted([*steps, *unrecorded]):
+        its = steps.get(source)
+        typical, longest, _ = cadence.get(source, (None, None, 0))
         tried = [a for a in scan.report.attempts if (a.process, a.rank) == source]
         ended_well = source in clean or (bool(tried) and tried[-1].ended_well)
+        first_step: int | None
+        last_step: int | None
+        if its is not None:
+            first_step, last_step, first_at, last_at = (
+                its.first_step,
+                its.last_step,
+                its.first_timestamp,
+                its.last_timestamp,
+            )
+            files, status = its.files, source_status(ended_well, newest - last_at, typical, longest)
+        else:  # its silence counts from its start
+            started = [a.started for a in tried if a.started is not None and math.isfinite(a.started)]
+            first_step = last_step = None
+            first_at = last_at = max(started, default=newest)
+            files = [i for i, f in enumerate(scan.report.files) if f.source == source]
+            status = "finished" if ended_well else "unfinished"
         sources.append(
             SourceHealth(
                 process=source[0],
                 rank=source[1],
-                **file_health(scan, its.files),
-                records=its.records,
+                **file_health(scan, files),
+                records=its.records if its is not None else 0,
                 keys=keys.get(source, 0),
-                first_step=its.first_step,
-                last_step=its.last_step,
-                first_timestamp=its.first_timestamp,
-                last_timestamp=its.last_timestamp,
-                lag_s=lag,
+                first_step=first_step,
+                last_step=last_step,
+                first_timestamp=first_at,
+                last_timestamp=last_at,
+                lag_s=newest - last_at,
                 cadence_s=typical,
                 clean_shutdown=ended_well,
-                status=source_status(ended_well, lag, typical, longest),
+                status=status,
                 attempts=tried,
             )
         )
         health = sources[-1]
-        health.silent_s = silent = now - its.last_timestamp
+        health.silent_s = silent = now - last_at
         health.end = health.attempts[-1].end if health.attempts else None
         if health.end == "running":
             health.no_heartbeat = tried[-1].no_heartbeat
             life = scan.report.lives.get((source[0], source[1], tried[-1].attempt))
-            if life is not None and life.where is not None and not health.no_heartbeat:
-                health.where = dict(life.where)
+            health.where = live_where(life, health.no_heartbeat)
         quiet = source_status(False, silent, typical, longest) == "stopped_early"
         over = bool(tried) and tried[-1].failed
         health.stall_after_s = stall_after or stall_threshold(typical, longest)
@@ -181,7 +201,7 @@ def inspect_run(
     stopped = find_stopped_early(per_key, sources)
     paused = story.pauses(scan.report, stacks, {s: c[0] for s, c in cadence.items()}, now, pause_after)
     world_size = scan.meta.get("world_size")
-    present = {rank for _, rank in steps}
+    present = {rank for _, rank in [*steps, *unrecorded]}  # a rank that recorded nothing wrote its journal
     missing = sorted(set(range(int(world_size))) - present) if isinstance(world_size, int) else []
     return InspectReport(
         run_dir=str(scan.run_dir),

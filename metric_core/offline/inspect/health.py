@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from metric_core.format.life import STALL_MIN_S, place_text  # no silence shorter is a stall: scheduling noise
+# (STALL_MIN_S: no silence shorter is a stall, scheduling noise)
+from metric_core.format.life import STALL_MIN_S, Life, place_text
 from metric_core.offline.inspect import story
 from metric_core.offline.inspect.aggregates import LAST_VALUES, Source, SourceSteps
 from metric_core.offline.inspect.report import FirstToStop, SourceHealth, Straggler
@@ -178,34 +179,92 @@ EPISODE_S = 5.0
 NO_HEARTBEAT = "no heartbeat: stuck in native code holding the GIL, or stopped"
 
 
+def live_where(life: Life | None, no_heartbeat: bool) -> dict[str, Any] | None:
+    """Where a live source's main thread is: its newest heartbeat's place (``Life.where``:
+    own, inner, since, and every thread's once it was silent long), for ``inspect``, ``watch``
+    and the sidecar alike; None when its writer does not say, or is not heard (a place from
+    before its heartbeat stopped is not where it is)."""
+    if no_heartbeat or life is None or life.where is None:
+        return None
+    return dict(life.where)
+
+
+def where_said(where: dict[str, Any] | None, no_heartbeat: bool) -> str | None:
+    """A live source's place (``live_where``) in the commands' words; ``NO_HEARTBEAT`` for one
+    whose writer is not heard; None when its writer does not say."""
+    if no_heartbeat:
+        return NO_HEARTBEAT
+    return place_text(where["own"], where["inner"]) if where is not None else None
+
+
 def where_text(s: SourceHealth) -> str | None:
     """Where a running source is, as the commands say it (None: its writer does not say)."""
-    if s.no_heartbeat:
-        return NO_HEARTBEAT
-    return place_text(s.where["own"], s.where["inner"]) if s.where is not None else None
+    return where_said(s.where, s.no_heartbeat)
 
 
-def held_by_hang(sources: list[SourceHealth]) -> list[SourceHealth]:
+Who = tuple[str, int]  # a source: its process and rank
+
+
+def culprit_among(held: dict[Who, tuple[dict[str, Any] | None, bool]]) -> Who | None:
+    """Of the sources a hang holds (each with ``live_where`` and whether its heartbeat
+    stopped), the one the others wait for: the only one; the one whose heartbeat stopped
+    while the others' go on; else ``odd_one_out`` of where they are; None when none stands
+    apart. ``watch`` (``culprit_of``) and the sidecar judge by it."""
+    if len(held) == 1:
+        return next(iter(held))  # alone in the hang: the others go on
+    unheard = [who for who, (_, no_heartbeat) in held.items() if no_heartbeat]
+    if len(unheard) == 1:
+        return unheard[0]
+    places = {
+        who: (where["own"], where["inner"])
+        for who, (where, no_heartbeat) in held.items()
+        if where is not None and not no_heartbeat
+    }
+    return odd_one_out(places)
+
+
+def held_said(culprit: Who | None, held: list[Who], where: dict[Who, str | None]) -> str:
+    """The sources a stall holds, grouped by where each is (``where_said``), as ``watch`` and
+    the sidecar say them after their first words: with a culprit, where it is and who waits
+    for it (``, at P; waiting for it: a (rank 0), b (rank 1) at Q``); without, every source by
+    place and that none stands apart (``: a (rank 0), b (rank 1) at Q; none stands apart``)."""
+
+    def by_place(sources: list[Who]) -> str:
+        groups: dict[str | None, list[str]] = {}
+        for p, r in sources:
+            groups.setdefault(where.get((p, r)), []).append(f"{p} (rank {r})")
+        return "; ".join(", ".join(names) + (f" at {at}" if at else "") for at, names in groups.items())
+
+    if culprit is not None:
+        at = f", at {where[culprit]}" if where.get(culprit) else ""
+        others = [who for who in held if who != culprit]
+        return at + (f"; waiting for it: {by_place(others)}" if others else "")
+    apart = (
+        "none stands apart"
+        if any(where.get(who) for who in held)
+        else ("their writers do not say where they are")
+    )
+    return f": {by_place(held)}; {apart}"
+
+
+def held_by_hang(sources: list[SourceHealth], since: float | None = None) -> list[SourceHealth]:
     """The running sources silent for half their stall threshold or more: those a hang
-    holds (the others still take steps)."""
-    return [s for s in sources if s.end == "running" and s.silent_s >= 0.5 * (s.stall_after_s or STALL_MIN_S)]
+    holds (the others still take steps); with ``since`` (an episode's start: the newest
+    record of its first source), only those whose silence began within ``EPISODE_S`` of it
+    (a source of an earlier stall, silent still, is that stall's)."""
+    return [
+        s
+        for s in sources
+        if s.end == "running"
+        and s.silent_s >= 0.5 * (s.stall_after_s or STALL_MIN_S)
+        and (since is None or abs(s.last_timestamp - since) <= EPISODE_S)
+    ]
 
 
 def culprit_of(held: list[SourceHealth]) -> SourceHealth | None:
     """Of the sources a hang holds (``held_by_hang``), the one the others wait for
-    (``odd_one_out``); a source whose heartbeat stopped while the others' go on is it;
-    None when no source stands apart."""
-    if len(held) == 1:
-        return held[0]  # alone in the hang: the others go on
-    unheard = [s for s in held if s.no_heartbeat]
-    if len(unheard) == 1 and len(held) > 1:
-        return unheard[0]
-    places = {
-        (s.process, s.rank): (s.where["own"], s.where["inner"])
-        for s in held
-        if s.where is not None and not s.no_heartbeat
-    }
-    found = odd_one_out(places)
+    (``culprit_among``); None when no source stands apart."""
+    found = culprit_among({(s.process, s.rank): (s.where, s.no_heartbeat) for s in held})
     return next((s for s in held if (s.process, s.rank) == found), None)
 
 

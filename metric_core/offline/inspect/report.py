@@ -28,8 +28,11 @@ class SourceHealth:
     dropped: int  # recorded, but its writer could not write them (its D frames)
     records: int
     keys: int
-    first_step: int
-    last_step: int
+    # Its steps and the times of its first and newest records; a source that recorded
+    # nothing (its attempt died after init(), or has not stepped yet): no step (None), and
+    # the time its newest attempt started for both.
+    first_step: int | None
+    last_step: int | None
     first_timestamp: float
     last_timestamp: float
     lag_s: float  # the newest record of any source minus this source's newest
@@ -59,7 +62,7 @@ class FirstToStop:
 
     process: str
     rank: int
-    last_step: int
+    last_step: int | None  # (a source that stopped early has a record: never None)
     last_timestamp: float
     lag_s: float
     status: str

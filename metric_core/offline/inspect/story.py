@@ -184,15 +184,23 @@ def tell(
             _end(a, life, stacks.get(a.attempt, []), shutdowns, a is attempts[-1], now)
     failure = first_failure(report.attempts)
     if failure is not None:
-        group = [a for a in report.attempts if a.number == failure.number]
-        over = [a for a in group if a.failed]
-        if len(over) == len(group) and _together(over):
+        over = ended_together([a for a in report.attempts if a.number == failure.number])
+        if over:
             together = [
                 {"process": a.process, "rank": a.rank}
                 for a in sorted(over, key=lambda a: (a.rank, a.process))
             ]
             return None, together, stacks
     return failure, [], stacks
+
+
+def ended_together(group: list[Attempt]) -> list[Attempt]:
+    """The attempts of one attempt number (``Attempt.number``: every source's first, or
+    second, ...) when every one failed and they ended together (``_together``: one event, the
+    launcher stopped them or the node went down, no culprit); else none. ``tell`` (JSON's
+    ``together``) and ``story_lines`` (the verdict) tell by it."""
+    over = [a for a in group if a.failed]
+    return over if len(over) == len(group) and _together(over) else []
 
 
 def first_failure(attempts: list[Attempt]) -> Failure | None:
@@ -464,9 +472,8 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
         if n > 1 and several:
             firsts = [a.first_step for a in group if a.first_step is not None]
             label += f" restarted from step {min(firsts)} and" if firsts else " restarted and"
-        failed = first_failure(group)
-        over = [a for a in group if a.failed]
-        if failed is not None and _together(over) and len(over) == len(group):
+        over = ended_together(group)
+        if over:
             step = min((a.last_step for a in over if a.last_step is not None), default=None)
             at = after_step(step, many=True)
             when = f" at {local_time(over[0].ended_at)}" if over[0].ended_at is not None else ""
@@ -475,6 +482,7 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
                 f"{head}all {len(over)} ranks {_what_short(over[0], True)} together{at}{when}".strip()
             )
             continue
+        failed = first_failure(group)
         if failed is None:
             ends = {a.end for a in group}
             how = (

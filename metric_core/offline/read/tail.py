@@ -62,6 +62,9 @@ class AttemptState:
     # Why its process is over (``dead``), as found at the start of the last poll, before its
     # files were read: what that poll read of it is all it wrote.
     over: str | None = None
+    # Running (its process is there) but its writer thread is not heard, as ``dead`` found it
+    # last (``Attempt.no_heartbeat``: native code holding the GIL, or stopped).
+    no_heartbeat: bool = False
 
     def flushed(self, step: int) -> None:
         self.done = step if self.done is None else max(self.done, step)
@@ -93,10 +96,12 @@ class AttemptState:
         were read last (every frame written before then was read); ``who``: its process, rank
         and attempt id; ``stacks``: the run's stack files by attempt (``story.list_stacks``)."""
         life = self.life
+        self.no_heartbeat = False
         if self.finished or life is None:
             return None
         a = Attempt(who[0], who[1], who[2], self.started, self.first_step)
         story.end_of(a, life, stacks.get(who[2], []), now)
+        self.no_heartbeat = a.no_heartbeat
         return story.ended_how(a) if a.failed else None
 
 

@@ -29,10 +29,9 @@ import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
-from metric_core.format.life import place_text
 from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
-from metric_core.offline.inspect.health import EPISODE_S, odd_one_out
+from metric_core.offline.inspect.health import EPISODE_S, culprit_among, held_said, live_where, where_said
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.read.tail import RunTail, SourceState, counted, expected_sources
 from metric_core.offline.samples import SampleChoice, SampleTables
@@ -193,7 +192,7 @@ def follow_upload(
                 True  # the rows handed over hold replaced records: fresh runs hold the rest
             )
             if values is not None:
-                values.anew()
+                values.anew(pass_.tail.sources)
 
 
 @dataclass
@@ -393,8 +392,9 @@ class _Pass:
     def _held_note(self, newly: list[tuple[str, int]], now: float) -> None:
         """One note a silence episode, as ``watch`` gives one warning a stall: the sources
         that went silent within ``EPISODE_S`` of the episode's first are said together, with
-        the one the others wait for first (``odd_one_out``, from where their heartbeats say
-        they are); a source that joins an episode already said is not said again."""
+        the one the others wait for first (``culprit_among``, as watch judges it: from where
+        their heartbeats say they are, or the one whose heartbeat stopped), in watch's words
+        (``held_said``); a source that joins an episode already said is not said again."""
         sources = self.tail.sources
         fresh = [k for k in newly if abs(sources[k].silent_since - self.episode_clock) > EPISODE_S]
         if not fresh:
@@ -416,19 +416,17 @@ class _Pass:
             ),
             key=lambda k: (k[1], k[0]),
         ) or sorted(fresh, key=lambda k: (k[1], k[0]))
-        places = {k: p for k in together if (p := _place(sources[k])) is not None}
-        culprit = odd_one_out(places) if len(together) > 1 else together[0]
+        unheard = {k: sources[k].newest.no_heartbeat for k in together}  # as inspect tells it
+        state = {k: (live_where(sources[k].newest.life, unheard[k]), unheard[k]) for k in together}
+        culprit = culprit_among(state)
         first = sources[culprit] if culprit is not None else sources[together[0]]
-        where = f", at {place_text(*places[culprit])}" if culprit in places else ""
-        if len(together) == 1 or culprit is not None:
-            who = f"{culprit[0]} (rank {culprit[1]})" if culprit else ""
-            others = [k for k in together if k != culprit]
-            waiting = f"; waiting for it: {_by_place(others, places)}" if others else ""
-            said = f"{who} {_silence(first, now, alive=True)}{where}{waiting}"
+        where = {k: where_said(*state[k]) for k in together}
+        if culprit is not None:
+            head = f"{culprit[0]} (rank {culprit[1]}) {_silence(first, now, alive=True)}"
         else:
-            names = ", ".join(f"{p} (rank {r})" for p, r in together)
             since = f" since step {first.step_end[0]}" if first.step_end else ""
-            said = f"{names} are alive but silent{since}; none stands apart"
+            head = f"{len(together)} sources are alive but silent{since}"
+        said = head + held_said(culprit, together, where)
         self.events.message(
             "note",
             f"{said}: the global steps wait (a long evaluation, or a hang); --let-go-after DURATION lets a "
@@ -587,21 +585,6 @@ class _Pass:
 
 def _typical(source: SourceState) -> float | None:
     return statistics.median(source.gaps) if source.gaps else None
-
-
-def _by_place(keys: list[tuple[str, int]], places: dict[tuple[str, int], tuple[str, str]]) -> str:
-    """Sources grouped by where each is, as watch says them."""
-    groups: dict[str | None, list[str]] = {}
-    for p, r in keys:
-        place = places.get((p, r))
-        groups.setdefault(place_text(*place) if place else None, []).append(f"{p} (rank {r})")
-    return "; ".join(", ".join(names) + (f" at {at}" if at else "") for at, names in groups.items())
-
-
-def _place(source: SourceState) -> tuple[str, str] | None:
-    """Where a live source's main thread is, as its newest heartbeat said."""
-    life = source.newest.life if source.attempts else None
-    return (life.where["own"], life.where["inner"]) if life is not None and life.where is not None else None
 
 
 def _silence(source: SourceState, now: float, *, alive: bool = False) -> str:
