@@ -96,7 +96,7 @@ def first_time(run: Path) -> float:
     return min(lows)
 
 
-def commands(run: Path, out: Path, every: str) -> dict[str, tuple[list[str], str]]:
+def commands(run: Path, every: str) -> dict[str, tuple[list[str], str]]:
     """Each command's metriclog arguments and DuckDB query."""
     t0 = first_time(run)
     return {
@@ -109,7 +109,7 @@ def commands(run: Path, out: Path, every: str) -> dict[str, tuple[list[str], str
 
 def compare(run: Path, out: Path, repeats: int, every: str, names: list[str], paths: list[str]) -> None:
     metriclog = str(Path(sys.executable).with_name("metriclog"))
-    cases = commands(run, out, every)
+    cases = commands(run, every)
     sides = ["duckdb", *paths]
     times: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in range(repeats):
@@ -126,7 +126,7 @@ def compare(run: Path, out: Path, repeats: int, every: str, names: list[str], pa
                 wall, _, cpu = timed_env(cmd, env)
                 times.setdefault((name, side), []).append((wall, cpu))
                 print(f"round {r + 1} {name:<9}{side:<9}{wall:8.2f} s wall {cpu:8.2f} s CPU", file=sys.stderr)
-    print(f"\n{len(run.name) and run.name}: medians of {repeats}, whole processes, DuckDB on 2 threads; --every {every}")
+    print(f"\n{run.name}: medians of {repeats}, whole processes, DuckDB on 2 threads; --every {every}")
     heads = [("duckdb s", 10), ("cpu", 7)]
     for side in paths:
         heads += [(f"{side} s", 12), ("cpu", 7), ("x duckdb", 10)]
@@ -238,7 +238,7 @@ acc.close()
 def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> None:
     """Each phase's wall and CPU a record (a group for sum, mean, std and take), against DuckDB's
     wall a record for the whole global command (medians of --repeats)."""
-    cases = commands(run, out, "10s")
+    cases = commands(run, "10s")
     duck = []
     found: dict[str, dict[str, list[tuple[float, float, int]]]] = {p: {} for p in paths}
     for _ in range(repeats):
