@@ -148,3 +148,20 @@ def test_the_compiled_merge_refuses_what_numpy_refuses():
     for name in ("compiled", "numpy"):
         with kernel_of(name), pytest.raises(ValueError, match=r"range\(2\)"):
             combine([state], [np.array([0, 2])], 2)
+
+
+def test_a_range_of_groups_taken_is_those_groups():
+    """take of consecutive groups (slices, the accumulator's usual take) against the
+    integers themselves; a state whose digit ends were computed pickles without them."""
+    import pickle
+
+    groups, values, n_groups = generate(9, n_groups=200)
+    state = accumulate(groups, values, n_groups)
+    ints = state.sum_digits.to_ints()
+    for lo, hi in ((0, 200), (0, 1), (5, 20), (199, 200), (37, 38), (60, 180)):
+        part = state.take(np.arange(lo, hi))
+        assert part.sum_digits.to_ints() == ints[lo:hi]
+        assert part.equals(state.take(np.arange(lo, hi)[::-1]).take(np.arange(hi - lo)[::-1]))
+    assert "_ends" in state.sum_digits.__dict__
+    back = pickle.loads(pickle.dumps(state))
+    assert "_ends" not in back.sum_digits.__dict__ and back.equals(state)

@@ -164,8 +164,16 @@ class Digits:
         return len(self.sign)
 
     def ends(self) -> np.ndarray:
-        """Where each group's digits end in ``digits`` (its start is the previous end)."""
-        return np.cumsum(self.size, dtype=np.int64)
+        """Where each group's digits end in ``digits`` (its start is the previous end);
+        computed once (a state is taken from many times, a slice of groups at a time)."""
+        ends = self.__dict__.get("_ends")
+        if ends is None:
+            ends = np.cumsum(self.size, dtype=np.int64)
+            object.__setattr__(self, "_ends", ends)
+        return ends  # type: ignore[no-any-return]
+
+    def __getstate__(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # not the ends: pickled small
 
     def to_ints(self) -> list[int]:
         """The integers, as Python ints (the slow, obviously right reading)."""
@@ -184,6 +192,15 @@ class Digits:
 
     def take(self, groups: np.ndarray) -> Digits:
         groups = np.asarray(groups, dtype=np.int64)
+        n = len(groups)
+        if n and groups[-1] - groups[0] == n - 1 and (n == 1 or (np.diff(groups) == 1).all()):
+            lo, hi = int(groups[0]), int(groups[-1]) + 1  # a range of groups: slices (copied)
+            ends = self.ends()
+            first = int(ends[lo - 1]) if lo else 0
+            return Digits(
+                self.sign[lo:hi].copy(), self.low[lo:hi].copy(), self.size[lo:hi].copy(),
+                self.digits[first : int(ends[hi - 1])].copy(),
+            )  # fmt: skip
         size = self.size[groups]
         starts = self.ends()[groups] - size
         return Digits(self.sign[groups], self.low[groups], size, self.digits[_ranges(starts, size)])
