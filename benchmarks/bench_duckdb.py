@@ -61,8 +61,8 @@ QUERIES = {
     "GROUP BY step, key, reduction ORDER BY step, key",
     "per_rank": f"SELECT process, rank, step, key, {CASE} AS value, count(*) AS count FROM src "
     "GROUP BY process, rank, step, key, reduction ORDER BY process, rank, step, key",
-    "time": f"SELECT floor((timestamp - {{t0}}) / {{every}}) AS window, key, {CASE} AS value, "
-    "count(*) AS count FROM src GROUP BY window, key, reduction ORDER BY window, key",
+    "time": f"SELECT floor((timestamp - {{t0}}) / {{every}}) AS time_window, key, {CASE} AS value, "
+    "count(*) AS count FROM src GROUP BY time_window, key, reduction ORDER BY time_window, key",
     "p99": "SELECT step, key, quantile_cont(value, 0.99) AS value, count(*) AS count FROM src "
     "GROUP BY step, key ORDER BY step, key",
 }
@@ -102,7 +102,10 @@ def commands(run: Path, every: str) -> dict[str, tuple[list[str], str]]:
     return {
         "global": (["--mode", "global_reduce"], QUERIES["global"]),
         "per_rank": (["--mode", "per_rank_reduce"], QUERIES["per_rank"]),
-        "time": (["--by", "time", "--every", every], QUERIES["time"].format(t0=repr(t0), every=seconds(every))),
+        "time": (
+            ["--by", "time", "--every", every],
+            QUERIES["time"].format(t0=repr(t0), every=seconds(every)),
+        ),
         "p99": (["--reduce", "*=p99"], QUERIES["p99"]),
     }
 
@@ -203,7 +206,9 @@ def read():
 frames = read()  # once untimed: the files in the page cache, as for every other side
 frames = timed("read", sum(df.height for df in frames), read)
 records = sum(df.height for df in frames)
-parts = timed("states", records, lambda: [partials.partition_states(df, plan, statistic_of, None) for df in frames])
+parts = timed(
+    "states", records, lambda: [partials.partition_states(df, plan, statistic_of, None) for df in frames]
+)
 # the exact accumulation alone, of the rows of sum, mean and std keys as the engine's, in
 # each partition's own groups (numbered here, untimed)
 keys = {}
@@ -243,7 +248,8 @@ def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> 
     found: dict[str, dict[str, list[tuple[float, float, int]]]] = {p: {} for p in paths}
     for _ in range(repeats):
         target = out / "duckdb42_floor.parquet"
-        duck.append(cpu_timed([sys.executable, "-c", DUCKDB_CHILD, str(run), str(target), cases["global"][1]])[0])
+        command = [sys.executable, "-c", DUCKDB_CHILD, str(run), str(target), cases["global"][1]]
+        duck.append(cpu_timed(command)[0])
         for side in paths:
             env = {**os.environ, "METRICLOG_PURE": "1" if side == "pure" else "", "POLARS_MAX_THREADS": "1"}
             done = subprocess.run(
@@ -256,7 +262,10 @@ def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> 
     records = 20_000_000
     duck_s = statistics.median(duck)
     print(f"\nfloors: phases alone on one thread ({files} of 32 files), medians of {repeats}")
-    print(f"DuckDB's global_reduce, 2 threads, whole process: {duck_s:.2f} s = {duck_s / records * 1e9:.1f} ns a record")
+    print(
+        f"DuckDB's global_reduce, 2 threads, whole process: {duck_s:.2f} s"
+        f" = {duck_s / records * 1e9:.1f} ns a record"
+    )
     print(f"{'path':<10}{'phase':<8}{'wall s':>9}{'cpu s':>9}{'wall ns':>10}{'cpu ns':>9}  per")
     for side in paths:
         for name, runs in found[side].items():
@@ -265,8 +274,8 @@ def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> 
             count = runs[0][2]
             per = "group" if name in ("sum", "mean", "std", "take") else "record"
             print(
-                f"{side:<10}{name:<8}{wall:>9.2f}{cpu:>9.2f}{wall / count * 1e9:>10.1f}{cpu / count * 1e9:>9.1f}  {per}"
-                f" ({count:,})"
+                f"{side:<10}{name:<8}{wall:>9.2f}{cpu:>9.2f}{wall / count * 1e9:>10.1f}"
+                f"{cpu / count * 1e9:>9.1f}  {per} ({count:,})"
             )
     print(
         "read: the columns a reduction needs, a partition at a time; states: the engine's partition states"

@@ -71,7 +71,10 @@ def _scaled_pairs() -> list[list[float]]:
     rng = np.random.default_rng(7)
     out = []
     for e in range(-1074, 1024, 23):
-        a = math.ldexp(float(rng.uniform(1, 2)), e) if e > -1022 else math.ldexp(float(rng.integers(1, 9)), -1074)
+        if e > -1022:
+            a = math.ldexp(float(rng.uniform(1, 2)), e)
+        else:
+            a = math.ldexp(float(rng.integers(1, 9)), -1074)
         b = math.ldexp(float(rng.uniform(1, 2)), max(e - int(rng.integers(0, 60)), -1074))
         out.append([a, b])
         out.append([a, -b, a])
