@@ -49,6 +49,7 @@ setup(
             "metric_core.offline.engine._exact",
             ["metric_core/offline/engine/_exact.c"],
             extra_compile_args=[] if sys.platform == "win32" else ["-O2", "-std=c99"],
+            libraries=[] if sys.platform == "win32" else ["m"],  # sqrt, for the std's root
             optional=True,  # an editable install then copies it into the source only if built
         )
     ],

@@ -21,11 +21,27 @@
  *      both ends.
  *
  * The GIL is released while the rows are added: the engine's threads accumulate at once.
+ *
+ * Two more functions do in C what exact.py does in numpy, with the same results bit for
+ * bit (the form of a state is unique, and a correctly rounded float is unique):
+ *   add_digits: states' integers added into groups (exact.combine): each target group's
+ *     span of int64 digits from the lowest to the highest digit reaching it, one more on
+ *     top; the signed digits added; carried into the canonical form as above.
+ *   finish: each group's sum, mean or std rounded to float64 once (ExactState.sum, mean,
+ *     std): a 64-bit window from the leading one and a sticky bit for everything below,
+ *     rounded to nearest even in integers (subnormals at 2**-1074, past the range inf).
+ *     The mean divides the top digits by the count (under 2**31) digit by digit; the std
+ *     forms D = n Q - S**2 exactly in int64 columns of 32-bit pieces, takes D's top bits
+ *     (a sticky bit for the rest) shifted by an even amount so that floor(T / n**2) is
+ *     about 2**125, and its integer square root (a double's estimate, one Newton step in
+ *     integers, then settled by comparing squares): the root and whether it was exact
+ *     round as the std does (round to odd with ten bits to spare).
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -127,42 +143,55 @@ static int buf_fit(Buf *b, size_t need) {
     return 0;
 }
 
-/* Carry each group's span into canonical digits: signs, lows and sizes a group, the
- * digits packed from the front of out (which has room for every bin); returns how many
- * digits, or -1 where a top digit would pass 2**32 (the headroom argument failed). */
-static int64_t spans_canonical(Spans *sp, int8_t *sign, int16_t *low, uint8_t *size, uint32_t *out) {
-    int64_t written = 0;
-    for (int64_t g = 0; g < sp->n_groups; g++) {
-        int64_t *x = sp->bins + sp->start[g];
-        int64_t k = sp->start[g + 1] - sp->start[g];
-        sign[g] = 0;
-        low[g] = 0;
-        size[g] = 0;
-        if (k == 0) continue;
+/* Carry one group's k int64 digits x (digit 0 at position low; the top one has room for
+ * what reaches it) into its canonical form: its sign, lowest position and size, its
+ * digits written at out; returns how many, or -1 where a top digit would pass 2**32 (the
+ * headroom argument failed) or the form cannot hold it (more than 255 digits, a position
+ * past int16). */
+static int64_t canonical_one(int64_t *x, int64_t k, int64_t low, int8_t *sign, int16_t *low_out, uint8_t *size,
+                             uint32_t *out) {
+    *sign = 0;
+    *low_out = 0;
+    *size = 0;
+    if (k == 0) return 0;
+    for (int64_t j = 0; j + 1 < k; j++) {
+        int64_t c = carry_of(x[j]);
+        x[j] -= c * ((int64_t)1 << 32);
+        x[j + 1] += c;
+    }
+    int negative = x[k - 1] < 0;
+    if (negative) {
+        for (int64_t j = 0; j < k; j++) x[j] = -x[j];
         for (int64_t j = 0; j + 1 < k; j++) {
             int64_t c = carry_of(x[j]);
             x[j] -= c * ((int64_t)1 << 32);
             x[j + 1] += c;
         }
-        int negative = x[k - 1] < 0;
-        if (negative) {
-            for (int64_t j = 0; j < k; j++) x[j] = -x[j];
-            for (int64_t j = 0; j + 1 < k; j++) {
-                int64_t c = carry_of(x[j]);
-                x[j] -= c * ((int64_t)1 << 32);
-                x[j + 1] += c;
-            }
-        }
-        if (x[k - 1] < 0 || x[k - 1] > (int64_t)MASK32) return -1;
-        int64_t first = 0, last = k - 1;
-        while (first < k && x[first] == 0) first++;
-        if (first == k) continue; /* an exact zero */
-        while (x[last] == 0) last--;
-        if (last - first + 1 > 255) return -1;
-        sign[g] = negative ? -1 : 1;
-        low[g] = (int16_t)(digit_of(sp, sp->e_low[g]) + first);
-        size[g] = (uint8_t)(last - first + 1);
-        for (int64_t j = first; j <= last; j++) out[written++] = (uint32_t)x[j];
+    }
+    if (x[k - 1] < 0 || x[k - 1] > (int64_t)MASK32) return -1;
+    int64_t first = 0, last = k - 1;
+    while (first < k && x[first] == 0) first++;
+    if (first == k) return 0; /* an exact zero */
+    while (x[last] == 0) last--;
+    if (last - first + 1 > 255 || low + first < INT16_MIN || low + first > INT16_MAX) return -1;
+    *sign = negative ? -1 : 1;
+    *low_out = (int16_t)(low + first);
+    *size = (uint8_t)(last - first + 1);
+    for (int64_t j = first; j <= last; j++) *out++ = (uint32_t)x[j];
+    return last - first + 1;
+}
+
+/* Carry each group's span into canonical digits: signs, lows and sizes a group, the
+ * digits packed from the front of out (which has room for every bin); returns how many
+ * digits, or -1 (canonical_one). */
+static int64_t spans_canonical(Spans *sp, int8_t *sign, int16_t *low, uint8_t *size, uint32_t *out) {
+    int64_t written = 0;
+    for (int64_t g = 0; g < sp->n_groups; g++) {
+        int64_t k = sp->start[g + 1] - sp->start[g];
+        int64_t got = canonical_one(sp->bins + sp->start[g], k, k ? digit_of(sp, sp->e_low[g]) : 0, sign + g,
+                                    low + g, size + g, out + written);
+        if (got < 0) return -1;
+        written += got;
     }
     return written;
 }
@@ -356,16 +385,452 @@ done:
     return result;
 }
 
+/* ---- add_digits: states' integers added into groups (exact.combine) ------------------ */
+
+static PyObject *add_digits(PyObject *self, PyObject *args) {
+    Py_buffer sign_b, low_b, size_b, digits_b, target_b, out_sign_b, out_low_b, out_size_b;
+    Py_ssize_t n_groups_arg;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*nw*w*w*", &sign_b, &low_b, &size_b, &digits_b, &target_b, &n_groups_arg,
+                          &out_sign_b, &out_low_b, &out_size_b))
+        return NULL;
+    Py_buffer *all[] = {&sign_b, &low_b, &size_b, &digits_b, &target_b, &out_sign_b, &out_low_b, &out_size_b};
+    PyObject *result = NULL, *out = NULL;
+    int64_t *lo = NULL, *bins = NULL;
+    int64_t n_groups = (int64_t)n_groups_arg, m = (int64_t)sign_b.len;
+    const int8_t *sign = (const int8_t *)sign_b.buf;
+    const int16_t *low = (const int16_t *)low_b.buf;
+    const uint8_t *size = (const uint8_t *)size_b.buf;
+    const uint32_t *digits = (const uint32_t *)digits_b.buf;
+    const int64_t *target = (const int64_t *)target_b.buf;
+    if (check_length(&low_b, m, 2, "low") || check_length(&size_b, m, 1, "size") ||
+        check_length(&target_b, m, 8, "target") || check_length(&out_sign_b, n_groups, 1, "out sign") ||
+        check_length(&out_low_b, n_groups, 2, "out low") || check_length(&out_size_b, n_groups, 1, "out size"))
+        goto done;
+    int64_t held = 0;
+    for (int64_t i = 0; i < m; i++) held += size[i];
+    if (digits_b.len != (Py_ssize_t)held * 4) {
+        PyErr_Format(PyExc_ValueError, "_exact.add_digits: %zd bytes of digits for sizes adding to %lld",
+                     digits_b.len, (long long)held);
+        goto done;
+    }
+    /* each group's lowest and highest position reached, then its span's start */
+    lo = (int64_t *)malloc(sizeof(int64_t) * (3 * (size_t)n_groups + 1));
+    if (!lo) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *hi = lo + n_groups, *start = hi + n_groups;
+    int status = OK;
+    int64_t total = 0, written = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t g = 0; g < n_groups; g++) {
+        lo[g] = INT64_MAX;
+        hi[g] = INT64_MIN;
+    }
+    for (int64_t i = 0; i < m; i++) {
+        int64_t t = target[i];
+        if (t < 0 || t >= n_groups) {
+            status = BAD_GROUP;
+            break;
+        }
+        if (!size[i] || !sign[i]) continue;
+        if (low[i] < lo[t]) lo[t] = low[i];
+        if (low[i] + size[i] - 1 > hi[t]) hi[t] = low[i] + size[i] - 1;
+    }
+    if (status == OK) {
+        for (int64_t g = 0; g < n_groups; g++) {
+            start[g] = total;
+            if (hi[g] >= lo[g]) total += hi[g] - lo[g] + 2; /* one digit on top for carries */
+        }
+        start[n_groups] = total;
+        bins = (int64_t *)calloc((size_t)total + 1, sizeof(int64_t));
+        if (!bins) status = NO_MEMORY;
+    }
+    if (status == OK) {
+        int64_t at = 0;
+        for (int64_t i = 0; i < m; i++) {
+            int64_t k = size[i];
+            if (!k) continue;
+            if (sign[i]) {
+                int64_t t = target[i];
+                int64_t *x = bins + start[t] + (low[i] - lo[t]);
+                const uint32_t *d = digits + at;
+                if (sign[i] > 0)
+                    for (int64_t j = 0; j < k; j++) x[j] += d[j];
+                else
+                    for (int64_t j = 0; j < k; j++) x[j] -= d[j];
+            }
+            at += k;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (status == BAD_GROUP) {
+        PyErr_Format(PyExc_ValueError, "mappings must be in range(%lld)", (long long)n_groups);
+        goto done;
+    }
+    if (status == NO_MEMORY) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(total * 4));
+    if (!out) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    uint32_t *o = (uint32_t *)PyByteArray_AS_STRING(out);
+    int8_t *out_sign = (int8_t *)out_sign_b.buf;
+    int16_t *out_low = (int16_t *)out_low_b.buf;
+    uint8_t *out_size = (uint8_t *)out_size_b.buf;
+    for (int64_t g = 0; g < n_groups; g++) {
+        int64_t k = start[g + 1] - start[g];
+        int64_t got = canonical_one(bins + start[g], k, k ? lo[g] : 0, out_sign + g, out_low + g, out_size + g,
+                                    o + written);
+        if (got < 0) {
+            written = -1;
+            break;
+        }
+        written += got;
+    }
+    Py_END_ALLOW_THREADS
+    if (written < 0) {
+        PyErr_SetString(PyExc_AssertionError, "digits past the representation's bounds");
+        goto done;
+    }
+    if (PyByteArray_Resize(out, (Py_ssize_t)(written * 4))) goto done;
+    result = out;
+    out = NULL;
+done:
+    Py_XDECREF(out);
+    free(lo);
+    free(bins);
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        if (all[i]->obj) PyBuffer_Release(all[i]);
+    return result;
+}
+
+/* ---- finish: a group's exact integers rounded to float64 once ----------------------- */
+
+#define SUM_BASE (-1088)    /* exact.SUM_BASE */
+#define SQUARE_BASE (-2176) /* exact.SQUARE_BASE */
+#define FRACTION_BITS ((UINT64_C(1) << 52) - 1)
+
+static inline int clz32(uint32_t x) { /* x > 0 */
+    int n = 0;
+    if (x <= 0x0000FFFFu) n += 16, x <<= 16;
+    if (x <= 0x00FFFFFFu) n += 8, x <<= 8;
+    if (x <= 0x0FFFFFFFu) n += 4, x <<= 4;
+    if (x <= 0x3FFFFFFFu) n += 2, x <<= 2;
+    if (x <= 0x7FFFFFFFu) n += 1;
+    return n;
+}
+
+static inline int bit_length64(uint64_t x) {
+    return x >> 32 ? 64 - clz32((uint32_t)(x >> 32)) : x ? 32 - clz32((uint32_t)x) : 0;
+}
+
+/* The float64 nearest (w + f) 2**e, w's bit 63 set, 0 <= f < 1 and f > 0 exactly where
+ * sticky; ties to even; a subnormal rounded once, at 2**-1074; past the range inf. */
+static double round_bits(uint64_t w, int64_t e, int sticky, int negative) {
+    int64_t top = e + 63; /* the leading bit's weight */
+    int64_t kept = top >= -1022 ? 53 : top + 1075;
+    uint64_t bits = 0;
+    if (kept >= 0) {
+        int drop = (int)(64 - kept); /* 11 .. 64 */
+        uint64_t q, rem, half;
+        if (drop == 64) {
+            q = 0;
+            rem = w;
+            half = UINT64_C(1) << 63;
+        } else {
+            q = w >> drop;
+            rem = w & ((UINT64_C(1) << drop) - 1);
+            half = UINT64_C(1) << (drop - 1);
+        }
+        if (rem > half || (rem == half && (sticky || (q & 1)))) q++;
+        if (kept == 53) { /* q in [2**52, 2**53] */
+            if (q >> 53) {
+                q >>= 1;
+                top++;
+            }
+            bits = top > 1023 ? UINT64_C(0x7FF) << 52 : ((uint64_t)(top + 1023) << 52) | (q & FRACTION_BITS);
+        } else {
+            bits = q; /* q 2**-1074, at most 2**52: the least normal */
+        }
+    }
+    bits |= (uint64_t)(negative != 0) << 63;
+    double out;
+    memcpy(&out, &bits, sizeof(out));
+    return out;
+}
+
+/* The float64 nearest (a2 2**64 + a1 2**32 + a0 + f) 2**e0 (digits under 2**32, a2 > 0,
+ * 0 <= f < 1, f > 0 exactly where sticky). */
+static double round_window(uint64_t a2, uint64_t a1, uint64_t a0, int sticky, int64_t e0, int negative) {
+    int z = clz32((uint32_t)a2);
+    uint64_t high = (a2 << 32) | a1;
+    uint64_t w = z ? (high << z) | (a0 >> (32 - z)) : high;
+    sticky |= ((a0 << z) & MASK32) != 0;
+    return round_bits(w, e0 + 32 - z, sticky, negative);
+}
+
+static double sum_one(const uint32_t *d, int64_t k, int64_t low, int negative) {
+    uint64_t a2 = d[k - 1], a1 = k > 1 ? d[k - 2] : 0, a0 = k > 2 ? d[k - 3] : 0;
+    return round_window(a2, a1, a0, k > 3, 32 * (low + k - 3) + SUM_BASE, negative);
+}
+
+static double mean_one(const uint32_t *d, int64_t k, int64_t low, uint64_t n, int negative) {
+    uint64_t r = 0, q[3];
+    int got = 0;
+    int64_t i = k - 1;
+    while (got < 3) { /* quotient digits from the top, until three from the first nonzero one */
+        uint64_t x = (r << 32) | (i >= 0 ? d[i] : 0);
+        uint64_t qd = x / n;
+        r = x - qd * n;
+        if (got || qd) q[got++] = qd;
+        i--;
+    }
+    /* q[2] came from digit i + 1; any digit left (the lowest is nonzero) or remainder is below */
+    return round_window(q[0], q[1], q[2], r != 0 || i >= 0, 32 * (low + i + 1) + SUM_BASE, negative);
+}
+
+/* 32 bits of the non-negative integer sum of x[c] 2**(32 c) (x[c] in [0, 2**32), c <
+ * width) from bit pos up (pos may be negative: zeros below bit 0). */
+static inline uint64_t bits32(const int64_t *x, int64_t width, int64_t pos) {
+    int64_t c = pos >= 0 ? pos / 32 : -((-pos + 31) / 32);
+    int r = (int)(pos - 32 * c);
+    uint64_t lowpart = c >= 0 && c < width ? (uint64_t)x[c] : 0;
+    uint64_t highpart = c + 1 >= 0 && c + 1 < width ? (uint64_t)x[c + 1] : 0;
+    return ((lowpart >> r) | (r ? highpart << (32 - r) : 0)) & MASK32;
+}
+
+/* (hi, lo) = a * b, 128 bits */
+static inline void mul64(uint64_t a, uint64_t b, uint64_t *hi, uint64_t *lo) {
+    uint64_t a0 = a & MASK32, a1 = a >> 32, b0 = b & MASK32, b1 = b >> 32;
+    uint64_t p00 = a0 * b0, p01 = a0 * b1, p10 = a1 * b0, p11 = a1 * b1;
+    uint64_t mid = (p00 >> 32) + (p01 & MASK32) + (p10 & MASK32);
+    *lo = (mid << 32) | (p00 & MASK32);
+    *hi = p11 + (p01 >> 32) + (p10 >> 32) + (mid >> 32);
+}
+
+/* whether r**2 > (hi, lo) */
+static inline int square_above(uint64_t r, uint64_t hi, uint64_t lo) {
+    uint64_t sh, sl;
+    mul64(r, r, &sh, &sl);
+    return sh > hi || (sh == hi && sl > lo);
+}
+
+/* floor(sqrt(hi 2**64 + lo)) for a value in [2**124, 2**127): in [2**62, 2**64) */
+static uint64_t isqrt128(uint64_t hi, uint64_t lo) {
+    double v = (double)hi * 18446744073709551616.0 + (double)lo;
+    double root = sqrt(v);
+    uint64_t r = root >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)root;
+    /* one Newton step from the estimate (within about 2**11 of the root), in integers
+     * for the residual and a double for its quotient, then settled by squares */
+    uint64_t sh, sl;
+    mul64(r, r, &sh, &sl);
+    double residual; /* (hi, lo) - r**2 */
+    if (sh > hi || (sh == hi && sl > lo)) {
+        uint64_t dl = sl - lo, dh = sh - hi - (sl < lo);
+        residual = -((double)dh * 18446744073709551616.0 + (double)dl);
+    } else {
+        uint64_t dl = lo - sl, dh = hi - sh - (lo < sl);
+        residual = (double)dh * 18446744073709551616.0 + (double)dl;
+    }
+    double step = residual / (2.0 * (double)r);
+    if (step > 4096.0) step = 4096.0;
+    if (step < -4096.0) step = -4096.0;
+    r = (uint64_t)((int64_t)r + (int64_t)step); /* truncated: the squares settle it */
+    while (square_above(r, hi, lo)) r--;
+    while (r < UINT64_MAX && !square_above(r + 1, hi, lo)) r++;
+    return r;
+}
+
+/* sqrt(n Q - S**2) / n (scaled by the units) correctly rounded, into *out; -1 where the
+ * variance is negative (x: scratch of at least the columns _std_width says). */
+static int std_one(const uint32_t *s, int64_t ks, int64_t ls, const uint32_t *q, int64_t kq, int64_t lq, uint64_t n,
+                   int64_t *x, int64_t width, int64_t base, double *out) {
+    memset(x, 0, sizeof(int64_t) * (size_t)width);
+    for (int64_t j = 0; j < kq; j++) { /* n Q: digits under 2**32 times n under 2**31 */
+        uint64_t p = (uint64_t)q[j] * n;
+        x[lq - base + j] += (int64_t)(p & MASK32);
+        x[lq - base + j + 1] += (int64_t)(p >> 32);
+    }
+    for (int64_t i = 0; i < ks; i++) /* S**2, from 64-bit products of digits */
+        for (int64_t j = i; j < ks; j++) {
+            uint64_t p = (uint64_t)s[i] * s[j];
+            int64_t times = i == j ? 1 : 2, c = 2 * ls - base + i + j;
+            x[c] -= times * (int64_t)(p & MASK32);
+            x[c + 1] -= times * (int64_t)(p >> 32);
+        }
+    for (int64_t c = 0; c + 1 < width; c++) {
+        int64_t carry = carry_of(x[c]);
+        x[c] -= carry * ((int64_t)1 << 32);
+        x[c + 1] += carry;
+    }
+    if (x[width - 1] < 0 || x[width - 1] > (int64_t)MASK32) return -1;
+    int64_t top = width - 1;
+    while (top >= 0 && x[top] == 0) top--;
+    if (top < 0) {
+        *out = 0.0;
+        return 0;
+    }
+    int64_t bits = 32 * top + 32 - clz32((uint32_t)x[top]); /* D's bit length */
+    int nb = bit_length64(n * n);
+    int64_t shift = nb + 125 - bits; /* T = D 2**shift of nb + 125 or nb + 126 bits */
+    shift += shift & 1;
+    /* T's digits, and whether D has bits below them */
+    uint64_t t[6];
+    for (int j = 0; j < 6; j++) t[j] = bits32(x, width, 32 * j - shift);
+    int sticky = 0;
+    if (shift < 0) {
+        int64_t below = -shift; /* bits of D under T */
+        int64_t c = below / 32;
+        for (int64_t j = 0; j < c && j < width && !sticky; j++) sticky = x[j] != 0;
+        if (!sticky && c < width && (below & 31)) sticky = ((uint64_t)x[c] & ((UINT64_C(1) << (below & 31)) - 1)) != 0;
+    }
+    uint64_t rem = 0;
+    for (int pass = 0; pass < 2; pass++) { /* floor(floor(T / n) / n) = floor(T / n**2) */
+        uint64_t r = 0;
+        for (int j = 5; j >= 0; j--) {
+            uint64_t v = (r << 32) | t[j];
+            t[j] = v / n;
+            r = v - t[j] * n;
+        }
+        rem |= r;
+    }
+    uint64_t qh = (t[3] << 32) | t[2], ql = (t[1] << 32) | t[0];
+    uint64_t root = isqrt128(qh, ql);
+    uint64_t sh, sl;
+    mul64(root, root, &sh, &sl);
+    int inexact = sticky || rem != 0 || sh != qh || sl != ql;
+    /* std = (root + f) 2**e, e = (32 base + SQUARE_BASE - shift) / 2 */
+    int64_t e = (32 * base + SQUARE_BASE - shift) / 2;
+    if (!(root >> 63)) {
+        root <<= 1;
+        e -= 1;
+    }
+    *out = round_bits(root, e, inexact, 0);
+    return 0;
+}
+
+/* finish(kind, s_sign, s_low, s_size, s_digits, count, limit, q_sign, q_low, q_size,
+ * q_digits, out): kind 0 sum, 1 mean, 2 std of each group into out; mean and std only for
+ * groups of count in [1, limit] (the others are left as they are), std only for groups
+ * whose squares are nonzero. */
+static PyObject *finish(PyObject *self, PyObject *args) {
+    Py_buffer sb[4], qb[4], count_b, out_b;
+    int kind;
+    long long limit;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*y*y*y*y*Ly*y*y*y*w*", &kind, &sb[0], &sb[1], &sb[2], &sb[3], &count_b, &limit,
+                          &qb[0], &qb[1], &qb[2], &qb[3], &out_b))
+        return NULL;
+    Py_buffer *all[] = {&sb[0], &sb[1], &sb[2], &sb[3], &qb[0], &qb[1], &qb[2], &qb[3], &count_b, &out_b};
+    PyObject *result = NULL;
+    int64_t n_groups = (int64_t)sb[0].len;
+    int64_t q_groups = kind == 2 ? n_groups : 0;
+    int64_t *x = NULL;
+    if (kind < 0 || kind > 2) {
+        PyErr_SetString(PyExc_ValueError, "_exact.finish: kind is 0 (sum), 1 (mean) or 2 (std)");
+        goto done;
+    }
+    if (limit > MAX_COUNT) limit = MAX_COUNT;
+    if (check_length(&sb[1], n_groups, 2, "low") || check_length(&sb[2], n_groups, 1, "size") ||
+        check_length(&count_b, n_groups, 8, "count") || check_length(&out_b, n_groups, 8, "out") ||
+        check_length(&qb[0], q_groups, 1, "squares' sign") || check_length(&qb[1], q_groups, 2, "squares' low") ||
+        check_length(&qb[2], q_groups, 1, "squares' size"))
+        goto done;
+    const int8_t *sign = (const int8_t *)sb[0].buf, *q_sign = (const int8_t *)qb[0].buf;
+    const int16_t *low = (const int16_t *)sb[1].buf, *q_low = (const int16_t *)qb[1].buf;
+    const uint8_t *size = (const uint8_t *)sb[2].buf, *q_size = (const uint8_t *)qb[2].buf;
+    const uint32_t *digits = (const uint32_t *)sb[3].buf, *q_digits = (const uint32_t *)qb[3].buf;
+    const int64_t *count = (const int64_t *)count_b.buf;
+    double *out = (double *)out_b.buf;
+    int64_t s_held = 0, q_held = 0;
+    for (int64_t g = 0; g < n_groups; g++) s_held += size[g];
+    for (int64_t g = 0; g < q_groups; g++) q_held += q_size[g];
+    if (sb[3].len != (Py_ssize_t)s_held * 4 || qb[3].len != (Py_ssize_t)q_held * 4) {
+        PyErr_SetString(PyExc_ValueError, "_exact.finish: the digits are not what the sizes add to");
+        goto done;
+    }
+    (void)q_sign;
+    int64_t cap = 1024;
+    x = (int64_t *)malloc(sizeof(int64_t) * (size_t)cap);
+    if (!x) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int status = OK;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t at = 0, q_at = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        int64_t k = size[g], kq = q_groups ? q_size[g] : 0;
+        const uint32_t *d = digits + at, *qd = q_digits + q_at;
+        at += k;
+        q_at += kq;
+        if (kind == 0) {
+            out[g] = k ? sum_one(d, k, low[g], sign[g] < 0) : 0.0;
+            continue;
+        }
+        if (count[g] < 1 || count[g] > limit) continue;
+        uint64_t n = (uint64_t)count[g];
+        if (kind == 1) {
+            if (k) out[g] = mean_one(d, k, low[g], n, sign[g] < 0);
+            continue;
+        }
+        if (!kq) continue; /* no squares: all zeros (or none kept), std 0.0 as left */
+        int64_t ls = low[g], lq = q_low[g];
+        int64_t base = k ? (2 * ls < lq ? 2 * ls : lq) : lq;
+        int64_t width = lq - base + kq + 1;
+        if (k && 2 * (ls + k) - base > width) width = 2 * (ls + k) - base;
+        width += 1; /* room for the carries */
+        if (width > cap) {
+            int64_t *bigger = (int64_t *)realloc(x, sizeof(int64_t) * (size_t)width);
+            if (!bigger) {
+                status = NO_MEMORY;
+                break;
+            }
+            x = bigger;
+            cap = width;
+        }
+        if (std_one(d, k, ls, qd, kq, lq, n, x, width, base, out + g)) {
+            status = TOO_MANY; /* a negative variance */
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (status == NO_MEMORY) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (status == TOO_MANY) {
+        PyErr_SetString(PyExc_AssertionError, "a negative variance, or past its columns");
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    free(x);
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        if (all[i]->obj) PyBuffer_Release(all[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(groups, values, n_groups, squares, count, nan, pos_inf, neg_inf, s_sign, s_low, s_size, "
      "q_sign, q_low, q_size) -> (sum digits, square digits or None): fills the per-group arrays, "
      "returns the digits as bytearrays of uint32 (exact.accumulate calls it)."},
+    {"add_digits", add_digits, METH_VARARGS,
+     "add_digits(sign, low, size, digits, target, n_groups, out_sign, out_low, out_size) -> digits: the "
+     "integers of entries added into groups target[i], canonical (exact.combine calls it)."},
+    {"finish", finish, METH_VARARGS,
+     "finish(kind, sign, low, size, digits, count, limit, q_sign, q_low, q_size, q_digits, out): each "
+     "group's sum (kind 0), mean (1) or std (2) correctly rounded into out (ExactState calls it)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_exact", "The compiled path of metric_core.offline.engine.exact.accumulate.", -1,
+    PyModuleDef_HEAD_INIT, "_exact", "The compiled paths of metric_core.offline.engine.exact: accumulate, add_digits, finish.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -1,4 +1,5 @@
-"""The compiled path of ``exact.accumulate`` (``_exact.c``); built only where a C compiler was."""
+"""The compiled paths of ``exact`` (``_exact.c``): accumulate, add_digits (``combine``), finish
+(``sum``, ``mean``, ``std``); built only where a C compiler was."""
 
 import numpy as np
 
@@ -19,3 +20,30 @@ def accumulate(
     q_size: np.ndarray,
     /,
 ) -> tuple[bytearray, bytearray | None]: ...
+def add_digits(
+    sign: np.ndarray,
+    low: np.ndarray,
+    size: np.ndarray,
+    digits: np.ndarray,
+    target: np.ndarray,
+    n_groups: int,
+    out_sign: np.ndarray,
+    out_low: np.ndarray,
+    out_size: np.ndarray,
+    /,
+) -> bytearray: ...
+def finish(
+    kind: int,
+    sign: np.ndarray,
+    low: np.ndarray,
+    size: np.ndarray,
+    digits: np.ndarray,
+    count: np.ndarray,
+    limit: int,
+    q_sign: np.ndarray,
+    q_low: np.ndarray,
+    q_size: np.ndarray,
+    q_digits: np.ndarray,
+    out: np.ndarray,
+    /,
+) -> None: ...

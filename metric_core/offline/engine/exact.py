@@ -81,10 +81,14 @@ Rounding (``sum``, ``mean``, ``std``), vectorised over groups, once:
   (``_compare``); the candidate moves one float at a time until ``std`` lies between its
   midpoints (a tie goes to the even one).
 
-Two paths accumulate, with the same result bit for bit (the digits' form is unique):
-the numpy one above, and a compiled one (``_exact.c``, built at install where a C
-compiler is there) that adds each value's pieces into int64 digits of its group's span
-in one pass. ``path()`` says which is in use; ``METRICLOG_PURE=1`` forces numpy.
+Two paths accumulate, merge and round, with the same result bit for bit (the digits'
+form is unique, and so is a correctly rounded float): the numpy one above, and a
+compiled one (``_exact.c``, built at install where a C compiler is there) that adds each
+value's pieces into int64 digits of its group's span in one pass, adds states' digits
+into int64 spans of their target groups and carries them, and rounds each group's sum,
+mean or std in integers (a group at a time: the std's root from a 128-bit integer square
+root of D's top bits over n**2). ``path()`` says which is in use; ``METRICLOG_PURE=1``
+forces numpy, which stays the reference.
 
 Counts of 2**31 or more in one group take Python integers (``_python_mean``,
 ``_python_std``), as does nothing else. Non-finite: a NaN, or both infinities, gives NaN;
@@ -160,8 +164,16 @@ class Digits:
         return len(self.sign)
 
     def ends(self) -> np.ndarray:
-        """Where each group's digits end in ``digits`` (its start is the previous end)."""
-        return np.cumsum(self.size, dtype=np.int64)
+        """Where each group's digits end in ``digits`` (its start is the previous end);
+        computed once (a state is taken from many times, a slice of groups at a time)."""
+        ends = self.__dict__.get("_ends")
+        if ends is None:
+            ends = np.cumsum(self.size, dtype=np.int64)
+            object.__setattr__(self, "_ends", ends)
+        return ends  # type: ignore[no-any-return]
+
+    def __getstate__(self) -> dict[str, np.ndarray]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}  # not the ends: pickled small
 
     def to_ints(self) -> list[int]:
         """The integers, as Python ints (the slow, obviously right reading)."""
@@ -180,6 +192,15 @@ class Digits:
 
     def take(self, groups: np.ndarray) -> Digits:
         groups = np.asarray(groups, dtype=np.int64)
+        n = len(groups)
+        if n and groups[-1] - groups[0] == n - 1 and (n == 1 or (np.diff(groups) == 1).all()):
+            lo, hi = int(groups[0]), int(groups[-1]) + 1  # a range of groups: slices (copied)
+            ends = self.ends()
+            first = int(ends[lo - 1]) if lo else 0
+            return Digits(
+                self.sign[lo:hi].copy(), self.low[lo:hi].copy(), self.size[lo:hi].copy(),
+                self.digits[first : int(ends[hi - 1])].copy(),
+            )  # fmt: skip
         size = self.size[groups]
         starts = self.ends()[groups] - size
         return Digits(self.sign[groups], self.low[groups], size, self.digits[_ranges(starts, size)])
@@ -247,6 +268,9 @@ class ExactState:
         """Each group's sum, correctly rounded to float64 (module docstring)."""
         s = self.sum_digits
         out = np.zeros(len(self))
+        if _native is not None:
+            _finish_compiled(0, s, self.count, out)
+            return self._nonfinite(out, spread=False)
         ends = s.ends()
         some = np.flatnonzero(s.size)
         if len(some):
@@ -265,6 +289,9 @@ class ExactState:
         some = np.flatnonzero(s.size)
         big = some[self.count[some] > _VECTOR_COUNT]
         some = some[self.count[some] <= _VECTOR_COUNT]
+        if _native is not None:  # the groups of counts 1 .. _VECTOR_COUNT
+            _finish_compiled(1, s, self.count, out)
+            some = some[:0]
         if len(some):
             n = self.count[some]
             k = s.size[some].astype(np.int64)
@@ -298,6 +325,11 @@ class ExactState:
         some = np.flatnonzero((self.squares.size > 0) & finite & (self.count > 0))
         big = some[self.count[some] > _VECTOR_COUNT]
         some = some[self.count[some] <= _VECTOR_COUNT]
+        if _native is not None and len(some):  # those groups alone: the others' counts as 0
+            counted = np.zeros(len(self), np.int64)
+            counted[some] = self.count[some]
+            _finish_compiled(2, self.sum_digits, counted, out, self.squares)
+            some = some[:0]
         if len(some):
             out[some] = _std(self.sum_digits.take(some), self.squares.take(some), self.count[some])
         for g in big.tolist():
@@ -411,9 +443,10 @@ def combine(states: list[ExactState], mappings: list[np.ndarray], n_groups: int)
         return np.bincount(target, weights=weights, minlength=n_groups).astype(np.int64)
 
     count, nan, pos_inf, neg_inf = (added(name) for name in ("count", "nan", "pos_inf", "neg_inf"))
-    sums = _add_digits([s.sum_digits for s in states], maps, n_groups)
+    add = _add_digits if _native is None else _add_compiled
+    sums = add([s.sum_digits for s in states], maps, n_groups)
     kept = [(s.squares, m) for s, m in zip(states, maps, strict=True) if s.squares is not None]
-    sq = _add_digits([q for q, _ in kept], [m for _, m in kept], n_groups) if kept else None
+    sq = add([q for q, _ in kept], [m for _, m in kept], n_groups) if kept else None
     return ExactState(count, nan, pos_inf, neg_inf, sums, sq)
 
 
@@ -454,6 +487,35 @@ def _compiled(g: np.ndarray, v: np.ndarray, n_groups: int, squares: bool) -> Exa
     sums = Digits(*s_parts, np.frombuffer(s_digits, np.uint32))
     sq = None if q_digits is None else Digits(*q_parts, np.frombuffer(q_digits, np.uint32))
     return ExactState(count, nan, pos_inf, neg_inf, sums, sq)
+
+
+def _add_compiled(parts: list[Digits], maps: list[np.ndarray], n_groups: int) -> Digits:
+    """``_add_digits`` by the extension: every part's integers added into their groups and
+    carried (the same arrays: the form is unique)."""
+    assert _native is not None
+    joined = _concat_digits(parts) if len(parts) != 1 else parts[0]
+    target = np.concatenate(maps) if len(maps) != 1 else maps[0]
+    sign, low, size = np.empty(n_groups, np.int8), np.empty(n_groups, np.int16), np.empty(n_groups, np.uint8)
+    digits = _native.add_digits(
+        *(np.ascontiguousarray(getattr(joined, f.name)) for f in fields(Digits)),
+        np.ascontiguousarray(target, dtype=np.int64), n_groups, sign, low, size,
+    )  # fmt: skip
+    return Digits(sign, low, size, np.frombuffer(digits, np.uint32))
+
+
+def _finish_compiled(
+    kind: int, s: Digits, count: np.ndarray, out: np.ndarray, squares: Digits | None = None
+) -> None:
+    """Each group's sum (``kind`` 0), mean (1) or std (2) by the extension, into ``out``:
+    the mean and std of groups of counts 1 to ``_VECTOR_COUNT`` only, the std of groups
+    whose squares are nonzero only (the others are left as they are)."""
+    assert _native is not None
+    q = squares if squares is not None else Digits.zeros(0)
+    _native.finish(
+        kind, *(np.ascontiguousarray(getattr(s, f.name)) for f in fields(Digits)),
+        np.ascontiguousarray(count, dtype=np.int64), min(_VECTOR_COUNT, MAX_COUNT),
+        *(np.ascontiguousarray(getattr(q, f.name)) for f in fields(Digits)), out,
+    )  # fmt: skip
 
 
 def _significands(bits: np.ndarray, biased: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,308 @@
+"""Issue 42's speed target: four reduce commands against DuckDB, on the compiled path and
+on the pure numpy one (METRICLOG_PURE=1), on another tool's 20M records.
+
+The run is bench_engine.py's foreign_20M (``foreign_run``, made once in --dir): 32 files
+written by pyarrow, 50 keys, each key once a step a file, 12,500 steps: 625,000 groups of
+(step, key), 20M of (process, rank, step, key). The commands, each a whole process:
+
+  global       reduce --mode global_reduce        DuckDB: GROUP BY step, key
+  per_rank     reduce --mode per_rank_reduce      DuckDB: GROUP BY process, rank, step, key
+  time         reduce --by time --every E         DuckDB: GROUP BY floor((timestamp - t0) / E), key
+  p99          reduce --reduce '*=p99'            DuckDB: quantile_cont(value, 0.99) by step, key
+
+DuckDB runs with 2 threads (``SET threads = 2``) on the same Parquet files, each key by its
+recorded reduction (avg, sum, min, max, stddev_pop; CASE on the reduction, as
+bench_reduce.py's DUCKDB_CHILD), with count(*), sorted as metriclog's output is and
+written to Parquet. t0 (the run's first timestamp, which metriclog finds itself) is given
+to DuckDB as a constant. The default window, --every 10s, cuts the run's 25,000 seconds
+into 2,500 windows (125,000 groups of window and key).
+
+Each round runs every command on every side one after another (interleaved), --repeats
+rounds; the table shows the medians of wall and CPU (user + system of the process) and
+the ratio of wall times to DuckDB's. Then whether the compiled and the pure path wrote the
+same bits.
+
+--floors: the engine's phases alone, in a child process on one thread (the compiled path,
+and the pure one): read (the columns a reduction needs, a partition at a time), states
+(``partials.partition_states``: labels, groups, min/max and the exact accumulation), of
+which exact (``exact.accumulate`` on the same rows), merge (every partition's exact state
+into the run's (step, key) groups: ``exact.combine`` at once), sum, mean and std (each of
+every group from its exact state: the finish), fold (the accumulator's own fold of the
+states) and take (the accumulator's take: every group's statistic): CPU and wall per
+record (per group for sum, mean, std and take), against DuckDB's wall time for the global
+command per record.
+
+Usage: python benchmarks/bench_duckdb.py [--dir /work/bench-data/exactwire] [--repeats 3]
+       [--every 10s] [--commands global,per_rank,time,p99] [--paths compiled,pure]
+       [--floors] [--floor-files 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine import foreign_run
+from bench_reduce import compile_sources, cpu_timed
+
+ROOT = Path(__file__).resolve().parent.parent
+CASE = """CASE reduction WHEN 'mean' THEN avg(value) WHEN 'sum' THEN sum(value)
+              WHEN 'max' THEN max(value) WHEN 'min' THEN min(value)
+              WHEN 'std' THEN stddev_pop(value) END"""
+QUERIES = {
+    "global": f"SELECT step, key, {CASE} AS value, count(*) AS count FROM src "
+    "GROUP BY step, key, reduction ORDER BY step, key",
+    "per_rank": f"SELECT process, rank, step, key, {CASE} AS value, count(*) AS count FROM src "
+    "GROUP BY process, rank, step, key, reduction ORDER BY process, rank, step, key",
+    "time": f"SELECT floor((timestamp - {{t0}}) / {{every}}) AS time_window, key, {CASE} AS value, "
+    "count(*) AS count FROM src GROUP BY time_window, key, reduction ORDER BY time_window, key",
+    "p99": "SELECT step, key, quantile_cont(value, 0.99) AS value, count(*) AS count FROM src "
+    "GROUP BY step, key ORDER BY step, key",
+}
+DUCKDB_CHILD = """
+import sys, duckdb
+run, out, query = sys.argv[1], sys.argv[2], sys.argv[3]
+con = duckdb.connect()
+con.execute("SET threads = 2")
+con.execute("SET enable_progress_bar = false")
+con.execute(f"CREATE VIEW src AS SELECT * FROM read_parquet('{run}/*.parquet')")
+con.execute(f"COPY ({query}) TO '{out}' (FORMAT parquet)")
+"""
+
+
+def seconds(every: str) -> float:
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    for unit in sorted(units, key=len, reverse=True):
+        if every.endswith(unit):
+            return float(every[: -len(unit)]) * units[unit]
+    return float(every)
+
+
+def first_time(run: Path) -> float:
+    import pyarrow.parquet as pq
+
+    lows = []
+    for file in sorted(run.glob("*.parquet")):
+        meta = pq.ParquetFile(file).metadata
+        column = meta.schema.names.index("timestamp")
+        lows += [meta.row_group(g).column(column).statistics.min for g in range(meta.num_row_groups)]
+    return min(lows)
+
+
+def commands(run: Path, every: str) -> dict[str, tuple[list[str], str]]:
+    """Each command's metriclog arguments and DuckDB query."""
+    t0 = first_time(run)
+    return {
+        "global": (["--mode", "global_reduce"], QUERIES["global"]),
+        "per_rank": (["--mode", "per_rank_reduce"], QUERIES["per_rank"]),
+        "time": (
+            ["--by", "time", "--every", every],
+            QUERIES["time"].format(t0=repr(t0), every=seconds(every)),
+        ),
+        "p99": (["--reduce", "*=p99"], QUERIES["p99"]),
+    }
+
+
+def compare(run: Path, out: Path, repeats: int, every: str, names: list[str], paths: list[str]) -> None:
+    metriclog = str(Path(sys.executable).with_name("metriclog"))
+    cases = commands(run, every)
+    sides = ["duckdb", *paths]
+    times: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in range(repeats):
+        for name in names:
+            args, query = cases[name]
+            for side in sides:
+                target = out / f"duckdb42_{name}_{side}.parquet"
+                if side == "duckdb":
+                    cmd = [sys.executable, "-c", DUCKDB_CHILD, str(run), str(target), query]
+                    env = None
+                else:
+                    cmd = [metriclog, "reduce", str(run), *args, "--out", str(target)]
+                    env = {**os.environ, "METRICLOG_PURE": "1" if side == "pure" else ""}
+                wall, _, cpu = timed_env(cmd, env)
+                times.setdefault((name, side), []).append((wall, cpu))
+                print(f"round {r + 1} {name:<9}{side:<9}{wall:8.2f} s wall {cpu:8.2f} s CPU", file=sys.stderr)
+    print(f"\n{run.name}: medians of {repeats}, whole processes, DuckDB on 2 threads; --every {every}")
+    heads = [("duckdb s", 10), ("cpu", 7)]
+    for side in paths:
+        heads += [(f"{side} s", 12), ("cpu", 7), ("x duckdb", 10)]
+    print(f"{'command':<10}" + "".join(f"{h:>{w}}" for h, w in heads))
+    for name in names:
+        duck = [statistics.median(c) for c in zip(*times[(name, "duckdb")], strict=True)]
+        line = f"{name:<10}{duck[0]:>10.2f}{duck[1]:>7.2f}"
+        for side in paths:
+            ours = [statistics.median(c) for c in zip(*times[(name, side)], strict=True)]
+            line += f"{ours[0]:>12.2f}{ours[1]:>7.2f}{ours[0] / duck[0]:>9.2f}x"
+        print(line)
+    if {"compiled", "pure"} <= set(paths):
+        for name in names:
+            print(f"{name}: compiled and pure {same_bits(out, name)}")
+
+
+def timed_env(cmd: list[str], env: dict[str, str] | None) -> tuple[float, float, float]:
+    saved = dict(os.environ)
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        return cpu_timed(cmd)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def same_bits(out: Path, name: str) -> str:
+    import polars as pl
+
+    a = pl.read_parquet(out / f"duckdb42_{name}_compiled.parquet")
+    b = pl.read_parquet(out / f"duckdb42_{name}_pure.parquet")
+    if a.columns != b.columns or a.height != b.height:
+        return "DIFFER in shape"
+    va, vb = a["value"].to_numpy().view(np.int64), b["value"].to_numpy().view(np.int64)
+    differ = int((va != vb).sum())
+    rest = a.drop("value").equals(b.drop("value"))
+    return "wrote the same bits" if not differ and rest else f"DIFFER ({differ} values)"
+
+
+# The engine's phases alone, on one thread: the first FILES files of the run, each read a
+# partition at a time as the engine reads it. Prints one line a phase: name, wall s, CPU s.
+FLOORS_CHILD = """
+import sys, time
+from cli import tuning
+tuning.apply()
+import numpy as np
+import polars as pl
+from metric_core.offline import engine
+from metric_core.offline.engine import exact, partials
+from metric_core.offline.engine.accumulator import Accumulator
+from metric_core.offline.plan import make_plan
+from metric_core.offline.read import scan_run
+
+run, files = sys.argv[1], int(sys.argv[2])
+scan = scan_run(run, defer_checks=True)
+plan = make_plan()
+kept, statistic_of = engine.tasks.columns_read(plan, scan), engine.filtering.statistic_chooser(plan)
+
+def timed(name, count, f):
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = f()
+    print(name, time.perf_counter() - wall, time.process_time() - cpu, count, flush=True)
+    return out
+
+def read():
+    frames = []
+    for fid in scan.file_ids[:files]:
+        frames += scan.batches(fid, kept, dictionaries=engine.tasks.reads_dictionaries(scan),
+                               rows=engine.tasks.PARTITION_ROWS)
+    return frames
+
+frames = read()  # once untimed: the files in the page cache, as for every other side
+frames = timed("read", sum(df.height for df in frames), read)
+records = sum(df.height for df in frames)
+parts = timed(
+    "states", records, lambda: [partials.partition_states(df, plan, statistic_of, None) for df in frames]
+)
+# the exact accumulation alone, of the rows of sum, mean and std keys as the engine's, in
+# each partition's own groups (numbered here, untimed)
+keys = {}
+rows = []
+for df in frames:
+    df = df.filter(pl.col("reduction").cast(pl.String).is_in(["sum", "mean", "std"]))
+    uniq, code = np.unique(df["key"].cast(pl.String).to_numpy(), return_inverse=True)
+    for k in uniq.tolist():
+        keys.setdefault(k, len(keys))
+    gid = df["step"].to_numpy() * 1024 + np.array([keys[k] for k in uniq.tolist()], dtype=np.int64)[code]
+    mine, local = np.unique(gid, return_inverse=True)
+    rows.append((mine, local, df["value"].to_numpy(), len(mine)))
+summed = sum(len(v) for _, _, v, _ in rows)
+states = timed("exact", summed, lambda: [exact.accumulate(l, v, n) for _, l, v, n in rows])
+everyone = np.unique(np.concatenate([m for m, _, _, _ in rows]))
+maps = [np.searchsorted(everyone, m) for m, _, _, _ in rows]
+merged = timed("merge", summed, lambda: exact.combine(states, maps, len(everyone)))
+for stat in ("sum", "mean", "std"):
+    timed(stat, len(everyone), getattr(merged, stat))
+acc = Accumulator()
+def fold():
+    for p in parts:
+        acc.add(p)
+timed("fold", records, fold)
+wall, cpu = time.perf_counter(), time.process_time()
+taken = acc.take()
+print("take", time.perf_counter() - wall, time.process_time() - cpu, len(taken.bucket), flush=True)
+acc.close()
+"""
+
+
+def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> None:
+    """Each phase's wall and CPU a record (a group for sum, mean, std and take), against DuckDB's
+    wall a record for the whole global command (medians of --repeats)."""
+    cases = commands(run, "10s")
+    duck = []
+    found: dict[str, dict[str, list[tuple[float, float, int]]]] = {p: {} for p in paths}
+    for _ in range(repeats):
+        target = out / "duckdb42_floor.parquet"
+        command = [sys.executable, "-c", DUCKDB_CHILD, str(run), str(target), cases["global"][1]]
+        duck.append(cpu_timed(command)[0])
+        for side in paths:
+            env = {**os.environ, "METRICLOG_PURE": "1" if side == "pure" else "", "POLARS_MAX_THREADS": "1"}
+            done = subprocess.run(
+                [sys.executable, "-c", FLOORS_CHILD, str(run), str(files)],
+                capture_output=True, text=True, check=True, cwd=ROOT, env=env,
+            )  # fmt: skip
+            for line in done.stdout.splitlines():
+                name, wall, cpu, count = line.split()
+                found[side].setdefault(name, []).append((float(wall), float(cpu), int(count)))
+    records = 20_000_000
+    duck_s = statistics.median(duck)
+    print(f"\nfloors: phases alone on one thread ({files} of 32 files), medians of {repeats}")
+    print(
+        f"DuckDB's global_reduce, 2 threads, whole process: {duck_s:.2f} s"
+        f" = {duck_s / records * 1e9:.1f} ns a record"
+    )
+    print(f"{'path':<10}{'phase':<8}{'wall s':>9}{'cpu s':>9}{'wall ns':>10}{'cpu ns':>9}  per")
+    for side in paths:
+        for name, runs in found[side].items():
+            wall = statistics.median(w for w, _, _ in runs)
+            cpu = statistics.median(c for _, c, _ in runs)
+            count = runs[0][2]
+            per = "group" if name in ("sum", "mean", "std", "take") else "record"
+            print(
+                f"{side:<10}{name:<8}{wall:>9.2f}{cpu:>9.2f}{wall / count * 1e9:>10.1f}"
+                f"{cpu / count * 1e9:>9.1f}  {per} ({count:,})"
+            )
+    print(
+        "read: the columns a reduction needs, a partition at a time; states: the engine's partition states"
+        " (exact: of which the exact accumulation alone); merge: the partitions' exact states into the run's"
+        " groups at once; sum, mean, std: each of every group; fold and take: the accumulator's own"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("/work/bench-data/exactwire"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--every", default="10s")
+    parser.add_argument("--commands", default="global,per_rank,time,p99")
+    parser.add_argument("--paths", default="compiled,pure")
+    parser.add_argument("--floors", action="store_true", help="only the phases alone")
+    parser.add_argument("--floor-files", type=int, default=32)
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    compile_sources()
+    run = foreign_run(args.dir, 20_000_000)
+    paths = args.paths.split(",")
+    if args.floors:
+        floors(run, args.dir, args.repeats, paths, args.floor_files)
+        return
+    compare(run, args.dir, args.repeats, args.every, args.commands.split(","), paths)
+
+
+if __name__ == "__main__":
+    main()
