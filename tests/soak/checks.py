@@ -625,7 +625,8 @@ def alerts(job, seen: list[dict]) -> None:
             )
             if match is None:
                 problems.append(
-                    f"an alarm not expected: {rule!r} {key} step {step} value {value} on {process!r} rank {rank!r}"
+                    f"an alarm not expected: {rule!r} {key} step {step} value {value} "
+                    f"on {process!r} rank {rank!r}"
                 )
             else:
                 left.remove(match)

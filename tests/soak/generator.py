@@ -168,7 +168,11 @@ ALERT_KEYS = {
         "reductions": ("mean", "max", "min", "sum"),
         "events": ("nan", "inf", "-inf"),
     },
-    "alarm/grad": {"base": (0.0, 1.0), "reductions": ("max", "mean", "sum", "min"), "events": ("high", "low")},
+    "alarm/grad": {
+        "base": (0.0, 1.0),
+        "reductions": ("max", "mean", "sum", "min"),
+        "events": ("high", "low"),
+    },
     "alarm/reward": {"base": (0.5, 1.0), "reductions": ("mean", "min", "max"), "events": ("collapse",)},
 }
 # The rules a job may get, as ``--alert`` takes them and as the oracle reads them.

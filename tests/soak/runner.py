@@ -321,8 +321,8 @@ class Job:
         if '"t": "nfwrong"' in ledger:
             line = next(x for x in ledger.splitlines() if '"t": "nfwrong"' in x)
             self.result.fail(
-                f"rank {rank} attempt {attempt}: record_metric under init(on_nonfinite='raise') did not raise "
-                f"NonFiniteError where expected (at [call, key, step], expected [call, step]): {line}"
+                f"rank {rank} attempt {attempt}: record_metric under init(on_nonfinite='raise') did not "
+                f"raise NonFiniteError where expected (at [call, key, step], expected [call, step]): {line}"
             )
         if '"t": "nfraise"' in ledger:
             want = 1  # NonFiniteError, uncaught

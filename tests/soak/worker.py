@@ -83,7 +83,9 @@ def main() -> None:
                 calls.append((spec["key"], value, reductions[spec["reduction"]]))
         for spec in alerts["keys"] if alerts else []:
             value = alert_value(alert_rng, spec["key"], events.get((step, spec["key"])))
-            lines.append({"t": "rec", "s": current, "k": spec["key"], "r": spec["reduction"], "v": value.hex()})
+            lines.append(
+                {"t": "rec", "s": current, "k": spec["key"], "r": spec["reduction"], "v": value.hex()}
+            )
             calls.append((spec["key"], value, reductions[spec["reduction"]]))
         if plan["samples"]:
             for key in job["sample_keys"]:
@@ -104,7 +106,9 @@ def main() -> None:
                 metric_core.record_metric(key, value, how)
             except metric_core.NonFiniteError as exc:
                 if i != stop or exc.key != key or exc.step != current:
-                    ledger.write({"t": "nfwrong", "at": [i, key, exc.step], "expected": [stop, current]}, sync=True)
+                    ledger.write(
+                        {"t": "nfwrong", "at": [i, key, exc.step], "expected": [stop, current]}, sync=True
+                    )
                     os._exit(7)
                 ledger.write({"t": "nfraise", "time": time.time(), "key": key, "step": exc.step}, sync=True)
                 raise
@@ -138,7 +142,11 @@ def _raises_at(calls: list, patterns: str | None) -> int | None:
     if patterns is None:
         return None
     for i, (key, value, _) in enumerate(calls):
-        if not isinstance(value, dict) and not math.isfinite(float(value)) and fnmatch.fnmatchcase(key, patterns):
+        if (
+            not isinstance(value, dict)
+            and not math.isfinite(float(value))
+            and fnmatch.fnmatchcase(key, patterns)
+        ):
             return i
     return None
 
