@@ -16,11 +16,11 @@ from pathlib import Path
 
 import numpy as np
 
-from tests.soak.oracle import Rec, Truth, check_value, read_truth, statistic_of
+from tests.soak.oracle import Rec, Truth, check_value, expected_alarms, read_truth, statistic_of
 
 # What a job is checked with, besides its raw records (always): a fixed seed of the suite
 # can name the ones that found its bug (seeds.txt's ``only=``), so it costs less there.
-CHECKS = frozenset({"reduce", "by_time", "keys", "samples", "inspect", "uploads"})
+CHECKS = frozenset({"reduce", "by_time", "keys", "samples", "inspect", "uploads", "alerts"})
 
 
 def check_job(job) -> None:
@@ -42,6 +42,8 @@ def check_job(job) -> None:
         return
     doubtful: list[dict] = []
     wanted = CHECKS if job.only is None else job.only
+    if spec["alerts"] and "alerts" in wanted:
+        alerts(job, seen)
     if spec["uploads"] and "uploads" in wanted:
         uploads(job, truth, seen)
     if spec["damage"]:
@@ -547,10 +549,10 @@ def inspect(job, truth: Truth, damaged: set, seen_sources: set) -> None:
         ):
             job.result.fail(f"inspect: {source[0]} attempts ended {ends}, the job did {want}")
         for x, a in zip(got.get("attempts", []), attempts, strict=False):
-            if a.end == "exception" and (x.get("exception") or {}).get("type") != "RuntimeError":
+            if a.end == "exception" and (x.get("exception") or {}).get("type") != a.exception:
                 job.result.fail(
                     f"inspect: {source[0]} attempt {a.number}: exception {x.get('exception')!r}, "
-                    "expected RuntimeError('soak fault')"
+                    f"expected {a.exception}"
                 )
     first = report.get("first_failure")
     if not failed:
@@ -581,6 +583,109 @@ def inspect(job, truth: Truth, damaged: set, seen_sources: set) -> None:
             f"inspect: first_failure is {first.get('process')} ({first.get('end')}); the first to fail "
             f"were {[(a.process, a.number, a.end) for a in candidates]}"
         )
+
+
+# -- alarms on values (issue 43) -----------------------------------------------------
+
+
+def alerts(job, seen: list[dict]) -> None:
+    """``watch --alert`` (and ``upload --follow --alert``) beside the job: the alarms its
+    ``--on-alert`` command was given, against ``oracle.expected_alarms`` over the records
+    read back; each said once on stderr too. And ranks under ``on_nonfinite="raise"``."""
+    spec = job.job["alerts"]
+    ran = [("watch", "watch-alert", job.watch_done, spec["on"])]
+    if "follow_alert_on" in job.notes:
+        ran.append(("follow", "follow-alert", job.follow_done, job.notes["follow_alert_on"]))
+    for who, kind, done, on in ran:
+        if done is None or done.code not in (0, 4):
+            continue  # its exit was checked, and failed, already
+        job.result.commands[kind] += 1
+        want = expected_alarms(seen, spec["rules"], on)
+        path = job.dir / f"alerts-{who}.tsv"
+        lines = path.read_text().splitlines() if path.exists() else []
+        got = []
+        for line in lines:
+            fields = line.split("\t")
+            if len(fields) != 7:
+                job.result.fail(f"{kind}: --on-alert's line {line!r} is not 7 fields")
+                return
+            got.append(fields)
+        job.result.values += len(want)
+        problems = []
+        left = list(want)
+        for rule, key, step, value, process, rank, run_dir in got:
+            match = next(
+                (
+                    w
+                    for w in left
+                    if (w.rule, w.key, str(w.step), w.value) == (rule, key, step, value)
+                    and (process, rank) in w.who
+                ),
+                None,
+            )
+            if match is None:
+                problems.append(
+                    f"an alarm not expected: {rule!r} {key} step {step} value {value} "
+                    f"on {process!r} rank {rank!r}"
+                )
+            else:
+                left.remove(match)
+            if run_dir != str(job.run):
+                problems.append(f"METRICLOG_RUN_DIR {run_dir!r}, expected {str(job.run)!r}")
+        for w in left:
+            problems.append(
+                f"an alarm missing: {w.rule!r} {w.key} step {w.step} value {w.value} on {sorted(w.who)}"
+            )
+        said = sum(1 for line in done.err.splitlines() if line.startswith("alert: "))
+        if said != len(got):
+            problems.append(f"{said} 'alert:' line(s) on stderr, {len(got)} --on-alert command(s) ran")
+        if problems:
+            job.result.fail(
+                f"{kind} (--alert-on {on}): {len(problems)} problem(s) of {len(want)} alarm(s) expected, "
+                f"{len(got)} said, e.g. " + "; ".join(problems[:4])
+            )
+    if spec["raise_on"]:
+        nonfinite_raise(job, seen)
+
+
+def nonfinite_raise(job, seen: list[dict]) -> None:
+    """A rank under ``init(on_nonfinite="raise", nonfinite_keys=...)`` that met a NaN or an
+    infinity of such a key raised ``NonFiniteError`` there (the worker checked where; the
+    runner its exit): the value is in the files (the raw read holds it: the oracle required
+    it), and ``inspect``'s story says it raised NonFiniteError."""
+    raised = []
+    for plan in job.job["ranks"]:
+        path = job.dir / "ledger" / f"r{plan['rank']}.a1.jsonl"
+        for line in path.read_text().splitlines():
+            e = json.loads(line)
+            if e["t"] == "nfraise":
+                raised.append((plan["process"], plan["rank"], e))
+    if not raised:
+        return
+    job.result.commands["nonfinite-raise"] += len(raised)
+    for process, rank, e in raised:
+        hits = [
+            r
+            for r in seen
+            if (r["process"], r["rank"], r["key"], r["step"]) == (process, rank, e["key"], e["step"])
+            and not math.isfinite(r["value"])
+        ]
+        if not hits:
+            job.result.fail(
+                f"nonfinite-raise: {process}'s {e['key']} at step {e['step']}, the value NonFiniteError was "
+                "raised for, is not in the files"
+            )
+    done = job.command("inspect-story", "inspect", str(job.run), expect=(0, 1))
+    text = " ".join((done.out + done.err).split())
+    if "raised NonFiniteError" not in text or not any(process in text for process, _, _ in raised):
+        job.result.fail(
+            f"inspect: the story does not say {raised[0][0]} (rank {raised[0][1]}) raised NonFiniteError:\n"
+            + _tail(done.out, 8)
+        )
+
+
+def _tail(text: str, lines: int = 4) -> str:
+    return "\n".join("    " + line for line in text.strip().splitlines()[-lines:])
 
 
 # -- uploads and plot (every fifth job) ----------------------------------------------

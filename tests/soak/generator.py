@@ -14,7 +14,10 @@ A job is a plain dict (JSON, kept beside the run as ``job.json``):
 * ``damage``: sealed files to damage after the job (bit flips, truncations), or [];
 * ``follow``, ``live_upload``, ``uploads``: an ``upload --follow`` beside the job, a plain
   ``upload`` started while it runs, and the uploads and plot after it (every fifth seed);
-* ``by_time``, ``overrides``: the ``--by time`` and ``--reduce`` commands of this job.
+* ``by_time``, ``overrides``: the ``--by time`` and ``--reduce`` commands of this job;
+* ``alerts``: alarms on values (issue 43), or None: see ``_alerts``. Drawn from a random
+  of its own (``random.Random(f"alerts-{seed}")``), so every other part of a seed's job is
+  what it was before alarms joined the soak.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ STATISTICS = (
 MODES = ("global_reduce", "per_rank_reduce", "per_rank_no_reduce")
 
 
-def make_job(seed: int) -> dict:
-    """The job of ``seed``: the same dict for the same seed, on any machine."""
+def make_job(seed: int, alerts: bool = True) -> dict:
+    """The job of ``seed``: the same dict for the same seed, on any machine (``alerts``:
+    False, the job as it was before alarms joined the soak: ``alerts`` None)."""
     rng = random.Random(seed)
     world = rng.choice((1, 1, 2, 2, 3, 4, 4, 5, 6, 8))
     keys = []
@@ -57,7 +61,7 @@ def make_job(seed: int) -> dict:
     if rng.random() < 0.1:  # an integer float64 cannot hold: refused, naming the key
         ranks[0]["big_int"] = True
     uploads = seed % 5 == 0
-    return {
+    job = {
         "seed": seed,
         "format": rng.choice(("parquet", "jsonl")),
         "world": world,
@@ -85,6 +89,8 @@ def make_job(seed: int) -> dict:
         },
         "job_seed": rng.getrandbits(32),
     }
+    job["alerts"] = _alerts(random.Random(f"alerts-{seed}"), job) if alerts else None
+    return job
 
 
 def _rank(rng: random.Random, rank: int, sample_keys: list[str]) -> dict:
@@ -150,3 +156,152 @@ def values_for(rng: random.Random, family: str, n: int) -> list:
         else:  # zero_d: a 0-d array, as a 0-d tensor is
             out.append(np.array(rng.uniform(-1e3, 1e3)))
     return out
+
+
+# -- alarms on values (issue 43) -------------------------------------------------------
+
+# The keys alarms watch: each rank records one value of each a step (after the job's other
+# keys), from ``(low, high)``, or an event's value at a step its plan names.
+ALERT_KEYS = {
+    "alarm/loss": {
+        "base": (0.0, 1.0),
+        "reductions": ("mean", "max", "min", "sum"),
+        "events": ("nan", "inf", "-inf"),
+    },
+    "alarm/grad": {
+        "base": (0.0, 1.0),
+        "reductions": ("max", "mean", "sum", "min"),
+        "events": ("high", "low"),
+    },
+    "alarm/reward": {"base": (0.5, 1.0), "reductions": ("mean", "min", "max"), "events": ("collapse",)},
+}
+# The rules a job may get, as ``--alert`` takes them and as the oracle reads them.
+NONFINITE_RULES = ("alarm/loss: nonfinite", "alarm/l*: nonfinite", "alarm/*: nonfinite")
+THRESHOLD_RULES = (
+    {"text": "alarm/grad > 100", "pattern": "alarm/grad", "kind": ">", "x": 100.0},
+    {"text": "alarm/g* < -100", "pattern": "alarm/g*", "kind": "<", "x": -100.0},
+)
+STATEFUL_RULES = (  # only in jobs without a restart: see _alerts
+    {
+        "text": "alarm/reward: drop 50% over 5 steps",
+        "pattern": "alarm/reward",
+        "kind": "drop",
+        "x": 0.5,
+        "n": 5,
+    },
+    {"text": "alarm/reward: spike 4 sigma", "pattern": "alarm/reward", "kind": "spike", "x": 4.0},
+)
+ALERT_SHARE = 0.3  # of the jobs: a watch --alert beside them (its CPU is the soak's cost)
+RAISE_SHARE = 0.3  # of those: init(on_nonfinite="raise") in every rank
+
+
+def _alerts(rng: random.Random, job: dict) -> dict | None:
+    """Alarms on values for ``job``, or None: the rules, ``--alert-on``, the keys' reductions,
+    per rank and attempt the events (``[step, key, kind]``: a NaN, an infinity, a value past
+    a threshold, a collapse), and ``raise_on``, the ``nonfinite_keys`` of
+    ``init(on_nonfinite="raise")`` (None: off). Such a job has no restart (its plans are
+    changed: a rank that raises ends there).
+
+    Where the events may fall keeps the alarms the same whatever the timing of the readers
+    (the oracle's ``expected_alarms`` says why):
+
+    * on one rank and key, events come in bursts of consecutive steps, bursts at least
+      ``4 * flush_every + 4`` steps apart, so an episode's end is the same counted in values
+      (as alerts.py does) or in steps (as docs/commands.md says) (the report of issue 43's
+      soak says more);
+    * a rank that restarts: its first attempt's events end well before any step its restart
+      may replay, and its restart's come well after the last step its first attempt may have
+      written; with ``--alert-on global``, no rank's event comes at or after the first step
+      a restart may replay (which of the two attempts' values a global step was reduced over,
+      and whether it waited for the restart at all, depends on when watch looked);
+    * the drop and spike rules only in jobs without a restart (their state is every value).
+    """
+    if rng.random() >= ALERT_SHARE:
+        return None
+    if job["foreign"]:
+        # watch never ends beside another tool's file: it calls that source stopped_early,
+        # then stalled, and waits for it to finish or die (seed 1025, reported with issue
+        # 43's soak); remove this once watch ends there as the follow does
+        return None
+    raise_on = rng.choice(("alarm/loss", "alarm/l*", "alarm/*")) if rng.random() < RAISE_SHARE else None
+    if raise_on:
+        for plan in job["ranks"]:
+            plan["restart"] = None
+    restarts = any(p["restart"] and p["fault"] for p in job["ranks"])
+    rules: list[dict] = []
+    if rng.random() < 0.8 or raise_on:
+        text = rng.choice(NONFINITE_RULES)
+        rules.append({"text": text, "pattern": text.split(":")[0], "kind": "nonfinite"})
+    rules += [dict(r) for r in THRESHOLD_RULES if rng.random() < 0.6]
+    if not restarts:
+        rules += [dict(r) for r in STATEFUL_RULES if rng.random() < 0.5]
+    if not rules:
+        rules.append({"text": NONFINITE_RULES[0], "pattern": "alarm/loss", "kind": "nonfinite"})
+    on = rng.choice(("raw", "global"))
+    keys = [{"key": k, "reduction": rng.choice(spec["reductions"])} for k, spec in ALERT_KEYS.items()]
+    # a step from which no rank's event comes (global: a restart's replay, see above)
+    last = min(
+        (_first_replayed(p) - 2 * p["flush_every"] - 8 for p in job["ranks"] if p["restart"] and p["fault"]),
+        default=10**9,
+    )
+    events = []
+    for plan in job["ranks"]:
+        mine = []
+        for attempt in (1, 2):
+            lo, hi = 0, plan["steps"] - 1
+            if plan["restart"] and plan["fault"]:
+                if attempt == 1:
+                    hi = _first_replayed(plan) - 2 * plan["flush_every"] - 8
+                else:
+                    lo = plan["fault"]["at"] + plan["flush_every"] + 8
+            if on == "global":
+                hi = min(hi, last)
+            if attempt == 2 and not (plan["restart"] and plan["fault"]):
+                mine.append([])
+                continue
+            mine.append(_bursts(rng, lo, hi, plan["flush_every"], keys))
+        events.append(mine)
+    return {
+        "rules": rules,
+        "on": on,
+        "keys": keys,
+        "events": events,
+        "raise_on": raise_on,
+        "follow": rng.random() < 0.7,  # with the upload --follow, where the job has one
+    }
+
+
+def _first_replayed(plan: dict) -> int:
+    """The lowest step a restart of ``plan`` may start from: its first attempt's last flush
+    is at most ``flush_every`` steps before its fault, and it rewinds up to 3 steps."""
+    return plan["fault"]["at"] - plan["flush_every"] - 3
+
+
+def _bursts(rng: random.Random, lo: int, hi: int, flush_every: int, keys: list[dict]) -> list[list]:
+    out: list[list] = []
+    for spec in keys:
+        if rng.random() < 0.4:
+            continue
+        kinds = ALERT_KEYS[spec["key"]]["events"]
+        step = lo + rng.randint(0, 6)
+        while step <= hi:
+            length = rng.choice((1, 1, 2, 3))
+            out += [[s, spec["key"], rng.choice(kinds)] for s in range(step, min(step + length, hi + 1))]
+            step += length + 4 * flush_every + 4 + rng.randint(0, 8)
+    return sorted(out)
+
+
+def alert_value(rng: random.Random, key: str, kind: str | None) -> float:
+    """The value of ``key`` a rank records at a step: its base, or ``kind``'s (an event). Two
+    draws of ``rng`` whatever the kind, so an event changes no other value."""
+    low, high = ALERT_KEYS[key]["base"]
+    base, u = rng.uniform(low, high), rng.random()
+    return {
+        None: base,
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "-inf": float("-inf"),
+        "high": 1000.0 + 1000.0 * u,
+        "low": -1000.0 - 1000.0 * u,
+        "collapse": 0.01 + 0.09 * u,
+    }[kind]

@@ -62,6 +62,7 @@ class Attempt:
     records: list[Rec] = field(default_factory=list)
     samples: list[Smp] = field(default_factory=list)
     big: dict | None = None
+    exception: str | None = None  # the type an ``exception`` end raised
 
 
 @dataclass
@@ -138,7 +139,8 @@ def _attempt(path: Path, source: tuple[str, int], number: int, notes: dict, segm
     records: list[Rec] = []
     samples: list[Smp] = []
     started = ended = 0.0
-    end, sig, first_step, big = "died", None, None, None
+    end, sig, first_step, big, exception = "died", None, None, None, None
+    raised = False
     for line in path.read_text().splitlines():
         e = json.loads(line)
         t = e["t"]
@@ -181,15 +183,22 @@ def _attempt(path: Path, source: tuple[str, int], number: int, notes: dict, segm
                 "sigterm": ("signal", "SIGTERM"),
                 "hang": ("died", None),
             }[e["kind"]]
+            exception = "RuntimeError" if e["kind"] == "raise" else None
+        elif t == "nfraise":
+            # record_metric raised NonFiniteError after buffering the value; uncaught, the
+            # attempt ends with it, and the writer writes what it buffered as the process
+            # exits (docs/durability.md: "after the value is recorded, so the file holds it"):
+            # the step's records up to that value are required, not optional
+            ended, end, exception, raised = e["time"], "exception", "NonFiniteError", True
         elif t == "done":
             end, ended = "shutdown", e["time"]
     if notes.get("killed_with") == "SIGTERM":
         end, sig = "signal", "SIGTERM"
     if "killed_at" in notes:
         ended = notes["killed_at"]
-    records += [Rec(*source, r["s"], r["k"], r["r"], r["v"], False, number) for r in pending_r]
-    samples += [Smp(*source, s["s"], s["k"], s["d"], False) for s in pending_s]
-    return Attempt(*source, number, started, end, sig, ended, first_step, records, samples, big)
+    records += [Rec(*source, r["s"], r["k"], r["r"], r["v"], raised, number) for r in pending_r]
+    samples += [Smp(*source, s["s"], s["k"], s["d"], raised) for s in pending_s]
+    return Attempt(*source, number, started, end, sig, ended, first_step, records, samples, big, exception)
 
 
 # -- statistics ------------------------------------------------------------------------
@@ -280,3 +289,158 @@ def _same(got: float, want: float, *, zeros: bool = False) -> bool:
     if zeros and got == 0 and want == 0:
         return True
     return float(got).hex() == float(want).hex()
+
+
+# -- alarms on values (issue 43) -------------------------------------------------------
+#
+# What the alarms see (docs/commands.md, "Alerts"): the values as they land, so each rule
+# judges, series by series, in step order: ``--alert-on raw`` every raw value of one key of
+# one source (a step's several values, from several loop steps of one flush, one after
+# another in the order recorded, as alerts.py takes them); ``global`` each step's global
+# reduction of one key (as ``reduce`` computes it) once every live rank flushed it, a dead
+# rank's unflushed records included (every reader reads them once its process is over).
+#
+# The values are the records the raw read returned before any damage (``checks.raw``:
+# each matched to the ledger), with their timestamps: every acknowledged value, and of an
+# attempt that died, the unacknowledged values its files hold; an alarm on one of those
+# fires exactly when the files hold it (watch reads a dead attempt's journal whole once
+# its process is over, as reduce does; a write the kill cut short is skipped by both).
+#
+# A restart: the values a restart replaced were seen as they landed (an alarm said on one
+# stays said), and "a restart that rewinds a series starts its rules again from there". The
+# code does so only when one poll read the dead attempt and a later one the restart (a step
+# below the series' newest); when one poll reads both, they are sorted together by step and
+# no rewind is seen; and with --alert-on global, a step handed over before the restart
+# flushed keeps the dead attempt's values (the restart's are late: dropped), and steps
+# handed over while no attempt of the source was alive go without it. What the alarms say
+# there depends on when watch looked. The generator (``_alerts``) keeps events out of
+# those steps, and the drop and spike rules (whose state is every value) out of jobs with a
+# restart: whichever way the code reads them, the alarms are then the same, and equal to
+# the ones computed here from the rewound records.
+
+ALPHA, WARM_UP, RECOVER = 0.1, 20, 3  # docs/commands.md: alpha 0.1, judged after 20 values, 3 steps
+
+
+@dataclass(frozen=True)
+class Expected:
+    rule: str
+    key: str
+    step: int
+    value: str  # repr(float), as METRICLOG_VALUE
+    who: frozenset[tuple[str, str]]  # (process, rank) it may name: raw, its own; global, the first
+
+
+def expected_alarms(rows: list[dict], rules: list[dict], on: str) -> list[Expected]:
+    """Every alarm a watch with ``rules`` (``--alert-on on``) must say, over ``rows`` (the raw
+    records read back, with their timestamps)."""
+    out: list[Expected] = []
+    for rule in rules:
+        mine = [r for r in rows if fnmatch.fnmatchcase(r["key"], rule["pattern"])]
+        series: dict[tuple, list[dict]] = defaultdict(list)
+        for r in mine:
+            series[(r["key"], (r["process"], r["rank"])) if on == "raw" else (r["key"], None)].append(r)
+        for (key, source), members in sorted(series.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            if source is not None:  # raw: in step order, a step's values as recorded
+                ordered = sorted(members, key=lambda r: (r["step"], r["timestamp"], r["order"]))
+                points = [(r["step"], float(r["value"]), {(r["process"], str(r["rank"]))}) for r in ordered]
+            else:
+                by_step: dict[int, list[dict]] = defaultdict(list)
+                for r in members:
+                    by_step[r["step"]].append(r)
+                points = []
+                for step in sorted(by_step):
+                    group = by_step[step]
+                    value = reduced(group[0]["reduction"], [float(r["value"]) for r in group])
+                    points.append((step, value, _first_offender(rule, group)))
+            for step, value, who in _episodes(rule, points):
+                out.append(Expected(rule["text"], key, step, repr(value), frozenset(who)))
+    return out
+
+
+def _first_offender(rule: dict, group: list[dict]) -> set[tuple[str, str]]:
+    """A global alarm's process: the first (by time) whose own value broke a nonfinite or
+    threshold rule at that step, any of those tied; none for a drop or a spike."""
+    if rule["kind"] not in ("nonfinite", ">", "<"):
+        return {("", "")}
+    broke = [r for r in group if _breaks_alone(rule, float(r["value"]))]
+    if not broke:
+        return {("", "")}
+    first = min(r["timestamp"] for r in broke)
+    return {(r["process"], str(r["rank"])) for r in broke if r["timestamp"] == first}
+
+
+def _breaks_alone(rule: dict, v: float) -> bool:
+    if rule["kind"] == "nonfinite":
+        return not math.isfinite(v)
+    if not math.isfinite(v):
+        return False
+    return v > rule["x"] if rule["kind"] == ">" else v < rule["x"]
+
+
+def _episodes(rule: dict, points: list[tuple[int, float, set]]):
+    """The first point of each episode of ``rule`` over one series: an episode starts at a
+    value that breaks the rule and ends after ``RECOVER`` values in a row within it. A value
+    that is not finite feeds only ``nonfinite``: for another rule it breaks nothing and is
+    left out of the drop's window and the spike's baseline (and counts as within the rule:
+    the soak records none on keys such rules watch)."""
+    finite = [v for _, v, _ in points if math.isfinite(v)]
+    spike = _spike_breaks(finite, rule["x"]) if rule["kind"] == "spike" else None
+    in_episode, calm, seen = False, 0, 0
+    for step, v, who in points:
+        if rule["kind"] == "nonfinite" or not math.isfinite(v):
+            broke = rule["kind"] == "nonfinite" and not math.isfinite(v)
+        elif rule["kind"] in "<>":
+            broke = _breaks_alone(rule, v)
+        elif rule["kind"] == "drop":
+            window = finite[max(0, seen - rule["n"]) : seen]
+            top = max(window) if window else 0.0
+            broke = len(window) == rule["n"] and v < top - rule["x"] * abs(top)
+            seen += 1
+        else:
+            broke = spike[seen]
+            seen += 1
+        if broke:
+            calm = 0
+            if not in_episode:
+                in_episode = True
+                yield step, v, who
+        elif in_episode:
+            calm += 1
+            if calm >= RECOVER:
+                in_episode, calm = False, 0
+
+
+def _spike_breaks(values: list[float], k: float) -> list[bool]:
+    """Whether each value is more than ``k`` standard deviations from the baseline of the
+    values before it: polars' ``ewm_mean``/``ewm_var(alpha=0.1, adjust=False, bias=True)``
+    (docs/commands.md names them), judged from the 21st value on."""
+    import polars as pl
+
+    if not values:
+        return []
+    s = pl.Series(values, dtype=pl.Float64)
+    mean = s.ewm_mean(alpha=ALPHA, adjust=False).to_list()
+    var = s.ewm_var(alpha=ALPHA, adjust=False, bias=True).to_list()
+    out = [False] * len(values)
+    for i in range(WARM_UP, len(values)):
+        m, v2 = mean[i - 1], var[i - 1]
+        out[i] = v2 > 0 and abs(values[i] - m) > k * math.sqrt(v2)
+    return out
+
+
+def reduced(stat: str, values: list[float]) -> float:
+    """A group's global value as the engine computes it (``check_value``'s rules): NaN when
+    any is; max and min; sum and mean of infinities as IEEE says, else correctly rounded."""
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    if stat in ("max", "min"):
+        return max(values) if stat == "max" else min(values)
+    infinite = {v for v in values if math.isinf(v)}
+    if infinite:
+        return math.nan if len(infinite) == 2 else next(iter(infinite))
+    total = sum((Fraction(v) for v in values), Fraction(0))
+    if stat == "sum":
+        return _rounded(total)
+    if stat == "mean":
+        return _rounded(total / len(values))
+    raise ValueError(f"no global value for statistic {stat!r}")

@@ -8,7 +8,10 @@ says so SIGKILLs, SIGTERMs, raises, ``os._exit``s, pauses or hangs (the runner e
 hang after ``hang_kill_after`` seconds, so every job ends), and is restarted from a
 checkpoint into the same run directory when its plan says so. Another tool's file is
 written beside the writer's before the ranks start; an ``upload --follow`` (with
-``--let-go-after``) runs beside the job, a plain ``upload`` starts while it runs. Then
+``--let-go-after``) runs beside the job, a plain ``upload`` starts while it runs; a
+``watch --alert ... --on-alert CMD`` runs beside a job with alarms on its values (and the
+follow gets the ``--alert`` rules too), each CMD appending its ``METRICLOG_*`` variables to
+a file of the job. Then
 the commands run and are checked (``checks.py``); sealed files are damaged first where
 the job says so (after the uploads, which are compared with each other).
 
@@ -23,6 +26,7 @@ import json
 import os
 import random
 import resource
+import shlex
 import shutil
 import signal
 import subprocess
@@ -79,6 +83,9 @@ class Job:
         self.seed = seed
         self.job = make_job(seed)
         self.only = only  # the checks to run (checks.CHECKS); None: all of them
+        if only is not None and "alerts" not in only:
+            # no alarm keys either: the job is the one the seed made before alarms joined
+            self.job = make_job(seed, alerts=False)
         if only is not None and "uploads" not in only:  # no upload beside the job either
             self.job.update(follow=False, live_upload=False, uploads=False)
         self.dir = root / f"seed-{seed}"
@@ -102,6 +109,7 @@ class Job:
             "TMPDIR": str(self.dir / "tmp"),
             "COLUMNS": "200",
         }
+        self.watch_done: Done | None = None  # watch --alert beside the job
         self.env.pop("PYTHONFAULTHANDLER", None)
         self.env.pop("WANDB_MODE", None)
         (self.dir / "tmp").mkdir()
@@ -169,12 +177,55 @@ class Job:
 
     # -- the job ---------------------------------------------------------------------
 
+    def alert_args(self, who: str, on: str) -> list[str]:
+        """``--alert`` for each rule, ``--alert-on``, and ``--on-alert`` appending the alarm's
+        variables, a line each (one ``printf``, one write, to a file opened to append), to
+        ``alerts-{who}.tsv``."""
+        spec = self.job["alerts"]
+        form = "\\t".join(["%s"] * len(ALERT_VARIABLES)) + "\\n"  # printf's \t and \n
+        values = " ".join(f'"$METRICLOG_{v}"' for v in ALERT_VARIABLES)
+        command = f"printf '{form}' {values} >> {shlex.quote(str(self.dir / f'alerts-{who}.tsv'))}"
+        return [
+            *[a for rule in spec["rules"] for a in ("--alert", rule["text"])],
+            "--alert-on",
+            on,
+            "--on-alert",
+            command,
+        ]
+
     def run_ranks(self) -> None:
         job = self.job
         if job["foreign"]:
             write_foreign(job, self.dir)
+        alerts = job["alerts"]
+        watcher = None
+        if alerts:
+            restarts = any(p["restart"] and p["fault"] for p in job["ranks"])
+            watcher = self.start(
+                "watch",
+                [
+                    "watch",
+                    str(self.run),
+                    "--interval",
+                    "0.5",
+                    # the wait for a rank of world_size that has not written yet (a slow
+                    # start beside ranks that finished) or a restart (started at once, but
+                    # Python's start takes a while on a loaded machine)
+                    "--restart-grace",
+                    "8s" if restarts else "3s",
+                    *self.alert_args("watch", alerts["on"]),
+                ],
+            )
         follower = None
         if job["follow"]:
+            follow_alerts = []
+            if alerts and alerts["follow"]:
+                # --let-go-after 2s: a rank silent that long (a hang, a pause on a loaded
+                # machine) is let go, and its later records are late for the global steps
+                # handed over: the follow judges raw values in such a job
+                silent = any((p["fault"] or {}).get("kind") == "hang" or p["pause"] for p in job["ranks"])
+                follow_alerts = self.alert_args("follow", "raw" if silent else alerts["on"])
+                self.notes["follow_alert_on"] = "raw" if silent else alerts["on"]
             follower = self.start(
                 "upload-follow",
                 [
@@ -193,6 +244,7 @@ class Job:
                     "2s",
                     "--restart-grace",
                     "5s",
+                    *follow_alerts,
                 ],
             )
         procs = {p["rank"]: (1, self.start_rank(p["rank"], 1, 0)) for p in job["ranks"]}
@@ -228,6 +280,12 @@ class Job:
                 )
         if live is not None:
             self.finish("upload-live", *live)
+        if watcher is not None:
+            # 0 once every source finished; 4 once one died and no restart came
+            ended = all(self._ended_cleanly(p["rank"]) for p in job["ranks"])
+            self.watch_done = self.finish(
+                "watch", *watcher, timeout=FOLLOW_AFTER_JOB, expect=(0,) if ended else (4,)
+            )
         if follower is not None:
             self.follow_done = self.finish("upload-follow", *follower, timeout=FOLLOW_AFTER_JOB)
         (self.dir / "notes.json").write_text(json.dumps(self.notes, indent=1))
@@ -249,11 +307,26 @@ class Job:
             self.notes[f"{rank}.1"] = {"killed_with": how, "killed_at": time.time()}
             proc.send_signal(getattr(signal, how))
 
+    def _ended_cleanly(self, rank: int) -> bool:
+        """Whether the newest attempt of ``rank`` shut down cleanly."""
+        newest = 2 if f"{rank}.2" in self.notes else 1
+        return self.notes.get(f"{rank}.{newest}", {}).get("code") == 0
+
     def _check_exit(self, rank: int, attempt: int, code: int, plan: dict) -> None:
         note = self.notes.setdefault(f"{rank}.{attempt}", {})
         note["code"] = code
         fault = plan["fault"] if attempt == 1 else None
-        if fault is None:
+        path = self.dir / "ledger" / f"r{rank}.a{attempt}.jsonl"
+        ledger = path.read_text() if path.exists() else ""
+        if '"t": "nfwrong"' in ledger:
+            line = next(x for x in ledger.splitlines() if '"t": "nfwrong"' in x)
+            self.result.fail(
+                f"rank {rank} attempt {attempt}: record_metric under init(on_nonfinite='raise') did not "
+                f"raise NonFiniteError where expected (at [call, key, step], expected [call, step]): {line}"
+            )
+        if '"t": "nfraise"' in ledger:
+            want = 1  # NonFiniteError, uncaught
+        elif fault is None:
             want = 0
         elif fault["kind"] == "hang":
             want = -getattr(signal, fault["hang_ended_by"])
@@ -364,6 +437,10 @@ def _json_number(v: float) -> object:
     if v in (float("inf"), float("-inf")):
         return "Infinity" if v > 0 else "-Infinity"
     return v
+
+
+# What --on-alert's command writes of each alarm, tab-separated, in this order.
+ALERT_VARIABLES = ("RULE", "KEY", "STEP", "VALUE", "PROCESS", "RANK", "RUN_DIR")
 
 
 def _acks(path: Path) -> int:

@@ -12,7 +12,11 @@ on a file opened with ``O_APPEND`` (so a kill of this process loses none of it):
 * ``smp``: a sample about to be recorded;
 * ``ack``: ``flush(step)`` returned: every ``rec``/``smp`` line since the previous ``ack``
   belongs to ``step`` and must be read back (fsynced);
-* ``start``, ``hang``, ``fault``, ``done``: what happened, with the wall time.
+* ``start``, ``hang``, ``fault``, ``done``: what happened, with the wall time;
+* ``nfraise``: ``record_metric`` raised ``NonFiniteError`` (``init(on_nonfinite="raise")``)
+  where the worker expected it, at the first non-finite value of a key ``nonfinite_keys``
+  matches (the ``rec`` lines of that step stop at that value: the rest is not recorded);
+  the rank then ends with it, uncaught. ``nfwrong``: it raised elsewhere, or did not.
 """
 
 from __future__ import annotations
@@ -34,13 +38,19 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     import metric_core
     from metric_core import Reduce
-    from tests.soak.generator import values_for
+    from tests.soak.generator import alert_value, values_for
 
     seed = plan["values_seed"] if attempt == 1 else plan["restart"]["values_seed"]
     rng = random.Random(seed)
     fault = plan["fault"] if attempt == 1 else None
     pause = plan["pause"] if attempt == 1 else None
+    alerts = job.get("alerts")
+    events, alert_rng, raise_on = {}, random.Random(f"{seed}-alerts"), None
+    if alerts:
+        events = {(s, k): kind for s, k, kind in alerts["events"][rank][attempt - 1]}
+        raise_on = alerts["raise_on"]
     ledger.write({"t": "start", "time": time.time(), "pid": os.getpid(), "start": start})
+    options = {"on_nonfinite": "raise", "nonfinite_keys": raise_on} if raise_on else {}
     metric_core.init(
         os.path.join(job_dir, "run"),
         rank=rank,
@@ -51,6 +61,7 @@ def main() -> None:
         world_size=job["world"],
         segment_records=plan["segment_records"],
         hang_dump_after=0,
+        **options,
     )
     current = start  # the step the writer stamps records with until the next flush
     reductions = {r.value: r for r in Reduce}
@@ -70,6 +81,12 @@ def main() -> None:
                     }
                 )
                 calls.append((spec["key"], value, reductions[spec["reduction"]]))
+        for spec in alerts["keys"] if alerts else []:
+            value = alert_value(alert_rng, spec["key"], events.get((step, spec["key"])))
+            lines.append(
+                {"t": "rec", "s": current, "k": spec["key"], "r": spec["reduction"], "v": value.hex()}
+            )
+            calls.append((spec["key"], value, reductions[spec["reduction"]]))
         if plan["samples"]:
             for key in job["sample_keys"]:
                 for j in range(rng.randint(0, 3)):
@@ -80,9 +97,24 @@ def main() -> None:
                     }
                     lines.append({"t": "smp", "s": current, "k": key, "d": sample})
                     calls.append((key, sample, Reduce.SAMPLE))
+        stop = _raises_at(calls, raise_on)
+        if stop is not None:  # the rest of the step is never recorded
+            lines, calls = lines[: stop + 1], calls[: stop + 1]
         ledger.write(*lines)
-        for key, value, how in calls:
-            metric_core.record_metric(key, value, how)
+        for i, (key, value, how) in enumerate(calls):
+            try:
+                metric_core.record_metric(key, value, how)
+            except metric_core.NonFiniteError as exc:
+                if i != stop or exc.key != key or exc.step != current:
+                    ledger.write(
+                        {"t": "nfwrong", "at": [i, key, exc.step], "expected": [stop, current]}, sync=True
+                    )
+                    os._exit(7)
+                ledger.write({"t": "nfraise", "time": time.time(), "key": key, "step": exc.step}, sync=True)
+                raise
+        if stop is not None:
+            ledger.write({"t": "nfwrong", "at": None, "expected": [stop, current]}, sync=True)
+            os._exit(7)
         if plan["big_int"] and attempt == 1 and step == start:
             big_int(metric_core, ledger, current)
         if plan["step_sleep"]:
@@ -99,6 +131,24 @@ def main() -> None:
             do_fault(fault["kind"], ledger)
     metric_core.shutdown()
     ledger.write({"t": "done", "time": time.time()}, sync=True)
+
+
+def _raises_at(calls: list, patterns: str | None) -> int | None:
+    """Which of a step's calls ``record_metric`` must raise ``NonFiniteError`` at: the first
+    non-finite value of a key ``patterns`` matches (``fnmatch``, as ``--key`` takes them)."""
+    import fnmatch
+    import math
+
+    if patterns is None:
+        return None
+    for i, (key, value, _) in enumerate(calls):
+        if (
+            not isinstance(value, dict)
+            and not math.isfinite(float(value))
+            and fnmatch.fnmatchcase(key, patterns)
+        ):
+            return i
+    return None
 
 
 def big_int(metric_core, ledger: Ledger, current: int) -> None:
