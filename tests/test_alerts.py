@@ -58,9 +58,13 @@ def _bad_oracle(kind: str, x: np.ndarray, a: float, n: int) -> np.ndarray:
     return out
 
 
-def _episodes(bad: np.ndarray) -> list[int]:
+def _episodes(bad: np.ndarray, counted: np.ndarray | None = None) -> list[int]:
+    """Where episodes start: a step that breaks the rule starts one, 3 steps in a row within
+    it end it; a step not ``counted`` (a NaN for a rule that is not ``nonfinite``) is neither."""
     starts, inside, calm = [], False, 0
     for t, b in enumerate(bad):
+        if counted is not None and not counted[t]:
+            continue
         if b:
             calm = 0
             if not inside:
@@ -96,8 +100,63 @@ def test_each_rule_alarms_once_an_episode_as_the_oracle_says(seed):
         rule = parse_rule(text)
         alarms = Alarms([rule], on="raw")
         got = [a.step for t, v in enumerate(x) for a in alarms.feed("k", t, float(v), ("r0", 0))]
-        want = _episodes(_bad_oracle(rule.kind, x, rule.x, rule.n))
+        counted = None if rule.kind == "nonfinite" else np.isfinite(x)
+        want = _episodes(_bad_oracle(rule.kind, x, rule.x, rule.n), counted)
         assert got == want, (text, seed)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_steps_several_raw_values_are_one_step_of_an_episode(seed):
+    """Soak (issue 43): an episode ended after 3 values within the rule, where the docs say
+    3 steps; a step is within the rule when all its values are, breaks it when any does."""
+    rng = np.random.default_rng(1000 + seed)
+    steps = int(rng.integers(20, 120))
+    per_step = [rng.choice([-1.0, 20.0, 5.0, math.nan], size=int(rng.integers(1, 5)), p=[0.1, 0.2, 0.6, 0.1])
+                for _ in range(steps)]
+    for text in ["k: nonfinite", "k > 12", "k < 0"]:
+        rule = parse_rule(text)
+        alarms = Alarms([rule], on="raw")
+        got = [a.step for t, vs in enumerate(per_step) for v in vs for a in alarms.feed("k", t, float(v), ("r0", 0))]
+        if rule.kind == "nonfinite":
+            bad = np.array([bool(np.isnan(vs).any()) for vs in per_step])
+            counted = None
+        else:
+            finite = [vs[np.isfinite(vs)] for vs in per_step]
+            bad = np.array([bool(_bad_oracle(rule.kind, f, rule.x, 0).any()) for f in finite])
+            counted = np.array([len(f) > 0 for f in finite])
+        assert got == _episodes(bad, counted), (text, seed)
+
+
+def test_a_nan_neither_breaks_a_threshold_nor_ends_its_episode():
+    alarms = Alarms([parse_rule("k > 100")], on="global")
+    values = [200, math.nan, math.nan, math.nan, 300, 1, 1, 1, 300]
+    got = [a.step for t, v in enumerate(values) for a in alarms.feed("k", t, float(v))]
+    assert got == [0, 8]  # 200 .. 300 is one episode: the NaNs are no evidence it recovered
+
+
+def test_a_restart_from_the_newest_step_judged_rewinds_a_raw_series_read_in_one_look():
+    """Soak (issue 43): a restart from the step its attempt last wrote was not taken for a
+    rewind, and a look that read both attempts judged them mixed by step."""
+    from metric_core.offline.alerts import ValueWatch
+
+    rows = [  # attempt a: steps 0-4 NaN from 2; attempt b (a restart): steps 4-6, NaN at 4
+        *[("a", s, 100.0 + s, math.nan if s >= 2 else 1.0) for s in range(5)],
+        *[("b", s, 200.0 + s, math.nan if s == 4 else 1.0) for s in range(4, 7)],
+    ]
+    records = pl.DataFrame(
+        {
+            "process": ["r0"] * len(rows),
+            "rank": [0] * len(rows),
+            "attempt": [r[0] for r in rows],
+            "step": [r[1] for r in rows],
+            "timestamp": [r[2] for r in rows],
+            "key": ["k"] * len(rows),
+            "value": [r[3] for r in rows],
+        }
+    ).sample(fraction=1.0, shuffle=True, seed=3)
+    watch = ValueWatch(None, Alarms([parse_rule("k: nonfinite")], on="raw"))
+    got = [(a.step, a.value) for a in watch.judge(records, {}, {})]
+    assert [s for s, _ in got] == [2, 4]  # the first attempt's episode, and the restart's own
 
 
 def test_a_series_is_a_key_of_a_source_and_an_alarm_names_it():

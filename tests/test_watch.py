@@ -137,6 +137,41 @@ def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path
     assert stamps == sorted(stamps) and all("finished at step" in line for line in lines[-2:])
 
 
+def test_another_tools_file_beside_the_writers_neither_stalls_nor_holds_watch_open(tmp_path):
+    """Soak (issue 43's alarms): a file of another tool written before the job (no writer,
+    no heartbeat) was called stalled and kept watch from ending, while the sidecar, rightly,
+    holds nothing for it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run = tmp_path / "run"
+    run.mkdir()
+    steps = list(range(40))
+    pq.write_table(
+        pa.table(
+            {
+                "key": ["other/loss"] * 40,
+                "value": [float(s) for s in steps],
+                "reduction": ["mean"] * 40,
+                "step": steps,
+                "timestamp": [time.time() - 120 + s for s in steps],  # silent for 80 s already
+                "rank": [7] * 40,
+                "process": ["OtherTool"] * 40,
+            }
+        ),
+        run / "other.parquet",
+    )
+    children = writers(run, [(10, -1), (12, -1)])
+    try:
+        done, stalls = watch(run, tmp_path, "--stall-after", "2")
+        codes = [child.wait(timeout=60) for child in children]
+    finally:
+        stop(children)
+    assert done.returncode == 0, done.stderr
+    assert codes == [0, 0] and stalls == []
+    assert "stalled" not in done.stdout + done.stderr
+
+
 def test_watch_does_not_call_a_run_finished_while_a_rank_of_world_size_never_wrote(tmp_path):
     run = tmp_path / "run"
     children = writers(run, [(10, -1), (12, -1)], world=3)  # rank 2 of 3 never starts

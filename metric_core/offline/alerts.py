@@ -13,9 +13,10 @@ Rules (docs/commands.md, "Alerts"), each on the keys a shell-style pattern match
 
 A series is one key (``--alert-on global``: the step's global reduction) or one key of one
 source (``raw``: every raw value). An **episode** starts at the first value that breaks
-the rule and ends after ``RECOVER_STEPS`` steps in a row within it: one alarm an episode (a
-key that stays NaN alarms once, and again only after it recovered). Values that are not
-finite feed only ``nonfinite``: a NaN is no evidence of a threshold, a drop or a spike.
+the rule and ends after ``RECOVER_STEPS`` steps in a row within it (a step's several raw
+values count as one step): one alarm an episode (a key that stays NaN alarms once, and again
+only after it recovered). Values that are not finite feed only ``nonfinite``: a NaN is no
+evidence of a threshold, a drop or a spike, and neither breaks nor keeps them.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class _Series:
 
     in_episode: bool = False
     calm: int = 0  # steps in a row within the rule, during an episode
+    calm_at: int | None = None  # the step ``calm`` counted last, or that broke the rule last
     recent: collections.deque[float] = field(default_factory=collections.deque)  # a drop's window
     mean: float = 0.0
     var: float = 0.0
@@ -183,6 +185,7 @@ class Alarms:
         self.series: dict[tuple[int, Any], _Series] = {}
         self._watched: dict[str, list[int]] = {}
         self.last_step: dict[tuple[str, Any], int] = {}  # a series' newest step fed
+        self.last_attempt: dict[tuple[str, Any], Any] = {}  # and the attempt it came from (raw)
 
     def watched(self, key: str) -> list[int]:
         """The rules (indexes) that watch ``key``."""
@@ -191,30 +194,45 @@ class Alarms:
             found = self._watched[key] = [i for i, m in enumerate(self.matchers) if m(key)]
         return found
 
-    def feed(self, key: str, step: int, value: float, source: tuple[str, int] | None = None) -> list[Alert]:
+    def feed(
+        self,
+        key: str,
+        step: int,
+        value: float,
+        source: tuple[str, int] | None = None,
+        attempt: Any = None,
+    ) -> list[Alert]:
         """One value of a series (``source``: its source, raw; None: the global value), in
-        step order (a step's several raw values one after another). A step before the series'
-        newest (a restart's rewind) starts its state again."""
+        step order (a step's several raw values one after another; ``attempt``: the raw
+        value's attempt, its attempts one after another). A step before the series' newest,
+        or a new attempt's step at or before it (a restart's rewind), starts its state again."""
         out: list[Alert] = []
         rules = self.watched(key)
         if not rules:
             return out
         last = self.last_step.get((key, source))
-        if last is not None and step < last:  # a step before the newest: a restart rewound it
+        rewound = last is not None and (
+            step < last or (step == last and attempt != self.last_attempt.get((key, source)))
+        )
+        if rewound:
             for i in rules:
                 self.series.pop((i, (key, source)), None)
         self.last_step[(key, source)] = step
+        self.last_attempt[(key, source)] = attempt
+        finite = math.isfinite(value)
         for i in rules:
             rule = self.rules[i]
+            if not finite and rule.kind != "nonfinite":
+                continue  # no evidence either way: it neither breaks the rule nor keeps it
             s = self.series.setdefault((i, (key, source)), _Series())
             if breaks(rule, s, value):
-                s.calm = 0
+                s.calm, s.calm_at = 0, step
                 if not s.in_episode:
                     s.in_episode = True
                     process, rank = source if source is not None else (None, None)
                     out.append(Alert(rule, key, step, value, self.on, process, rank))
-            elif s.in_episode:
-                s.calm += 1
+            elif s.in_episode and step != s.calm_at:  # steps in a row, not values: a step counts once
+                s.calm, s.calm_at = s.calm + 1, step
                 if s.calm >= RECOVER_STEPS:
                     s.in_episode, s.calm = False, 0
         return out
@@ -297,6 +315,8 @@ class ValueWatch:
     ) -> list[Alert]:
         """The alarms of ``records`` (settled records, as ``RunTail.poll`` gives them), with the
         sources and run.json that reader knows."""
+        import polars as pl
+
         from metric_core.offline.read.tail import expected_sources
 
         watched = (
@@ -306,14 +326,18 @@ class ValueWatch:
         out: list[Alert] = []
         if self.follower is None:
             attempt = ["attempt"] if "attempt" in mine.columns else []  # the tail's records have it
+            # A source's attempts one after another (a poll may read a restart with the
+            # attempt it replaced), each in step order.
+            began = pl.col("timestamp").min().over("process", "rank", *attempt).alias("_began")
             for process, rank, step, key, value, *tried in (
-                mine.sort("process", "rank", "step", "timestamp")
+                mine.with_columns(began)
+                .sort("process", "rank", "_began", *attempt, "step", "timestamp")
                 .select("process", "rank", "step", "key", "value", *attempt)
                 .iter_rows()
             ):
                 series = (key, (process, rank), tried[0] if tried else None)
                 if step > self.judged_raw.get(series, -1):
-                    out += self.alarms.feed(key, step, value, (process, rank))
+                    out += self.alarms.feed(key, step, value, (process, rank), series[2])
                     self.fed_raw[series] = max(step, self.fed_raw.get(series, -1))
             return out
         for process, rank, step, key, value, at in mine.select(

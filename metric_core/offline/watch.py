@@ -215,7 +215,11 @@ def watch_run(
                 result.episodes.append(episode)
                 if on_stall is not None:
                     on_stall(episode)
-            states = {state_of(s) for s in report.sources}
+            # Another tool's files (no writer: no attempt, no heartbeat) hold nothing open, as
+            # in the sidecar: the writers' sources decide the end, when there are any.
+            states = {state_of(s) for s in report.sources if s.attempts} or {
+                state_of(s) for s in report.sources
+            }
             # A rank of world_size that never wrote (it died before init(), or never started)
             # left no file to be seen finishing or dying by: the run did not finish.
             absent = (

@@ -188,8 +188,8 @@ def inspect_run(
         quiet = source_status(False, silent, typical, longest) == "stopped_early"
         over = bool(tried) and tried[-1].failed
         health.stall_after_s = stall_after or stall_threshold(typical, longest)
-        health.stalled = (
-            health.status != "finished" and typical is not None and not over and silent > health.stall_after_s
+        health.stalled = (  # alive: its heartbeat goes on (files that record none are judged by lag)
+            health.end == "running" and typical is not None and not over and silent > health.stall_after_s
         )
         health.state = state_of(health)
         # Still running: its heartbeat goes on (a hang is running too), or, for a writer that
