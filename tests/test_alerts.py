@@ -111,12 +111,19 @@ def test_a_steps_several_raw_values_are_one_step_of_an_episode(seed):
     3 steps; a step is within the rule when all its values are, breaks it when any does."""
     rng = np.random.default_rng(1000 + seed)
     steps = int(rng.integers(20, 120))
-    per_step = [rng.choice([-1.0, 20.0, 5.0, math.nan], size=int(rng.integers(1, 5)), p=[0.1, 0.2, 0.6, 0.1])
-                for _ in range(steps)]
+    per_step = [
+        rng.choice([-1.0, 20.0, 5.0, math.nan], size=int(rng.integers(1, 5)), p=[0.1, 0.2, 0.6, 0.1])
+        for _ in range(steps)
+    ]
     for text in ["k: nonfinite", "k > 12", "k < 0"]:
         rule = parse_rule(text)
         alarms = Alarms([rule], on="raw")
-        got = [a.step for t, vs in enumerate(per_step) for v in vs for a in alarms.feed("k", t, float(v), ("r0", 0))]
+        got = [
+            a.step
+            for t, vs in enumerate(per_step)
+            for v in vs
+            for a in alarms.feed("k", t, float(v), ("r0", 0))
+        ]
         if rule.kind == "nonfinite":
             bad = np.array([bool(np.isnan(vs).any()) for vs in per_step])
             counted = None

@@ -137,7 +137,8 @@ class _Series:
 
     in_episode: bool = False
     calm: int = 0  # steps in a row within the rule, during an episode
-    calm_at: int | None = None  # the step ``calm`` counted last, or that broke the rule last
+    step: int | None = None  # the step its values come from now
+    broke: bool = False  # whether a value of that step broke the rule
     recent: collections.deque[float] = field(default_factory=collections.deque)  # a drop's window
     mean: float = 0.0
     var: float = 0.0
@@ -225,16 +226,18 @@ class Alarms:
             if not finite and rule.kind != "nonfinite":
                 continue  # no evidence either way: it neither breaks the rule nor keeps it
             s = self.series.setdefault((i, (key, source)), _Series())
+            if step != s.step:  # the step before is whole: within the rule if no value broke it
+                if s.in_episode and s.step is not None and not s.broke:
+                    s.calm += 1
+                    if s.calm >= RECOVER_STEPS:
+                        s.in_episode, s.calm = False, 0
+                s.step, s.broke = step, False
             if breaks(rule, s, value):
-                s.calm, s.calm_at = 0, step
+                s.calm, s.broke = 0, True
                 if not s.in_episode:
                     s.in_episode = True
                     process, rank = source if source is not None else (None, None)
                     out.append(Alert(rule, key, step, value, self.on, process, rank))
-            elif s.in_episode and step != s.calm_at:  # steps in a row, not values: a step counts once
-                s.calm, s.calm_at = s.calm + 1, step
-                if s.calm >= RECOVER_STEPS:
-                    s.in_episode, s.calm = False, 0
         return out
 
     def offends(self, key: str, value: float) -> list[Rule]:

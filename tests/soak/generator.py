@@ -218,11 +218,6 @@ def _alerts(rng: random.Random, job: dict) -> dict | None:
     """
     if rng.random() >= ALERT_SHARE:
         return None
-    if job["foreign"]:
-        # watch never ends beside another tool's file: it calls that source stopped_early,
-        # then stalled, and waits for it to finish or die (seed 1025, reported with issue
-        # 43's soak); remove this once watch ends there as the follow does
-        return None
     raise_on = rng.choice(("alarm/loss", "alarm/l*", "alarm/*")) if rng.random() < RAISE_SHARE else None
     if raise_on:
         for plan in job["ranks"]:
