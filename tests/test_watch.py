@@ -121,17 +121,22 @@ def test_watch_catches_every_rank_hanging_together(tmp_path):
     assert "at <string>:13 in <module>; none stands apart" in done.stderr
 
 
-def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path):
-    run = tmp_path / "run"
+def finished_without_a_stall(run: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """Two healthy writers watched to their end: watch exits 0, with no stall said."""
     children = writers(run, [(10, -1), (12, -1)])
     try:
-        done, stalls = watch(run, tmp_path)
+        done, stalls = watch(run, tmp_path, *args)
         codes = [child.wait(timeout=60) for child in children]
     finally:
         stop(children)
     assert done.returncode == 0, done.stderr
     assert codes == [0, 0] and stalls == []
     assert "stalled" not in done.stdout + done.stderr
+    return done
+
+
+def test_watch_ends_with_0_once_every_source_finished_and_says_no_stall(tmp_path):
+    done = finished_without_a_stall(tmp_path / "run", tmp_path)
     lines = done.stdout.splitlines()
     stamps = [line.split()[0] for line in lines[-2:]]  # in time order (one second may hold both)
     assert stamps == sorted(stamps) and all("finished at step" in line for line in lines[-2:])
@@ -161,15 +166,7 @@ def test_another_tools_file_beside_the_writers_neither_stalls_nor_holds_watch_op
         ),
         run / "other.parquet",
     )
-    children = writers(run, [(10, -1), (12, -1)])
-    try:
-        done, stalls = watch(run, tmp_path, "--stall-after", "2")
-        codes = [child.wait(timeout=60) for child in children]
-    finally:
-        stop(children)
-    assert done.returncode == 0, done.stderr
-    assert codes == [0, 0] and stalls == []
-    assert "stalled" not in done.stdout + done.stderr
+    finished_without_a_stall(run, tmp_path, "--stall-after", "2")
 
 
 def test_watch_does_not_call_a_run_finished_while_a_rank_of_world_size_never_wrote(tmp_path):
