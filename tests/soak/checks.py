@@ -574,10 +574,15 @@ def inspect(job, truth: Truth, damaged: set, seen_sources: set) -> None:
                 "failed attempt(s)"
             )
         return
-    earliest = min(a.ended_at for a in failed)
-    candidates = [a for a in failed if a.ended_at <= earliest + 2.5]
     if (first.get("process"), first.get("rank")) in damaged:
         return  # a damaged file may have lost how its attempt ended
+    # The first to fail, of every source; or of those left whole, when the damage may have
+    # taken every record of an earlier failure's source (it is then no source at all)
+    candidates = []
+    for pool in (failed, [a for a in failed if (a.process, a.rank) not in damaged]):
+        if pool:
+            earliest = min(a.ended_at for a in pool)
+            candidates += [a for a in pool if a.ended_at <= earliest + 2.5]
     if not any(first.get("process") == a.process and first.get("end") == a.end for a in candidates):
         job.result.fail(
             f"inspect: first_failure is {first.get('process')} ({first.get('end')}); the first to fail "
