@@ -362,3 +362,36 @@ print(pa.default_memory_pool().max_memory())
     assert got["value"].to_list() == list(map(float, range(n)))
     text = sum(len(k) for k in keys)
     assert int(found.stdout) < 8 * text, (found.stdout, text)
+
+
+def test_the_tail_hands_a_source_over_in_step_order_when_a_journal_is_sealed_as_read(tmp_path, monkeypatch):
+    """A journal sealed between the tail's listing of the files and its reading of them: its
+    segment is read in the same poll, so no step of the next journal comes before its last
+    steps (soak seed 67290745: a raw alarm on the next step, the series restarted)."""
+    from metric_core.offline.read import tail as tail_module
+    from metric_core.writer.segments import RawFileWriter
+
+    w = RawFileWriter(tmp_path, process="t", rank=0, segment_records=2)
+    codes = [("loss", "mean")]
+    for step in range(4):  # 2 records fill a journal, closed at its flush; step 3's stays open
+        values = [step, step + 0.5][: 1 if step == 3 else 2]
+        w.enqueue(step, np.array([[v, 0.0, 1.7e9 + step] for v in values]).tobytes(), len(values), codes)
+        w.mark_flush(step)
+        w.write()
+    assert len(list(tmp_path.glob("*.journal"))) == 4  # 3 closed, none sealed yet
+
+    tail = tail_module.RunTail(tmp_path)
+    listed = tail_module.list_data_files
+
+    def list_then_seal(*args, **kwargs):
+        found = listed(*args, **kwargs)
+        w.seal_ready()  # the writer thread seals the closed journals now, after the listing
+        return found
+
+    monkeypatch.setattr(tail_module, "list_data_files", list_then_seal)
+    first = tail.poll()
+    monkeypatch.setattr(tail_module, "list_data_files", listed)
+    assert len(list(tmp_path.glob("*.journal"))) == 1 and len(list(tmp_path.glob("*.parquet"))) == 3
+    assert sorted(first["value"].to_list()) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
+    assert tail.poll().height == 0  # nothing twice
+    w.close(clean_shutdown=True)

@@ -233,6 +233,7 @@ class RunTail:
         self.run_json_damaged: str | None = None  # why run.json is damaged, as the latest poll read it
         self.skipped = 0
         self.active = False  # the last poll found something written (settled or not)
+        self.vanished = False  # the last poll found a journal sealed after it listed the files
         self.looked_at: float | None = None  # when the last poll began to read the files
         self._noticed: set[str] = set()
         fetch_numpy_api()  # before a stop can land in polars' first hand-over to numpy
@@ -273,6 +274,7 @@ class RunTail:
             frame = self._sealed(path, report)
             if frame is not None:
                 frames.append(frame)
+        self.vanished = False
         for path in paths:
             if path.suffix == ".journal" and path not in self.done:
                 frame = self._journal(path, final)
@@ -298,6 +300,15 @@ class RunTail:
                 frame = self._journal(path, final)
                 if frame is not None:
                     frames.append(frame)
+        if self.vanished:
+            # A journal sealed between the listing and its reading: its segment is read now, not
+            # with the next poll, or a later journal's records (read in this poll) would come
+            # before its last ones, and a source's records would not come in step order.
+            for path in list_data_files(self.root, report, follow_symlinks=self.follow_symlinks):
+                if path.suffix != ".journal" and path not in self.done:
+                    frame = self._sealed(path, report)
+                    if frame is not None:
+                        frames.append(frame)
         for where, why in report.skipped_paths:
             self._notice(f"{rel(where, self.root)}: {why}")
         for rep in report.files:
@@ -391,7 +402,8 @@ class RunTail:
                 f.seek(start)
                 data = f.read()
         except FileNotFoundError:
-            return None  # sealed meanwhile: the segment comes with the next poll
+            self.vanished = True  # sealed meanwhile: ``poll`` reads its segment
+            return None
         except OSError as exc:
             self._notice(f"{rel(path, self.root)}: not read: {exc}")
             return None
@@ -452,7 +464,6 @@ class RunTail:
 
 def empty_tail() -> pl.DataFrame:
     return pl.DataFrame(schema=TAIL_SCHEMA)
-
 
 
 def counted(sources: dict[Source, SourceState]) -> int:
