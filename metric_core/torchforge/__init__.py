@@ -2,8 +2,9 @@
 
 ``from forge.observability import record_metric, Reduce, get_or_create_metric_logger``
 becomes ``from metric_core.torchforge import ...``; ``forge.observability.metrics`` and
-``forge.observability.metric_actors`` are ``metric_core.torchforge.metrics`` and
-``metric_core.torchforge.metric_actors``. Every value is also written to the run
+``forge.observability.metric_actors`` and ``forge.observability.perf_tracker`` are
+``metric_core.torchforge.metrics``, ``metric_core.torchforge.metric_actors`` and
+``metric_core.torchforge.perf_tracker``. Every value is also written to the run
 directory named by ``METRICLOG_DIR``, so ``metriclog`` can reduce, upload, inspect and
 plot it later. docs/compat.md says what differs from torchforge, and why.
 """
@@ -11,6 +12,7 @@ plot it later. docs/compat.md says what differs from torchforge, and why.
 from metric_core.torchforge import metrics
 from metric_core.torchforge.metric_actors import GlobalLoggingActor, get_or_create_metric_logger
 from metric_core.torchforge.metrics import *  # noqa: F403 - forge.observability's names, as it exports them
+from metric_core.torchforge.perf_tracker import Tracer, trace
 
-__all__ = ["GlobalLoggingActor", "get_or_create_metric_logger"]
+__all__ = ["GlobalLoggingActor", "Tracer", "get_or_create_metric_logger", "trace"]
 __all__ += metrics.__all__
