@@ -118,12 +118,6 @@ def context() -> SimpleNamespace:
     return SimpleNamespace(actor_instance=SimpleNamespace(actor_id=actor_id))
 
 
-def get_proc_name_with_rank(proc_name: str | None = None) -> str:
-    """``{process}_r{rank}``, torchforge's name of a rank in logs and per-rank W&B runs."""
-    name = proc_name if proc_name is not None else context().actor_instance.actor_id.actor_name
-    return f"{name}_r{current_rank().rank}"
-
-
 def _disabled() -> bool:
     """``FORGE_DISABLE_METRICS`` is ``true``, read at every call as torchforge reads it.
 
@@ -360,7 +354,10 @@ def _mode_of(name: str, config: dict[str, Any]) -> LoggingMode:
         return LoggingMode(mode)
     except ValueError:
         allowed = ", ".join(m.value for m in LoggingMode)
-        raise ValueError(f"backend '{name}': logging_mode {mode!r} is not one of {allowed}") from None
+        raise ValueError(
+            f"backend '{name}': logging_mode {mode!r} is not one of {allowed} "
+            f"({mode!r} is not a valid LoggingMode)"
+        ) from None
 
 
 def run_dir() -> str:
@@ -396,3 +393,8 @@ def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
             ", ".join(sorted(kwargs)),
         )
     return options
+
+
+# torchforge's metrics takes it from utils, as here; utils reads context() and current_rank(),
+# defined above, so it is imported once they are.
+from metric_core.torchforge.utils import get_proc_name_with_rank  # noqa: E402
