@@ -19,7 +19,9 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -360,15 +362,63 @@ def _mode_of(name: str, config: dict[str, Any]) -> LoggingMode:
         ) from None
 
 
+# Where a launcher puts the id of its job, first found wins: every rank of a job reads the same
+# one. torchrun without --rdzv-id (and without --standalone) sets "none", which names no job.
+LAUNCHER_IDS = (("TORCHELASTIC_RUN_ID", "torchrun"), ("SLURM_JOB_ID", "slurm"))
+DEFAULT_RUNS = "metriclog_runs"  # in the working directory, when METRICLOG_DIR is not set
+
+_default_dir: str | None = None  # chosen once in a process (kept by a forked child)
+
+
 def run_dir() -> str:
-    """``METRICLOG_DIR``, or a ``ConfigError`` that says to set it."""
+    """The run directory every rank writes to: ``METRICLOG_DIR``, else one named from the launcher.
+
+    Without ``METRICLOG_DIR``, the directory is ``./metriclog_runs/torchrun-{TORCHELASTIC_RUN_ID}``
+    or ``./metriclog_runs/slurm-{SLURM_JOB_ID}``, which every rank of the job names alike
+    (rank 0 says which, once); with neither, each process writes to a directory of its own
+    named from the time and its pid (``./metriclog_runs/20261206-191502-pid4242``), and
+    says which.
+    """
     path = METRICLOG_DIR.get_value()
-    if not path:
-        raise ConfigError(
-            "metric_core.torchforge writes every value of every rank to a run directory: set "
-            "METRICLOG_DIR (e.g. METRICLOG_DIR=runs/exp1) in the job's environment"
-        )
-    return str(path)
+    if path:
+        return str(path)
+    global _default_dir
+    if _default_dir is None:
+        _default_dir = _default_run_dir()
+    return _default_dir
+
+
+def _default_run_dir() -> str:
+    rank = current_rank().rank
+    for variable, launcher in LAUNCHER_IDS:
+        job = os.environ.get(variable, "").strip()
+        if job and job != "none":
+            path = os.path.abspath(os.path.join(DEFAULT_RUNS, f"{launcher}-{_safe_name(job)}"))
+            if rank == 0:
+                logger.warning(
+                    "METRICLOG_DIR is not set: every rank of this job writes to %s (named from %s=%s); "
+                    "set METRICLOG_DIR to choose the run directory",
+                    path,
+                    variable,
+                    job,
+                )
+            return path
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.abspath(os.path.join(DEFAULT_RUNS, f"{stamp}-pid{os.getpid()}"))
+    logger.warning(
+        "METRICLOG_DIR is not set and no launcher names this job (no TORCHELASTIC_RUN_ID or SLURM_JOB_ID): "
+        "rank %d writes to %s (a directory of its own); set METRICLOG_DIR, the same in every rank, "
+        "for one run directory of the job",
+        rank,
+        path,
+    )
+    return path
+
+
+def _safe_name(job: str) -> str:
+    """A launcher's job id as a directory name: what is not a letter, a digit, ``.``, ``_`` or ``-``
+    becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", job)[:120]
 
 
 def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
