@@ -265,3 +265,39 @@ def test_without_a_launcher_id_each_rank_writes_to_a_directory_of_its_own_and_sa
         assert re.fullmatch(r"\d{8}-\d{6}-pid\d+", run.name), run.name  # named from the time
         want = {(f"trainer_r{rank}", step): values for step, values in recorded_by(stdout).items()}
         assert values_of(run) == want
+
+
+# -- docs/compat.md's table of torchforge's public names -----------------------------------
+
+# What forge.observability's package and modules define or export at 6e77f0b, what they take
+# from monarch, forge.env, forge.util and forge.controller, and the samples names of PR #486.
+TORCHFORGE_NAMES = {
+    *("record_metric", "reduce_metrics_states", "get_logger_backend_class", "get_or_create_metric_logger"),
+    *("Tracer", "trace", "Metric", "BackendRole", "Reduce", "LoggingMode", "get_proc_name_with_rank"),
+    *("GlobalLoggingActor", "LocalFetcherActor", "MetricCollector", "LoggerBackend", "ConsoleBackend"),
+    *("WandbBackend", "MetricAccumulator", "MeanAccumulator", "SumAccumulator", "MaxAccumulator"),
+    *("MinAccumulator", "StdAccumulator", "logger"),
+    *("current_rank", "context", "endpoint", "get_or_spawn_controller", "ProcMesh", "this_proc"),
+    *("ForgeActor", "get_logger", "log_once", "FORGE_DISABLE_METRICS", "DISABLE_PERF_METRICS"),
+    *("METRIC_TIMER_USES_GPU", "EnvVar"),
+    *("SampleAccumulator", "record_episode_sample"),
+}
+
+
+def test_compat_has_a_row_for_every_public_name_of_torchforge_and_its_counterparts_exist():
+    import importlib
+
+    text = (REPO / "docs" / "compat.md").read_text()
+    table = text.split("## torchforge's public names", 1)[1].split("\n## ", 1)[0]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| `")]
+    named = set()
+    for row in rows:
+        names = re.findall(r"`([^`]+)`", row[0])
+        named.update(names)
+        ours = re.findall(r"`([^`]+)`", row[2])
+        assert ours or row[2] in ("none", "see the perf tracker section", "see the samples section"), row
+        for module in ours:
+            path = "metric_core.torchforge" + module if module.startswith(".") else module
+            for name in names:
+                assert hasattr(importlib.import_module(path), name), (path, name)
+    assert TORCHFORGE_NAMES - named == set()
