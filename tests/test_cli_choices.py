@@ -92,10 +92,12 @@ def test_upload_to_takes_any_case(tmp_path):
 
 @pytest.mark.parametrize("spelled", ["RAW", "Raw", "GLOBAL"])
 def test_alert_on_takes_any_case(tmp_path, spelled):
-    """Past the parsing, --alert-on without --alert is refused for what it is."""
-    got = invoke("watch", tmp_path, "--alert-on", spelled)
-    assert got.exit_code != 0
-    assert "--alert-on works only with --alert" in got.output, got.output
+    """Past the options, the missing run directory is what is refused."""
+    want = invoke("watch", tmp_path / "no-such-run", "--alert", "x > 1", "--alert-on", spelled.lower())
+    got = invoke("watch", tmp_path / "no-such-run", "--alert", "x > 1", "--alert-on", spelled)
+    assert got.exit_code == want.exit_code == 1
+    assert got.stderr == want.stderr
+    assert "no-such-run: it does not exist" in got.stderr, got.stderr
 
 
 @pytest.mark.parametrize(
