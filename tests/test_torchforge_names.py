@@ -191,7 +191,10 @@ async def main():
 
 asyncio.run(main())
 """
-LAUNCHERS = ("METRICLOG_DIR", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID", "RANK", "WORLD_SIZE")
+LAUNCHERS = (
+    *("METRICLOG_DIR", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID", "RANK", "WORLD_SIZE"),
+    "LOCAL_WORLD_SIZE",
+)
 SAID = re.compile(r"writes to (\S+)")
 
 
@@ -251,9 +254,26 @@ def test_without_metriclog_dir_every_rank_writes_to_the_directory_named_from_the
 
 
 @pytest.mark.slow
+def test_torchrun_without_rdzv_id_on_one_node_names_the_directory_from_its_agent(tmp_path):
+    """torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none; on one node every worker is a
+    child of its agent (here, this test's process)."""
+    ranks = start_job(tmp_path, 2, "RANK", TORCHELASTIC_RUN_ID="none", LOCAL_WORLD_SIZE="2")
+    (run,) = (tmp_path / "metriclog_runs").iterdir()
+    assert re.fullmatch(rf"torchrun-\d{{8}}-\d{{6}}-pid{os.getpid()}", run.name), run.name
+    got = values_of(run)
+    for rank, (stdout, _) in enumerate(ranks):
+        for step, values in recorded_by(stdout).items():
+            assert got[(f"trainer_r{rank}", step)] == values
+    assert len(got) == 4
+    said = [SAID.findall(stderr) for _, stderr in ranks]
+    assert [Path(p).resolve() for p in said[0]] == [run.resolve()] and said[1] == [], ranks
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", [{}, {"TORCHELASTIC_RUN_ID": "none"}])
 def test_without_a_launcher_id_each_rank_writes_to_a_directory_of_its_own_and_says_which(tmp_path, launcher):
-    """torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none: that names no job."""
+    """Nor does torchrun's TORCHELASTIC_RUN_ID=none (no --rdzv-id) name the job, on several nodes
+    (LOCAL_WORLD_SIZE is not WORLD_SIZE, here unset)."""
     ranks = start_job(tmp_path, 2, "RANK", **launcher)
     said = [SAID.findall(stderr) for _, stderr in ranks]
     assert [len(s) for s in said] == [1, 1], [stderr for _, stderr in ranks]

@@ -375,9 +375,10 @@ def run_dir() -> str:
 
     Without ``METRICLOG_DIR``, the directory is ``./metriclog_runs/torchrun-{TORCHELASTIC_RUN_ID}``
     or ``./metriclog_runs/slurm-{SLURM_JOB_ID}``, which every rank of the job names alike
-    (rank 0 says which, once); with neither, each process writes to a directory of its own
-    named from the time and its pid (``./metriclog_runs/20261206-191502-pid4242``), and
-    says which.
+    (rank 0 says which, once); under torchrun without ``--rdzv-id`` on one node, it is named
+    from the torchrun agent every worker is a child of (``torchrun-{its start}-pid{its pid}``).
+    With none of them, each process writes to a directory of its own named from the time
+    and its pid (``./metriclog_runs/20261206-191502-pid4242``), and says which.
     """
     path = METRICLOG_DIR.get_value()
     if path:
@@ -390,19 +391,18 @@ def run_dir() -> str:
 
 def _default_run_dir() -> str:
     rank = current_rank().rank
-    for variable, launcher in LAUNCHER_IDS:
-        job = os.environ.get(variable, "").strip()
-        if job and job != "none":
-            path = os.path.abspath(os.path.join(DEFAULT_RUNS, f"{launcher}-{_safe_name(job)}"))
-            if rank == 0:
-                logger.warning(
-                    "METRICLOG_DIR is not set: every rank of this job writes to %s (named from %s=%s); "
-                    "set METRICLOG_DIR to choose the run directory",
-                    path,
-                    variable,
-                    job,
-                )
-            return path
+    named = _launcher_name()
+    if named is not None:
+        name, origin = named
+        path = os.path.abspath(os.path.join(DEFAULT_RUNS, name))
+        if rank == 0:
+            logger.warning(
+                "METRICLOG_DIR is not set: every rank of this job writes to %s (named from %s); "
+                "set METRICLOG_DIR to choose the run directory",
+                path,
+                origin,
+            )
+        return path
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = os.path.abspath(os.path.join(DEFAULT_RUNS, f"{stamp}-pid{os.getpid()}"))
     logger.warning(
@@ -413,6 +413,37 @@ def _default_run_dir() -> str:
         path,
     )
     return path
+
+
+def _launcher_name() -> tuple[str, str] | None:
+    """The run directory's name from the launcher, and what it was named from; None when
+    nothing names the job the same in every rank."""
+    for variable, launcher in LAUNCHER_IDS:
+        job = os.environ.get(variable, "").strip()
+        if job and job != "none":
+            return f"{launcher}-{_safe_name(job)}", f"{variable}={job}"
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID") == "none" and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
+        # torchrun without --rdzv-id, on one node: every worker is a child of the same agent.
+        agent = os.getppid()
+        started = _start_time(agent)
+        if started is not None:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+            origin = f"the torchrun agent, pid {agent}, as torchrun has no --rdzv-id"
+            return f"torchrun-{stamp}-pid{agent}", origin
+    return None
+
+
+def _start_time(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (Linux's /proc); None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # from field 3 on: the name may hold spaces
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _safe_name(job: str) -> str:
