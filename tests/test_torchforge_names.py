@@ -254,9 +254,10 @@ def test_without_metriclog_dir_every_rank_writes_to_the_directory_named_from_the
 
 
 @pytest.mark.slow
-def test_torchrun_without_rdzv_id_on_one_node_names_the_directory_from_its_agent(tmp_path):
-    """torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none; on one node every worker is a
-    child of its agent (here, this test's process)."""
+def test_torchrun_with_run_id_none_on_one_node_names_the_directory_from_its_agent(tmp_path):
+    """torchrun's static rendezvous without --rdzv-id (torchrun --master-port 29517 ...) sets
+    TORCHELASTIC_RUN_ID=none; on one node every worker is a child of its agent (here, this
+    test's process)."""
     ranks = start_job(tmp_path, 2, "RANK", TORCHELASTIC_RUN_ID="none", LOCAL_WORLD_SIZE="2")
     (run,) = (tmp_path / "metriclog_runs").iterdir()
     assert re.fullmatch(rf"torchrun-\d{{8}}-\d{{6}}-pid{os.getpid()}", run.name), run.name
@@ -272,7 +273,7 @@ def test_torchrun_without_rdzv_id_on_one_node_names_the_directory_from_its_agent
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", [{}, {"TORCHELASTIC_RUN_ID": "none"}])
 def test_without_a_launcher_id_each_rank_writes_to_a_directory_of_its_own_and_says_which(tmp_path, launcher):
-    """Nor does torchrun's TORCHELASTIC_RUN_ID=none (no --rdzv-id) name the job, on several nodes
+    """Nor does torchrun's TORCHELASTIC_RUN_ID=none name the job on several nodes
     (LOCAL_WORLD_SIZE is not WORLD_SIZE, here unset)."""
     ranks = start_job(tmp_path, 2, "RANK", **launcher)
     said = [SAID.findall(stderr) for _, stderr in ranks]

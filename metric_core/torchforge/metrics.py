@@ -363,7 +363,8 @@ def _mode_of(name: str, config: dict[str, Any]) -> LoggingMode:
 
 
 # Where a launcher puts the id of its job, first found wins: every rank of a job reads the same
-# one. torchrun without --rdzv-id (and without --standalone) sets "none", which names no job.
+# one. torchrun's static rendezvous without --rdzv-id (--master-port given, or several nodes)
+# sets "none", which names no job; on one node without a port, torchrun makes a fresh id.
 LAUNCHER_IDS = (("TORCHELASTIC_RUN_ID", "torchrun"), ("SLURM_JOB_ID", "slurm"))
 DEFAULT_RUNS = "metriclog_runs"  # in the working directory, when METRICLOG_DIR is not set
 
@@ -375,8 +376,9 @@ def run_dir() -> str:
 
     Without ``METRICLOG_DIR``, the directory is ``./metriclog_runs/torchrun-{TORCHELASTIC_RUN_ID}``
     or ``./metriclog_runs/slurm-{SLURM_JOB_ID}``, which every rank of the job names alike
-    (rank 0 says which, once); under torchrun without ``--rdzv-id`` on one node, it is named
-    from the torchrun agent every worker is a child of (``torchrun-{its start}-pid{its pid}``).
+    (rank 0 says which, once); under torchrun with ``TORCHELASTIC_RUN_ID=none`` on one node,
+    it is named from the torchrun agent every worker is a child of
+    (``torchrun-{its start}-pid{its pid}``).
     With none of them, each process writes to a directory of its own named from the time
     and its pid (``./metriclog_runs/20261206-191502-pid4242``), and says which.
     """
@@ -424,12 +426,13 @@ def _launcher_name() -> tuple[str, str] | None:
             return f"{launcher}-{_safe_name(job)}", f"{variable}={job}"
     env = os.environ
     if env.get("TORCHELASTIC_RUN_ID") == "none" and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
-        # torchrun without --rdzv-id, on one node: every worker is a child of the same agent.
+        # torchrun's static rendezvous without --rdzv-id, on one node: every worker is a child
+        # of the same agent.
         agent = os.getppid()
         started = _start_time(agent)
         if started is not None:
             stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
-            origin = f"the torchrun agent, pid {agent}, as torchrun has no --rdzv-id"
+            origin = f"the torchrun agent, pid {agent}, as TORCHELASTIC_RUN_ID=none"
             return f"torchrun-{stamp}-pid{agent}", origin
     return None
 
