@@ -34,6 +34,7 @@ from metric_core.metric import (
     MetricAccumulator,
     MinAccumulator,
     Reduce,
+    SampleAccumulator,
     StdAccumulator,
     SumAccumulator,
     reduce_metrics_states,
@@ -57,6 +58,7 @@ __all__ = [
     "MetricCollector",
     "MinAccumulator",
     "Reduce",
+    "SampleAccumulator",
     "StdAccumulator",
     "SumAccumulator",
     "WandbBackend",
@@ -64,6 +66,7 @@ __all__ = [
     "current_rank",
     "get_logger_backend_class",
     "get_proc_name_with_rank",
+    "record_episode_sample",
     "record_metric",
     "reduce_metrics_states",
 ]
@@ -154,6 +157,17 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     metric = Metric(key=key, value=value, reduction=reduction)
     collector = MetricCollector()
     collector.push(metric)
+
+
+def record_episode_sample(table_name: str, episode: Any) -> None:
+    """Record one episode as a sample (``Reduce.SAMPLE``) under ``table_name``, as torchforge's
+    PR #486 does: ``episode.to_dict(exclude=["ref_logprobs", "completion"])`` (the tensors
+    and the completion object are left out), then ``record_metric``. Every sample is kept
+    in the run directory (``metriclog samples``); a PER_RANK_REDUCE backend shows the step's
+    bottom and top by ``reward`` (``SampleAccumulator``), a PER_RANK_NO_REDUCE one each.
+    """
+    sample = episode.to_dict(exclude=["ref_logprobs", "completion"])
+    record_metric(table_name, sample, Reduce.SAMPLE)
 
 
 class MetricCollector:
