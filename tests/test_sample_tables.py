@@ -300,6 +300,39 @@ def test_upload_sample_tables_incremental_sends_torchforges_shape_and_per_step_s
     ]
 
 
+def test_upload_follow_sends_the_incremental_tables_and_their_immutable_copy_at_the_end(tmp_path, offline):
+    from metric_core import make_plan
+    from metric_core.offline.samples import SampleChoice
+    from metric_core.offline.upload import Destination, Follow, upload_run
+
+    steps = recorded_steps(steps=3, per_step=4, seed=6)
+    metric_core.init(tmp_path / "run", process_name="gen")
+    for step, samples in enumerate(steps):
+        for sample in samples:
+            record_metric("rollout", sample, Reduce.SAMPLE)
+        record_metric("loss", float(step))
+        metric_core.flush(step)
+    metric_core.shutdown()
+    choice = SampleChoice(top=1, bottom=1, tables="incremental")
+    upload_run(
+        tmp_path / "run",
+        make_plan(),
+        Destination("p", offline=True),
+        follow=Follow(interval=0.2),
+        samples=choice,
+    )
+    ledger = json.loads((tmp_path / "run" / ".metriclog" / "uploads.json").read_text())["runs"]
+    (run_id,) = ledger
+    run_file = find_run_file(tmp_path / "run" / ".metriclog" / "wandb", run_id)
+    want = [list(reversed(bottom_top(samples))) for samples in steps]  # upload's order: top, then bottom
+    logged = logged_tables(run_file, "rollout_table")
+    assert [(step, prompts(rows)) for step, _, rows in logged] == [
+        (s, prompts(w)) for s, w in enumerate(want)
+    ]
+    ((step, kind, rows),) = logged_tables(run_file, "rollout")
+    assert (step, kind, prompts(rows)) == (2, "table-file", [s["prompt"] for w in want for s in w])
+
+
 def test_a_sample_tables_value_that_is_none_of_the_two_is_refused(tmp_path):
     from cli.main import app
 
