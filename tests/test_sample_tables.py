@@ -345,3 +345,17 @@ def test_a_sample_tables_value_that_is_none_of_the_two_is_refused(tmp_path):
         sidecar_command("run", {"project": "p", "sample_tables": "increment"})
     command = sidecar_command("run", {"project": "p", "sample_tables": "incremental"})
     assert command[-2:] == ["--sample-tables", "incremental"]
+
+
+def test_a_global_reduce_wandb_config_passes_sample_tables_to_the_sidecar():
+    from metric_core.torchforge.metrics import sidecar_options
+
+    config = {"logging_mode": "global_reduce", "project": "p", "sample_tables": "incremental"}
+    options = sidecar_options(config)
+    assert options == {
+        "mode": "global_reduce",
+        "offline": False,
+        "project": "p",
+        "sample_tables": "incremental",
+    }
+    assert sidecar_command("run", options)[-2:] == ["--sample-tables", "incremental"]

@@ -391,15 +391,16 @@ def run_dir() -> str:
 def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
     """The sidecar (``metriclog upload --follow``) options of a global_reduce wandb config.
 
-    W&B's ``mode`` ``offline`` uploads offline; ``disabled`` starts no sidecar. Settings the
-    upload does not take are said once, by name.
+    W&B's ``mode`` ``offline`` uploads offline; ``disabled`` starts no sidecar;
+    ``sample_tables`` (``incremental``: torchforge's incremental samples tables) goes to
+    the upload. Settings the upload does not take are said once, by name.
     """
     kwargs = {k: v for k, v in wandb_config.items() if k not in ("logging_mode", "per_rank_share_run")}
     mode = kwargs.pop("mode", None)
     if mode == "disabled":
         return None
     options: dict[str, Any] = {"mode": "global_reduce", "offline": mode == "offline"}
-    for name in ("project", "entity", "name", "group"):
+    for name in ("project", "entity", "name", "group", "sample_tables"):
         if kwargs.get(name) is not None:
             options[name] = kwargs.pop(name)
     options.setdefault("project", "uncategorized")  # wandb.init's own default
