@@ -480,7 +480,8 @@ class MetricCollector:
         ``step + 1``. Every record since the previous flush is stamped ``step`` on disk
         too (records no flush covers keep the step current when they were recorded). With
         ``return_state`` the accumulator states are returned for a global reduction
-        (see ``reduce_metrics_states``).
+        (see ``reduce_metrics_states``); a samples key's is its ``SampleAccumulator``'s
+        (the step's bottom and top by reward), as torchforge returns it.
         """
         step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
