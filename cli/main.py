@@ -205,6 +205,7 @@ def upload(
     sample_random: o.SampleRandom = None,
     sample_seed: o.SampleSeed = 0,
     no_samples: o.NoSamples = False,
+    tables: o.SampleTablesOpt = o.SampleTables.PER_STEP,
     alert: o.Alert = None,
     alert_on: o.AlertOn = None,
     on_alert: o.OnAlert = None,
@@ -213,7 +214,8 @@ def upload(
 
     With --follow, upload it live, beside the job that writes it. Each key of samples
     (Reduce.SAMPLE) goes as a W&B table per step, in that step's row: by default the top 2
-    and bottom 2 by reward where the samples have it, else 4 at random.
+    and bottom 2 by reward where the samples have it, else 4 at random (--sample-tables
+    incremental: torchforge's incremental {key}_table instead, for a recent W&B server).
 
     Examples:
 
@@ -248,7 +250,7 @@ def upload(
                 engine=engine,
                 ray_address=ray_address,
                 samples=o.sample_choice(
-                    sample_top, sample_bottom, sample_by, sample_random, sample_seed, no_samples
+                    sample_top, sample_bottom, sample_by, sample_random, sample_seed, no_samples, tables
                 ),
             )
         raise typer.Exit(output.print_upload(result))

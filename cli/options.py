@@ -428,15 +428,41 @@ SampleSeed = Annotated[
 NoSamples = Annotated[bool, typer.Option("--no-samples", help="Upload no samples (Reduce.SAMPLE).")]
 
 
+class SampleTables(str, Enum):
+    PER_STEP = "per-step"
+    INCREMENTAL = "incremental"
+
+
+SampleTablesOpt = Annotated[
+    SampleTables,
+    choice(
+        "--sample-tables",
+        SampleTables,
+        "How samples go to W&B: per-step (a table a step and key, in that step's row; the default) or "
+        "incremental (torchforge's shape: one INCREMENTAL table {key}_table a key that each step adds "
+        "its samples to, and an IMMUTABLE table of them all under the key when the run finishes). "
+        "Incremental tables need a recent W&B server (W&B Server 0.70 or later; wandb.ai has them).",
+    ),
+]
+
+
 def sample_choice(
-    top: int | None, bottom: int | None, by: str | None, random: int | None, seed: int, none: bool
+    top: int | None,
+    bottom: int | None,
+    by: str | None,
+    random: int | None,
+    seed: int,
+    none: bool,
+    tables: SampleTables = SampleTables.PER_STEP,
 ) -> Any:
     """upload's sample options as a ``SampleChoice``."""
     from metric_core.offline.samples import SampleChoice
 
     if random is not None and (top is not None or bottom is not None):
         raise typer.BadParameter("give --sample-top/--sample-bottom or --sample-random, not both")
-    return SampleChoice(top=top, bottom=bottom, by=by, random=random, seed=seed, enabled=not none)
+    return SampleChoice(
+        top=top, bottom=bottom, by=by, random=random, seed=seed, enabled=not none, tables=tables.value
+    )
 
 
 # inspect

@@ -125,3 +125,22 @@ def tables_of(run_file: Path, key: str) -> dict[int, list[dict]]:
             table = json.loads((Path(run_file).parent / "files" / path).read_text())
             out[row["step"]] = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
     return out
+
+
+def logged_tables(run_file: Path, key: str) -> list[tuple[int | None, str, list[dict]]]:
+    """Every table logged under ``key``, in the order logged: (step, W&B's ``_type``, rows).
+    An incremental table's file holds the rows that log added (``incremental-table-file``);
+    an immutable one's, all of its rows (``table-file``)."""
+    out = []
+    for row in history_rows(read_records(run_file)):
+        value = row.get(key)
+        meta = (
+            value
+            if isinstance(value, dict)
+            else {name[len(key) + 1 :]: v for name, v in row.items() if name.startswith(f"{key}/")}
+        )
+        if "path" in meta:
+            table = json.loads((Path(run_file).parent / "files" / meta["path"]).read_text())
+            rows = [dict(zip(table["columns"], values, strict=True)) for values in table["data"]]
+            out.append((row.get("step"), meta["_type"], rows))
+    return out

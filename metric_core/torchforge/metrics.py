@@ -36,6 +36,7 @@ from metric_core.metric import (
     MetricAccumulator,
     MinAccumulator,
     Reduce,
+    SampleAccumulator,
     StdAccumulator,
     SumAccumulator,
     reduce_metrics_states,
@@ -59,6 +60,7 @@ __all__ = [
     "MetricCollector",
     "MinAccumulator",
     "Reduce",
+    "SampleAccumulator",
     "StdAccumulator",
     "SumAccumulator",
     "WandbBackend",
@@ -66,6 +68,7 @@ __all__ = [
     "current_rank",
     "get_logger_backend_class",
     "get_proc_name_with_rank",
+    "record_episode_sample",
     "record_metric",
     "reduce_metrics_states",
 ]
@@ -150,6 +153,17 @@ def record_metric(key: str, value: Any, reduction: Reduce = Reduce.MEAN) -> None
     metric = Metric(key=key, value=value, reduction=reduction)
     collector = MetricCollector()
     collector.push(metric)
+
+
+def record_episode_sample(table_name: str, episode: Any) -> None:
+    """Record one episode as a sample (``Reduce.SAMPLE``) under ``table_name``, as torchforge's
+    PR #486 does: ``episode.to_dict(exclude=["ref_logprobs", "completion"])`` (the tensors
+    and the completion object are left out), then ``record_metric``. Every sample is kept
+    in the run directory (``metriclog samples``); a PER_RANK_REDUCE backend shows the step's
+    bottom and top by ``reward`` (``SampleAccumulator``), a PER_RANK_NO_REDUCE one each.
+    """
+    sample = episode.to_dict(exclude=["ref_logprobs", "completion"])
+    record_metric(table_name, sample, Reduce.SAMPLE)
 
 
 class MetricCollector:
@@ -458,15 +472,16 @@ def _safe_name(job: str) -> str:
 def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
     """The sidecar (``metriclog upload --follow``) options of a global_reduce wandb config.
 
-    W&B's ``mode`` ``offline`` uploads offline; ``disabled`` starts no sidecar. Settings the
-    upload does not take are said once, by name.
+    W&B's ``mode`` ``offline`` uploads offline; ``disabled`` starts no sidecar;
+    ``sample_tables`` (``incremental``: torchforge's incremental samples tables) goes to
+    the upload. Settings the upload does not take are said once, by name.
     """
     kwargs = {k: v for k, v in wandb_config.items() if k not in ("logging_mode", "per_rank_share_run")}
     mode = kwargs.pop("mode", None)
     if mode == "disabled":
         return None
     options: dict[str, Any] = {"mode": "global_reduce", "offline": mode == "offline"}
-    for name in ("project", "entity", "name", "group"):
+    for name in ("project", "entity", "name", "group", "sample_tables"):
         if kwargs.get(name) is not None:
             options[name] = kwargs.pop(name)
     options.setdefault("project", "uncategorized")  # wandb.init's own default

@@ -179,7 +179,9 @@ class MetricCollector:
             self._extend = self._extend_checked  # type: ignore[assignment]
         # Samples (Reduce.SAMPLE) since the last drain: (key, timestamp, shallow copy of the dict).
         self._samples: list[tuple[str, float, dict[str, Any]]] = []
-        self._step_samples: list[tuple[str, float, dict[str, Any]]] = []  # for live backends, per step
+        # The step's samples as torchforge accumulates them (SampleAccumulator: its top and
+        # bottom by reward, a key each), for PER_RANK_REDUCE backends and flush(return_state).
+        self._step_samples: dict[str, SampleAccumulator] = {}
         self._codes: dict[str, tuple[Any, int]] = {}
         self._code_of: dict[tuple[str, Reduce], int] = {}
         self._code_table: list[tuple[str, str]] = []  # code -> (key, reduction)
@@ -337,10 +339,28 @@ class MetricCollector:
                 if flush is None:
                     self._unflushed = True
                 self._writer.enqueue_samples(self._step, samples)
-                if self._backends.samples:
-                    self._step_samples.extend(samples)
+                self._accumulate_samples(samples)
             if flush is not None:
                 self._writer.mark_flush(flush)
+
+    def _accumulate_samples(self, samples: list[tuple[str, float, dict[str, Any]]]) -> None:
+        """Drained samples (under the drain lock): into the step's accumulators, as torchforge
+        always accumulates them; every one of them to PER_RANK_NO_REDUCE backends, as
+        torchforge streams them (a Metric a key, its value the list drained)."""
+        accumulators = self._step_samples
+        by_key: dict[str, list[dict[str, Any]]] = {}
+        for key, _, sample in samples:
+            acc = accumulators.get(key)
+            if acc is None:
+                acc = accumulators[key] = SampleAccumulator(Reduce.SAMPLE)
+            acc.append(sample)
+            by_key.setdefault(key, []).append(sample)
+        if self._backends.stream_samples:
+            streamed = [
+                Metric(key, rows, Reduce.SAMPLE, step=self._step, rank=self.rank, process=self.process_name)
+                for key, rows in by_key.items()
+            ]
+            self._backends.log_stream_samples(streamed, self._step)
 
     def _record_table(self, rows: np.ndarray) -> pa.Table:
         return records.build_table(
@@ -420,7 +440,7 @@ class MetricCollector:
 
     def _flush_files(
         self, step: int, need_states: bool
-    ) -> tuple[list[Metric], dict[str, dict[str, Any]], WriteError | None]:
+    ) -> tuple[list[Metric], list[Metric], dict[str, dict[str, Any]], WriteError | None]:
         if self._closed:
             raise CollectorClosedError(f"flush() after shutdown() of {self.process_name}")
         # Every record since the previous flush belongs to ``step``, as the live logger labels
@@ -437,8 +457,18 @@ class MetricCollector:
             else:
                 self._steps.discard()
                 metrics, states = [], {}
+            accumulated, self._step_samples = self._step_samples, {}
+        samples = []
+        for key, acc in accumulated.items():
+            samples.append(
+                Metric(
+                    key, acc.get_value(), Reduce.SAMPLE, step=step, rank=self.rank, process=self.process_name
+                )
+            )
+            if need_states:  # a key recorded as a number too keeps that state under its name
+                states[f"{key}_samples" if key in states else key] = acc.get_state()
         self._last_flush = time.monotonic()
-        return metrics, states, error
+        return metrics, samples, states, error
 
     def flush(
         self, step: int | None = None, *, return_state: bool = False
@@ -450,29 +480,20 @@ class MetricCollector:
         ``step + 1``. Every record since the previous flush is stamped ``step`` on disk
         too (records no flush covers keep the step current when they were recorded). With
         ``return_state`` the accumulator states are returned for a global reduction
-        (see ``reduce_metrics_states``).
+        (see ``reduce_metrics_states``); a samples key's is its ``SampleAccumulator``'s
+        (the step's bottom and top by reward), as torchforge returns it.
         """
         step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
         self._second_reductions()
-        metrics, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
+        metrics, samples, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
         if metrics:
             self._backends.log_reduced(metrics, step)
-        if self._step_samples:
-            self._backends.log_samples(self._take_step_samples(), step)
+        if samples:
+            self._backends.log_samples(samples, step)
         self._step = step + 1
         self._report(error)
         return states if return_state else None
-
-    def _take_step_samples(self) -> list[Metric]:
-        """The step's samples for the live backends, as torchforge hands them over: a Metric a
-        key whose value is its top and bottom samples by reward (``SampleAccumulator``)."""
-        with self._drain_lock:
-            taken, self._step_samples = self._step_samples, []
-        by_key: dict[str, SampleAccumulator] = {}
-        for key, _, sample in taken:
-            by_key.setdefault(key, SampleAccumulator(Reduce.SAMPLE)).append(sample)
-        return [Metric(key, acc.get_value(), Reduce.SAMPLE) for key, acc in by_key.items()]
 
     def _flush_step(self, step: Any) -> int:
         """``step`` checked before anything changes (a refused call leaves the source as it
@@ -521,11 +542,11 @@ class MetricCollector:
         self._first_flush_check(step)
         self._second_reductions()
         need = bool(self._backends.reduce) or return_state
-        metrics, states, error = await asyncio.to_thread(self._flush_files, step, need)
+        metrics, samples, states, error = await asyncio.to_thread(self._flush_files, step, need)
         if metrics:
             await self._backends.alog_reduced(metrics, step)
-        if self._step_samples:
-            await self._backends.alog_samples(self._take_step_samples(), step)
+        if samples:
+            await self._backends.alog_samples(samples, step)
         self._step = step + 1
         self._report(error)
         return states if return_state else None

@@ -48,6 +48,7 @@ _VALUES = {
     "sample_by": "--sample-by",
     "sample_random": "--sample-random",
     "sample_seed": "--sample-seed",
+    "sample_tables": "--sample-tables",
 }
 
 
@@ -94,6 +95,9 @@ def _check(as_arguments: dict[str, list[str]]) -> None:
             raise ValueError(f"interval={as_arguments['interval'][0]} must be at least 0.05 (seconds)")
         if "sources" in as_arguments and int(as_arguments["sources"][0]) < 1:
             raise ValueError(f"sources={as_arguments['sources'][0]} must be at least 1")
+        tables = as_arguments.get("sample_tables", ["per-step"])[0]
+        if tables not in ("per-step", "incremental"):  # SampleChoice's (offline.samples loads polars)
+            raise ValueError(f"sample_tables={tables!r} is not one of per-step, incremental")
     except MetricLogError as exc:
         raise ConfigError(f"sidecar: {exc.text(as_keyword)}") from None
     except ValueError as exc:

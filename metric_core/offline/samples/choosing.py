@@ -91,11 +91,20 @@ def number(value: Any) -> float | None:
     return None if math.isnan(number) else number
 
 
+SAMPLE_TABLES = ("per-step", "incremental")
+
+
 @dataclass(frozen=True)
 class SampleChoice:
     """Which samples an upload sends per step and key: ``top``/``bottom`` by ``by``, or
     ``random`` (seeded by ``seed``). By default, the top 2 and bottom 2 by ``reward`` where
-    a key's samples have it, else 4 at random; ``enabled=False`` sends none."""
+    a key's samples have it, else 4 at random; ``enabled=False`` sends none.
+
+    ``tables`` says how they go to W&B: ``per-step``, a table a step in that step's row
+    (the default), or ``incremental``, torchforge's shape (its PR #486): one INCREMENTAL
+    table a key, ``{key}_table``, that each step's row adds its samples to, and at the run's
+    end one IMMUTABLE table of them all under the key. Incremental tables need W&B Server
+    0.70 or later."""
 
     top: int | None = None
     bottom: int | None = None
@@ -103,6 +112,13 @@ class SampleChoice:
     random: int | None = None
     seed: int = 0
     enabled: bool = True
+    tables: str = "per-step"
+
+    def __post_init__(self) -> None:
+        if self.tables not in SAMPLE_TABLES:
+            raise PlanError(
+                f"is not one of {', '.join(SAMPLE_TABLES)}", option="tables", value=str(self.tables)
+            )
 
     def picks(self, samples: list[Sample]) -> list[Sample]:
         if self.random is not None or self.top is not None or self.bottom is not None:

@@ -16,7 +16,11 @@ class SampleTables:
     """The samples an upload attaches to its history rows: per W&B run (its source's, or
     every source's) and step, each key's chosen samples as a ``wandb.Table``, logged in the
     same ``log`` call as that step's scalars. ``refresh`` reads them again (``upload
-    --follow``, before each poll's rows)."""
+    --follow``, before each poll's rows).
+
+    With ``choice.tables == "incremental"`` (torchforge's shape), a run's key has one
+    INCREMENTAL table, ``{key}_table``, each step's row adding that step's chosen samples
+    to it, and ``finals`` gives the IMMUTABLE tables of them all, for the run's end."""
 
     def __init__(
         self, run: str | os.PathLike[str] | RunPath, plan: Any, choice: SampleChoice, *, share_run: bool
@@ -29,6 +33,9 @@ class SampleTables:
         self.attached: set[tuple[str | None, int]] = set()
         self.renamed: set[str] = set()  # samples keys that are scalar keys too (said once)
         self._sealed: dict[str, SamplesPart] = {}  # sealed files do not change: read once
+        # incremental: a run's (its source's) tables, and the step its samples last went at
+        self.incremental: dict[str | None, Any] = {}
+        self.last_step: dict[str | None, int] = {}
         self.refresh()
 
     def refresh(self) -> None:
@@ -67,15 +74,38 @@ class SampleTables:
         where = (source, step)
         if where in self.attached or where not in self.by_step:
             return {}
-        from metric_core.writer.backends.wandb import samples_table
+        from metric_core.writer.backends.wandb import IncrementalTables, samples_table, table_key
 
         self.attached.add(where)
         out = {}
         for key, samples in self.by_step[where].items():
             chosen = self.choice.picks(samples)
-            if chosen:
+            if not chosen:
+                continue
+            if self.choice.tables == "incremental":
+                tables = self.incremental.setdefault(source, IncrementalTables())
+                # its columns: the fields of every sample the run would take of the key, known now
+                fields = self._chosen_fields(source, key) if key not in tables.tables else None
+                out[table_key(key)] = tables.add(key, [s.fields for s in chosen], fields)
+                self.last_step[source] = step
+            else:
                 out[key] = samples_table([s.fields for s in chosen])
         return out
+
+    def finals(self, source: str | None) -> dict[str, Any]:
+        """Incremental: ``{key: IMMUTABLE table}`` of every sample ``source``'s run took (its
+        end, as torchforge ends a run); else nothing."""
+        tables = self.incremental.get(source)
+        return tables.finals() if tables is not None else {}
+
+    def _chosen_fields(self, source: str | None, key: str) -> set[str]:
+        """The fields of the samples of ``key`` that ``source``'s run would take, at any step."""
+        fields: set[str] = set()
+        for (where, _), by_key in self.by_step.items():
+            if where == source and key in by_key:
+                for s in self.choice.picks(by_key[key]):
+                    fields.update(s.fields)
+        return fields
 
     def unattached(self) -> int:
         """Steps with samples that no row of any run took (no scalar at that step)."""

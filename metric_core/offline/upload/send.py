@@ -370,6 +370,8 @@ class Sender:
     def close(self, wb: Any, outcome: RunOutcome, *, finished: bool, **fields: Any) -> None:
         """Finish the W&B run; the ledger says whether it holds everything (``finished``)."""
         try:
+            if finished:
+                self._final_tables(wb, outcome.run)
             self._retry(wb.finish, "finishing the W&B run")
         finally:
             self.ledger.update(outcome.run_id, rows_sent=outcome.rows_sent, finished=finished, **fields)
@@ -459,12 +461,42 @@ class Sender:
                     if sent % LEDGER_EVERY_ROWS == 0:
                         self.ledger.update(run_id, rows_sent=sent)
             tick(sent)
+            if not self.leave_open:
+                self._final_tables(wb, run)
             self._retry(wb.finish, "finishing the W&B run")
         except BaseException:
             self.ledger.update(run_id, rows_sent=sent)
             raise
         self.ledger.update(run_id, rows_sent=sent, finished=not self.leave_open, open=self.leave_open)
         return sent
+
+    def _final_tables(self, wb: Any, run: PlannedRun) -> None:
+        """``--sample-tables incremental``: at a run's end (not while its job still writes it),
+        each key's samples once more, whole, as an IMMUTABLE table under the key, in a row of
+        their own at the last step that took samples (torchforge's end of a run)."""
+        if not self.samples:
+            return
+        finals = self.samples.finals(run.source)
+        if not finals:
+            return
+        renamed = self.samples.renamed
+        row = {self._samples_key(renamed, key, set(run.keys), {}): table for key, table in finals.items()}
+        if run.x_axis == "step" and run.source in self.samples.last_step:
+            row["step"] = self.samples.last_step[run.source]
+        self._retry(functools.partial(wb.log, row), "logging to W&B")
+
+    def _samples_key(self, renamed: set[str], key: str, scalars: set[str], row: dict[str, Any]) -> str:
+        """The key samples go under: ``{key}_samples`` when ``key`` is a scalar key too (said
+        once; ``renamed`` holds the keys said)."""
+        if key in scalars or key in row or key in renamed:
+            if key not in renamed:
+                renamed.add(key)
+                self.events.message(
+                    "note",
+                    f"samples of '{key}' go as '{key}_samples': '{key}' is also a scalar key",
+                )
+            key = f"{key}_samples"
+        return key
 
     def _with_samples(
         self, rows: Iterable[dict[str, Any]], run: PlannedRun | None
@@ -479,15 +511,7 @@ class Sender:
             step = row.get("step")
             if isinstance(step, int):
                 for key, table in self.samples.tables(run.source, step).items():
-                    if key in scalars or key in row or key in self.samples.renamed:
-                        if key not in self.samples.renamed:
-                            self.samples.renamed.add(key)
-                            self.events.message(
-                                "note",
-                                f"samples of '{key}' go as '{key}_samples': '{key}' is also a scalar key",
-                            )
-                        key = f"{key}_samples"
-                    row[key] = table
+                    row[self._samples_key(self.samples.renamed, key, scalars, row)] = table
             yield row
 
     def _retry(self, call: Callable[[], Any], what: str, timeout: float | None = None) -> Any:

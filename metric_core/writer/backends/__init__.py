@@ -101,9 +101,11 @@ class LoggerBackend(ABC):
             self.log_stream(metric, global_step)
 
     async def log_samples(self, samples: list[Metric], step: int) -> None:  # noqa: B027
-        """Show a step's samples (``Reduce.SAMPLE``): a Metric a key, whose value is the list of
-        its chosen samples (torchforge's top and bottom by reward). Every sample is on disk
-        whatever a backend shows (``metriclog samples``)."""
+        """Show samples (``Reduce.SAMPLE``), as torchforge hands them over (its PR #486): a
+        Metric a key, whose value is a list of sample dicts. A PER_RANK_REDUCE backend gets
+        each step's ``SampleAccumulator`` value at the flush (the bottom and top sample by
+        reward); a PER_RANK_NO_REDUCE one every sample, as the writer drains them. Every
+        sample is on disk whatever a backend shows (``metriclog samples``)."""
 
     async def finish(self) -> None:  # noqa: B027
         """Release resources; called by shutdown()."""
@@ -111,6 +113,10 @@ class LoggerBackend(ABC):
     def get_metadata_for_secondary_ranks(self) -> dict[str, Any] | None:
         """Sharable state after primary init (e.g. a shared W&B run id)."""
         return {}
+
+
+def _shows_samples(backend: LoggerBackend) -> bool:
+    return type(backend).log_samples is not LoggerBackend.log_samples
 
 
 def get_logger_backend_class(cls_name: str) -> type[LoggerBackend]:
@@ -156,18 +162,24 @@ def _global_reduce_message(name: str) -> str:
 
 
 class Backends:
-    """A collector's live backends, by what they take, and the event loop their calls run on.
+    """A collector's live backends, by what they take, and the event loops their calls run on.
 
     ``stream``: PER_RANK_NO_REDUCE backends, given every drained batch (on the writer
-    thread). ``reduce``: PER_RANK_REDUCE backends, given each step's reduced metrics.
+    thread), and every drained sample (``stream_samples``, those that show samples).
+    ``reduce``: PER_RANK_REDUCE backends, given each step's reduced metrics, and its
+    accumulated samples (``reduce_samples``). Calls made while draining (under the
+    collector's drain lock, from the writer thread or a flush) run on a loop of their own,
+    so they never meet a flush's calls on the other.
     """
 
     def __init__(self, configs: dict[str, dict[str, Any] | LoggerBackend], process: str) -> None:
         built = [make_backend(name, cfg) for name, cfg in configs.items()]
         self.stream = [b for b in built if b.logging_mode is LoggingMode.PER_RANK_NO_REDUCE]
         self.reduce = [b for b in built if b.logging_mode is LoggingMode.PER_RANK_REDUCE]
-        self.samples = [b for b in built if type(b).log_samples is not LoggerBackend.log_samples]
+        self.stream_samples = [b for b in self.stream if _shows_samples(b)]
+        self.reduce_samples = [b for b in self.reduce if _shows_samples(b)]
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_loop: asyncio.AbstractEventLoop | None = None
         self._run(self._init(built, process))
 
     def log_stream(self, batch: pa.RecordBatch, step: int) -> None:
@@ -182,16 +194,26 @@ class Backends:
         await asyncio.gather(*(b.log_batch(metrics, step) for b in self.reduce))
 
     def log_samples(self, samples: list[Metric], step: int) -> None:
-        if self.samples:
+        """A step's accumulated samples, to the PER_RANK_REDUCE backends (at its flush)."""
+        if self.reduce_samples:
             self._run(self.alog_samples(samples, step))
 
     async def alog_samples(self, samples: list[Metric], step: int) -> None:
-        await asyncio.gather(*(b.log_samples(samples, step) for b in self.samples))
+        await asyncio.gather(*(b.log_samples(samples, step) for b in self.reduce_samples))
+
+    def log_stream_samples(self, samples: list[Metric], step: int) -> None:
+        """Drained samples, every one, to the PER_RANK_NO_REDUCE backends (while draining)."""
+        if self.stream_samples:
+            self._run(self._log_stream_samples(samples, step), drain=True)
+
+    async def _log_stream_samples(self, samples: list[Metric], step: int) -> None:
+        await asyncio.gather(*(b.log_samples(samples, step) for b in self.stream_samples))
 
     def finish(self) -> None:
         self._run(self._finish())
-        if self._loop is not None:
-            self._loop.close()
+        for loop in (self._loop, self._drain_loop):
+            if loop is not None:
+                loop.close()
 
     @staticmethod
     async def _init(backends: list[LoggerBackend], process: str) -> None:
@@ -202,11 +224,17 @@ class Backends:
         for b in [*self.stream, *self.reduce]:
             await b.finish()
 
-    def _run(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run a backend coroutine to its end from synchronous code."""
+    def _run(self, coro: Coroutine[Any, Any, None], *, drain: bool = False) -> None:
+        """Run a backend coroutine to its end from synchronous code (``drain``: on the loop of
+        the calls made while draining)."""
         try:
             asyncio.get_running_loop()
         except RuntimeError:
+            if drain:
+                if self._drain_loop is None:
+                    self._drain_loop = asyncio.new_event_loop()
+                self._drain_loop.run_until_complete(coro)
+                return
             if self._loop is None:
                 self._loop = asyncio.new_event_loop()
             self._loop.run_until_complete(coro)

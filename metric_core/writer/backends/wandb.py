@@ -9,6 +9,12 @@
   under keys ``{key}/{process}``; the run id comes from ``run_id`` in the config or
   from the primary's ``get_metadata_for_secondary_ranks()``.
 
+Samples (``Reduce.SAMPLE``) go as torchforge's PR #486 logs them: each key into one W&B
+table in INCREMENTAL mode, logged as ``{key}_table`` (a key ending in ``_table`` as it
+is), every log adding the rows since the last; at ``finish`` the rows are logged once more
+as one IMMUTABLE table under the key itself, as W&B recommends for incremental tables.
+Incremental tables need W&B Server 0.70 or later (wandb.ai has it).
+
 The global reduction is not computed live in the ranks: ``metriclog upload`` computes it
 from the raw files (``--follow`` while the job runs). A GLOBAL_REDUCE backend starts its
 run only in the GLOBAL role, for a caller that merges states itself and calls
@@ -18,9 +24,10 @@ run only in the GLOBAL role, for a caller that merges states itself and calls
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
-from metric_core.errors import ConfigError, MissingDependencyError
+from metric_core.errors import ConfigError, MissingDependencyError, warn
 from metric_core.format.sample import number_of, to_json
 from metric_core.metric import BackendRole, LoggingMode, Metric
 from metric_core.writer.backends import LoggerBackend
@@ -36,6 +43,53 @@ def samples_table(samples: list[dict[str, Any]]) -> Any:
     for sample in samples:
         table.add_data(*(_cell(sample.get(c)) for c in columns))
     return table
+
+
+def table_key(key: str) -> str:
+    """The key an incremental samples table is logged under: ``{key}_table``, as torchforge
+    names it (W&B shows a table by its key's suffix, it says)."""
+    return key if key.endswith("_table") else f"{key}_table"
+
+
+class IncrementalTables:
+    """Samples tables in W&B's INCREMENTAL mode, a key each, as torchforge's PR #486 keeps
+    them: columns are the sorted fields of a key's first rows; each ``add`` logs the rows
+    added since the last log; ``finals`` are the IMMUTABLE copies to log at the end."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, Any] = {}
+        self._said: set[str] = set()
+
+    def add(self, key: str, samples: list[dict[str, Any]], fields: Iterable[Any] | None = None) -> Any:
+        """``samples`` added to ``key``'s table, made on first use with the sorted ``fields``
+        (default: the fields of ``samples``) as its columns; the table, to log."""
+        table = self.tables.get(key)
+        if table is None:
+            names = fields if fields is not None else (name for sample in samples for name in sample)
+            columns = sorted({str(name) for name in names})
+            table = self.tables[key] = _wandb().Table(
+                columns=columns, log_mode="INCREMENTAL", allow_mixed_types=True
+            )
+        columns = table.columns
+        for sample in samples:
+            extra = [str(name) for name in sample if str(name) not in columns]
+            if extra and key not in self._said:
+                self._said.add(key)
+                warn(
+                    f"samples of '{key}': field(s) {', '.join(sorted(extra))} came after the W&B table's "
+                    f"columns were set ({', '.join(columns)}); an incremental table cannot grow columns, so "
+                    "W&B does not show them. Every field is on disk: `metriclog samples` lists them"
+                )
+            table.add_data(*(_cell(sample.get(c)) for c in columns))
+        return table
+
+    def finals(self) -> dict[str, Any]:
+        """``{key: IMMUTABLE table}``: every row each incremental table took."""
+        wandb = _wandb()
+        return {
+            key: wandb.Table(columns=t.columns, data=t.data, log_mode="IMMUTABLE", allow_mixed_types=True)
+            for key, t in self.tables.items()
+        }
 
 
 def _cell(value: Any) -> Any:
@@ -64,6 +118,8 @@ class WandbBackend(LoggerBackend):
         self.share = self.per_rank_share_run
         self.run: Any = None
         self.process_name = "rank0"
+        self._tables = IncrementalTables()
+        self._samples_step: int | None = None  # the step samples were last logged at
 
     @property
     def project(self) -> str | None:
@@ -150,14 +206,20 @@ class WandbBackend(LoggerBackend):
         self.run.log(row)
 
     async def log_samples(self, samples: list[Metric], step: int) -> None:
-        """Each key's chosen samples as a ``wandb.Table`` (columns: the union of their fields;
-        lists and dicts as JSON text), logged with the step."""
+        """Each key's samples added to its incremental table, logged as ``{key}_table`` with the
+        step (columns: the sorted fields of its first samples; lists and dicts as JSON text)."""
         if self.run is None:
             return
-        row: dict[str, Any] = {self._key(m.key): samples_table(m.value) for m in samples if m.value}
+        row: dict[str, Any] = {}
+        for m in samples:
+            rows = [m.value] if isinstance(m.value, dict) else list(m.value or ())
+            if rows:
+                key = self._key(m.key)
+                row[table_key(key)] = self._tables.add(key, rows)
         if row:
             row["step"] = step
             self.run.log(row)
+            self._samples_step = step
 
     def log_stream(self, metric: Metric, global_step: int) -> None:
         step = global_step if metric.step is None else metric.step
@@ -167,6 +229,11 @@ class WandbBackend(LoggerBackend):
         return {"shared_run_id": self.run.id} if self.share and self.run is not None else {}
 
     async def finish(self) -> None:
+        """Log each incremental samples table once more, whole and IMMUTABLE, under its key
+        (torchforge's end of a run), then finish the run."""
         if self.run is not None:
+            finals = self._tables.finals()
+            if finals:
+                self.run.log({**finals, "step": self._samples_step})
             self.run.finish()
             self.run = None
