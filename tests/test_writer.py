@@ -10,6 +10,8 @@ import math
 import re
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -373,6 +375,52 @@ def test_asyncio_code_flushes_without_blocking_its_loop(tmp_path):
     assert ticks > 0
     assert backend.batches == [(0, {"k": 0.0}), (1, {"k": 1.0}), (2, {"k": 2.0})]
     assert read_back(tmp_path)["step"].to_list() == [0, 1, 2]
+
+
+def test_a_value_recorded_while_aflush_writes_belongs_to_the_next_step(tmp_path):
+    """asyncio code records from other tasks while ``await c.aflush(step)`` writes (torchforge's
+    GRPO app: the rollouts loop runs while the training loop flushes). As in torchforge's
+    collector, whose flush takes the step's values when it is called, a value recorded after
+    the call belongs to the next step, on disk and live, also when the background drain takes
+    it while the flush's write is still under way (it was stamped with the flushed step,
+    after that step's end)."""
+    backend = Recording()
+    writing, go = threading.Event(), threading.Event()
+
+    async def main():
+        c = MetricCollector(tmp_path, rank=0, flush_interval=0.01, backends={"mine": backend})
+        real_write = c._writer.write
+
+        def held_write():  # the flush's write waits; the background drain goes on
+            if threading.current_thread() is not c._thread:
+                writing.set()
+                assert go.wait(60)
+            real_write()
+
+        c._writer.write = held_write
+        c.record("k", 1.0)
+        flushing = asyncio.create_task(c.aflush(0))
+        while not writing.is_set():
+            await asyncio.sleep(0.001)
+        c.record("k", 2.0)  # recorded after aflush(0) was called
+        deadline = time.monotonic() + 60
+        while len(c._buffer):  # the background drain has taken it
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.005)
+        go.set()
+        await flushing
+        c.record("k", 3.0)
+        await c.aflush(1)
+        c.shutdown()
+
+    asyncio.run(main())
+    assert backend.batches == [(0, {"k": 1.0}), (1, {"k": 2.5})]
+    back = read_back(tmp_path).sort("value")
+    assert back["value"].to_list() == [1.0, 2.0, 3.0]
+    assert back["step"].to_list() == [0, 1, 1]
+    assert reduce_run(tmp_path, mode="global_reduce").filter(pl.col("key") == "k").sort("step")[
+        "value"
+    ].to_list() == [1.0, 2.5]
 
 
 def test_background_flush_makes_records_durable_without_a_flush_call(tmp_path):

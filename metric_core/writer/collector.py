@@ -322,26 +322,30 @@ class MetricCollector:
         No file I/O: ``self._writer.write()`` makes the queue durable.
         """
         with self._drain_lock:
-            n = len(self._buffer)
-            self._unflushed = (self._unflushed or n > 0) and flush is None
-            if n:
-                chunk = self._buffer[:n]
-                del self._buffer[:n]
-                self._writer.enqueue(self._step, chunk.tobytes(), n // 3, self._code_table)
-                if self._backends.stream:
-                    rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
-                    self._backends.log_stream(self._record_table(rows).to_batches()[0], self._step)
-                self._steps.add(chunk)
-            taken = len(self._samples)
-            if taken:  # a slice and a del: a sample appended meanwhile stays for the next drain
-                samples = self._samples[:taken]
-                del self._samples[:taken]
-                if flush is None:
-                    self._unflushed = True
-                self._writer.enqueue_samples(self._step, samples)
-                self._accumulate_samples(samples)
-            if flush is not None:
-                self._writer.mark_flush(flush)
+            self._drain_locked(flush)
+
+    def _drain_locked(self, flush: int | None) -> None:
+        """``_drain``, its caller holding ``self._drain_lock``."""
+        n = len(self._buffer)
+        self._unflushed = (self._unflushed or n > 0) and flush is None
+        if n:
+            chunk = self._buffer[:n]
+            del self._buffer[:n]
+            self._writer.enqueue(self._step, chunk.tobytes(), n // 3, self._code_table)
+            if self._backends.stream:
+                rows = np.frombuffer(chunk, dtype=np.float64).reshape(-1, 3)
+                self._backends.log_stream(self._record_table(rows).to_batches()[0], self._step)
+            self._steps.add(chunk)
+        taken = len(self._samples)
+        if taken:  # a slice and a del: a sample appended meanwhile stays for the next drain
+            samples = self._samples[:taken]
+            del self._samples[:taken]
+            if flush is None:
+                self._unflushed = True
+            self._writer.enqueue_samples(self._step, samples)
+            self._accumulate_samples(samples)
+        if flush is not None:
+            self._writer.mark_flush(flush)
 
     def _accumulate_samples(self, samples: list[tuple[str, float, dict[str, Any]]]) -> None:
         """Drained samples (under the drain lock): into the step's accumulators, as torchforge
@@ -438,20 +442,22 @@ class MetricCollector:
 
     # -- steps -------------------------------------------------------------------------
 
-    def _flush_files(
+    def _end_step(
         self, step: int, need_states: bool
-    ) -> tuple[list[Metric], list[Metric], dict[str, dict[str, Any]], WriteError | None]:
+    ) -> tuple[list[Metric], list[Metric], dict[str, dict[str, Any]]]:
+        """End step ``step`` in memory, no file I/O: in one hold of the drain lock, queue
+        every record since the previous flush with the end of ``step`` (they belong to
+        ``step``, as the live logger labels them, also those the writer thread wrote
+        already: the flush frame relabels them), make the current step ``step + 1``, and
+        take the step's reductions and samples. What is recorded after this, by another
+        thread or asyncio task while the flush writes, is the next step's, as in
+        torchforge, whose flush takes the step's values when it is called; the background
+        drain cannot stamp it ``step`` after the step's end."""
         if self._closed:
             raise CollectorClosedError(f"flush() after shutdown() of {self.process_name}")
-        # Every record since the previous flush belongs to ``step``, as the live logger labels
-        # it, also those the writer thread wrote already: the flush frame relabels them.
-        self._drain(flush=step)
-        error = None
-        try:
-            self._writer.write()
-        except WriteError as exc:  # the records stay queued; the step still ends
-            error = exc
         with self._drain_lock:
+            self._drain_locked(step)
+            self._step = step + 1
             if need_states or self._steps.folding:
                 metrics, states = self._steps.end(step)
             else:
@@ -467,8 +473,18 @@ class MetricCollector:
             )
             if need_states:  # a key recorded as a number too keeps that state under its name
                 states[f"{key}_samples" if key in states else key] = acc.get_state()
+        return metrics, samples, states
+
+    def _write_flushed(self) -> WriteError | None:
+        """Make the queue durable after ``_end_step``; its error, which the step survives
+        (the records stay queued)."""
+        error = None
+        try:
+            self._writer.write()
+        except WriteError as exc:
+            error = exc
         self._last_flush = time.monotonic()
-        return metrics, samples, states, error
+        return error
 
     def flush(
         self, step: int | None = None, *, return_state: bool = False
@@ -486,12 +502,12 @@ class MetricCollector:
         step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
         self._second_reductions()
-        metrics, samples, states, error = self._flush_files(step, bool(self._backends.reduce) or return_state)
+        metrics, samples, states = self._end_step(step, bool(self._backends.reduce) or return_state)
+        error = self._write_flushed()
         if metrics:
             self._backends.log_reduced(metrics, step)
         if samples:
             self._backends.log_samples(samples, step)
-        self._step = step + 1
         self._report(error)
         return states if return_state else None
 
@@ -537,17 +553,18 @@ class MetricCollector:
     async def aflush(
         self, step: int | None = None, *, return_state: bool = False
     ) -> dict[str, dict[str, Any]] | None:
-        """``flush`` for asyncio code: file I/O runs in a worker thread."""
+        """``flush`` for asyncio code: the step ends at the call, its file I/O runs in a worker
+        thread."""
         step = self._step if step is None else self._flush_step(step)
         self._first_flush_check(step)
         self._second_reductions()
         need = bool(self._backends.reduce) or return_state
-        metrics, samples, states, error = await asyncio.to_thread(self._flush_files, step, need)
+        metrics, samples, states = self._end_step(step, need)  # the step ends at the call
+        error = await asyncio.to_thread(self._write_flushed)
         if metrics:
             await self._backends.alog_reduced(metrics, step)
         if samples:
             await self._backends.alog_samples(samples, step)
-        self._step = step + 1
         self._report(error)
         return states if return_state else None
 
