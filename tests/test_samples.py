@@ -208,6 +208,28 @@ def test_top_bottom_and_random_choices_equal_a_sort_and_numpys_generator(tmp_pat
     assert len(choose(samples[:2], top=5, bottom=5, by="reward")) == 2  # fewer than asked: each once
 
 
+def test_tied_scores_fill_the_top_and_the_bottom_with_different_samples(tmp_path):
+    """A step of 4 samples with two tied in the middle (torchforge's GRPO rewards are a few
+    fractions, ties are common): the top 2 and the bottom 2 are all 4 of them, as a sort
+    ascending gives them (its first 2 and its last 2); one tied sample was both the top's
+    second and the bottom's second, shown once, and the other tied one was not shown."""
+    metric_core.init(tmp_path / "run", process_name="controller")
+    rewards = [1 / 6, 0.0, 1 / 6, 0.5, 0.5, 0.5, 0.0]
+    for i, reward in enumerate(rewards):
+        record_metric("rollout", {"i": i, "reward": reward}, Reduce.SAMPLE)
+        if i == 3:
+            metric_core.flush(0)
+    metric_core.flush(1)
+    metric_core.shutdown()
+    samples = read_samples(tmp_path / "run").samples
+    for step, (top, bottom) in {0: (2, 2), 1: (1, 2)}.items():
+        group = [s for s in samples if s.step == step]
+        ranked = sorted(group, key=lambda s: s.fields["reward"])  # stable: ties in recorded order
+        want = {s.fields["i"] for s in ranked[len(ranked) - top :] + ranked[:bottom]}
+        got = [s.fields["i"] for s in choose(samples, top=top, bottom=bottom, by="reward") if s.step == step]
+        assert sorted(got) == sorted(want) and len(got) == len(set(got)), (step, got)
+
+
 def test_the_command_writes_every_chosen_sample_with_the_union_of_fields(tmp_path):
     run = job(tmp_path, "jsonl", ranks=2, steps=3)
     done = subprocess.run(

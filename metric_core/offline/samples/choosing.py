@@ -22,8 +22,9 @@ def choose(
     seed: int = 0,
 ) -> list[Sample]:
     """Per (key, step), in ``read_samples``' order: the ``top`` and ``bottom`` by the field
-    ``by`` (samples where it is missing, not a number or NaN are left out; a sample is shown
-    once when it is in both), or ``random`` drawn without replacement by one
+    ``by`` (samples where it is missing, not a number or NaN are left out; among tied ones
+    the bottom takes the first recorded, the top the last; a sample is shown once when it is
+    in both, only when the group has fewer than ``top + bottom``), or ``random`` drawn without replacement by one
     ``numpy.random.default_rng(seed)``, group after group. None of them: every sample."""
     if by and not (top or bottom):
         raise PlanError(
@@ -62,8 +63,11 @@ def choose(
         scored = [
             (score, i) for i, s in enumerate(group) if (score := number(s.fields.get(by or ""))) is not None
         ]
-        high = sorted(scored, key=lambda t: (-t[0], t[1]))[:top] if top else []
-        low = sorted(scored, key=lambda t: (t[0], t[1]))[:bottom] if bottom else []
+        # one order for both ends, ties in recorded order: the bottom is its first ones and
+        # the top its last ones (highest first), so tied samples fill both ends, each once
+        ranked = sorted(scored)
+        high = ranked[::-1][:top] if top else []
+        low = ranked[:bottom] if bottom else []
         seen: set[int] = set()
         for _, i in high + low:
             if i not in seen:
