@@ -226,3 +226,21 @@ def test_a_step_not_flushed_by_every_rank_when_rank_0_stops_waiting_is_said_not_
     assert said in console, console
     assert console.index(said) < console.index("rank 0 exits"), console
     assert "printer ended with exit code" not in console, console
+
+
+def test_a_printer_whose_rank_0_died_prints_what_is_complete_and_says_it_stopped(tmp_path):
+    """Rank 0 SIGKILLed after its flush of step 2: its printer (an orphan now) looks once
+    more, prints the steps complete by then, says it stopped, and ends; rank 1 trains on (and
+    holds its last step until then, or the printer would print every step as the job's end)."""
+    world, steps = 2, 6
+    ranks, out = start(tmp_path, world, steps=steps, live=True, die_after={"0": 2}, hold_last=1)
+    wait_for(lambda: "stopped (rank 0 (pid" in out.read_text(), "the printer's last words")
+    (tmp_path / "release").touch()
+    console = ended(ranks, out, killed={0})
+    printed = printed_steps(console)
+    assert 1 in printed and sorted(printed) == list(range(len(printed))), console
+    values = recorded(tmp_path, world)
+    check(printed, [v for v in values if v[1] in printed], lambda step: {0, 1} if step <= 2 else {1})
+    (said,) = [line for line in console.splitlines() if "stopped (rank 0 (pid" in line]
+    assert said.startswith("WARNING:metric_core.torchforge.metrics: console (global_reduce): "), said
+    assert f"after step {max(printed)}:" in said, said

@@ -225,8 +225,8 @@ class Printer:
         pending = self.follower.pending
         if not pending.height:
             self.log.warning(
-                f"{SAID}stopped ({why}){after}: no later step was flushed by every rank, and none is "
-                f"printed; `metriclog reduce {self.root}` computes every step from the files"
+                f"{SAID}stopped ({why}){after}: the steps after it are not printed; "
+                f"`metriclog reduce {self.root}` computes every step from the files"
             )
             return
         low, high = int(pending["step"].min()), int(pending["step"].max())  # type: ignore[arg-type]
