@@ -279,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         parent=args.parent,
         sources=args.sources,
     )
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    stops = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for signum in stops:
         signal.signal(signum, printer.stop)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)  # rank 0 started it with them held
     try:
         printer.run()
     except MetricLogError as exc:

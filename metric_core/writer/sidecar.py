@@ -30,6 +30,7 @@ from metric_core.errors import ConfigError, MetricLogError, as_keyword, warn
 CONSOLE_MODULE = "metric_core.offline.console"
 CONSOLE_WAIT_S = 60.0  # how long rank 0's shutdown waits for the printer's last steps
 CONSOLE_STOP_S = 30.0  # then, once stopped (SIGTERM), for its last look and its words
+CONSOLE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # what stops it
 
 # upload_run's options as the command line spells them: flags, then options with a value.
 _FLAGS = {
@@ -168,7 +169,13 @@ def start_console(
         "--parent",
         str(os.getpid()),
     ]
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    # It starts with these signals blocked (a child inherits the mask), and takes them once
+    # its handlers are in place: a stop while it loads polars is its last look, not its death.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, CONSOLE_SIGNALS)
+    try:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def end_console(child: subprocess.Popen[bytes], wait: float = CONSOLE_WAIT_S) -> None:
