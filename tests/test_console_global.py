@@ -244,3 +244,69 @@ def test_a_printer_whose_rank_0_died_prints_what_is_complete_and_says_it_stopped
     (said,) = [line for line in console.splitlines() if "stopped (rank 0 (pid" in line]
     assert said.startswith("WARNING:metric_core.torchforge.metrics: console (global_reduce): "), said
     assert f"after step {max(printed)}:" in said, said
+
+
+# Ranks of metric_core itself, for a printer run in this process: rank 1 holds its last
+# step until the test releases it (the job goes on while the printer is slow).
+WRITER = r"""
+import json, os, sys, time
+import metric_core
+c = json.loads(sys.argv[1])
+rank = c["rank"]
+metric_core.init(c["run"], rank=rank, process_name="trainer", world_size=2, flush_interval=c["interval"])
+for step in range(c["steps"]):
+    while rank == 1 and step == c["steps"] - 1 and not os.path.exists(c["release"]):
+        time.sleep(0.02)
+    metric_core.record_metric("loss", float(10 * step + rank))
+    metric_core.flush(step)
+metric_core.shutdown()
+"""
+
+
+def test_a_printer_that_cannot_keep_up_says_so_once_and_prints_every_step_late_in_order(tmp_path):
+    """A console that takes a whole flush interval to show the first step (a blocked
+    terminal): the look took more than half a flush interval, which is said once, and every
+    step is printed all the same, once, in order."""
+    import logging
+    import threading
+
+    from metric_core.offline.console import Printer
+
+    run, steps, flush_interval = tmp_path / "run", 5, 0.2
+    config = {"run": str(run), "steps": steps, "interval": flush_interval, "release": str(tmp_path / "go")}
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", WRITER, json.dumps({**config, "rank": r})], cwd=tmp_path)
+        for r in range(2)
+    ]
+    shown: list[str] = []
+
+    class SlowConsole(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            shown.append(record.getMessage())
+            until = time.monotonic() + flush_interval
+            while len(shown) == 1 and time.monotonic() < until:  # the first step takes that long to show
+                time.sleep(0.01)
+
+    log = logging.getLogger("tests.console.slow")
+    log.handlers[:] = [SlowConsole()]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    wait_for(lambda: (run / "run.json").exists() or ranks[0].poll() is not None, "rank 0's init")
+    printer = Printer(run, log, flush_interval=flush_interval)
+    ended: list[str] = []
+    looking = threading.Thread(target=lambda: ended.append(printer.run()))
+    looking.start()
+    wait_for(lambda: any("took" in m for m in shown), "the printer to say it is late")
+    (tmp_path / "go").touch()
+    looking.join(timeout=120)
+    for p in ranks:
+        assert p.wait(timeout=120) == 0
+    assert ended == ["finished"], shown
+    notes = [m for m in shown if "reading and printing the steps took" in m]
+    assert len(notes) == 1 and "more than half the flush interval (200 ms)" in notes[0], shown
+    printed = printed_steps(
+        "".join(f"INFO:metric_core.torchforge.metrics: {m}\n" for m in shown if "STEP" in m)
+    )
+    assert sorted(printed) == list(range(steps)), shown
+    for step, values in printed.items():
+        assert values == {"loss": str(float(np.mean([10 * step, 10 * step + 1])))}
