@@ -47,10 +47,11 @@ def printed(step):
 async def main():
     mlogger = await get_or_create_metric_logger(process_name="trainer")
     console = {"logging_mode": "global_reduce", **c.get("console", {})}
-    await mlogger.init_backends.call_one({"console": console})
-    rng = np.random.default_rng(rank)
+    start = c.get("start", 0)  # a job resumed from a checkpoint at this step
+    await mlogger.init_backends.call_one({"console": console}, start)
+    rng = np.random.default_rng([rank, start])
     with open(f"truth-{rank}.jsonl", "w") as truth:
-        for step in range(c["steps"]):
+        for step in range(start, c["steps"]):
             for _ in range(3):
                 for key, how, value in (
                     ("loss", Reduce.MEAN, 1e6 + rng.normal()),
@@ -190,7 +191,8 @@ def test_each_global_step_is_printed_on_rank_0_live_in_torchforges_format_equal_
     check(printed, recorded(tmp_path, world), lambda step: set(range(world)))
     (last,) = [m for m in STEP.finditer(console) if m.group(2) == str(steps - 1)]
     assert last.end() <= console.index("rank 0 exits"), console
-    assert "WARNING" not in console, console
+    warned = [line for line in console.splitlines() if line.startswith("WARNING")]
+    assert [w for w in warned if "reading and printing the steps took" not in w] == [], console  # late: load
 
 
 def test_a_rank_that_dies_is_let_go_said_once_and_the_steps_go_on_without_it(tmp_path):
@@ -310,3 +312,41 @@ def test_a_printer_that_cannot_keep_up_says_so_once_and_prints_every_step_late_i
     assert sorted(printed) == list(range(steps)), shown
     for step, values in printed.items():
         assert values == {"loss": str(float(np.mean([10 * step, 10 * step + 1])))}
+
+
+def test_a_job_resumed_at_a_step_prints_from_that_step_the_restarts_values(tmp_path):
+    """The job ran steps 0-3, then was resumed from step 2 into the same run directory
+    (``init_backends(config, global_step=2)``): its console shows steps 2-5, each once, with
+    the resumed job's values (steps 2 and 3 are the restart's, read as W&B's rewind)."""
+    world = 2
+    ranks, out = start(tmp_path, world, steps=4)
+    ended(ranks, out)
+    ranks, out = start(tmp_path, world, steps=6, start=2, live=True)
+    console = ended(ranks, out)
+    printed = printed_steps(console)
+    assert sorted(printed) == [2, 3, 4, 5], console
+    check(printed, recorded(tmp_path, world), lambda step: {0, 1})
+
+
+def test_a_console_wait_that_is_no_number_is_refused_naming_it(tmp_path, monkeypatch):
+    import asyncio
+
+    from metric_core.torchforge import MetricCollector, metric_actors, metrics
+    from metric_core.torchforge.metric_actors import get_or_create_metric_logger
+
+    monkeypatch.setattr(metric_actors, "_global_logger", None)  # a fresh process's
+    monkeypatch.setattr(metrics, "process_name", None)
+    monkeypatch.setenv("METRICLOG_DIR", str(tmp_path / "run"))
+    monkeypatch.delenv("RANK", raising=False)
+
+    async def main() -> None:
+        mlogger = await get_or_create_metric_logger(process_name="trainer")
+        await mlogger.init_backends.call_one({"console": {"logging_mode": "global_reduce", "wait": "1m"}})
+
+    MetricCollector._instances.clear()
+    try:
+        with pytest.raises(ValueError, match=r"backend 'console': wait='1m' must be seconds"):
+            asyncio.run(main())
+    finally:
+        MetricCollector._instances.clear()
+    assert not (tmp_path / "run").exists()  # refused before anything started
