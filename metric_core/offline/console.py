@@ -239,7 +239,10 @@ class Printer:
             if s.holds(newest, now) and (s.done is None or s.done < high)
         ]
         them = "it" if low == high else "them"
-        of = f" ({', '.join(waiting)} did not flush {them})" if waiting else ""
+        expected, seen = self.follower.expected or 1, counted(self.tail.sources)
+        if seen < expected < UNKNOWN_SOURCES:  # a rank that never wrote holds every step
+            waiting.append(f"{expected - seen} rank(s) that never wrote (run.json counts {expected})")
+        of = f" ({' and '.join(waiting)} did not flush {them})" if waiting else ""
         self.log.warning(
             f"{SAID}stopped ({why}){after}: {steps} not printed{of}; `metriclog reduce {self.root}` "
             f"computes {them} from the files"
