@@ -108,6 +108,7 @@ def start(tmp_path: Path, world: int, **config) -> tuple[list[subprocess.Popen],
                 text=True,
             )
             for r in range(world)
+            if r not in config.get("absent", ())  # a rank that never starts: the last ones only
         ]
     return ranks, out
 
@@ -350,3 +351,16 @@ def test_a_console_wait_that_is_no_number_is_refused_naming_it(tmp_path, monkeyp
     finally:
         MetricCollector._instances.clear()
     assert not (tmp_path / "run").exists()  # refused before anything started
+
+
+def test_a_rank_that_never_wrote_holds_every_step_and_is_counted_when_rank_0_stops_waiting(tmp_path):
+    world, steps = 3, 3
+    ranks, out = start(tmp_path, world, steps=steps, console={"wait": 1}, absent=[2])
+    console = ended(ranks, out)
+    assert printed_steps(console) == {}, console
+    said = (
+        "WARNING:metric_core.torchforge.metrics: console (global_reduce): stopped (SIGTERM): steps 0-2 not "
+        "printed (1 rank(s) that never wrote (run.json counts 3) did not flush them); `metriclog reduce "
+        f"{tmp_path / 'run'}` computes them from the files"
+    )
+    assert said in console, console
