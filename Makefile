@@ -32,7 +32,7 @@ test: $(STAMP)
 # processes, the installed command run many times, object storage, Ray, kills, follows).
 # `make test` runs everything.
 FAST := tests/test_metric.py tests/test_writer.py tests/test_reader.py tests/test_reduce.py \
-	tests/test_cli.py tests/test_samples.py tests/test_torchforge.py tests/torchforge \
+	tests/test_cli.py tests/test_samples.py tests/test_torchforge.py tests/torchforge tests/test_perf_tracker_run.py \
 	tests/test_layout.py tests/test_plot.py tests/test_tensorboard.py tests/test_story.py
 test-fast: $(STAMP)
 	$(BIN)/pytest -q -m "not slow" $(FAST)

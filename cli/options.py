@@ -42,23 +42,60 @@ def as_flag(name: str) -> str:
     return FLAGS.get(name, "--" + name.replace("_", "-")) + " "
 
 
-def choice(flag: str, kind: type[E], help: str) -> Any:
-    """An option taking one of the values of the enum ``kind``, said plainly when it is not
-    one (with the nearest one), instead of pydantic's "Value error, ..."."""
-    values = [m.value for m in kind]
+def spelling(text: str) -> str:
+    """How a choice is compared: ``GLOBAL_REDUCE``, ``global-reduce`` and ``global_reduce`` alike
+    (an enum's member name, as a torchforge user writes it, or its value with ``-`` or ``_``).
 
-    def parse(text: str | E) -> E:
-        if isinstance(text, kind):
+    >>> spelling(" Global-Reduce ")
+    'global_reduce'
+    """
+    return text.strip().lower().replace("-", "_")
+
+
+def not_a_choice(text: str, values: list[str]) -> str:
+    """The message for a value that is none of ``values``: they are named, and the near ones
+    are offered ("did you mean").
+
+    >>> not_a_choice("Sums", ["sum", "max"])
+    "'Sums' is not one of sum, max; did you mean 'sum'?"
+    >>> not_a_choice("PER", ["global", "per_rank", "per_step"])
+    "'PER' is not one of global, per_rank, per_step; did you mean 'per_rank' or 'per_step'?"
+    """
+    said = spelling(text)
+    near = [v for v in values if said and spelling(v).startswith(said)]
+    if not near:
+        spelled = {spelling(v): v for v in values}
+        near = [spelled[m] for m in difflib.get_close_matches(said, list(spelled), 1)]
+    hint = "; did you mean " + " or ".join(f"'{v}'" for v in near) + "?" if near else ""
+    return f"'{text}' is not one of {', '.join(values)}{hint}"
+
+
+def choice(flag: str, kind: type[E] | tuple[str, ...], help: str) -> Any:
+    """An option taking one of the values of the enum ``kind`` (or of a tuple of strings),
+    spelled as its value or its member name, in any case, with ``-`` or ``_`` (``--mode
+    GLOBAL_REDUCE``, ``global-reduce``, ``global_reduce``); another value is said plainly,
+    with the near ones, instead of pydantic's "Value error, ..."."""
+    members = list(kind) if isinstance(kind, type) else []
+    values = [m.value for m in members] if members else list(kind)
+    by_spelling = {spelling(v): v for v in values}
+    for m in members:
+        by_spelling.setdefault(spelling(m.name), m.value)
+
+    def parse(text: Any) -> Any:
+        if members and isinstance(text, kind):
             return text
-        if text in values:
-            return kind(text)
-        near = [v for v in values if v.startswith(str(text))] or difflib.get_close_matches(
-            str(text), values, 1
-        )
-        hint = f"; did you mean '{near[0]}'?" if len(near) == 1 else ""
-        raise typer.BadParameter(f"'{text}' is not one of {', '.join(values)}{hint}")
+        value = by_spelling.get(spelling(str(text)))
+        if value is None:
+            raise typer.BadParameter(not_a_choice(str(text), values))
+        return kind(value) if members else value  # type: ignore[operator]
 
     return typer.Option(flag, parser=parse, metavar=f"<{'|'.join(values)}>", help=help)
+
+
+def _attempts(text: str) -> str:
+    """``--attempts``: ``rewind`` and ``all`` spelled in any case; anything else is an attempt id."""
+    keyword = spelling(text)
+    return keyword if keyword in ("rewind", "all") else text
 
 
 Mode = Annotated[LoggingMode, choice("--mode", LoggingMode, "Logging mode to compute.")]
@@ -184,6 +221,7 @@ Attempts = Annotated[
     typer.Option(
         "--attempts",
         metavar="rewind|all|ID",
+        parser=_attempts,
         help="A restarted source's attempts: rewind (a restart replaces the records from its first "
         "step on), all (keep every attempt), or an attempt id (only it).",
     ),
@@ -357,10 +395,10 @@ Random = Annotated[
 Seed = Annotated[int, typer.Option("--seed", metavar="S", help="The seed of --random.")]
 SampleAttempts = Annotated[
     str,
-    typer.Option(
+    choice(
         "--attempts",
-        metavar="rewind|all",
-        help="A restarted source's attempts: rewind (a restart replaces the samples from its first "
+        ("rewind", "all"),
+        "A restarted source's attempts: rewind (a restart replaces the samples from its first "
         "step on) or all.",
     ),
 ]
@@ -475,10 +513,10 @@ Alert = Annotated[
 ]
 AlertOn = Annotated[
     str | None,
-    typer.Option(
+    choice(
         "--alert-on",
-        metavar="raw|global",
-        help="Judge each step's global reduction once every live rank flushed it (global, the default), "
+        ("raw", "global"),
+        "Judge each step's global reduction once every live rank flushed it (global, the default), "
         "or every raw value of every rank as it lands (raw).",
     ),
 ]

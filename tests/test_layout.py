@@ -11,7 +11,7 @@ from pathlib import Path
 import metric_core
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("polars", "wandb", "matplotlib", "typer", "pandas", "click", "rich")
+HEAVY = ("polars", "wandb", "matplotlib", "typer", "pandas", "click", "rich", "torch")
 
 
 def loaded_by(code: str) -> set[str]:
@@ -79,6 +79,26 @@ def test_a_torchforge_rank_0_that_prints_the_global_steps_loads_nothing_heavy(tm
         "asyncio.run(main())"
     )
     assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
+
+
+def test_a_rank_that_times_on_the_cpu_loads_no_torch(tmp_path):
+    """torchforge's Tracer and trace, CPU-timed: torch stays unloaded even where installed
+    (only a "gpu" timer or track_memory import it)."""
+    loaded = loaded_by(
+        "import asyncio, os\n"
+        f"os.environ['METRICLOG_DIR'] = {str(tmp_path / 'run')!r}\n"
+        "from metric_core.torchforge import Tracer, trace\n"
+        "tracer = Tracer('rollout')\n"
+        "tracer.start(); tracer.step('generate'); tracer.stop()\n"
+        "with trace('train') as t:\n"
+        "    t.step('forward')\n"
+        "@trace('ref')\n"
+        "async def ref():\n"
+        "    return 1\n"
+        "asyncio.run(ref())"
+    )
+    assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
+    assert list((tmp_path / "run").glob("*.parquet"))  # the timings were recorded
 
 
 def test_a_rank_that_checks_its_sidecar_options_loads_nothing_heavy():

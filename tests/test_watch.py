@@ -184,6 +184,40 @@ def test_watch_does_not_call_a_run_finished_while_a_rank_of_world_size_never_wro
     assert "waiting 1.0 s for it or a restart (--restart-grace)" in said, said
 
 
+def test_a_rank_that_finished_before_rank_0_started_does_not_end_watch(tmp_path):
+    """Soak seed 425763428: a fast rank finished before the others started, and before rank
+    0 wrote run.json; watch took the one source it saw as the whole job and ended with 0."""
+    run = tmp_path / "run"
+    one = subprocess.run(
+        [sys.executable, "-c", WRITER, str(run), "TrainActor_r1", "1", "3", "-1", "0.01", "2"],
+        stdout=subprocess.DEVNULL,
+        timeout=120,
+    )
+    assert one.returncode == 0 and not (run / "run.json").exists()
+    child = subprocess.Popen(
+        [METRICLOG, "watch", str(run), "--interval", "0.2", "--restart-grace", "1s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    said = ""
+    for line in child.stderr:  # a condition: watch says it waits for the other ranks
+        said += line
+        if "no rank 0 has written" in line:
+            break
+    zero = subprocess.run(
+        [sys.executable, "-c", WRITER, str(run), "TrainActor_r0", "0", "3", "-1", "0.01", "2"],
+        stdout=subprocess.DEVNULL,
+        timeout=120,
+    )
+    out, err = child.communicate(timeout=120)
+    said = " ".join((said + err).split())
+    assert zero.returncode == 0
+    assert "waiting up to 10.0 s for the job's other ranks" in said, said
+    assert child.returncode == 0, said
+    assert "TrainActor_r0 (rank 0) finished at step 2" in out, out
+
+
 def test_a_mistyped_path_is_an_error_at_once_unless_wait_is_given(tmp_path):
     for command in (
         ["watch", str(tmp_path / "typo")],

@@ -18,7 +18,9 @@ is said (``on_note``), never a second ``on_stall``. A new attempt of a source is
 a restart. Watching ends by itself once every source finished (``FINISHED``), or every
 source finished or died and no new attempt began within ``restart_grace`` (``OVER``). A
 rank of ``world_size`` (run.json) that never wrote is waited for as long, and named: a run
-with one is never ``FINISHED``.
+with one is never ``FINISHED``. Without run.json's ``world_size`` and with no rank 0 among
+the writers (rank 0's ``init()`` writes run.json), the end waits ``NO_RUN_JSON_WAIT_S``
+from the first records seen: a fast rank may finish before the others start.
 
 A file unchanged since the last poll is not read again (``inspect_run``'s cache).
 
@@ -50,6 +52,7 @@ from metric_core.offline.inspect.health import (
     where_text,
 )
 from metric_core.offline.read.report import ReadReport
+from metric_core.offline.read.tail import NO_RUN_JSON_WAIT_S
 from metric_core.offline.storage import missing_run, run_path
 
 # Exit codes of `metriclog watch` (docs/commands.md): 1 means the request could not be served.
@@ -174,6 +177,7 @@ def watch_run(
     )
     alert = on_alert or (lambda _: None)
     over_since: float | None = None
+    first_seen: float | None = None  # the first poll that found records
     said: set[str] = set()
 
     def run_json_noted(read: ReadReport) -> None:  # a damaged run.json, said once, not each poll
@@ -217,9 +221,8 @@ def watch_run(
                     on_stall(episode)
             # Another tool's files (no writer: no attempt, no heartbeat) hold nothing open, as
             # in the sidecar: the writers' sources decide the end, when there are any.
-            states = {state_of(s) for s in report.sources if s.attempts} or {
-                state_of(s) for s in report.sources
-            }
+            writers = [s for s in report.sources if s.attempts]
+            states = {state_of(s) for s in writers} or {state_of(s) for s in report.sources}
             # A rank of world_size that never wrote (it died before init(), or never started)
             # left no file to be seen finishing or dying by: the run did not finish.
             absent = (
@@ -227,13 +230,28 @@ def watch_run(
                 if report.missing_ranks and report.world_size is not None
                 else ""
             )
-            if states == {"finished"} and not absent:
+            # run.json is written by the first rank 0 at init(): until one wrote, with no
+            # world_size to count by, more ranks may still start (the sidecar waits as long).
+            first_seen = first_seen if first_seen is not None else time.monotonic()
+            early = (
+                report.world_size is None
+                and bool(writers)
+                and not any(s.rank == 0 for s in writers)
+                and time.monotonic() - first_seen < NO_RUN_JSON_WAIT_S
+            )
+            if early and states <= {"finished", "died"} and "early" not in said:
+                said.add("early")
+                note(
+                    "every source that wrote finished or died, but no rank 0 has written and there is "
+                    f"no run.json: waiting up to {duration(NO_RUN_JSON_WAIT_S)} for the job's other ranks"
+                )
+            if states == {"finished"} and not absent and not early:
                 result.code = FINISHED
                 return _last_values(result, values, alert)
             if exit_on_stall and fresh:
                 result.code = STALLED
                 return result
-            if states <= {"finished", "died"} and not restarted:
+            if states <= {"finished", "died"} and not restarted and not early:
                 if over_since is None and absent:
                     note(
                         f"every source that wrote finished or died, and {absent}; waiting "

@@ -20,8 +20,10 @@ import asyncio
 import logging
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -119,12 +121,6 @@ def context() -> SimpleNamespace:
     """monarch's ``context()`` as far as torchforge reads it: ``actor_instance.actor_id.actor_name``."""
     actor_id = SimpleNamespace(actor_name=default_process_name())
     return SimpleNamespace(actor_instance=SimpleNamespace(actor_id=actor_id))
-
-
-def get_proc_name_with_rank(proc_name: str | None = None) -> str:
-    """``{process}_r{rank}``, torchforge's name of a rank in logs and per-rank W&B runs."""
-    name = proc_name if proc_name is not None else context().actor_instance.actor_id.actor_name
-    return f"{name}_r{current_rank().rank}"
 
 
 def _disabled() -> bool:
@@ -377,7 +373,19 @@ def _mode_of(name: str, config: dict[str, Any]) -> LoggingMode:
         return LoggingMode(mode)
     except ValueError:
         allowed = ", ".join(m.value for m in LoggingMode)
-        raise ValueError(f"backend '{name}': logging_mode {mode!r} is not one of {allowed}") from None
+        raise ValueError(
+            f"backend '{name}': logging_mode {mode!r} is not one of {allowed} "
+            f"({mode!r} is not a valid LoggingMode)"
+        ) from None
+
+
+# Where a launcher puts the id of its job, first found wins: every rank of a job reads the same
+# one. torchrun's static rendezvous without --rdzv-id (--master-port given, or several nodes)
+# sets "none", which names no job; on one node without a port, torchrun makes a fresh id.
+LAUNCHER_IDS = (("TORCHELASTIC_RUN_ID", "torchrun"), ("SLURM_JOB_ID", "slurm"))
+DEFAULT_RUNS = "metriclog_runs"  # in the working directory, when METRICLOG_DIR is not set
+
+_default_dir: str | None = None  # chosen once in a process (kept by a forked child)
 
 
 def _console_wait(config: dict[str, Any]) -> float:
@@ -390,14 +398,87 @@ def _console_wait(config: dict[str, Any]) -> float:
 
 
 def run_dir() -> str:
-    """``METRICLOG_DIR``, or a ``ConfigError`` that says to set it."""
+    """The run directory every rank writes to: ``METRICLOG_DIR``, else one named from the launcher.
+
+    Without ``METRICLOG_DIR``, the directory is ``./metriclog_runs/torchrun-{TORCHELASTIC_RUN_ID}``
+    or ``./metriclog_runs/slurm-{SLURM_JOB_ID}``, which every rank of the job names alike
+    (rank 0 says which, once); under torchrun with ``TORCHELASTIC_RUN_ID=none`` on one node,
+    it is named from the torchrun agent every worker is a child of
+    (``torchrun-{its start}-pid{its pid}``).
+    With none of them, each process writes to a directory of its own named from the time
+    and its pid (``./metriclog_runs/20261206-191502-pid4242``), and says which.
+    """
     path = METRICLOG_DIR.get_value()
-    if not path:
-        raise ConfigError(
-            "metric_core.torchforge writes every value of every rank to a run directory: set "
-            "METRICLOG_DIR (e.g. METRICLOG_DIR=runs/exp1) in the job's environment"
-        )
-    return str(path)
+    if path:
+        return str(path)
+    global _default_dir
+    if _default_dir is None:
+        _default_dir = _default_run_dir()
+    return _default_dir
+
+
+def _default_run_dir() -> str:
+    rank = current_rank().rank
+    named = _launcher_name()
+    if named is not None:
+        name, origin = named
+        path = os.path.abspath(os.path.join(DEFAULT_RUNS, name))
+        if rank == 0:
+            logger.warning(
+                "METRICLOG_DIR is not set: every rank of this job writes to %s (named from %s); "
+                "set METRICLOG_DIR to choose the run directory",
+                path,
+                origin,
+            )
+        return path
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = os.path.abspath(os.path.join(DEFAULT_RUNS, f"{stamp}-pid{os.getpid()}"))
+    logger.warning(
+        "METRICLOG_DIR is not set and no launcher names this job (no TORCHELASTIC_RUN_ID or SLURM_JOB_ID): "
+        "rank %d writes to %s (a directory of its own); set METRICLOG_DIR, the same in every rank, "
+        "for one run directory of the job",
+        rank,
+        path,
+    )
+    return path
+
+
+def _launcher_name() -> tuple[str, str] | None:
+    """The run directory's name from the launcher, and what it was named from; None when
+    nothing names the job the same in every rank."""
+    for variable, launcher in LAUNCHER_IDS:
+        job = os.environ.get(variable, "").strip()
+        if job and job != "none":
+            return f"{launcher}-{_safe_name(job)}", f"{variable}={job}"
+    env = os.environ
+    if env.get("TORCHELASTIC_RUN_ID") == "none" and env.get("LOCAL_WORLD_SIZE") == env.get("WORLD_SIZE"):
+        # torchrun's static rendezvous without --rdzv-id, on one node: every worker is a child
+        # of the same agent.
+        agent = os.getppid()
+        started = _start_time(agent)
+        if started is not None:
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(started))
+            origin = f"the torchrun agent, pid {agent}, as TORCHELASTIC_RUN_ID=none"
+            return f"torchrun-{stamp}-pid{agent}", origin
+    return None
+
+
+def _start_time(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch (Linux's /proc); None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # from field 3 on: the name may hold spaces
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime, in ticks
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _safe_name(job: str) -> str:
+    """A launcher's job id as a directory name: what is not a letter, a digit, ``.``, ``_`` or ``-``
+    becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", job)[:120]
 
 
 def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
@@ -422,3 +503,8 @@ def sidecar_options(wandb_config: dict[str, Any]) -> dict[str, Any] | None:
             ", ".join(sorted(kwargs)),
         )
     return options
+
+
+# torchforge's metrics takes it from utils, as here; utils reads context() and current_rank(),
+# defined above, so it is imported once they are.
+from metric_core.torchforge.utils import get_proc_name_with_rank  # noqa: E402

@@ -473,6 +473,12 @@ def counted(sources: dict[Source, SourceState]) -> int:
     return sum(1 for s in sources.values() if not s.static) or len(sources)
 
 
+# Without run.json (written by the first rank 0 at init(): not started yet, or another tool's
+# files), how long after the first record the sidecar and watch wait for it before they take
+# the sources they see as all.
+NO_RUN_JSON_WAIT_S = 10.0
+
+
 def expected_sources(meta: dict[str, Any]) -> int | None:
     """``run.json``'s world size, when the writer recorded one."""
     size = meta.get("world_size")

@@ -33,7 +33,7 @@ from metric_core.offline.alerts import Alarms, ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.inspect.health import EPISODE_S, culprit_among, held_said, live_where, where_said
 from metric_core.offline.plan import By, ReducePlan
-from metric_core.offline.read.tail import RunTail, SourceState, counted, expected_sources
+from metric_core.offline.read.tail import NO_RUN_JSON_WAIT_S, RunTail, SourceState, counted, expected_sources
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
 from metric_core.offline.upload.ledger import Ledger, only_upload
@@ -621,9 +621,6 @@ def _appeared(root: Path, stop: threading.Event, interval: float, events: Upload
     return True
 
 
-# Without run.json (rank 0 not started yet, or another tool's files), how long after the
-# first record the follower waits for it before it takes the sources it sees as all.
-NO_RUN_JSON_WAIT_S = 10.0
 WAITING_SAID_S = 10.0  # a follower that waits this long for run.json's sources says so
 QUIET_SAID_S = 60.0  # a follower with nothing written for this long says so
 
