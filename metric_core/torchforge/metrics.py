@@ -16,10 +16,12 @@ writes it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import os
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,6 +49,7 @@ from metric_core.writer import collector as writer_collector
 from metric_core.writer.backends import LoggerBackend, get_logger_backend_class
 from metric_core.writer.backends.console import ConsoleBackend
 from metric_core.writer.backends.wandb import WandbBackend
+from metric_core.writer.sidecar import CONSOLE_WAIT_S, end_console, start_console
 
 __all__ = [
     "BackendRole",
@@ -172,8 +175,9 @@ class MetricCollector:
     ``init_backends`` starts metric_core's collector of this process (in ``METRICLOG_DIR``)
     with the per-rank backends of the config; a ``global_reduce`` wandb backend starts the
     sidecar (``metriclog upload --follow``) on rank 0, which uploads the global reduction
-    computed from every rank's files. ``push`` records, ``flush`` ends a step,
-    ``shutdown`` ends cleanly.
+    computed from every rank's files, and a ``global_reduce`` console backend a child on rank
+    0 that prints it there, step by step (``metric_core.offline.console``; docs/live.md).
+    ``push`` records, ``flush`` ends a step, ``shutdown`` ends cleanly.
     """
 
     _instances: ClassVar[dict[int, MetricCollector]] = {}
@@ -198,6 +202,7 @@ class MetricCollector:
         self._collector: writer_collector.MetricCollector | None = None
         self._adopt_tried = False
         self._warned = False
+        self._console: tuple[subprocess.Popen[bytes], float] | None = None  # rank 0's printer, its wait
 
     async def init_backends(
         self,
@@ -227,23 +232,30 @@ class MetricCollector:
         process = process_name or default_process_name()
         local: dict[str, dict[str, Any] | LoggerBackend] = {}
         sidecar = None
+        console_wait = None
         for name, backend_config in config.items():
             backend_class = get_logger_backend_class(name)  # an unknown name fails, as in torchforge
             mode = _mode_of(name, backend_config)
             if mode is LoggingMode.GLOBAL_REDUCE:
                 if name == "wandb" and self.rank == 0:
                     sidecar = sidecar_options(backend_config)
-                elif name != "wandb":
-                    logger.warning(
-                        "%s backend with global_reduce: the global reduction is computed from the run's "
-                        "files, not in a rank; see it with `metriclog reduce %s` (or `metriclog watch`)",
-                        name,
-                        run_dir(),
-                    )
+                elif name == "console" and self.rank == 0:
+                    console_wait = _console_wait(backend_config)
                 continue
             local[name] = backend_class(**{**backend_config, "logging_mode": mode})
         self._start(process, local, global_step, sidecar, adopted=False)
         self.global_step = global_step
+        if console_wait is not None and self._collector is not None:
+            # A child prints each global step on this rank's console, computed from the files.
+            try:
+                interval = self._collector.flush_interval
+                child = start_console(run_dir(), flush_interval=interval, from_step=global_step)
+            except BaseException:
+                api.shutdown()
+                self._collector = None
+                self._is_initialized = False
+                raise
+            self._console = (child, console_wait)
 
     def _start(
         self,
@@ -345,6 +357,10 @@ class MetricCollector:
             self._collector.shutdown()
         self._collector = None
         self._is_initialized = False
+        if self._console is not None:  # its last steps are printed before this returns, or said
+            child, wait = self._console
+            self._console = None
+            await asyncio.to_thread(end_console, child, wait)
 
 
 # A forked child shares its parent's source: it must not record under its name.
@@ -359,6 +375,7 @@ def _after_fork_in_child() -> None:
         inst._collector = None
         inst._is_initialized = False
         inst._warned = False
+        inst._console = None  # the parent's printer, not this process's to wait for
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -383,6 +400,15 @@ LAUNCHER_IDS = (("TORCHELASTIC_RUN_ID", "torchrun"), ("SLURM_JOB_ID", "slurm"))
 DEFAULT_RUNS = "metriclog_runs"  # in the working directory, when METRICLOG_DIR is not set
 
 _default_dir: str | None = None  # chosen once in a process (kept by a forked child)
+
+
+def _console_wait(config: dict[str, Any]) -> float:
+    """How long rank 0's shutdown waits for the printer's last steps: the config's ``wait``
+    (seconds; torchforge's ConsoleBackend takes any setting), else ``CONSOLE_WAIT_S``."""
+    wait = config.get("wait", CONSOLE_WAIT_S)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+        raise ValueError(f"backend 'console': wait={wait!r} must be seconds, a number of 0 or more")
+    return float(wait)
 
 
 def run_dir() -> str:

@@ -6,19 +6,31 @@ process imports nothing more (no polars, no wandb); its output goes to
 ``RUN_DIR/.metriclog/sidecar.log``. It ends by itself once every source of the run shut
 down (or after ten minutes without a record); ``shutdown()`` waits for it (up to
 ``wait`` seconds) so that the job's end does not cut its last rows.
+
+``start_console`` starts the other child a rank may run: the printer of each global step
+on its console (``metric_core.offline.console``, for a ``console`` backend in
+``global_reduce`` mode of ``metric_core.torchforge``); ``end_console`` waits for it.
 """
 
 from __future__ import annotations
 
 import difflib
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from metric_core.credentials import has_credentials
-from metric_core.errors import ConfigError, MetricLogError, as_keyword
+from metric_core.errors import ConfigError, MetricLogError, as_keyword, warn
+
+# The printer of a console backend in global_reduce mode, run by its module's name: the rank
+# imports none of it (it reads the run with polars).
+CONSOLE_MODULE = "metric_core.offline.console"
+CONSOLE_WAIT_S = 60.0  # how long rank 0's shutdown waits for the printer's last steps
+CONSOLE_STOP_S = 30.0  # then, once stopped (SIGTERM), for its last look and its words
+CONSOLE_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}  # what stops it
 
 # upload_run's options as the command line spells them: flags, then options with a value.
 _FLAGS = {
@@ -138,3 +150,55 @@ def start_sidecar(run_dir: str | os.PathLike[str], **options: Any) -> subprocess
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     finally:
         os.close(log)
+
+
+def start_console(
+    run_dir: str | os.PathLike[str], *, flush_interval: float = 1.0, from_step: int = 0
+) -> subprocess.Popen[bytes]:
+    """Start the printer of each global step on this process's console: ``python -m
+    metric_core.offline.console RUN_DIR`` as a child that writes to this process's stderr,
+    in torchforge's ``ConsoleBackend`` format (a ``console`` backend in ``global_reduce``
+    mode). It looks every half ``flush_interval`` and prints the steps from ``from_step`` on;
+    it ends once every source shut down or died, or when this process is gone. ``end_console``
+    waits for it."""
+    command = [
+        sys.executable,
+        "-m",
+        CONSOLE_MODULE,
+        str(run_dir),
+        "--flush-interval",
+        repr(float(flush_interval)),
+        "--from-step",
+        str(from_step),
+        "--parent",
+        str(os.getpid()),
+    ]
+    # It starts with these signals blocked (a child inherits the mask), and takes them once
+    # its handlers are in place: a stop while it loads polars is its last look, not its death.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, CONSOLE_SIGNALS)
+    try:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def end_console(child: subprocess.Popen[bytes], wait: float = CONSOLE_WAIT_S) -> None:
+    """Wait up to ``wait`` seconds for the printer to print every step (it ends once every
+    source shut down or died); past that, stop it (SIGTERM): it prints the steps complete and
+    says which it did not print. A printer that failed, or did not stop, is warned of."""
+    try:
+        code = child.wait(timeout=wait)
+    except subprocess.TimeoutExpired:
+        child.send_signal(signal.SIGTERM)
+        try:
+            code = child.wait(timeout=CONSOLE_STOP_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+            warn(
+                f"the metriclog console printer (pid {child.pid}) did not stop within {CONSOLE_STOP_S:.0f} s "
+                "of SIGTERM and was killed; `metriclog reduce` computes the steps it did not print"
+            )
+            return
+    if code != 0:
+        warn(f"the metriclog console printer ended with exit code {code}; what it said is above, on stderr")
