@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -767,6 +768,23 @@ def test_torchforges_grpo_app_on_four_processes_lands_as_numpy_over_what_they_re
     assert sorted(tuple(s[k] for k in fields) for s in listed) == sorted(
         tuple(s[k] for k in fields) for s in samples
     )
+
+    # the console backend in global_reduce: rank 0's console shows each step's block once,
+    # its values numpy's over what every process recorded; no other process prints one
+    blocks = re.findall(
+        r"=== \[global_reduce\] - METRICS STEP (\d+) ===\n(.*?)\n={30}\n",
+        (tmp_path / "Controller.err").read_text(),
+        flags=re.S,
+    )
+    assert [int(step) for step, _ in blocks] == sorted(want)
+    for step, body in blocks:
+        shown = dict(line.strip().split(": ", 1) for line in body.splitlines())
+        assert shown.keys() == want[int(step)].keys(), step
+        for key, value in want[int(step)].items():
+            assert float(shown[key]) == pytest.approx(value, rel=1e-12, abs=1e-12), (step, key)
+    for role in ROLES:
+        if role != "Controller":
+            assert "METRICS STEP" not in (tmp_path / f"{role}.err").read_text(), role
 
     # no process failed anywhere, the sidecar and the console backend included
     for role in ROLES:
