@@ -24,8 +24,8 @@ def choose(
     """Per (key, step), in ``read_samples``' order: the ``top`` and ``bottom`` by the field
     ``by`` (samples where it is missing, not a number or NaN are left out; among tied ones
     the bottom takes the first recorded, the top the last; a sample is shown once when it is
-    in both, only when the group has fewer than ``top + bottom``), or ``random`` drawn without replacement by one
-    ``numpy.random.default_rng(seed)``, group after group. None of them: every sample."""
+    in both, only when the group has fewer than ``top + bottom``), or ``random`` drawn without
+    replacement by one ``numpy.random.default_rng(seed)``, group after group. None of them: every sample."""
     if by and not (top or bottom):
         raise PlanError(
             "ranks " + opt("top", flag=True) + " and " + opt("bottom", flag=True) + ": give one of them",
