@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import metric_core
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,15 +45,18 @@ def test_a_training_rank_loads_nothing_heavy(tmp_path):
         assert (tmp_path / file_format / f"rank0.r0.00000.{file_format}").exists()  # it was sealed
 
 
-def test_a_torchforge_rank_loads_nothing_heavy(tmp_path):
-    """metric_core.torchforge's path: torchforge's calls, a per-rank console backend."""
+@pytest.mark.parametrize("mode", ["per_rank_reduce", "global_reduce"])
+def test_a_torchforge_rank_loads_nothing_heavy(tmp_path, mode):
+    """metric_core.torchforge's path: torchforge's calls and a console backend. In
+    ``global_reduce`` mode its printer, a child, reads the run with polars; rank 0 itself
+    starts it, waits for it, and loads none of that."""
     loaded = loaded_by(
         "import asyncio, os\n"
         f"os.environ['METRICLOG_DIR'] = {str(tmp_path / 'run')!r}\n"
         "from metric_core.torchforge import Reduce, get_or_create_metric_logger, record_metric\n"
         "async def main():\n"
         "    mlogger = await get_or_create_metric_logger(process_name='trainer')\n"
-        "    await mlogger.init_backends.call_one({'console': {'logging_mode': 'per_rank_reduce'}})\n"
+        f"    await mlogger.init_backends.call_one({{'console': {{'logging_mode': {mode!r}}}}})\n"
         "    for step in range(3):\n"
         "        record_metric('loss', 0.5, Reduce.MEAN)\n"
         "        await mlogger.flush.call_one(step, return_state=True)\n"
@@ -60,25 +65,6 @@ def test_a_torchforge_rank_loads_nothing_heavy(tmp_path):
     )
     assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
     assert (tmp_path / "run" / "trainer_r0.r0.00000.parquet").exists()  # it was sealed
-
-
-def test_a_torchforge_rank_0_that_prints_the_global_steps_loads_nothing_heavy(tmp_path):
-    """A ``console`` backend in ``global_reduce`` mode: its printer, a child, reads the run
-    with polars; rank 0 itself starts it, waits for it, and loads none of that."""
-    loaded = loaded_by(
-        "import asyncio, os\n"
-        f"os.environ['METRICLOG_DIR'] = {str(tmp_path / 'run')!r}\n"
-        "from metric_core.torchforge import Reduce, get_or_create_metric_logger, record_metric\n"
-        "async def main():\n"
-        "    mlogger = await get_or_create_metric_logger(process_name='trainer')\n"
-        "    await mlogger.init_backends.call_one({'console': {'logging_mode': 'global_reduce'}})\n"
-        "    for step in range(3):\n"
-        "        record_metric('loss', 0.5, Reduce.MEAN)\n"
-        "        await mlogger.flush.call_one(step)\n"
-        "    await mlogger.shutdown.call_one()\n"
-        "asyncio.run(main())"
-    )
-    assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
 
 
 def test_a_rank_that_times_on_the_cpu_loads_no_torch(tmp_path):

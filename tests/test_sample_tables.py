@@ -267,17 +267,22 @@ def upload(run: Path, *more: str) -> list[tuple[int | None, str, list[dict[str, 
     return find_run_file(run / ".metriclog" / "wandb", newest)
 
 
-def test_upload_sample_tables_incremental_sends_torchforges_shape_and_per_step_stays_the_default(
-    tmp_path, offline
-):
-    steps = recorded_steps(steps=3, per_step=6, seed=5)
-    metric_core.init(tmp_path / "run", process_name="gen")
+def written_run(run: Any, steps: list[list[dict[str, Any]]]) -> None:
+    """A run of one process whose step k holds ``steps[k]`` as samples of 'rollout' and a loss."""
+    metric_core.init(run, process_name="gen")
     for step, samples in enumerate(steps):
         for sample in samples:
             record_metric("rollout", sample, Reduce.SAMPLE)
         record_metric("loss", float(step))
         metric_core.flush(step)
     metric_core.shutdown()
+
+
+def test_upload_sample_tables_incremental_sends_torchforges_shape_and_per_step_stays_the_default(
+    tmp_path, offline
+):
+    steps = recorded_steps(steps=3, per_step=6, seed=5)
+    written_run(tmp_path / "run", steps)
     # upload's choice, by a sort: the top 2 by reward, then the bottom 2, lowest first
     chosen = []
     for samples in steps:
@@ -306,13 +311,7 @@ def test_upload_follow_sends_the_incremental_tables_and_their_immutable_copy_at_
     from metric_core.offline.upload import Destination, Follow, upload_run
 
     steps = recorded_steps(steps=3, per_step=4, seed=6)
-    metric_core.init(tmp_path / "run", process_name="gen")
-    for step, samples in enumerate(steps):
-        for sample in samples:
-            record_metric("rollout", sample, Reduce.SAMPLE)
-        record_metric("loss", float(step))
-        metric_core.flush(step)
-    metric_core.shutdown()
+    written_run(tmp_path / "run", steps)
     choice = SampleChoice(top=1, bottom=1, tables="incremental")
     upload_run(
         tmp_path / "run",
