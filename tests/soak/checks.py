@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter, defaultdict
 from fractions import Fraction
 from pathlib import Path
@@ -20,7 +21,7 @@ from tests.soak.oracle import Rec, Truth, check_value, expected_alarms, read_tru
 
 # What a job is checked with, besides its raw records (always): a fixed seed of the suite
 # can name the ones that found its bug (seeds.txt's ``only=``), so it costs less there.
-CHECKS = frozenset({"reduce", "by_time", "keys", "samples", "inspect", "uploads", "alerts"})
+CHECKS = frozenset({"reduce", "by_time", "keys", "samples", "inspect", "uploads", "alerts", "torchforge"})
 
 
 def check_job(job) -> None:
@@ -46,6 +47,8 @@ def check_job(job) -> None:
         alerts(job, seen)
     if spec["uploads"] and "uploads" in wanted:
         uploads(job, truth, seen)
+    if job.console_done is not None:
+        console(job, seen)
     if spec["damage"]:
         damaged = job.damage()
         if damaged:
@@ -93,7 +96,7 @@ def raw(job, truth: Truth, *, damaged: set, kind: str = "reduce-raw") -> list[di
         "reduce",
         str(job.run),
         "--mode",
-        "per_rank_no_reduce",
+        job.choice("per_rank_no_reduce"),
         "--out",
         str(out),
         expect=(0,) if any_required and not damaged else (0, 1),
@@ -323,7 +326,7 @@ def reducing(
         "reduce",
         str(job.run),
         "--mode",
-        mode,
+        job.choice(mode),
         *args,
         "--out",
         str(out),
@@ -358,9 +361,9 @@ def by_time(job, seen: list[dict], doubtful: list[dict] = ()) -> None:
         "reduce",
         str(job.run),
         "--mode",
-        mode,
+        job.choice(mode),
         "--by",
-        "time",
+        job.choice("time"),
         "--every",
         every,
         "--out",
@@ -441,7 +444,9 @@ def _anchor(rows: list[dict], d: Fraction, candidates: list[list[dict]]) -> Frac
 
 
 def keys(job, seen: list[dict]) -> None:
-    done = job.command("keys", "keys", str(job.run), "--format", "json", expect=(0,) if seen else (0, 1))
+    done = job.command(
+        "keys", "keys", str(job.run), "--format", job.choice("json"), expect=(0,) if seen else (0, 1)
+    )
     if done.code != 0:
         return
     got = {row["key"]: row for row in json.loads(done.out)}
@@ -487,19 +492,21 @@ def keys(job, seen: list[dict]) -> None:
         job.result.fail(f"keys: {len(bad)} wrong field(s), e.g. " + "; ".join(bad[:3]))
 
 
-def samples(job, truth: Truth) -> None:
+def samples(job, truth: Truth, kind: str = "samples") -> list[dict] | None:
+    """``samples --format json`` against the samples the ledgers hold; the rows it gave, or
+    None where it failed (or found a problem)."""
     required = [s for s in truth.samples if s.required]
     done = job.command(
-        "samples", "samples", str(job.run), "--format", "json", expect=(0,) if required else (0, 1)
+        kind, "samples", str(job.run), "--format", job.choice("json"), expect=(0,) if required else (0, 1)
     )
     if done.code != 0:
-        return
+        return None
     got = json.loads(done.out) if done.out.strip() else []
     by_ident = {(s.key, s.sample["text"]): s for s in truth.samples}
     counts = Counter((row["key"], row.get("text")) for row in got)
     for ident, n in counts.items():
         if n > 1:
-            job.result.fail(f"samples: {ident} listed {n} times")
+            job.result.fail(f"{kind}: {ident} listed {n} times")
             break
     bad = []
     for row in got:
@@ -516,11 +523,13 @@ def samples(job, truth: Truth) -> None:
     if lost:
         bad.append(f"{len(lost)} acknowledged sample(s) lost, e.g. {lost[0].key} {lost[0].sample}")
     if bad:
-        job.result.fail(f"samples: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3]))
+        job.result.fail(f"{kind}: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3]))
+        return None
+    return got
 
 
 def inspect(job, truth: Truth, damaged: set, seen_sources: set) -> None:
-    done = job.command("inspect", "inspect", str(job.run), "--format", "json", expect=(0, 1))
+    done = job.command("inspect", "inspect", str(job.run), "--format", job.choice("json"), expect=(0, 1))
     if done.code != 0:
         if any(truth.sources().values()):
             job.result.fail(f"inspect: exit {done.code} on a run with records")
@@ -693,16 +702,97 @@ def _tail(text: str, lines: int = 4) -> str:
     return "\n".join("    " + line for line in text.strip().splitlines()[-lines:])
 
 
+# -- the console's global_reduce printer (issue 44) ------------------------------------
+
+CONSOLE_STEP = re.compile(
+    r"^INFO:metric_core\.torchforge\.metrics: === \[global_reduce\] - METRICS STEP (\d+) ===$"
+)
+CONSOLE_RULE = "=============================="
+
+
+def console(job, seen: list[dict]) -> None:
+    """The printer a torchforge job's rank 0 starts for a ``global_reduce`` console backend
+    (``python -m metric_core.offline.console``), run beside the job: each step printed once,
+    in order, in torchforge's format, every key of the step with the value ``reduce`` gives
+    (the global reduction of the records read raw, checked exactly). Every step is printed
+    unless a rank restarted (the printer ends once every source is over, which may be before
+    a restart writes); a restart's steps are not checked (the printer said so: it printed
+    what the restart replaced)."""
+    done = job.console_done
+    if done.code != 0:
+        return  # its exit was checked, and failed, already
+    printed: list[tuple[int, dict[str, str]]] = []
+    lines = done.err.splitlines()
+    i = 0
+    while i < len(lines):
+        m = CONSOLE_STEP.match(lines[i])
+        i += 1
+        if not m:
+            if lines[i - 1].startswith("  ") or lines[i - 1] == CONSOLE_RULE:
+                job.result.fail(f"console: a line outside any step: {lines[i - 1]!r}")
+                return
+            continue
+        values: dict[str, str] = {}
+        while i < len(lines) and lines[i].startswith("  "):
+            key, _, value = lines[i][2:].rpartition(": ")
+            values[key] = value
+            i += 1
+        if i >= len(lines) or lines[i] != CONSOLE_RULE:
+            job.result.fail(f"console: step {m.group(1)} not closed by its rule line")
+            return
+        i += 1
+        if list(values) != sorted(values):
+            job.result.fail(f"console: step {m.group(1)}'s keys not in order: {list(values)}")
+        printed.append((int(m.group(1)), values))
+    steps = [step for step, _ in printed]
+    if steps != sorted(set(steps)):
+        job.result.fail(f"console: steps printed out of order or twice: {steps}")
+        return
+    groups = expected_groups(seen, "global_reduce")
+    want_steps = sorted({step for step, _ in groups})
+    replayed = [n["from_step"] for name, n in job.notes.items() if name.endswith(".2") and "from_step" in n]
+    until = min(replayed, default=math.inf)
+    if not replayed and steps != want_steps:
+        job.result.fail(f"console: steps {_span(steps)} printed, the records' steps {_span(want_steps)}")
+    bad = []
+    for step, values in printed:
+        if step >= until:
+            continue
+        keys = {key for s, key in groups if s == step}
+        if set(values) != keys:
+            bad.append(f"step {step}: keys {sorted(set(values) ^ keys)} printed or missing")
+            continue
+        for key, text in values.items():
+            members = groups[(step, key)]
+            job.result.values += 1
+            problem = check_value(
+                members[0]["reduction"],
+                [m["value"] for m in members],
+                float(text),
+                [m["timestamp"] for m in members],
+            )
+            if problem:
+                bad.append(f"step {step} {key}: {problem}")
+    if bad:
+        job.result.fail(f"console: {len(bad)} wrong step(s) or value(s), e.g. " + "; ".join(bad[:3]))
+
+
 # -- uploads and plot (every fifth job) ----------------------------------------------
 
 
+UNDERSCORED = ("step", "_timestamp", "_runtime", "_step")  # a W&B row's keys besides the values
+
+
 def uploads(job, truth: Truth, seen: list[dict]) -> None:
+    from metric_core.writer.backends.wandb import table_key
     from tests.wandb_file import find_run_file, history_rows, read_records
 
     spec = job.job
     run = job.run
     groups = expected_groups(seen, "global_reduce")
     sample_keys = set(spec["sample_keys"])
+
+    files: dict[str, Path] = {}  # the W&B run file of each upload's run, by its name
 
     def rows_of(name: str) -> list[dict] | None:
         ledger = run / ".metriclog" / "uploads.json"
@@ -711,21 +801,26 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
         if not newest:
             job.result.fail(f"upload: no W&B run named {name!r} in the ledger")
             return None
-        return history_rows(read_records(find_run_file(run / ".metriclog" / "wandb", newest[-1][0])))
+        files[name] = find_run_file(run / ".metriclog" / "wandb", newest[-1][0])
+        return history_rows(read_records(files[name]))
+
+    def samples_of(key: str) -> bool:
+        """A key (or a part of one, ``{key}/_type``) a table of samples went under."""
+        return any(key == t or key.startswith(t + "/") for k in sample_keys for t in (k, table_key(k)))
+
+    def scalar_rows(rows: list[dict]) -> list[dict]:
+        """The rows of steps: not the one the immutable tables of samples go in at the end."""
+        return [r for r in rows if any(k not in UNDERSCORED and not samples_of(k) for k in r)]
 
     def check_rows(kind: str, rows: list[dict]) -> None:
         want_steps = sorted({g[0] for g in groups})
-        steps = [r.get("step") for r in rows]
+        steps = [r.get("step") for r in scalar_rows(rows)]
         if steps != want_steps:
             job.result.fail(f"{kind}: W&B steps {_span(steps)}, the records' steps {_span(want_steps)}")
         bad = []
         for row in rows:
             for key, value in row.items():
-                if (
-                    key in ("step", "_timestamp", "_runtime", "_step")
-                    or isinstance(value, dict)
-                    or any(key == k or key.startswith(k + "/") for k in sample_keys)
-                ):
+                if key in UNDERSCORED or isinstance(value, dict) or samples_of(key):
                     continue
                 members = groups.get((row.get("step"), key))
                 if members is None:
@@ -744,16 +839,22 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
             job.result.fail(f"{kind}: {len(bad)} wrong W&B value(s), e.g. " + "; ".join(bad[:3]))
 
     base = ["upload", str(run), "--project", "soak", "--offline"]
-    plain = job.command("upload", *base, "--name", "plain")
+    plain = job.command("upload", *base, "--name", "plain", *job.sample_tables("plain"))
     plain_rows = rows_of("plain") if plain.code == 0 else None
+    # the samples the uploads chose from: every one the files hold, as `samples` lists them
+    listed = samples(job, truth, "samples-uploaded") if sample_keys and job.job["torchforge"] else None
     if plain_rows is not None:
         check_rows("upload (W&B offline)", plain_rows)
+        if listed is not None:
+            sample_tables(job, "upload", files["plain"], plain_rows, listed, "plain")
     if job.follow_done is not None and job.follow_done.code == 0:
         follow_rows = rows_of("follow")
         if follow_rows is not None:
             check_rows("upload --follow", follow_rows)
-            if plain_rows is not None and [r.get("step") for r in follow_rows] != [
-                r.get("step") for r in plain_rows
+            if listed is not None:
+                sample_tables(job, "upload --follow", files["follow"], follow_rows, listed, "follow")
+            if plain_rows is not None and [r.get("step") for r in scalar_rows(follow_rows)] != [
+                r.get("step") for r in scalar_rows(plain_rows)
             ]:
                 job.result.fail("upload --follow: its steps differ from a plain upload's")
     if spec["live_upload"]:
@@ -771,6 +872,69 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
             job.result.fail("plot: exit 0 but no file written")
 
 
+def sample_tables(job, kind: str, run_file: Path, rows: list[dict], listed: list[dict], who: str) -> None:
+    """The W&B tables of samples an upload sent (``--sample-tables``, docs/commands.md),
+    against the samples the files hold (``listed``): at each step with a row and samples of
+    a key, the top 2 by reward, highest first, then the bottom 2, lowest first, each once.
+    ``per-step``: a table under the key in the step's row. ``incremental``: ``{key}_table``
+    in each such row with that step's added, then every row once more as one immutable
+    table under the key, in one row at the last step any key's table took samples at. A step
+    whose samples tie on reward is not checked (which of the tied goes is the order
+    recorded, not the oracle's)."""
+    from metric_core.writer.backends.wandb import table_key
+    from tests.wandb_file import logged_tables
+
+    mode = job.job["torchforge"]["sample_tables"][who]
+    steps = {r.get("step") for r in rows}
+    by_key: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for sample in listed:
+        if sample["step"] in steps:
+            by_key[sample["key"]][sample["step"]].append(
+                {field: sample[field] for field in ("reward", "text", "n")}
+            )
+    bad = []
+    last = max((max(at) for at in by_key.values() if at), default=None)
+    for key in sorted(set(job.job["sample_keys"]) | set(by_key)):
+        want = []
+        for step, group in sorted(by_key.get(key, {}).items()):
+            ranked = sorted(group, key=lambda g: g["reward"])
+            chosen = ranked[::-1][:2] + [g for g in ranked[:2] if g not in ranked[::-1][:2]]
+            tied = len({g["reward"] for g in group}) < len(group)
+            want.append((step, chosen, tied))
+        if mode == "per-step":
+            kinds = [(key, logged_tables(run_file, key), [(step, "table-file", c, t) for step, c, t in want])]
+        else:
+            # the incremental table goes under {key}_table (a key that ends in _table as it
+            # is, docs/compat.md); the immutable copy at the end under the key
+            incremental = [(step, "incremental-table-file", c, t) for step, c, t in want]
+            every = [g for _, chosen, _ in want for g in chosen]
+            final = [(last, "table-file", every, any(t for _, _, t in want))] if want else []
+            name = table_key(key)
+            kinds = (
+                [(name, logged_tables(run_file, name), incremental + final)]
+                if name == key
+                else [
+                    (name, logged_tables(run_file, name), incremental),
+                    (key, logged_tables(run_file, key), final),
+                ]
+            )
+        for name, logged, expected in kinds:
+            job.result.values += len(expected)
+            if [(step, k) for step, k, _ in logged] != [(step, k) for step, k, _, _ in expected]:
+                bad.append(
+                    f"{name}: tables {[(step, k) for step, k, _ in logged]}, expected "
+                    f"{[(step, k) for step, k, _, _ in expected]}"
+                )
+                continue
+            for (step, _, got_rows), (_, _, chosen, tied) in zip(logged, expected, strict=True):
+                if not tied and got_rows != chosen:
+                    bad.append(f"{name} at step {step}: {got_rows}, expected {chosen}")
+    if bad:
+        job.result.fail(
+            f"{kind} --sample-tables {mode}: {len(bad)} wrong table(s), e.g. " + "; ".join(bad[:2])
+        )
+
+
 def tensorboard(job, seen: list[dict]) -> None:
     from tensorboard.backend.event_processing import event_accumulator as ea
 
@@ -781,11 +945,11 @@ def tensorboard(job, seen: list[dict]) -> None:
         "upload",
         str(job.run),
         "--to",
-        "tensorboard",
+        job.choice("tensorboard"),
         "--logdir",
         str(logdir),
         "--mode",
-        mode,
+        job.choice(mode),
     )
     if done.code != 0:
         return

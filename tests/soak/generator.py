@@ -18,6 +18,11 @@ A job is a plain dict (JSON, kept beside the run as ``job.json``):
 * ``alerts``: alarms on values (issue 43), or None: see ``_alerts``. Drawn from a random
   of its own (``random.Random(f"alerts-{seed}")``), so every other part of a seed's job is
   what it was before alarms joined the soak.
+* ``torchforge``: what issue 44 added, from a random of its own too (``_torchforge``): a
+  GRPO-shaped job (its ranks named after GRPO's actors, recording through
+  ``metric_core.torchforge``: ``record_metric``, ``Tracer``, ``record_episode_sample``), the
+  console's ``global_reduce`` printer beside the job, and the uploads' ``--sample-tables``.
+  Every choice a command takes is spelled at random besides (``spell``).
 """
 
 from __future__ import annotations
@@ -46,9 +51,10 @@ STATISTICS = (
 MODES = ("global_reduce", "per_rank_reduce", "per_rank_no_reduce")
 
 
-def make_job(seed: int, alerts: bool = True) -> dict:
+def make_job(seed: int, alerts: bool = True, torchforge: bool = True) -> dict:
     """The job of ``seed``: the same dict for the same seed, on any machine (``alerts``:
-    False, the job as it was before alarms joined the soak: ``alerts`` None)."""
+    False, the job as it was before alarms joined the soak: ``alerts`` None; ``torchforge``:
+    False, as it was before issue 44's parts joined it: ``torchforge`` None)."""
     rng = random.Random(seed)
     world = rng.choice((1, 1, 2, 2, 3, 4, 4, 5, 6, 8))
     keys = []
@@ -90,7 +96,43 @@ def make_job(seed: int, alerts: bool = True) -> dict:
         "job_seed": rng.getrandbits(32),
     }
     job["alerts"] = _alerts(random.Random(f"alerts-{seed}"), job) if alerts else None
+    job["torchforge"] = _torchforge(random.Random(f"torchforge-{seed}"), job) if torchforge else None
     return job
+
+
+# -- torchforge's habits (issue 44) ------------------------------------------------------
+
+# The actors of torchforge's GRPO app, as a GRPO-shaped job names its ranks (rank = index,
+# cycled), and the prefix of each one's Tracer.
+GRPO_ROLES = ("Controller", "Generator", "ReferenceModel", "TitanTrainer", "ReplayBuffer")
+GRPO_SHARE = 0.3
+CONSOLE_SHARE = 0.3
+
+
+def _torchforge(rng: random.Random, job: dict) -> dict:
+    """A GRPO-shaped job or not; the console printer beside it or not; each upload's
+    ``--sample-tables``. A GRPO-shaped job renames its ranks' processes (``{role}_r{rank}``)
+    and its samples key (torchforge's ``main_samples/continuous_rollouts/sample_table``)."""
+    grpo = rng.random() < GRPO_SHARE
+    if grpo:
+        for plan in job["ranks"]:
+            plan["process"] = f"{GRPO_ROLES[plan['rank'] % len(GRPO_ROLES)]}_r{plan['rank']}"
+        if job["sample_keys"]:
+            job["sample_keys"][0] = "main_samples/continuous_rollouts/sample_table"
+    return {
+        "grpo": grpo,
+        "console": rng.random() < CONSOLE_SHARE,
+        "sample_tables": {who: rng.choice(("per-step", "incremental")) for who in ("plain", "follow")},
+        "spelling_seed": rng.getrandbits(32),
+    }
+
+
+def spell(rng: random.Random, value: str) -> str:
+    """``value`` (a choice a command takes) as a user may write it: as it is, the enum's
+    member name (``GLOBAL_REDUCE``), with ``-`` for ``_``, or in mixed case."""
+    return rng.choice(
+        (value, value.upper(), value.replace("_", "-"), value.title(), value.upper().replace("_", "-"))
+    )
 
 
 def _rank(rng: random.Random, rank: int, sample_keys: list[str]) -> dict:

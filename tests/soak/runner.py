@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.soak.generator import make_job, values_for
+from tests.soak.generator import make_job, spell, values_for
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("worker.py")
@@ -81,11 +81,14 @@ class Job:
 
     def __init__(self, seed: int, root: Path, only: frozenset[str] | None = None) -> None:
         self.seed = seed
-        self.job = make_job(seed)
         self.only = only  # the checks to run (checks.CHECKS); None: all of them
-        if only is not None and "alerts" not in only:
-            # no alarm keys either: the job is the one the seed made before alarms joined
-            self.job = make_job(seed, alerts=False)
+        # without alarm keys or torchforge's parts (the checks that look at them are not run):
+        # the job is the one the seed made before they joined the soak
+        self.job = make_job(
+            seed,
+            alerts=only is None or "alerts" in only,
+            torchforge=only is None or "torchforge" in only,
+        )
         if only is not None and "uploads" not in only:  # no upload beside the job either
             self.job.update(follow=False, live_upload=False, uploads=False)
         self.dir = root / f"seed-{seed}"
@@ -110,18 +113,30 @@ class Job:
             "COLUMNS": "200",
         }
         self.watch_done: Done | None = None  # watch --alert beside the job
+        self.console_done: Done | None = None  # the console's global_reduce printer beside it
+        torchforge = self.job["torchforge"]
+        self._spelling = random.Random(torchforge["spelling_seed"]) if torchforge else None
         self.env.pop("PYTHONFAULTHANDLER", None)
         self.env.pop("WANDB_MODE", None)
         (self.dir / "tmp").mkdir()
 
+    def choice(self, value: str) -> str:
+        """``value``, one of a fixed set an option takes (``--mode global_reduce``), spelled as
+        a user may write it (``generator.spell``: ``GLOBAL_REDUCE``, ``global-reduce``, ...)."""
+        return spell(self._spelling, value) if self._spelling else value
+
     # -- processes -------------------------------------------------------------------
 
-    def start(self, kind: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
+    def start(
+        self, kind: str, args: list[str], program: list[str] | None = None
+    ) -> tuple[subprocess.Popen, Path]:
+        """``metriclog ARGS`` (or ``PROGRAM ARGS``) started, its output in ``out/NN-KIND.*``."""
         self.n += 1
         stem = self.dir / "out" / f"{self.n:02d}-{kind}"
-        (stem.with_suffix(".cmd")).write_text(" ".join(_quote(a) for a in [METRICLOG, *args]) + "\n")
+        argv = [*(program or [METRICLOG]), *args]
+        (stem.with_suffix(".cmd")).write_text(" ".join(_quote(a) for a in argv) + "\n")
         with open(stem.with_suffix(".out"), "w") as out, open(stem.with_suffix(".err"), "w") as err:
-            proc = subprocess.Popen([METRICLOG, *args], stdout=out, stderr=err, env=self.env, cwd=self.dir)
+            proc = subprocess.Popen(argv, stdout=out, stderr=err, env=self.env, cwd=self.dir)
         return proc, stem
 
     def finish(
@@ -188,7 +203,7 @@ class Job:
         return [
             *[a for rule in spec["rules"] for a in ("--alert", rule["text"])],
             "--alert-on",
-            on,
+            self.choice(on),
             "--on-alert",
             command,
         ]
@@ -215,6 +230,14 @@ class Job:
                     "8s" if restarts else "3s",
                     *self.alert_args("watch", alerts["on"]),
                 ],
+            )
+        console = None
+        if job["torchforge"] and job["torchforge"]["console"]:
+            # what rank 0 of a torchforge job with a global_reduce console backend starts
+            console = self.start(
+                "console",
+                [str(self.run), "--flush-interval", str(job["ranks"][0]["flush_interval"])],
+                program=[sys.executable, "-m", "metric_core.offline.console"],
             )
         follower = None
         if job["follow"]:
@@ -244,6 +267,7 @@ class Job:
                     "2s",
                     "--restart-grace",
                     "5s",
+                    *self.sample_tables("follow"),
                     *follow_alerts,
                 ],
             )
@@ -272,6 +296,7 @@ class Job:
                 self._check_exit(rank, attempt, code, plan)
                 if attempt == 1 and plan["restart"] and code != 0:
                     start = self._restart_step(rank, plan)
+                    self.notes[f"{rank}.2"] = {"from_step": start}
                     procs[rank] = (2, self.start_rank(rank, 2, start))
             if job["live_upload"] and live is None and _acks(self.dir / "ledger" / "r0.a1.jsonl") >= 2:
                 live = self.start(
@@ -288,7 +313,15 @@ class Job:
             )
         if follower is not None:
             self.follow_done = self.finish("upload-follow", *follower, timeout=FOLLOW_AFTER_JOB)
+        if console is not None:  # it ends by itself once every source shut down or died
+            self.console_done = self.finish("console", *console, timeout=FOLLOW_AFTER_JOB)
         (self.dir / "notes.json").write_text(json.dumps(self.notes, indent=1))
+
+    def sample_tables(self, who: str) -> list[str]:
+        """``--sample-tables`` of the upload ``who`` (``plain``, ``follow``), or none (its
+        default, per-step) in a job from before issue 44 joined the soak."""
+        torchforge = self.job["torchforge"]
+        return ["--sample-tables", self.choice(torchforge["sample_tables"][who])] if torchforge else []
 
     def _maybe_end_hang(
         self, rank: int, attempt: int, proc: subprocess.Popen, plan: dict, hung: dict[int, float]
@@ -324,6 +357,10 @@ class Job:
                 f"rank {rank} attempt {attempt}: record_metric under init(on_nonfinite='raise') did not "
                 f"raise NonFiniteError where expected (at [call, key, step], expected [call, step]): {line}"
             )
+        for line in ledger.splitlines():
+            if '"t": "wrong"' in line:
+                self.result.fail(f"rank {rank} attempt {attempt}: {json.loads(line)['what']}")
+                break
         if '"t": "nfraise"' in ledger:
             want = 1  # NonFiniteError, uncaught
         elif fault is None:

@@ -17,6 +17,14 @@ on a file opened with ``O_APPEND`` (so a kill of this process loses none of it):
   where the worker expected it, at the first non-finite value of a key ``nonfinite_keys``
   matches (the ``rec`` lines of that step stop at that value: the rest is not recorded);
   the rank then ends with it, uncaught. ``nfwrong``: it raised elsewhere, or did not.
+* ``wrong``: a check of the worker's own failed (``what`` says which): a ``Tracer``'s
+  values.
+
+A GRPO-shaped job (``job["torchforge"]["grpo"]``) records through ``metric_core.torchforge``,
+as torchforge's actors do: ``record_metric`` with its ``Reduce``, each sample as an episode
+through ``record_episode_sample`` (``to_dict(exclude=[...])``), and a ``Tracer`` around each
+step (its ``stop()`` records the durations; the ledger gets each before it is recorded, from
+a wrapper of the ``record_metric`` the tracer calls, as tests/test_grpo_app.py takes them).
 """
 
 from __future__ import annotations
@@ -65,6 +73,20 @@ def main() -> None:
     )
     current = start  # the step the writer stamps records with until the next flush
     reductions = {r.value: r for r in Reduce}
+    record, record_sample, tracer = metric_core.record_metric, metric_core.record_metric, None
+    if (job.get("torchforge") or {}).get("grpo"):
+        from metric_core.torchforge import metrics, perf_tracker
+
+        def traced(key: str, value: float, reduction: Reduce = Reduce.MEAN) -> None:
+            ledger.write({"t": "rec", "s": current, "k": key, "r": reduction.value, "v": float(value).hex()})
+            tracer_values.append((key, value, reduction.value))
+            real(key, value, reduction)
+
+        real, tracer_values = perf_tracker.record_metric, []
+        perf_tracker.record_metric = traced  # the name the Tracer calls
+        record = metrics.record_metric
+        record_sample = lambda key, sample, _: metrics.record_episode_sample(key, Episode(sample))  # noqa: E731
+        tracer = perf_tracker.Tracer(plan["process"].split("_r")[0].lower() + "_perf", timer="cpu")
     for step in range(start, plan["steps"]):
         lines, calls = [], []
         for spec in job["keys"]:
@@ -101,9 +123,11 @@ def main() -> None:
         if stop is not None:  # the rest of the step is never recorded
             lines, calls = lines[: stop + 1], calls[: stop + 1]
         ledger.write(*lines)
+        if tracer is not None:
+            tracer.start()
         for i, (key, value, how) in enumerate(calls):
             try:
-                metric_core.record_metric(key, value, how)
+                (record_sample if how is Reduce.SAMPLE else record)(key, value, how)
             except metric_core.NonFiniteError as exc:
                 if i != stop or exc.key != key or exc.step != current:
                     ledger.write(
@@ -117,8 +141,15 @@ def main() -> None:
             os._exit(7)
         if plan["big_int"] and attempt == 1 and step == start:
             big_int(metric_core, ledger, current)
+        if tracer is not None:
+            tracer.step("record")
         if plan["step_sleep"]:
             time.sleep(plan["step_sleep"])
+        if tracer is not None:
+            tracer.step("sleep")
+            tracer_values.clear()
+            tracer.stop()
+            check_tracer(ledger, tracer.prefix, tracer_values, plan["step_sleep"])
         if pause and pause["at"] == step:
             time.sleep(pause["seconds"])
         if fault and fault["at"] == step and not fault["after_flush"]:
@@ -131,6 +162,50 @@ def main() -> None:
             do_fault(fault["kind"], ledger)
     metric_core.shutdown()
     ledger.write({"t": "done", "time": time.time()}, sync=True)
+
+
+class Episode:
+    """torchforge's GRPO ``Episode`` as far as ``record_episode_sample`` sees it: ``to_dict``
+    with the fields torchforge leaves out (a tensor, the completion object) beside the sample's."""
+
+    def __init__(self, sample: dict) -> None:
+        self.sample = sample
+
+    def to_dict(self, exclude: list[str] | None = None) -> dict:
+        out = {**self.sample, "ref_logprobs": [-0.5, -0.25], "completion": object()}
+        for key in exclude or []:
+            out.pop(key, None)
+        return out
+
+
+def check_tracer(ledger: Ledger, prefix: str, got: list, slept: float) -> None:
+    """What ``Tracer.stop()`` recorded of a step timed ``record`` then ``sleep``: torchforge's
+    keys and reductions, durations that are not negative, the sleep at least as long as asked,
+    the total at least the sum of its steps (one call a step: avg and max the same)."""
+    values = {(key, how): value for key, value, how in got}
+    want = {
+        (f"{prefix}/{name}", how)
+        for name in ("total_duration", "record/duration", "sleep/duration")
+        for how in ("mean", "max")
+    }
+    want = {(f"{key}_{'avg' if how == 'mean' else 'max'}_s", how) for key, how in want}
+    problem = None
+    if set(values) != want or len(got) != len(want):
+        problem = f"Tracer.stop() recorded {sorted(values)}, expected {sorted(want)}"
+    elif any(v < 0 for v in values.values()):
+        problem = f"a negative duration: {values}"
+    elif values[(f"{prefix}/sleep/duration_max_s", "max")] < slept:
+        problem = f"the sleep of {slept} s timed {values[(f'{prefix}/sleep/duration_max_s', 'max')]} s"
+    elif values[(f"{prefix}/total_duration_max_s", "max")] + 1e-6 < sum(
+        values[(f"{prefix}/{name}/duration_max_s", "max")] for name in ("record", "sleep")
+    ):
+        problem = f"the total is less than the sum of the steps: {values}"
+    elif any(
+        values[(k.replace("_avg_s", "_max_s"), "max")] != v for (k, h), v in values.items() if h == "mean"
+    ):
+        problem = f"avg and max differ for one call a step: {values}"
+    if problem:
+        ledger.write({"t": "wrong", "what": problem}, sync=True)
 
 
 def _raises_at(calls: list, patterns: str | None) -> int | None:
