@@ -70,6 +70,11 @@ def not_a_choice(text: str, values: list[str]) -> str:
     return f"'{text}' is not one of {', '.join(values)}{hint}"
 
 
+# typer 0.29 keeps what an option's parser returns; before, it looks the result up among the
+# enum's values (a member's str() is not one). pyproject.toml keeps typer below 0.29.
+TYPER_TAKES_MEMBERS = tuple(int(part) for part in typer.__version__.split(".")[:2]) >= (0, 29)
+
+
 def choice(flag: str, kind: type[E] | tuple[str, ...], help: str) -> Any:
     """An option taking one of the values of the enum ``kind`` (or of a tuple of strings),
     spelled as its value or its member name, in any case, with ``-`` or ``_`` (``--mode
@@ -82,12 +87,16 @@ def choice(flag: str, kind: type[E] | tuple[str, ...], help: str) -> Any:
         by_spelling.setdefault(spelling(m.name), m.value)
 
     def parse(text: Any) -> Any:
+        if text is None:  # an unset option without a default (typer parses defaults too)
+            return None
         if members and isinstance(text, kind):
-            return text
+            text = text.value
         value = by_spelling.get(spelling(str(text)))
         if value is None:
             raise typer.BadParameter(not_a_choice(str(text), values))
-        return kind(value) if members else value  # type: ignore[operator]
+        if members and TYPER_TAKES_MEMBERS:
+            return kind(value)  # type: ignore[operator]
+        return value  # typer makes it the member of the option's enum, by its value
 
     return typer.Option(flag, parser=parse, metavar=f"<{'|'.join(values)}>", help=help)
 
