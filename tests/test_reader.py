@@ -395,3 +395,32 @@ def test_the_tail_hands_a_source_over_in_step_order_when_a_journal_is_sealed_as_
     assert sorted(first["value"].to_list()) == [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0]
     assert tail.poll().height == 0  # nothing twice
     w.close(clean_shutdown=True)
+
+
+def test_the_tail_reads_a_step_whose_journal_rotated_before_its_flush_when_the_flush_is_seen(tmp_path):
+    """A step of more than twice ``segment_records`` rotates its journal before its flush,
+    which then goes in the next journal; until the first is sealed, the tail must take its
+    records as the newer journal's flush settles them, not hand the step over without them
+    (soak seed 283683272: the console printed step 18 of 27 with none of its records, then
+    called all 60 late; 6 in 25 trials of such a writer followed)."""
+    from metric_core.offline.read.tail import RunTail
+    from metric_core.writer.segments import RawFileWriter
+
+    w = RawFileWriter(tmp_path, process="t", rank=0, segment_records=2)
+    codes = [("loss", "mean")]
+    values = [0.0, 0.25, 0.5, 0.75]
+    w.enqueue(0, np.array([[v, 0.0, 1.7e9] for v in values]).tobytes(), len(values), codes)
+    w.write()  # 4 records, no flush yet: the journal rotates
+    w.mark_flush(0)
+    w.enqueue(1, np.array([[1.0, 0.0, 1.7e9 + 1]]).tobytes(), 1, codes)
+    w.write()  # step 0's flush and a record of step 1, in the next journal
+    assert len(list(tmp_path.glob("*.journal"))) == 2  # neither sealed yet
+
+    tail = RunTail(tmp_path)
+    records = tail.poll()
+    (source,) = tail.sources.values()
+    assert source.done == 0  # step 0 is flushed: every one of its records is read with it
+    assert sorted(records.filter(pl.col("step") == 0)["value"].to_list()) == values
+    w.seal_ready()
+    assert tail.poll().filter(pl.col("step") == 0).height == 0  # and none again from its segment
+    w.close(clean_shutdown=True)

@@ -275,11 +275,13 @@ class RunTail:
             if frame is not None:
                 frames.append(frame)
         self.vanished = False
-        for path in paths:
-            if path.suffix == ".journal" and path not in self.done:
-                frame = self._journal(path, final)
-                if frame is not None:
-                    frames.append(frame)
+        journals = [p for p in paths if p.suffix == ".journal" and p not in self.done]
+        newest = _newest_journals(journals)
+        for path in journals:
+            stem, seq = _journal_seq(path)
+            frame = self._journal(path, final, superseded=seq < newest.get(stem, seq))
+            if frame is not None:
+                frames.append(frame)
         # Attempts first seen now (a follow started after a rank died, or a fresh reading of
         # the run): without this, their records no flush covered would wait for the next poll,
         # and a step, or the end, could go without them.
@@ -392,7 +394,12 @@ class RunTail:
             state.note(part["step"].to_numpy(), part["timestamp"].to_numpy())
         return frame.with_columns(attempt=pl.lit(""))
 
-    def _journal(self, path: Path, final: bool = False) -> pl.DataFrame | None:
+    def _journal(self, path: Path, final: bool = False, superseded: bool = False) -> pl.DataFrame | None:
+        """The records of a journal read since the last poll: those a flush in it settled;
+        every whole one once the job ended (``final``), its writer is over, or the writer
+        went on to a newer journal (``superseded``: its last records wait for a flush the
+        newer one holds, which settles them when it comes, so they are read now, not after the
+        flush was seen: a step must not be taken as complete before its records are read)."""
         from metric_core.format import journal  # pyarrow: only for runs that hold a journal
 
         tail = self.journals.get(path)
@@ -438,7 +445,7 @@ class RunTail:
         # writer's death cut short is said.
         whole = final or a.over is not None
         rows = 0 if decoded.table is None else decoded.table.num_rows
-        first, end = tail.beyond, max(tail.beyond, rows if whole else decoded.settled_records)
+        first, end = tail.beyond, max(tail.beyond, rows if whole or superseded else decoded.settled_records)
         tail.beyond = end - decoded.settled_records
         if whole and decoded.truncated and not tail.truncated_said:
             tail.truncated_said = True
@@ -460,6 +467,21 @@ class RunTail:
         frame = frame.select(COLUMNS).cast(POLARS_SCHEMA)  # type: ignore[arg-type]
         state.note(frame["step"].to_numpy(), frame["timestamp"].to_numpy())
         return frame.with_columns(attempt=pl.lit(attempt))
+
+
+def _journal_seq(path: Path) -> tuple[str, int]:
+    """A journal's writer (``{stem}.r{rank}``) and its number in that writer's sequence."""
+    stem, _, seq = path.name[: -len(".journal")].rpartition(".")
+    return stem, int(seq) if seq.isdigit() else -1
+
+
+def _newest_journals(paths: list[Path]) -> dict[str, int]:
+    """Each writer's newest journal number among ``paths``: the one it writes now."""
+    newest: dict[str, int] = {}
+    for path in paths:
+        stem, seq = _journal_seq(path)
+        newest[stem] = max(seq, newest.get(stem, seq))
+    return newest
 
 
 def empty_tail() -> pl.DataFrame:
