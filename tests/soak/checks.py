@@ -238,6 +238,13 @@ def _ident(row: dict) -> tuple:
 # -- reducing modes ------------------------------------------------------------------
 
 
+def group_problem(members: list[dict], value: float) -> str | None:
+    """What is wrong with ``value`` as a group's reduction (its records' own), or None."""
+    return check_value(
+        members[0]["reduction"], [m["value"] for m in members], value, [m["timestamp"] for m in members]
+    )
+
+
 def expected_groups(seen: list[dict], mode: str, label=lambda r: r["step"]) -> dict[tuple, list[dict]]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for row in seen:
@@ -763,14 +770,8 @@ def console(job, seen: list[dict]) -> None:
             bad.append(f"step {step}: keys {sorted(set(values) ^ keys)} printed or missing")
             continue
         for key, text in values.items():
-            members = groups[(step, key)]
             job.result.values += 1
-            problem = check_value(
-                members[0]["reduction"],
-                [m["value"] for m in members],
-                float(text),
-                [m["timestamp"] for m in members],
-            )
+            problem = group_problem(groups[(step, key)], float(text))
             if problem:
                 bad.append(f"step {step} {key}: {problem}")
     if bad:
@@ -827,12 +828,7 @@ def uploads(job, truth: Truth, seen: list[dict]) -> None:
                     bad.append(f"step {row.get('step')} {key}: a value for a group with no record")
                     continue
                 job.result.values += 1
-                problem = check_value(
-                    members[0]["reduction"],
-                    [m["value"] for m in members],
-                    float(value),
-                    [m["timestamp"] for m in members],
-                )
+                problem = group_problem(members, float(value))
                 if problem:
                     bad.append(f"step {row['step']} {key}: {problem}")
         if bad:
