@@ -14,6 +14,11 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
+# Loaded here, on the thread that imports the reader: ``np.unique`` loads ``numpy.ma`` lazily
+# (numpy's module ``__getattr__``), and two reading threads doing that at once recurse until
+# RecursionError (soak seed 535793175: `keys` on 4 threads)
+import numpy.ma
 import polars as pl
 
 KEY_BUDGET = 1 << 18  # distinct keys held as Categorical, at most (about 24 MiB)
