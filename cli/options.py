@@ -299,8 +299,8 @@ Band = Annotated[
     choice(
         "--band",
         ("std", "stderr", "minmax"),
-        "With several runs: the band around each group's mean: std (mean -+ population std), stderr "
-        "(mean -+ standard error) or minmax (lowest to highest run).",
+        "With several runs: the band around each group's mean: std (mean ± population std), stderr "
+        "(mean ± standard error) or minmax (lowest to highest run).",
     ),
 ]
 DiffFormat = Annotated[

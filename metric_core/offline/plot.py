@@ -205,8 +205,8 @@ def plot_runs(
 ) -> Any:
     """Draw ``plan``'s keys (global_reduce) of several runs, grouped as ``compare_runs``
     groups them (``group_by``, ``keep_missing``, ``labels``): per group, a line of the mean
-    across its runs and a shaded ``band``: ``std`` (mean -+ the population std), ``stderr``
-    (mean -+ the standard error) or ``minmax`` (lowest to highest run). ``smooth`` smooths
+    across its runs and a shaded ``band``: ``std`` (mean ± the population std), ``stderr``
+    (mean ± the standard error) or ``minmax`` (lowest to highest run). ``smooth`` smooths
     each run's line (``ema``) before the runs are aggregated. Where fewer runs of a group
     hold a step than before, their count is written on its line. Saved to ``out`` if given;
     returns the matplotlib Figure.
@@ -250,8 +250,8 @@ def plot_runs(
         ax.set_ylabel(f"{key}\n({stats.filter(pl.col('key') == key)['reduction'][0]})")
         ax.grid(alpha=0.3)
     said = {
-        "std": "mean -+ std (population)",
-        "stderr": "mean -+ standard error",
+        "std": "mean ± std (population)",
+        "stderr": "mean ± standard error",
         "minmax": "lowest to highest",
     }
     axes[-1, 0].set_xlabel(
