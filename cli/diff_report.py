@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from metric_core.offline.diff import DiffReport
 
 # What a narrow terminal loses first of the table (then columns from the right).
-DIFF_DROPPED_FIRST = ("only_in_b", "only_in_a", "largest_b", "largest_a", "differing")
+DIFF_DROPPED_FIRST = ("largest_b", "largest_a", "differing", "only_in_b", "only_in_a")
 
 
 def print_diff(report: DiffReport) -> None:
@@ -48,10 +48,10 @@ def print_diff(report: DiffReport) -> None:
         else f"within --rtol {report.rtol:g} --atol {report.atol:g}"
     )
     if report.equal:
-        echo_prose(f"equal {how}: {report.keys_compared} key(s)")
+        echo_prose(f"equal, {how}: {report.keys_compared} key(s)")
     else:
         differing = len({d.key for d in report.differences})
-        echo_prose(f"the runs differ ({how}): {differing} of the {report.keys_compared} key(s) both hold")
+        echo_prose(f"the runs differ, {how}: {differing} of the {report.keys_compared} key(s) both hold")
 
 
 def _said(value: Any) -> str:

@@ -35,7 +35,7 @@ def test_a_run_and_its_copy_are_equal(job):
     assert result.exit_code == 0, result.output
     assert (
         result.stdout.splitlines()[-1]
-        == "equal bit for bit (NaN equals NaN; -0.0 differs from 0.0): 4 key(s)"
+        == "equal, bit for bit (NaN equals NaN; -0.0 differs from 0.0): 4 key(s)"
     )
 
 
@@ -51,7 +51,7 @@ def test_one_value_changed_at_step_37_is_named_with_its_key(job):
     assert report["differences"][0]["largest"] == abs(a - b)
     table = runner.invoke(app, ["diff", str(job / "run"), str(job / "changed")])
     assert table.exit_code == 5
-    assert "the runs differ (bit for bit" in table.stdout and " loss " in table.stdout
+    assert "the runs differ, bit for bit" in table.stdout and " loss " in table.stdout
     within = runner.invoke(app, ["diff", str(job / "run"), str(job / "changed"), "--rtol", "1e-6"])
     assert within.exit_code == 0, within.output
     per_rank = diff_runs(job / "run", job / "changed", mode="per_rank_reduce")
@@ -69,7 +69,7 @@ def test_nan_equals_nan_and_signed_zeros_differ_only_bit_for_bit(tmp_path):
     assert diff_runs(a, b, atol=0.0).equal
     cli = runner.invoke(app, ["diff", str(a), str(b), "--atol", "0"])
     assert cli.exit_code == 0
-    assert cli.stdout.splitlines()[-1] == "equal within --rtol 0 --atol 0: 1 key(s)"
+    assert cli.stdout.splitlines()[-1] == "equal, within --rtol 0 --atol 0: 1 key(s)"
 
 
 def test_keys_and_steps_only_in_one_run(tmp_path):

@@ -1093,6 +1093,8 @@ def sqrt_ratio(num: int, den: int) -> float:
     """
     if num == 0:
         return 0.0
+    twos = min((num & -num).bit_length(), (den & -den).bit_length()) - 1  # the same ratio, smaller
+    num, den = num >> twos, den >> twos
     k = 56 - (num.bit_length() - den.bit_length()) // 2  # the root's scale: 2**k
     quotient, rest = divmod(num << 2 * k, den) if k >= 0 else divmod(num, den << -2 * k)
     root = math.isqrt(quotient)
