@@ -372,3 +372,15 @@ def test_sqrt_ratio_is_correctly_rounded():
     ]
     for num, den in cases:
         assert sqrt_ratio(num, den) == correctly_rounded_sqrt(Fraction(num, den)), (num, den)
+
+
+def test_per_rank_reduce_needs_a_process_name_a_rank(tmp_path):
+    run = tmp_path / "twins"
+    for rank in (0, 1):
+        c = MetricCollector(run, rank=rank, process_name="worker")
+        c.push(metric_core.Metric("x", 1.0, Reduce.MEAN, BASE_TIME))
+        c.flush(0)
+        c.shutdown()
+    with pytest.raises(RequestError, match=f"^run {run}: ranks 0 and 1 both write as process 'worker'"):
+        compare_runs([run], mode="per_rank_reduce")
+    assert compare_runs([run]).frame["count"].to_list() == [1]

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from metric_core.errors import PlanError, RequestError, opt
 from metric_core.metric import LoggingMode
-from metric_core.offline.plan import By, Engine, ReducePlan, make_plan
+from metric_core.offline.plan import By, Engine, ReducePlan, make_plan, one_rank_a_process
 from metric_core.offline.read import OnProgress, OnRead
 
 if TYPE_CHECKING:
@@ -126,7 +126,7 @@ def compare_runs(
     """
     import polars as pl
 
-    plan = _plan(plan, options)
+    plan = plan_of(plan, options)
     across = parse_across(across)
     if keep_missing and group_by is None:
         raise PlanError("works only with " + opt("group_by") + "KEY", option="keep_missing", value=True)
@@ -261,8 +261,11 @@ def reduce_runs(
             on_progress=on_progress, engine=engine, ray_address=ray_address,
         )  # fmt: skip
         frame = result.frame
-        if plan.mode is LoggingMode.PER_RANK_REDUCE:
-            _one_rank_a_process(frame, run_dir)
+        if plan.mode is LoggingMode.PER_RANK_REDUCE:  # its sources are matched across runs by process
+            try:
+                one_rank_a_process(frame.select("process", "rank").unique().sort("rank").iter_rows())
+            except RequestError as exc:
+                raise RequestError(f"run {run_dir}: " + (exc.template or str(exc))) from None
         if plan.by is By.TIME:  # each run's windows from its own first record (its first window)
             every = float(plan.every or 0)
             start = frame["window_start"].min()
@@ -334,7 +337,8 @@ def config_value(meta: dict[str, Any], dotted: str) -> Any:
 # --- helpers -------------------------------------------------------------------------
 
 
-def _plan(plan: ReducePlan | None, options: dict[str, Any]) -> ReducePlan:
+def plan_of(plan: ReducePlan | None, options: dict[str, Any]) -> ReducePlan:
+    """``plan``, or the plan ``make_plan`` makes of ``options`` (not both)."""
     if plan is not None and options:
         raise PlanError(f"give a plan or its options ({', '.join(options)}), not both")
     return plan if plan is not None else make_plan(**options)
@@ -395,19 +399,6 @@ def _one_reduction_a_key(rows: pl.DataFrame, reduced: list[ReducedRun]) -> pl.Da
             "cannot be compared; choose one with " + opt("reduce") + f"'{key}=STAT'"
         )
     return rows
-
-
-def _one_rank_a_process(frame: pl.DataFrame, run_dir: str) -> None:
-    """Sources are matched across runs by process name: one name, one rank in a run."""
-    import polars as pl
-
-    names = frame.select("process", "rank").unique().group_by("process").agg(pl.col("rank").sort())
-    for process, ranks in names.filter(pl.col("rank").list.len() > 1).sort("process").iter_rows():
-        raise RequestError(
-            f"run {run_dir}: ranks {ranks[0]} and {ranks[1]} both write as process {process!r}, and "
-            "per_rank_reduce matches sources across runs by process name: give each rank a process name "
-            "of its own, or use " + opt("mode") + "global_reduce"
-        )
 
 
 def _median(values: Any, starts: Any, count: Any, nan: Any) -> Any:

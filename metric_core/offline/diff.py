@@ -27,8 +27,8 @@ from typing import Any
 
 from metric_core.errors import PlanError
 from metric_core.metric import LoggingMode
-from metric_core.offline.compare import bucket_column, reduce_runs
-from metric_core.offline.plan import Engine, ReducePlan, make_plan
+from metric_core.offline.compare import bucket_column, plan_of, reduce_runs
+from metric_core.offline.plan import Engine, ReducePlan
 from metric_core.offline.read import OnProgress, OnRead
 
 
@@ -116,9 +116,7 @@ def diff_runs(
     import numpy as np
     import polars as pl
 
-    if plan is not None and options:
-        raise PlanError(f"give a plan or its options ({', '.join(options)}), not both")
-    plan = plan if plan is not None else make_plan(**options)
+    plan = plan_of(plan, options)
     for name, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and not value >= 0:
             raise PlanError("must be a number, 0 or more", option=name, value=value)
