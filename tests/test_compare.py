@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import statistics
@@ -393,3 +394,21 @@ def test_per_rank_reduce_needs_a_process_name_a_rank(tmp_path):
     with pytest.raises(RequestError, match=f"^run {run}: ranks 0 and 1 both write as process 'worker'"):
         compare_runs([run], mode="per_rank_reduce")
     assert compare_runs([run]).frame["count"].to_list() == [1]
+
+
+def test_every_output_format_holds_the_same_rows(seeds, tmp_path):
+    frame = compare_runs(seeds, keys=["acc"], group_by="config.lr").frame
+    out = tmp_path / "across.parquet"
+    wrote = runner.invoke(
+        app, ["compare", *map(str, seeds), "--key", "acc", "--group-by", "config.lr", "--out", str(out)]
+    )
+    assert wrote.exit_code == 0, wrote.output
+    assert pl.read_parquet(out).equals(frame)
+    printed = runner.invoke(app, ["compare", *map(str, seeds), "--key", "acc", "--group-by", "config.lr",
+                                  "--format", "jsonl"])  # fmt: skip
+    rows = [json.loads(line) for line in printed.stdout.splitlines()]
+    assert [(r["config.lr"], r["step"], r["mean"], r["std_sample"]) for r in rows] == frame.select(
+        "config.lr", "step", "mean", "std_sample"
+    ).rows()
+    wide = runner.invoke(app, ["compare", *map(str, seeds), "--key", "acc", "--across", "mean", "--wide"])
+    assert wide.stdout.splitlines()[0] == "step,acc"
