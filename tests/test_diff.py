@@ -134,3 +134,16 @@ def test_random_perturbations_against_an_oracle(tmp_path, seed):
     assert report.equal is (not want)
     code = runner.invoke(app, ["diff", str(a), str(b), *(["--rtol", str(rtol)] if rtol else [])]).exit_code
     assert code == (0 if not want else 5)
+
+
+def test_a_key_reduced_otherwise_and_windows_from_each_runs_start(tmp_path):
+    a, b, later = tmp_path / "a", tmp_path / "b", tmp_path / "later"
+    write_timed(a, {0: 1.0, 1: 2.0}, start=BASE_TIME)
+    write_timed(b, {0: 1.0, 1: 2.0}, start=BASE_TIME, reduction=Reduce.MAX)
+    (x,) = diff_runs(a, b).differences
+    assert (x.key, x.differing, x.reductions) == ("x", 0, ("mean", "max"))
+    write_timed(later, {0: 1.0, 1: 2.0}, start=BASE_TIME + 5000.5)
+    assert diff_runs(a, later, by="time", every="1s").equal  # windows 0.0 and 1.0 s from each start
+    write_timed(tmp_path / "other", {0: 1.0, 1: 2.5}, start=BASE_TIME + 7000.25)
+    (w,) = diff_runs(a, tmp_path / "other", by="time", every="1s").differences
+    assert (w.first, w.first_a, w.first_b, w.largest) == (1.0, 2.0, 2.5, 0.5)
