@@ -868,7 +868,8 @@ typedef struct {
     int64_t mask;
     int64_t *arena;
     int64_t arena_used, arena_room;
-    int squares; /* some group kept squares */
+    int64_t lowest; /* no group's bucket is below it */
+    int squares;    /* some group kept squares */
 } Table;
 
 #define WINDOW_SLACK 1 /* digits a window gets beyond its first value's, each side */
@@ -882,10 +883,10 @@ static inline uint64_t mix64(uint64_t x) { /* splitmix64's finaliser */
     return x ^ (x >> 31);
 }
 
-/* A bucket's groups, numbered by combo from one place of the index: the combos of one
- * bucket (numbered in the order they came) sit side by side. */
+/* Where a group's search in the index starts: a hash of both (the combos of a bucket side
+ * by side made long runs of taken places, and long searches where two runs met). */
 static inline int64_t slot_of(int64_t bucket, int64_t combo, int64_t mask) {
-    return (int64_t)((mix64((uint64_t)bucket) + (uint64_t)combo) & (uint64_t)mask);
+    return (int64_t)(mix64((uint64_t)bucket ^ ((uint64_t)combo * UINT64_C(0x9E3779B97F4A7C15))) & (uint64_t)mask);
 }
 
 static int table_reindex(Table *t, int64_t slots) {
@@ -925,6 +926,7 @@ static Group *table_group(Table *t, int64_t bucket, int64_t combo) {
         at = slot_of(bucket, combo, t->mask);
         while (t->index[at]) at = (at + 1) & t->mask;
     }
+    if (bucket < t->lowest) t->lowest = bucket;
     Group *x = t->groups + t->used;
     *x = (Group){bucket, combo, 0, 0, 0, 0, 0, INFINITY, -INFINITY, -1, -1, 0, 0, 0, 0};
     t->index[at] = (int32_t)(++t->used);
@@ -985,6 +987,7 @@ static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     (void)kwargs;
     Table *t = (Table *)type->tp_alloc(type, 0);
     if (!t) return NULL;
+    t->lowest = INT64_MAX;
     if (table_reindex(t, 1024)) {
         Py_DECREF(t);
         return PyErr_NoMemory();
@@ -1008,8 +1011,16 @@ static PyObject *table_add(Table *t, PyObject *args) {
     const uint8_t *sq = (const uint8_t *)squares_b.buf;
     int status = OK;
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t i = 0; i < rows; i++) {
-        Group *x = table_group(t, bucket[i], combo[i]);
+    int64_t last = -1; /* the group of the row before: rows of one group, or of the next one made, */
+    for (int64_t i = 0; i < rows; i++) { /* often follow each other (steps and keys in order) */
+        Group *x = NULL;
+        for (int64_t g = last; g <= last + 1 && g < t->used; g++)
+            if (g >= 0 && t->groups[g].bucket == bucket[i] && t->groups[g].combo == combo[i]) {
+                x = t->groups + g;
+                break;
+            }
+        if (!x) x = table_group(t, bucket[i], combo[i]);
+        if (x) last = x - t->groups;
         if (!x) {
             status = NO_MEMORY;
             break;
@@ -1041,7 +1052,8 @@ static PyObject *table_add(Table *t, PyObject *args) {
         uint64_t m = significand_of(bits, biased);
         int64_t p[SQUARE_PIECES];
         int64_t d = sum_pieces(bits, m, e, p);
-        if (window_cover(t, &x->s_at, &x->s_lo, &x->s_len, d, d + SUM_PIECES - 1)) {
+        if ((x->s_at < 0 || d < x->s_lo || d + SUM_PIECES > (int64_t)x->s_lo + x->s_len) &&
+            window_cover(t, &x->s_at, &x->s_lo, &x->s_len, d, d + SUM_PIECES - 1)) {
             status = NO_MEMORY;
             break;
         }
@@ -1051,7 +1063,8 @@ static PyObject *table_add(Table *t, PyObject *args) {
         y[2] += p[2];
         if (!sq[i]) continue;
         d = square_pieces(m, e, p);
-        if (window_cover(t, &x->q_at, &x->q_lo, &x->q_len, d, d + SQUARE_PIECES - 1)) {
+        if ((x->q_at < 0 || d < x->q_lo || d + SQUARE_PIECES > (int64_t)x->q_lo + x->q_len) &&
+            window_cover(t, &x->q_at, &x->q_lo, &x->q_len, d, d + SQUARE_PIECES - 1)) {
             status = NO_MEMORY;
             break;
         }
@@ -1078,7 +1091,9 @@ static PyObject *table_below(Table *t, PyObject *args) {
     int every;
     if (!PyArg_ParseTuple(args, "Lp", &upto, &every)) return NULL;
     int64_t k = 0;
-    for (int64_t g = 0; g < t->used; g++) k += every || t->groups[g].bucket < upto;
+    if (every) k = t->used;
+    else if (upto > t->lowest)
+        for (int64_t g = 0; g < t->used; g++) k += t->groups[g].bucket < upto;
     return PyLong_FromLongLong((long long)k);
 }
 
@@ -1180,7 +1195,7 @@ static PyObject *table_drain(Table *t, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    int64_t arena_at = 0;
+    int64_t arena_at = 0, lowest = INT64_MAX;
     for (int64_t g = 0; g < t->used; g++) {
         Group x = t->groups[g];
         if (every || x.bucket < upto) continue;
@@ -1195,7 +1210,9 @@ static PyObject *table_drain(Table *t, PyObject *args) {
             arena_at += x.q_len;
         }
         t->groups[left++] = x;
+        if (x.bucket < lowest) lowest = x.bucket;
     }
+    t->lowest = lowest;
     free(t->arena);
     t->arena = kept_arena;
     kept_arena = NULL;

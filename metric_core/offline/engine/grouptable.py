@@ -1,9 +1,10 @@
 """Records added straight into their groups, across partitions: the compiled path's table.
 
-A partition whose groups hold a record or two each (another tool's files, a file a rank,
-each key once a step) gains nothing from being reduced to states first: its states are as
-many as its records, and folding them into the accumulator costs more than the records
-did. On the compiled path (``exact.path()``) the records of groups whose statistic is
+In ``global_reduce`` a group (step and key) takes records of every source, and each
+source's come in partitions of their own (a file a rank, each key once a step: another
+tool's files, or the writer's): a partition's states are then about as many as its
+records, and folding them into the accumulator costs more than the records did. There,
+on the compiled path (``exact.path()``), the records of groups whose statistic is
 ``sum``, ``mean``, ``std``, ``min``, ``max`` or ``count`` are handed over as they are
 (``partials.Rows``), and the accumulator adds them into a ``GroupTable``: one C hash table
 of (bucket, combo) groups, each with its count, min, max and exact sums in int64 digits
