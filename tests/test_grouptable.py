@@ -61,9 +61,10 @@ def test_the_table_holds_what_accumulate_and_numpy_give(seed):
     assert len(table) == 0
     assert (first[0] < upto).all() and (rest[0] >= upto).all()
 
-    cell = bucket * COMBOS + (combo + 0)  # buckets are small: a cell a group, in bucket order
+    cell = bucket * COMBOS + combo  # buckets are small: a cell a group, in bucket order
     cells, group = np.unique(cell - bucket.min() * COMBOS, return_inverse=True)
-    got_cells = np.concatenate([first[0] * COMBOS + first[1], rest[0] * COMBOS + rest[1]]) - bucket.min() * COMBOS
+    got_cells = np.concatenate([first[0] * COMBOS + first[1], rest[0] * COMBOS + rest[1]])
+    got_cells -= bucket.min() * COMBOS
     assert np.array_equal(got_cells, cells)  # every group once, in the order of bucket then combo
     got_state = np.concatenate([first[2], rest[2]], axis=1)
     parts = [
@@ -95,7 +96,7 @@ def test_a_group_drained_and_met_again_is_added_to_where_it_went():
     table = grouptable.GroupTable()
     one = np.arange(1)
     table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.1, 0.2]), SQUARES), one)
-    bucket, combo, state, held = table.drain(6)
+    bucket, _, state, held = table.drain(6)
     assert bucket.tolist() == [5] and len(table) == 1
     table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.7, 0.3]), SQUARES), one)
     bucket, _, state, later = table.drain(math.inf)

@@ -398,7 +398,8 @@ class Accumulator:
             self.set_aside()
 
     def _groups_held(self) -> int:
-        return sum(block.groups for block in self.blocks.values()) + (0 if self.table is None else len(self.table))
+        table = 0 if self.table is None else len(self.table)
+        return table + sum(block.groups for block in self.blocks.values())
 
     def _rows(self, rows: Rows, combo_of: np.ndarray) -> None:
         """Records handed over as rows, into the table (or, once it no longer takes them,
@@ -608,7 +609,8 @@ class Accumulator:
         """The groups (at most) of the blocks that start below bucket ``upto``, set aside ones too."""
         aside = 0 if self.aside is None else self.aside.rows_below(upto)
         table = 0 if self.table is None else self.table.below(upto)
-        return aside + table + sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
+        blocks = sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
+        return aside + table + blocks
 
     def cuts(self, upto: float, groups: int) -> list[float]:
         """Where to cut the taking of the buckets below ``upto`` (block edges, then ``upto``)

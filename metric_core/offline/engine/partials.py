@@ -181,7 +181,8 @@ def partition_states(
     if direct:
         handed = np.array([s is not None and s.name in DIRECT for s in stats])
         if handed.any():
-            squares = np.array([s is not None and s.name == "std" for s in stats])[stat_of_combo].astype(np.uint8)
+            std = np.array([s is not None and s.name == "std" for s in stats])
+            squares = std[stat_of_combo].astype(np.uint8)
             if handed.all():
                 return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares))
             mine = handed[stat_of_combo[combo]]
@@ -222,7 +223,9 @@ def partition_states(
     return Partial(group_bucket, group_combo, labels, state, value_group, values, exact, rows_out)
 
 
-def _no_groups(labels: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
+def _no_groups(
+    labels: pl.DataFrame,
+) -> tuple[np.ndarray, np.ndarray, pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
     """A Partial's fields (up to its values) where no group has a state."""
     none = np.empty(0, dtype=np.int64)
     return none, none, labels, np.empty((COUNTED, 0)), none, np.empty(0)

@@ -224,9 +224,8 @@ class TaskWork:
                     pieces.append(key_matching(frame.slice(start, rows), match))
                     held += pieces[-1].height
                     if held >= rows:
-                        yield partials.partition_states(
-                            pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, self.direct
-                        )
+                        records = pl.concat(pieces, how="vertical_relaxed")
+                        yield partials.partition_states(records, plan, statistic_of, self.t0, self.direct)
                         pieces, held = [], 0
         if held:
             yield partials.partition_states(
