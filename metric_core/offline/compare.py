@@ -240,9 +240,9 @@ def reduce_runs(
     if labels is not None and len(labels) != len(dirs):
         raise PlanError(
             f"names {len(labels)} run(s), and {len(dirs)} were given ({', '.join(dirs)}): give one label "
-            "a run, in the order of the runs",
+            "a run, in the order of the runs (--label a --label b ...)",
             option="label",
-            value=list(labels),
+            value=", ".join(labels),
         )
     named = list(labels) if labels is not None else [name_of(run_path(d)) for d in dirs]
     seen: dict[str, str] = {}
