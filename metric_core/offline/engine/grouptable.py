@@ -1,9 +1,12 @@
 """Records added straight into their groups, across partitions: the compiled path's table.
 
-In ``global_reduce`` a group (step and key) takes records of every source, and each
-source's come in partitions of their own (a file a rank, each key once a step: another
-tool's files, or the writer's): a partition's states are then about as many as its
-records, and folding them into the accumulator costs more than the records did. There,
+In ``global_reduce`` a group (step and key) takes records of every source, and in a run
+of several files each source's come in partitions of their own (a file a rank, each key
+once a step: another tool's files, or the writer's): a partition's states are then about
+as many as its records, and folding them into the accumulator costs more than the records
+did. There (not in one file of every source's records side by side, whose partitions'
+states already hold several records a group; rows_50M of bench_memory.py was 20% slower
+through the table),
 on the compiled path (``exact.path()``), the records of groups whose statistic is
 ``sum``, ``mean``, ``std``, ``min``, ``max`` or ``count`` are handed over as they are
 (``partials.Rows``), and the accumulator adds them into a ``GroupTable``: one C hash table
