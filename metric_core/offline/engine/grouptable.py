@@ -6,10 +6,9 @@ once a step: another tool's files, or the writer's): a partition's states are th
 as many as its records, and folding them into the accumulator costs more than the records
 did. There (not in one file of every source's records side by side, whose partitions'
 states already hold several records a group; rows_50M of bench_memory.py was 20% slower
-through the table),
-on the compiled path (``exact.path()``), the records of groups whose statistic is
-``sum``, ``mean``, ``std``, ``min``, ``max`` or ``count`` are handed over as they are
-(``partials.Rows``), and the accumulator adds them into a ``GroupTable``: one C hash table
+through the table), on the compiled path (``exact.path()``), the records of groups whose
+statistic is ``sum``, ``mean``, ``std``, ``min``, ``max`` or ``count`` are handed over as
+they are (``partials.Rows``), and the accumulator adds them into a ``GroupTable``: one C hash table
 of (bucket, combo) groups, each with its count, min, max and exact sums in int64 digits
 (``_exact.Table``). Taking the groups out (``drain``) gives them in the form of a
 partition's states (``partials.FIELDS`` up to max, ``exact.ExactState``), which the
