@@ -926,7 +926,7 @@ from metric_core.offline.upload import send
 def fail(*args, **kwargs):
     raise {raised}("the rows could not be sent")
 
-send.Sender._log = fail
+send.WandBSender.log_rows = fail
 from metriclog.start import main
 sys.argv = ["metriclog", *sys.argv[1:]]
 main()
