@@ -7,6 +7,7 @@ again, leaves every step once."""
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import signal
 import sqlite3
@@ -190,7 +191,9 @@ def test_a_killed_upload_started_again_leaves_every_step_once(tmp_path):
     _long_run(run, steps)
     uri = store(tmp_path)
     command = [METRICLOG, "upload", str(run), "--to", "mlflow", "--tracking-uri", uri]
-    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    (tmp_path / "tmp").mkdir()  # the killed upload leaves its planned rows' files: in the test's own place
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while _metrics_in(tmp_path / "mlruns.db") == 0:  # a condition, not a fixed wait
@@ -202,7 +205,7 @@ def test_a_killed_upload_started_again_leaves_every_step_once(tmp_path):
         first.wait()
     part = _metrics_in(tmp_path / "mlruns.db")
     assert 0 < part < 2 * steps, "killed mid-way"
-    again = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0, again.stderr
     assert "resumed" in again.stderr, again.stderr
     (held,) = runs_of(uri).values()
