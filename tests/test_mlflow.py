@@ -59,6 +59,16 @@ def same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 
 
+def rl_meta(run: Path) -> dict:
+    import json
+
+    return json.loads((run / "run.json").read_text())
+
+
+def rl_config(run: Path) -> dict:
+    return rl_meta(run).get("config") or {}
+
+
 @pytest.fixture
 def rl_run(tmp_path):
     run = tmp_path / "rl_run"
@@ -87,6 +97,28 @@ def test_the_sample_run_read_back_equals_reduce_exactly_and_a_second_upload_adds
             assert all(
                 same(v, stored(w)) for (_, _, v), w in zip(held[key], rows["value"].to_list(), strict=True)
             ), (source, key)
+    # a reduced step's time: its run's first record time, in integer milliseconds
+    raw = reduce_run(rl_run, mode="per_rank_no_reduce")
+    for source in sources:
+        mine = raw if source is None else raw.filter(raw["process"] == source)
+        first = round(min(mine["timestamp"].to_list()) * 1000)
+        held = got["rl_run" if source is None else f"rl_run_{source}"]
+        assert {t for points in held.values() for _, t, _ in points} == {first}, source
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    for found in client.search_runs([client.get_experiment_by_name("metriclog").experiment_id]):
+        tags, params = found.data.tags, found.data.params
+        config = rl_config(rl_run)  # run.json's config: its text as params
+        assert {k: params[k] for k in config} == {
+            k: v if isinstance(v, str) else repr(v) for k, v in config.items()
+        }
+        assert params["metriclog.mode"] == mode
+        assert tags["metriclog.run_id"] == rl_meta(rl_run)["run_id"]
+        if mode == "per_rank_reduce":
+            process = found.info.run_name.removeprefix("rl_run_")
+            ranks = set(frame.filter(frame["process"] == process)["rank"])
+            assert tags["metriclog.process"] == process and {int(tags["metriclog.rank"])} == ranks
     again = upload_run(rl_run, make_plan(mode=mode), MLflow(uri))
     assert {o.action for o in again.outcomes} == {"skipped"}
     assert runs_of(uri) == got  # not one metric more
