@@ -172,7 +172,7 @@ def upload(
     project: o.Project = None,
     to: o.ToOpt = o.To.WANDB,
     logdir: o.Logdir = None,
-    tracking_uri: o.TrackingUri = None,
+    uri: o.TrackingUri = None,  # --tracking-uri
     experiment: o.Experiment = None,
     entity: o.Entity = None,
     group: o.Group = None,
@@ -239,9 +239,7 @@ def upload(
             result = upload_run(
                 run_dir,
                 o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
-                o.destination(
-                    to, project, entity, offline, connect_timeout, logdir, (tracking_uri, experiment)
-                ),
+                o.destination(to, project, entity, offline, connect_timeout, logdir, uri, experiment),
                 name=name,
                 group=group,
                 share_run=per_rank_share_run,

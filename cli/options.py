@@ -285,18 +285,19 @@ def destination(
     offline: bool,
     connect_timeout: float | None,
     logdir: str | None,
-    mlflow: tuple[str | None, str | None] = (None, None),
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
 ) -> Any:
-    """``upload_run``'s ``to`` from upload's options (``mlflow``: --tracking-uri and
-    --experiment); an option of another destination is a usage error."""
+    """``upload_run``'s ``to`` from upload's options; an option of another destination is a
+    usage error."""
     from pathlib import Path
 
     from metric_core.offline.upload import MLflow, TensorBoard, WandB
 
     given = {
         "--project": project, "--entity": entity, "--offline": offline or None,
-        "--connect-timeout": connect_timeout, "--logdir": logdir, "--tracking-uri": mlflow[0],
-        "--experiment": mlflow[1],
+        "--connect-timeout": connect_timeout, "--logdir": logdir, "--tracking-uri": tracking_uri,
+        "--experiment": experiment,
     }  # fmt: skip
     owner = {"--logdir": To.TENSORBOARD, "--tracking-uri": To.MLFLOW, "--experiment": To.MLFLOW}
     for flag, value in given.items():
@@ -310,7 +311,7 @@ def destination(
             raise typer.BadParameter("--to tensorboard writes under --logdir DIR: give it", param_hint="--to")
         return TensorBoard(Path(logdir))
     if to is To.MLFLOW:
-        return MLflow(mlflow[0], mlflow[1] or "metriclog")
+        return MLflow(tracking_uri, experiment or "metriclog")
     if project is None:
         raise typer.BadParameter("name the W&B project: --project P", param_hint="--project")
     if connect_timeout is None:

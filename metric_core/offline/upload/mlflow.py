@@ -24,6 +24,7 @@ again, so a step is never there twice. MLflow's SQL store keeps +-inf as
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -135,6 +136,9 @@ class MLflow(Destination):
         self.load_client()
         from mlflow.tracking import MlflowClient
 
+        for name in ("mlflow", "alembic"):  # its store's set-up is not the user's business
+            logging.getLogger(name).setLevel(logging.WARNING)
+
         client = MlflowClient(tracking_uri=self.tracking_uri)
         sender = MLflowSender(planned, ledger, self, force_new, events, samples, live=live)
         for run in planned.runs:  # a key MLflow refuses is said before anything is sent
@@ -223,7 +227,8 @@ class MLflowSender(Sender):
         if finished:
             _call(lambda: self.client.set_terminated(handle.run_id, "FINISHED"), self.to)
         outcome.message = (
-            outcome.message or f"MLflow run {handle.run_id} of experiment '{self.to.experiment}'"
+            outcome.message
+            or f"{outcome.run.name} is MLflow run {handle.run_id} in experiment '{self.to.experiment}'"
         )
         return {"mlflow_run_id": handle.run_id}
 
