@@ -275,3 +275,11 @@ def test_each_steps_samples_are_a_json_artifact_beside_the_store(tmp_path):
         assert json.loads(Path(where).read_text()) == [{"prompt": str(s), "reward": float(s)}]
     assert (tmp_path / "mlartifacts").is_dir() and not (Path.cwd() / "mlruns").exists()
     assert any("1 step(s) of samples have no row to go with" in t for t in said), said
+
+
+def test_a_missing_client_names_the_install(monkeypatch):
+    from metric_core.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # an import of it fails, as when not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install 'metriclog\[mlflow\]'"):
+        MLflow("sqlite:///x.db").load_client()

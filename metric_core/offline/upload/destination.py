@@ -281,6 +281,21 @@ class Sender:
         """A run a follow gave up for a fresh one: remove what of it must not be sent later."""
 
 
+def step_values(
+    row: dict[str, Any], run: PlannedRun, index: int
+) -> tuple[int, float | None, dict[str, float]]:
+    """A history row as a destination with an integer step takes it (TensorBoard, MLflow):
+    its step, its time (a raw record's own; None for a reduced step, which has none) and
+    its values. A window of time (``--by time``) is at its number, ``index`` (its row's),
+    and its start."""
+    values = {
+        k: float(v) for k, v in row.items() if k not in (run.bucket, "step", "_timestamp") and v is not None
+    }
+    if run.bucket == "step":
+        return int(row["step"]), row.get("_timestamp"), values
+    return index, row.get(run.bucket), values
+
+
 def send_runs(
     planned: PlannedRuns,
     ledger: Ledger,

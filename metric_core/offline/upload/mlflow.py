@@ -43,6 +43,7 @@ from metric_core.offline.upload.destination import (
     UploadEvents,
     is_done,
     stale_in,
+    step_values,
 )
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.restarts import replacing, steps_said
@@ -236,18 +237,13 @@ class MLflowSender(Sender):
         self, handle: _Run, row: dict[str, Any], run: PlannedRun
     ) -> Iterator[tuple[int, str, float, int]]:
         """A row's values as MLflow metrics: (step, key, value, timestamp in ms)."""
-        x = run.bucket
-        if x == "step":
-            step = int(row["step"])
-            at = row.get("_timestamp", run.started)
-        else:  # a window: its number is the step, its start the time
-            step, at = handle.rows, row.get(x)
+        step, at, values = step_values(row, run, handle.rows)
         handle.rows += 1
+        if at is None:  # a reduced step: its run's first record time
+            at = run.started
         ms = _ms(at) if at is not None else 0
-        for key, value in row.items():
-            if key in (x, "step", "_timestamp") or value is None:
-                continue
-            yield step, self.key(key), float(value), ms
+        for key, value in values.items():
+            yield step, self.key(key), value, ms
 
     def key(self, key: str) -> str:
         """The MLflow key of a run's key; one renamed is said once."""

@@ -46,6 +46,7 @@ from metric_core.offline.upload.destination import (
     UploadEvents,
     is_done,
     stale_in,
+    step_values,
 )
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.restarts import replacing, steps_said
@@ -176,20 +177,12 @@ class TensorBoardSender(Sender):
         from tensorboardX.proto.event_pb2 import Event
 
         n = 0
-        x = run.bucket
         for row in rows:
             n += 1
-            wall = row.get("_timestamp")
-            if x == "step":
-                step = int(row[x])
-            else:  # a window: its number is the step, its start the wall time
-                step, wall = handle.rows, row.get(x, wall)
+            step, wall, row_values = step_values(row, run, handle.rows)
             handle.rows += 1
             values = []
-            for key, value in row.items():
-                if key in (x, "step", "_timestamp") or value is None:
-                    continue
-                value = float(value)
+            for key, value in row_values.items():
                 if math.isfinite(value):
                     narrow = float(np.float32(value))
                     if narrow != value:
