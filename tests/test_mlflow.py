@@ -41,6 +41,7 @@ def runs_of(uri: str, experiment: str = "metriclog") -> dict[str, dict[str, list
     found = client.get_experiment_by_name(experiment)
     out = {}
     for run in client.search_runs([found.experiment_id]):
+        assert run.info.run_name not in out, f"two MLflow runs named {run.info.run_name}"
         out[run.info.run_name] = {
             key: sorted(
                 ((m.step, m.timestamp, m.value) for m in client.get_metric_history(run.info.run_id, key)),
@@ -283,3 +284,15 @@ def test_a_missing_client_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)  # an import of it fails, as when not installed
     with pytest.raises(MissingDependencyError, match=r"pip install 'metriclog\[mlflow\]'"):
         MLflow("sqlite:///x.db").load_client()
+
+
+def test_a_run_whose_ledger_is_lost_is_found_by_its_tag_and_nothing_is_sent_twice(tmp_path):
+    run = tmp_path / "exp"
+    _long_run(run, 30)
+    uri = store(tmp_path)
+    upload_run(run, make_plan(), MLflow(uri))
+    before = runs_of(uri)
+    shutil.rmtree(run / ".metriclog")  # the ledger gone: MLflow itself says what it holds
+    again = upload_run(run, make_plan(), MLflow(uri))
+    assert again.outcomes[0].rows_sent == 30
+    assert runs_of(uri) == before  # the same one run, each step once

@@ -176,8 +176,11 @@ class MLflowSender(Sender):
     def start(
         self, run: PlannedRun, decision: Decision, entry: dict[str, Any] | None, outcome: RunOutcome
     ) -> Any:
-        """A new MLflow run (its params and tags), or the one the ledger names, continued."""
+        """A new MLflow run (its params and tags), or the one of this id (the ledger's, or
+        found by its tag ``metriclog.upload_id``), continued."""
         existing = (entry or {}).get("mlflow_run_id") if decision.resume else None
+        if not existing:  # one made by an upload killed before its ledger said so, or a ledger lost
+            existing = self._tagged(decision.run_id)
         if existing:
             outcome.rows_sent = int((entry or {}).get("rows_sent", 0))
             if outcome.rows_sent:
@@ -268,6 +271,16 @@ class MLflowSender(Sender):
             held[at] -= 1
             return True
         return False
+
+    def _tagged(self, run_id: str) -> str | None:
+        """The MLflow run an upload of this id created already, by its tag, if any."""
+        found = _call(
+            lambda: self.client.search_runs(
+                [self.experiment_id], filter_string=f"tags.`metriclog.upload_id` = '{run_id}'", max_results=1
+            ),
+            self.to,
+        )
+        return str(found[0].info.run_id) if found else None
 
     def _tags(self, run: PlannedRun, run_id: str) -> dict[str, str]:
         tags = {f"metriclog.{k}": _text(v) for k, v in self.plan.meta.items() if k != "config"}
