@@ -68,6 +68,7 @@ class MLflow(Destination):
     experiment: str = "metriclog"
 
     kind = "MLflow"
+    slow_client = True  # mlflow takes seconds to import: done while a child reads the run
 
     def request(self, name: str | None, group: str | None, *, run_name: str) -> dict[str, Any]:
         return {"mlflow": self.tracking_uri, "experiment": self.experiment, "name": name, "group": group}
