@@ -155,9 +155,11 @@ def test_an_illegal_key_is_mapped_and_said(tmp_path):
         "e/../f": "e/_/f",
         "ok/key 1:x": "ok/key 1:x",
     }
-    from metric_core.errors import PlanError
+    from metric_core.errors import RequestError
 
-    with pytest.raises(PlanError, match="MLflow takes at most 250"):
+    with pytest.raises(
+        RequestError, match=f"the key 'k{{{MAX_KEY + 1}}}' holds 251 characters and MLflow takes at most 250"
+    ):
         mlflow_keys(["k" * (MAX_KEY + 1)])
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.errors import MissingDependencyError, PlanError, UploadError
+from metric_core.errors import MissingDependencyError, RequestError, UploadError
 from metric_core.offline.upload.destination import (
     Decision,
     Destination,
@@ -312,10 +312,9 @@ def mlflow_keys(keys: list[str]) -> dict[str, str]:
     for key in keys:
         name = mlflow_key(key)
         if len(name) > MAX_KEY:
-            raise PlanError(
-                f"holds {len(name)} characters: MLflow takes at most {MAX_KEY}; leave it out with --key",
-                option="key",
-                value=key,
+            raise RequestError(
+                f"the key '{key}' holds {len(name)} characters and MLflow takes at most {MAX_KEY}: upload "
+                "the other keys (--key with patterns that leave it out), or to another destination"
             )
         out[key] = name
     return out
