@@ -1030,8 +1030,8 @@ def test_a_rank_whose_heartbeat_stopped_is_said_so_and_named_as_watch_names_it(t
 def test_follow_to_tensorboard_and_to_mlflow_end_equal_to_plain_uploads(tmp_path):
     """Issue 45: every destination follows through the one contract. Followed beside the
     job, the event files hold what a plain --to tensorboard writes after it (read back by
-    TensorBoard), and the MLflow run what a plain --to mlflow sends (read back by
-    MlflowClient: steps, timestamps and values)."""
+    TensorBoard), and the MLflow runs (global, and per rank) what a plain --to mlflow
+    sends (read back by MlflowClient: steps, timestamps and values)."""
     pytest.importorskip("tensorboardX")
     pytest.importorskip("mlflow")
     from metric_core import make_plan
@@ -1052,6 +1052,14 @@ def test_follow_to_tensorboard_and_to_mlflow_end_equal_to_plain_uploads(tmp_path
         for to in (
             ["--to", "tensorboard", "--logdir", str(tmp_path / "tb-followed")],
             ["--to", "mlflow", "--tracking-uri", f"sqlite:///{tmp_path}/followed.db"],
+            [
+                "--to",
+                "mlflow",
+                "--tracking-uri",
+                f"sqlite:///{tmp_path}/ranks.db",
+                "--mode",
+                "per_rank_reduce",
+            ],
         )
     ]
     finish(writers(run, steps=30, ranks=2))
@@ -1069,6 +1077,10 @@ def test_follow_to_tensorboard_and_to_mlflow_end_equal_to_plain_uploads(tmp_path
     assert followed == plain
     assert followed["loss"] == [(s, float(np.float32(expected[s]["loss"]))) for s in range(30)]
     assert runs_of(f"sqlite:///{tmp_path}/followed.db") == runs_of(f"sqlite:///{tmp_path}/plain.db")
+    upload_run(run, make_plan(mode="per_rank_reduce"), MLflow(f"sqlite:///{tmp_path}/ranks-plain.db"))
+    ranks = runs_of(f"sqlite:///{tmp_path}/ranks.db")
+    assert sorted(ranks) == ["run_Trainer_r0", "run_Trainer_r1"]
+    assert ranks == runs_of(f"sqlite:///{tmp_path}/ranks-plain.db")
     (held,) = runs_of(f"sqlite:///{tmp_path}/plain.db").values()
     assert [s for s, _, _ in held["loss"]] == list(range(30))
     assert [v for _, _, v in held["loss"]] == pytest.approx(
