@@ -83,7 +83,7 @@ from pathlib import Path
 c = json.loads(sys.argv[1])
 import wandb
 from metric_core import make_plan
-from metric_core.offline.upload import Destination, UploadEvents
+from metric_core.offline.upload import Follow, UploadEvents, WandB
 from metric_core.offline.upload.follow import follow_upload
 handed = {}
 
@@ -97,9 +97,9 @@ def init(**kwargs):
     return run
 
 upload, state = follow_upload(
-    Path(c["run"]), make_plan(), Destination("bench", offline=True), name="bench", group=None,
+    Path(c["run"]), make_plan(), WandB("bench", offline=True, init=init), name="bench", group=None,
     share_run=False, dry_run=False, force_new=False, follow_symlinks=False, strict=False,
-    events=UploadEvents(), request={}, interval=c["interval"], init=init,
+    events=UploadEvents(), request={}, follow=Follow(interval=c["interval"]),
 )
 json.dump({"handed": handed, "records": state.records, "ended": state.ended}, open(c["out"], "w"))
 """

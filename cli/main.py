@@ -167,12 +167,14 @@ def reduce(
             output.say("warning", note.text(o.as_flag))
 
 
-@app.command(cls=_Command, short_help="Upload a logging mode of a run to W&B, or to TensorBoard files.")
+@app.command(cls=_Command, short_help="Upload a logging mode of a run to W&B, TensorBoard files or MLflow.")
 def upload(
     run_dir: o.RunDir,
     project: o.Project = None,
     to: o.ToOpt = o.To.WANDB,
     logdir: o.Logdir = None,
+    uri: o.TrackingUri = None,  # --tracking-uri
+    experiment: o.Experiment = None,
     entity: o.Entity = None,
     group: o.Group = None,
     name: o.Name = None,
@@ -211,7 +213,7 @@ def upload(
     alert_on: o.AlertOn = None,
     on_alert: o.OnAlert = None,
 ) -> None:
-    """Upload a logging mode of a run to Weights & Biases (idempotent, resumable).
+    """Upload a logging mode of a run to W&B, TensorBoard or MLflow (idempotent, resumable).
 
     With --follow, upload it live, beside the job that writes it. Each key of samples
     (Reduce.SAMPLE) goes as a W&B table per step, in that step's row: by default the top 2
@@ -224,6 +226,7 @@ def upload(
         metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
         metriclog upload runs/exp1 --project rl --follow
         metriclog upload runs/exp1 --to tensorboard --logdir tb --mode per_rank_reduce
+        metriclog upload runs/exp1 --to mlflow --experiment rl
     """
     from metric_core.offline.upload import upload_run
 
@@ -237,7 +240,7 @@ def upload(
             result = upload_run(
                 run_dir,
                 o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
-                o.destination(to, project, entity, offline, connect_timeout, logdir),
+                o.destination(to, project, entity, offline, connect_timeout, logdir, uri, experiment),
                 name=name,
                 group=group,
                 share_run=per_rank_share_run,

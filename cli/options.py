@@ -319,15 +319,35 @@ Project = Annotated[
 class To(str, Enum):
     WANDB = "wandb"
     TENSORBOARD = "tensorboard"
+    MLFLOW = "mlflow"
 
 
 ToOpt = Annotated[
     To,
-    choice("--to", To, "Where the runs go: W&B (the default), or TensorBoard event files under --logdir."),
+    choice(
+        "--to",
+        To,
+        "Where the runs go: W&B (the default), TensorBoard event files under --logdir, or an MLflow "
+        "tracking store (--tracking-uri, --experiment).",
+    ),
 ]
 Logdir = Annotated[
     str | None,
     typer.Option("--logdir", metavar="DIR", help="With --to tensorboard: the folder TensorBoard reads."),
+]
+TrackingUri = Annotated[
+    str | None,
+    typer.Option(
+        "--tracking-uri",
+        metavar="URI",
+        help="With --to mlflow: the tracking store [default: MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
+    ),
+]
+Experiment = Annotated[
+    str | None,
+    typer.Option(
+        "--experiment", metavar="NAME", help="With --to mlflow: the experiment [default: metriclog]."
+    ),
 ]
 
 
@@ -338,36 +358,38 @@ def destination(
     offline: bool,
     connect_timeout: float | None,
     logdir: str | None,
+    tracking_uri: str | None = None,
+    experiment: str | None = None,
 ) -> Any:
-    """``upload_run``'s ``to`` from upload's options; a misused one is a usage error."""
+    """``upload_run``'s ``to`` from upload's options; an option of another destination is a
+    usage error."""
     from pathlib import Path
 
-    from metric_core.offline.upload import Destination
-    from metric_core.offline.upload.tensorboard import TensorBoard
+    from metric_core.offline.upload import MLflow, TensorBoard, WandB
 
+    given = {
+        "--project": project, "--entity": entity, "--offline": offline or None,
+        "--connect-timeout": connect_timeout, "--logdir": logdir, "--tracking-uri": tracking_uri,
+        "--experiment": experiment,
+    }  # fmt: skip
+    owner = {"--logdir": To.TENSORBOARD, "--tracking-uri": To.MLFLOW, "--experiment": To.MLFLOW}
+    for flag, value in given.items():
+        if value is not None and owner.get(flag, To.WANDB) is not to:
+            whose = owner.get(flag, To.WANDB)
+            if whose is To.WANDB:
+                raise typer.BadParameter(f"{flag} is W&B's: not with --to {to.value}", param_hint=flag)
+            raise typer.BadParameter(f"{flag} works only with --to {whose.value}", param_hint=flag)
     if to is To.TENSORBOARD:
-        given = [
-            f
-            for f, v in (
-                ("--project", project),
-                ("--entity", entity),
-                ("--offline", offline or None),
-                ("--connect-timeout", connect_timeout),
-            )
-            if v is not None
-        ]
         if logdir is None:
             raise typer.BadParameter("--to tensorboard writes under --logdir DIR: give it", param_hint="--to")
-        if given:
-            raise typer.BadParameter(f"{given[0]} is W&B's: not with --to tensorboard", param_hint=given[0])
         return TensorBoard(Path(logdir))
-    if logdir is not None:
-        raise typer.BadParameter("--logdir works only with --to tensorboard", param_hint="--logdir")
+    if to is To.MLFLOW:
+        return MLflow(tracking_uri, experiment or "metriclog")
     if project is None:
         raise typer.BadParameter("name the W&B project: --project P", param_hint="--project")
     if connect_timeout is None:
-        return Destination(project, entity, offline)
-    return Destination(project, entity, offline, connect_timeout=connect_timeout)
+        return WandB(project, entity, offline)
+    return WandB(project, entity, offline, connect_timeout=connect_timeout)
 
 
 Entity = Annotated[str | None, typer.Option("--entity", metavar="ENTITY", help="W&B entity (team or user).")]

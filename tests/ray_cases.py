@@ -133,7 +133,7 @@ def test_plot_and_upload_on_ray_give_the_local_engines_bits(runs, tmp_path, monk
 
     from metric_core import make_plan, plot_run, upload_run
     from metric_core.offline import engine
-    from metric_core.offline.upload import Destination
+    from metric_core.offline.upload import WandB
     from tests.wandb_file import find_run_file, history_rows, read_records
 
     monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 300)
@@ -149,7 +149,7 @@ def test_plot_and_upload_on_ray_give_the_local_engines_bits(runs, tmp_path, monk
         copy = tmp_path / name / "own"
         shutil.copytree(own, copy)
         plan = make_plan(mode="per_rank_reduce", reduce=["*=median"])
-        result = upload_run(copy, plan, Destination("proj", offline=True), engine=name)
+        result = upload_run(copy, plan, WandB("proj", offline=True), engine=name)
         written = [read_records(find_run_file(copy / ".metriclog", o.run_id)) for o in result.outcomes]
         # each row without W&B's clock of this upload (_timestamp, _runtime)
         rows[name] = [

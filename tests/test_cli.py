@@ -449,11 +449,11 @@ def test_a_bad_choice_or_output_type_is_a_usage_error_before_anything_is_read(tm
         ),
         (
             ["upload", "--to", "tb", "--project", "p"],
-            "Invalid value for '--to': 'tb' is not one of wandb, tensorboard",
+            "Invalid value for '--to': 'tb' is not one of wandb, tensorboard, mlflow",
         ),
         (
             ["upload", "--to", "tensor", "--logdir", "tb"],
-            "Invalid value for '--to': 'tensor' is not one of wandb, tensorboard; did you mean "
+            "Invalid value for '--to': 'tensor' is not one of wandb, tensorboard, mlflow; did you mean "
             "'tensorboard'?",
         ),
     ],
@@ -927,7 +927,7 @@ from metric_core.offline.upload import send
 def fail(*args, **kwargs):
     raise {raised}("the rows could not be sent")
 
-send.Sender._log = fail
+send.WandBSender.log_rows = fail
 from metriclog.start import main
 sys.argv = ["metriclog", *sys.argv[1:]]
 main()

@@ -135,7 +135,8 @@ def test_alert_on_takes_any_case(tmp_path, spelled):
         ),
         (
             ["upload", "--to", "WANDBB", "--project", "p"],
-            "Invalid value for '--to': 'WANDBB' is not one of wandb, tensorboard; did you mean 'wandb'?",
+            "Invalid value for '--to': 'WANDBB' is not one of wandb, tensorboard, mlflow; did you mean "
+            "'wandb'?",
         ),
     ],
 )

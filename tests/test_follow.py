@@ -931,7 +931,7 @@ def test_a_running_job_to_tensorboard_and_online_w_and_b_continues_where_it_stop
     from metric_core.offline.upload import upload_run
     from metric_core.offline.upload.ledger import Ledger
     from metric_core.offline.upload.runs import plan_runs
-    from metric_core.offline.upload.send import Destination, send_runs
+    from metric_core.offline.upload.send import WandB, send_runs
     from metric_core.offline.upload.tensorboard import TensorBoard
     from tests.test_tensorboard import scalars
     from tests.test_upload import FakeInit, FakeRun
@@ -947,7 +947,7 @@ def test_a_running_job_to_tensorboard_and_online_w_and_b_continues_where_it_stop
     ledger = Ledger(tmp_path / "uploads.json")
     with settled_runs(run, make_plan(), name="run", group=None, share_run=False, request={}) as planned:
         first = FakeRun()
-        (outcome,) = send_runs(planned, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
+        (outcome,) = send_runs(planned, ledger, WandB("p", init=FakeInit(first), sleep=lambda s: None))
     assert [r["step"] for r in first.logged] == list(range(40))
     assert not ledger.get(outcome.run_id)["finished"]
     release(run)
@@ -962,7 +962,7 @@ def test_a_running_job_to_tensorboard_and_online_w_and_b_continues_where_it_stop
     with plan_runs(execute(make_plan(), scan_run(run)), name="run", request={}) as planned:
         second = FakeRun(server_rows=40)
         fake = FakeInit(second)
-        (outcome,) = send_runs(planned, ledger, Destination("p"), init=fake, sleep=lambda s: None)
+        (outcome,) = send_runs(planned, ledger, WandB("p", init=fake, sleep=lambda s: None))
     assert fake.calls[0]["resume"] == "must" and outcome.action == "resumed"
     check([*first.logged, *second.logged], expected)  # every step once, in one W&B run
     assert ledger.get(outcome.run_id)["finished"]
@@ -1025,3 +1025,64 @@ def test_a_rank_whose_heartbeat_stopped_is_said_so_and_named_as_watch_names_it(t
     # (rank 0 and 1 wait in the same loop, seen at its one line or the other)
     assert f", at {NO_HEARTBEAT}; waiting for it: Trainer_r0 (rank 0)" in note, note
     assert "Trainer_r1 (rank 1)" in note.split("waiting for it: ")[1], note
+
+
+def test_follow_to_tensorboard_and_to_mlflow_end_equal_to_plain_uploads(tmp_path):
+    """Issue 45: every destination follows through the one contract. Followed beside the
+    job, the event files hold what a plain --to tensorboard writes after it (read back by
+    TensorBoard), and the MLflow runs (global, and per rank) what a plain --to mlflow
+    sends (read back by MlflowClient: steps, timestamps and values)."""
+    pytest.importorskip("tensorboardX")
+    pytest.importorskip("mlflow")
+    from metric_core import make_plan
+    from metric_core.offline.upload import MLflow, TensorBoard, upload_run
+    from tests.test_mlflow import runs_of
+    from tests.test_tensorboard import scalars
+
+    run = tmp_path / "run"
+    run.mkdir()
+    live = ["--follow", "--wait", "--interval", "0.2"]
+    followers = [
+        subprocess.Popen(
+            [METRICLOG, "upload", str(run), *to, *live],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for to in (
+            ["--to", "tensorboard", "--logdir", str(tmp_path / "tb-followed")],
+            ["--to", "mlflow", "--tracking-uri", f"sqlite:///{tmp_path}/followed.db"],
+            [
+                "--to",
+                "mlflow",
+                "--tracking-uri",
+                f"sqlite:///{tmp_path}/ranks.db",
+                "--mode",
+                "per_rank_reduce",
+            ],
+        )
+    ]
+    finish(writers(run, steps=30, ranks=2))
+    for sidecar in followers:
+        _, err = sidecar.communicate(timeout=120)
+        assert sidecar.returncode == 0, err
+        assert "came after" not in err, err
+    upload_run(run, make_plan(), TensorBoard(tmp_path / "tb-plain"))
+    upload_run(run, make_plan(), MLflow(f"sqlite:///{tmp_path}/plain.db"))
+    followed, plain = (
+        {k: [(s, v) for s, v, _ in points] for k, points in scalars(tmp_path / d / "run").items()}
+        for d in ("tb-followed", "tb-plain")
+    )
+    expected = expected_steps([v for vs in truth(run, 2).values() for v in vs])
+    assert followed == plain
+    assert followed["loss"] == [(s, float(np.float32(expected[s]["loss"]))) for s in range(30)]
+    assert runs_of(f"sqlite:///{tmp_path}/followed.db") == runs_of(f"sqlite:///{tmp_path}/plain.db")
+    upload_run(run, make_plan(mode="per_rank_reduce"), MLflow(f"sqlite:///{tmp_path}/ranks-plain.db"))
+    ranks = runs_of(f"sqlite:///{tmp_path}/ranks.db")
+    assert sorted(ranks) == ["run_Trainer_r0", "run_Trainer_r1"]
+    assert ranks == runs_of(f"sqlite:///{tmp_path}/ranks-plain.db")
+    (held,) = runs_of(f"sqlite:///{tmp_path}/plain.db").values()
+    assert [s for s, _, _ in held["loss"]] == list(range(30))
+    assert [v for _, _, v in held["loss"]] == pytest.approx(
+        [expected[s]["loss"] for s in range(30)], rel=1e-12
+    )

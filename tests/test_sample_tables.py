@@ -308,7 +308,7 @@ def test_upload_sample_tables_incremental_sends_torchforges_shape_and_per_step_s
 def test_upload_follow_sends_the_incremental_tables_and_their_immutable_copy_at_the_end(tmp_path, offline):
     from metric_core import make_plan
     from metric_core.offline.samples import SampleChoice
-    from metric_core.offline.upload import Destination, Follow, upload_run
+    from metric_core.offline.upload import Follow, WandB, upload_run
 
     steps = recorded_steps(steps=3, per_step=4, seed=6)
     written_run(tmp_path / "run", steps)
@@ -316,7 +316,7 @@ def test_upload_follow_sends_the_incremental_tables_and_their_immutable_copy_at_
     upload_run(
         tmp_path / "run",
         make_plan(),
-        Destination("p", offline=True),
+        WandB("p", offline=True),
         follow=Follow(interval=0.2),
         samples=choice,
     )

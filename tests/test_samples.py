@@ -19,7 +19,7 @@ import pytest
 import metric_core
 from metric_core import Reduce, make_plan, read_samples, record_metric, reduce_run
 from metric_core.offline.samples import choose, samples_frame
-from metric_core.offline.upload import Destination, Follow, upload_run
+from metric_core.offline.upload import Follow, WandB, upload_run
 
 from .wandb_file import find_run_file, history_rows, read_records, tables_of
 
@@ -312,8 +312,8 @@ def test_upload_sends_each_steps_chosen_samples_as_a_table_in_its_row(tmp_path, 
     run = job(tmp_path, "parquet", ranks=2, steps=3)
     samples = read_samples(run).samples
     more = {"follow": Follow(interval=0.2)} if follow else {}
-    upload_run(run, make_plan(), Destination("p", offline=True), **more)
-    upload_run(run, make_plan(mode="per_rank_reduce"), Destination("p", offline=True), name="ranks")
+    upload_run(run, make_plan(), WandB("p", offline=True), **more)
+    upload_run(run, make_plan(mode="per_rank_reduce"), WandB("p", offline=True), name="ranks")
     ledger = json.loads((run / ".metriclog" / "uploads.json").read_text())["runs"]
     files = {e["name"]: find_run_file(run / ".metriclog" / "wandb", i) for i, e in ledger.items()}
     for name, source in (("run", None), ("ranks_gen_r0", "gen_r0"), ("ranks_gen_r1", "gen_r1")):
@@ -420,7 +420,7 @@ def test_a_samples_key_that_is_a_scalar_key_too_goes_beside_it_in_wb(tmp_path, m
     upload_run(
         tmp_path,
         make_plan(),
-        Destination("p", offline=True),
+        WandB("p", offline=True),
         events=UploadEvents(message=lambda k, t: said.append(t)),
     )
     ledger = json.loads((tmp_path / ".metriclog" / "uploads.json").read_text())["runs"]

@@ -56,7 +56,7 @@ def test_event_files_equal_reduce_to_float32(run, tmp_path, mode):
 def test_a_second_upload_writes_nothing_and_an_interrupted_one_completes(run, tmp_path, monkeypatch):
     logdir = tmp_path / "tb"
     upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(logdir))
-    files = sorted(p for p in logdir.rglob("*") if p.is_file())
+    files = sorted(p for p in logdir.rglob("*") if p.is_file() and p.suffix != ".lock")  # (an upload's lock)
     stamps = [p.stat().st_mtime_ns for p in files]
     again = upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(logdir))
     assert {o.action for o in again.outcomes} == {"skipped"}
@@ -80,7 +80,8 @@ def test_a_second_upload_writes_nothing_and_an_interrupted_one_completes(run, tm
         upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(other))
     monkeypatch.setattr(PlannedRun, "history", history)
     assert list(other.rglob(".metriclog-partial-*")), "the second run's file was left half-written"
-    assert len(json.loads((other / tensorboard.LEDGER).read_text())["runs"]) == 1
+    entries = json.loads((other / tensorboard.LEDGER).read_text())["runs"].values()
+    assert sorted(e["finished"] for e in entries) == [False, True]  # the second one not whole
     done = upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(other))
     assert sorted(o.action for o in done.outcomes) == ["skipped", "wrote to TensorBoard"]
     for name in ("exp_TrainActor_r0", "exp_TrainActor_r1"):  # the same steps and values (a reduced
@@ -152,3 +153,26 @@ def test_samples_are_said_not_to_go_to_tensorboard(tmp_path):
     )
     assert done.exit_code == 0, done.output
     assert "6 step(s) hold samples (Reduce.SAMPLE): the TensorBoard files hold scalars only" in done.output
+
+
+def test_a_ledger_an_earlier_version_wrote_is_read_and_nothing_is_written_again(run, tmp_path):
+    """Before the one ledger format, TensorBoard's ledger kept "rows" and no "rows_sent":
+    such a ledger still says the runs are written."""
+    from metric_core.offline.upload import tensorboard
+
+    logdir = tmp_path / "tb"
+    upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(logdir))
+    ledger = logdir / tensorboard.LEDGER
+    old = {
+        run_id: {
+            "name": e["name"], "file": e["file"], "rows": e["rows_sent"], "attempts": e["attempts"],
+            "attempts_sent": e["attempts_sent"], "last_step": e["last_step"], "finished": e["finished"],
+        }
+        for run_id, e in json.loads(ledger.read_text())["runs"].items()
+    }  # fmt: skip
+    ledger.write_text(json.dumps({"runs": old}, indent=1) + "\n")
+    files = sorted(p for p in logdir.rglob("events.out.tfevents.*"))
+    again = upload_run(run, make_plan(mode="per_rank_reduce"), TensorBoard(logdir))
+    assert [o.action for o in again.outcomes] == ["skipped", "skipped"]
+    assert [o.rows_sent for o in again.outcomes] == [e["rows"] for e in old.values()]
+    assert sorted(p for p in logdir.rglob("events.out.tfevents.*")) == files

@@ -30,7 +30,7 @@ from metric_core.offline.plan import make_plan
 from metric_core.offline.upload import runs as upload_runs
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.runs import plan_runs, safe_keys
-from metric_core.offline.upload.send import Destination, UploadEvents, send_runs
+from metric_core.offline.upload.send import UploadEvents, WandB, send_runs
 from metric_core.offline.upload.tensorboard import TensorBoard
 
 from .conftest import BASE_TIME, on_a_terminal, write_collector_run
@@ -333,12 +333,12 @@ def test_an_interrupted_online_upload_resumes_at_the_servers_next_row(tmp_path, 
     (run,) = planned.runs
     first = FakeRun(fail_logs_at=2)
     with pytest.raises(UploadError, match="logging to W&B failed 6 times: 429"):
-        send_runs(planned, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
+        send_runs(planned, ledger, WandB("p", init=FakeInit(first), sleep=lambda s: None))
     assert ledger.get(run.run_id)["rows_sent"] == 2
     assert not ledger.get(run.run_id)["finished"]
     second = FakeRun(server_rows=2)
     fake = FakeInit(second)
-    (outcome,) = send_runs(planned, ledger, Destination("p"), init=fake, sleep=lambda s: None)
+    (outcome,) = send_runs(planned, ledger, WandB("p", init=fake, sleep=lambda s: None))
     assert fake.calls[0]["resume"] == "must" and fake.calls[0]["id"] == run.run_id
     assert outcome.action == "resumed" and "at row 2" in outcome.message
     assert [r["step"] for r in first.logged + second.logged] == list(range(run.rows))  # no row twice
@@ -349,7 +349,7 @@ def test_init_failures_are_retried_with_backoff(tmp_path, planned):
     ledger = Ledger(tmp_path / "uploads.json")
     delays: list[float] = []
     fake = FakeInit(FakeRun(), failures=2)
-    (outcome,) = send_runs(planned, ledger, Destination("p"), init=fake, sleep=delays.append)
+    (outcome,) = send_runs(planned, ledger, WandB("p", init=fake, sleep=delays.append))
     assert delays == [1.0, 2.0]
     assert outcome.rows_sent == planned.runs[0].rows
 
@@ -628,7 +628,7 @@ def test_an_error_no_retry_heals_is_not_retried(tmp_path, planned):
         raise UsageError("invalid project name")
 
     with pytest.raises(UploadError, match="starting the W&B run failed: invalid project name"):
-        send_runs(planned, ledger, Destination("p"), init=rejected, sleep=delays.append)
+        send_runs(planned, ledger, WandB("p", init=rejected, sleep=delays.append))
     assert delays == []
 
 
@@ -682,7 +682,7 @@ def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(t
     ledger = Ledger(tmp_path / "uploads.json")
     first = FakeRun()
     with plan_runs(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"}) as before:
-        send_runs(before, ledger, Destination("p"), init=FakeInit(first), sleep=lambda s: None)
+        send_runs(before, ledger, WandB("p", init=FakeInit(first), sleep=lambda s: None))
     assert [r["step"] for r in first.logged] == list(range(6))
     truth = write(run_dir, [("w", 0)], steps=4, first_step=3, seed=5)  # restarted from step 3
     after = plan_runs(execute(make_plan(), scan_run(run_dir)), name="exp", request={"project": "p"})
@@ -691,7 +691,7 @@ def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(t
     assert run.run_id == before.runs[0].run_id  # the same upload, continued
     second, init = FakeRun(server_rows=3), FakeInit(FakeRun())
     init.run = second
-    (outcome,) = send_runs(after, ledger, Destination("p"), init=init, sleep=lambda s: None)
+    (outcome,) = send_runs(after, ledger, WandB("p", init=init, sleep=lambda s: None))
     assert outcome.action == "rewound" and "restarted from step 3" in outcome.message
     assert init.calls[0]["resume_from"] == f"{run.run_id}?_step=3" and "resume" not in init.calls[0]
     assert [r["step"] for r in second.logged] == [3, 4, 5, 6]
@@ -699,7 +699,7 @@ def test_after_a_restart_an_online_upload_rewinds_its_wandb_run_to_the_restart(t
     for step in range(3, 7):
         values = [t["value"] for t in truth if t["step"] == step and t["key"] == "trainer/loss"]
         assert losses[step] == pytest.approx(np.mean(values), rel=1e-15)
-    again = send_runs(after, ledger, Destination("p"), init=FakeInit(FakeRun()), sleep=lambda s: None)
+    again = send_runs(after, ledger, WandB("p", init=FakeInit(FakeRun()), sleep=lambda s: None))
     assert again[0].action == "skipped"
 
 
@@ -719,8 +719,7 @@ def test_a_server_that_cannot_be_reached_is_said_at_once_naming_it(tmp_path, pla
         send_runs(
             planned,
             Ledger(tmp_path / "uploads.json"),
-            Destination("p", connect_timeout=0.2),
-            init=unreachable,
+            WandB("p", connect_timeout=0.2, init=unreachable),
         )
     assert len(calls) == 1 and calls[0]["settings"]["init_timeout"] == 0.2
 
@@ -797,7 +796,7 @@ def test_an_unreachable_wandb_fails_a_plain_upload_with_one_line_that_says_what_
 
 def test_a_follow_tries_an_unreachable_wandb_again_with_backoff_and_says_so(tmp_path, planned, monkeypatch):
     """The sidecar outlasts a network outage: each failed start is said, then tried again."""
-    from metric_core.offline.upload.send import Sender, UploadEvents
+    from metric_core.offline.upload.send import UploadEvents, WandBSender
 
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     run = FakeRun()
@@ -812,16 +811,14 @@ def test_a_follow_tries_an_unreachable_wandb_again_with_backoff_and_says_so(tmp_
 
     said, slept = [], []
     events = UploadEvents(message=lambda kind, text: said.append(text))
-    to = Destination("p", connect_timeout=0.05)
-    sender = Sender(
-        planned, Ledger(tmp_path / "uploads.json"), to, False, events, flaky, slept.append, patience=600
-    )
+    to = WandB("p", connect_timeout=0.05, init=flaky, sleep=slept.append)
+    sender = WandBSender(planned, Ledger(tmp_path / "uploads.json"), to, False, events, patience=600)
     (outcome,) = [sender.send(r) for r in planned.runs]
     assert outcome.rows_sent == planned.runs[0].rows and run.finished
     assert slept == [1.0, 2.0]  # backing off
     tries = [t for t in said if t.startswith("could not reach W&B (http://127.0.0.1:9)")]
     assert len(tries) == 2 and all("trying again in" in t for t in tries)
-    impatient = Sender(planned, Ledger(tmp_path / "u2.json"), to, False, events, flaky, slept.append)
+    impatient = WandBSender(planned, Ledger(tmp_path / "u2.json"), to, False, events)
     outages[0] = 1
     with pytest.raises(UploadError, match="could not reach W&B"):
         impatient.send(planned.runs[0])
@@ -1083,7 +1080,7 @@ def test_a_restart_into_steps_a_finished_upload_sent_is_said_and_its_values_sent
     restart = killed_then_restarted_and_held(run)
     try:
         monkeypatch.setattr(upload_package, "running", lambda root, **_: False)  # checked before it began
-        first = upload_package.upload_run(run, make_plan(), Destination("proj", offline=True))
+        first = upload_package.upload_run(run, make_plan(), WandB("proj", offline=True))
         assert [o.action for o in first.outcomes] == ["wrote offline"]
         upload_package.upload_run(run, make_plan(), TensorBoard(tmp_path / "tb"))
         monkeypatch.undo()
@@ -1135,7 +1132,7 @@ def test_a_restart_begun_while_a_plain_upload_read_the_run_leaves_its_runs_open(
     restart = killed_then_restarted_and_held(run)
     try:
         monkeypatch.setattr(upload_package, "running", running)
-        first = upload_package.upload_run(run, make_plan(), Destination("proj", offline=True))
+        first = upload_package.upload_run(run, make_plan(), WandB("proj", offline=True))
         monkeypatch.undo()
         assert first.plan.open and looks == [False, True]  # the restart holds the steps until it flushes
         ledger = run / ".metriclog" / "uploads.json"

@@ -92,6 +92,20 @@ class SampleTables:
                 out[key] = samples_table([s.fields for s in chosen])
         return out
 
+    def chosen(self, source: str | None, step: int) -> dict[str, list[dict[str, Any]]]:
+        """``{key: [each chosen sample's fields]}`` of ``source``'s samples at ``step``, each
+        once a run: for a destination that keeps them as JSON (MLflow)."""
+        where = (source, step)
+        if where in self.attached or where not in self.by_step:
+            return {}
+        self.attached.add(where)
+        out = {}
+        for key, samples in self.by_step[where].items():
+            picked = self.choice.picks(samples)
+            if picked:
+                out[key] = [s.fields for s in picked]
+        return out
+
     def finals(self, source: str | None) -> dict[str, Any]:
         """Incremental: ``{key: IMMUTABLE table}`` of every sample ``source``'s run took (its
         end, as torchforge ends a run); else nothing."""

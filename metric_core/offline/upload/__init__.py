@@ -1,14 +1,15 @@
-"""``upload_run``: a run directory, reduced by a plan, replayed into Weights & Biases.
+"""``upload_run``: a run directory, reduced by a plan, replayed into a destination.
 
-``plan`` maps a reduction to W&B runs, ``send`` hands them over with a ``ledger``
-(idempotent: a finished run is skipped; resumable: an interrupted online run continues
-where the server stopped). ``upload_run`` ties them together and never prints: it
-reports through ``UploadEvents`` callbacks, which the command line turns into lines.
+``runs`` maps a reduction to the destination's runs; a ``Destination`` (``destination``:
+W&B in ``send``, TensorBoard in ``tensorboard``, MLflow in ``mlflow``) hands them over
+with a ``ledger`` (idempotent: a finished run is skipped; resumable: an interrupted run
+continues where the destination stopped). ``upload_run`` ties them together and never
+prints: it reports through ``UploadEvents`` callbacks, which the command line turns into
+lines.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
@@ -17,31 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metric_core.credentials import has_credentials
-from metric_core.errors import (
-    Message,
-    MetricLogError,
-    NotLoggedInError,
-    PlanError,
-    RequestError,
-    opt,
-    spell_options,
-)
+from metric_core.errors import Message, MetricLogError, PlanError, RequestError, opt, spell_options
 from metric_core.offline.plan import By, Engine, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import RunPath, is_remote, missing_run, name_of, run_path
 from metric_core.offline.upload import overlap
-from metric_core.offline.upload.ledger import Ledger, only_upload
-from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, plan_runs, request_key
-from metric_core.offline.upload.send import (
+from metric_core.offline.upload.destination import (
     Destination,
     RunOutcome,
     UploadEvents,
-    check_names,
-    decide,
     find_entry,
     send_runs,
 )
+from metric_core.offline.upload.ledger import Ledger, only_upload
+from metric_core.offline.upload.mlflow import MLflow
+from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, plan_runs, request_key
+from metric_core.offline.upload.send import WandB
 from metric_core.offline.upload.settled import running, settled_runs
 from metric_core.offline.upload.tensorboard import TensorBoard
 
@@ -49,7 +41,18 @@ if TYPE_CHECKING:
     from metric_core.offline.read import OnProgress
     from metric_core.offline.upload.follow import FollowState
 
-__all__ = ["Destination", "Follow", "PlannedRun", "RunOutcome", "UploadEvents", "UploadResult", "upload_run"]
+__all__ = [
+    "Destination",
+    "Follow",
+    "MLflow",
+    "PlannedRun",
+    "RunOutcome",
+    "TensorBoard",
+    "UploadEvents",
+    "UploadResult",
+    "WandB",
+    "upload_run",
+]
 
 
 @dataclass
@@ -89,7 +92,7 @@ class UploadResult:
 def upload_run(
     run_dir: str | os.PathLike[str],
     plan: ReducePlan,
-    to: Destination | TensorBoard,
+    to: Destination,
     *,
     name: str | None = None,
     group: str | None = None,
@@ -107,29 +110,85 @@ def upload_run(
 ) -> UploadResult:
     """Reduce ``run_dir`` by ``plan`` and upload it to ``to`` (with ``dry_run``, only plan it).
 
+    ``to`` is a ``Destination``: ``WandB``, ``TensorBoard`` or ``MLflow`` (docs/destinations.md).
     ``name`` defaults to the run directory's name, ``group`` to ``name``; ``share_run``
     puts every source of a per-rank mode in one run; ``on_progress`` follows the run's read
     (in the reading child, when there is one). With ``follow``, the run is uploaded as it
     is written, until its job ends (``Follow``, ``offline.upload.follow``). ``engine`` and
     ``ray_address`` say where the reduction runs (``engine.execute``: the same bits).
-    ``samples`` says which samples (``Reduce.SAMPLE``) go with each step's row, as W&B
-    tables (default ``SampleChoice()``: top and bottom 2 by reward, else 4 at random).
-    Raises ``NotLoggedInError`` for an online upload without credentials,
-    ``StrictModeError`` when ``strict`` and records were skipped, ``UploadError`` when W&B
-    fails for good.
+    ``samples`` says which samples (``Reduce.SAMPLE``) go with each step's row (default
+    ``SampleChoice()``: top and bottom 2 by reward, else 4 at random).
+    Raises ``NotLoggedInError`` for an online W&B upload without credentials,
+    ``StrictModeError`` when ``strict`` and records were skipped, ``UploadError`` when the
+    destination fails for good.
 
     >>> from metric_core import make_plan
-    >>> result = upload_run("sample_logs/rl_run", make_plan(), Destination("demo"), dry_run=True)
+    >>> result = upload_run("sample_logs/rl_run", make_plan(), WandB("demo"), dry_run=True)
     >>> [(r.name, r.rows) for r in result.plan.runs]
     [('rl_run', 300)]
     """
     events = events or UploadEvents()
-    if isinstance(to, TensorBoard):
-        check_names(group=group, name=name)
-    else:
-        check_names(project=to.project, entity=to.entity, group=group, name=name)
+    to.check(name=name, group=group)
     root = run_path(run_dir)
-    if follow is not None and is_remote(root):
+    _check_follow(root, plan, follow, engine)
+    _check_together(plan, share_run)
+    missing = None if follow is not None and follow.wait else missing_run(root)
+    if missing is not None:  # after the usage errors, before credentials and the destination: a mistyped path
+        raise missing
+    to, dry_run = to.ready(events, dry_run)
+    request = to.request(name, group, run_name=name_of(root))
+    read: dict[str, Any] = {
+        "name": name or name_of(root), "group": group, "share_run": share_run, "request": request,
+        "follow_symlinks": follow_symlinks, "strict": strict,
+    }  # fmt: skip
+    if follow is not None:
+        from metric_core.offline.upload.follow import follow_upload
+
+        assert isinstance(root, Path)
+        planned, state = follow_upload(
+            root, plan, to, dry_run=dry_run, force_new=force_new, events=events, follow=follow,
+            samples=samples or SampleChoice(), **read,
+        )  # fmt: skip
+        return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
+    prepare: Callable[[], PlannedRuns] = functools.partial(
+        _prepare, root, plan, on_progress=on_progress, engine=engine, ray_address=ray_address, **read
+    )
+    settled = functools.partial(settled_runs, root, plan, **read)
+    live = running(root, follow_symlinks=follow_symlinks)
+    if live:  # the job still writes: its settled rows
+        prepare = settled
+    if not dry_run and to.slow_client:  # its client is imported while a child reads and reduces the run
+        prepare = overlap.start(prepare)
+    if not dry_run:
+        to.load_client()
+    planned = _started_meanwhile(_received(prepare, events), live, root, settled, follow_symlinks, events)
+    try:
+        _report_planned(planned, events)
+        if dry_run:
+            ledger = to.ledger(root, planned.identity, create=False)
+            would = [(r, to.decide(r, find_entry(ledger, r, to), force_new)) for r in planned.runs]
+            outcomes = [RunOutcome(r, d.action, d.run_id, 0, d.message) for r, d in would]
+            return UploadResult(planned, outcomes, dry_run=True)
+        ledger = to.ledger(root, planned.identity)
+        assert ledger is not None
+        with only_upload(ledger.path.parent, request_key(plan, request, share_run), root):
+            ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
+            tables = _sample_tables(root, plan, samples or SampleChoice(), share_run, events)
+            sent = tables if to.takes_samples else None
+            outcomes = send_runs(planned, ledger, to, force_new=force_new, events=events, samples=sent)
+            if planned.open:
+                events.message("note", _still_written(events))
+            _said_samples(root, planned, tables, to, events)
+            return UploadResult(planned, outcomes)
+    finally:
+        planned.close()
+
+
+def _check_follow(root: RunPath, plan: ReducePlan, follow: Follow | None, engine: Engine | str) -> None:
+    """What ``follow`` cannot go with: a usage error, before anything is read."""
+    if follow is None:
+        return
+    if is_remote(root):
         raise RequestError(
             f"{root}: "
             + opt("follow", flag=True)
@@ -138,190 +197,46 @@ def upload_run(
             + opt("follow", flag=True)
             + " (watch follows a run in a bucket)"
         )
-    _check_together(plan, share_run)
-    if follow is not None and Engine.of(engine) is not Engine.LOCAL:
+    if Engine.of(engine) is not Engine.LOCAL:
         raise PlanError(
             "reduces each poll's new records here; " + opt("engine") + "ray applies to a whole upload only",
             option="follow",
         )
-    missing = None if follow is not None and follow.wait else missing_run(root)
-    if missing is not None:  # after the usage errors, before credentials and W&B: a mistyped path
-        raise missing
-    if isinstance(to, TensorBoard):
-        return _to_tensorboard(
-            root, plan, to, follow, dry_run, force_new, events,
-            strict=strict, follow_symlinks=follow_symlinks, on_progress=on_progress, engine=engine,
-            ray_address=ray_address, name=name or name_of(root), group=group, share_run=share_run,
-        )  # fmt: skip
-    mode = os.environ.get("WANDB_MODE", "").strip().lower()
-    if mode in ("offline", "dryrun") and not to.offline:
+    from metric_core.offline.plan import counts_back
+
+    if counts_back(plan.steps):
+        raise PlanError(
+            "counts back from the run's last step, which a run still being written does not have yet: "
+            "give steps from the start",
+            option="steps",
+            value=":".join("" if v is None else str(v) for v in plan.steps),  # type: ignore[union-attr]
+        )
+
+
+def _said_samples(
+    root: RunPath, planned: PlannedRuns, tables: SampleTables | None, to: Destination, events: UploadEvents
+) -> None:
+    """Samples that did not go are said, never dropped silently: all of them, to a
+    destination that holds scalars only; else the steps with no row to go with."""
+    if tables is not None and not to.takes_samples:
+        steps = len({step for _, step in tables.by_step})
+        events.message(
+            "note",
+            f"{steps} step(s) hold samples (Reduce.SAMPLE): the {to.kind} files hold scalars only, so "
+            f"they are not written there; `metriclog samples {root}` lists them",
+        )
+        return
+    rowless = _rowless_samples(planned, tables)
+    if rowless:
         events.message(
             "note",
             spell_options(
-                f"WANDB_MODE={mode} is set: writing offline runs, as " + opt("offline", flag=True) + " does",
+                f"{rowless} step(s) of samples have no row to go with (no scalar at that step, or "
+                + opt("by")
+                + "time): they are not uploaded; `metriclog samples` lists them",
                 events.spelling,
             ),
         )
-        to = dataclasses.replace(to, offline=True)
-    if mode == "disabled" and not dry_run:
-        events.message("note", "WANDB_MODE=disabled is set: nothing is uploaded, as in a dry run")
-        dry_run = True
-    if not dry_run and not to.offline and not has_credentials():
-        raise NotLoggedInError()
-    if follow is not None:
-        from metric_core.offline.plan import counts_back
-        from metric_core.offline.upload.follow import follow_upload
-
-        if counts_back(plan.steps):
-            raise PlanError(
-                "counts back from the run's last step, which a run still being written does not have yet: "
-                "give steps from the start",
-                option="steps",
-                value=":".join("" if v is None else str(v) for v in plan.steps),  # type: ignore[union-attr]
-            )
-
-        assert isinstance(root, Path)
-
-        planned, state = follow_upload(
-            root,
-            plan,
-            to,
-            name=name or name_of(root),
-            group=group,
-            share_run=share_run,
-            dry_run=dry_run,
-            force_new=force_new,
-            follow_symlinks=follow_symlinks,
-            strict=strict,
-            events=events,
-            request={"entity": to.entity, "project": to.project, "name": name, "group": group},
-            interval=follow.interval,
-            until_idle=follow.until_idle,
-            sources=follow.sources,
-            stop=follow.stop,
-            let_go_after=follow.let_go_after,
-            restart_grace=follow.restart_grace,
-            samples=samples or SampleChoice(),
-            wait=follow.wait,
-            alarms=follow.alarms,
-        )
-        return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
-    request = {"entity": to.entity, "project": to.project, "name": name, "group": group}
-    prepare = functools.partial(
-        _prepare,
-        root,
-        plan,
-        strict=strict,
-        follow_symlinks=follow_symlinks,
-        on_progress=on_progress,
-        name=name or name_of(root),
-        group=group,
-        share_run=share_run,
-        request=request,
-        engine=engine,
-        ray_address=ray_address,
-    )
-    settled = functools.partial(
-        settled_runs, root, plan, name=name or name_of(root), group=group, share_run=share_run,
-        request=request, follow_symlinks=follow_symlinks, strict=strict,
-    )  # fmt: skip
-    live = running(root, follow_symlinks=follow_symlinks)
-    if live:  # the job still writes: its settled rows
-        prepare = settled
-    if dry_run:
-        planned = _started_meanwhile(_received(prepare, events), live, root, settled, follow_symlinks, events)
-        try:
-            _report_planned(planned, events)
-            ledger = Ledger.existing(root, planned.identity)
-            entries = [find_entry(ledger, r, to) for r in planned.runs]
-            would = [decide(r, e, to.offline, force_new) for r, e in zip(planned.runs, entries, strict=True)]
-        finally:
-            planned.close()
-        outcomes = [RunOutcome(r, a, i, 0, m) for r, (a, i, _, m) in zip(planned.runs, would, strict=True)]
-        return UploadResult(planned, outcomes, dry_run=True)
-    # wandb takes about half a second to import: this process does it while a child
-    # process reads and reduces the run (see overlap)
-    pending = overlap.start(prepare)
-    import wandb  # noqa: F401
-
-    planned = _started_meanwhile(_received(pending, events), live, root, settled, follow_symlinks, events)
-    try:
-        _report_planned(planned, events)
-        ledger = Ledger.for_run_dir(root, planned.identity)
-        if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
-            to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
-        key = request_key(
-            plan, {"entity": to.entity, "project": to.project, "name": name, "group": group}, share_run
-        )
-        with only_upload(ledger.path.parent, key, root):
-            ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
-            tables = _sample_tables(root, plan, samples or SampleChoice(), share_run, events)
-            outcomes = send_runs(planned, ledger, to, force_new=force_new, events=events, samples=tables)
-            if planned.open:
-                events.message("note", _still_written(events))
-            rowless = _rowless_samples(planned, tables)
-            if rowless:
-                events.message(
-                    "note",
-                    spell_options(
-                        f"{rowless} step(s) of samples have no row to go with (no scalar at that step, or "
-                        + opt("by")
-                        + "time): they are not uploaded; `metriclog samples` lists them",
-                        events.spelling,
-                    ),
-                )
-            return UploadResult(planned, outcomes)
-    finally:
-        planned.close()
-
-
-def _to_tensorboard(
-    root: RunPath,
-    plan: ReducePlan,
-    to: TensorBoard,
-    follow: Follow | None,
-    dry_run: bool,
-    force_new: bool,
-    events: UploadEvents,
-    **read: Any,
-) -> UploadResult:
-    """``upload_run`` to TensorBoard event files (``offline.upload.tensorboard``)."""
-    from metric_core.offline.upload import tensorboard
-
-    if follow is not None:
-        raise RequestError(
-            opt("follow", flag=True) + " writes to W&B only: write TensorBoard files once the job ended "
-            "(or as often as you like: each time writes the runs that changed)"
-        )
-    request = to.request(read["name"] if read["name"] != name_of(root) else None, read["group"])
-    prepare = functools.partial(_prepare, root, plan, request=request, **read)
-    settled = functools.partial(
-        settled_runs, root, plan, request=request,
-        **{k: read[k] for k in ("name", "group", "share_run", "follow_symlinks", "strict")},
-    )  # fmt: skip
-    live = running(root, follow_symlinks=read["follow_symlinks"])
-    if live:  # the job still writes: its settled rows
-        prepare = settled
-    planned = _received(prepare, events)
-    planned = _started_meanwhile(planned, live, root, settled, read["follow_symlinks"], events)
-    try:
-        _report_planned(planned, events)
-        if dry_run:
-            return UploadResult(planned, tensorboard.would_be(planned, to, force_new), dry_run=True)
-        outcomes = tensorboard.write_runs(planned, to, force_new=force_new, events=events)
-        if planned.open:
-            events.message("note", _still_written(events))
-        samples = _sample_tables(root, plan, SampleChoice(), read["share_run"], events)
-        if samples is not None:  # said, never dropped silently
-            steps = len({step for _, step in samples.by_step})
-            events.message(
-                "note",
-                f"{steps} step(s) hold samples (Reduce.SAMPLE): the TensorBoard files hold scalars only, so "
-                f"they are not written there; `metriclog samples {root}` lists them",
-            )
-        return UploadResult(planned, outcomes)
-    finally:
-        planned.close()
 
 
 def _started_meanwhile(

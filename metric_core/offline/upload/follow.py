@@ -1,54 +1,47 @@
-"""``upload --follow``: the sidecar loop. Poll the run (``read.tail``), hand each W&B
-run the rows that became complete, keep the ledger, end when the job did.
+"""``upload --follow``: the sidecar loop. Poll the run (``read.tail``), hand each
+destination run the rows that became complete, keep the ledger, end when the job did.
 
-A W&B run is opened when its first row is ready, as a plain upload opens it (``decide``):
-a run the ledger knows unfinished is resumed online (``resume="must"``, the rows W&B
-holds skipped: a run's rows are the same whichever poll made them) or, offline, written
-again whole under a fresh id (W&B cannot resume an offline run), the interrupted files
-removed. After each poll the ledger holds the rows handed over, so a follower killed at
-any instant and started again sends no row twice and misses none.
+Written once against the destination contract (``destination``): a run is opened when
+its first row is ready, as a plain upload opens it (``Destination.decide``): a run the
+ledger knows unfinished is resumed where the destination stopped (the rows it holds
+skipped: a run's rows are the same whichever poll made them), or written again whole
+where it cannot be continued (a W&B offline run, a TensorBoard event file). After each
+poll the ledger holds the rows handed over, so a follower killed at any instant and
+started again sends no row twice and misses none.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import math
-import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from metric_core.clock import duration, local_time
 from metric_core.errors import DamagedRunJsonError, NoDataError, StrictModeError
-from metric_core.offline.alerts import Alarms, ValueWatch
+from metric_core.offline.alerts import ValueWatch
 from metric_core.offline.inspect import never_wrote, stall_threshold
 from metric_core.offline.inspect.health import EPISODE_S, culprit_among, held_said, live_where, where_said
 from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.read.tail import NO_RUN_JSON_WAIT_S, RunTail, SourceState, counted, expected_sources
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
-from metric_core.offline.upload.ledger import Ledger, only_upload
+from metric_core.offline.upload.destination import Destination, RunOutcome, Sender, UploadEvents, find_entry
+from metric_core.offline.upload.ledger import only_upload
 from metric_core.offline.upload.restarts import AttemptStep, attempt_steps, replacing
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, request_key, run_config, run_id_for
-from metric_core.offline.upload.send import (
-    FOLLOW_PATIENCE,
-    Destination,
-    RunOutcome,
-    Sender,
-    UploadEvents,
-    decide,
-    find_entry,
-)
 from metric_core.offline.upload.settle import UNKNOWN_SOURCES, Follower, Ready
+
+if TYPE_CHECKING:
+    from metric_core.offline.upload import Follow
 
 NEVER = 1 << 62  # rows to skip of a run that is skipped
 # How ``follow_upload`` ended: every source finished, idle for ``until_idle``, every source
@@ -59,7 +52,7 @@ RESTART_GRACE = 60.0  # --restart-grace's default: a launcher that restarts the 
 
 @dataclass
 class FollowedRun(PlannedRun):
-    """A W&B run filled as the job writes: its rows are not known ahead."""
+    """A destination run filled as the job writes: its rows are not known ahead."""
 
     sent: int = 0  # rows handed over (or, in a dry run, that would be)
     top: int | None = None  # the highest step of the rows handed over
@@ -79,8 +72,8 @@ class FollowedRun(PlannedRun):
 class _Open:
     run: FollowedRun
     outcome: RunOutcome
-    wb: Any  # None: skipped, or a dry run
-    skip: int = 0  # rows W&B holds already (a resumed run): the first ones made are not sent
+    handle: Any  # the destination's run (``Sender.open``); None: skipped, or a dry run
+    skip: int = 0  # rows the destination holds already (a resumed run): the first ones made are not sent
 
 
 @dataclass
@@ -132,25 +125,19 @@ def follow_upload(
     strict: bool,
     events: UploadEvents,
     request: dict[str, Any],
-    interval: float = 2.0,
-    until_idle: float | None = None,
-    sources: int | None = None,
-    stop: threading.Event | None = None,
-    init: Callable[..., Any] | None = None,
-    let_go_after: float | None = None,
-    restart_grace: float = RESTART_GRACE,
+    follow: Follow,
     samples: SampleChoice | None = None,
-    wait: bool = False,
-    alarms: Alarms | None = None,
 ) -> tuple[PlannedRuns, FollowState]:
     """Follow ``root`` until every source finished, every source finished or died and no
-    new attempt began within ``restart_grace`` seconds, ``until_idle`` seconds pass without
-    a new record, or ``stop`` is set (Ctrl-C: what is ready is handed over first). A live
-    source holds the global steps however long it is silent, unless ``let_go_after``."""
-    stop = stop or threading.Event()
+    new attempt began within ``follow.restart_grace`` seconds, ``follow.until_idle``
+    seconds pass without a new record, or ``follow.stop`` is set (Ctrl-C: what is ready is
+    handed over first). A live source holds the global steps however long it is silent,
+    unless ``follow.let_go_after``."""
+    stop = follow.stop or threading.Event()
+    interval, sources, alarms = follow.interval, follow.sources, follow.alarms
     state = FollowState(counted_by="run.json" if sources is None else "--sources")
     key = request_key(plan, request, share_run)
-    if not wait and not root.exists():  # a mistyped path never waits
+    if not follow.wait and not root.exists():  # a mistyped path never waits
         raise missing_run(root)  # type: ignore[misc]
     if not _appeared(root, stop, interval, events):
         state.ended = STOPPED
@@ -162,17 +149,19 @@ def follow_upload(
         values = ValueWatch(None, alarms) if alarms is not None else None
         while True:
             pass_ = _Pass(
-                root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key, init
+                root, plan, to, name, group or name, share_run, dry_run, force_new, strict, events, key
             )
             pass_.replacing = replacing
             pass_.tail = RunTail(root, follow_symlinks=follow_symlinks)
-            pass_.follower = Follower(plan, share_run=share_run, sources=sources, let_go_after=let_go_after)
-            pass_.restart_grace = restart_grace
+            pass_.follower = Follower(
+                plan, share_run=share_run, sources=sources, let_go_after=follow.let_go_after
+            )
+            pass_.restart_grace = follow.restart_grace
             pass_.values = values
-            if samples is not None and samples.enabled and not dry_run:
+            if samples is not None and samples.enabled and not dry_run and to.takes_samples:
                 pass_.samples = SampleTables(root, plan, samples, share_run=share_run)
             try:
-                ended = pass_.run(stop, interval, until_idle, state, sources is None)
+                ended = pass_.run(stop, interval, follow.until_idle, state, sources is None)
             except KeyboardInterrupt:  # Ctrl-C or SIGTERM while it read or sent: what was sent stays
                 ended = STOPPED
             except BaseException:
@@ -185,9 +174,11 @@ def follow_upload(
             if ended != REPLACED:
                 state.ended = ended
                 return pass_.planned, state
-            for opened in pass_.runs.values():  # offline: `wandb sync` must not send the replaced rows
-                if opened.outcome.sync_dir and pass_.sender is not None:
-                    pass_.sender.remove_partial({"sync_dir": opened.outcome.sync_dir})
+            for (
+                opened
+            ) in pass_.runs.values():  # e.g. W&B offline: `wandb sync` must not send the replaced rows
+                if pass_.sender is not None:
+                    pass_.sender.discard(opened.outcome)
             force_new = replacing = (
                 True  # the rows handed over hold replaced records: fresh runs hold the rest
             )
@@ -211,7 +202,6 @@ class _Pass:
     strict: bool
     events: UploadEvents
     key: str
-    init: Callable[..., Any] | None
     tail: RunTail = field(init=False)
     follower: Follower = field(init=False)
     runs: dict[str | None, _Open] = field(default_factory=dict)
@@ -255,11 +245,11 @@ class _Pass:
             if self.plan.by is By.TIME and self.follower.t0 is None and self.tail.sources:
                 self.follower.t0 = self._earlier_t0()
             if self.follower.replaced:
-                self.events.message("warning", _replaced(self.follower.replaced, self.to.offline))
+                self.events.message("warning", _replaced(self.follower.replaced, self.to))
                 return REPLACED
             if self.follower.late:
                 self.events.message(
-                    "warning", _late(self.follower.late, self.follower.late_restarts, self.to.offline)
+                    "warning", _late(self.follower.late, self.follower.late_restarts, self.to)
                 )
                 return REPLACED
             ending = state.all_finished or idle or over
@@ -474,11 +464,11 @@ class _Pass:
             rows = part.rows[max(0, opened.skip - run.sent) :]
             if run.bucket == "step":
                 run.top = max((row["step"] for row in part.rows), default=run.top)
-            if opened.wb is not None:
+            if opened.handle is not None:
                 assert self.sender is not None
-                opened.outcome.rows_sent += self.sender.log_rows(opened.wb, rows, run)
+                opened.outcome.rows_sent += self.sender.log_rows(opened.handle, rows, run)
             run.sent += len(part.rows)
-        sent = [self.runs[part.run] for part in ready if part.rows and self.runs[part.run].wb is not None]
+        sent = [self.runs[part.run] for part in ready if part.rows and self.runs[part.run].handle is not None]
         if sent and self.sender is not None:  # one ledger write a poll, of the runs that got rows
             self.sender.ledger.update_many(
                 {
@@ -495,7 +485,7 @@ class _Pass:
     def _earlier_t0(self) -> float | None:
         """Where an earlier follow of this upload started its windows: rows continued by a
         resumed run must fall in the same windows."""
-        ledger = Ledger.existing(self.root, _identity(self.tail))
+        ledger = self.to.ledger(self.root, _identity(self.tail), create=False)
         for entry in (ledger.entries if ledger else {}).values():
             if entry.get("request") == self.key and entry.get("t0") is not None and not self.force_new:
                 return float(entry["t0"])
@@ -506,6 +496,7 @@ class _Pass:
         if not self.planned.identity:
             self.planned.identity = identity
             self.planned.config = run_config(self.tail.meta, self.plan, followed=True)
+            self.planned.meta = dict(self.tail.meta)
         raw = self.follower.raw
         run = FollowedRun(
             run_id=run_id_for(identity, self.key, process),
@@ -520,40 +511,38 @@ class _Pass:
             attempts=self._attempts(process),
             attempt_steps=self._attempt_steps(process),
         )
+        mine = {
+            at: s.first
+            for at, s in self.tail.sources.items()
+            if process in (None, at[0]) and math.isfinite(s.first)
+        }
+        run.started = min(mine.values(), default=None)
+        if process is not None and len(mine) == 1:
+            run.rank = next(iter(mine))[1]
         self.planned.runs.append(run)
         if self.dry_run:
-            entry = find_entry(Ledger.existing(self.root, identity), run, self.to)
-            action, run_id, _, message = decide(run, entry, self.to.offline, self.force_new)
-            opened = _Open(run, RunOutcome(run, action, run_id, 0, message), None)
-            self.events.message("info", f"dry run: {run.name} ({run_id}) would be {action}")
+            entry = find_entry(self.to.ledger(self.root, identity, create=False), run, self.to)
+            decision = self.to.decide(run, entry, self.force_new)
+            opened = _Open(run, RunOutcome(run, decision.action, decision.run_id, 0, decision.message), None)
+            self.events.message("info", f"dry run: {run.name} ({decision.run_id}) would be {decision.action}")
         else:
             if self.sender is None:
-                ledger = Ledger.for_run_dir(self.root, identity)
-                to = self.to
-                if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
-                    to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
-                self.sender = Sender(
-                    self.planned,
-                    ledger,
-                    to,
-                    self.force_new,
-                    self.events,
-                    self.init or _wandb_init(),
-                    time.sleep,
-                    self.samples,
-                    patience=FOLLOW_PATIENCE,  # a sidecar outlasts a network outage
-                    after_timeout=None if self.init is not None else _wandb_teardown,
-                )
-            outcome, wb = self.sender.open(run)
-            if self.replacing and wb is not None:
+                ledger = self.to.ledger(self.root, identity)
+                assert ledger is not None
+                self.sender = self.to.sender(
+                    self.planned, ledger, force_new=self.force_new, events=self.events, samples=self.samples,
+                    live=True,
+                )  # fmt: skip
+            outcome, handle = self.sender.open(run)
+            if self.replacing and handle is not None:
                 outcome.message = (
                     f"{run.name}: a fresh run {outcome.run_id} holds the history with the restart"
                 )
             if outcome.message:  # said now, as the follow may go on for hours
                 self.events.message("info", outcome.message)
                 outcome.message = ""
-            opened = _Open(run, outcome, wb, skip=outcome.rows_sent if wb is not None else NEVER)
-            if wb is not None:
+            opened = _Open(run, outcome, handle, skip=outcome.rows_sent if handle is not None else NEVER)
+            if handle is not None:
                 self.events.message("info", f"following into {run.name} ({outcome.run_id})")
         self.runs[process] = opened
         return opened
@@ -567,20 +556,18 @@ class _Pass:
         return attempt_steps(self.tail.sources, process) if self.plan.attempts == "rewind" else []
 
     def _held(self, run: FollowedRun) -> dict[str, Any]:
-        """What the ledger keeps of the records a run's rows hold, for a later upload to
-        tell a restart into them (``restarts``)."""
+        """What the ledger keeps of the records a run's rows hold (``Sender.held``), as
+        they are now."""
         run.attempt_steps = self._attempt_steps(run.source)
-        return {
-            "attempts": self._attempts(run.source),
-            "attempts_sent": run.attempt_steps,
-            "last_step": run.last_step(),
-        }
+        run.attempts = self._attempts(run.source)
+        assert self.sender is not None
+        return self.sender.held(run)
 
     def close(self, *, finished: bool) -> None:
         for opened in self.runs.values():
-            if opened.wb is not None and self.sender is not None:
-                self.sender.close(opened.wb, opened.outcome, finished=finished, **self._held(opened.run))
-                opened.wb = None
+            if opened.handle is not None and self.sender is not None:
+                self.sender.close(opened.handle, opened.outcome, finished=finished, **self._held(opened.run))
+                opened.handle = None
 
 
 def _typical(source: SourceState) -> float | None:
@@ -598,12 +585,6 @@ def _silence(source: SourceState, now: float, *, alive: bool = False) -> str:
     if not math.isfinite(started):  # an older writer's journal, which does not say when it started
         return f"{said} since it started"
     return f"{said} in the {duration(now - started)} since it started at {local_time(started)}"
-
-
-def _wandb_teardown() -> None:
-    import wandb
-
-    wandb.teardown()
 
 
 def _appeared(root: Path, stop: threading.Event, interval: float, events: UploadEvents) -> bool:
@@ -635,12 +616,6 @@ def _expected(meta: dict[str, Any], first_record: float | None) -> int | None:
     return UNKNOWN_SOURCES
 
 
-def _wandb_init() -> Callable[..., Any]:
-    import wandb
-
-    return wandb.init
-
-
 def _identity(tail: RunTail) -> str:
     """``run_id`` from run.json; else the sources and their first record times (as
     ``run_identity``: the same ids a plain upload of the finished run uses)."""
@@ -653,7 +628,7 @@ def _identity(tail: RunTail) -> str:
     return hashlib.sha256(json.dumps(firsts).encode()).hexdigest()
 
 
-def _late(late: dict[tuple[str, int], int], restarts: set[tuple[str, int]], offline: bool) -> str:
+def _late(late: dict[tuple[str, int], int], restarts: set[tuple[str, int]], to: Destination) -> str:
     which = ", ".join(
         f"{p} (rank {r}): {n}" + (" of its restart" if (p, r) in restarts else "")
         for (p, r), n in sorted(late.items())
@@ -666,16 +641,15 @@ def _late(late: dict[tuple[str, int], int], restarts: set[tuple[str, int]], offl
         why = why[:1]
     elif not restarts:
         why = why[1:]
-    where = "its files are removed" if offline else "it is left unfinished in W&B; delete it there"
     return (
-        f"record(s) came after their step or window was handed to W&B ({which}: {'; or '.join(why)}); the "
-        f"run is read again and written to fresh W&B runs that hold them. The earlier run lacks them: {where}"
+        f"record(s) came after their step or window was handed to {to.kind} ({which}: {'; or '.join(why)}); "
+        f"the run is read again and written to fresh {to.kind} runs that hold them. The earlier run lacks "
+        f"them: {to.left_behind()}"
     )
 
 
-def _replaced(replaced: dict[tuple[str, int], int], offline: bool) -> str:
-    where = "its files are removed" if offline else "it is left unfinished in W&B; delete it there"
+def _replaced(replaced: dict[tuple[str, int], int], to: Destination) -> str:
     return (
-        f"{replacing(replaced)}; the run is read again and written to fresh W&B runs (W&B's rewind is "
-        f"not used while following). The earlier run holds the replaced rows: {where}"
+        f"{replacing(replaced)}; the run is read again and written to fresh {to.kind} runs (a rewind is "
+        f"not used while following). The earlier run holds the replaced rows: {to.left_behind()}"
     )

@@ -1,8 +1,9 @@
-"""The upload ledger: per W&B run, the rows planned, the rows handed over, and whether it finished.
+"""The upload ledger: per destination run, the rows planned, the rows handed over, and
+whether it finished; one format for every destination (``destination.Destination``).
 
-It lives in ``RUN_DIR/.metriclog/uploads.json``, or in the user cache (keyed by the run's
-identity) when the run is in object storage or its directory is not writable, and is
-replaced atomically on every update.
+W&B's and MLflow's live in ``RUN_DIR/.metriclog/uploads.json``, or in the user cache
+(keyed by the run's identity) when the run is in object storage or its directory is not
+writable; TensorBoard's beside its event files. It is replaced atomically on every update.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from metric_core.offline.storage import is_remote, storage_errors
 
 
 class Ledger:
-    """Per W&B run: rows planned, rows handed over, finished; saved atomically."""
+    """Per destination run: rows planned, rows handed over, finished; saved atomically."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -32,11 +33,15 @@ class Ledger:
         if not self.path.exists():
             return {}
         try:
-            return dict(json.loads(self.path.read_text()).get("runs", {}))
+            entries = dict(json.loads(self.path.read_text()).get("runs", {}))
         except (OSError, ValueError) as exc:
             raise UploadError(
                 f"upload ledger {self.path} is damaged ({exc}); move it away to start over"
             ) from None
+        for entry in entries.values():  # TensorBoard's ledgers before the one format said "rows"
+            if "rows" in entry:
+                entry.setdefault("rows_sent", entry.pop("rows"))
+        return entries
 
     @classmethod
     def for_run_dir(cls, run_dir: Any, identity: str) -> Ledger:

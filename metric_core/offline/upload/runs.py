@@ -80,6 +80,10 @@ class PlannedRun:
     # per group, in bucket order): the bucket of each history row and where its values end.
     row_buckets: ColumnFile | None = None
     row_ends: ColumnFile | None = None
+    rank: int | None = None  # the rank of a run of one source
+    # Its sources' earliest record time: the time of its reduced rows, where a destination
+    # needs one (MLflow; a reduced step has no time of its own), the same in every upload.
+    started: float | None = None
 
     def first_row_from(self, step: int) -> int | None:
         """How many history rows come before ``step``: where a rewind to a restart at ``step``
@@ -193,6 +197,7 @@ class PlannedRuns:
     warnings: list[str] = field(default_factory=list)  # W&B's limits the runs come near
     unmatched: list[PlanError] = field(default_factory=list)  # filters that matched no record
     config: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)  # run.json's facts
     read_summary: str = ""  # what the reader skipped
     identity_from: str = "run.json"  # or "content": no run_id in run.json (another tool's files)
     # Planned while the job still wrote the run (``settled``): its complete rows only; the
@@ -298,6 +303,12 @@ def plan_runs(
         if default_shape:  # what earlier versions uploaded is recognized, not sent twice
             legacy = f"{identity}|{mode.value}|{run.source or '*'}"
             run.legacy_id = f"ml-{hashlib.sha256(legacy.encode()).hexdigest()[:16]}"
+    firsts = result.scan.first_timestamps()
+    for run in runs:
+        mine = {at: t for at, t in firsts.items() if run.source in (None, at[0])}
+        run.started = min(mine.values(), default=None)
+        if run.source is not None and len(mine) == 1:
+            run.rank = next(iter(mine))[1]
     for run in runs:  # a restart of one source changes only the runs that hold its records
         held = [a for a in result.scan.report.attempts if a.records and run.source in (None, a.process)]
         run.attempts = sorted(a.attempt for a in held)
@@ -319,6 +330,7 @@ def plan_runs(
     planned.warnings = limit_warnings(runs)
     planned.unmatched = result.unmatched
     planned.config = _provenance(result)
+    planned.meta = dict(result.scan.meta)
     return planned
 
 

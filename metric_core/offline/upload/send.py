@@ -1,4 +1,4 @@
-"""Sending planned runs to W&B, idempotently and resumably, with the ledger.
+"""W&B as a destination (``destination.Destination``): idempotent and resumable.
 
 W&B's ``_step`` is never passed, so it counts the rows a run received; that count is
 what a resumed upload continues from.
@@ -6,6 +6,7 @@ what a resumed upload continues from.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import secrets
@@ -16,17 +17,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metric_core.errors import MetricLogError, PlanError, UploadError, as_keyword, opt, spell_options
+from metric_core.credentials import has_credentials
+from metric_core.errors import MetricLogError, NotLoggedInError, PlanError, UploadError, opt, spell_options
+from metric_core.offline.upload.destination import (
+    Decision,
+    Destination,
+    RunOutcome,
+    Sender,
+    UploadEvents,
+    find_entry,
+    send_runs,
+    stale_in,
+)
 from metric_core.offline.upload.ledger import Ledger
-from metric_core.offline.upload.restarts import Source, replacing, stale_steps, steps_said
+from metric_core.offline.upload.restarts import Source, replacing, steps_said
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
 
 if TYPE_CHECKING:
     from metric_core.offline.samples import SampleTables
 
+__all__ = ["RunOutcome", "UploadEvents", "WandB", "WandBSender", "find_entry", "send_runs"]
+
 RETRY_DELAYS = (1.0, 2.0, 4.0, 8.0, 16.0)
-LEDGER_EVERY_ROWS = 5_000
-PROGRESS_EVERY_ROWS = 500  # divides LEDGER_EVERY_ROWS
 # A replayed run describes the training run, not the machine replaying it: without these,
 # W&B attaches this machine's system metrics, hardware, OS, git state, code and pip
 # packages to it. (Collecting them also slowed each wandb.init down.)
@@ -39,7 +51,7 @@ REPLAY_SETTINGS = {
     "save_code": False,
 }
 # How long wandb.init may take before W&B is called unreachable (wandb's own default is 90 s):
-# a plain upload fails within 15 s with what to do (Destination.connect_timeout).
+# a plain upload fails within 15 s with what to do (WandB.connect_timeout).
 CONNECT_TIMEOUT = 10.0
 # upload --follow tries an unreachable W&B again for this long, backing off up to a minute.
 FOLLOW_PATIENCE = 1800.0
@@ -47,43 +59,84 @@ FOLLOW_BACKOFF_MAX = 60.0
 
 
 @dataclass
-class RunOutcome:
-    """What happened to one planned run."""
-
-    run: PlannedRun
-    action: str  # "uploaded", "wrote offline", "resumed", "rewound", "skipped", "restarted"
-    run_id: str
-    rows_sent: int
-    message: str = ""
-    sync_dir: str | None = None
-
-
-@dataclass
-class UploadEvents:
-    """How an upload reports while it works (it never prints); every callback is optional.
-
-    ``message(kind, text)``: ``kind`` is ``"warning"``, ``"note"`` or ``"info"``.
-    ``progress(run, rows_done)`` is called as a run starts and returns a function that
-    takes the rows handed over so far.
-    """
-
-    message: Callable[[str, str], None] = lambda kind, text: None
-    # How a message names an option (``MetricLogError.text``): as Python does, by default.
-    spelling: Callable[[str], str] = as_keyword
-    progress: Callable[[PlannedRun, int], Callable[[int], None]] | None = None
-    # An alarm on values (``Follow.alarms``; an ``alerts.Alert``), as the sidecar finds it.
-    alert: Callable[[Any], None] = lambda alert: None
-
-
-@dataclass
-class Destination:
-    """Where runs go: W&B project and entity, online or offline, and the local wandb dir."""
+class WandB(Destination):
+    """Where runs go in W&B: project and entity, online or offline, and the local wandb dir."""
 
     project: str
     entity: str | None = None
     offline: bool = False
     wandb_dir: Path | None = None
     connect_timeout: float = CONNECT_TIMEOUT  # seconds wandb.init may take online
+    init: Callable[..., Any] | None = None  # wandb.init, unless a test gives a fake
+    sleep: Callable[[float], None] = time.sleep  # between retries (a test's records them)
+
+    kind = "W&B"
+    slow_client = True
+
+    def check(self, *, name: str | None, group: str | None) -> None:
+        check_names(project=self.project, entity=self.entity, group=group, name=name)
+
+    def request(self, name: str | None, group: str | None, *, run_name: str) -> dict[str, Any]:
+        return {"entity": self.entity, "project": self.project, "name": name, "group": group}
+
+    def ready(self, events: UploadEvents, dry_run: bool) -> tuple[Destination, bool]:
+        to: WandB = self
+        mode = os.environ.get("WANDB_MODE", "").strip().lower()
+        if mode in ("offline", "dryrun") and not self.offline:
+            events.message(
+                "note",
+                spell_options(
+                    f"WANDB_MODE={mode} is set: writing offline runs, as "
+                    + opt("offline", flag=True)
+                    + " does",
+                    events.spelling,
+                ),
+            )
+            to = dataclasses.replace(self, offline=True)
+        if mode == "disabled" and not dry_run:
+            events.message("note", "WANDB_MODE=disabled is set: nothing is uploaded, as in a dry run")
+            dry_run = True
+        if not dry_run and not to.offline and not has_credentials():
+            raise NotLoggedInError()
+        return to, dry_run
+
+    def load_client(self) -> None:
+        import wandb  # noqa: F401
+
+    def owns(self, entry: dict[str, Any]) -> bool:
+        return (entry.get("project"), entry.get("entity")) == (self.project, self.entity)
+
+    def decide(self, run: PlannedRun, entry: dict[str, Any] | None, force_new: bool) -> Decision:
+        return Decision(*decide(run, entry, self.offline, force_new))
+
+    def left_behind(self) -> str:
+        return "its files are removed" if self.offline else "it is left unfinished in W&B; delete it there"
+
+    def sender(
+        self,
+        planned: PlannedRuns,
+        ledger: Ledger,
+        *,
+        force_new: bool,
+        events: UploadEvents,
+        samples: SampleTables | None = None,
+        live: bool = False,
+    ) -> Sender:
+        to = self
+        if to.wandb_dir is None and not os.environ.get("WANDB_DIR"):
+            to = dataclasses.replace(to, wandb_dir=ledger.path.parent)
+        if live:  # a sidecar outlasts a network outage
+            return WandBSender(
+                planned, ledger, to, force_new, events, samples, live=True, patience=FOLLOW_PATIENCE,
+                after_timeout=None if self.init is not None else _wandb_teardown,
+            )  # fmt: skip
+        return WandBSender(planned, ledger, to, force_new, events, samples)
+
+
+def _wandb_teardown() -> None:
+    import wandb
+
+    wandb.teardown()
 
 
 # W&B's rules for project, entity and run names, checked before anything is read or sent
@@ -119,40 +172,6 @@ def cannot_heal(exc: BaseException) -> bool:
     status = getattr(getattr(exc, "exc", None), "response", None)
     code = getattr(status, "status_code", None) or getattr(exc, "status_code", None)
     return isinstance(code, int) and 400 <= code < 500 and code not in (408, 429)
-
-
-def send_runs(
-    plan: PlannedRuns,
-    ledger: Ledger,
-    to: Destination,
-    *,
-    force_new: bool = False,
-    events: UploadEvents | None = None,
-    init: Callable[..., Any] | None = None,
-    sleep: Callable[[float], None] = time.sleep,
-    samples: SampleTables | None = None,
-) -> list[RunOutcome]:
-    """Send every planned run; ``init`` is ``wandb.init`` unless a test gives a fake."""
-    if init is None:
-        import wandb
-
-        init = wandb.init
-    sender = Sender(plan, ledger, to, force_new, events or UploadEvents(), init, sleep, samples)
-    sender.leave_open = plan.open
-    return [sender.send(run) for run in plan.runs]
-
-
-def find_entry(ledger: Ledger | None, run: PlannedRun, to: Destination) -> dict[str, Any] | None:
-    """The ledger's newest entry for a planned run; one an earlier version wrote under its
-    own id counts when it went to the same destination."""
-    if ledger is None:
-        return None
-    entry = ledger.latest(run.run_id)
-    if entry is None and run.legacy_id is not None:
-        old = ledger.latest(run.legacy_id)
-        if old is not None and (old.get("project"), old.get("entity")) == (to.project, to.entity):
-            return old
-    return entry
 
 
 def decide(
@@ -236,17 +255,6 @@ def decide(
     return "resumed", entry.get("id", run.run_id), "must", ""
 
 
-def stale_in(entry: dict[str, Any] | None, run: PlannedRun) -> dict[Source, tuple[int, int | None]]:
-    """The rows of the W&B run of ``entry`` that an attempt it held replaced since they
-    were sent, by a flush that came after them (per source, its first and last stale
-    step); none for an entry written before the ledger kept the attempts sent. A run whose
-    sources have new attempts since is a restart of the job, which ``decide`` sends anew
-    whatever it replaced."""
-    if entry is None or entry.get("attempts", run.attempts) != run.attempts:
-        return {}
-    return stale_steps(entry.get("attempts_sent"), run.attempt_steps, entry.get("last_step"))
-
-
 def _replaced(
     run: PlannedRun,
     entry: dict[str, Any],
@@ -286,95 +294,76 @@ def _replaced(
 
 
 @dataclass
-class Sender:
-    """Hands planned runs to W&B: ``send`` a whole run, or ``open``, ``log_rows`` as they
-    come (``upload --follow``) and ``close``."""
+class WandBSender(Sender):
+    """Hands planned runs to W&B (``Sender``'s verbs, by ``wandb.init``, ``log`` and ``finish``)."""
 
-    plan: PlannedRuns
-    ledger: Ledger
-    to: Destination
-    force_new: bool
-    events: UploadEvents
-    init: Callable[..., Any]
-    sleep: Callable[[float], None]
-    samples: SampleTables | None = None  # each step's chosen samples, as tables in its row
+    to: WandB
     patience: float | None = None  # seconds an unreachable W&B is tried again (upload --follow)
     # Called after a start that timed out, before the next try: wandb's service still holds
     # the run id of a start it gave up on ("run ID ... is in use") until it is torn down.
     after_timeout: Callable[[], None] | None = None
-    # The job still writes the run (``PlannedRuns.open``): a run sent whole is left unfinished
-    # in the ledger, so a later upload continues it with the rows that settle meanwhile.
-    leave_open: bool = False
 
-    def send(self, run: PlannedRun) -> RunOutcome:
-        outcome, wb = self.open(run)
-        if wb is not None:
-            outcome.rows_sent = self._log(wb, run, outcome.run_id, outcome.rows_sent)
-        return outcome
+    @property
+    def init(self) -> Callable[..., Any]:
+        if self.to.init is not None:
+            return self.to.init
+        import wandb
 
-    def open(self, run: PlannedRun) -> tuple[RunOutcome, Any]:
-        """Start (or resume) the W&B run of ``run`` as its ledger entry says (``decide``):
-        what is done, with ``rows_sent`` the rows W&B holds already (where to go on from),
-        and the W&B run; None for a run skipped."""
-        entry = find_entry(self.ledger, run, self.to)
-        action, run_id, resume, message = decide(run, entry, self.to.offline, self.force_new)
-        if action == "skipped":
-            return RunOutcome(run, action, run_id, (entry or {}).get("rows_sent", 0), message), None
-        stale = bool(stale_in(entry, run)) and not self.force_new
-        if stale:  # said once, as a warning: the destination held values that were not the run's
-            self.events.message("warning", spell_options(message, self.events.spelling))
-            message = ""
-        start = 0
-        self.ledger.update(
-            run_id,
-            name=run.name,
-            group=run.group,
-            project=self.to.project,
-            entity=self.to.entity,
-            rows_planned=run.rows,
-            rows_sent=0 if resume is None else entry.get("rows_sent", 0),  # type: ignore[union-attr]
-            finished=False,
-            open=False,
-            offline=self.to.offline,
-            base_id=run.run_id,
-            attempts=run.attempts,
-            attempts_sent=run.attempt_steps,
-            last_step=run.last_step(),
-        )
-        if action == "restarted" and entry is not None and stale:
-            self.remove_partial(entry)  # said with the warning
-        elif action == "restarted" and entry is not None and not entry.get("finished"):
-            message += self.remove_partial(entry)
+        return wandb.init
+
+    def sleep(self, seconds: float) -> None:
+        self.to.sleep(seconds)
+
+    def entry_fields(self) -> dict[str, Any]:
+        return {"project": self.to.project, "entity": self.to.entity, "offline": self.to.offline}
+
+    def start(
+        self, run: PlannedRun, decision: Decision, entry: dict[str, Any] | None, outcome: RunOutcome
+    ) -> Any:
+        """``wandb.init`` of the W&B run, as ``decide`` said: new, resumed where the server
+        stopped, or rewound; the files of an offline run it replaces removed."""
+        run_id, resume = decision.run_id, decision.resume
+        if decision.action == "restarted" and entry is not None:
+            if stale_in(entry, run) and not self.force_new:
+                self.remove_partial(entry)  # said with the warning
+            elif not entry.get("finished"):
+                outcome.message += self.remove_partial(entry)
         wb = self._start(run, run_id, resume)
         sync_dir = getattr(wb, "sync_dir", None) if self.to.offline else None
         if sync_dir:  # so that a kill before the end leaves a ledger that knows what to remove
-            self.ledger.update(run_id, sync_dir=str(Path(sync_dir).resolve()))  # said from anywhere
+            outcome.sync_dir = str(Path(sync_dir).resolve())  # said from anywhere
+            self.ledger.update(run_id, sync_dir=outcome.sync_dir)
         if resume and resume.startswith("from:"):
-            start = int(resume.removeprefix("from:"))
+            outcome.rows_sent = int(resume.removeprefix("from:"))
         elif resume:
-            start = int(getattr(wb, "step", 0) or 0)  # rows the server already holds (_step counts them)
-            message = f"resuming {run.name} at row {start}" + (f" of {run.rows}" if run.rows else "")
+            outcome.rows_sent = int(getattr(wb, "step", 0) or 0)  # rows the server holds (_step counts them)
+            outcome.message = f"resuming {run.name} at row {outcome.rows_sent}" + (
+                f" of {run.rows}" if run.rows else ""
+            )
         if run.x_axis is not None:
             wb.define_metric(run.x_axis)
             wb.define_metric("*", step_metric=run.x_axis)
-        return RunOutcome(run, action, run_id, start, message, str(sync_dir) if sync_dir else None), wb
+        return wb
 
-    def log_rows(self, wb: Any, rows: Iterable[dict[str, Any]], run: PlannedRun | None = None) -> int:
+    def log_rows(self, wb: Any, rows: Iterable[dict[str, Any]], run: PlannedRun) -> int:
         """Hand ``rows`` (of ``run``) to W&B (retrying what heals); how many were handed over."""
         n = 0
         for row in self._with_samples(rows, run):
             self._retry(functools.partial(wb.log, row), "logging to W&B")
             n += 1
+            self.rows_logged += 1
         return n
 
-    def close(self, wb: Any, outcome: RunOutcome, *, finished: bool, **fields: Any) -> None:
-        """Finish the W&B run; the ledger says whether it holds everything (``finished``)."""
-        try:
-            if finished:
-                self._final_tables(wb, outcome.run)
-            self._retry(wb.finish, "finishing the W&B run")
-        finally:
-            self.ledger.update(outcome.run_id, rows_sent=outcome.rows_sent, finished=finished, **fields)
+    def finish(self, wb: Any, outcome: RunOutcome, finished: bool) -> dict[str, Any]:
+        """Finish the W&B run; a whole one gets its final tables first."""
+        if finished:
+            self._final_tables(wb, outcome.run)
+        self._retry(wb.finish, "finishing the W&B run")
+        return {}
+
+    def discard(self, outcome: RunOutcome) -> None:
+        if outcome.sync_dir:  # offline: `wandb sync` must not send the replaced rows
+            self.remove_partial({"sync_dir": outcome.sync_dir})
 
     def _start(self, run: PlannedRun, run_id: str, resume: str | None) -> Any:
         """``wandb.init`` of ``run``. A server that does not answer within the connect timeout
@@ -447,28 +436,6 @@ class Sender:
         elif resume:
             args["resume"] = resume
         return args
-
-    def _log(self, wb: Any, run: PlannedRun, run_id: str, start: int) -> int:
-        """Hand the rows from ``start`` on to W&B and finish the run; the rows sent."""
-        tick = self.events.progress(run, start) if self.events.progress else (lambda n: None)
-        sent = start
-        try:
-            for row in self._with_samples(run.history(start), run):
-                self._retry(functools.partial(wb.log, row), "logging to W&B")
-                sent += 1
-                if sent % PROGRESS_EVERY_ROWS == 0:
-                    tick(sent)
-                    if sent % LEDGER_EVERY_ROWS == 0:
-                        self.ledger.update(run_id, rows_sent=sent)
-            tick(sent)
-            if not self.leave_open:
-                self._final_tables(wb, run)
-            self._retry(wb.finish, "finishing the W&B run")
-        except BaseException:
-            self.ledger.update(run_id, rows_sent=sent)
-            raise
-        self.ledger.update(run_id, rows_sent=sent, finished=not self.leave_open, open=self.leave_open)
-        return sent
 
     def _final_tables(self, wb: Any, run: PlannedRun) -> None:
         """``--sample-tables incremental``: at a run's end (not while its job still writes it),

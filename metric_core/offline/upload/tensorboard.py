@@ -8,11 +8,14 @@ becomes a folder of ``logdir`` named as the W&B run would be, holding one event 
 * ``per_rank_no_reduce``: an event per raw record, at its step and its own wall time.
 
 A file is written under a name TensorBoard does not read (``.metriclog-partial-*``) and
-renamed to ``events.out.tfevents.*`` once whole, so a reader never sees half of one. The
-ledger (``logdir/.metriclog-tensorboard.json``) records each run written, by the same
-ids as the W&B upload's (the run, the request, the source) and the writers' attempts it
-holds: an upload again writes nothing new; one interrupted writes its runs again from
-the start; a run whose job restarted since is written again in place of the old file.
+renamed to ``events.out.tfevents.*`` once whole, so a reader never sees half of one;
+``upload --follow`` writes the event file under its own name as the rows come (flushed
+each poll), so TensorBoard shows the run live. The ledger
+(``logdir/.metriclog-tensorboard.json``, in the one format of ``ledger.Ledger``) records
+each run written, by the same ids as the W&B upload's (the run, the request, the source)
+and the writers' attempts it holds: an upload again writes nothing new; one interrupted
+writes its runs again from the start (an event file cannot be continued); a run whose
+job restarted since is written again in place of the old file.
 
 TensorBoard keeps a scalar as float32: the values that change in the rounding are
 counted, and said.
@@ -20,24 +23,34 @@ counted, and said.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from metric_core.atomic import replace_file
 from metric_core.errors import MissingDependencyError
+from metric_core.offline.storage import RunPath
+from metric_core.offline.upload.destination import (
+    Decision,
+    Destination,
+    RunOutcome,
+    Sender,
+    UploadEvents,
+    is_done,
+    stale_in,
+    step_values,
+)
+from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.restarts import replacing, steps_said
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
-from metric_core.offline.upload.send import RunOutcome, UploadEvents, stale_in
 
 LEDGER = ".metriclog-tensorboard.json"
 PARTIAL = ".metriclog-partial-"
@@ -45,173 +58,180 @@ WRITTEN = "wrote to TensorBoard"
 
 
 @dataclass(frozen=True)
-class TensorBoard:
+class TensorBoard(Destination):
     """Where runs go as TensorBoard event files: ``logdir`` (``tensorboard --logdir``)."""
 
     logdir: Path
 
-    def request(self, name: str | None, group: str | None) -> dict[str, Any]:
-        """What identifies this destination in the runs' ids (as project and entity do for W&B)."""
-        return {"tensorboard": str(Path(self.logdir).resolve()), "name": name, "group": group}
+    kind = "TensorBoard"
+    takes_samples = False
+
+    def request(self, name: str | None, group: str | None, *, run_name: str) -> dict[str, Any]:
+        given = None if name == run_name else name
+        return {"tensorboard": str(Path(self.logdir).resolve()), "name": given, "group": group}
+
+    def load_client(self) -> None:
+        try:
+            import tensorboardX  # noqa: F401
+        except ImportError:
+            raise MissingDependencyError(
+                "--to tensorboard writes with tensorboardX: pip install 'metriclog[tensorboard]'"
+            ) from None
+
+    def ledger(self, root: RunPath, identity: str, *, create: bool = True) -> Ledger | None:
+        path = Path(self.logdir) / LEDGER
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return Ledger(path)
+        return Ledger(path) if path.is_file() else None
+
+    def decide(self, run: PlannedRun, entry: dict[str, Any] | None, force_new: bool) -> Decision:
+        logdir = Path(self.logdir)
+        if entry is not None and is_done(entry, run) and (logdir / entry["file"]).exists() and not force_new:
+            return Decision("skipped", run.run_id, None, f"{run.name}: already written to {logdir}")
+        replaced = stale_in(entry, run)
+        said = ""
+        if replaced and not force_new:  # written again whole, in place of the file that holds them
+            said = (
+                f"{run.name}: {replacing({s: lo for s, (lo, _) in replaced.items()}, 'TensorBoard')}: "
+                f"{steps_said(replaced, str(logdir / run.name))} written before it; its file is written again"
+            )
+        return Decision(WRITTEN, run.run_id, None, said)
+
+    def left_behind(self) -> str:
+        return "its file is written again"
+
+    def sender(
+        self,
+        planned: PlannedRuns,
+        ledger: Ledger,
+        *,
+        force_new: bool,
+        events: UploadEvents,
+        samples: Any = None,
+        live: bool = False,
+    ) -> Sender:
+        self.load_client()
+        ours = {run.run_id for run in planned.runs}
+        for run in planned.runs:
+            other = any(
+                e.get("name") == run.name and i not in ours and e.get("base_id", i) not in ours
+                for i, e in ledger.entries.items()
+            )
+            if other:  # another mode or filter, written under the same folder name
+                events.message(
+                    "warning",
+                    f"{Path(self.logdir) / run.name} holds a run another upload wrote (another mode or "
+                    "other filters): TensorBoard shows both under the same tags; give this upload a --name "
+                    "of its own",
+                )
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a NaN is a value here
+        return TensorBoardSender(planned, ledger, self, force_new, events, None, live=live)
 
 
-def would_be(planned: PlannedRuns, to: TensorBoard, force_new: bool) -> list[RunOutcome]:
-    """A dry run: what each run would be (written, or skipped as written already)."""
-    ledger = _ledger(Path(to.logdir))
-    return [
-        RunOutcome(
-            run,
-            "skipped" if _done(ledger, run, Path(to.logdir)) and not force_new else "written",
-            run.run_id,
-            0,
-        )
-        for run in planned.runs
-    ]
+@dataclass
+class _EventFile:
+    """An event file being written: its writer, where it is, and what the rounding changed."""
+
+    writer: Any
+    path: Path
+    old: str | None  # the file of the run before (written again whole)
+    rows: int = 0  # history rows written (a window's number is its row's)
+    rounded: int = 0
+    worst: float = 0.0
+    tags: dict[str, str] = field(default_factory=dict)
 
 
-def write_runs(
-    planned: PlannedRuns, to: TensorBoard, *, force_new: bool = False, events: UploadEvents | None = None
-) -> list[RunOutcome]:
-    """Write every planned run not written yet as an event file under ``to.logdir``."""
-    events = events or UploadEvents()
-    try:
-        from tensorboardX import summary
+@dataclass
+class TensorBoardSender(Sender):
+    """Writes each planned run as an event file (``Sender``'s verbs, by tensorboardX)."""
+
+    to: TensorBoard
+
+    def start(
+        self, run: PlannedRun, decision: Decision, entry: dict[str, Any] | None, outcome: RunOutcome
+    ) -> Any:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.record_writer import RecordWriter
-    except ImportError:
-        raise MissingDependencyError(
-            "--to tensorboard writes with tensorboardX: pip install 'metriclog[tensorboard]'"
-        ) from None
-    logdir = Path(to.logdir)
-    logdir.mkdir(parents=True, exist_ok=True)
-    ledger = _ledger(logdir)
-    ours = {run.run_id for run in planned.runs}
-    for run in planned.runs:
-        other = next((e for i, e in ledger.items() if e.get("name") == run.name and i not in ours), None)
-        if other is not None:  # another mode or filter, written under the same folder name
-            events.message(
-                "warning",
-                f"{logdir / run.name} holds a run another upload wrote (another mode or other filters): "
-                "TensorBoard shows both under the same tags; give this upload a --name of its own",
-            )
-    logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)  # a NaN is a value here
-    outcomes = []
-    for run in planned.runs:
-        if _done(ledger, run, logdir) and not force_new:
-            outcomes.append(
-                RunOutcome(
-                    run,
-                    "skipped",
-                    run.run_id,
-                    ledger[run.run_id]["rows"],
-                    f"{run.name}: already written to {logdir}",
-                )
-            )
-            continue
-        replaced = stale_in(ledger.get(run.run_id), run)
-        if replaced and not force_new:  # written again whole, in place of the file that holds them
-            events.message(
-                "warning",
-                f"{run.name}: {replacing({s: lo for s, (lo, _) in replaced.items()}, 'TensorBoard')}: "
-                f"{steps_said(replaced, str(logdir / run.name))} written before it; its file is written "
-                "again",
-            )
+
+        logdir = Path(self.to.logdir)
         folder = logdir / run.name
         folder.mkdir(parents=True, exist_ok=True)
         for stale in folder.glob(f"{PARTIAL}*"):  # an interrupted write of this run
             stale.unlink()
-        partial = folder / f"{PARTIAL}{secrets.token_hex(6)}"
-        writer = RecordWriter(str(partial))
+        old = (entry or {}).get("file")
+        if self.live:  # TensorBoard reads it as it grows; the run's earlier file goes now
+            if old:
+                (logdir / old).unlink(missing_ok=True)
+                old = None
+            path = folder / _final_name(run)
+            self.ledger.update(decision.run_id, file=str(path.relative_to(logdir)))
+        else:
+            path = folder / f"{PARTIAL}{secrets.token_hex(6)}"
+        writer = RecordWriter(str(path))
+        writer.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
+        return _EventFile(writer, path, old)
+
+    def log_rows(self, handle: _EventFile, rows: Iterable[dict[str, Any]], run: PlannedRun) -> int:
+        from tensorboardX import summary
+        from tensorboardX.proto.event_pb2 import Event
+
+        n = 0
+        for row in rows:
+            n += 1
+            step, wall, row_values = step_values(row, run, handle.rows)
+            handle.rows += 1
+            values = []
+            for key, value in row_values.items():
+                if math.isfinite(value):
+                    narrow = float(np.float32(value))
+                    if narrow != value:
+                        handle.rounded += 1
+                        handle.worst = max(
+                            handle.worst, abs(narrow - value) / abs(value) if value else math.inf
+                        )
+                one = summary.scalar(key, value)
+                handle.tags[key] = one.value[0].tag
+                values.extend(one.value)
+            if values:
+                event = Event(
+                    wall_time=time.time() if wall is None else float(wall),
+                    step=step,
+                    summary=summary.Summary(value=values),
+                )
+                handle.writer.write(event.SerializeToString())
+        if self.live:
+            handle.writer.flush()
+        self.rows_logged += n
+        return n
+
+    def finish(self, handle: _EventFile, outcome: RunOutcome, finished: bool) -> dict[str, Any]:
+        """The file closed and, written whole, renamed to the name TensorBoard reads."""
         try:
-            writer.write(Event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
-            rows, rounded, worst, tags = _write(run, writer, summary, Event)
-            writer.flush()
+            handle.writer.flush()
         finally:
-            writer.close()
-        final = folder / f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{run.run_id}"
-        os.replace(partial, final)
-        old = ledger.get(run.run_id, {}).get("file")
-        if old and old != str(final.relative_to(logdir)):  # the run before a restart of its job
-            (logdir / old).unlink(missing_ok=True)
-        ledger[run.run_id] = {
-            "name": run.name,
-            "file": str(final.relative_to(logdir)),
-            "rows": rows,
-            "attempts": run.attempts,
-            "attempts_sent": run.attempt_steps,  # a later upload tells a restart into its rows
-            "last_step": run.last_step(),
-            # a run of a job that still writes it: written again whole by the next upload
-            "finished": not planned.open,
-        }
-        replace_file(logdir / LEDGER, (json.dumps({"runs": ledger}, indent=1) + "\n").encode())
+            handle.writer.close()
+        logdir = Path(self.to.logdir)
+        final = handle.path
+        if not self.live:
+            final = handle.path.with_name(_final_name(outcome.run))
+            os.replace(handle.path, final)
+        if handle.old and handle.old != str(final.relative_to(logdir)):  # the run before a restart
+            (logdir / handle.old).unlink(missing_ok=True)
         message = ""
-        if rounded:
+        if handle.rounded:
             message = (
-                f"{run.name}: {rounded:,} value(s) changed when rounded to float32, as TensorBoard keeps "
-                f"scalars (the largest change: {worst:.1e} of the value)"
+                f"{outcome.run.name}: {handle.rounded:,} value(s) changed when rounded to float32, as "
+                f"TensorBoard keeps scalars (the largest change: {handle.worst:.1e} of the value)"
             )
-        renamed = {k: v for k, v in tags.items() if k != v}
+        renamed = {k: v for k, v in handle.tags.items() if k != v}
         if renamed:
             message += (". " if message else "") + "; ".join(
                 f"'{k}' is the tag '{v}'" for k, v in renamed.items()
             )
-        outcomes.append(RunOutcome(run, WRITTEN, run.run_id, rows, message))
-    return outcomes
+        outcome.message = (outcome.message + ". " if outcome.message else "") + message
+        return {"file": str(final.relative_to(logdir))}
 
 
-def _write(run: PlannedRun, writer: Any, summary: Any, event: Any) -> tuple[int, int, float, dict[str, str]]:
-    """Write ``run``'s history; rows written, values rounded to float32, the largest relative
-    change, and the tag of each key (tensorboardX cleans some characters)."""
-    x = run.bucket
-    rows = rounded = 0
-    worst = 0.0
-    tags: dict[str, str] = {}
-    for i, row in enumerate(run.history()):
-        wall = row.get("_timestamp")
-        if x == "step":
-            step = int(row[x])
-        else:  # a window: its number is the step, its start the wall time
-            step, wall = i, row.get(x, wall)
-        values = []
-        for key, value in row.items():
-            if key in (x, "step", "_timestamp") or value is None:
-                continue
-            value = float(value)
-            if math.isfinite(value):
-                narrow = float(np.float32(value))
-                if narrow != value:
-                    rounded += 1
-                    worst = max(worst, abs(narrow - value) / abs(value) if value else math.inf)
-            one = summary.scalar(key, value)
-            tags[key] = one.value[0].tag
-            values.extend(one.value)
-        if not values:
-            continue
-        writer.write(
-            event(
-                wall_time=time.time() if wall is None else float(wall),
-                step=step,
-                summary=summary.Summary(value=values),
-            ).SerializeToString()
-        )
-        rows += 1
-    return rows, rounded, worst, tags
-
-
-def _ledger(logdir: Path) -> dict[str, Any]:
-    path = logdir / LEDGER
-    if not path.exists():
-        return {}
-    runs: dict[str, Any] = json.loads(path.read_text()).get("runs", {})
-    return runs
-
-
-def _done(ledger: dict[str, Any], run: PlannedRun, logdir: Path) -> bool:
-    entry = ledger.get(run.run_id)
-    return bool(
-        entry
-        and entry.get("finished")
-        and entry.get("attempts") == run.attempts
-        and not stale_in(entry, run)
-        and (logdir / entry["file"]).exists()
-    )
+def _final_name(run: PlannedRun) -> str:
+    return f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{run.run_id}"
