@@ -207,6 +207,29 @@ def test_a_wandb_offline_run_imports_its_history_steps_times_and_config(tmp_path
     assert set(raw(tmp_path / "run")["process"]) == {"exp-w"}
 
 
+def test_a_damaged_wandb_run_file_names_the_chunk_and_a_torn_end_is_said(tmp_path, wandb_offline):
+    import wandb
+
+    run = wandb.init(project="p", dir=str(tmp_path), mode="offline", name="w")
+    for step in range(2000):  # a run file of several 32 KiB blocks
+        run.log({"loss": step * 0.5, "other": -float(step)}, step=step)
+    run.finish()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = bytearray(run_file.read_bytes())
+    assert len(data) > 3 * 32768
+    chunk = 32768  # the second block starts with a chunk: flip a byte of its payload
+    data[chunk + 10] ^= 0x01
+    run_file.write_bytes(bytes(data[:-5]))
+    _, err = imported(run_file, tmp_path / "run")
+    said = err.replace("\n", " ")
+    assert f"{run_file}: the chunk at byte {chunk:,} fails its checksum: the rest of its block" in said, err
+    assert f"{run_file}: the last record, at byte" in said and "is cut short" in said
+    loss = raw(tmp_path / "run").filter(pl.col("key") == "loss")
+    steps = loss["step"].to_list()
+    assert 0 < len(steps) < 2000 and steps == sorted(steps)
+    assert loss["value"].to_list() == [s * 0.5 for s in steps]  # what was read is exact, nothing made up
+
+
 @pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
 def test_exports_in_wide_and_long_form_import_their_columns(tmp_path, suffix):
     rng = np.random.default_rng(6)
@@ -224,8 +247,10 @@ def test_exports_in_wide_and_long_form_import_their_columns(tmp_path, suffix):
     imported(tmp_path / f"wide.{suffix}", tmp_path / "w", "--step-col", "iteration", "--time-col", "t")
     imported(
         tmp_path / f"long.{suffix}", tmp_path / "l", "--step-col", "iteration", "--time-col", "t",
-        "--key-col", "metric", "--value-col", "v",
+        "--key-col", "metric", "--value-col", "v", "--reduce", "max",
     )  # fmt: skip
+    reductions = {r: set(reduce_run(tmp_path / r, mode="per_rank_no_reduce")["reduction"]) for r in "wl"}
+    assert reductions == {"w": {"mean"}, "l": {"max"}}  # --reduce: what every record carries
     for run in ("w", "l"):
         got = raw(tmp_path / run)
         for key in ("loss", "lr"):

@@ -13,7 +13,7 @@ from metric_core import run_json
 from metric_core.errors import PlanError, SourceError
 from metric_core.format.schema import parse_json
 from metric_core.metric import Reduce
-from metric_core.offline.importers.source import Importer, Warn
+from metric_core.offline.importers.source import Importer, Warn, hidden
 from metric_core.offline.importers.write import StreamWriter, write_run_json
 
 REDUCTIONS = tuple(r.value for r in Reduce if r is not Reduce.SAMPLE)
@@ -144,7 +144,7 @@ def _holds(run_dir: Path, run_id: str) -> bool:
             "directory, or remove that one first"
         )
     if run_dir.is_dir():
-        data = [p for p in run_dir.rglob("*") if p.suffix in _DATA_SUFFIXES and not _hidden(p, run_dir)]
+        data = [p for p in run_dir.rglob("*") if p.suffix in _DATA_SUFFIXES and not hidden(p, run_dir)]
         if data:
             raise SourceError(
                 f"{run_dir} holds records ({data[0].relative_to(run_dir)}, ...) and no run.json: another "
@@ -152,7 +152,3 @@ def _holds(run_dir: Path, run_id: str) -> bool:
                 "remove that one first"
             )
     return False
-
-
-def _hidden(path: Path, root: Path) -> bool:
-    return any(part.startswith(".") for part in path.relative_to(root).parts)

@@ -71,6 +71,12 @@ def file_identity(path: Path, root: Path) -> list[Any]:
     return [path.relative_to(root).as_posix() if path != root else path.name, path.stat().st_size, head]
 
 
+def hidden(path: Path, root: Path) -> bool:
+    """Whether ``path`` lies under a name starting with ``.`` below ``root`` (not data: a
+    writer's work in progress, metriclog's own ``.metriclog/``)."""
+    return any(part.startswith(".") for part in path.relative_to(root).parts)
+
+
 def number(value: Any) -> float | None:
     """A value as the float64 a record holds, or None when it is no number or float64
     cannot hold it exactly (an integer past 2**53). A bool is 0 or 1."""

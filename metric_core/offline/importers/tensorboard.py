@@ -18,7 +18,7 @@ from typing import Any
 
 from metric_core.errors import MissingDependencyError
 from metric_core.offline.importers.framing import tfrecords
-from metric_core.offline.importers.source import Importer, Item, Stream, Text, Warn, file_identity
+from metric_core.offline.importers.source import Importer, Item, Stream, Text, Warn, file_identity, hidden
 
 _FLOAT_TENSORS = {1: ("float_val", "<f"), 2: ("double_val", "<d"), 19: ("half_val", "<e")}
 _BFLOAT16 = 14
@@ -28,11 +28,7 @@ _STAMP = re.compile(r"tfevents\.(\d+(?:\.\d+)?)")
 
 def event_files(folder: Path) -> list[Path]:
     """The event files below ``folder`` (not hidden: a writer's work in progress)."""
-    return [
-        p
-        for p in folder.rglob("*.tfevents.*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-    ]
+    return [p for p in folder.rglob("*.tfevents.*") if p.is_file() and not hidden(p, folder)]
 
 
 class TensorBoardImporter(Importer):
