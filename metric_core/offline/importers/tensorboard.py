@@ -48,15 +48,10 @@ class TensorBoardImporter(Importer):
         return {"kind": self.kind, "files": sorted(files)}
 
     def streams(self) -> Iterator[Stream]:
-        try:
-            from tensorboardX.proto import event_pb2
-        except ImportError:
-            raise MissingDependencyError(
-                "importing TensorBoard event files needs tensorboardX: pip install 'metriclog[tensorboard]'"
-            ) from None
+        event_type = _event_type()
         for folder, files in sorted(self.folders.items()):
             process = folder.relative_to(self.root).as_posix()
-            yield Stream(self.name if process == "." else process, 0, self._items(files, event_pb2.Event))
+            yield Stream(self.name if process == "." else process, 0, self._items(files, event_type))
 
     def _items(self, files: list[Path], event_type: Any) -> Iterator[Item]:
         plugins: dict[str, str] = {}  # a tag's plugin: TF2 writes its metadata with its first value only
@@ -103,6 +98,21 @@ class TensorBoardImporter(Importer):
                 self.skipped[f"{plugin or 'tensor'} summaries (not imported)"] += 1
             else:
                 yield (step, value.tag, number, wall)
+
+
+def _event_type() -> Any:
+    """The ``Event`` protobuf: tensorboard's compiled protos where installed (they load nothing
+    else), else tensorboardX's (whose package loads torch where it is installed)."""
+    try:
+        from tensorboard.compat.proto import event_pb2
+    except ImportError:
+        try:
+            from tensorboardX.proto import event_pb2  # type: ignore[no-redef]
+        except ImportError:
+            raise MissingDependencyError(
+                "importing TensorBoard event files needs tensorboardX: pip install 'metriclog[tensorboard]'"
+            ) from None
+    return event_pb2.Event
 
 
 def _scalar(tensor: Any) -> float | None:
