@@ -260,6 +260,17 @@ def test_exports_in_wide_and_long_form_import_their_columns(tmp_path, suffix):
             assert same_bits(rows["value"].to_numpy(), wide[key].to_numpy()), (run, key)
 
 
+def test_what_an_export_cannot_carry_is_counted_and_said_never_rounded(tmp_path):
+    big = 2**53 + 1
+    (tmp_path / "m.csv").write_text(f"step,loss,note,count\n0,1.0,a,{big}\n1,,b,7\n")
+    _, err = imported(tmp_path / "m.csv", tmp_path / "run")
+    assert "warning: not imported: 2 values of columns that are no numbers (note)" in err
+    assert "warning: not imported: 1 integers past 2**53 (float64 cannot hold them exactly)" in err
+    assert "warning: not imported: 1 empty cells" in err
+    got = raw(tmp_path / "run")
+    assert got.select("step", "key", "value").rows() == [(1, "count", 7.0), (0, "loss", 1.0)]
+
+
 def test_an_export_whose_step_column_is_no_integer_is_refused_with_its_row(tmp_path):
     (tmp_path / "m.csv").write_text("step,loss\n0,1.0\n1.5,2.0\n")
     result = invoke("import", tmp_path / "m.csv", tmp_path / "run")

@@ -96,27 +96,33 @@ class TableImporter(Importer):
                 pl.col("__time").alias("time"),
             )
         else:
-            keys = [
-                c for c, t in frame.schema.items()
-                if c not in (step, at, "__time") and (t.is_numeric() or t == pl.Boolean)
-            ]  # fmt: skip
-            left = [c for c in frame.columns if c not in (*keys, step, at, "__time")]
-            if left:
-                self.skipped[f"columns that are no numbers ({', '.join(left[:5])})"] += frame.height * len(
-                    left
-                )
-            if not keys:
-                raise SourceError(f"{self.path}: no numeric column to import besides '{step}'")
-            for c in [c for c in keys if frame[c].dtype.is_integer()]:  # past 2**53: refused, never rounded
-                big = int((frame[c].abs() > 1 << 53).sum())
-                if big:
-                    self.skipped[PAST_FLOAT64] += big
-                    frame = frame.with_columns(pl.when(pl.col(c).abs() <= 1 << 53).then(pl.col(c)).alias(c))
-            frame = frame.with_columns(pl.col(keys).cast(pl.Float64))
-            long = frame.unpivot(
-                keys, index=[step, "__time"], variable_name="key", value_name="value"
-            ).select(pl.col(step).alias("step"), "key", "value", pl.col("__time").alias("time"))
+            long = self._wide(frame, step, at)
         empty = long.filter(pl.any_horizontal(pl.all().is_null())).height - self.skipped[PAST_FLOAT64]
         if empty:
             self.skipped["empty cells (a row without that key, or no step, time or number)"] += empty
         return long.drop_nulls()
+
+    def _wide(self, frame: Any, step: str, at: str | None) -> Any:
+        """Wide form: every numeric or boolean column but step and time is a key."""
+        import polars as pl
+
+        keys = [
+            c for c, t in frame.schema.items()
+            if c not in (step, at, "__time") and (t.is_numeric() or t == pl.Boolean)
+        ]  # fmt: skip
+        left = [c for c in frame.columns if c not in (*keys, step, at, "__time")]
+        if left:
+            self.skipped[f"values of columns that are no numbers ({', '.join(left[:5])})"] += (
+                frame.height * len(left)
+            )
+        if not keys:
+            raise SourceError(f"{self.path}: no numeric column to import besides '{step}'")
+        for c in [c for c in keys if frame[c].dtype.is_integer()]:  # past 2**53: refused, never rounded
+            big = int((frame[c].abs() > 1 << 53).sum())
+            if big:
+                self.skipped[PAST_FLOAT64] += big
+                frame = frame.with_columns(pl.when(pl.col(c).abs() <= 1 << 53).then(pl.col(c)).alias(c))
+        frame = frame.with_columns(pl.col(keys).cast(pl.Float64))
+        return frame.unpivot(keys, index=[step, "__time"], variable_name="key", value_name="value").select(
+            pl.col(step).alias("step"), "key", "value", pl.col("__time").alias("time")
+        )
