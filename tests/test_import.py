@@ -145,6 +145,12 @@ def test_importing_twice_adds_nothing_and_another_run_is_refused(tmp_path):
     shutil.copytree(tmp_path / "tb", tmp_path / "copy" / "tb")  # the same files elsewhere: the same run
     imported(tmp_path / "copy" / "tb", tmp_path / "copy_run")
     assert json.loads((tmp_path / "copy_run" / "run.json").read_text())["run_id"] == meta["run_id"]
+    # ... and one run to a later upload: the second finds the first's run and writes nothing
+    first = invoke("upload", tmp_path / "run", "--to", "tensorboard", "--logdir", tmp_path / "logdir")
+    second = invoke("upload", tmp_path / "copy_run", "--to", "tensorboard", "--logdir", tmp_path / "logdir")
+    assert first.exit_code == second.exit_code == 0, second.output
+    assert "wrote to TensorBoard" in first.output
+    assert f"copy_run: already written to {tmp_path / 'logdir'}" in second.output
 
 
 def test_a_flipped_byte_is_named_with_its_file_and_offset_and_a_torn_end_is_said(tmp_path):

@@ -83,7 +83,7 @@ def import_source(
     result = ImportResult(out, digest, importer.name, importer.kind, added=True)
     skipped: collections.Counter[str] = collections.Counter()
     for stream in importer.streams():
-        writer = StreamWriter(out, stream, reduction, skipped)
+        writer = StreamWriter(out, stream, reduction, skipped, run_id=digest)
         writer.write_all(stream.items)
         result.sources.append((stream.process, stream.rank, writer.records, writer.samples))
     skipped.update(importer.skipped)

@@ -37,11 +37,14 @@ class TableImporter(Importer):
             raise SourceError("long form takes both --key-col and --value-col (wide form: neither)")
 
     def identity(self) -> dict[str, Any]:
-        return {
+        found: dict[str, Any] = {
             "kind": self.kind,
             "file": file_identity(self.path, self.path.parent),
             "columns": self.columns,
         }
+        if self.columns["time"] is None:  # the records' time is the file's
+            found["mtime"] = self.path.stat().st_mtime
+        return found
 
     def streams(self) -> Iterator[Stream]:
         rows = self._long(self._read())  # read and checked before anything is written

@@ -4,6 +4,7 @@ segments are sealed and checksummed as a training job's are), then ``run.json`` 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import math
 import time
@@ -28,9 +29,14 @@ class StreamWriter:
     """One stream's records into one source's segments, a batch at a time."""
 
     def __init__(
-        self, run_dir: Path, stream: Stream, reduction: str, skipped: collections.Counter[str]
+        self, run_dir: Path, stream: Stream, reduction: str, skipped: collections.Counter[str], *, run_id: str
     ) -> None:
         self.writer = RawFileWriter(run_dir, process=stream.process, rank=stream.rank)
+        # The attempt from the source too, not at random: two imports of one source are one run
+        # to a later upload (its ledger compares the writers' attempts), not a restart of it.
+        self.writer.attempt = hashlib.blake2b(
+            f"{run_id}/{stream.process}/{stream.rank}".encode(), digest_size=8
+        ).hexdigest()
         self.reduction = reduction
         self.skipped = skipped
         self.records = self.samples = 0
