@@ -27,6 +27,7 @@ from . import options as o
 from . import output, tuning
 from .start import STOPPED, catch_stops, stopping
 
+DIFFERENT = 5  # diff's exit code for runs that differ (1 means they could not be compared)
 BUG = "this is a bug in metriclog, not in the run or the command: please report it, with the traceback above"
 
 
@@ -295,9 +296,9 @@ def inspect(
             output.print_inspect(report)
 
 
-@app.command(cls=_Command, short_help="Plot keys of a run to a PNG, SVG or PDF.")
+@app.command(cls=_Command, short_help="Plot keys of a run, or several runs with bands, to PNG, SVG or PDF.")
 def plot(
-    run_dir: o.RunDir,
+    runs: o.Runs,
     key: o.PlotKeys,
     out: o.PngFile,
     mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
@@ -309,35 +310,39 @@ def plot(
     attempts: o.Attempts = "rewind",
     follow_symlinks: o.FollowSymlinks = False,
     smooth: o.Smooth = 0.0,
+    band: o.Band = "std",
+    group_by: o.GroupBy = None,
+    keep_missing: o.KeepMissing = False,
+    label: o.Labels = None,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
 ) -> None:
     """Plot keys of a run to a PNG, SVG or PDF, marking where sources stopped and values went
-    non-finite.
+    non-finite; of several runs, a line per group (the mean across its runs) and a band.
 
-    Example:
+    Examples:
 
     \b
         metriclog plot runs/exp1 --key 'trainer/*' --mode per_rank_reduce --out trainer.png
+        metriclog plot 'runs/lr*' --key eval/reward --group-by config.lr --band stderr --out sweep.png
     """
-    from metric_core.offline.plot import plot_run
+    from metric_core.offline.compare import expand_runs
+    from metric_core.offline.plot import plot_run, plot_runs
 
     with command_run(), output.read_progress() as progress:
         plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
         check_target(out)
-        plot_run(
-            run_dir,
-            plan,
-            out,
-            follow_symlinks=follow_symlinks,
-            on_read=output.said_skips,
-            on_progress=progress,
-            on_warning=lambda text: output.say("warning", text),
-            spelling=o.as_flag,
-            engine=engine,
-            ray_address=ray_address,
-            smooth=smooth,
-        )
+        dirs = expand_runs(runs)
+        shared = {
+            "follow_symlinks": follow_symlinks, "on_read": output.said_skips, "on_progress": progress,
+            "smooth": smooth, "engine": engine, "ray_address": ray_address,
+        }  # fmt: skip
+        if len(dirs) == 1 and group_by is None:
+            warn = lambda text: output.say("warning", text)  # noqa: E731
+            plot_run(dirs[0], plan, out, on_warning=warn, spelling=o.as_flag, **shared)
+        else:
+            grouping = {"group_by": group_by, "keep_missing": keep_missing, "labels": label, "band": band}
+            plot_runs(dirs, plan, out, **grouping, **shared)
     output.say("info", f"wrote {out}")
 
 
@@ -519,6 +524,112 @@ def import_(
             on_warning=lambda text: output.say("warning", text),
         )  # fmt: skip
     output.print_import(result)
+
+
+@app.command(cls=_Command, short_help="Statistics across runs (seeds, a sweep) per step and key, exactly.")
+def compare(
+    runs: o.Runs,
+    group_by: o.GroupBy = None,
+    keep_missing: o.KeepMissing = False,
+    label: o.Labels = None,
+    across: o.Across = None,
+    common: o.Common = False,
+    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
+    by: o.ByOpt = By.STEP,
+    every: o.Every = None,
+    reduce: o.Reduce = None,
+    key: o.Keys = None,
+    ranks: o.Ranks = None,
+    steps: o.Steps = None,
+    attempts: o.Attempts = "rewind",
+    out: o.OutFile = None,
+    form: o.FormatOpt = None,
+    limit: o.Limit = None,
+    tail: o.Tail = None,
+    wide: o.Wide = False,
+    strict: o.Strict = False,
+    follow_symlinks: o.FollowSymlinks = False,
+    engine: o.EngineOpt = o.Engine.LOCAL,
+    ray_address: o.RayAddress = None,
+) -> None:
+    """Reduce each run as reduce does, then per step (or window from each run's start) and key,
+    across the runs of each group: mean, std, std_sample, stderr, min, max, median, count.
+
+    Means and spreads are exact (correctly rounded), the same bits in any order of the runs.
+    A row per (group, step, key); --format, --out and --wide as reduce's.
+
+    Example:
+
+    \b
+        metriclog compare 'runs/lr*_seed*' --group-by config.lr --key 'eval/*' --across mean,stderr,count
+    """
+    from metric_core.offline.compare import ACROSS, compare_runs
+
+    with command_run():
+        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        o.rows(limit, tail, out, form)
+        check_target(None if out == "-" else out)
+        with output.read_progress() as progress:
+            result = compare_runs(
+                runs, plan, across=across or ACROSS, group_by=group_by, keep_missing=keep_missing,
+                labels=label, common=common, strict=strict, follow_symlinks=follow_symlinks,
+                on_read=output.said_skips, on_progress=progress, engine=engine, ray_address=ray_address,
+            )  # fmt: skip
+        output.emit(
+            result.wide() if wide else result.frame, form=form and form.value, out=out, limit=limit,
+            tail=tail, derived="compare", run_dir=None,
+        )  # fmt: skip
+        for note in result.notes:
+            output.say("note", spell_options(note, o.as_flag))
+
+
+@app.command(cls=_Command, short_help="Where two runs differ, key by key; exit 5 when they do.")
+def diff(
+    run_a: o.RunA,
+    run_b: o.RunB,
+    rtol: o.Rtol = None,
+    atol: o.Atol = None,
+    form: o.DiffFormat = None,
+    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
+    by: o.ByOpt = By.STEP,
+    every: o.Every = None,
+    reduce: o.Reduce = None,
+    key: o.Keys = None,
+    ranks: o.Ranks = None,
+    steps: o.Steps = None,
+    attempts: o.Attempts = "rewind",
+    strict: o.Strict = False,
+    follow_symlinks: o.FollowSymlinks = False,
+    engine: o.EngineOpt = o.Engine.LOCAL,
+    ray_address: o.RayAddress = None,
+) -> None:
+    """Reduce both runs as reduce does and say, per key, the first step where they differ, the
+    largest difference and where, and the keys and steps only one has.
+
+    Equal means bit for bit (NaN equals NaN, -0.0 differs from 0.0), or within --rtol/--atol
+    (then -0.0 equals 0.0). Exit 0 when equal, 5 when not, 1 when the runs could not be read.
+
+    Example:
+
+    \b
+        metriclog diff runs/before runs/after --key 'trainer/*' --format json
+    """
+    from metric_core.offline.diff import diff_runs
+
+    from .diff_report import print_diff
+
+    with command_run():
+        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        with output.read_progress() as progress:
+            report = diff_runs(
+                run_a, run_b, plan, rtol=rtol, atol=atol, strict=strict, follow_symlinks=follow_symlinks,
+                on_read=output.said_skips, on_progress=progress, engine=engine, ray_address=ray_address,
+            )  # fmt: skip
+        if form == "json":
+            typer.echo(report.to_json())
+        else:
+            print_diff(report)
+    raise typer.Exit(0 if report.equal else DIFFERENT)
 
 
 def main() -> None:

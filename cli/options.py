@@ -238,6 +238,79 @@ Attempts = Annotated[
 ]
 Wide = Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")]
 
+# compare and diff
+Runs = Annotated[
+    list[str],
+    typer.Argument(
+        metavar="RUN...",
+        help="Run directories, as RUN_DIR; a quoted glob ('runs/seed*') is expanded here, and @FILE reads "
+        "one run a line.",
+        show_default=False,
+    ),
+]
+RunA = Annotated[str, typer.Argument(metavar="RUN_A", help="The first run directory.", show_default=False)]
+RunB = Annotated[str, typer.Argument(metavar="RUN_B", help="The run compared with it.", show_default=False)]
+Across = Annotated[
+    str | None,
+    typer.Option(
+        "--across",
+        metavar="STATS",
+        help="Statistics across the runs, comma-separated: mean, std (population: divided by n), "
+        "std_sample (sample: divided by n-1), stderr (std_sample/sqrt(n)), min, max, median, count (the "
+        "runs holding the row) [default: all of them].",
+    ),
+]
+GroupBy = Annotated[
+    str | None,
+    typer.Option(
+        "--group-by",
+        metavar="KEY",
+        help="A group of runs per exact value of this dotted key of run.json (config.lr), in a column "
+        "so named.",
+    ),
+]
+KeepMissing = Annotated[
+    bool,
+    typer.Option("--keep-missing", help="With --group-by: runs without the key form a group of their own."),
+]
+Labels = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--label",
+        metavar="NAME",
+        help="Name the runs: one --label a run, in their order [default: each run directory's name].",
+    ),
+]
+Common = Annotated[bool, typer.Option("--common", help="Only the rows every run of the group holds.")]
+Rtol = Annotated[
+    float | None,
+    typer.Option(
+        "--rtol",
+        metavar="R",
+        min=0.0,
+        help="Equal when |a-b| <= max(atol, R*max(|a|,|b|)) [default: equal bit for bit; NaN equals NaN].",
+    ),
+]
+Atol = Annotated[
+    float | None,
+    typer.Option("--atol", metavar="A", min=0.0, help="Equal when |a-b| <= A (with --rtol: the larger)."),
+]
+Band = Annotated[
+    str,
+    choice(
+        "--band",
+        ("std", "stderr", "minmax"),
+        "With several runs: the band around each group's mean: std (mean ± population std), stderr "
+        "(mean ± standard error) or minmax (lowest to highest run).",
+    ),
+]
+DiffFormat = Annotated[
+    str | None,
+    choice(
+        "--format", ("table", "json"), "table (the default) or json: the whole report as one JSON object."
+    ),
+]
+
 # upload
 Project = Annotated[
     str | None, typer.Option("--project", metavar="PROJECT", help="W&B project (needed with --to wandb).")

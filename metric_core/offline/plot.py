@@ -23,7 +23,7 @@ import dataclasses
 import glob
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import PurePosixPath
 from typing import Any
@@ -77,12 +77,7 @@ def plot_run(
     >>> fig.axes[0].get_ylabel().splitlines()  # the key, and the statistic its line shows
     ['trainer/loss', '(mean)']
     """
-    if out is not None and PurePosixPath(str(out)).suffix.lower() not in FORMATS:
-        raise PlanError("is not a .png, .svg or .pdf file", option="out", value=str(out))
-    if not 0.0 <= smooth < 1.0:
-        raise PlanError(
-            "is a weight of the past from 0 (none) to below 1", option="smooth", value=str(smooth)
-        )
+    _check_request(plan, out, smooth)
     scan = (
         run
         if isinstance(run, RunScan)
@@ -90,17 +85,7 @@ def plot_run(
     )
     if on_read is not None:
         on_read(scan.report)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MissingDependencyError(
-            "metriclog plot needs matplotlib: pip install 'metriclog[plot]'"
-        ) from None
-    if not plan.keys:
-        raise PlanError("choose the keys to plot, e.g. " + opt("keys") + "'trainer/*'")
+    plt = _pyplot()
     health = inspect_run(scan)
     where = {"engine": engine, "ray_address": ray_address}
     reduced = execute(plan, scan, on_progress=on_progress, **where)
@@ -110,14 +95,7 @@ def plot_run(
         result, decimated = reduced.frame, False
     for note in reduced.unmatched:
         (on_warning or warn)(note.text(spelling))
-    keys = sorted(result["key"].unique().to_list())
-    if len(keys) > MAX_KEYS:
-        raise RequestError(
-            "the keys chosen ("
-            + opt("keys")
-            + f"{' '.join(plan.keys)}) are {len(keys)}; plot at most {MAX_KEYS} "
-            "at once (narrow the pattern)"
-        )
+    keys = _keys(plan, result)
     recorders = {
         key: set(zip(part["process"], part["rank"], strict=True))
         for (key,), part in scan.frame.select("key", "process", "rank")
@@ -206,6 +184,154 @@ def _figure(
     )
     _one_legend(fig, axes[:, 0])
     fig.suptitle(f"{scan.name}: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'} ({mode.value})")
+    return _saved(fig, out)
+
+
+def plot_runs(
+    runs: Sequence[str | os.PathLike[str]],
+    plan: ReducePlan,
+    out: str | os.PathLike[str] | None = None,
+    *,
+    group_by: str | None = None,
+    keep_missing: bool = False,
+    labels: Sequence[str] | None = None,
+    band: str = "std",
+    smooth: float = 0.0,
+    follow_symlinks: bool = False,
+    on_read: OnRead | None = None,
+    on_progress: OnProgress | None = None,
+    engine: Engine | str = Engine.LOCAL,
+    ray_address: str | None = None,
+) -> Any:
+    """Draw ``plan``'s keys (global_reduce) of several runs, grouped as ``compare_runs``
+    groups them (``group_by``, ``keep_missing``, ``labels``): per group, a line of the mean
+    across its runs and a shaded ``band``: ``std`` (mean ± the population std), ``stderr``
+    (mean ± the standard error) or ``minmax`` (lowest to highest run). ``smooth`` smooths
+    each run's line (``ema``) before the runs are aggregated. Where fewer runs of a group
+    hold a step than before, their count is written on its line. Saved to ``out`` if given;
+    returns the matplotlib Figure.
+
+    >>> from metric_core import make_plan
+    >>> fig = plot_runs(["sample_logs/rl_run"], make_plan(keys=["trainer/loss"]), band="minmax")
+    >>> fig.axes[0].get_ylabel().splitlines()
+    ['trainer/loss', '(mean)']
+    """
+    from metric_core.offline.compare import across_runs, bucket_column, group_rows, reduce_runs
+
+    _check_request(plan, out, smooth)
+    if plan.mode is not LoggingMode.GLOBAL_REDUCE:
+        raise PlanError(
+            "draws a line per group of runs: plot several runs in global_reduce, or one run in another mode",
+            option="mode",
+            value=plan.mode.value,
+        )
+    if band not in BANDS:
+        raise PlanError(f"is not one of {', '.join(BANDS)}", option="band", value=band)
+    plt = _pyplot()
+    reduced = reduce_runs(
+        runs, plan, labels=labels, follow_symlinks=follow_symlinks, on_read=on_read, on_progress=on_progress,
+        engine=engine, ray_address=ray_address,
+    )  # fmt: skip
+    x_col = bucket_column(plan)
+    if smooth:
+        reduced = [dataclasses.replace(r, frame=_smoothed(r.frame, x_col, smooth)) for r in reduced]
+    rows, groups, order = group_rows(reduced, group_by, keep_missing)
+    stats = across_runs(rows, ["group", x_col, "key"], ("mean", "std", "stderr", "min", "max"))
+    keys = _keys(plan, stats)
+    fig, axes = plt.subplots(
+        len(keys), 1, figsize=(10, 2.4 * len(keys) + 1.6), sharex=True, squeeze=False, layout="constrained"
+    )
+    for ax, key in zip(axes[:, 0], keys, strict=True):
+        for g, value in enumerate(order):
+            part = stats.filter((pl.col("group") == g) & (pl.col("key") == key)).sort(x_col)
+            n = list(groups.values()).count(value)
+            name = "runs" if group_by is None else f"{group_by}={'(none)' if value is None else value}"
+            _banded(ax, part, x_col, band, n, color=f"C{g % 10}", label=f"{name}: mean of {n} run(s)")
+        ax.set_ylabel(f"{key}\n({stats.filter(pl.col('key') == key)['reduction'][0]})")
+        ax.grid(alpha=0.3)
+    said = {
+        "std": "mean ± std (population)",
+        "stderr": "mean ± standard error",
+        "minmax": "lowest to highest",
+    }
+    axes[-1, 0].set_xlabel(
+        ("step" if x_col == "step" else "seconds from each run's first record")
+        + f"; band: {said[band]} across runs"
+        + (f"; each run smoothed as TensorBoard does (weight {smooth:g})" if smooth else "")
+    )
+    _one_legend(fig, axes[:, 0])
+    fig.suptitle(f"{len(reduced)} runs: {', '.join(keys) if len(keys) < 4 else f'{len(keys)} keys'}")
+    return _saved(fig, out)
+
+
+BANDS = ("std", "stderr", "minmax")
+
+
+def _banded(ax: Any, part: pl.DataFrame, x_col: str, band: str, n: int, **style: Any) -> None:
+    """A group's mean line, its band, and its count of runs where that drops."""
+    import numpy as np
+
+    x, mean, count = part[x_col].to_numpy(), part["mean"].to_numpy(), part["count"].to_numpy()
+    if band == "minmax":
+        lo, hi = part["min"].to_numpy(), part["max"].to_numpy()
+    else:
+        spread = part[band].to_numpy().astype(np.float64)  # null (one run) as NaN: no band there
+        lo, hi = mean - spread, mean + spread
+    ax.plot(x, mean, marker=_marker(x), **style)
+    ax.fill_between(x, lo, hi, alpha=0.2, color=style["color"], label="_band")
+    for i in np.flatnonzero((count < np.r_[n, count[:-1]]) & (count < n)):
+        ax.annotate(
+            f"{count[i]} of {n}", (x[i], mean[i]), textcoords="offset points", xytext=(2, 4),
+            fontsize="x-small", color=style["color"],
+        )  # fmt: skip
+
+
+def _smoothed(frame: pl.DataFrame, x_col: str, weight: float) -> pl.DataFrame:
+    """Each key's line of one run smoothed (``ema``), in the order of its steps."""
+    parts = [
+        part.sort(x_col).with_columns(value=pl.Series(ema(part.sort(x_col)["value"].to_numpy(), weight)))
+        for part in frame.partition_by("key", maintain_order=True)
+    ]
+    return pl.concat(parts)
+
+
+def _check_request(plan: ReducePlan, out: str | os.PathLike[str] | None, smooth: float) -> None:
+    if out is not None and PurePosixPath(str(out)).suffix.lower() not in FORMATS:
+        raise PlanError("is not a .png, .svg or .pdf file", option="out", value=str(out))
+    if not 0.0 <= smooth < 1.0:
+        raise PlanError(
+            "is a weight of the past from 0 (none) to below 1", option="smooth", value=str(smooth)
+        )
+    if not plan.keys:
+        raise PlanError("choose the keys to plot, e.g. " + opt("keys") + "'trainer/*'")
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MissingDependencyError(
+            "metriclog plot needs matplotlib: pip install 'metriclog[plot]'"
+        ) from None
+    return plt
+
+
+def _keys(plan: ReducePlan, result: pl.DataFrame) -> list[str]:
+    keys = sorted(result["key"].unique().to_list())
+    if len(keys) > MAX_KEYS:
+        raise RequestError(
+            "the keys chosen ("
+            + opt("keys")
+            + f"{' '.join(plan.keys)}) are {len(keys)}; plot at most {MAX_KEYS} "
+            "at once (narrow the pattern)"
+        )
+    return keys
+
+
+def _saved(fig: Any, out: str | os.PathLike[str] | None) -> Any:
     if out is not None:
         with written_at(run_path(out)) as local:
             local.parent.mkdir(parents=True, exist_ok=True)

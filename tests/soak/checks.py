@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from collections import Counter, defaultdict
 from fractions import Fraction
 from pathlib import Path
@@ -21,7 +22,9 @@ from tests.soak.oracle import Rec, Truth, check_value, expected_alarms, read_tru
 
 # What a job is checked with, besides its raw records (always): a fixed seed of the suite
 # can name the ones that found its bug (seeds.txt's ``only=``), so it costs less there.
-CHECKS = frozenset({"reduce", "by_time", "keys", "samples", "inspect", "uploads", "alerts", "torchforge"})
+CHECKS = frozenset(
+    {"reduce", "by_time", "keys", "samples", "inspect", "uploads", "alerts", "torchforge", "across"}
+)
 
 
 def check_job(job) -> None:
@@ -62,6 +65,8 @@ def check_job(job) -> None:
             reducing(job, seen, mode, doubtful=doubtful)
         overrides = job.job["overrides"]
         reducing(job, seen, overrides["mode"], tuple(overrides["patterns"]), doubtful=doubtful)
+    if spec.get("across") and "across" in wanted:
+        across(job, seen)
     if "by_time" in wanted:
         by_time(job, seen, doubtful)
     if "keys" in wanted:
@@ -349,6 +354,60 @@ def reducing(
             lambda key, red: statistic_of(key, red, patterns) if patterns else red,
             maybe=expected_groups(doubtful, mode),
         )
+
+
+def across(job, seen: list[dict]) -> None:
+    """``compare`` of the run and copies of it, against ``reduce``'s answer (checked against
+    the records above): across identical runs each group's mean is the run's value (an exact
+    zero +0.0, as a sum's), min, max and median are it too, the spreads 0 (NaN where it is not
+    finite) and the count the runs'. And ``diff`` of the run and a copy: equal, exit 0."""
+    spec = job.job["across"]
+    mode = spec["mode"]
+    reduced = job.dir / "out" / f"{mode}.parquet"
+    names = {(r["process"], r["rank"]) for r in seen}
+    if not reduced.exists() or (mode == "per_rank_reduce" and len({p for p, _ in names}) < len(names)):
+        return  # nothing reduced (said there), or two ranks under one name: compare refuses it
+    copies = [job.dir / f"copy{i}" for i in range(spec["copies"])]
+    for copy in copies:
+        shutil.copytree(job.run, copy, symlinks=True)
+    out = job.dir / "out" / "compare.parquet"
+    labels = [a for i in range(len(copies) + 1) for a in ("--label", f"r{i}")]
+    runs = [str(job.run), *map(str, copies)]
+    done = job.command("compare", "compare", *runs, *labels, "--mode", job.choice(mode), "--out", str(out))
+    if done.code == 0:
+        where = ("step", "key") if mode == "global_reduce" else ("process", "step", "key")
+        want = {tuple(r[c] for c in where): r for r in read_frame(reduced)}
+        got = {tuple(r[c] for c in where): r for r in read_frame(out)}
+        if set(got) != set(want):
+            odd = sorted(set(got) ^ set(want), key=str)[:3]
+            job.result.fail(f"compare: groups {odd} not those of reduce's")
+        bad = []
+        for at, row in got.items():
+            if at not in want:
+                continue
+            v = want[at]["value"]
+            same = {"mean": 0.0 if v == 0 else v, "min": v, "max": v, "median": v}
+            spread = 0.0 if math.isfinite(v) else math.nan
+            wrong = [s for s, x in same.items() if not _same_float(row[s], x)]
+            wrong += [s for s in ("std", "std_sample", "stderr") if not _same_float(row[s], spread)]
+            if row["count"] != len(runs) or row["reduction"] != want[at]["reduction"]:
+                wrong.append(f"count {row['count']} reduction {row['reduction']!r}")
+            job.result.values += 1
+            if wrong:
+                bad.append(f"{at}: {', '.join(map(str, wrong))} (value {v!r})")
+        if bad:
+            said = "; ".join(bad[:3])
+            job.result.fail(f"compare of {len(runs)} copies: {len(bad)} wrong row(s), e.g. {said}")
+    done = job.command("diff", "diff", str(job.run), str(copies[0]), "--mode", job.choice(mode))
+    if done.code == 0 and "equal" not in done.out:
+        job.result.fail(f"diff of the run and its copy: exit 0 but it does not say equal: {_tail(done.out)}")
+
+
+def _same_float(got: float | None, want: float) -> bool:
+    if got is None:
+        return False
+    bits = np.array([got, want], dtype=np.float64).view(np.int64)
+    return (math.isnan(got) and math.isnan(want)) or bits[0] == bits[1]
 
 
 def _seconds(every: str) -> float:

@@ -23,6 +23,8 @@ A job is a plain dict (JSON, kept beside the run as ``job.json``):
   ``metric_core.torchforge``: ``record_metric``, ``Tracer``, ``record_episode_sample``), the
   console's ``global_reduce`` printer beside the job, and the uploads' ``--sample-tables``.
   Every choice a command takes is spelled at random besides (``spell``).
+* ``across``: issue 46's commands over many runs, from a random of its own too
+  (``_across``): ``compare`` of the run and copies of it, ``diff`` of the run and a copy.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ STATISTICS = (
 MODES = ("global_reduce", "per_rank_reduce", "per_rank_no_reduce")
 
 
-def make_job(seed: int, alerts: bool = True, torchforge: bool = True) -> dict:
+def make_job(seed: int, alerts: bool = True, torchforge: bool = True, across: bool = True) -> dict:
     """The job of ``seed``: the same dict for the same seed, on any machine (``alerts``:
     False, the job as it was before alarms joined the soak: ``alerts`` None; ``torchforge``:
     False, as it was before issue 44's parts joined it: ``torchforge`` None)."""
@@ -97,7 +99,21 @@ def make_job(seed: int, alerts: bool = True, torchforge: bool = True) -> dict:
     }
     job["alerts"] = _alerts(random.Random(f"alerts-{seed}"), job) if alerts else None
     job["torchforge"] = _torchforge(random.Random(f"torchforge-{seed}"), job) if torchforge else None
+    job["across"] = _across(random.Random(f"across-{seed}")) if across else None
     return job
+
+
+# -- many runs at once (issue 46) ---------------------------------------------------------
+
+ACROSS_SHARE = 0.2
+
+
+def _across(rng: random.Random) -> dict | None:
+    """For 1 job in 5: ``compare`` of the run and 1-2 copies of it, and ``diff`` of the run
+    and a copy, in ``mode``."""
+    if rng.random() >= ACROSS_SHARE:
+        return None
+    return {"copies": rng.choice((1, 2)), "mode": rng.choice(MODES[:2])}
 
 
 # -- torchforge's habits (issue 44) ------------------------------------------------------

@@ -36,6 +36,13 @@
  *     about 2**125, and its integer square root (a double's estimate, one Newton step in
  *     integers, then settled by comparing squares): the root and whether it was exact
  *     round as the std does (round to odd with ten bits to spare).
+ *
+ * And a type, Table (engine.grouptable): groups (bucket, combo) in an open-addressing hash
+ * table, the combos of a bucket side by side, each group with its counts, min and max and
+ * its S and Q as int64 digits in a window of an arena that grows to take each value's
+ * pieces (the same pieces as accumulate's); records are added across calls, a group's
+ * digits carried every 2**30 of its rows, and drain writes the groups below a bucket in
+ * the canonical form, in the order of bucket then combo, and takes them out.
  */
 
 #define PY_SSIZE_T_CLEAN
@@ -60,6 +67,50 @@
  * square's are under 2**136 in five, so fewer than 2**24 stay under 2**160. */
 #define SUM_ROOMY ((int64_t)1 << 11)
 #define SQUARE_ROOMY ((int64_t)1 << 23)
+
+/* A finite nonzero value's significand M (biased: its biased exponent, not 0x7FF) */
+static inline uint64_t significand_of(uint64_t bits, int biased) {
+    return (bits & ((UINT64_C(1) << 52) - 1)) | ((uint64_t)(biased > 0) << 52);
+}
+
+/* A finite nonzero value's pieces of the sum (its bits, M, E = max(biased, 1)): p[0..2],
+ * signed, at digits d, d + 1, d + 2 of the sum; returns d. M * 2**(s mod 32) is three
+ * pieces under 2**32 (s = E + SUM_SHIFT). */
+static inline int64_t sum_pieces(uint64_t bits, uint64_t m, int e, int64_t *p) {
+    int s = e + SUM_SHIFT;
+    int r = s & 31;
+    uint64_t low32 = (m & MASK32) << r;                   /* under 2**63 */
+    uint64_t carried = (low32 >> 32) + ((m >> 32) << r); /* under 2**53 */
+    int64_t p0 = (int64_t)(low32 & MASK32), p1 = (int64_t)(carried & MASK32), p2 = (int64_t)(carried >> 32);
+    int64_t neg = -(int64_t)(bits >> 63); /* 0, or -1 to subtract: (p ^ -1) + 1 == -p */
+    p[0] = (p0 ^ neg) - neg;
+    p[1] = (p1 ^ neg) - neg;
+    p[2] = (p2 ^ neg) - neg;
+    return s >> 5;
+}
+
+/* Its square's pieces p[0..4] (under 2**32) at digits d .. d + 4 of the squares; returns
+ * d. M**2 in four limbs from 32-bit halves of M (never v * v), shifted by the square's
+ * even offset. */
+static inline int64_t square_pieces(uint64_t m, int e, int64_t *p) {
+    uint64_t lo = m & MASK32, hi = m >> 32; /* M**2 in four limbs under 2**32 */
+    uint64_t ll = lo * lo;
+    uint64_t t = 2 * hi * lo + (ll >> 32); /* under 2**55 */
+    uint64_t u = hi * hi + (t >> 32);      /* under 2**43 */
+    uint64_t l0 = ll & MASK32, l1 = t & MASK32, l2 = u & MASK32, l3 = u >> 32;
+    int qs = 2 * e + SQUARE_SHIFT;
+    int qr = qs & 31; /* even, at most 30: a limb shifted stays under 2**62 */
+    l0 <<= qr;
+    l1 <<= qr;
+    l2 <<= qr;
+    l3 <<= qr;
+    p[0] = (int64_t)(l0 & MASK32);
+    p[1] = (int64_t)((l1 & MASK32) | (l0 >> 32));
+    p[2] = (int64_t)((l2 & MASK32) | (l1 >> 32));
+    p[3] = (int64_t)((l3 & MASK32) | (l2 >> 32));
+    p[4] = (int64_t)(l3 >> 32);
+    return qs >> 5;
+}
 
 /* floor(x / 2**32) for any int64 x, without relying on >> of a negative number */
 static inline int64_t carry_of(int64_t x) {
@@ -311,35 +362,15 @@ static PyObject *accumulate(PyObject *self, PyObject *args) {
             if (biased == 0x7FF || (bits << 1) == 0) continue;
             int64_t gi = g[i];
             int e = biased > 0 ? biased : 1;
-            uint64_t m = (bits & ((UINT64_C(1) << 52) - 1)) | ((uint64_t)(biased > 0) << 52);
-            int s = e + SUM_SHIFT;
-            int64_t *x = sb + s_origin[gi] + (s >> 5);
-            int r = s & 31;
-            uint64_t low32 = (m & MASK32) << r;                   /* under 2**63 */
-            uint64_t carried = (low32 >> 32) + ((m >> 32) << r); /* under 2**53 */
-            int64_t p0 = (int64_t)(low32 & MASK32), p1 = (int64_t)(carried & MASK32), p2 = (int64_t)(carried >> 32);
-            int64_t neg = -(int64_t)(bits >> 63); /* 0, or -1 to subtract: (p ^ -1) + 1 == -p */
-            x[0] += (p0 ^ neg) - neg;
-            x[1] += (p1 ^ neg) - neg;
-            x[2] += (p2 ^ neg) - neg;
+            uint64_t m = significand_of(bits, biased);
+            int64_t p[SQUARE_PIECES];
+            int64_t *x = sb + s_origin[gi] + sum_pieces(bits, m, e, p);
+            x[0] += p[0];
+            x[1] += p[1];
+            x[2] += p[2];
             if (!squares) continue;
-            uint64_t lo = m & MASK32, hi = m >> 32; /* M**2 in four limbs under 2**32 */
-            uint64_t ll = lo * lo;
-            uint64_t t = 2 * hi * lo + (ll >> 32); /* under 2**55 */
-            uint64_t u = hi * hi + (t >> 32);      /* under 2**43 */
-            uint64_t l0 = ll & MASK32, l1 = t & MASK32, l2 = u & MASK32, l3 = u >> 32;
-            int qs = 2 * e + SQUARE_SHIFT;
-            int qr = qs & 31; /* even, at most 30: a limb shifted stays under 2**62 */
-            int64_t *y = qb + q_origin[gi] + (qs >> 5);
-            l0 <<= qr;
-            l1 <<= qr;
-            l2 <<= qr;
-            l3 <<= qr;
-            y[0] += (int64_t)(l0 & MASK32);
-            y[1] += (int64_t)((l1 & MASK32) | (l0 >> 32));
-            y[2] += (int64_t)((l2 & MASK32) | (l1 >> 32));
-            y[3] += (int64_t)((l3 & MASK32) | (l2 >> 32));
-            y[4] += (int64_t)(l3 >> 32);
+            int64_t *y = qb + q_origin[gi] + square_pieces(m, e, p);
+            for (int j = 0; j < SQUARE_PIECES; j++) y[j] += p[j];
         }
     }
     Py_END_ALLOW_THREADS
@@ -815,6 +846,449 @@ done:
     return result;
 }
 
+/* ---- Table: records added straight into their groups, across calls ------------------ */
+
+/* A group of a Table: its bucket and combo (what identifies it), its counts, min and max
+ * (as partials.fold keeps them), and its exact integers S and Q as int64 digits in windows
+ * of the arena: digit j of a window weighs 2**(32 (lo + j)) units, unnormalised (each
+ * digit takes at most one piece under 2**32 a row, so fewer than 2**31 rows since the last
+ * carry stay under 2**63). at < 0: no window yet (nothing nonzero added). */
+typedef struct {
+    int64_t bucket, combo, n, nan, pos_inf, neg_inf, since;
+    double min, max;
+    int64_t s_at, q_at;
+    int32_t s_lo, q_lo, s_len, q_len;
+} Group;
+
+typedef struct {
+    PyObject_HEAD
+    Group *groups;
+    int64_t used, room;
+    int32_t *index; /* open addressing on (bucket, combo): a group's number + 1, 0 empty */
+    int64_t mask;
+    int64_t *arena;
+    int64_t arena_used, arena_room;
+    int64_t lowest; /* no group's bucket is below it */
+    int squares;    /* some group kept squares */
+} Table;
+
+#define WINDOW_SLACK 1 /* digits a window gets beyond its first value's, each side */
+#define CARRY_EVERY ((int64_t)1 << 30) /* rows of a group between carries of its digits */
+
+static inline uint64_t mix64(uint64_t x) { /* splitmix64's finaliser */
+    x ^= x >> 30;
+    x *= UINT64_C(0xbf58476d1ce4e5b9);
+    x ^= x >> 27;
+    x *= UINT64_C(0x94d049bb133111eb);
+    return x ^ (x >> 31);
+}
+
+/* Where a group's search in the index starts: a hash of both (the combos of a bucket side
+ * by side made long runs of taken places, and long searches where two runs met). */
+static inline int64_t slot_of(int64_t bucket, int64_t combo, int64_t mask) {
+    return (int64_t)(mix64((uint64_t)bucket ^ ((uint64_t)combo * UINT64_C(0x9E3779B97F4A7C15))) & (uint64_t)mask);
+}
+
+static int table_reindex(Table *t, int64_t slots) {
+    int32_t *index = (int32_t *)calloc((size_t)slots, sizeof(int32_t));
+    if (!index) return -1;
+    free(t->index);
+    t->index = index;
+    t->mask = slots - 1;
+    for (int64_t g = 0; g < t->used; g++) {
+        int64_t at = slot_of(t->groups[g].bucket, t->groups[g].combo, t->mask);
+        while (index[at]) at = (at + 1) & t->mask;
+        index[at] = (int32_t)(g + 1);
+    }
+    return 0;
+}
+
+/* The group of (bucket, combo), made where there is none; NULL out of memory. */
+static Group *table_group(Table *t, int64_t bucket, int64_t combo) {
+    int64_t at = slot_of(bucket, combo, t->mask);
+    for (;;) {
+        int32_t g = t->index[at];
+        if (!g) break;
+        Group *x = t->groups + (g - 1);
+        if (x->bucket == bucket && x->combo == combo) return x;
+        at = (at + 1) & t->mask;
+    }
+    if (t->used >= INT32_MAX - 1) return NULL;
+    if (t->used == t->room) {
+        int64_t room = t->room ? 2 * t->room : 1024;
+        Group *more = (Group *)realloc(t->groups, sizeof(Group) * (size_t)room);
+        if (!more) return NULL;
+        t->groups = more;
+        t->room = room;
+    }
+    if (2 * (t->used + 1) > t->mask + 1) { /* at most half full */
+        if (table_reindex(t, 2 * (t->mask + 1))) return NULL;
+        at = slot_of(bucket, combo, t->mask);
+        while (t->index[at]) at = (at + 1) & t->mask;
+    }
+    if (bucket < t->lowest) t->lowest = bucket;
+    Group *x = t->groups + t->used;
+    *x = (Group){bucket, combo, 0, 0, 0, 0, 0, INFINITY, -INFINITY, -1, -1, 0, 0, 0, 0};
+    t->index[at] = (int32_t)(++t->used);
+    return x;
+}
+
+/* A window (*at, *lo, *len) that holds digits first .. last, grown (copied to new arena
+ * room, its digits kept) where it does not; 0, or -1 out of memory. */
+static int window_cover(Table *t, int64_t *at, int32_t *lo, int32_t *len, int64_t first, int64_t last) {
+    if (*at >= 0 && first >= *lo && last < (int64_t)*lo + *len) return 0;
+    int64_t new_lo = first - WINDOW_SLACK, new_hi = last + WINDOW_SLACK;
+    if (*at >= 0) {
+        if (*lo < new_lo) new_lo = *lo;
+        if ((int64_t)*lo + *len - 1 > new_hi) new_hi = (int64_t)*lo + *len - 1;
+    }
+    int64_t k = new_hi - new_lo + 1;
+    if (t->arena_used + k > t->arena_room) {
+        int64_t room = t->arena_room ? 2 * t->arena_room : 4096;
+        while (room < t->arena_used + k) room *= 2;
+        int64_t *more = (int64_t *)realloc(t->arena, sizeof(int64_t) * (size_t)room);
+        if (!more) return -1;
+        t->arena = more;
+        t->arena_room = room;
+    }
+    int64_t *x = t->arena + t->arena_used;
+    memset(x, 0, sizeof(int64_t) * (size_t)k);
+    if (*at >= 0) memcpy(x + (*lo - new_lo), t->arena + *at, sizeof(int64_t) * (size_t)*len);
+    *at = t->arena_used;
+    *lo = (int32_t)new_lo;
+    *len = (int32_t)k;
+    t->arena_used += k;
+    return 0;
+}
+
+/* Carry a window's digits (each but the top into [0, 2**32)), with two digits on top for
+ * what reaches them; 0, or -1 out of memory. The integer is the same. */
+static int window_carry(Table *t, int64_t *at, int32_t *lo, int32_t *len) {
+    if (*at < 0) return 0;
+    if (window_cover(t, at, lo, len, *lo, (int64_t)*lo + *len + 1)) return -1;
+    int64_t *x = t->arena + *at;
+    for (int32_t j = 0; j + 1 < *len; j++) {
+        int64_t c = carry_of(x[j]);
+        x[j] -= c * ((int64_t)1 << 32);
+        x[j + 1] += c;
+    }
+    return 0;
+}
+
+static void table_dealloc(Table *t) {
+    free(t->groups);
+    free(t->index);
+    free(t->arena);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    (void)args;
+    (void)kwargs;
+    Table *t = (Table *)type->tp_alloc(type, 0);
+    if (!t) return NULL;
+    t->lowest = INT64_MAX;
+    if (table_reindex(t, 1024)) {
+        Py_DECREF(t);
+        return PyErr_NoMemory();
+    }
+    return (PyObject *)t;
+}
+
+/* add(bucket, combo, values, squares): each row's value into its group (bucket[i],
+ * combo[i]), made where there is none; its square too where squares[i] (uint8). */
+static PyObject *table_add(Table *t, PyObject *args) {
+    Py_buffer bucket_b, combo_b, values_b, squares_b;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*", &bucket_b, &combo_b, &values_b, &squares_b)) return NULL;
+    Py_buffer *all[] = {&bucket_b, &combo_b, &values_b, &squares_b};
+    PyObject *result = NULL;
+    int64_t rows = (int64_t)(values_b.len / 8);
+    if (check_length(&bucket_b, rows, 8, "bucket") || check_length(&combo_b, rows, 8, "combo") ||
+        check_length(&squares_b, rows, 1, "squares"))
+        goto done;
+    const int64_t *bucket = (const int64_t *)bucket_b.buf, *combo = (const int64_t *)combo_b.buf;
+    const uint64_t *v = (const uint64_t *)values_b.buf;
+    const uint8_t *sq = (const uint8_t *)squares_b.buf;
+    int status = OK;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t last = -1; /* the group of the row before: rows of one group, or of the next one made, */
+    for (int64_t i = 0; i < rows; i++) { /* often follow each other (steps and keys in order) */
+        Group *x = NULL;
+        for (int64_t g = last; g <= last + 1 && g < t->used; g++)
+            if (g >= 0 && t->groups[g].bucket == bucket[i] && t->groups[g].combo == combo[i]) {
+                x = t->groups + g;
+                break;
+            }
+        if (!x) x = table_group(t, bucket[i], combo[i]);
+        if (x) last = x - t->groups;
+        if (!x) {
+            status = NO_MEMORY;
+            break;
+        }
+        x->n++;
+        uint64_t bits = v[i];
+        double value;
+        memcpy(&value, &bits, 8);
+        if (isnan(value) || isnan(x->min)) x->min = NAN;
+        else if (value < x->min || (value == 0 && x->min == 0 && signbit(value))) x->min = value;
+        if (isnan(value) || isnan(x->max)) x->max = NAN;
+        else if (value > x->max || (value == 0 && x->max == 0 && !signbit(value))) x->max = value;
+        int biased = (int)((bits >> 52) & 0x7FF);
+        if (biased == 0x7FF) {
+            if (bits & ((UINT64_C(1) << 52) - 1)) x->nan++;
+            else if (bits >> 63) x->neg_inf++;
+            else x->pos_inf++;
+            continue;
+        }
+        if ((bits << 1) == 0) continue; /* +-0.0 adds nothing */
+        if (++x->since == CARRY_EVERY) {
+            x->since = 0;
+            if (window_carry(t, &x->s_at, &x->s_lo, &x->s_len) || window_carry(t, &x->q_at, &x->q_lo, &x->q_len)) {
+                status = NO_MEMORY;
+                break;
+            }
+        }
+        int e = biased > 0 ? biased : 1;
+        uint64_t m = significand_of(bits, biased);
+        int64_t p[SQUARE_PIECES];
+        int64_t d = sum_pieces(bits, m, e, p);
+        if ((x->s_at < 0 || d < x->s_lo || d + SUM_PIECES > (int64_t)x->s_lo + x->s_len) &&
+            window_cover(t, &x->s_at, &x->s_lo, &x->s_len, d, d + SUM_PIECES - 1)) {
+            status = NO_MEMORY;
+            break;
+        }
+        int64_t *y = t->arena + x->s_at + (d - x->s_lo);
+        y[0] += p[0];
+        y[1] += p[1];
+        y[2] += p[2];
+        if (!sq[i]) continue;
+        d = square_pieces(m, e, p);
+        if ((x->q_at < 0 || d < x->q_lo || d + SQUARE_PIECES > (int64_t)x->q_lo + x->q_len) &&
+            window_cover(t, &x->q_at, &x->q_lo, &x->q_len, d, d + SQUARE_PIECES - 1)) {
+            status = NO_MEMORY;
+            break;
+        }
+        t->squares = 1;
+        y = t->arena + x->q_at + (d - x->q_lo);
+        for (int j = 0; j < SQUARE_PIECES; j++) y[j] += p[j];
+    }
+    Py_END_ALLOW_THREADS
+    if (status == NO_MEMORY) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        if (all[i]->obj) PyBuffer_Release(all[i]);
+    return result;
+}
+
+/* below(upto, every) -> the groups of buckets below upto (every: all of them) */
+static PyObject *table_below(Table *t, PyObject *args) {
+    long long upto;
+    int every;
+    if (!PyArg_ParseTuple(args, "Lp", &upto, &every)) return NULL;
+    int64_t k = 0;
+    if (every) k = t->used;
+    else if (upto > t->lowest)
+        for (int64_t g = 0; g < t->used; g++) k += t->groups[g].bucket < upto;
+    return PyLong_FromLongLong((long long)k);
+}
+
+static const Group *sorting; /* qsort's comparator reads the groups here (under the GIL) */
+
+static int by_bucket_combo(const void *a, const void *b) {
+    const Group *x = sorting + *(const int64_t *)a, *y = sorting + *(const int64_t *)b;
+    if (x->bucket != y->bucket) return x->bucket < y->bucket ? -1 : 1;
+    return x->combo < y->combo ? -1 : x->combo > y->combo;
+}
+
+/* One window's integer into canonical digits at out (canonical_one, with two digits of
+ * room on top); returns how many, or -1. */
+static int64_t window_canonical(Table *t, int64_t at, int32_t lo, int32_t len, int64_t *scratch, int8_t *sign,
+                                int16_t *low, uint8_t *size, uint32_t *out) {
+    if (at < 0) {
+        *sign = 0;
+        *low = 0;
+        *size = 0;
+        return 0;
+    }
+    memcpy(scratch, t->arena + at, sizeof(int64_t) * (size_t)len);
+    scratch[len] = scratch[len + 1] = 0;
+    return canonical_one(scratch, len + 2, lo, sign, low, size, out);
+}
+
+/* drain(upto, every, bucket, combo, count, nan, pos_inf, neg_inf, min, max, s_sign, s_low,
+ * s_size, q_sign, q_low, q_size) -> (sum digits, square digits): the groups of buckets
+ * below upto (as many as below(upto) says: the arrays' length), in the order of bucket
+ * then combo, written out in exact.ExactState's form, and taken out of the table. */
+static PyObject *table_drain(Table *t, PyObject *args) {
+    long long upto;
+    int every;
+    Py_buffer b[14];
+    if (!PyArg_ParseTuple(args, "Lpw*w*w*w*w*w*w*w*w*w*w*w*w*w*", &upto, &every, &b[0], &b[1], &b[2], &b[3], &b[4], &b[5],
+                          &b[6], &b[7], &b[8], &b[9], &b[10], &b[11], &b[12], &b[13]))
+        return NULL;
+    PyObject *result = NULL, *s_out = NULL, *q_out = NULL;
+    int64_t *order = NULL, *scratch = NULL, *kept_arena = NULL;
+    int64_t k = 0, s_room = 0, q_room = 0, widest = 0;
+    for (int64_t g = 0; g < t->used; g++) {
+        const Group *x = t->groups + g;
+        if (!every && x->bucket >= upto) continue;
+        k++;
+        if (x->s_at >= 0) s_room += x->s_len + 2;
+        if (x->q_at >= 0) q_room += x->q_len + 2;
+        if (x->s_len > widest) widest = x->s_len;
+        if (x->q_len > widest) widest = x->q_len;
+    }
+    static const Py_ssize_t sizes[14] = {8, 8, 8, 8, 8, 8, 8, 8, 1, 2, 1, 1, 2, 1};
+    static const char *names[14] = {"bucket", "combo", "count", "nan", "pos_inf", "neg_inf", "min", "max",
+                                    "s_sign", "s_low", "s_size", "q_sign", "q_low", "q_size"};
+    for (int i = 0; i < 14; i++)
+        if (check_length(&b[i], i >= 11 && !t->squares ? 0 : k, sizes[i], names[i])) goto done;
+    order = (int64_t *)malloc(sizeof(int64_t) * (size_t)(k + 1));
+    scratch = (int64_t *)malloc(sizeof(int64_t) * (size_t)(widest + 2));
+    s_out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(s_room * 4));
+    q_out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(q_room * 4));
+    if (!order || !scratch || !s_out || !q_out) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    int64_t at = 0;
+    for (int64_t g = 0; g < t->used; g++)
+        if (every || t->groups[g].bucket < upto) order[at++] = g;
+    sorting = t->groups;
+    qsort(order, (size_t)k, sizeof(int64_t), by_bucket_combo);
+    int64_t s_written = 0, q_written = 0, got = 0;
+    for (int64_t i = 0; i < k && got >= 0; i++) {
+        const Group *x = t->groups + order[i];
+        ((int64_t *)b[0].buf)[i] = x->bucket;
+        ((int64_t *)b[1].buf)[i] = x->combo;
+        ((int64_t *)b[2].buf)[i] = x->n;
+        ((int64_t *)b[3].buf)[i] = x->nan;
+        ((int64_t *)b[4].buf)[i] = x->pos_inf;
+        ((int64_t *)b[5].buf)[i] = x->neg_inf;
+        ((double *)b[6].buf)[i] = x->min;
+        ((double *)b[7].buf)[i] = x->max;
+        got = window_canonical(t, x->s_at, x->s_lo, x->s_len, scratch, (int8_t *)b[8].buf + i,
+                                       (int16_t *)b[9].buf + i, (uint8_t *)b[10].buf + i,
+                                       (uint32_t *)PyByteArray_AS_STRING(s_out) + s_written);
+        if (got < 0) break;
+        s_written += got;
+        if (!t->squares) continue;
+        got = window_canonical(t, x->q_at, x->q_lo, x->q_len, scratch, (int8_t *)b[11].buf + i,
+                               (int16_t *)b[12].buf + i, (uint8_t *)b[13].buf + i,
+                               (uint32_t *)PyByteArray_AS_STRING(q_out) + q_written);
+        if (got >= 0) q_written += got;
+    }
+    if (got < 0) goto done;
+    /* the groups left, their windows copied into an arena of their own, indexed again */
+    int64_t left = 0, kept = 0;
+    for (int64_t g = 0; g < t->used; g++) {
+        Group *x = t->groups + g;
+        if (!every && x->bucket >= upto) kept += (x->s_at >= 0 ? x->s_len : 0) + (x->q_at >= 0 ? x->q_len : 0);
+    }
+    kept_arena = (int64_t *)malloc(sizeof(int64_t) * (size_t)(kept + 1));
+    if (!kept_arena) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t arena_at = 0, lowest = INT64_MAX;
+    for (int64_t g = 0; g < t->used; g++) {
+        Group x = t->groups[g];
+        if (every || x.bucket < upto) continue;
+        if (x.s_at >= 0) {
+            memcpy(kept_arena + arena_at, t->arena + x.s_at, sizeof(int64_t) * (size_t)x.s_len);
+            x.s_at = arena_at;
+            arena_at += x.s_len;
+        }
+        if (x.q_at >= 0) {
+            memcpy(kept_arena + arena_at, t->arena + x.q_at, sizeof(int64_t) * (size_t)x.q_len);
+            x.q_at = arena_at;
+            arena_at += x.q_len;
+        }
+        t->groups[left++] = x;
+        if (x.bucket < lowest) lowest = x.bucket;
+    }
+    t->lowest = lowest;
+    free(t->arena);
+    t->arena = kept_arena;
+    kept_arena = NULL;
+    t->arena_used = t->arena_room = kept;
+    t->used = left;
+    if (!left) t->squares = 0;
+    int64_t slots = 1024;
+    while (slots < 2 * left) slots *= 2;
+    if (table_reindex(t, slots)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyByteArray_Resize(s_out, (Py_ssize_t)(s_written * 4)) ||
+        PyByteArray_Resize(q_out, (Py_ssize_t)(q_written * 4)))
+        goto done;
+    result = Py_BuildValue("(OO)", s_out, q_out);
+done:
+    if (!result && !PyErr_Occurred())
+        PyErr_SetString(PyExc_AssertionError, "a digit past the top of its group: the headroom argument failed");
+    Py_XDECREF(s_out);
+    Py_XDECREF(q_out);
+    free(order);
+    free(scratch);
+    free(kept_arena);
+    for (int i = 0; i < 14; i++)
+        if (b[i].obj) PyBuffer_Release(&b[i]);
+    return result;
+}
+
+static Py_ssize_t table_len(Table *t) { return (Py_ssize_t)t->used; }
+
+static PyObject *table_squares(Table *t, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(t->squares);
+}
+
+static PyObject *table_nbytes(Table *t, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong((long long)(sizeof(Group) * t->room + sizeof(int32_t) * (t->mask + 1) +
+                                           sizeof(int64_t) * t->arena_room));
+}
+
+static PyMethodDef table_methods[] = {
+    {"add", (PyCFunction)table_add, METH_VARARGS,
+     "add(bucket, combo, values, squares): each row's value into its group (bucket, combo), its square "
+     "too where squares (uint8) is set."},
+    {"below", (PyCFunction)table_below, METH_VARARGS,
+     "below(upto, every) -> the groups of buckets below upto (every: all the groups)."},
+    {"drain", (PyCFunction)table_drain, METH_VARARGS,
+     "drain(upto, every, bucket, combo, count, nan, pos_inf, neg_inf, min, max, s_sign, s_low, s_size, q_sign, "
+     "q_low, q_size) -> (sum digits, square digits): the groups below upto, taken out, in the order of "
+     "bucket then combo (the square arrays empty where squares is false)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef table_getset[] = {
+    {"squares", (getter)table_squares, NULL, "whether some group kept squares", NULL},
+    {"nbytes", (getter)table_nbytes, NULL, "the memory it holds, in bytes", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods table_sequence = {.sq_length = (lenfunc)table_len};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "metric_core.offline.engine._exact.Table",
+    .tp_basicsize = sizeof(Table),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Records added straight into their groups (bucket, combo): counts, min, max and exact "
+              "sums, kept across calls (not thread-safe: one thread adds and drains).",
+    .tp_new = table_new,
+    .tp_dealloc = (destructor)table_dealloc,
+    .tp_methods = table_methods,
+    .tp_getset = table_getset,
+    .tp_as_sequence = &table_sequence,
+};
+
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(groups, values, n_groups, squares, count, nan, pos_inf, neg_inf, s_sign, s_low, s_size, "
@@ -830,8 +1304,21 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_exact", "The compiled paths of metric_core.offline.engine.exact: accumulate, add_digits, finish.", -1,
+    PyModuleDef_HEAD_INIT, "_exact",
+    "The compiled paths of metric_core.offline.engine.exact: accumulate, add_digits, finish; and the Table of "
+    "metric_core.offline.engine.grouptable.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__exact(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__exact(void) {
+    if (PyType_Ready(&TableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&TableType);
+    if (PyModule_AddObject(m, "Table", (PyObject *)&TableType) < 0) {
+        Py_DECREF(&TableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,5 +1,6 @@
 """The compiled paths of ``exact`` (``_exact.c``): accumulate, add_digits (``combine``), finish
-(``sum``, ``mean``, ``std``); built only where a C compiler was."""
+(``sum``, ``mean``, ``std``), and the Table of ``grouptable``; built only where a C compiler
+was."""
 
 import numpy as np
 
@@ -47,3 +48,35 @@ def finish(
     out: np.ndarray,
     /,
 ) -> None: ...
+
+class Table:
+    """Records added straight into their groups (bucket, combo): counts, min, max and exact
+    sums, kept across calls (``grouptable.GroupTable`` wraps it)."""
+
+    squares: bool
+    nbytes: int
+    def __len__(self) -> int: ...
+    def add(
+        self, bucket: np.ndarray, combo: np.ndarray, values: np.ndarray, squares: np.ndarray, /
+    ) -> None: ...
+    def below(self, upto: int, every: bool, /) -> int: ...
+    def drain(
+        self,
+        upto: int,
+        every: bool,
+        bucket: np.ndarray,
+        combo: np.ndarray,
+        count: np.ndarray,
+        nan: np.ndarray,
+        pos_inf: np.ndarray,
+        neg_inf: np.ndarray,
+        min: np.ndarray,
+        max: np.ndarray,
+        s_sign: np.ndarray,
+        s_low: np.ndarray,
+        s_size: np.ndarray,
+        q_sign: np.ndarray,
+        q_low: np.ndarray,
+        q_size: np.ndarray,
+        /,
+    ) -> tuple[bytearray, bytearray]: ...

@@ -19,6 +19,7 @@ import polars as pl
 from metric_core.offline.engine.partials import (
     COUNTED,
     Partial,
+    Rows,
     add_exact,
     empty_cells,
     fold,
@@ -32,6 +33,7 @@ from metric_core.offline.plan import Statistic
 
 if TYPE_CHECKING:
     from metric_core.offline.engine.exact import ExactState
+    from metric_core.offline.engine.grouptable import GroupTable
 
 _BLOCK_BITS = 8  # buckets (steps, windows) per block of the accumulator
 # A group's place in its block: its bucket's offset in the block, then its combo
@@ -53,6 +55,10 @@ SLICE_VALUES = 500_000
 # labels in a chunk of their own, at least: merging the chunks of new labels copies at most
 # about this many (a run of millions of keys is never copied whole to be one chunk)
 SEALED_LABELS = 1 << 20
+# groups the table of records handed over as rows holds (``grouptable``: about 150 bytes
+# each) before they are folded in with the others
+TABLE_GROUPS = 1 << 20
+TABLE_RECORDS = 2  # ... and keeps taking records past it while they are this many a group or more
 
 
 class _Labels:
@@ -374,9 +380,14 @@ class Accumulator:
     taken: int | None = None  # the buckets below this one were taken out
     aside: SetAside | None = None  # groups set aside on disk
     sets_aside: bool = True  # may set groups aside (not once a median/pNN value came)
+    table: GroupTable | None = None  # records handed over as rows, in their groups (``grouptable``)
+    # whether the table still takes rows: not once it held TABLE_GROUPS groups of about a
+    # record each (then each partition's rows are made states at once, as the states' path does)
+    tables: bool = True
+    table_rows: int = 0  # the records added into the table since it was empty
 
     def add(self, p: Partial) -> None:
-        if not len(p.bucket):
+        if not len(p.bucket) and p.rows is None:
             return
         if len(p.values):  # a value's group is told by its combo: held with its labels
             self.sets_aside = False
@@ -387,11 +398,39 @@ class Accumulator:
             self.set_aside()
 
     def _groups_held(self) -> int:
-        return sum(block.groups for block in self.blocks.values())
+        table = 0 if self.table is None else len(self.table)
+        return table + sum(block.groups for block in self.blocks.values())
+
+    def _rows(self, rows: Rows, combo_of: np.ndarray) -> None:
+        """Records handed over as rows, into the table (or, once it no longer takes them,
+        into a table of their own, folded in at once)."""
+        from metric_core.offline.engine.grouptable import GroupTable
+
+        if not self.tables:
+            alone = GroupTable()
+            alone.add(rows, combo_of)
+            self._fold_numbered(*alone.drain(math.inf))
+            return
+        if self.table is None:
+            self.table = GroupTable()
+        self.table.add(rows, combo_of)
+        self.table_rows += len(rows)
+        if len(self.table) > TABLE_GROUPS:
+            # fewer records a group than TABLE_RECORDS: folding each partition's states costs no more
+            self.tables = self.table_rows >= TABLE_RECORDS * len(self.table)
+            self._drain(math.inf)
+
+    def _drain(self, upto: float) -> None:
+        """The table's groups of the buckets below ``upto`` folded in with the others'."""
+        if self.table is not None and len(self.table):
+            self._fold_numbered(*self.table.drain(upto))
+            if not len(self.table):
+                self.table, self.table_rows = None, 0
 
     def set_aside(self) -> None:
         """Every group held written to disk with its label (``setaside``), and forgotten
         here, the labels too."""
+        self._drain(math.inf)
         if not self.blocks:
             return
         if self.labels.table["key"].null_count():  # a key without text has no place in key order
@@ -460,20 +499,31 @@ class Accumulator:
             self.aside = None
 
     def _fold(self, p: Partial) -> None:
-        combo = self.labels.numbers(p.labels)[p.combo]
-        block_of = p.bucket >> _BLOCK_BITS  # non-decreasing: the groups come in bucket order
-        edges = np.flatnonzero(np.diff(block_of)) + 1
-        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
-            b = int(block_of[lo])
-            ids = ((p.bucket[lo:hi] - (b << _BLOCK_BITS)) << _COMBO_BITS) | combo[lo:hi]
-            whole = lo == 0 and hi == len(block_of)
-            exact = p.exact if whole else take_exact(p.exact, np.arange(lo, hi))
-            self.blocks.setdefault(b, _Block()).fold(ids, p.state[:, lo:hi], exact)
+        combo_of = self.labels.numbers(p.labels)
+        combo = combo_of[p.combo]
+        self._fold_numbered(p.bucket, combo, p.state, p.exact)
+        if p.rows is not None:
+            self._rows(p.rows, combo_of)
         if len(p.values):
             self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
             self.held_values += len(p.values)
             if self.held_values > SPILL_VALUES:
                 self._spill()
+
+    def _fold_numbered(
+        self, bucket: np.ndarray, combo: np.ndarray, state: np.ndarray, exact: ExactState | None
+    ) -> None:
+        """States of groups (bucket, combo numbered here), in bucket order, folded in."""
+        if not len(bucket):
+            return
+        block_of = bucket >> _BLOCK_BITS  # non-decreasing: the groups come in bucket order
+        edges = np.flatnonzero(np.diff(block_of)) + 1
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(block_of)], strict=True):
+            b = int(block_of[lo])
+            ids = ((bucket[lo:hi] - (b << _BLOCK_BITS)) << _COMBO_BITS) | combo[lo:hi]
+            whole = lo == 0 and hi == len(block_of)
+            part = exact if whole else take_exact(exact, np.arange(lo, hi))
+            self.blocks.setdefault(b, _Block()).fold(ids, state[:, lo:hi], part)
 
     def _spill(self) -> None:
         """The median/pNN values held so far, to a temporary Parquet file sorted by bucket."""
@@ -547,6 +597,7 @@ class Accumulator:
         return slices
 
     def close(self) -> None:
+        self.table = None
         if self.spill_dir is not None:
             self.spill_dir.cleanup()
             self.spill_dir = None
@@ -557,11 +608,14 @@ class Accumulator:
     def cells_below(self, upto: float) -> int:
         """The groups (at most) of the blocks that start below bucket ``upto``, set aside ones too."""
         aside = 0 if self.aside is None else self.aside.rows_below(upto)
-        return aside + sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
+        table = 0 if self.table is None else self.table.below(upto)
+        blocks = sum(block.groups for b, block in self.blocks.items() if b << _BLOCK_BITS < upto)
+        return aside + table + blocks
 
     def cuts(self, upto: float, groups: int) -> list[float]:
         """Where to cut the taking of the buckets below ``upto`` (block edges, then ``upto``)
         so that each take holds at most about ``groups`` groups."""
+        self._drain(upto)
         out: list[float] = []
         held = 0
         for b in sorted(self.blocks):
@@ -581,6 +635,7 @@ class Accumulator:
         (``_value_ranges``), to be read before ``close``. Each chunk of states is freed
         once its statistics are read."""
         hi = None if upto == math.inf else math.floor(upto)
+        self._drain(upto)
         buckets, combos, parts, exacts = [], [], [], []
         for b in sorted(self.blocks):
             first = b << _BLOCK_BITS

@@ -1076,15 +1076,30 @@ def _python_std(state: ExactState, g: int) -> float:
     s = state.sum_digits.take(np.array([g])).to_ints()[0]
     q = state.squares.take(np.array([g])).to_ints()[0]
     n = int(state.count[g])
-    d = n * q - s * s  # std = sqrt(d 2**SQUARE_BASE) / n
-    if d == 0:
+    return sqrt_ratio(n * q - s * s, (n * n) << -SQUARE_BASE)  # std = sqrt(d 2**SQUARE_BASE) / n
+
+
+def sqrt_ratio(num: int, den: int) -> float:
+    """The square root of ``num / den`` (integers, ``num >= 0``, ``den > 0``), correctly
+    rounded to float64 (+inf past its range).
+
+    The root is taken of the ratio scaled to at least 110 bits (``math.isqrt``), so its
+    integer part has 55 bits or more, then rounded to odd: an inexact root's last bit is
+    set. No float and no midpoint between two floats lies strictly between two integers
+    that wide, so the float nearest that odd number is the float nearest the root.
+
+    >>> sqrt_ratio(2, 1) == 2 ** 0.5, sqrt_ratio(1, 4), sqrt_ratio(0, 7)
+    (True, 0.5, 0.0)
+    """
+    if num == 0:
         return 0.0
-    k = 1280 + n.bit_length()  # y = std 2**k has more than 55 bits for any d > 0
-    scaled = d << (2 * k + SQUARE_BASE)
-    root = math.isqrt(scaled // (n * n))
-    inexact = root * root * n * n != scaled
-    # round to odd: (2 root + 1) / 2**(k+1) rounds as std does, since 2**-k is below half a float's gap
-    return float(Fraction(2 * root + inexact, 1 << (k + 1)))
+    twos = min((num & -num).bit_length(), (den & -den).bit_length()) - 1  # the same ratio, smaller
+    num, den = num >> twos, den >> twos
+    k = 56 - (num.bit_length() - den.bit_length()) // 2  # the root's scale: 2**k
+    quotient, rest = divmod(num << 2 * k, den) if k >= 0 else divmod(num, den << -2 * k)
+    root = math.isqrt(quotient)
+    odd = 2 * root + (rest != 0 or root * root != quotient)  # in halves of 2**-k
+    return _fraction_to_float(Fraction(odd, 1 << (k + 1)) if k >= -1 else Fraction(odd << (-k - 1)))
 
 
 def _fraction_to_float(x: Fraction) -> float:

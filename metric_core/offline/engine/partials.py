@@ -70,6 +70,22 @@ _DENSE_SLACK = 1 << 16  # a dense index may be this much (plus 4x the rows) larg
 
 
 @dataclass
+class Rows:
+    """Records handed over as they are, for the accumulator to add straight into their
+    groups (``engine.grouptable``): each one's ``bucket``, ``combo`` (a row of the
+    partition's labels) and ``value``; ``squares``, for each combo, whether its statistic
+    is std (its squares are kept)."""
+
+    bucket: np.ndarray
+    combo: np.ndarray
+    value: np.ndarray
+    squares: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.value)
+
+
+@dataclass
 class Partial:
     """One partition's states, one entry a group.
 
@@ -87,6 +103,12 @@ class Partial:
     value_group: np.ndarray
     values: np.ndarray
     exact: ExactState | None = None
+    rows: Rows | None = None  # records of the groups no state was made for (compiled path)
+
+
+# The statistics whose records may be handed over as they are (``Rows``): what they read of
+# a group is its count, min, max and exact sums, which the accumulator's table keeps.
+DIRECT = ("sum", "mean", "std", "min", "max", "count")
 
 
 def is_statistic(name: str) -> bool:
@@ -102,6 +124,7 @@ def partition_states(
     plan: ReducePlan,
     statistic_of: Callable[[str, str], str],
     t0: float | None,
+    direct: bool = False,
 ) -> Partial:
     """Reduce one partition's records (a collected frame with the plan's input columns,
     and the step, process and rank where a first or last may be wanted: what breaks ties
@@ -110,7 +133,9 @@ def partition_states(
     ``statistic_of(key, recorded_reduction)`` names the statistic a key gets; it is part
     of the group, so records of one key with different recorded reductions form one group
     when an override applies, and two groups (an error, found after the fold) otherwise.
-    ``t0`` anchors ``--by time`` windows.
+    ``t0`` anchors ``--by time`` windows. With ``direct``, the records of groups whose
+    statistic is one of DIRECT are handed over as they are (``Partial.rows``), for the
+    accumulator's table (``engine.grouptable``), and get no state here.
     """
     rows = df.height
     if rows == 0:
@@ -151,8 +176,22 @@ def partition_states(
     names = sorted(set(chosen))
     stat_of_combo = labels["reduction"].replace_strict(names, list(range(len(names))), return_dtype=pl.Int64)
     stat_of_combo = stat_of_combo.to_numpy()
-    ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
+    rows_out = None
+    if direct:
+        handed = np.array([s is not None and s.name in DIRECT for s in stats])
+        if handed.any():
+            std = np.array([s is not None and s.name == "std" for s in stats])
+            squares = std[stat_of_combo].astype(np.uint8)
+            if handed.all():
+                return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares))
+            mine = handed[stat_of_combo[combo]]
+            rows_out = Rows(bucket[mine], combo[mine], value[mine], squares)
+            rest = np.flatnonzero(~mine)
+            bucket, combo, value = bucket[rest], combo[rest], value[rest]
+            df = df[rest]
+            rows = len(rest)
+    ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
     spread = any(s is not None and s.name in ("min", "max") for s in stats)
@@ -181,7 +220,15 @@ def partition_states(
     if quantile.any():
         subset = np.arange(rows) if stat_codes is None else np.flatnonzero(quantile[stat_codes])
         value_group, values = ids[subset], value[subset]
-    return Partial(group_bucket, group_combo, labels, state, value_group, values, exact)
+    return Partial(group_bucket, group_combo, labels, state, value_group, values, exact, rows_out)
+
+
+def _no_groups(
+    labels: pl.DataFrame,
+) -> tuple[np.ndarray, np.ndarray, pl.DataFrame, np.ndarray, np.ndarray, np.ndarray]:
+    """A Partial's fields (up to its values) where no group has a state."""
+    none = np.empty(0, dtype=np.int64)
+    return none, none, labels, np.empty((COUNTED, 0)), none, np.empty(0)
 
 
 def _groups(

@@ -19,7 +19,7 @@ import polars as pl
 from metric_core.errors import PlanError, StrictModeError, UnmatchedError
 from metric_core.metric import LoggingMode
 from metric_core.offline import filters
-from metric_core.offline.engine import finish, tasks
+from metric_core.offline.engine import finish, grouptable, tasks
 from metric_core.offline.engine.accumulator import Accumulator
 from metric_core.offline.engine.filtering import nothing_kept, plan_filtered
 from metric_core.offline.engine.finish import finished_frames
@@ -198,7 +198,11 @@ def execute(
     units = [scan.file_ids] if sources is None else [fids for _, fids in sorted(sources.items())]
     work = [(u, task) for u, fids in enumerate(units) for task in cut(plan, scan, fids, t0, dictionaries)]
 
-    reduce_task = TaskWork(plan, scan, dictionaries, kept, t0, tasks.PARTITION_ROWS)
+    # global_reduce's groups take records of every source, each file's in partitions of their
+    # own: those records go straight into the accumulator's table of groups (``grouptable``).
+    # One file (its sources' records side by side) is reduced as well by its partitions' states.
+    direct = plan.mode is LoggingMode.GLOBAL_REDUCE and len(scan.file_ids) > 1 and grouptable.available()
+    reduce_task = TaskWork(plan, scan, dictionaries, kept, t0, tasks.PARTITION_ROWS, direct)
     if engine is Engine.RAY:
         from metric_core.offline.engine.ray_pool import on_ray
 

@@ -208,6 +208,7 @@ class TaskWork:
     kept: list[str]
     t0: float | None
     rows: int  # a partition's records (PARTITION_ROWS, as this process has it)
+    direct: bool = False  # hand records over as rows where they may be (``partials.Rows``)
 
     def __call__(self, task: Task, seen: filters.Seen) -> Iterator[partials.Partial]:
         plan = self.plan
@@ -223,13 +224,12 @@ class TaskWork:
                     pieces.append(key_matching(frame.slice(start, rows), match))
                     held += pieces[-1].height
                     if held >= rows:
-                        yield partials.partition_states(
-                            pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0
-                        )
+                        records = pl.concat(pieces, how="vertical_relaxed")
+                        yield partials.partition_states(records, plan, statistic_of, self.t0, self.direct)
                         pieces, held = [], 0
         if held:
             yield partials.partition_states(
-                pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0
+                pl.concat(pieces, how="vertical_relaxed"), plan, statistic_of, self.t0, self.direct
             )
 
 

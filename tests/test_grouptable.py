@@ -1,0 +1,149 @@
+"""The compiled path's table (``engine.grouptable``): records added straight into their
+groups give the states a partition's records give, bit for bit.
+
+Against ``exact.accumulate`` (itself checked against ``fractions`` in test_exact.py) and
+numpy's min and max, over values that rounding and signs trip on, added in pieces across
+calls and drained in two parts; then whole reductions with the table against the
+states' path, where the table folds its groups in with the others part way (it grew past
+its bound) and where it stops taking records (a record a group).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from metric_core.offline.engine import accumulator, exact, grouptable, reduce_run, tasks
+from metric_core.offline.engine.partials import Rows
+from tests.test_exact import COMPILED, NOT_BUILT
+from tests.test_exact_engine import EVERY, FAMILIES, RANKS, _family, records, write
+
+pytestmark = pytest.mark.skipif(COMPILED is None, reason=NOT_BUILT)
+
+COMBOS = 7
+SQUARES = (np.arange(COMBOS) % 2).astype(np.uint8)  # the odd combos keep squares (std)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, dtype=np.float64).view(np.int64)
+
+
+def extreme(values: np.ndarray, lowest: bool) -> float:
+    """A group's min (or max) as the engine defines it: NaN if any; a tie of zeros goes to
+    -0.0 for min, 0.0 for max, whatever their order."""
+    if np.isnan(values).any():
+        return math.nan
+    best = values.min() if lowest else values.max()
+    if best == 0:
+        zeros = values[values == 0]
+        return -0.0 if (np.signbit(zeros).any() if lowest else np.signbit(zeros).all()) else 0.0
+    return float(best)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_table_holds_what_accumulate_and_numpy_give(seed):
+    rng = np.random.default_rng(seed)
+    family = FAMILIES[seed % len(FAMILIES)]
+    n = int(rng.integers(1, 4000))
+    value = _family(rng, family, n)
+    value[rng.random(n) < 0.05] = rng.choice([0.0, -0.0, 5e-324, -1.0, 3.0], 1)[0]
+    bucket = rng.integers(-3, 40, n)
+    combo = rng.integers(0, COMBOS, n)
+    table = grouptable.GroupTable()
+    cuts = sorted(rng.integers(0, n, 4).tolist())
+    for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):  # across calls
+        table.add(Rows(bucket[lo:hi], combo[lo:hi], value[lo:hi], SQUARES), np.arange(COMBOS))
+    upto = int(rng.integers(-3, 41))
+    first, rest = table.drain(upto), table.drain(math.inf)
+    assert len(table) == 0
+    assert (first[0] < upto).all() and (rest[0] >= upto).all()
+
+    cell = bucket * COMBOS + combo  # buckets are small: a cell a group, in bucket order
+    cells, group = np.unique(cell - bucket.min() * COMBOS, return_inverse=True)
+    got_cells = np.concatenate([first[0] * COMBOS + first[1], rest[0] * COMBOS + rest[1]])
+    got_cells -= bucket.min() * COMBOS
+    assert np.array_equal(got_cells, cells)  # every group once, in the order of bucket then combo
+    got_state = np.concatenate([first[2], rest[2]], axis=1)
+    parts = [
+        e if e.squares is not None else exact.ExactState(
+            e.count, e.nan, e.pos_inf, e.neg_inf, e.sum_digits, exact.Digits.zeros(len(e))
+        )
+        for e in (first[3], rest[3])
+    ]  # fmt: skip
+    got = exact.concat(parts)
+    want = exact.accumulate(group, value, len(cells), squares=True)
+    assert np.array_equal(got.count, want.count) and np.array_equal(got_state[0], want.count)
+    assert np.array_equal(got.nan, want.nan) and np.array_equal(got.pos_inf, want.pos_inf)
+    assert np.array_equal(got.neg_inf, want.neg_inf)
+    assert got.sum_digits.equals(want.sum_digits)
+    for name in ("sum", "mean"):
+        assert np.array_equal(bits(getattr(got, name)()), bits(getattr(want, name)())), name
+    std = SQUARES[cells % COMBOS].astype(bool)
+    assert std.any()
+    assert np.array_equal(bits(got.std()[std]), bits(want.std()[std]))
+    for row, lowest in ((1, True), (2, False)):
+        expected = [extreme(value[group == g], lowest) for g in range(len(cells))]
+        assert np.array_equal(bits(got_state[row]), bits(expected)) or all(
+            (math.isnan(a) and math.isnan(b)) or bits(a) == bits(b)
+            for a, b in zip(got_state[row], expected, strict=True)
+        )
+
+
+def test_a_group_drained_and_met_again_is_added_to_where_it_went():
+    table = grouptable.GroupTable()
+    one = np.arange(1)
+    table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.1, 0.2]), SQUARES), one)
+    bucket, _, state, held = table.drain(6)
+    assert bucket.tolist() == [5] and len(table) == 1
+    table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.7, 0.3]), SQUARES), one)
+    bucket, _, state, later = table.drain(math.inf)
+    assert bucket.tolist() == [5, 9] and state[0].tolist() == [1, 2]
+    assert later.sum().tolist() == [0.7, 0.5] and held.sum().tolist() == [0.1]
+
+
+def _reduced(run, mode: str, by: str) -> pl.DataFrame:
+    options = {"every": EVERY} if by == "time" else {}
+    frame = reduce_run(run, mode=mode, by=by, **options)
+    return frame.sort([c for c in frame.columns if c != "value"])
+
+
+@pytest.mark.parametrize("bound", ["spills", "stops"])
+def test_a_reduction_through_the_table_is_the_states_bits(tmp_path, monkeypatch, bound):
+    """Whole reductions (every statistic, so partitions mix rows and states), through the
+    table and through the states alone: the same frames, bit for bit. The table is made to
+    fold its groups in part way (``spills``: more groups than its bound, several records
+    each) or to stop taking records (``stops``: about one record a group)."""
+    df = records(seed=5, others=True)
+    for rank in range(RANKS):
+        write(df.filter(pl.col("rank") == rank), tmp_path / f"rank{rank}.parquet", with_polars=rank % 2 == 1)
+    seen = []
+    real = accumulator.Accumulator._drain
+
+    def drain(self, upto):
+        seen.append((len(self.table) if self.table is not None else 0, self.tables))
+        return real(self, upto)
+
+    def bounded():
+        monkeypatch.setattr(tasks, "PARTITION_ROWS", 97)
+        monkeypatch.setattr(accumulator, "TABLE_GROUPS", 40)
+        # "stops": a table of fewer than 4 records a group (2 here) stops taking them
+        monkeypatch.setattr(accumulator, "TABLE_RECORDS", 4 if bound == "stops" else 1)
+        monkeypatch.setattr(accumulator.Accumulator, "_drain", drain)
+
+    for mode in ("global_reduce", "per_rank_reduce"):
+        for by in ("step", "time"):
+            bounded()
+            with_table = _reduced(tmp_path, mode, by)
+            monkeypatch.setattr(grouptable, "available", lambda: False)
+            states = _reduced(tmp_path, mode, by)
+            monkeypatch.undo()
+            assert with_table.drop("value").equals(states.drop("value")), (mode, by)
+            assert np.array_equal(bits(with_table["value"]), bits(states["value"])), (mode, by)
+    assert any(held > 40 for held, _ in seen)  # the table grew past its bound and was folded in
+    if bound == "stops":
+        assert any(not takes for _, takes in seen)  # ... and stopped taking records
+    else:
+        assert all(takes for _, takes in seen)
