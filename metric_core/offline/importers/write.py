@@ -51,9 +51,9 @@ class StreamWriter:
             for item in items:
                 at = item.timestamp if isinstance(item, Text) else item[3]
                 if not lo <= at < hi:
-                    self.skipped["a wall time outside 1970-2286 (not a clock's)"] += 1
+                    self.skipped["records with a wall time outside 1970-2286 (not a clock's)"] += 1
                 elif not _INT64[0] <= item[0] <= _INT64[1]:
-                    self.skipped["a step outside int64"] += 1
+                    self.skipped["records with a step outside int64"] += 1
                 elif isinstance(item, Text):
                     self._write_batch()  # in the order read
                     self.writer.enqueue_samples(item.step, [(item.key, item.timestamp, item.sample)])
