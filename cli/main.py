@@ -493,6 +493,42 @@ def watch(
     raise typer.Exit(result.code)
 
 
+@app.command("import", cls=_Command, short_help="Import a run another tool logged: TensorBoard, W&B, MLflow.")
+def import_(
+    src: o.Source,
+    run_dir: o.ImportDir,
+    reduce: o.ImportReduce = "mean",
+    step_col: o.StepCol = "step",
+    time_col: o.TimeCol = None,
+    key_col: o.KeyCol = None,
+    value_col: o.ValueCol = None,
+    tracking_uri: o.TrackingUri = None,
+    experiment: o.Experiment = None,
+    run_id: o.MlflowRunId = None,
+) -> None:
+    """Import a run another tool logged into RUN_DIR, as metriclog's records, so every command reads it:
+    TensorBoard event files, W&B offline runs, MLflow runs, CSV, JSONL or Parquet exports. Importing the
+    same source again adds nothing.
+
+    Examples:
+
+    \b
+        metriclog import tb_logs/exp1 runs/exp1
+        metriclog import wandb/offline-run-20261207_010203-abc123 runs/abc123
+        metriclog import mlflow runs/exp2 --tracking-uri sqlite:///mlruns.db --experiment exp2
+        metriclog import metrics.csv runs/exp3 --step-col iteration
+    """
+    from metric_core.offline.importers import import_source
+
+    with command_run():
+        result = import_source(
+            src, run_dir, reduction=reduce, tracking_uri=tracking_uri, experiment=experiment, run_id=run_id,
+            step_col=step_col, time_col=time_col, key_col=key_col, value_col=value_col,
+            on_warning=lambda text: output.say("warning", text),
+        )  # fmt: skip
+    output.print_import(result)
+
+
 @app.command(cls=_Command, short_help="Statistics across runs (seeds, a sweep) per step and key, exactly.")
 def compare(
     runs: o.Runs,

@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 
 from metric_core.metric import LoggingMode
+from metric_core.metric import Reduce as Reduction
 from metric_core.offline.plan import By, Engine, ReducePlan, make_plan
 from metric_core.offline.results import RESULT_SUFFIXES
 
@@ -805,3 +806,69 @@ def grace(restart_grace: str) -> float:
     return (
         0.0 if restart_grace.strip() in ("0", "0s") else parse_duration(restart_grace, option="restart_grace")
     )
+
+
+# import: where a run another tool logged is read from, and how
+Source = Annotated[
+    str,
+    typer.Argument(
+        metavar="SRC",
+        help="A TensorBoard event file or a folder of them, a W&B offline run (offline-run-* or its "
+        "run-*.wandb), a .csv, .jsonl or .parquet export, or mlflow (with --tracking-uri and --experiment "
+        "or --run-id).",
+        show_default=False,
+    ),
+]
+ImportDir = Annotated[
+    str,
+    typer.Argument(
+        metavar="RUN_DIR",
+        help="The run directory to write (new, or holding this import).",
+        show_default=False,
+    ),
+]
+ImportReduce = Annotated[
+    str,
+    choice(
+        "--reduce",
+        tuple(r.value for r in Reduction if r is not Reduction.SAMPLE),
+        "The reduction every imported record carries (reduce can choose another per key).",
+    ),
+]
+StepCol = Annotated[
+    str, typer.Option("--step-col", metavar="COLUMN", help="CSV/JSONL/Parquet: the step column.")
+]
+TimeCol = Annotated[
+    str | None,
+    typer.Option(
+        "--time-col",
+        metavar="COLUMN",
+        help="CSV/JSONL/Parquet: the wall-time column, epoch seconds [default: the file's modification "
+        "time].",
+    ),
+]
+KeyCol = Annotated[
+    str | None,
+    typer.Option(
+        "--key-col",
+        metavar="COLUMN",
+        help="CSV/JSONL/Parquet in long form: the column naming the metric (with --value-col) [default: wide "
+        "form, every other numeric column a metric].",
+    ),
+]
+ValueCol = Annotated[
+    str | None, typer.Option("--value-col", metavar="COLUMN", help="Long form: the column of the values.")
+]
+TrackingUri = Annotated[
+    str | None,
+    typer.Option(
+        "--tracking-uri",
+        metavar="URI",
+        help="MLflow's tracking URI [default: MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
+    ),
+]
+Experiment = Annotated[
+    str | None,
+    typer.Option("--experiment", metavar="NAME", help="MLflow: import every run of this experiment."),
+]
+MlflowRunId = Annotated[str | None, typer.Option("--run-id", metavar="ID", help="MLflow: import this run.")]

@@ -18,6 +18,7 @@ from .options import as_flag
 if TYPE_CHECKING:
     import polars as pl
 
+    from metric_core.offline.importers import ImportResult
     from metric_core.offline.inspect import InspectReport
     from metric_core.offline.read import ReadReport
     from metric_core.offline.upload import UploadEvents, UploadResult
@@ -812,3 +813,19 @@ class EventCommands:
 
 # How long watch waits, at its end, for the --on-stall and --on-alert commands it started.
 STALL_COMMAND_WAIT_S = 30.0
+
+
+def print_import(result: ImportResult) -> None:
+    """What ``metriclog import`` wrote, or that it was there already; what it skipped."""
+    if not result.added:
+        say("info", f"{result.run_dir} holds this import already (run_id {result.run_id}): nothing added")
+        return
+    for reason, count in sorted(result.skipped.items()):
+        say("warning", f"not imported: {count:,} {reason}")
+    for process, rank, records, samples in result.sources:
+        said = f", {samples:,} samples" if samples else ""
+        say("info", f"{process} (rank {rank}): {records:,} records{said}")
+    say(
+        "info",
+        f"imported the {result.kind} run '{result.name}' into {result.run_dir} (run_id {result.run_id})",
+    )

@@ -244,6 +244,12 @@ class RequestError(MetricLogError):
     """A well-formed request this run cannot serve: too many keys to plot, an output of unknown type."""
 
 
+class SourceError(MetricLogError):
+    """``metriclog import``: a source that cannot be read (missing, of no known kind, or
+    damaged beyond reading), or a run directory that holds another run; the message names
+    the file and what to do."""
+
+
 class MissingDependencyError(MetricLogError):
     """An optional package a feature needs is not installed; the message names the install."""
 

@@ -1,23 +1,17 @@
-"""Read back what the real wandb client wrote to a ``run-<id>.wandb`` file.
-
-The format: a 7-byte header (":W&B", then version bytes), then LevelDB-log framing in
-32 KiB blocks: each chunk is crc32c (4 bytes), length (2), type (1: FULL, 2: FIRST,
-3: MIDDLE, 4: LAST), then the payload; a block's tail shorter than a chunk header is
-zero padding. Each reassembled payload is a ``wandb_internal_pb2.Record``.
+"""Read back what the real wandb client wrote to a ``run-<id>.wandb`` file, with the reader
+``metriclog import`` uses (``metric_core.offline.importers.wandb_offline``: LevelDB-log
+framing, each chunk's checksum verified, each record a ``wandb_internal_pb2.Record``).
 """
 
 from __future__ import annotations
 
 import json
-import struct
 import time
 from pathlib import Path
 
 from wandb.proto import wandb_internal_pb2 as pb
 
-BLOCK = 32 * 1024
-HEADER = 7
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+from metric_core.offline.importers.wandb_offline import item_key, item_value, records
 
 
 def read_records(path: Path, timeout: float = 30.0) -> list[pb.Record]:
@@ -25,84 +19,40 @@ def read_records(path: Path, timeout: float = 30.0) -> list[pb.Record]:
     (up to ``timeout``) for its exit record rather than read a file still being written."""
     deadline = time.monotonic() + timeout
     while True:
-        records = _parse(Path(path).read_bytes(), path)
-        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
-            return records
+        found = list(records(Path(path), lambda text: None))
+        if any(r.WhichOneof("record_type") == "exit" for r in found) or time.monotonic() > deadline:
+            return found
         time.sleep(0.05)
 
 
-def _parse(data: bytes, path: Path) -> list[pb.Record]:
-    assert data[:4] == b":W&B", f"{path} is not a W&B transaction log"
-    pos, pending, records = HEADER, b"", []
-    while pos + 7 <= len(data):
-        left = BLOCK - pos % BLOCK
-        if left < 7:
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack_from("<IHB", data, pos)
-        payload = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == FULL:
-            pending = payload
-        elif kind == FIRST:
-            pending = payload
-            continue
-        elif kind == MIDDLE:
-            pending += payload
-            continue
-        elif kind == LAST:
-            pending += payload
-        else:
-            continue
-        rec = pb.Record()
-        rec.ParseFromString(pending)
-        records.append(rec)
-        pending = b""
-    return records
+def history_rows(found: list[pb.Record]) -> list[dict]:
+    return [
+        {item_key(item): item_value(item) for item in rec.history.item}
+        for rec in found
+        if rec.WhichOneof("record_type") == "history"
+    ]
 
 
-def history_rows(records: list[pb.Record]) -> list[dict]:
-    rows = []
-    for rec in records:
-        if rec.WhichOneof("record_type") == "history":
-            row = {}
-            for item in rec.history.item:
-                key = item.key or "/".join(item.nested_key)
-                row[key] = item_value(item)
-            rows.append(row)
-    return rows
-
-
-def item_value(item) -> object:
-    """A history item's value: newer clients set a typed field instead of value_json."""
-    if item.value_json:
-        return json.loads(item.value_json)
-    for name in ("number", "integer", "boolean", "text"):
-        if item.HasField(name):
-            return getattr(item, name)
-    return None
-
-
-def run_record(records: list[pb.Record]) -> pb.RunRecord:
-    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
-    assert runs, f"no run record among {[r.WhichOneof('record_type') for r in records][:20]}"
+def run_record(found: list[pb.Record]) -> pb.RunRecord:
+    runs = [r.run for r in found if r.WhichOneof("record_type") == "run"]
+    assert runs, f"no run record among {[r.WhichOneof('record_type') for r in found][:20]}"
     return runs[0]
 
 
-def config_of(records: list[pb.Record]) -> dict:
+def config_of(found: list[pb.Record]) -> dict:
     out: dict = {}
-    for rec in records:
+    for rec in found:
         kind = rec.WhichOneof("record_type")
         items = rec.run.config.update if kind == "run" else rec.config.update if kind == "config" else []
         for item in items:
-            out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+            out[item_key(item)] = json.loads(item.value_json)
     return out
 
 
-def metric_definitions(records: list[pb.Record]) -> dict[str, str]:
+def metric_definitions(found: list[pb.Record]) -> dict[str, str]:
     """Defined metrics: name (or glob) -> its step_metric."""
     out = {}
-    for rec in records:
+    for rec in found:
         if rec.WhichOneof("record_type") == "metric":
             m = rec.metric
             out[m.name or m.glob_name] = m.step_metric

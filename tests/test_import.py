@@ -1,0 +1,328 @@
+"""metriclog import: runs written by the real tools (tensorboardX, torch.utils.tensorboard,
+wandb offline, mlflow into SQLite, polars exports) come back exactly, as the tools stored them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import polars as pl
+import pytest
+from metriclog.main import app
+from typer.testing import CliRunner
+
+from metric_core import reduce_run
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "sample_logs" / "rl_run"
+DBL_MAX = np.finfo(np.float64).max
+
+
+def invoke(*args: object):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def imported(src: object, run: Path, *options: object) -> tuple[str, str]:
+    result = invoke("import", src, run, *options)
+    assert result.exit_code == 0, result.output
+    return result.stdout, result.stderr
+
+
+def raw(run: Path) -> pl.DataFrame:
+    """Every record of the run as written: step, key, value, timestamp, process."""
+    frame = reduce_run(run, mode="per_rank_no_reduce")
+    return frame.select("step", "key", "value", "timestamp", "process").sort("process", "key", "step")
+
+
+def same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal value for value, bit for bit (-0.0 is not 0.0), NaN to a NaN."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape or not np.array_equal(np.isnan(got), np.isnan(want)):
+        return False
+    return bool(np.all(got[~np.isnan(got)].view(np.int64) == want[~np.isnan(want)].view(np.int64)))
+
+
+def tensorboardx_run(logdir: Path, values: dict[str, list[tuple[int, float]]], texts=()) -> None:
+    from tensorboardX import SummaryWriter
+
+    w = SummaryWriter(str(logdir))
+    for key, series in values.items():
+        for step, value in series:
+            w.add_scalar(key, value, step, walltime=1.7e9 + step)
+    for step, text in texts:
+        w.add_text("notes", text, step, walltime=1.7e9 + step)
+    w.close()
+
+
+def test_tensorboardx_scalars_and_text_come_back_as_float32_and_samples(tmp_path):
+    rng = np.random.default_rng(3)
+    values = {
+        "train/loss": [(s, float(v)) for s, v in enumerate(rng.normal(size=50))],
+        "eval/acc": [(s * 10, float(v)) for s, v in enumerate(rng.uniform(size=5))],
+    }
+    tensorboardx_run(tmp_path / "tb" / "exp1", values, texts=[(3, "hello **world**"), (7, "second")])
+    _, err = imported(tmp_path / "tb", tmp_path / "run")
+    assert "imported the tensorboard run 'tb'" in err and "exp1 (rank 0): 55 records, 2 samples" in err
+    got = reduce_run(tmp_path / "run")  # global_reduce, mean of the one value a step
+    for key, series in values.items():
+        rows = got.filter(pl.col("key") == key).sort("step")
+        assert rows["step"].to_list() == [s for s, _ in series]
+        want = np.array([v for _, v in series], dtype=np.float32).astype(np.float64)
+        assert same_bits(rows["value"].to_numpy(), want), key
+    records = raw(tmp_path / "run")
+    assert set(records["process"]) == {"exp1"}
+    assert records.filter(pl.col("key") == "eval/acc")["timestamp"].to_list() == [
+        1.7e9 + s * 10 for s in range(5)
+    ]
+    samples = invoke("samples", tmp_path / "run", "--format", "jsonl")
+    assert samples.exit_code == 0, samples.output
+    rows = [json.loads(line) for line in samples.stdout.splitlines()]
+    assert [(r["step"], r["key"], r["text"]) for r in rows] == [  # the tag as tensorboardX stores it
+        (3, "notes/text_summary", "hello **world**"),
+        (7, "notes/text_summary", "second"),
+    ]
+
+
+def test_torch_summary_writer_simple_values_and_scalar_tensors_both_import(tmp_path):
+    torch_tb = pytest.importorskip("torch.utils.tensorboard")
+    rng = np.random.default_rng(4)
+    plain, tensors = rng.normal(size=20), rng.normal(size=20)
+    w = torch_tb.SummaryWriter(str(tmp_path / "tb"))
+    for step in range(20):
+        w.add_scalar("plain", float(plain[step]), step, walltime=1.7e9 + step)
+        w.add_scalar("tensor", float(tensors[step]), step, walltime=1.7e9 + step, new_style=True)
+    w.add_histogram("hist", rng.normal(size=100), 0)  # not a scalar: counted and said
+    w.close()
+    _, err = imported(tmp_path / "tb", tmp_path / "run")
+    assert "not imported: 1 histo summaries" in err or "not imported: 1 histograms" in err, err
+    got = reduce_run(tmp_path / "run")
+    for key, want in (("plain", plain), ("tensor", tensors)):
+        rows = got.filter(pl.col("key") == key).sort("step")
+        assert rows["step"].to_list() == list(range(20))
+        assert same_bits(rows["value"].to_numpy(), want.astype(np.float32).astype(np.float64)), key
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_seeded_scalars_with_nan_inf_negative_zero_and_subnormals_come_back_bit_for_bit(tmp_path, seed):
+    rng = np.random.default_rng(seed)
+    specials = np.array(
+        [np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-45, -1e-40, np.finfo(np.float32).max], np.float32
+    )
+    n = int(rng.integers(50, 300))
+    values = rng.normal(scale=10.0 ** rng.integers(-30, 30, n), size=n).astype(np.float32)
+    values[rng.integers(0, n, 20)] = rng.choice(specials, 20)
+    steps = np.sort(rng.choice(np.arange(-5, 10**6), n, replace=False))  # steps as written, any int
+    tensorboardx_run(tmp_path / "tb", {"x": [(int(s), float(v)) for s, v in zip(steps, values, strict=True)]})
+    imported(tmp_path / "tb", tmp_path / "run")
+    got = raw(tmp_path / "run")
+    assert got["step"].to_list() == steps.tolist()
+    assert same_bits(got["value"].to_numpy(), values.astype(np.float64))
+
+
+def test_importing_twice_adds_nothing_and_another_run_is_refused(tmp_path):
+    tensorboardx_run(tmp_path / "tb", {"loss": [(0, 1.0), (1, 0.5)]})
+    imported(tmp_path / "tb", tmp_path / "run")
+    before = sorted(
+        (p.relative_to(tmp_path / "run"), p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")
+    )
+    _, err = imported(tmp_path / "tb", tmp_path / "run")
+    assert "holds this import already" in err and "nothing added" in err
+    after = sorted(
+        (p.relative_to(tmp_path / "run"), p.stat().st_mtime_ns) for p in (tmp_path / "run").rglob("*")
+    )
+    assert after == before
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    tensorboardx_run(tmp_path / "other", {"loss": [(0, 2.0)]})
+    refused = invoke("import", tmp_path / "other", tmp_path / "run")
+    assert refused.exit_code == 1
+    assert refused.stderr.strip() == (
+        f"Error: {tmp_path / 'run'} holds another run (its run.json names another source): import into a new "
+        "directory, or remove that one first"
+    )
+    shutil.copytree(tmp_path / "tb", tmp_path / "copy" / "tb")  # the same files elsewhere: the same run
+    imported(tmp_path / "copy" / "tb", tmp_path / "copy_run")
+    assert json.loads((tmp_path / "copy_run" / "run.json").read_text())["run_id"] == meta["run_id"]
+    # ... and one run to a later upload: the second finds the first's run and writes nothing
+    first = invoke("upload", tmp_path / "run", "--to", "tensorboard", "--logdir", tmp_path / "logdir")
+    second = invoke("upload", tmp_path / "copy_run", "--to", "tensorboard", "--logdir", tmp_path / "logdir")
+    assert first.exit_code == second.exit_code == 0, second.output
+    assert "wrote to TensorBoard" in first.output
+    assert f"copy_run: already written to {tmp_path / 'logdir'}" in second.output
+
+
+def test_a_flipped_byte_is_named_with_its_file_and_offset_and_a_torn_end_is_said(tmp_path):
+    tensorboardx_run(tmp_path / "tb", {"loss": [(s, float(s)) for s in range(10)]})
+    (event,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    data = bytearray(event.read_bytes())
+    offsets, pos = [], 0
+    while pos < len(data):  # the records' offsets, from their length fields
+        offsets.append(pos)
+        pos += 12 + int.from_bytes(data[pos : pos + 8], "little") + 4
+    flipped = offsets[4]  # the file version is record 0: record 4 holds step 3
+    data[flipped + 20] ^= 0x40
+    event.write_bytes(bytes(data[:-3]))  # and the last record cut short
+    _, err = imported(tmp_path / "tb", tmp_path / "run")
+    assert f"warning: {event}: the record at byte {flipped:,} (" in err.replace("\n", " ")
+    assert "fails its data checksum (CRC-32C): it is damaged and skipped" in err.replace("\n", " ")
+    assert f"the last record, at byte {offsets[-1]:,}, is cut short" in err.replace("\n", " ")
+    got = raw(tmp_path / "run")
+    assert got["step"].to_list() == [0, 1, 2, 4, 5, 6, 7, 8]
+    assert got["value"].to_list() == [0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+
+
+def test_a_path_of_no_known_kind_is_refused_with_what_is_imported(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    result = invoke("import", tmp_path / "notes.txt", tmp_path / "run")
+    assert result.exit_code == 1
+    assert result.stderr.startswith(f"Error: {tmp_path / 'notes.txt'}: not a source metriclog imports")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_wandb_offline_run_imports_its_history_steps_times_and_config(tmp_path, wandb_offline):
+    import wandb
+
+    rng = np.random.default_rng(5)
+    loss, acc = rng.normal(size=30), rng.uniform(size=30)
+    run = wandb.init(
+        project="p", dir=str(tmp_path), mode="offline", config={"lr": 3e-4, "layers": 4}, name="exp-w"
+    )
+    for step in range(30):
+        row = {"loss": float(loss[step]), "count": step * 7, "flag": step % 2 == 0}
+        if step % 10 == 0:
+            row["acc"] = float(acc[step])
+        run.log(row, step=step)
+    run.finish()
+    (folder,) = (tmp_path / "wandb").glob("offline-run-*")
+    _, err = imported(folder, tmp_path / "run")
+    assert "imported the wandb run 'exp-w'" in err, err
+    got = reduce_run(tmp_path / "run")
+
+    def series(key):
+        rows = got.filter(pl.col("key") == key).sort("step")
+        return rows["step"].to_list(), rows["value"].to_numpy()
+
+    assert series("loss")[0] == list(range(30)) and same_bits(series("loss")[1], loss)
+    assert series("acc")[0] == [0, 10, 20] and same_bits(series("acc")[1], acc[[0, 10, 20]])
+    assert series("count")[1].tolist() == [s * 7.0 for s in range(30)]
+    assert series("flag")[1].tolist() == [float(s % 2 == 0) for s in range(30)]
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["name"] == "exp-w" and meta["config"] == {"lr": 3e-4, "layers": 4}
+    assert set(raw(tmp_path / "run")["process"]) == {"exp-w"}
+
+
+def test_a_damaged_wandb_run_file_names_the_chunk_and_a_torn_end_is_said(tmp_path, wandb_offline):
+    import wandb
+
+    run = wandb.init(project="p", dir=str(tmp_path), mode="offline", name="w")
+    for step in range(2000):  # a run file of several 32 KiB blocks
+        run.log({"loss": step * 0.5, "other": -float(step)}, step=step)
+    run.finish()
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    data = bytearray(run_file.read_bytes())
+    assert len(data) > 3 * 32768
+    chunk = 32768  # the second block starts with a chunk: flip a byte of its payload
+    data[chunk + 10] ^= 0x01
+    run_file.write_bytes(bytes(data[:-5]))
+    _, err = imported(run_file, tmp_path / "run")
+    said = err.replace("\n", " ")
+    assert f"{run_file}: the chunk at byte {chunk:,} fails its checksum: the rest of its block" in said, err
+    assert f"{run_file}: the last record, at byte" in said and "is cut short" in said
+    loss = raw(tmp_path / "run").filter(pl.col("key") == "loss")
+    steps = loss["step"].to_list()
+    assert 0 < len(steps) < 2000 and steps == sorted(steps)
+    assert loss["value"].to_list() == [s * 0.5 for s in steps]  # what was read is exact, nothing made up
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
+def test_exports_in_wide_and_long_form_import_their_columns(tmp_path, suffix):
+    rng = np.random.default_rng(6)
+    wide = pl.DataFrame(
+        {"iteration": np.arange(0, 40, 2), "t": 1.7e9 + np.arange(20.0), "loss": rng.normal(size=20),
+         "lr": np.full(20, 1e-3)}
+    )  # fmt: skip
+    long = wide.unpivot(["loss", "lr"], index=["iteration", "t"], variable_name="metric", value_name="v")
+
+    def write(frame, path):
+        {"csv": frame.write_csv, "jsonl": frame.write_ndjson, "parquet": frame.write_parquet}[suffix](path)
+
+    write(wide, tmp_path / f"wide.{suffix}")
+    write(long, tmp_path / f"long.{suffix}")
+    imported(tmp_path / f"wide.{suffix}", tmp_path / "w", "--step-col", "iteration", "--time-col", "t")
+    imported(
+        tmp_path / f"long.{suffix}", tmp_path / "l", "--step-col", "iteration", "--time-col", "t",
+        "--key-col", "metric", "--value-col", "v", "--reduce", "max",
+    )  # fmt: skip
+    reductions = {r: set(reduce_run(tmp_path / r, mode="per_rank_no_reduce")["reduction"]) for r in "wl"}
+    assert reductions == {"w": {"mean"}, "l": {"max"}}  # --reduce: what every record carries
+    for run in ("w", "l"):
+        got = raw(tmp_path / run)
+        for key in ("loss", "lr"):
+            rows = got.filter(pl.col("key") == key)
+            assert rows["step"].to_list() == wide["iteration"].to_list()
+            assert rows["timestamp"].to_list() == wide["t"].to_list()
+            assert same_bits(rows["value"].to_numpy(), wide[key].to_numpy()), (run, key)
+
+
+def test_what_an_export_cannot_carry_is_counted_and_said_never_rounded(tmp_path):
+    big = 2**53 + 1
+    (tmp_path / "m.csv").write_text(f"step,loss,note,count\n0,1.0,a,{big}\n1,,b,7\n")
+    _, err = imported(tmp_path / "m.csv", tmp_path / "run")
+    assert "warning: not imported: 2 values of columns that are no numbers (note)" in err
+    assert "warning: not imported: 1 integers past 2**53 (float64 cannot hold them exactly)" in err
+    assert "warning: not imported: 1 empty cells" in err
+    got = raw(tmp_path / "run")
+    assert got.select("step", "key", "value").rows() == [(1, "count", 7.0), (0, "loss", 1.0)]
+
+
+def test_an_export_whose_step_column_is_no_integer_is_refused_with_its_row(tmp_path):
+    (tmp_path / "m.csv").write_text("step,loss\n0,1.0\n1.5,2.0\n")
+    result = invoke("import", tmp_path / "m.csv", tmp_path / "run")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == (
+        f"Error: {tmp_path / 'm.csv'}: row 2: the step column 'step' holds 1.5, not an integer: name the "
+        "step column with --step-col"
+    )
+
+
+def test_an_mlflow_run_imports_every_value_and_infinities_come_back_as_dbl_max(tmp_path):
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.entities import Metric, Param
+
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+    experiment = client.create_experiment("exp-m", artifact_location=str(tmp_path / "artifacts"))
+    run = client.create_run(experiment, run_name="trainer")
+    rng = np.random.default_rng(7)
+    loss = rng.normal(size=40)
+    loss[5], loss[6] = np.inf, -np.inf
+    client.log_batch(
+        run.info.run_id,
+        metrics=[Metric("loss", float(v), 1_700_000_000_000 + s, s) for s, v in enumerate(loss)],
+        params=[Param("lr", "0.001")],
+    )
+    imported("mlflow", tmp_path / "run", "--tracking-uri", uri, "--experiment", "exp-m")
+    got = raw(tmp_path / "run")
+    want = np.clip(loss, -DBL_MAX, DBL_MAX)  # MLflow's SQL store keeps +-inf as +-DBL_MAX
+    assert got["step"].to_list() == list(range(40))
+    assert same_bits(got["value"].to_numpy(), want)
+    assert got["timestamp"].to_list() == [(1_700_000_000_000 + s) / 1000 for s in range(40)]
+    assert set(got["process"]) == {"trainer"}
+    by_id = tmp_path / "by_id"
+    imported("mlflow", by_id, "--tracking-uri", uri, "--run-id", run.info.run_id)
+    assert json.loads((by_id / "run.json").read_text())["config"] == {"lr": "0.001"}
+
+
+def test_upload_to_tensorboard_then_import_gives_back_reduce_as_float32(tmp_path):
+    run = tmp_path / "rl_run"
+    shutil.copytree(SAMPLE, run)
+    result = invoke("upload", run, "--to", "tensorboard", "--logdir", tmp_path / "tb")
+    assert result.exit_code == 0, result.output
+    imported(tmp_path / "tb", tmp_path / "back")
+    want = reduce_run(run).sort("key", "step")
+    got = reduce_run(tmp_path / "back").sort("key", "step")
+    assert got.select("key", "step").rows() == want.select("key", "step").rows()
+    narrowed = want["value"].to_numpy().astype(np.float32).astype(np.float64)
+    assert same_bits(got["value"].to_numpy(), narrowed)
