@@ -503,7 +503,7 @@ def import_(
     key_col: o.KeyCol = None,
     value_col: o.ValueCol = None,
     tracking_uri: o.TrackingUri = None,
-    experiment: o.Experiment = None,
+    experiment: o.SourceExperiment = None,
     run_id: o.MlflowRunId = None,
 ) -> None:
     """Import a run another tool logged into RUN_DIR, as metriclog's records, so every command reads it:

@@ -341,7 +341,8 @@ TrackingUri = Annotated[
     typer.Option(
         "--tracking-uri",
         metavar="URI",
-        help="With --to mlflow: the tracking store [default: MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
+        help="MLflow's tracking store: where upload --to mlflow writes, where import reads [default: "
+        "MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
     ),
 ]
 Experiment = Annotated[
@@ -859,15 +860,7 @@ KeyCol = Annotated[
 ValueCol = Annotated[
     str | None, typer.Option("--value-col", metavar="COLUMN", help="Long form: the column of the values.")
 ]
-TrackingUri = Annotated[
-    str | None,
-    typer.Option(
-        "--tracking-uri",
-        metavar="URI",
-        help="MLflow's tracking URI [default: MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
-    ),
-]
-Experiment = Annotated[
+SourceExperiment = Annotated[
     str | None,
     typer.Option("--experiment", metavar="NAME", help="MLflow: import every run of this experiment."),
 ]

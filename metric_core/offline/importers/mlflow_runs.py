@@ -7,14 +7,12 @@ single run become the config. MLflow's SQL store keeps +-inf as +-1.797693134862
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
 from metric_core.errors import MissingDependencyError, SourceError
 from metric_core.offline.importers.source import Importer, Item, Stream, Warn
-
-DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"
+from metric_core.offline.mlflow_store import tracking_uri as store_uri
 
 
 class MlflowImporter(Importer):
@@ -32,7 +30,7 @@ class MlflowImporter(Importer):
             ) from None
         if (experiment is None) == (run_id is None):
             raise SourceError("importing from MLflow takes --experiment NAME or --run-id ID (one of them)")
-        self.uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+        self.uri = store_uri(tracking_uri)
         self.client = MlflowClient(tracking_uri=self.uri)
         try:
             if run_id is not None:

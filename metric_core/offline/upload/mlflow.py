@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import secrets
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from metric_core.errors import MissingDependencyError, RequestError, UploadError
+from metric_core.offline.mlflow_store import tracking_uri
 from metric_core.offline.upload.destination import (
     Decision,
     Destination,
@@ -53,7 +53,6 @@ MAX_METRICS_PER_BATCH = 1_000  # MLflow's limit of metrics in one log_batch
 MAX_PARAMS_PER_BATCH = 100  # and of params
 MAX_KEY = 250  # characters of a metric or param key
 MAX_PARAM_VALUE = 6_000  # characters of a param's value
-DEFAULT_STORE = "mlruns.db"  # in the current directory, as sqlite:///mlruns.db
 UPLOADED = "uploaded to MLflow"
 DBL_MAX = 1.7976931348623157e308  # what MLflow's SQL store keeps for an infinity
 
@@ -76,10 +75,7 @@ class MLflow(Destination):
     def ready(self, events: UploadEvents, dry_run: bool) -> tuple[Destination, bool]:
         """The tracking URI made whole: a SQLite file named relative to here is named absolute,
         so the runs' ids do not depend on where the upload was started."""
-        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{DEFAULT_STORE}"
-        if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-            uri = "sqlite:///" + str(Path(uri.removeprefix("sqlite:///")).resolve())
-        return MLflow(uri, self.experiment), dry_run
+        return MLflow(tracking_uri(self.tracking_uri), self.experiment), dry_run
 
     def load_client(self) -> None:
         try:
