@@ -223,8 +223,12 @@ def test_a_damaged_wandb_run_file_names_the_chunk_and_a_torn_end_is_said(tmp_pat
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     data = bytearray(run_file.read_bytes())
     assert len(data) > 3 * 32768
-    chunk = 32768  # the second block starts with a chunk: flip a byte of its payload
-    data[chunk + 10] ^= 0x01
+    # the second block starts with a chunk (u32 checksum, u16 length, u8 type, payload): flip
+    # the first byte of the first payload there (a chunk may be as short as one byte)
+    chunk = 32768
+    while int.from_bytes(data[chunk + 4 : chunk + 6], "little") == 0:
+        chunk += 7
+    data[chunk + 7] ^= 0x01
     run_file.write_bytes(bytes(data[:-5]))
     _, err = imported(run_file, tmp_path / "run")
     said = err.replace("\n", " ")
