@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -289,7 +290,14 @@ def plan_runs(
     mode = plan.mode
     spill_dir = None
     if not share_run or mode is LoggingMode.GLOBAL_REDUCE:  # share_run: per-rank modes only
-        spill_dir = tempfile.mkdtemp(prefix="metriclog-upload-")
+        # a stop (SIGTERM, Ctrl-C) held while the folder is made and named: it is removed below
+        hold = getattr(signal, "pthread_sigmask", None)  # POSIX
+        held = hold(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if hold else None
+        try:
+            spill_dir = tempfile.mkdtemp(prefix="metriclog-upload-")
+        finally:
+            if hold and held is not None:
+                hold(signal.SIG_SETMASK, held)
         try:
             runs, mapping = _streamed_runs(result, spill_dir, identity, key, name, group, bucket)
         except BaseException:
