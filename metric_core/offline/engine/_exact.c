@@ -1249,12 +1249,6 @@ static PyObject *table_squares(Table *t, void *closure) {
     return PyBool_FromLong(t->squares);
 }
 
-static PyObject *table_nbytes(Table *t, void *closure) {
-    (void)closure;
-    return PyLong_FromLongLong((long long)(sizeof(Group) * t->room + sizeof(int32_t) * (t->mask + 1) +
-                                           sizeof(int64_t) * t->arena_room));
-}
-
 static PyMethodDef table_methods[] = {
     {"add", (PyCFunction)table_add, METH_VARARGS,
      "add(bucket, combo, values, squares): each row's value into its group (bucket, combo), its square "
@@ -1270,7 +1264,6 @@ static PyMethodDef table_methods[] = {
 
 static PyGetSetDef table_getset[] = {
     {"squares", (getter)table_squares, NULL, "whether some group kept squares", NULL},
-    {"nbytes", (getter)table_nbytes, NULL, "the memory it holds, in bytes", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

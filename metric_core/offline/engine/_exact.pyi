@@ -54,7 +54,6 @@ class Table:
     sums, kept across calls (``grouptable.GroupTable`` wraps it)."""
 
     squares: bool
-    nbytes: int
     def __len__(self) -> int: ...
     def add(
         self, bucket: np.ndarray, combo: np.ndarray, values: np.ndarray, squares: np.ndarray, /

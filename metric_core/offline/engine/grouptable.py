@@ -45,10 +45,6 @@ class GroupTable:
     def __len__(self) -> int:
         return len(self._table)
 
-    @property
-    def nbytes(self) -> int:
-        return int(self._table.nbytes)
-
     def add(self, rows: Rows, combo_of: np.ndarray) -> None:
         """``rows``' records into their groups, their combos numbered by ``combo_of``."""
         combo = np.ascontiguousarray(combo_of[rows.combo], dtype=np.int64)

@@ -71,30 +71,26 @@ class SampleTables:
         """``{key: wandb.Table}`` of ``source``'s (None: every source's) samples at ``step``,
         each once a run."""
 
-        where = (source, step)
-        if where in self.attached or where not in self.by_step:
+        picked = self.chosen(source, step)
+        if not picked:
             return {}
         from metric_core.writer.backends.wandb import IncrementalTables, samples_table, table_key
 
-        self.attached.add(where)
         out = {}
-        for key, samples in self.by_step[where].items():
-            chosen = self.choice.picks(samples)
-            if not chosen:
-                continue
+        for key, rows in picked.items():
             if self.choice.tables == "incremental":
                 tables = self.incremental.setdefault(source, IncrementalTables())
                 # its columns: the fields of every sample the run would take of the key, known now
                 fields = self._chosen_fields(source, key) if key not in tables.tables else None
-                out[table_key(key)] = tables.add(key, [s.fields for s in chosen], fields)
+                out[table_key(key)] = tables.add(key, rows, fields)
                 self.last_step[source] = step
             else:
-                out[key] = samples_table([s.fields for s in chosen])
+                out[key] = samples_table(rows)
         return out
 
     def chosen(self, source: str | None, step: int) -> dict[str, list[dict[str, Any]]]:
         """``{key: [each chosen sample's fields]}`` of ``source``'s samples at ``step``, each
-        once a run: for a destination that keeps them as JSON (MLflow)."""
+        once a run: what ``tables`` makes W&B's tables of, and what MLflow keeps as JSON."""
         where = (source, step)
         if where in self.attached or where not in self.by_step:
             return {}
