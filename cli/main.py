@@ -104,8 +104,7 @@ def command_run() -> Iterator[None]:
         output.error(exc.text(o.as_flag))
         raise typer.Exit(code=1) from None
     except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        output.error(f"{where}{_gist(exc.strerror or exc)}")
+        output.error(output.os_error_text(exc))
         raise typer.Exit(code=1) from None
 
 
@@ -653,7 +652,7 @@ def main() -> None:
         # own (pydantic building wandb's models on import): stopped, not broken. Anything
         # else that failed on the way out is still said.
         if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
-            output.error(_gist(exc))
+            output.error(output.gist(exc))
         sys.exit(STOPPED)
 
 
@@ -666,11 +665,6 @@ def _report_bug(exc: BaseException) -> None:
     traceback.print_exception(exc)
     sys.stderr.flush()
     output.error(BUG)
-
-
-def _gist(said: object) -> str:
-    """The first line of what an error says (a client library's may run on for pages)."""
-    return (str(said).strip().splitlines() or [type(said).__name__])[0]
 
 
 def _chained_interrupt(exc: BaseException | None) -> bool:

@@ -582,8 +582,8 @@ def test_a_copied_segment_is_read_once_and_the_copy_named(tmp_path):
 # `metriclog` with the progress bar's two-second wait set to zero
 BAR_AT_ONCE = (
     "import sys\n"
-    "from metriclog import output\n"
-    "output.PROGRESS_AFTER_S = 0.0\n"
+    "from metriclog.output import progress\n"
+    "progress.PROGRESS_AFTER_S = 0.0\n"
     "from metriclog.main import main\n"
     "main()\n"
 )
