@@ -20,7 +20,6 @@ import typer.core
 
 from metric_core.errors import MetricLogError, PlanError, spell_options
 from metric_core.metric import LoggingMode
-from metric_core.offline.plan import By
 from metric_core.offline.storage import check_target
 
 from . import options as o
@@ -109,17 +108,11 @@ def command_run() -> Iterator[None]:
 
 
 @app.command(cls=_Command, short_help="Compute a logging mode offline from a run's raw records.")
+@o.plan_options("reduce")
 def reduce(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     out: o.OutFile = None,
     form: o.FormatOpt = None,
     limit: o.Limit = None,
@@ -141,9 +134,9 @@ def reduce(
     from metric_core.offline.engine import pivot_wide, run_plan
 
     with command_run():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan()
         o.rows(limit, tail, out, form)
-        if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
+        if wide and plan_options.mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
@@ -160,13 +153,14 @@ def reduce(
             frames = pivot_wide(result.batches(), plan) if wide else result.batches()  # written as it comes
             output.emit(
                 frames, form=form and form.value, out=out, limit=limit, tail=tail,
-                derived=f"reduce --mode {mode.value}", run_dir=run_dir,
+                derived=f"reduce --mode {plan_options.mode.value}", run_dir=run_dir,
             )  # fmt: skip
         for note in result.unmatched:
             output.say("warning", note.text(o.as_flag))
 
 
 @app.command(cls=_Command, short_help="Upload a logging mode of a run to W&B, TensorBoard files or MLflow.")
+@o.plan_options("upload")
 def upload(
     run_dir: o.RunDir,
     project: o.Project = None,
@@ -177,18 +171,11 @@ def upload(
     entity: o.Entity = None,
     group: o.Group = None,
     name: o.Name = None,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
     per_rank_share_run: o.ShareRun = False,
     offline: o.Offline = False,
     dry_run: o.DryRun = False,
     force_new: o.ForceNew = False,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
     follow: o.FollowOpt = False,
@@ -238,7 +225,7 @@ def upload(
             events.alert = alerts.run
             result = upload_run(
                 run_dir,
-                o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
+                plan_options.plan(),
                 o.destination(to, project, entity, offline, connect_timeout, logdir, uri, experiment),
                 name=name,
                 group=group,
@@ -260,10 +247,11 @@ def upload(
 
 
 @app.command(cls=_Command, short_help="Tell what happened in a crashed or hung run.")
+@o.plan_options("inspect")
 def inspect(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     json_out: o.Json = False,
     form: o.InspectFormat = None,
     pause_after: o.PauseAfter = None,
@@ -285,7 +273,7 @@ def inspect(
         report = inspect_run(
             run_dir,
             follow_symlinks=follow_symlinks,
-            attempts=attempts,
+            attempts=plan_options.attempts,
             on_read=output.said_skips,
             on_progress=progress,
             pause_after=pause_after,
@@ -299,17 +287,12 @@ def inspect(
 
 
 @app.command(cls=_Command, short_help="Plot keys of a run, or several runs with bands, to PNG, SVG or PDF.")
+@o.plan_options("plot")
 def plot(
     runs: o.Runs,
     key: o.PlotKeys,
     out: o.PngFile,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     follow_symlinks: o.FollowSymlinks = False,
     smooth: o.Smooth = 0.0,
     band: o.Band = "std",
@@ -332,7 +315,7 @@ def plot(
     from metric_core.offline.plot import plot_run, plot_runs
 
     with command_run(), output.read_progress() as progress:
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan(keys=key)
         check_target(out)
         dirs = expand_runs(runs)
         shared = {
@@ -349,11 +332,11 @@ def plot(
 
 
 @app.command(cls=_Command, short_help="List the keys of a run: reductions, records, sources, steps.")
+@o.plan_options("keys")
 def keys(
     run_dir: o.RunDir,
-    key: o.Keys = None,
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     follow_symlinks: o.FollowSymlinks = False,
-    attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
     form: o.FormatOpt = None,
     json_out: o.KeysJson = False,
@@ -379,7 +362,8 @@ def keys(
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
             found = key_frames(
-                run_dir, keys=key or (), follow_symlinks=follow_symlinks, attempts=attempts,
+                run_dir, keys=plan_options.key or (), follow_symlinks=follow_symlinks,
+                attempts=plan_options.attempts,
                 on_read=output.said_skips, on_progress=progress,
             )  # fmt: skip
         output.emit(
@@ -389,11 +373,10 @@ def keys(
 
 
 @app.command(cls=_Command, short_help="List a run's samples (Reduce.SAMPLE), or some per step.")
+@o.plan_options("samples")
 def samples(
     run_dir: o.RunDir,
-    key: o.Keys = None,
-    steps: o.Steps = None,
-    ranks: o.Ranks = None,
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     top: o.Top = 0,
     bottom: o.Bottom = 0,
     by: o.By_ = None,
@@ -421,7 +404,8 @@ def samples(
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         frame, read = select_samples(
-            run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,
+            run_dir, keys=plan_options.key or (), ranks=plan_options.ranks or (), steps=plan_options.steps,
+            attempts=attempts,
             top=top, bottom=bottom, by=by, random=random, seed=seed, on_read=output.said_skips,
         )  # fmt: skip
         for note in read.notes:
@@ -433,6 +417,7 @@ def samples(
 
 
 @app.command(cls=_Command, short_help="Follow a run while it is written; catch hung sources.")
+@o.plan_options("watch")
 def watch(
     run_dir: o.RunDir,
     interval: o.Interval = 2.0,
@@ -440,7 +425,7 @@ def watch(
     exit_on_stall: o.ExitOnStall = False,
     stall_after: o.StallAfter = None,
     restart_grace: o.RestartGrace = o.RESTART_GRACE,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     follow_symlinks: o.FollowSymlinks = False,
     wait: o.Wait = False,
     alert: o.Alert = None,
@@ -482,7 +467,7 @@ def watch(
                 stall_after=stall_after,
                 restart_grace=o.grace(restart_grace),
                 follow_symlinks=follow_symlinks,
-                attempts=attempts,
+                attempts=plan_options.attempts,
                 wait=wait,
                 alarms=alarms,
                 on_alert=alerts.run,
@@ -529,6 +514,7 @@ def import_(
 
 
 @app.command(cls=_Command, short_help="Statistics across runs (seeds, a sweep) per step and key, exactly.")
+@o.plan_options("compare")
 def compare(
     runs: o.Runs,
     group_by: o.GroupBy = None,
@@ -536,14 +522,7 @@ def compare(
     label: o.Labels = None,
     across: o.Across = None,
     common: o.Common = False,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     out: o.OutFile = None,
     form: o.FormatOpt = None,
     limit: o.Limit = None,
@@ -568,7 +547,7 @@ def compare(
     from metric_core.offline.compare import ACROSS, compare_runs
 
     with command_run():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan()
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
@@ -586,20 +565,14 @@ def compare(
 
 
 @app.command(cls=_Command, short_help="Where two runs differ, key by key; exit 5 when they do.")
+@o.plan_options("diff")
 def diff(
     run_a: o.RunA,
     run_b: o.RunB,
     rtol: o.Rtol = None,
     atol: o.Atol = None,
     form: o.DiffFormat = None,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
     engine: o.EngineOpt = o.Engine.LOCAL,
@@ -621,7 +594,7 @@ def diff(
     from .diff_report import print_diff
 
     with command_run():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan()
         with output.read_progress() as progress:
             report = diff_runs(
                 run_a, run_b, plan, rtol=rtol, atol=atol, strict=strict, follow_symlinks=follow_symlinks,

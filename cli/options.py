@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import PurePosixPath
 from typing import Annotated, Any, TypeVar
@@ -454,27 +457,99 @@ Smooth = Annotated[
 ]
 
 
-def plan(
-    mode: LoggingMode,
-    by: By,
-    every: str | None,
-    reduce: list[str] | None,
-    keys: list[str] | None,
-    ranks: str | None,
-    steps: str | None,
-    attempts: str,
-) -> ReducePlan:
-    """The plan the shared options ask for; bad syntax raises ``PlanError`` (a usage error)."""
-    return make_plan(
-        mode=mode,
-        by=by,
-        every=every,
-        reduce=reduce or (),
-        keys=keys or (),
-        ranks=ranks or (),
-        steps=steps,
-        attempts=attempts,
-    )
+# The plan's options, declared once (sqlite-utils' ``output_options`` is the model): each
+# one's type (flag, help) and default, and which commands take which. A command takes its
+# share as one parameter, ``plan_options: PlanOptions = PLAN_DEFAULTS``, and ``@plan_options("reduce")``
+# puts the options in its place (tests/test_cli_options.py holds this).
+PLAN_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "mode": (Mode, LoggingMode.GLOBAL_REDUCE),
+    "by": (ByOpt, By.STEP),
+    "every": (Every, None),
+    "reduce": (Reduce, None),
+    "key": (Keys, None),
+    "ranks": (Ranks, None),
+    "steps": (Steps, None),
+    "attempts": (Attempts, "rewind"),
+}
+_EVERY_PLAN_OPTION = tuple(PLAN_OPTIONS)
+COMMAND_PLAN_OPTIONS: dict[str, tuple[str, ...]] = {
+    "reduce": _EVERY_PLAN_OPTION,
+    "upload": _EVERY_PLAN_OPTION,
+    "compare": _EVERY_PLAN_OPTION,
+    "diff": _EVERY_PLAN_OPTION,
+    "plot": ("mode", "by", "every", "reduce", "ranks", "steps", "attempts"),  # its --key: PlotKeys
+    "keys": ("key", "attempts"),
+    "samples": ("key", "steps", "ranks"),
+    "inspect": ("attempts",),
+    "watch": ("attempts",),
+}
+# A plan option's flag that a command takes in another sense, declared apart on purpose.
+OTHER_MEANINGS: dict[tuple[str, str], str] = {
+    ("plot", "--key"): "the keys to plot (PlotKeys): required",
+    ("samples", "--by"): "the field samples are ranked by (By_)",
+    ("samples", "--attempts"): "rewind or all, no attempt id (SampleAttempts)",
+    ("import", "--reduce"): "the reduction imported records carry (ImportReduce)",
+}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The plan options a command took (those it does not take keep their defaults)."""
+
+    mode: LoggingMode = LoggingMode.GLOBAL_REDUCE
+    by: By = By.STEP
+    every: str | None = None
+    reduce: list[str] | None = None
+    key: list[str] | None = None
+    ranks: str | None = None
+    steps: str | None = None
+    attempts: str = "rewind"
+
+    def plan(self, *, keys: list[str] | None = None) -> ReducePlan:
+        """The plan they ask for (``keys``: a command's own --key, plot's); bad syntax raises
+        ``PlanError`` (a usage error)."""
+        return make_plan(
+            mode=self.mode,
+            by=self.by,
+            every=self.every,
+            reduce=self.reduce or (),
+            keys=(self.key if keys is None else keys) or (),
+            ranks=self.ranks or (),
+            steps=self.steps,
+            attempts=self.attempts,
+        )
+
+
+PLAN_DEFAULTS = PlanOptions()  # what a command's ``plan_options`` stands for until decorated
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def plan_options(command: str) -> Callable[[F], F]:
+    """A command's plan options (``COMMAND_PLAN_OPTIONS[command]``), in the place of its
+    ``plan_options`` parameter, handed to it as one ``PlanOptions``."""
+    names = COMMAND_PLAN_OPTIONS[command]
+
+    def decorate(func: F) -> F:
+        signature = inspect.signature(func, eval_str=True)
+        params: list[inspect.Parameter] = []
+        for param in signature.parameters.values():
+            if param.name != "plan_options":
+                params.append(param)
+                continue
+            for name in names:
+                kind, default = PLAN_OPTIONS[name]
+                params.append(inspect.Parameter(name, param.kind, default=default, annotation=kind))
+
+        @functools.wraps(func)
+        def command_with_plan_options(**given: Any) -> Any:
+            taken = PlanOptions(**{name: given.pop(name) for name in names})
+            return func(plan_options=taken, **given)
+
+        command_with_plan_options.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        command_with_plan_options.__annotations__ = {p.name: p.annotation for p in params}
+        return command_with_plan_options  # type: ignore[return-value]
+
+    return decorate
 
 
 # samples
