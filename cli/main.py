@@ -162,7 +162,7 @@ def reduce(
 @app.command(cls=_Command, short_help="Upload a logging mode of a run to W&B, TensorBoard files or MLflow.")
 @o.plan_options("upload")
 def upload(
-    run_dir: o.RunDir,
+    runs: o.Runs,
     project: o.Project = None,
     to: o.ToOpt = o.To.WANDB,
     logdir: o.Logdir = None,
@@ -201,7 +201,9 @@ def upload(
 ) -> None:
     """Upload a logging mode of a run to W&B, TensorBoard or MLflow (idempotent, resumable).
 
-    With --follow, upload it live, beside the job that writes it. Each key of samples
+    Several runs go one after the other, each as if uploaded alone; one that fails does not
+    stop the others, and the exit code is the worst of theirs. With --follow (one run), upload
+    it live, beside the job that writes it. Each key of samples
     (Reduce.SAMPLE) goes as a W&B table per step, in that step's row: by default the top 2
     and bottom 2 by reward where the samples have it, else 4 at random (--sample-tables
     incremental: torchforge's incremental {key}_table instead, for a recent W&B server).
@@ -210,23 +212,24 @@ def upload(
 
     \b
         metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
+        metriclog upload 'runs/seed*' --project rl --group seeds
         metriclog upload runs/exp1 --project rl --follow
         metriclog upload runs/exp1 --to tensorboard --logdir tb --mode per_rank_reduce
         metriclog upload runs/exp1 --to mlflow --experiment rl
     """
-    from metric_core.offline.upload import upload_run
+    from metric_core.offline.upload import upload_runs
 
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.environ.setdefault("WANDB_CONSOLE", "off")
-    with command_run(), output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert") as alerts:
+    report = output.RunsReport()
+    with command_run(), output.EventCommands(on_alert, runs[0], option="--on-alert", kind="alert") as alerts:
         alarms = o.alarms(alert, alert_on, on_alert)
         following = o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait, alarms)
         with output.upload_events() as events, output.read_progress() as progress:
             events.alert = alerts.run
-            result = upload_run(
-                run_dir,
+            upload_runs(
+                runs,
                 plan_options.plan(),
                 o.destination(to, project, entity, offline, connect_timeout, logdir, uri, experiment),
+                **report.callbacks(),
                 name=name,
                 group=group,
                 share_run=per_rank_share_run,
@@ -243,7 +246,7 @@ def upload(
                     sample_top, sample_bottom, sample_by, sample_random, sample_seed, no_samples, tables
                 ),
             )
-        raise typer.Exit(output.print_upload(result))
+    raise typer.Exit(report.code)
 
 
 @app.command(cls=_Command, short_help="Tell what happened in a crashed or hung run.")
@@ -528,6 +531,16 @@ def compare(
     limit: o.Limit = None,
     tail: o.Tail = None,
     wide: o.Wide = False,
+    to: o.CompareTo = None,
+    project: o.Project = None,
+    entity: o.Entity = None,
+    offline: o.Offline = False,
+    connect_timeout: o.ConnectTimeout = None,
+    logdir: o.Logdir = None,
+    uri: o.TrackingUri = None,  # --tracking-uri
+    experiment: o.Experiment = None,
+    dry_run: o.DryRun = False,
+    force_new: o.ForceNew = False,
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
     engine: o.EngineOpt = o.Engine.LOCAL,
@@ -537,18 +550,24 @@ def compare(
     across the runs of each group: mean, std, std_sample, stderr, min, max, median, count.
 
     Means and spreads are exact (correctly rounded), the same bits in any order of the runs.
-    A row per (group, step, key); --format, --out and --wide as reduce's.
+    A row per (group, step, key); --format, --out and --wide as reduce's. With --to, the
+    result goes to W&B, TensorBoard or MLflow instead, a run per group (sent once).
 
-    Example:
+    Examples:
 
     \b
         metriclog compare 'runs/lr*_seed*' --group-by config.lr --key 'eval/*' --across mean,stderr,count
+        metriclog compare 'runs/lr*_seed*' --group-by config.lr --to mlflow --experiment sweep
     """
     from metric_core.offline.compare import ACROSS, compare_runs
 
     with command_run():
         plan = plan_options.plan()
         o.rows(limit, tail, out, form)
+        where = (project, entity, offline, connect_timeout, logdir, uri, experiment, dry_run, force_new)
+        to_send = o.sent_to(
+            to, {"--out": out, "--format": form, "--limit": limit, "--tail": tail, "--wide": wide}, *where
+        )
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
             result = compare_runs(
@@ -556,12 +575,25 @@ def compare(
                 labels=label, common=common, strict=strict, follow_symlinks=follow_symlinks,
                 on_read=output.said_skips, on_progress=progress, engine=engine, ray_address=ray_address,
             )  # fmt: skip
+        if to_send is not None:
+            raise typer.Exit(_send_comparison(result, to_send, dry_run, force_new))
         output.emit(
             result.wide() if wide else result.frame, form=form and form.value, out=out, limit=limit,
             tail=tail, derived="compare", run_dir=None,
         )  # fmt: skip
         for note in result.notes:
             output.say("note", spell_options(note, o.as_flag))
+
+
+def _send_comparison(result: Any, to: Any, dry_run: bool, force_new: bool) -> int:
+    """compare --to: the notes first, then what went (``print_upload``); its exit code."""
+    from metric_core.offline.upload.comparison import send_comparison
+
+    for note in result.notes:
+        output.say("note", spell_options(note, o.as_flag))
+    with output.upload_events() as events:
+        sent = send_comparison(result, to, dry_run=dry_run, force_new=force_new, events=events)
+    return output.print_upload(sent)
 
 
 @app.command(cls=_Command, short_help="Where two runs differ, key by key; exit 5 when they do.")

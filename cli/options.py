@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -241,13 +242,13 @@ Attempts = Annotated[
 ]
 Wide = Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")]
 
-# compare and diff
+# upload, plot, compare and diff
 Runs = Annotated[
     list[str],
     typer.Argument(
         metavar="RUN...",
-        help="Run directories, as RUN_DIR; a quoted glob ('runs/seed*') is expanded here, and @FILE reads "
-        "one run a line.",
+        help="Run directories, each a path or an s3://, gs://, az:// or file:// URL; a quoted glob "
+        "('runs/seed*') is expanded here, and @FILE reads one run a line.",
         show_default=False,
     ),
 ]
@@ -344,8 +345,8 @@ TrackingUri = Annotated[
     typer.Option(
         "--tracking-uri",
         metavar="URI",
-        help="MLflow's tracking store: where upload --to mlflow writes, where import reads [default: "
-        "MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
+        help="MLflow's tracking store: where upload and compare --to mlflow write, where import reads "
+        "[default: MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
     ),
 ]
 Experiment = Annotated[
@@ -392,9 +393,49 @@ def destination(
         return MLflow(tracking_uri, experiment or "metriclog")
     if project is None:
         raise typer.BadParameter("name the W&B project: --project P", param_hint="--project")
+    os.environ.setdefault("WANDB_SILENT", "true")  # wandb's own messages are not the command's
+    os.environ.setdefault("WANDB_CONSOLE", "off")
     if connect_timeout is None:
         return WandB(project, entity, offline)
     return WandB(project, entity, offline, connect_timeout=connect_timeout)
+
+
+# compare --to
+CompareTo = Annotated[
+    To | None,
+    choice(
+        "--to",
+        To,
+        "Send the result, instead of printing it, to W&B, TensorBoard event files under --logdir, or an "
+        "MLflow tracking store: a run of its own per group, tagged with the runs it came from "
+        "(docs/compare.md).",
+    ),
+]
+
+
+def sent_to(to: To | None, printed: dict[str, Any], *where: Any) -> Any:
+    """compare's destination (``destination`` of ``where``: its options), or None without
+    ``--to``, when its options are a usage error; with ``--to``, the options that choose how
+    the result is printed (``printed``) are one too."""
+    if to is None:
+        given = [flag for flag, value in zip(DESTINATION_FLAGS, where, strict=True) if value]
+        if given:
+            raise typer.BadParameter(f"{given[0]} works only with --to", param_hint=given[0])
+        return None
+    shown = [flag for flag, value in printed.items() if value not in (None, False)]
+    if shown:
+        raise typer.BadParameter(
+            f"{shown[0]} chooses how the result is printed, and --to sends it: give one of them",
+            param_hint=shown[0],
+        )
+    return destination(to, *where[:-2])
+
+
+# destination's options and compare's --dry-run and --force-new, in sent_to's order
+DESTINATION_FLAGS = (
+    "--project", "--entity", "--offline", "--connect-timeout", "--logdir", "--tracking-uri", "--experiment",
+    "--dry-run", "--force-new",
+)  # fmt: skip
 
 
 Entity = Annotated[str | None, typer.Option("--entity", metavar="ENTITY", help="W&B entity (team or user).")]

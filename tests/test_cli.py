@@ -39,9 +39,13 @@ def test_every_command_has_help_with_an_example_on_one_line_to_copy():
     for name in commands:
         result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "60"}, terminal_width=60)
         assert result.exit_code == 0, name
-        runs = {"compare": "RUN...", "plot": "RUN...", "diff": "RUN_A RUN_B", "import": "SRC RUN_DIR"}.get(
-            name, "RUN_DIR"
-        )
+        runs = {
+            "compare": "RUN...",
+            "plot": "RUN...",
+            "upload": "RUN...",
+            "diff": "RUN_A RUN_B",
+            "import": "SRC RUN_DIR",
+        }.get(name, "RUN_DIR")
         assert result.output.startswith(f"Usage: metriclog {name} [OPTIONS] {runs}\n"), name
         lines = result.output.splitlines()
         heading = next(i for i, line in enumerate(lines) if line in ("  Example:", "  Examples:"))

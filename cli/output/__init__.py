@@ -17,13 +17,14 @@ from .messages import (
     wrapped,
 )
 from .progress import read_progress
-from .reports import print_import, print_upload, upload_events
+from .reports import RunsReport, print_import, print_upload, upload_events
 from .rows import emit, write_frames, write_stdout
 from .sources import EventCommands, WatchDisplay, print_inspect, sources_frame
 from .tables import print_frames, print_rows, print_samples, print_table
 
 __all__ = [
     "EventCommands",
+    "RunsReport",
     "WatchDisplay",
     "echo_prose",
     "emit",

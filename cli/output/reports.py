@@ -7,14 +7,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from metric_core.errors import MetricLogError
+
 from ..options import as_flag
-from .messages import echo_prose, message_line, say
+from .messages import echo_prose, message_line, os_error_text, say
 from .progress import rows_progress
 from .tables import print_rows
 
 if TYPE_CHECKING:
     from metric_core.offline.importers import ImportResult
-    from metric_core.offline.upload import UploadEvents, UploadResult
+    from metric_core.offline.upload import RunUpload, UploadEvents, UploadResult
 
 
 def print_upload(result: UploadResult) -> int:
@@ -93,6 +95,41 @@ def print_upload(result: UploadResult) -> int:
     elif result.sync_dirs:
         say("info", "offline runs written; upload them with:\n  wandb sync " + " ".join(result.sync_dirs))
     return 0
+
+
+class RunsReport:
+    """What upload says of each run (with several, a line naming it first) and, with several,
+    how many went; ``code``: the worst exit code of the runs (1: a run failed)."""
+
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+        self.runs = 0
+
+    def callbacks(self) -> dict[str, Any]:
+        """``upload_runs``' ``on_start`` and ``on_done``."""
+        return {"on_start": self.start, "on_done": self.done}
+
+    def start(self, run_dir: str, runs: int) -> None:
+        self.runs = runs
+        if runs > 1:
+            say("info", f"run {len(self.codes) + 1} of {runs}: {run_dir}")
+
+    def done(self, one: RunUpload) -> None:
+        if one.result is not None:
+            self.codes[one.run_dir] = print_upload(one.result)
+            return
+        error = one.error
+        text = error.text(as_flag) if isinstance(error, MetricLogError) else os_error_text(error)
+        say("Error", f"{one.run_dir}: {text}" if self.runs > 1 else text)
+        self.codes[one.run_dir] = 1
+
+    @property
+    def code(self) -> int:
+        failed = [run for run, code in self.codes.items() if code == 1]
+        if self.runs > 1:
+            went = "went" if not failed else f"went; {len(failed)} failed ({', '.join(failed)}), said above"
+            say("info", f"{len(self.codes) - len(failed)} of {self.runs} runs {went}")
+        return max(self.codes.values(), default=0)
 
 
 @contextmanager
