@@ -299,3 +299,27 @@ def test_expanding_the_runs_loads_no_polars_before_upload_forks_its_reader():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_two_sends_of_one_comparison_at_once_are_refused(seeds, tmp_path):
+    """The second would hand every row over twice: the lock beside the ledger refuses it."""
+    import fcntl
+    import os
+
+    pytest.importorskip("tensorboardX")
+    logdir = tmp_path / "tb"
+    args = ("--to", "tensorboard", "--logdir", str(logdir), "--key", "loss")
+    assert compare_to(seeds, *args).exit_code == 0
+    (lock_file,) = logdir.glob(".upload-*.lock")
+    held = os.open(lock_file, os.O_RDWR)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        busy = compare_to(seeds, *args, "--force-new")
+    finally:
+        os.close(held)
+    assert (
+        busy.exit_code == 1
+        and "another `metriclog upload` of the same upload of the comparison compare-"
+        in (" ".join(busy.stderr.split()))
+    ), busy.output
+    assert compare_to(seeds, *args, "--force-new").exit_code == 0  # once it is free

@@ -34,6 +34,7 @@ from metric_core.offline.upload.destination import (
     find_entry,
     send_runs,
 )
+from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.runs import (
     PlannedRuns,
     limit_warnings,
@@ -89,10 +90,13 @@ def send_comparison(
     to.load_client()
     ledger = to.ledger(None, identity)
     assert ledger is not None
-    outcomes = [
-        o for planned in groups for o in send_runs(planned, ledger, to, force_new=force_new, events=events)
-    ]
-    return UploadResult(everything, outcomes)
+    request = json.dumps(to.request(None, None, run_name=""), sort_keys=True)
+    with only_upload(
+        ledger.path.parent, _digest(request + identity), f"the comparison {everything.runs[0].group}"
+    ):
+        ledger = Ledger(ledger.path)  # as the send that held the lock before left it
+        sent = [send_runs(planned, ledger, to, force_new=force_new, events=events) for planned in groups]
+    return UploadResult(everything, [outcome for outcomes in sent for outcome in outcomes])
 
 
 def comparison_identity(result: CompareResult) -> str:
@@ -105,7 +109,7 @@ def comparison_identity(result: CompareResult) -> str:
         "across": list(result.across),
         "common": result.common,
     }
-    return hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()
+    return _digest(json.dumps(shape, sort_keys=True, default=str))
 
 
 def comparison_name(identity: str) -> str:
@@ -120,7 +124,7 @@ def plan_comparison(result: CompareResult, identity: str, request: dict[str, Any
     from metric_core.offline.compare import bucket_column
 
     bucket = bucket_column(result.plan)
-    key = hashlib.sha256(json.dumps({**request, "comparison": identity}, sort_keys=True).encode()).hexdigest()
+    key = _digest(json.dumps({**request, "comparison": identity}, sort_keys=True))
     base = comparison_name(identity)
     process = "process" in result.frame.columns
     long = pl.concat(
@@ -171,6 +175,10 @@ def plan_comparison(result: CompareResult, identity: str, request: dict[str, Any
         planned.tags = ["metriclog-compare", *(lb[:WANDB_TAG] for lb, _, _ in runs)]
         out.append(planned)
     return out
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _said(value: Any) -> str:
