@@ -323,3 +323,31 @@ def test_two_sends_of_one_comparison_at_once_are_refused(seeds, tmp_path):
         in (" ".join(busy.stderr.split()))
     ), busy.output
     assert compare_to(seeds, *args, "--force-new").exit_code == 0  # once it is free
+
+
+def test_compare_to_in_per_rank_reduce_names_each_source_s_metrics(seeds, tmp_path):
+    """Sources are matched across runs by process: a metric per key, process and statistic."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlruns.db"
+    result = compare_runs([str(s) for s in seeds[:3]], mode="per_rank_reduce", keys=["acc"], across=["max"])
+    want = {
+        (row["step"], f"acc/{row['process']}/max"): row["max"] for row in result.frame.iter_rows(named=True)
+    }
+    done = runner.invoke(
+        app,
+        ["compare", *map(str, seeds[:3]), "--mode", "per_rank_reduce", "--key", "acc", "--across", "max",
+         "--to", "mlflow", "--tracking-uri", uri],
+    )  # fmt: skip
+    assert done.exit_code == 0, done.output
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("metriclog").experiment_id])
+    assert run.info.run_name.startswith("compare-") and "/" not in run.info.run_name  # no --group-by
+    got = {
+        (m.step, key): m.value
+        for key in run.data.metrics
+        for m in client.get_metric_history(run.info.run_id, key)
+    }
+    assert {k for _, k in got} == {"acc/trainer_r0/max", "acc/trainer_r1/max"}
+    assert got == want
