@@ -143,6 +143,7 @@ def jsonl_chunks(table: pa.Table) -> Iterator[pa.Buffer]:
 def jsonl_blocks(table: pa.Table, rows: int = JSONL_BATCH_ROWS) -> Iterator[tuple[pa.Buffer, int]]:
     """``to_jsonl`` in pieces of at most ``rows`` lines, each with its number of lines."""
     import pyarrow.compute as pc  # ~40 ms to import (a wrapper per kernel): only JSON needs it
+
     for batch in table.to_batches(max_chunksize=rows):  # string offsets are 32-bit
         parts: list[pa.Array | str] = []
         for i, (name, column) in enumerate(zip(batch.schema.names, batch.columns, strict=True)):
@@ -177,6 +178,7 @@ def _quoted(values: pa.Array, prefix: str = "") -> pa.Array:
 def _json_values(column: pa.Array) -> pa.Array:
     """Each value as JSON text."""
     import pyarrow.compute as pc
+
     kind = column.type
     if pa.types.is_dictionary(kind):
         column = column.cast(kind.value_type)
