@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +154,52 @@ def test_importing_twice_adds_nothing_and_another_run_is_refused(tmp_path):
     assert first.exit_code == second.exit_code == 0, second.output
     assert "wrote to TensorBoard" in first.output
     assert f"copy_run: already written to {tmp_path / 'logdir'}" in second.output
+
+
+KILLED_IMPORT = """
+import os, signal, sys
+from metric_core.offline.importers import run, write
+if sys.argv[3] == "before_run_json":  # every record written, run.json not yet
+    run.write_run_json = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+else:  # the first stream written, the second begun
+    made = write.StreamWriter.__init__
+    def second_kills(self, *a, **k):
+        made(self, *a, **k)
+        if getattr(run, "streams_begun", 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        run.streams_begun = 1
+    write.StreamWriter.__init__ = second_kills
+run.import_source(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("moment", ["before_run_json", "between_streams"])
+def test_an_import_killed_before_its_end_is_redone_by_itself_and_refused_by_another(tmp_path, moment):
+    values = {"loss": [(s, 1.0 / (s + 1)) for s in range(5)], "lr": [(s, 0.1 * s) for s in range(5)]}
+    tensorboardx_run(tmp_path / "tb" / "a", values)
+    tensorboardx_run(tmp_path / "tb" / "b", {"loss": [(s, 2.0 + s) for s in range(3)]})
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IMPORT, tmp_path / "tb", tmp_path / "run", moment], cwd=ROOT
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "run" / "run.json").exists() and list((tmp_path / "run").glob("*.*"))
+    tensorboardx_run(tmp_path / "other", {"loss": [(0, 2.0)]})
+    refused = invoke("import", tmp_path / "other", tmp_path / "run")
+    assert refused.exit_code == 1
+    assert "an import of another source, stopped before its end; import into a new" in refused.stderr
+    _, err = imported(tmp_path / "tb", tmp_path / "run")
+    assert "an import of this source was stopped before its end" in err and "imported again" in err
+    got = raw(tmp_path / "run")
+    want = [
+        (process, key, step, float(np.float32(value)))
+        for process, series in (("a", values), ("b", {"loss": [(s, 2.0 + s) for s in range(3)]}))
+        for key, points in series.items()
+        for step, value in points
+    ]
+    assert sorted(zip(got["process"], got["key"], got["step"], got["value"], strict=True)) == sorted(want)
+    assert not (tmp_path / "run" / ".metriclog-import").exists()
+    _, again = imported(tmp_path / "tb", tmp_path / "run")
+    assert "holds this import already" in again
 
 
 def test_a_flipped_byte_is_named_with_its_file_and_offset_and_a_torn_end_is_said(tmp_path):
