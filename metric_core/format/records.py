@@ -142,7 +142,7 @@ def jsonl_chunks(table: pa.Table) -> Iterator[pa.Buffer]:
 
 def jsonl_blocks(table: pa.Table, rows: int = JSONL_BATCH_ROWS) -> Iterator[tuple[pa.Buffer, int]]:
     """``to_jsonl`` in pieces of at most ``rows`` lines, each with its number of lines."""
-    import pyarrow.compute as pc  # ~40 ms to import (a wrapper per kernel): only JSON needs it
+    import pyarrow.compute as pc  # ~40 ms to import: not paid by what reads JSON lines alone
 
     for batch in table.to_batches(max_chunksize=rows):  # string offsets are 32-bit
         parts: list[pa.Array | str] = []
