@@ -183,6 +183,9 @@ def test_an_import_killed_before_its_end_is_redone_by_itself_and_refused_by_anot
     )
     assert killed.returncode == -signal.SIGKILL
     assert not (tmp_path / "run" / "run.json").exists() and list((tmp_path / "run").glob("*.*"))
+    partial = invoke("keys", tmp_path / "run")
+    assert partial.exit_code == 0
+    assert "an import into this directory stopped before its end" in partial.stderr
     tensorboardx_run(tmp_path / "other", {"loss": [(0, 2.0)]})
     refused = invoke("import", tmp_path / "other", tmp_path / "run")
     assert refused.exit_code == 1

@@ -21,7 +21,6 @@ REDUCTIONS = tuple(r.value for r in Reduce if r is not Reduce.SAMPLE)
 TABLE_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")
 # What a run directory holds as data (docs/format.md): a directory holding any is a run.
 _DATA_SUFFIXES = (".parquet", ".jsonl", ".journal")
-IMPORTING = ".metriclog-import"  # an import under way (or stopped): its run id
 
 
 @dataclass
@@ -87,7 +86,7 @@ def import_source(
     out.mkdir(parents=True, exist_ok=True)
     # Said before the first record, gone after run.json: an import stopped in between (a kill,
     # a full disk) is known by it, and the same import started again redoes it.
-    replace_file(out / IMPORTING, f"{digest}\n".encode(), fsync=True)
+    replace_file(out / run_json.IMPORTING, f"{digest}\n".encode(), fsync=True)
     for stream in importer.streams():
         writer = StreamWriter(out, stream, reduction, skipped, run_id=digest)
         writer.write_all(stream.items)
@@ -95,13 +94,13 @@ def import_source(
     skipped.update(importer.skipped)
     result.skipped, result.name = dict(skipped), importer.name  # an importer may learn its name as it reads
     if not result.sources:
-        (out / IMPORTING).unlink()
+        (out / run_json.IMPORTING).unlink()
         raise SourceError(f"{src}: nothing to import (no stream of records found in it)")
     write_run_json(
         out, name=importer.name, run_id=digest, world_size=max(s[1] for s in result.sources) + 1,
         config=importer.config, source=identity,
     )  # fmt: skip
-    (out / IMPORTING).unlink()
+    (out / run_json.IMPORTING).unlink()
     return result
 
 
@@ -180,7 +179,7 @@ def _holds(run_dir: Path, run_id: str, warn: Warn) -> bool:
 def _stopped_import(run_dir: Path) -> str | None:
     """The run id of the import whose marker ``run_dir`` holds, if any."""
     try:
-        return (run_dir / IMPORTING).read_text().strip() or None
+        return (run_dir / run_json.IMPORTING).read_text().strip() or None
     except (FileNotFoundError, UnicodeDecodeError):
         return None
 
