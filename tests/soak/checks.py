@@ -1175,7 +1175,12 @@ def _empty_store(root: Path) -> Path:
     path = root / "mlflow-empty.db"
     with _STORE_LOCK:
         if not path.exists():
+            import logging
+
             from mlflow.tracking import MlflowClient
+
+            for name in ("mlflow", "alembic"):  # its schema's set-up, said at INFO
+                logging.getLogger(name).setLevel(logging.WARNING)
 
             making = root / "mlflow-empty.db.part"
             making.unlink(missing_ok=True)
