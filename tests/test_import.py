@@ -343,6 +343,65 @@ def test_what_an_export_cannot_carry_is_counted_and_said_never_rounded(tmp_path)
     assert got.select("step", "key", "value").rows() == [(1, "count", 7.0), (0, "loss", 1.0)]
 
 
+@pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
+def test_an_export_of_many_batches_imports_every_row_and_counts_across_them(tmp_path, monkeypatch, suffix):
+    """The file is read a batch at a time (here 97 rows, so 2,000 rows are many batches):
+    every value comes back, in order, and what is left out is counted over all batches."""
+    from metric_core.offline.importers import tables
+
+    monkeypatch.setattr(tables, "BATCH_ROWS", 97)
+    batches = []
+    one_batch = tables.TableImporter._long
+    monkeypatch.setattr(
+        tables.TableImporter, "_long", lambda self, f: batches.append(f.height) or one_batch(self, f)
+    )
+    rng = np.random.default_rng(7)
+    n = 2_000
+    loss = rng.normal(size=n)
+    loss[rng.choice(n, 50, replace=False)] = np.nan  # NaN stays NaN; a null is an empty cell
+    empty = np.zeros(n, bool)
+    empty[rng.choice(n, 30, replace=False)] = True
+    frame = pl.DataFrame(
+        {"step": np.arange(n) * 3, "t": 1.7e9 + np.arange(n) / 8, "count": np.arange(n, dtype=np.int64),
+         "loss": pl.Series(loss).set(pl.Series(empty), None) if suffix != "jsonl" else loss,
+         "note": [f"n{i}" for i in range(n)]}
+    )  # fmt: skip
+    if suffix == "jsonl":  # JSON has no NaN: nulls only
+        frame = frame.with_columns(
+            pl.when(pl.Series(empty)).then(None).otherwise(pl.col("loss")).alias("loss")
+        )
+        frame = frame.with_columns(pl.col("loss").fill_nan(0.0))
+    path = tmp_path / f"m.{suffix}"
+    {"csv": frame.write_csv, "jsonl": frame.write_ndjson, "parquet": frame.write_parquet}[suffix](path)
+    _, err = imported(path, tmp_path / "run", "--time-col", "t")
+    assert len(batches) >= n // 97 and sum(batches) == n
+    assert f"warning: not imported: {n:,} values of columns that are no numbers (note)" in err
+    assert "warning: not imported: 30 empty cells" in err
+    got = raw(tmp_path / "run")
+    want = frame["loss"].to_numpy()
+    for key, values, kept in (
+        ("count", np.arange(n, dtype=np.float64), np.ones(n, bool)),
+        ("loss", want, ~empty),
+    ):
+        rows = got.filter(pl.col("key") == key)
+        assert rows["step"].to_list() == (np.arange(n) * 3)[kept].tolist(), key
+        assert rows["timestamp"].to_list() == (1.7e9 + np.arange(n) / 8)[kept].tolist(), key
+        assert same_bits(rows["value"].to_numpy(), values[kept]), key
+
+
+def test_a_step_no_integer_far_into_an_export_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from metric_core.offline.importers import tables
+
+    monkeypatch.setattr(tables, "BATCH_ROWS", 10)
+    lines = [f"{i},{i * 0.5}" for i in range(500)]
+    lines[437] = "437.5,1.0"
+    (tmp_path / "m.csv").write_text("step,loss\n" + "\n".join(lines) + "\n")
+    result = invoke("import", tmp_path / "m.csv", tmp_path / "run")
+    assert result.exit_code == 1
+    assert "row 438: the step column 'step' holds 437.5, not an integer" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_an_export_whose_step_column_is_no_integer_is_refused_with_its_row(tmp_path):
     (tmp_path / "m.csv").write_text("step,loss\n0,1.0\n1.5,2.0\n")
     result = invoke("import", tmp_path / "m.csv", tmp_path / "run")
