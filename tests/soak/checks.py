@@ -1115,7 +1115,8 @@ DBL_MAX = 1.7976931348623157e308  # what MLflow's SQL store keeps for an infinit
 
 def trackers(job, seen: list[dict]) -> None:
     """``upload --to mlflow`` read back with ``MlflowClient`` against ``reduce``'s answer
-    (checked against the records above), bit for bit, an infinity as +-DBL_MAX; again: not a
+    (checked against the records above), bit for bit, an infinity as +-DBL_MAX and -0.0 as
+    0.0 (docs/destinations.md); again: not a
     metric more. Then ``import`` of what an upload wrote, or of an export of the raw records,
     and ``reduce`` of the imported run against what the source holds."""
     spec = job.job["trackers"]
@@ -1150,7 +1151,7 @@ def mlflow_upload(job, mode: str) -> list[dict] | None:
         if at not in want:
             continue
         job.result.values += 1
-        stored = math.copysign(DBL_MAX, want[at]) if math.isinf(want[at]) else want[at]
+        stored = math.copysign(DBL_MAX, want[at]) if math.isinf(want[at]) else want[at] or 0.0
         if len(values) != 1 or not _same_float(values[0], stored):
             bad.append(f"{at}: {values!r} in MLflow, reduce's {want[at]!r}")
     if bad:
