@@ -14,6 +14,8 @@ import zlib
 from typing import Any
 
 NAME = "run.json"
+# Beside records and no run.json: an import (metriclog import) stopped before its end; its run id
+IMPORTING = ".metriclog-import"
 CHECKSUM = "checksum"
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,6 +55,23 @@ def test_every_command_has_help_with_an_example_on_one_line_to_copy():
         docstring = app.registered_commands[commands.index(name)].callback.__doc__
         written = [line.strip() for line in docstring.splitlines() if line.strip().startswith("metriclog ")]
         assert shown == written, name  # each whole command on one line, however narrow the terminal
+
+
+def test_a_command_built_alone_has_the_help_and_errors_it_has_among_all():
+    """The installed command builds only the command it is asked for (a start-up saving):
+    each one's help is the one the whole group gives, and a mistyped name still gets the
+    suggestion."""
+    env = {**os.environ, "COLUMNS": "60"}
+    for command in app.registered_commands:
+        name = command.name or command.callback.__name__
+        # click formats a terminal of COLUMNS=60 at 58 (shutil's width less 2)
+        whole = runner.invoke(app, [name, "--help"], env={"COLUMNS": "60"}, terminal_width=58)
+        alone = subprocess.run([METRICLOG, name, "--help"], capture_output=True, text=True, env=env)
+        assert alone.returncode == 0, name
+        assert alone.stdout == whole.output, name
+    typo = subprocess.run([METRICLOG, "reduc", str(SAMPLE)], capture_output=True, text=True, env=env)
+    assert typo.returncode == 2
+    assert "No such command 'reduc'. Did you mean 'reduce'?" in typo.stderr
 
 
 def test_filters_that_match_nothing_name_the_filter_and_what_the_run_holds():

@@ -268,6 +268,20 @@ def test_a_nan_in_one_run_makes_its_cell_nan_but_count(tmp_path):
     assert (fine["mean"], fine["min"], fine["max"], fine["std"]) == (3.0, 2.0, 4.0, math.sqrt(2 / 3))
 
 
+@pytest.mark.parametrize("negative_first", [True, False])
+def test_min_of_both_zeros_is_minus_zero_and_max_zero_in_any_label_order(tmp_path, negative_first):
+    """min(-0.0, 0.0) is -0.0 and max is 0.0, as ``reduce`` has it: not whichever run's label
+    sorts first."""
+    zeros = (-0.0, 0.0) if negative_first else (0.0, -0.0)
+    runs = [tmp_path / f"r{i}" for i in range(2)]
+    for run, zero in zip(runs, zeros, strict=True):
+        write_timed(run, {0: zero, 1: 1.0}, start=BASE_TIME, reduction=Reduce.MIN)  # a mean of -0.0 is 0.0
+    row = compare_runs(runs).frame.filter(pl.col("step") == 0).row(0, named=True)
+    assert math.copysign(1.0, row["min"]) == -1.0 and row["min"] == 0.0
+    assert math.copysign(1.0, row["max"]) == 1.0 and row["max"] == 0.0
+    assert (row["count"], row["std"]) == (2, 0.0)
+
+
 def test_one_run_has_no_sample_spread(seeds):
     frame = compare_runs(seeds[:1], keys=["loss"]).frame
     assert set(frame["std"]) == {0.0}

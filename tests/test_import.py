@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +108,65 @@ def test_torch_summary_writer_simple_values_and_scalar_tensors_both_import(tmp_p
         assert same_bits(rows["value"].to_numpy(), want.astype(np.float32).astype(np.float64)), key
 
 
+def test_scalar_tensors_holding_their_bytes_in_tensor_content_import_exactly(tmp_path):
+    """Scalars as TF2's summary ops write them, a tensor whose value is the bytes of
+    ``tensor_content`` (not ``float_val``): float32, float64, float16 and bfloat16, rank 0
+    and shape [1], written by tensorboard's own ``EventFileWriter``; each comes back as the
+    value those bytes hold, widened exactly (NaN, +-inf, -0.0 and subnormals too)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    rng = np.random.default_rng(45)
+    specials = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-310, -5e-324, 65504.0, 1e-8]
+    base = np.concatenate([specials, rng.normal(scale=10.0 ** rng.integers(-20, 20, 40), size=40)])
+
+    def bfloat16(values: np.ndarray) -> tuple[list[bytes], np.ndarray]:
+        """Each value's bfloat16 (float32's upper 16 bits, truncated), as bytes and as float64."""
+        high = (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return [h.tobytes() for h in high], (high.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    kinds = {}
+    for name, dtype, np_type in [
+        ("f32", types_pb2.DT_FLOAT, np.float32),
+        ("f64", types_pb2.DT_DOUBLE, np.float64),
+        ("f16", types_pb2.DT_HALF, np.float16),
+    ]:
+        with np.errstate(over="ignore", under="ignore"):
+            narrow = base.astype(np_type)
+        kinds[name] = (dtype, [v.astype(np_type).tobytes() for v in narrow], narrow.astype(np.float64))
+    kinds["bf16"] = (types_pb2.DT_BFLOAT16, *bfloat16(base))
+    scalars = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="scalars")
+    )
+    writer = EventFileWriter(str(tmp_path / "tb"))
+    for step in range(len(base)):
+        values = []
+        for name, (dtype, content, _) in kinds.items():
+            for shape, tag in (([], name), ([1], f"{name}_1")):
+                tensor = tensor_pb2.TensorProto(
+                    dtype=dtype,
+                    tensor_shape=tensor_shape_pb2.TensorShapeProto(
+                        dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=n) for n in shape]
+                    ),
+                    tensor_content=content[step],
+                )
+                values.append(summary_pb2.Summary.Value(tag=tag, metadata=scalars, tensor=tensor))
+        writer.add_event(
+            event_pb2.Event(wall_time=1.7e9 + step, step=step, summary=summary_pb2.Summary(value=values))
+        )
+    writer.close()
+    imported(tmp_path / "tb", tmp_path / "run")
+    got = raw(tmp_path / "run")
+    assert sorted(set(got["key"])) == sorted(t for name in kinds for t in (name, f"{name}_1"))
+    for name, (_, _, want) in kinds.items():
+        for tag in (name, f"{name}_1"):
+            rows = got.filter(pl.col("key") == tag).sort("step")
+            assert rows["step"].to_list() == list(range(len(base)))
+            assert rows["timestamp"].to_list() == [1.7e9 + s for s in range(len(base))]
+            assert same_bits(rows["value"].to_numpy(), want), tag
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_seeded_scalars_with_nan_inf_negative_zero_and_subnormals_come_back_bit_for_bit(tmp_path, seed):
     rng = np.random.default_rng(seed)
@@ -151,6 +213,55 @@ def test_importing_twice_adds_nothing_and_another_run_is_refused(tmp_path):
     assert first.exit_code == second.exit_code == 0, second.output
     assert "wrote to TensorBoard" in first.output
     assert f"copy_run: already written to {tmp_path / 'logdir'}" in second.output
+
+
+KILLED_IMPORT = """
+import os, signal, sys
+from metric_core.offline.importers import run, write
+if sys.argv[3] == "before_run_json":  # every record written, run.json not yet
+    run.write_run_json = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+else:  # the first stream written, the second begun
+    made = write.StreamWriter.__init__
+    def second_kills(self, *a, **k):
+        made(self, *a, **k)
+        if getattr(run, "streams_begun", 0):
+            os.kill(os.getpid(), signal.SIGKILL)
+        run.streams_begun = 1
+    write.StreamWriter.__init__ = second_kills
+run.import_source(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("moment", ["before_run_json", "between_streams"])
+def test_an_import_killed_before_its_end_is_redone_by_itself_and_refused_by_another(tmp_path, moment):
+    values = {"loss": [(s, 1.0 / (s + 1)) for s in range(5)], "lr": [(s, 0.1 * s) for s in range(5)]}
+    tensorboardx_run(tmp_path / "tb" / "a", values)
+    tensorboardx_run(tmp_path / "tb" / "b", {"loss": [(s, 2.0 + s) for s in range(3)]})
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IMPORT, tmp_path / "tb", tmp_path / "run", moment], cwd=ROOT
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert not (tmp_path / "run" / "run.json").exists() and list((tmp_path / "run").glob("*.*"))
+    partial = invoke("keys", tmp_path / "run")
+    assert partial.exit_code == 0
+    assert "an import into this directory stopped before its end" in partial.stderr
+    tensorboardx_run(tmp_path / "other", {"loss": [(0, 2.0)]})
+    refused = invoke("import", tmp_path / "other", tmp_path / "run")
+    assert refused.exit_code == 1
+    assert "an import of another source, stopped before its end; import into a new" in refused.stderr
+    _, err = imported(tmp_path / "tb", tmp_path / "run")
+    assert "an import of this source was stopped before its end" in err and "imported again" in err
+    got = raw(tmp_path / "run")
+    want = [
+        (process, key, step, float(np.float32(value)))
+        for process, series in (("a", values), ("b", {"loss": [(s, 2.0 + s) for s in range(3)]}))
+        for key, points in series.items()
+        for step, value in points
+    ]
+    assert sorted(zip(got["process"], got["key"], got["step"], got["value"], strict=True)) == sorted(want)
+    assert not (tmp_path / "run" / ".metriclog-import").exists()
+    _, again = imported(tmp_path / "tb", tmp_path / "run")
+    assert "holds this import already" in again
 
 
 def test_a_flipped_byte_is_named_with_its_file_and_offset_and_a_torn_end_is_said(tmp_path):
@@ -282,6 +393,65 @@ def test_what_an_export_cannot_carry_is_counted_and_said_never_rounded(tmp_path)
     assert "warning: not imported: 1 empty cells" in err
     got = raw(tmp_path / "run")
     assert got.select("step", "key", "value").rows() == [(1, "count", 7.0), (0, "loss", 1.0)]
+
+
+@pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
+def test_an_export_of_many_batches_imports_every_row_and_counts_across_them(tmp_path, monkeypatch, suffix):
+    """The file is read a batch at a time (here 97 rows, so 2,000 rows are many batches):
+    every value comes back, in order, and what is left out is counted over all batches."""
+    from metric_core.offline.importers import tables
+
+    monkeypatch.setattr(tables, "BATCH_ROWS", 97)
+    batches = []
+    one_batch = tables.TableImporter._long
+    monkeypatch.setattr(
+        tables.TableImporter, "_long", lambda self, f: batches.append(f.height) or one_batch(self, f)
+    )
+    rng = np.random.default_rng(7)
+    n = 2_000
+    loss = rng.normal(size=n)
+    loss[rng.choice(n, 50, replace=False)] = np.nan  # NaN stays NaN; a null is an empty cell
+    empty = np.zeros(n, bool)
+    empty[rng.choice(n, 30, replace=False)] = True
+    frame = pl.DataFrame(
+        {"step": np.arange(n) * 3, "t": 1.7e9 + np.arange(n) / 8, "count": np.arange(n, dtype=np.int64),
+         "loss": pl.Series(loss).set(pl.Series(empty), None) if suffix != "jsonl" else loss,
+         "note": [f"n{i}" for i in range(n)]}
+    )  # fmt: skip
+    if suffix == "jsonl":  # JSON has no NaN: nulls only
+        frame = frame.with_columns(
+            pl.when(pl.Series(empty)).then(None).otherwise(pl.col("loss")).alias("loss")
+        )
+        frame = frame.with_columns(pl.col("loss").fill_nan(0.0))
+    path = tmp_path / f"m.{suffix}"
+    {"csv": frame.write_csv, "jsonl": frame.write_ndjson, "parquet": frame.write_parquet}[suffix](path)
+    _, err = imported(path, tmp_path / "run", "--time-col", "t")
+    assert len(batches) >= n // 97 and sum(batches) == n
+    assert f"warning: not imported: {n:,} values of columns that are no numbers (note)" in err
+    assert "warning: not imported: 30 empty cells" in err
+    got = raw(tmp_path / "run")
+    want = frame["loss"].to_numpy()
+    for key, values, kept in (
+        ("count", np.arange(n, dtype=np.float64), np.ones(n, bool)),
+        ("loss", want, ~empty),
+    ):
+        rows = got.filter(pl.col("key") == key)
+        assert rows["step"].to_list() == (np.arange(n) * 3)[kept].tolist(), key
+        assert rows["timestamp"].to_list() == (1.7e9 + np.arange(n) / 8)[kept].tolist(), key
+        assert same_bits(rows["value"].to_numpy(), values[kept]), key
+
+
+def test_a_step_no_integer_far_into_an_export_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    from metric_core.offline.importers import tables
+
+    monkeypatch.setattr(tables, "BATCH_ROWS", 10)
+    lines = [f"{i},{i * 0.5}" for i in range(500)]
+    lines[437] = "437.5,1.0"
+    (tmp_path / "m.csv").write_text("step,loss\n" + "\n".join(lines) + "\n")
+    result = invoke("import", tmp_path / "m.csv", tmp_path / "run")
+    assert result.exit_code == 1
+    assert "row 438: the step column 'step' holds 437.5, not an integer" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_export_whose_step_column_is_no_integer_is_refused_with_its_row(tmp_path):

@@ -298,3 +298,32 @@ def test_a_run_whose_ledger_is_lost_is_found_by_its_tag_and_nothing_is_sent_twic
     again = upload_run(run, make_plan(), MLflow(uri))
     assert again.outcomes[0].rows_sent == 30
     assert runs_of(uri) == before  # the same one run, each step once
+
+
+def test_a_dry_run_follow_says_each_run_it_would_send_and_writes_nothing_to_the_store(rl_run, tmp_path):
+    """``--follow --dry-run``: each planned run is said with what would happen to it, and
+    neither the store nor the run's ledger is made; beside an earlier upload, the runs it
+    holds are said to be skipped and the store keeps every metric it had, no more."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    uri = store(tmp_path)
+    args = ["upload", str(rl_run), "--to", "mlflow", "--tracking-uri", uri, "--mode", "per_rank_reduce"]
+    follow = [*args, "--follow", "--dry-run", "--until-idle", "0.1s"]
+    sources = sorted(set(reduce_run(rl_run, mode="per_rank_reduce")["process"]))
+    done = CliRunner().invoke(app, follow)
+    assert done.exit_code == 0, done.output
+    said = [line for line in done.stderr.splitlines() if line.startswith("dry run: ")]
+    assert sorted(line.split()[2] for line in said[:-1]) == [f"rl_run_{s}" for s in sources]
+    assert all(line.endswith("would be uploaded to MLflow") for line in said[:-1]), said
+    assert said[-1].startswith("dry run: nothing was uploaded"), said
+    assert not (tmp_path / "mlruns.db").exists() and not (tmp_path / "mlartifacts").exists()
+    assert not (rl_run / ".metriclog").exists()
+    uploaded = CliRunner().invoke(app, args)
+    assert uploaded.exit_code == 0, uploaded.output
+    held, metrics = runs_of(uri), _metrics_in(tmp_path / "mlruns.db")
+    again = CliRunner().invoke(app, follow)
+    assert again.exit_code == 0, again.output
+    assert sum("would be skipped" in line for line in again.stderr.splitlines()) == len(sources)
+    assert runs_of(uri) == held and _metrics_in(tmp_path / "mlruns.db") == metrics

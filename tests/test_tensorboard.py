@@ -155,6 +155,39 @@ def test_samples_are_said_not_to_go_to_tensorboard(tmp_path):
     assert "6 step(s) hold samples (Reduce.SAMPLE): the TensorBoard files hold scalars only" in done.output
 
 
+def test_a_follow_treats_samples_as_a_plain_upload_does(tmp_path):
+    """``--follow --to tensorboard`` and a plain ``--to tensorboard`` of the same run: the
+    same scalars read back, neither writes the samples (no text, no tensor), and both say so."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    from .test_upload import _run_with_samples
+
+    run = tmp_path / "exp"
+    _run_with_samples(run)
+    written = {}
+    for how, extra in [("plain", []), ("follow", ["--follow", "--until-idle", "0.1s"])]:
+        logdir = tmp_path / how
+        done = CliRunner().invoke(
+            app, ["upload", str(run), "--to", "tensorboard", "--logdir", str(logdir), *extra]
+        )
+        assert done.exit_code == 0, done.output
+        assert (
+            "6 step(s) hold samples (Reduce.SAMPLE): the TensorBoard files hold scalars only" in done.output
+        ), how
+        acc = event_accumulator.EventAccumulator(
+            str(logdir / "exp"), size_guidance={event_accumulator.TENSORS: 0}
+        )
+        acc.Reload()
+        assert acc.Tags()["tensors"] == [], how  # text summaries are tensors of the text plugin
+        written[how] = {
+            tag: [(step, value) for step, value, _ in events]
+            for tag, events in scalars(logdir / "exp").items()
+        }
+    assert written["follow"] == written["plain"] and written["plain"]
+
+
 def test_a_ledger_an_earlier_version_wrote_is_read_and_nothing_is_written_again(run, tmp_path):
     """Before the one ledger format, TensorBoard's ledger kept "rows" and no "rows_sent":
     such a ledger still says the runs are written."""

@@ -550,7 +550,7 @@ def test_after_a_restart_the_same_upload_sends_the_new_history(tmp_path):
     ("args", "says"),
     [
         (["--project", "bad/project name"], "--project 'bad/project name' holds /, which W&B does not allow"),
-        (["--project", " "], "--project ' ' must name a W&B project"),
+        (["--project", " "], "--project ' ' is blank: W&B needs a project name"),
         (["--project", "p", "--entity", "a:b"], "--entity 'a:b' holds :, which W&B does not allow"),
         (
             ["--project", "p", "--name", "x" * 200],
@@ -572,6 +572,40 @@ def test_a_request_that_cannot_be_served_fails_at_once_before_anything_is_read(t
     result = runner.invoke(app, ["upload", str(tmp_path / "not-even-read"), "--dry-run", *args])
     assert result.exit_code == 2, result.output
     assert result.stderr.splitlines()[-1] == f"Error: Invalid value: {says}"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--project", "p", "--name", " "], "--name ' ' is blank: W&B needs a run name"),
+        (["--to", "mlflow", "--name", " "], "--name ' ' is blank: MLflow needs a run name"),
+        (["--to", "mlflow", "--group", " "], "--group ' ' is blank: MLflow needs a group name"),
+        (
+            ["--to", "mlflow", "--name", "x" * 251],
+            f"--name '{'x' * 251}' is too long: MLflow takes at most 250 characters",
+        ),
+        (["--to", "tensorboard", "--logdir", "tb", "--name", " "], "is blank: TensorBoard needs a run name"),
+        (["--to", "tensorboard", "--logdir", "tb", "--group", "\t"], "is blank: TensorBoard needs a group"),
+    ],
+)
+def test_a_bad_name_is_refused_naming_the_destination_chosen(tmp_path, args, says):
+    result = runner.invoke(app, ["upload", str(tmp_path / "not-even-read"), "--dry-run", *args])
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr.splitlines()[-1]
+    for other in {"W&B", "MLflow", "TensorBoard"} - {says.split(": ")[-1].split()[0]}:
+        assert other not in result.stderr, result.stderr
+
+
+def test_a_name_too_long_for_w_and_b_goes_to_mlflow_and_tensorboard(small_run, tmp_path):
+    """200 characters: more than W&B's 128, within MLflow's 250; TensorBoard has no rule of its own."""
+    name = "n" * 200
+    for args in (
+        ["--to", "mlflow", "--tracking-uri", f"sqlite:///{tmp_path}/m.db"],
+        ["--to", "tensorboard", "--logdir", str(tmp_path / "tb")],
+    ):
+        result = runner.invoke(app, ["upload", str(small_run), "--dry-run", "--name", name, *args])
+        assert result.exit_code == 0, result.output
+        assert name in result.output
 
 
 def test_a_dry_run_says_a_pattern_that_matches_nothing_and_prints_no_null(small_run):

@@ -169,8 +169,10 @@ def across_runs(rows: pl.DataFrame, cells: list[str], across: Sequence[str]) -> 
 
     from metric_core.offline.engine import exact
 
-    # a cell's values together and in order (NaN last): min, max and median are read off them
-    rows = rows.sort([*cells, "value"], maintain_order=True)
+    # a cell's values together and in order (NaN last, -0.0 before 0.0 as the engine orders
+    # them, whatever the runs' labels): min, max and median are read off them
+    negative = (1.0 / pl.col("value")) < 0  # the sign, -0.0's included
+    rows = rows.sort([*cells, "value", negative], descending=[False] * (len(cells) + 1) + [True])
     cell = rows.select(pl.struct(cells).rle_id()).to_series().to_numpy().astype(np.int64)
     starts = np.flatnonzero(np.r_[True, cell[1:] != cell[:-1]]) if len(cell) else np.zeros(0, np.int64)
     n_cells = len(starts)

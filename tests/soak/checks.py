@@ -12,6 +12,7 @@ import json
 import math
 import re
 import shutil
+import threading
 from collections import Counter, defaultdict
 from fractions import Fraction
 from pathlib import Path
@@ -23,7 +24,18 @@ from tests.soak.oracle import Rec, Truth, check_value, expected_alarms, read_tru
 # What a job is checked with, besides its raw records (always): a fixed seed of the suite
 # can name the ones that found its bug (seeds.txt's ``only=``), so it costs less there.
 CHECKS = frozenset(
-    {"reduce", "by_time", "keys", "samples", "inspect", "uploads", "alerts", "torchforge", "across"}
+    {
+        "reduce",
+        "by_time",
+        "keys",
+        "samples",
+        "inspect",
+        "uploads",
+        "alerts",
+        "torchforge",
+        "across",
+        "trackers",
+    }
 )
 
 
@@ -80,6 +92,8 @@ def check_job(job) -> None:
             damaged=set(job.notes.get("damaged_sources", [])),
             seen_sources={(r["process"], r["rank"]) for r in seen},
         )
+    if spec.get("trackers") and "trackers" in wanted:
+        trackers(job, seen)
 
 
 # -- raw records ---------------------------------------------------------------------
@@ -1092,3 +1106,190 @@ def _float32_equal(got: float, want: float) -> bool:
 
 def _span(steps: list) -> str:
     return f"{len(steps)} from {steps[0]} to {steps[-1]}" if steps else "none"
+
+
+# -- other trackers, out and in (issue 45) ---------------------------------------------
+
+DBL_MAX = 1.7976931348623157e308  # what MLflow's SQL store keeps for an infinity
+
+
+def trackers(job, seen: list[dict]) -> None:
+    """``upload --to mlflow`` read back with ``MlflowClient`` against ``reduce``'s answer
+    (checked against the records above), bit for bit, an infinity as +-DBL_MAX and -0.0 as
+    0.0 (docs/destinations.md); again: not a
+    metric more. Then ``import`` of what an upload wrote, or of an export of the raw records,
+    and ``reduce`` of the imported run against what the source holds."""
+    spec = job.job["trackers"]
+    held = mlflow_upload(job, spec["mlflow"]) if spec["mlflow"] else None
+    if spec["import"]:
+        imported(job, spec["import"], seen, held)
+
+
+def mlflow_upload(job, mode: str) -> list[dict] | None:
+    """The values the MLflow runs hold, as records (process, rank, step, key, value,
+    timestamp), or None when the upload or the reduce to compare with did not run."""
+    reduced = job.dir / "out" / f"{mode}.parquet"
+    if not reduced.exists():
+        return None  # nothing reduced (said there)
+    shutil.copyfile(_empty_store(job.dir.parent), job.dir / "out" / "mlruns.db")
+    uri = f"sqlite:///{job.dir / 'out' / 'mlruns.db'}"
+    args = ["upload", str(job.run), "--to", job.choice("mlflow"), "--tracking-uri", uri]
+    args += ["--experiment", "soak", "--mode", job.choice(mode)]
+    if job.command("upload-mlflow", *args).code != 0:
+        return None
+    held = _mlflow_records(uri)
+    where = ("step", "key") if mode == "global_reduce" else ("process", "rank", "step", "key")
+    got: dict[tuple, list[float]] = defaultdict(list)
+    for r in held:
+        got[tuple(r[c] for c in where)].append(r["value"])
+    want = {tuple(r[c] for c in where): r["value"] for r in read_frame(reduced)}
+    bad = []
+    if set(got) != set(want):
+        odd = sorted(set(got) ^ set(want), key=str)[:3]
+        bad.append(f"groups {odd} in one of MLflow and reduce only")
+    for at, values in got.items():
+        if at not in want:
+            continue
+        job.result.values += 1
+        stored = math.copysign(DBL_MAX, want[at]) if math.isinf(want[at]) else want[at] or 0.0
+        if len(values) != 1 or not _same_float(values[0], stored):
+            bad.append(f"{at}: {values!r} in MLflow, reduce's {want[at]!r}")
+    if bad:
+        job.result.fail(
+            f"upload --to mlflow --mode {mode}: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3])
+        )
+    before = _metric_rows(job.dir / "out" / "mlruns.db")
+    if job.command("upload-mlflow-again", *args).code == 0:
+        after = _metric_rows(job.dir / "out" / "mlruns.db")
+        if after != before:
+            job.result.fail(f"upload --to mlflow again: {after - before} metric(s) added, expected none")
+    return held
+
+
+_STORE_LOCK = threading.Lock()
+
+
+def _empty_store(root: Path) -> Path:
+    """An empty MLflow SQLite store, made once a soak and copied into each job that uploads
+    there: making one (MLflow's schema migrations) costs more CPU than the upload itself,
+    and tests/test_mlflow.py makes its stores from nothing."""
+    path = root / "mlflow-empty.db"
+    with _STORE_LOCK:
+        if not path.exists():
+            import logging
+
+            from mlflow.tracking import MlflowClient
+
+            for name in ("mlflow", "alembic"):  # its schema's set-up, said at INFO
+                logging.getLogger(name).setLevel(logging.WARNING)
+
+            making = root / "mlflow-empty.db.part"
+            making.unlink(missing_ok=True)
+            MlflowClient(tracking_uri=f"sqlite:///{making}").search_experiments()
+            making.rename(path)
+    return path
+
+
+def _mlflow_records(uri: str) -> list[dict]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    out = []
+    for run in client.search_runs([client.get_experiment_by_name("soak").experiment_id]):
+        tags = run.data.tags
+        process, rank = tags.get("metriclog.process"), int(tags.get("metriclog.rank", 0))
+        for key in run.data.metrics:
+            for m in client.get_metric_history(run.info.run_id, key):
+                out.append(
+                    {
+                        "process": process,
+                        "rank": rank,
+                        "step": m.step,
+                        "key": key,
+                        "value": m.value,
+                        "timestamp": m.timestamp / 1000,
+                    }
+                )
+    return out
+
+
+def _metric_rows(db: Path) -> int:
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        return con.execute("SELECT COUNT(*) FROM metrics").fetchone()[0]
+
+
+def imported(job, spec: dict, seen: list[dict], held: list[dict] | None) -> None:
+    """``import`` of ``spec["source"]``, then ``reduce --mode global_reduce`` of the imported
+    run: each step and key's ``spec["reduce"]`` over the values the source holds, exactly
+    (the TensorBoard files': float32, as TensorBoard's own reader gives them back)."""
+    source, stat = spec["source"], spec["reduce"]
+    out = job.dir / "out"
+    options = ["--reduce", job.choice(stat)]
+    if source == "mlflow":
+        if held is None:
+            return
+        src = "mlflow"
+        options += ["--tracking-uri", f"sqlite:///{out / 'mlruns.db'}", "--experiment", "soak"]
+        truth = held
+    elif source == "tensorboard":
+        src = str(out / "tb")
+        if not (out / "tb").is_dir() or not job.result.commands["upload-tensorboard"]:
+            return
+        truth = _tensorboard_records(out / "tb")
+    else:
+        import polars as pl
+
+        path = out / f"export.{source}"
+        frame = pl.DataFrame(
+            {
+                "step": [r["step"] for r in seen],
+                "key": [r["key"] for r in seen],
+                "value": [float(r["value"]) for r in seen],
+                "time": [r["timestamp"] for r in seen],
+            },
+            schema={"step": pl.Int64, "key": pl.String, "value": pl.Float64, "time": pl.Float64},
+        )
+        if source == "csv":
+            frame.write_csv(path)
+            truth = seen
+        else:  # JSON has no NaN or infinity: polars writes null, which import says it left out
+            frame.write_ndjson(path)
+            truth = [r for r in seen if math.isfinite(r["value"])]
+        src = str(path)
+        options += ["--key-col", "key", "--value-col", "value", "--time-col", "time"]
+    truth = [{**r, "reduction": stat} for r in truth]
+    run = out / f"imported-{source}"
+    done = job.command(
+        f"import-{source}", "import", src, str(run), *options, expect=(0,) if truth else (0, 1)
+    )
+    if done.code != 0:
+        return
+    if len(truth) < len(seen) and source == "jsonl" and "not imported" not in done.err:
+        job.result.fail(f"import of a JSONL export: {len(seen) - len(truth)} null value(s) left out unsaid")
+    reduced = out / f"imported-{source}.parquet"
+    args = ["reduce", str(run), "--mode", job.choice("global_reduce"), "--out", str(reduced)]
+    if job.command(f"reduce-imported-{source}", *args).code == 0:
+        compare_groups(
+            job,
+            f"import of {source} --reduce {stat}, then reduce",
+            read_frame(reduced),
+            expected_groups(truth, "global_reduce"),
+            "global_reduce",
+            lambda key, red: stat,
+        )
+
+
+def _tensorboard_records(logdir: Path) -> list[dict]:
+    """Every scalar of every event file below ``logdir``, as TensorBoard's reader gives it."""
+    from tensorboard.backend.event_processing import event_accumulator as ea
+
+    out = []
+    for folder in sorted({p.parent for p in logdir.rglob("events.out.tfevents.*")}):
+        acc = ea.EventAccumulator(str(folder), size_guidance={ea.SCALARS: 0}, purge_orphaned_data=False)
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            for e in acc.Scalars(tag):
+                out.append({"step": e.step, "key": tag, "value": e.value, "timestamp": e.wall_time})
+    return out

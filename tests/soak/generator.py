@@ -25,6 +25,9 @@ A job is a plain dict (JSON, kept beside the run as ``job.json``):
   Every choice a command takes is spelled at random besides (``spell``).
 * ``across``: issue 46's commands over many runs, from a random of its own too
   (``_across``): ``compare`` of the run and copies of it, ``diff`` of the run and a copy.
+* ``trackers``: issue 45's destinations and imports, from a random of its own too
+  (``_trackers``): ``upload --to mlflow`` into a SQLite store of the job's own, and
+  ``import`` of what an upload wrote (MLflow, TensorBoard) or of an export of the records.
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ STATISTICS = (
 MODES = ("global_reduce", "per_rank_reduce", "per_rank_no_reduce")
 
 
-def make_job(seed: int, alerts: bool = True, torchforge: bool = True, across: bool = True) -> dict:
+def make_job(
+    seed: int, alerts: bool = True, torchforge: bool = True, across: bool = True, trackers: bool = True
+) -> dict:
     """The job of ``seed``: the same dict for the same seed, on any machine (``alerts``:
     False, the job as it was before alarms joined the soak: ``alerts`` None; ``torchforge``:
     False, as it was before issue 44's parts joined it: ``torchforge`` None)."""
@@ -100,6 +105,7 @@ def make_job(seed: int, alerts: bool = True, torchforge: bool = True, across: bo
     job["alerts"] = _alerts(random.Random(f"alerts-{seed}"), job) if alerts else None
     job["torchforge"] = _torchforge(random.Random(f"torchforge-{seed}"), job) if torchforge else None
     job["across"] = _across(random.Random(f"across-{seed}")) if across else None
+    job["trackers"] = _trackers(random.Random(f"trackers-{seed}"), job) if trackers else None
     return job
 
 
@@ -114,6 +120,30 @@ def _across(rng: random.Random) -> dict | None:
     if rng.random() >= ACROSS_SHARE:
         return None
     return {"copies": rng.choice((1, 2)), "mode": rng.choice(MODES[:2])}
+
+
+# -- other trackers, out and in (issue 45) ------------------------------------------------
+
+# Small shares: an MLflow command costs several seconds of CPU (importing mlflow and opening
+# its SQL store), an import and its reduce about two small commands; the soak is CPU-bound.
+MLFLOW_SHARE = 0.04
+IMPORT_SHARE = 0.1
+REDUCE_ON_IMPORT = ("mean", "sum", "max", "min", "std")
+
+
+def _trackers(rng: random.Random, job: dict) -> dict | None:
+    """For about 1 job in 25: ``upload --to mlflow`` in ``mlflow`` mode (then again: nothing
+    added), and for half of those ``import`` of what it wrote; for about 1 in 10: ``import``
+    of ``source`` (what the TensorBoard upload wrote, or a CSV or JSONL export of the raw
+    records). Each import with ``--reduce reduce``."""
+    mlflow = rng.choice(MODES[:2]) if rng.random() < MLFLOW_SHARE else None
+    source = "mlflow" if mlflow and rng.random() < 0.5 else None
+    if source is None and rng.random() < IMPORT_SHARE:
+        source = "tensorboard" if job["uploads"] else rng.choice(("csv", "jsonl"))
+    if mlflow is None and source is None:
+        return None
+    imported = {"source": source, "reduce": rng.choice(REDUCE_ON_IMPORT)} if source else None
+    return {"mlflow": mlflow, "import": imported}
 
 
 # -- torchforge's habits (issue 44) ------------------------------------------------------

@@ -89,6 +89,7 @@ class Job:
             alerts=only is None or "alerts" in only,
             torchforge=only is None or "torchforge" in only,
             across=only is None or "across" in only,
+            trackers=only is None or "trackers" in only,
         )
         if only is not None and "uploads" not in only:  # no upload beside the job either
             self.job.update(follow=False, live_upload=False, uploads=False)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from metric_core import run_json
+from metric_core.atomic import replace_file
 from metric_core.errors import PlanError, SourceError
 from metric_core.format.schema import parse_json
 from metric_core.metric import Reduce
@@ -78,10 +79,14 @@ def import_source(
     identity = importer.identity()
     digest = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
     out = Path(run_dir)
-    if _holds(out, digest):
+    if _holds(out, digest, warn):
         return ImportResult(out, digest, importer.name, importer.kind, added=False)
     result = ImportResult(out, digest, importer.name, importer.kind, added=True)
     skipped: collections.Counter[str] = collections.Counter()
+    out.mkdir(parents=True, exist_ok=True)
+    # Said before the first record, gone after run.json: an import stopped in between (a kill,
+    # a full disk) is known by it, and the same import started again redoes it.
+    replace_file(out / run_json.IMPORTING, f"{digest}\n".encode(), fsync=True)
     for stream in importer.streams():
         writer = StreamWriter(out, stream, reduction, skipped, run_id=digest)
         writer.write_all(stream.items)
@@ -89,12 +94,13 @@ def import_source(
     skipped.update(importer.skipped)
     result.skipped, result.name = dict(skipped), importer.name  # an importer may learn its name as it reads
     if not result.sources:
+        (out / run_json.IMPORTING).unlink()
         raise SourceError(f"{src}: nothing to import (no stream of records found in it)")
-    out.mkdir(parents=True, exist_ok=True)
     write_run_json(
         out, name=importer.name, run_id=digest, world_size=max(s[1] for s in result.sources) + 1,
         config=importer.config, source=identity,
     )  # fmt: skip
+    (out / run_json.IMPORTING).unlink()
     return result
 
 
@@ -129,8 +135,10 @@ def _open(src: str | Path, warn: Warn, **options: Any) -> Importer:
     )
 
 
-def _holds(run_dir: Path, run_id: str) -> bool:
-    """Whether ``run_dir`` holds this import already; refused when it holds anything else."""
+def _holds(run_dir: Path, run_id: str, warn: Warn) -> bool:
+    """Whether ``run_dir`` holds this import already; refused when it holds anything else.
+    What an import of the same source that was stopped before its end wrote is removed
+    (said), to be written again."""
     meta_path = run_dir / run_json.NAME
     if meta_path.is_file():
         try:
@@ -145,10 +153,39 @@ def _holds(run_dir: Path, run_id: str) -> bool:
         )
     if run_dir.is_dir():
         data = [p for p in run_dir.rglob("*") if p.suffix in _DATA_SUFFIXES and not hidden(p, run_dir)]
+        stopped = _stopped_import(run_dir)
+        if stopped == run_id:
+            written = [p for p in run_dir.rglob("*") if _import_wrote(p) and not hidden(p.parent, run_dir)]
+            for path in written:
+                path.unlink()
+            warn(
+                f"{run_dir}: an import of this source was stopped before its end; its {len(data)} "
+                "file(s) of records removed, imported again"
+            )
+            return False
         if data:
             raise SourceError(
-                f"{run_dir} holds records ({data[0].relative_to(run_dir)}, ...) and no run.json: another "
-                "run, or an import that was stopped before its end; import into a new directory, or "
-                "remove that one first"
+                f"{run_dir} holds records ({data[0].relative_to(run_dir)}, ...) and no run.json: "
+                + (
+                    "an import of another source, stopped before its end"
+                    if stopped
+                    else "another run, or an import that was stopped before its end"
+                )
+                + "; import into a new directory, or remove that one first"
             )
     return False
+
+
+def _stopped_import(run_dir: Path) -> str | None:
+    """The run id of the import whose marker ``run_dir`` holds, if any."""
+    try:
+        return (run_dir / run_json.IMPORTING).read_text().strip() or None
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+
+
+def _import_wrote(path: Path) -> bool:
+    """Whether ``path`` is what an import writes: records, or the writer's unfinished files."""
+    return path.is_file() and (
+        path.suffix in _DATA_SUFFIXES or (path.name.startswith(".") and path.suffix == ".tmp")
+    )

@@ -1,19 +1,27 @@
-"""CSV, JSON lines and Parquet exports with named columns, read with polars.
+"""CSV, JSON lines and Parquet exports with named columns, read with polars a batch at a time.
 
 Long form: ``key_col`` names the metric and ``value_col`` its value, a row each. Wide
 form (no ``key_col``): every numeric column but the step and time columns is a key. The
 step column must hold integers; the time column (epoch seconds) is optional: without one,
 every record takes the file's modification time. The file is one source, named for it.
+
+The file is scanned (``polars.scan_*``), never read whole: its columns and types first
+(a CSV's from every row, counted in a streaming pass: ``_csv_types``), then the step
+column checked, then the rows a batch at a time (``collect_batches``), so an export of
+any size imports in bounded memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from metric_core.errors import SourceError
-from metric_core.offline.importers.source import PAST_FLOAT64, Importer, Stream, Warn, file_identity
+from metric_core.offline.importers.source import PAST_FLOAT64, Importer, Item, Stream, Warn, file_identity
+
+BATCH_ROWS = 65_536  # rows of the file at a time (the writer's batch)
 
 
 class TableImporter(Importer):
@@ -47,50 +55,83 @@ class TableImporter(Importer):
         return found
 
     def streams(self) -> Iterator[Stream]:
-        rows = self._long(self._read())  # read and checked before anything is written
-        yield Stream(self.name, 0, rows.iter_rows())
+        frame = self._scan()
+        self._check(frame)  # the columns and the steps, before anything is written
+        yield Stream(self.name, 0, self._records(frame))
 
-    def _read(self) -> Any:
+    def _scan(self) -> Any:
+        """The file as a ``LazyFrame`` whose schema is known (read here: a file polars
+        cannot parse is refused before anything is written)."""
         import polars as pl
 
         suffix = self.path.suffix.lower()
-        try:
+        with _readable(self.path):
             if suffix == ".csv":
-                return pl.read_csv(self.path, infer_schema_length=None)
-            if suffix == ".parquet":
-                return pl.read_parquet(self.path)
-            return pl.read_ndjson(self.path, infer_schema_length=None)
-        except (pl.exceptions.PolarsError, OSError) as exc:
+                frame = pl.scan_csv(self.path, schema=_csv_types(self.path))
+            elif suffix == ".parquet":
+                frame = pl.scan_parquet(self.path)
+            else:
+                frame = pl.scan_ndjson(self.path, infer_schema_length=None)
+            frame.collect_schema()
+        return frame
+
+    def _check(self, frame: Any) -> None:
+        """Every named column there, a key to import, and every step an integer (the first
+        row that is not one is named)."""
+        import polars as pl
+
+        schema = frame.collect_schema()
+        step, at = str(self.columns["step"]), self.columns["time"]
+        for name in (step, at, self.columns["key"], self.columns["value"]):
+            if name is not None and name not in schema:
+                raise SourceError(
+                    f"{self.path}: no column '{name}' (its columns: {', '.join(list(schema)[:20])}); "
+                    "name the columns with --step-col, --time-col, --key-col and --value-col"
+                )
+        if self.columns["key"] is None and not self._keys(schema):
+            raise SourceError(f"{self.path}: no numeric column to import besides '{step}'")
+        if schema[step].is_integer():
+            return
+        column = pl.col(step)
+        exact = column.cast(pl.Int64, strict=False)
+        bad = column.is_not_null() & (exact.is_null() | (exact.cast(pl.Float64) != column))
+        with _readable(self.path):
+            first = frame.select(step).with_row_index("row").filter(bad).head(1).collect(engine="streaming")
+        if first.height:
+            line, value = first.row(0)
             raise SourceError(
-                f"{self.path}: not readable as {suffix[1:]}: {str(exc).splitlines()[0]}"
-            ) from None
+                f"{self.path}: row {line + 1:,}: the step column '{step}' holds {value!r}, "
+                "not an integer: name the step column with --step-col"
+            )
+
+    def _keys(self, schema: Any) -> list[str]:
+        """Wide form: every numeric or boolean column but step and time is a key."""
+        import polars as pl
+
+        step, at = self.columns["step"], self.columns["time"]
+        return [
+            c for c, t in schema.items()
+            if c not in (step, at, "__time") and (t.is_numeric() or t == pl.Boolean)
+        ]  # fmt: skip
+
+    def _records(self, frame: Any) -> Iterator[Item]:
+        with _readable(self.path):
+            for batch in frame.collect_batches(chunk_size=BATCH_ROWS):
+                yield from self._long(batch).iter_rows()
 
     def _long(self, frame: Any) -> Any:
-        """The records as a frame of step, key, value, time."""
+        """A batch's records as a frame of step, key, value, time."""
         import polars as pl
 
         step, at = str(self.columns["step"]), self.columns["time"]
-        for name in (step, at, self.columns["key"], self.columns["value"]):
-            if name is not None and name not in frame.columns:
-                raise SourceError(
-                    f"{self.path}: no column '{name}' (its columns: {', '.join(frame.columns[:20])}); "
-                    "name the columns with --step-col, --time-col, --key-col and --value-col"
-                )
-        if not frame[step].dtype.is_integer():
-            exact = frame[step].cast(pl.Int64, strict=False)
-            bad = frame[step].is_not_null() & (exact.is_null() | (exact.cast(pl.Float64) != frame[step]))
-            if bad.any():
-                line = int(bad.arg_max() or 0)
-                raise SourceError(
-                    f"{self.path}: row {line + 1:,}: the step column '{step}' holds {frame[step][line]!r}, "
-                    "not an integer: name the step column with --step-col"
-                )
-            frame = frame.with_columns(exact.alias(step))
+        if not frame[step].dtype.is_integer():  # checked: each is an integer, or empty
+            frame = frame.with_columns(pl.col(step).cast(pl.Int64, strict=False))
         times = frame[at].cast(pl.Float64) if at is not None else pl.repeat(
             self.path.stat().st_mtime, frame.height, eager=True, dtype=pl.Float64
         )  # fmt: skip
         frame = frame.with_columns(times.alias("__time"))
         key, value = self.columns["key"], self.columns["value"]
+        before = self.skipped[PAST_FLOAT64]
         if key is not None and value is not None:
             long = frame.select(
                 pl.col(step).alias("step"),
@@ -100,26 +141,23 @@ class TableImporter(Importer):
             )
         else:
             long = self._wide(frame, step, at)
-        empty = long.filter(pl.any_horizontal(pl.all().is_null())).height - self.skipped[PAST_FLOAT64]
+        empty = long.filter(pl.any_horizontal(pl.all().is_null())).height - (
+            self.skipped[PAST_FLOAT64] - before
+        )
         if empty:
             self.skipped["empty cells (a row without that key, or no step, time or number)"] += empty
         return long.drop_nulls()
 
     def _wide(self, frame: Any, step: str, at: str | None) -> Any:
-        """Wide form: every numeric or boolean column but step and time is a key."""
+        """Wide form: a batch unpivoted, a record per key and row."""
         import polars as pl
 
-        keys = [
-            c for c, t in frame.schema.items()
-            if c not in (step, at, "__time") and (t.is_numeric() or t == pl.Boolean)
-        ]  # fmt: skip
+        keys = self._keys(frame.schema)
         left = [c for c in frame.columns if c not in (*keys, step, at, "__time")]
         if left:
             self.skipped[f"values of columns that are no numbers ({', '.join(left[:5])})"] += (
                 frame.height * len(left)
             )
-        if not keys:
-            raise SourceError(f"{self.path}: no numeric column to import besides '{step}'")
         for c in [c for c in keys if frame[c].dtype.is_integer()]:  # past 2**53: refused, never rounded
             big = int((frame[c].abs() > 1 << 53).sum())
             if big:
@@ -129,3 +167,48 @@ class TableImporter(Importer):
         return frame.unpivot(keys, index=[step, "__time"], variable_name="key", value_name="value").select(
             pl.col(step).alias("step"), "key", "value", pl.col("__time").alias("time")
         )
+
+
+def _csv_types(path: Path) -> dict[str, Any]:
+    """Each CSV column's type from every row, as polars infers them (Int64 where every value
+    is an integer, else Float64 where every one is a number, else Boolean where every one is
+    true or false, else String; a column with no value: String), counted in one streaming
+    pass: polars' own inference over every row holds the whole file in memory."""
+    import polars as pl
+
+    strings = pl.scan_csv(path, infer_schema=False)
+    names = strings.collect_schema().names()
+    tests = {
+        pl.Int64: lambda c: c.cast(pl.Int64, strict=False).is_not_null(),
+        pl.Float64: lambda c: c.cast(pl.Float64, strict=False).is_not_null(),
+        pl.Boolean: lambda c: c.str.to_lowercase().is_in(["true", "false"]),
+    }
+    counts = (
+        strings.select(
+            *[pl.col(n).is_not_null().sum().alias(f"{i}") for i, n in enumerate(names)],
+            *[
+                (pl.col(n).is_not_null() & ~test(pl.col(n))).sum().alias(f"{i} {t}")
+                for i, n in enumerate(names)
+                for t, test in tests.items()
+            ],
+        )
+        .collect(engine="streaming")
+        .row(0, named=True)
+    )
+    return {
+        n: next((t for t in tests if counts[f"{i}"] and not counts[f"{i} {t}"]), pl.String)
+        for i, n in enumerate(names)
+    }
+
+
+@contextlib.contextmanager
+def _readable(path: Path) -> Iterator[None]:
+    """polars' and the file system's errors as a ``SourceError`` naming the file."""
+    import polars as pl
+
+    try:
+        yield
+    except (pl.exceptions.PolarsError, OSError) as exc:
+        raise SourceError(
+            f"{path}: not readable as {path.suffix.lower()[1:]}: {str(exc).splitlines()[0]}"
+        ) from None

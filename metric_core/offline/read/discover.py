@@ -202,6 +202,11 @@ def read_run_json(root: RunPath, report: ReadReport) -> dict[str, Any]:
             report.notices.append(f"run.json: {_not_read(path, exc)}; its metadata is ignored")
             return {}
     if not path.exists():
+        if isinstance(root, Path) and (root / run_json.IMPORTING).is_file():
+            report.notices.append(
+                f"an import into this directory stopped before its end ({run_json.IMPORTING}, no run.json): "
+                "its records are partial; run the same `metriclog import` again to finish it"
+            )
         return {}
     if isinstance(path, Path) and not path.is_file():  # a FIFO would block the read
         report.notices.append("run.json: not a regular file; its metadata is ignored")

@@ -160,6 +160,14 @@ def upload_run(
             root, plan, to, dry_run=dry_run, force_new=force_new, events=events, follow=follow,
             samples=samples or SampleChoice(), **read,
         )  # fmt: skip
+        if not dry_run and not to.takes_samples:  # said as a plain upload says them
+            _said_samples(
+                root,
+                planned,
+                _sample_tables(root, plan, samples or SampleChoice(), share_run, events),
+                to,
+                events,
+            )
         return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
     prepare: Callable[[], PlannedRuns] = functools.partial(
         _prepare, root, plan, on_progress=on_progress, engine=engine, ray_address=ray_address, **read

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from metric_core.errors import as_keyword
+from metric_core.errors import PlanError, as_keyword
 from metric_core.offline.upload.ledger import Ledger
 from metric_core.offline.upload.restarts import Source, stale_steps
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns
@@ -87,11 +87,12 @@ class Destination:
     # Its client takes a while to import: it is imported while a child reads the run (``overlap``).
     slow_client: ClassVar[bool] = False
 
+    # The most characters of a run or group name it takes (None: no rule of its own).
+    longest_name: ClassVar[int | None] = None
+
     def check(self, *, name: str | None, group: str | None) -> None:
         """Raise ``PlanError`` for a name the destination would refuse, before anything is read."""
-        from metric_core.offline.upload.send import check_names
-
-        check_names(group=group, name=name)
+        check_names(self.kind, self.longest_name, group=group, name=name)
 
     def request(self, name: str | None, group: str | None, *, run_name: str) -> dict[str, Any]:
         """What identifies this destination in the runs' ids, with the names the user gave
@@ -311,3 +312,18 @@ def send_runs(
     """Send every planned run to ``to``, as its ledger entry says (skipped, resumed, ...)."""
     sender = to.sender(planned, ledger, force_new=force_new, events=events or UploadEvents(), samples=samples)
     return [sender.send(run) for run in planned.runs]
+
+
+def check_names(kind: str, longest: int | None, **names: str | None) -> None:
+    """Raise ``PlanError`` for a name ``kind`` would refuse: blank, or of more than
+    ``longest`` characters. E.g. ``check_names("W&B", 128, group=" ")``."""
+    for option, value in names.items():
+        if value is None:
+            continue
+        if not value.strip():
+            noun = "run" if option == "name" else option
+            raise PlanError(f"is blank: {kind} needs a {noun} name", option=option, value=value)
+        if longest is not None and len(value) > longest:
+            raise PlanError(
+                f"is too long: {kind} takes at most {longest} characters", option=option, value=value
+            )

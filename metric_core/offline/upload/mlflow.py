@@ -53,6 +53,7 @@ MAX_METRICS_PER_BATCH = 1_000  # MLflow's limit of metrics in one log_batch
 MAX_PARAMS_PER_BATCH = 100  # and of params
 MAX_KEY = 250  # characters of a metric or param key
 MAX_PARAM_VALUE = 6_000  # characters of a param's value
+MAX_RUN_NAME = 250  # characters of a run's name (its SQL store's column)
 UPLOADED = "uploaded to MLflow"
 DBL_MAX = 1.7976931348623157e308  # what MLflow's SQL store keeps for an infinity
 
@@ -68,6 +69,7 @@ class MLflow(Destination):
 
     kind = "MLflow"
     slow_client = True  # mlflow takes seconds to import: done while a child reads the run
+    longest_name = MAX_RUN_NAME
 
     def request(self, name: str | None, group: str | None, *, run_name: str) -> dict[str, Any]:
         return {"mlflow": self.tracking_uri, "experiment": self.experiment, "name": name, "group": group}

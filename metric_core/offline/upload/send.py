@@ -25,6 +25,7 @@ from metric_core.offline.upload.destination import (
     RunOutcome,
     Sender,
     UploadEvents,
+    check_names,
     find_entry,
     send_runs,
     stale_in,
@@ -56,6 +57,10 @@ CONNECT_TIMEOUT = 10.0
 # upload --follow tries an unreachable W&B again for this long, backing off up to a minute.
 FOLLOW_PATIENCE = 1800.0
 FOLLOW_BACKOFF_MAX = 60.0
+# W&B's rules for project, entity and run names, checked before anything is read or sent
+# (W&B rejects these with a 4xx that no retry heals).
+_FORBIDDEN = set("/\\#?%:")
+MAX_NAME = 128
 
 
 @dataclass
@@ -74,7 +79,7 @@ class WandB(Destination):
     slow_client = True
 
     def check(self, *, name: str | None, group: str | None) -> None:
-        check_names(project=self.project, entity=self.entity, group=group, name=name)
+        check_wandb_names(project=self.project, entity=self.entity, group=group, name=name)
 
     def request(self, name: str | None, group: str | None, *, run_name: str) -> dict[str, Any]:
         return {"entity": self.entity, "project": self.project, "name": name, "group": group}
@@ -139,24 +144,12 @@ def _wandb_teardown() -> None:
     wandb.teardown()
 
 
-# W&B's rules for project, entity and run names, checked before anything is read or sent
-# (W&B rejects these with a 4xx that no retry heals).
-_FORBIDDEN = set("/\\#?%:")
-MAX_NAME = 128
-
-
-def check_names(**names: str | None) -> None:
-    """Raise ``PlanError`` for a name W&B would reject: e.g. ``check_names(project="a/b")``."""
-    for option, value in names.items():
-        if value is None:
-            continue
-        if not value.strip():
-            raise PlanError(f"must name a W&B {option}", option=option, value=value)
-        if len(value) > MAX_NAME:
-            raise PlanError(
-                f"is too long: W&B takes at most {MAX_NAME} characters", option=option, value=value
-            )
-        bad = sorted(_FORBIDDEN & set(value)) if option in ("project", "entity") else []
+def check_wandb_names(**names: str | None) -> None:
+    """Raise ``PlanError`` for a name W&B would reject: e.g. ``check_wandb_names(project="a/b")``."""
+    check_names("W&B", MAX_NAME, **names)
+    for option in ("project", "entity"):
+        value = names.get(option)
+        bad = sorted(_FORBIDDEN & set(value)) if value is not None else []
         if bad:
             raise PlanError(f"holds {' '.join(bad)}, which W&B does not allow", option=option, value=value)
 
