@@ -83,18 +83,18 @@ def import_source(
         return ImportResult(out, digest, importer.name, importer.kind, added=False)
     result = ImportResult(out, digest, importer.name, importer.kind, added=True)
     skipped: collections.Counter[str] = collections.Counter()
-    out.mkdir(parents=True, exist_ok=True)
-    # Said before the first record, gone after run.json: an import stopped in between (a kill,
-    # a full disk) is known by it, and the same import started again redoes it.
-    replace_file(out / run_json.IMPORTING, f"{digest}\n".encode(), fsync=True)
-    for stream in importer.streams():
+    for stream in importer.streams():  # a source refused as it is opened leaves nothing
+        if not result.sources:
+            # Said before the first record, gone after run.json: an import stopped in between
+            # (a kill, a full disk) is known by it, and the same import started again redoes it.
+            out.mkdir(parents=True, exist_ok=True)
+            replace_file(out / run_json.IMPORTING, f"{digest}\n".encode(), fsync=True)
         writer = StreamWriter(out, stream, reduction, skipped, run_id=digest)
         writer.write_all(stream.items)
         result.sources.append((stream.process, stream.rank, writer.records, writer.samples))
     skipped.update(importer.skipped)
     result.skipped, result.name = dict(skipped), importer.name  # an importer may learn its name as it reads
     if not result.sources:
-        (out / run_json.IMPORTING).unlink()
         raise SourceError(f"{src}: nothing to import (no stream of records found in it)")
     write_run_json(
         out, name=importer.name, run_id=digest, world_size=max(s[1] for s in result.sources) + 1,
