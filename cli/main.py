@@ -20,7 +20,6 @@ import typer.core
 
 from metric_core.errors import MetricLogError, PlanError, spell_options
 from metric_core.metric import LoggingMode
-from metric_core.offline.plan import By
 from metric_core.offline.storage import check_target
 
 from . import options as o
@@ -104,23 +103,16 @@ def command_run() -> Iterator[None]:
         output.error(exc.text(o.as_flag))
         raise typer.Exit(code=1) from None
     except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        output.error(f"{where}{_gist(exc.strerror or exc)}")
+        output.error(output.os_error_text(exc))
         raise typer.Exit(code=1) from None
 
 
 @app.command(cls=_Command, short_help="Compute a logging mode offline from a run's raw records.")
+@o.plan_options("reduce")
 def reduce(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     out: o.OutFile = None,
     form: o.FormatOpt = None,
     limit: o.Limit = None,
@@ -142,9 +134,9 @@ def reduce(
     from metric_core.offline.engine import pivot_wide, run_plan
 
     with command_run():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan()
         o.rows(limit, tail, out, form)
-        if wide and mode is LoggingMode.PER_RANK_NO_REDUCE:
+        if wide and plan_options.mode is LoggingMode.PER_RANK_NO_REDUCE:
             raise PlanError("--wide needs a reducing mode (global_reduce or per_rank_reduce)")
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
@@ -161,15 +153,16 @@ def reduce(
             frames = pivot_wide(result.batches(), plan) if wide else result.batches()  # written as it comes
             output.emit(
                 frames, form=form and form.value, out=out, limit=limit, tail=tail,
-                derived=f"reduce --mode {mode.value}", run_dir=run_dir,
+                derived=f"reduce --mode {plan_options.mode.value}", run_dir=run_dir,
             )  # fmt: skip
         for note in result.unmatched:
             output.say("warning", note.text(o.as_flag))
 
 
 @app.command(cls=_Command, short_help="Upload a logging mode of a run to W&B, TensorBoard files or MLflow.")
+@o.plan_options("upload")
 def upload(
-    run_dir: o.RunDir,
+    runs: o.Runs,
     project: o.Project = None,
     to: o.ToOpt = o.To.WANDB,
     logdir: o.Logdir = None,
@@ -178,18 +171,11 @@ def upload(
     entity: o.Entity = None,
     group: o.Group = None,
     name: o.Name = None,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
     per_rank_share_run: o.ShareRun = False,
     offline: o.Offline = False,
     dry_run: o.DryRun = False,
     force_new: o.ForceNew = False,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
     follow: o.FollowOpt = False,
@@ -215,7 +201,9 @@ def upload(
 ) -> None:
     """Upload a logging mode of a run to W&B, TensorBoard or MLflow (idempotent, resumable).
 
-    With --follow, upload it live, beside the job that writes it. Each key of samples
+    Several runs go one after the other, each as if uploaded alone; one that fails does not
+    stop the others, and the exit code is the worst of theirs. With --follow (one run), upload
+    it live, beside the job that writes it. Each key of samples
     (Reduce.SAMPLE) goes as a W&B table per step, in that step's row: by default the top 2
     and bottom 2 by reward where the samples have it, else 4 at random (--sample-tables
     incremental: torchforge's incremental {key}_table instead, for a recent W&B server).
@@ -224,23 +212,24 @@ def upload(
 
     \b
         metriclog upload runs/exp1 --project rl --mode per_rank_reduce --offline
+        metriclog upload 'runs/seed*' --project rl --group seeds
         metriclog upload runs/exp1 --project rl --follow
         metriclog upload runs/exp1 --to tensorboard --logdir tb --mode per_rank_reduce
         metriclog upload runs/exp1 --to mlflow --experiment rl
     """
-    from metric_core.offline.upload import upload_run
+    from metric_core.offline.upload import upload_runs
 
-    os.environ.setdefault("WANDB_SILENT", "true")
-    os.environ.setdefault("WANDB_CONSOLE", "off")
-    with command_run(), output.EventCommands(on_alert, run_dir, option="--on-alert", kind="alert") as alerts:
+    report = output.RunsReport()
+    with command_run(), output.EventCommands(on_alert, runs[0], option="--on-alert", kind="alert") as alerts:
         alarms = o.alarms(alert, alert_on, on_alert)
         following = o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait, alarms)
         with output.upload_events() as events, output.read_progress() as progress:
             events.alert = alerts.run
-            result = upload_run(
-                run_dir,
-                o.plan(mode, by, every, reduce, key, ranks, steps, attempts),
+            upload_runs(
+                runs,
+                plan_options.plan(),
                 o.destination(to, project, entity, offline, connect_timeout, logdir, uri, experiment),
+                **report.callbacks(),
                 name=name,
                 group=group,
                 share_run=per_rank_share_run,
@@ -257,14 +246,15 @@ def upload(
                     sample_top, sample_bottom, sample_by, sample_random, sample_seed, no_samples, tables
                 ),
             )
-        raise typer.Exit(output.print_upload(result))
+    raise typer.Exit(report.code)
 
 
 @app.command(cls=_Command, short_help="Tell what happened in a crashed or hung run.")
+@o.plan_options("inspect")
 def inspect(
     run_dir: o.RunDir,
     follow_symlinks: o.FollowSymlinks = False,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     json_out: o.Json = False,
     form: o.InspectFormat = None,
     pause_after: o.PauseAfter = None,
@@ -286,7 +276,7 @@ def inspect(
         report = inspect_run(
             run_dir,
             follow_symlinks=follow_symlinks,
-            attempts=attempts,
+            attempts=plan_options.attempts,
             on_read=output.said_skips,
             on_progress=progress,
             pause_after=pause_after,
@@ -300,17 +290,12 @@ def inspect(
 
 
 @app.command(cls=_Command, short_help="Plot keys of a run, or several runs with bands, to PNG, SVG or PDF.")
+@o.plan_options("plot")
 def plot(
     runs: o.Runs,
     key: o.PlotKeys,
     out: o.PngFile,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     follow_symlinks: o.FollowSymlinks = False,
     smooth: o.Smooth = 0.0,
     band: o.Band = "std",
@@ -333,7 +318,7 @@ def plot(
     from metric_core.offline.plot import plot_run, plot_runs
 
     with command_run(), output.read_progress() as progress:
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan(keys=key)
         check_target(out)
         dirs = expand_runs(runs)
         shared = {
@@ -350,11 +335,11 @@ def plot(
 
 
 @app.command(cls=_Command, short_help="List the keys of a run: reductions, records, sources, steps.")
+@o.plan_options("keys")
 def keys(
     run_dir: o.RunDir,
-    key: o.Keys = None,
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     follow_symlinks: o.FollowSymlinks = False,
-    attempts: o.Attempts = "rewind",
     out: o.OutFile = None,
     form: o.FormatOpt = None,
     json_out: o.KeysJson = False,
@@ -380,7 +365,8 @@ def keys(
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
             found = key_frames(
-                run_dir, keys=key or (), follow_symlinks=follow_symlinks, attempts=attempts,
+                run_dir, keys=plan_options.key or (), follow_symlinks=follow_symlinks,
+                attempts=plan_options.attempts,
                 on_read=output.said_skips, on_progress=progress,
             )  # fmt: skip
         output.emit(
@@ -390,11 +376,10 @@ def keys(
 
 
 @app.command(cls=_Command, short_help="List a run's samples (Reduce.SAMPLE), or some per step.")
+@o.plan_options("samples")
 def samples(
     run_dir: o.RunDir,
-    key: o.Keys = None,
-    steps: o.Steps = None,
-    ranks: o.Ranks = None,
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     top: o.Top = 0,
     bottom: o.Bottom = 0,
     by: o.By_ = None,
@@ -422,7 +407,8 @@ def samples(
         o.rows(limit, tail, out, form)
         check_target(None if out == "-" else out)
         frame, read = select_samples(
-            run_dir, keys=key or (), ranks=ranks or (), steps=steps, attempts=attempts,
+            run_dir, keys=plan_options.key or (), ranks=plan_options.ranks or (), steps=plan_options.steps,
+            attempts=attempts,
             top=top, bottom=bottom, by=by, random=random, seed=seed, on_read=output.said_skips,
         )  # fmt: skip
         for note in read.notes:
@@ -434,6 +420,7 @@ def samples(
 
 
 @app.command(cls=_Command, short_help="Follow a run while it is written; catch hung sources.")
+@o.plan_options("watch")
 def watch(
     run_dir: o.RunDir,
     interval: o.Interval = 2.0,
@@ -441,7 +428,7 @@ def watch(
     exit_on_stall: o.ExitOnStall = False,
     stall_after: o.StallAfter = None,
     restart_grace: o.RestartGrace = o.RESTART_GRACE,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     follow_symlinks: o.FollowSymlinks = False,
     wait: o.Wait = False,
     alert: o.Alert = None,
@@ -483,7 +470,7 @@ def watch(
                 stall_after=stall_after,
                 restart_grace=o.grace(restart_grace),
                 follow_symlinks=follow_symlinks,
-                attempts=attempts,
+                attempts=plan_options.attempts,
                 wait=wait,
                 alarms=alarms,
                 on_alert=alerts.run,
@@ -530,6 +517,7 @@ def import_(
 
 
 @app.command(cls=_Command, short_help="Statistics across runs (seeds, a sweep) per step and key, exactly.")
+@o.plan_options("compare")
 def compare(
     runs: o.Runs,
     group_by: o.GroupBy = None,
@@ -537,19 +525,22 @@ def compare(
     label: o.Labels = None,
     across: o.Across = None,
     common: o.Common = False,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     out: o.OutFile = None,
     form: o.FormatOpt = None,
     limit: o.Limit = None,
     tail: o.Tail = None,
     wide: o.Wide = False,
+    to: o.CompareTo = None,
+    project: o.Project = None,
+    entity: o.Entity = None,
+    offline: o.Offline = False,
+    connect_timeout: o.ConnectTimeout = None,
+    logdir: o.Logdir = None,
+    uri: o.TrackingUri = None,  # --tracking-uri
+    experiment: o.Experiment = None,
+    dry_run: o.DryRun = False,
+    force_new: o.ForceNew = False,
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
     engine: o.EngineOpt = o.Engine.LOCAL,
@@ -559,18 +550,24 @@ def compare(
     across the runs of each group: mean, std, std_sample, stderr, min, max, median, count.
 
     Means and spreads are exact (correctly rounded), the same bits in any order of the runs.
-    A row per (group, step, key); --format, --out and --wide as reduce's.
+    A row per (group, step, key); --format, --out and --wide as reduce's. With --to, the
+    result goes to W&B, TensorBoard or MLflow instead, a run per group (sent once).
 
-    Example:
+    Examples:
 
     \b
         metriclog compare 'runs/lr*_seed*' --group-by config.lr --key 'eval/*' --across mean,stderr,count
+        metriclog compare 'runs/lr*_seed*' --group-by config.lr --to mlflow --experiment sweep
     """
     from metric_core.offline.compare import ACROSS, compare_runs
 
     with command_run():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan()
         o.rows(limit, tail, out, form)
+        where = (project, entity, offline, connect_timeout, logdir, uri, experiment, dry_run, force_new)
+        to_send = o.sent_to(
+            to, {"--out": out, "--format": form, "--limit": limit, "--tail": tail, "--wide": wide}, *where
+        )
         check_target(None if out == "-" else out)
         with output.read_progress() as progress:
             result = compare_runs(
@@ -578,6 +575,8 @@ def compare(
                 labels=label, common=common, strict=strict, follow_symlinks=follow_symlinks,
                 on_read=output.said_skips, on_progress=progress, engine=engine, ray_address=ray_address,
             )  # fmt: skip
+        if to_send is not None:
+            raise typer.Exit(_send_comparison(result, to_send, dry_run, force_new))
         output.emit(
             result.wide() if wide else result.frame, form=form and form.value, out=out, limit=limit,
             tail=tail, derived="compare", run_dir=None,
@@ -586,21 +585,26 @@ def compare(
             output.say("note", spell_options(note, o.as_flag))
 
 
+def _send_comparison(result: Any, to: Any, dry_run: bool, force_new: bool) -> int:
+    """compare --to: the notes first, then what went (``print_upload``); its exit code."""
+    from metric_core.offline.upload.comparison import send_comparison
+
+    for note in result.notes:
+        output.say("note", spell_options(note, o.as_flag))
+    with output.upload_events() as events:
+        sent = send_comparison(result, to, dry_run=dry_run, force_new=force_new, events=events)
+    return output.print_upload(sent)
+
+
 @app.command(cls=_Command, short_help="Where two runs differ, key by key; exit 5 when they do.")
+@o.plan_options("diff")
 def diff(
     run_a: o.RunA,
     run_b: o.RunB,
     rtol: o.Rtol = None,
     atol: o.Atol = None,
     form: o.DiffFormat = None,
-    mode: o.Mode = LoggingMode.GLOBAL_REDUCE,
-    by: o.ByOpt = By.STEP,
-    every: o.Every = None,
-    reduce: o.Reduce = None,
-    key: o.Keys = None,
-    ranks: o.Ranks = None,
-    steps: o.Steps = None,
-    attempts: o.Attempts = "rewind",
+    plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     strict: o.Strict = False,
     follow_symlinks: o.FollowSymlinks = False,
     engine: o.EngineOpt = o.Engine.LOCAL,
@@ -622,7 +626,7 @@ def diff(
     from .diff_report import print_diff
 
     with command_run():
-        plan = o.plan(mode, by, every, reduce, key, ranks, steps, attempts)
+        plan = plan_options.plan()
         with output.read_progress() as progress:
             report = diff_runs(
                 run_a, run_b, plan, rtol=rtol, atol=atol, strict=strict, follow_symlinks=follow_symlinks,
@@ -655,7 +659,7 @@ def main() -> None:
         # own (pydantic building wandb's models on import): stopped, not broken. Anything
         # else that failed on the way out is still said.
         if "KeyboardInterrupt" not in repr(exc) and not _chained_interrupt(exc):
-            output.error(_gist(exc))
+            output.error(output.gist(exc))
         sys.exit(STOPPED)
     finally:
         app.registered_commands = every
@@ -683,11 +687,6 @@ def _report_bug(exc: BaseException) -> None:
     traceback.print_exception(exc)
     sys.stderr.flush()
     output.error(BUG)
-
-
-def _gist(said: object) -> str:
-    """The first line of what an error says (a client library's may run on for pages)."""
-    return (str(said).strip().splitlines() or [type(said).__name__])[0]
 
 
 def _chained_interrupt(exc: BaseException | None) -> bool:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import PurePosixPath
 from typing import Annotated, Any, TypeVar
@@ -238,13 +242,13 @@ Attempts = Annotated[
 ]
 Wide = Annotated[bool, typer.Option("--wide", help="One row per step (per source), one column per key.")]
 
-# compare and diff
+# upload, plot, compare and diff
 Runs = Annotated[
     list[str],
     typer.Argument(
         metavar="RUN...",
-        help="Run directories, as RUN_DIR; a quoted glob ('runs/seed*') is expanded here, and @FILE reads "
-        "one run a line.",
+        help="Run directories, each a path or an s3://, gs://, az:// or file:// URL; a quoted glob "
+        "('runs/seed*') is expanded here, and @FILE reads one run a line.",
         show_default=False,
     ),
 ]
@@ -341,8 +345,8 @@ TrackingUri = Annotated[
     typer.Option(
         "--tracking-uri",
         metavar="URI",
-        help="MLflow's tracking store: where upload --to mlflow writes, where import reads [default: "
-        "MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
+        help="MLflow's tracking store: where upload and compare --to mlflow write, where import reads "
+        "[default: MLFLOW_TRACKING_URI, else sqlite:///mlruns.db].",
     ),
 ]
 Experiment = Annotated[
@@ -389,9 +393,49 @@ def destination(
         return MLflow(tracking_uri, experiment or "metriclog")
     if project is None:
         raise typer.BadParameter("name the W&B project: --project P", param_hint="--project")
+    os.environ.setdefault("WANDB_SILENT", "true")  # wandb's own messages are not the command's
+    os.environ.setdefault("WANDB_CONSOLE", "off")
     if connect_timeout is None:
         return WandB(project, entity, offline)
     return WandB(project, entity, offline, connect_timeout=connect_timeout)
+
+
+# compare --to
+CompareTo = Annotated[
+    To | None,
+    choice(
+        "--to",
+        To,
+        "Send the result, instead of printing it, to W&B, TensorBoard event files under --logdir, or an "
+        "MLflow tracking store: a run of its own per group, tagged with the runs it came from "
+        "(docs/compare.md).",
+    ),
+]
+
+
+def sent_to(to: To | None, printed: dict[str, Any], *where: Any) -> Any:
+    """compare's destination (``destination`` of ``where``: its options), or None without
+    ``--to``, when its options are a usage error; with ``--to``, the options that choose how
+    the result is printed (``printed``) are one too."""
+    if to is None:
+        given = [flag for flag, value in zip(DESTINATION_FLAGS, where, strict=True) if value]
+        if given:
+            raise typer.BadParameter(f"{given[0]} works only with --to", param_hint=given[0])
+        return None
+    shown = [flag for flag, value in printed.items() if value not in (None, False)]
+    if shown:
+        raise typer.BadParameter(
+            f"{shown[0]} chooses how the result is printed, and --to sends it: give one of them",
+            param_hint=shown[0],
+        )
+    return destination(to, *where[:-2])
+
+
+# destination's options and compare's --dry-run and --force-new, in sent_to's order
+DESTINATION_FLAGS = (
+    "--project", "--entity", "--offline", "--connect-timeout", "--logdir", "--tracking-uri", "--experiment",
+    "--dry-run", "--force-new",
+)  # fmt: skip
 
 
 Entity = Annotated[str | None, typer.Option("--entity", metavar="ENTITY", help="W&B entity (team or user).")]
@@ -454,27 +498,99 @@ Smooth = Annotated[
 ]
 
 
-def plan(
-    mode: LoggingMode,
-    by: By,
-    every: str | None,
-    reduce: list[str] | None,
-    keys: list[str] | None,
-    ranks: str | None,
-    steps: str | None,
-    attempts: str,
-) -> ReducePlan:
-    """The plan the shared options ask for; bad syntax raises ``PlanError`` (a usage error)."""
-    return make_plan(
-        mode=mode,
-        by=by,
-        every=every,
-        reduce=reduce or (),
-        keys=keys or (),
-        ranks=ranks or (),
-        steps=steps,
-        attempts=attempts,
-    )
+# The plan's options, declared once (sqlite-utils' ``output_options`` is the model): each
+# one's type (flag, help) and default, and which commands take which. A command takes its
+# share as one parameter, ``plan_options: PlanOptions = PLAN_DEFAULTS``, and ``@plan_options("reduce")``
+# puts the options in its place (tests/test_cli_options.py holds this).
+PLAN_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "mode": (Mode, LoggingMode.GLOBAL_REDUCE),
+    "by": (ByOpt, By.STEP),
+    "every": (Every, None),
+    "reduce": (Reduce, None),
+    "key": (Keys, None),
+    "ranks": (Ranks, None),
+    "steps": (Steps, None),
+    "attempts": (Attempts, "rewind"),
+}
+_EVERY_PLAN_OPTION = tuple(PLAN_OPTIONS)
+COMMAND_PLAN_OPTIONS: dict[str, tuple[str, ...]] = {
+    "reduce": _EVERY_PLAN_OPTION,
+    "upload": _EVERY_PLAN_OPTION,
+    "compare": _EVERY_PLAN_OPTION,
+    "diff": _EVERY_PLAN_OPTION,
+    "plot": ("mode", "by", "every", "reduce", "ranks", "steps", "attempts"),  # its --key: PlotKeys
+    "keys": ("key", "attempts"),
+    "samples": ("key", "steps", "ranks"),
+    "inspect": ("attempts",),
+    "watch": ("attempts",),
+}
+# A plan option's flag that a command takes in another sense, declared apart on purpose.
+OTHER_MEANINGS: dict[tuple[str, str], str] = {
+    ("plot", "--key"): "the keys to plot (PlotKeys): required",
+    ("samples", "--by"): "the field samples are ranked by (By_)",
+    ("samples", "--attempts"): "rewind or all, no attempt id (SampleAttempts)",
+    ("import", "--reduce"): "the reduction imported records carry (ImportReduce)",
+}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The plan options a command took (those it does not take keep their defaults)."""
+
+    mode: LoggingMode = LoggingMode.GLOBAL_REDUCE
+    by: By = By.STEP
+    every: str | None = None
+    reduce: list[str] | None = None
+    key: list[str] | None = None
+    ranks: str | None = None
+    steps: str | None = None
+    attempts: str = "rewind"
+
+    def plan(self, *, keys: list[str] | None = None) -> ReducePlan:
+        """The plan they ask for (``keys``: a command's own --key, plot's); bad syntax raises
+        ``PlanError`` (a usage error)."""
+        return make_plan(
+            mode=self.mode,
+            by=self.by,
+            every=self.every,
+            reduce=self.reduce or (),
+            keys=(self.key if keys is None else keys) or (),
+            ranks=self.ranks or (),
+            steps=self.steps,
+            attempts=self.attempts,
+        )
+
+
+PLAN_DEFAULTS = PlanOptions()  # what a command's ``plan_options`` stands for until decorated
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def plan_options(command: str) -> Callable[[F], F]:
+    """A command's plan options (``COMMAND_PLAN_OPTIONS[command]``), in the place of its
+    ``plan_options`` parameter, handed to it as one ``PlanOptions``."""
+    names = COMMAND_PLAN_OPTIONS[command]
+
+    def decorate(func: F) -> F:
+        signature = inspect.signature(func, eval_str=True)
+        params: list[inspect.Parameter] = []
+        for param in signature.parameters.values():
+            if param.name != "plan_options":
+                params.append(param)
+                continue
+            for name in names:
+                kind, default = PLAN_OPTIONS[name]
+                params.append(inspect.Parameter(name, param.kind, default=default, annotation=kind))
+
+        @functools.wraps(func)
+        def command_with_plan_options(**given: Any) -> Any:
+            taken = PlanOptions(**{name: given.pop(name) for name in names})
+            return func(plan_options=taken, **given)
+
+        command_with_plan_options.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+        command_with_plan_options.__annotations__ = {p.name: p.annotation for p in params}
+        return command_with_plan_options  # type: ignore[return-value]
+
+    return decorate
 
 
 # samples

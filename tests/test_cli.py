@@ -41,9 +41,13 @@ def test_every_command_has_help_with_an_example_on_one_line_to_copy():
     for name in commands:
         result = runner.invoke(app, [name, "--help"], env={"COLUMNS": "60"}, terminal_width=60)
         assert result.exit_code == 0, name
-        runs = {"compare": "RUN...", "plot": "RUN...", "diff": "RUN_A RUN_B", "import": "SRC RUN_DIR"}.get(
-            name, "RUN_DIR"
-        )
+        runs = {
+            "compare": "RUN...",
+            "plot": "RUN...",
+            "upload": "RUN...",
+            "diff": "RUN_A RUN_B",
+            "import": "SRC RUN_DIR",
+        }.get(name, "RUN_DIR")
         assert result.output.startswith(f"Usage: metriclog {name} [OPTIONS] {runs}\n"), name
         lines = result.output.splitlines()
         heading = next(i for i, line in enumerate(lines) if line in ("  Example:", "  Examples:"))
@@ -601,8 +605,8 @@ def test_a_copied_segment_is_read_once_and_the_copy_named(tmp_path):
 # `metriclog` with the progress bar's two-second wait set to zero
 BAR_AT_ONCE = (
     "import sys\n"
-    "from metriclog import output\n"
-    "output.PROGRESS_AFTER_S = 0.0\n"
+    "from metriclog.output import progress\n"
+    "progress.PROGRESS_AFTER_S = 0.0\n"
     "from metriclog.main import main\n"
     "main()\n"
 )

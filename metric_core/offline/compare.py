@@ -37,10 +37,11 @@ from typing import TYPE_CHECKING, Any
 from metric_core.errors import PlanError, RequestError, opt
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import By, Engine, ReducePlan, make_plan, one_rank_a_process
-from metric_core.offline.read import OnProgress, OnRead
 
 if TYPE_CHECKING:
     import polars as pl
+
+    from metric_core.offline.read import OnProgress, OnRead
 
 ACROSS = ("mean", "std", "std_sample", "stderr", "min", "max", "median", "count")
 GLOB_CHARACTERS = "*?["
@@ -70,6 +71,10 @@ class CompareResult:
     group_column: str | None
     runs: list[tuple[str, str, Any]]
     notes: list[str] = field(default_factory=list)
+    run_ids: list[str] = field(
+        default_factory=list
+    )  # each run's run.json run_id (else its path), as ``runs``
+    common: bool = False  # only the rows every run of the group holds
 
     @property
     def index(self) -> list[str]:
@@ -152,7 +157,8 @@ def compare_runs(
         frame = frame.with_columns(pl.Series(group_by, order, strict=False).gather(frame["group"]))
     frame = frame.select(*named, *process, bucket_column(plan), "key", "reduction", *across)
     described = [(run.label, run.run_dir, groups[run.label]) for run in reduced]
-    return CompareResult(frame, plan, across, group_by, described, list(dict.fromkeys(notes)))
+    ids = [source_id(run.meta, run.run_dir) for run in reduced]
+    return CompareResult(frame, plan, across, group_by, described, list(dict.fromkeys(notes)), ids, common)
 
 
 def across_runs(rows: pl.DataFrame, cells: list[str], across: Sequence[str]) -> pl.DataFrame:
@@ -324,6 +330,12 @@ def parse_across(across: str | Sequence[str]) -> tuple[str, ...]:
 def bucket_column(plan: ReducePlan) -> str:
     """``step``, or with ``--by time`` ``window_offset``: seconds from the run's first record."""
     return "window_offset" if plan.by is By.TIME else "step"
+
+
+def source_id(meta: dict[str, Any], run_dir: str) -> str:
+    """A run's id among compared runs: run.json's ``run_id``, else its directory's absolute path."""
+    given = meta.get("run_id")
+    return str(given) if given else (run_dir if "://" in run_dir else os.path.abspath(run_dir))
 
 
 def config_value(meta: dict[str, Any], dotted: str) -> Any:

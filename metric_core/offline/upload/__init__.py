@@ -13,12 +13,21 @@ from __future__ import annotations
 import functools
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from metric_core.errors import Message, MetricLogError, PlanError, RequestError, opt, spell_options
+from metric_core.errors import (
+    Message,
+    MetricLogError,
+    MissingDependencyError,
+    NotLoggedInError,
+    PlanError,
+    RequestError,
+    opt,
+    spell_options,
+)
 from metric_core.offline.plan import By, Engine, ReducePlan
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import RunPath, is_remote, missing_run, name_of, run_path
@@ -47,11 +56,13 @@ __all__ = [
     "MLflow",
     "PlannedRun",
     "RunOutcome",
+    "RunUpload",
     "TensorBoard",
     "UploadEvents",
     "UploadResult",
     "WandB",
     "upload_run",
+    "upload_runs",
 ]
 
 
@@ -171,7 +182,7 @@ def upload_run(
         to.load_client()
     planned = _started_meanwhile(_received(prepare, events), live, root, settled, follow_symlinks, events)
     try:
-        _report_planned(planned, events)
+        report_planned(planned, events)
         if dry_run:
             ledger = to.ledger(root, planned.identity, create=False)
             would = [(r, to.decide(r, find_entry(ledger, r, to), force_new)) for r in planned.runs]
@@ -190,6 +201,72 @@ def upload_run(
             return UploadResult(planned, outcomes)
     finally:
         planned.close()
+
+
+@dataclass
+class RunUpload:
+    """One run of ``upload_runs``: its directory, and its ``UploadResult`` or the error that
+    stopped its upload (``error``: a ``MetricLogError`` or an ``OSError``)."""
+
+    run_dir: str
+    result: UploadResult | None = None
+    error: BaseException | None = None
+
+
+def upload_runs(
+    runs: Sequence[str | os.PathLike[str]],
+    plan: ReducePlan,
+    to: Destination,
+    *,
+    name: str | None = None,
+    follow: Follow | None = None,
+    on_start: Callable[[str, int], None] | None = None,
+    on_done: Callable[[RunUpload], None] | None = None,
+    **options: Any,
+) -> list[RunUpload]:
+    """``upload_run`` of each run of ``runs`` (globs and ``@FILE`` expanded as ``compare``
+    expands them), each under its own identity, as if uploaded alone: an upload of runs A
+    and B after one of A alone adds nothing to A. A run that fails is kept with its error
+    and the others go on; an error that would fail every run alike (a usage error, no
+    credentials, a missing client) is raised at once. ``name`` and ``follow`` take one run
+    only (a ``PlanError`` with several). ``on_start(run_dir, runs)`` is called before each
+    run (``runs``: how many there are), ``on_done`` after. ``options``: ``upload_run``'s.
+
+    >>> from metric_core import make_plan
+    >>> done = upload_runs(["sample_logs/rl_run"], make_plan(), WandB("demo"), dry_run=True)
+    >>> [(u.run_dir, u.result.plan.runs[0].rows) for u in done]
+    [('sample_logs/rl_run', 300)]
+    """
+    from metric_core.offline.compare import expand_runs
+
+    dirs = expand_runs(runs)
+    if len(dirs) > 1 and name is not None:
+        raise PlanError(
+            f"names one run, and {len(dirs)} were given: each run takes its directory's name",
+            option="name",
+            value=name,
+        )
+    if len(dirs) > 1 and follow is not None:
+        raise PlanError(
+            f"follows one run while its job writes it, and {len(dirs)} were given: start one "
+            "upload --follow a run",
+            option="follow",
+            value=True,
+        )
+    done: list[RunUpload] = []
+    for run_dir in dirs:
+        if on_start is not None:
+            on_start(run_dir, len(dirs))
+        try:
+            one = RunUpload(run_dir, upload_run(run_dir, plan, to, name=name, follow=follow, **options))
+        except (PlanError, NotLoggedInError, MissingDependencyError):
+            raise
+        except (MetricLogError, OSError) as exc:
+            one = RunUpload(run_dir, error=exc)
+        done.append(one)
+        if on_done is not None:
+            on_done(one)
+    return done
 
 
 def _check_follow(root: RunPath, plan: ReducePlan, follow: Follow | None, engine: Engine | str) -> None:
@@ -363,7 +440,7 @@ def _received(work: Callable[[], PlannedRuns], events: UploadEvents) -> PlannedR
         raise
 
 
-def _report_planned(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
+def report_planned(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
     """What the user should know before anything is sent: skips, renamed keys, W&B's limits."""
     if planned.read_summary:
         events.message("warning", spell_options(planned.read_summary, events.spelling))

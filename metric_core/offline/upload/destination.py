@@ -107,9 +107,12 @@ class Destination:
     def load_client(self) -> None:
         """Import the destination's client (a missing one: ``MissingDependencyError``)."""
 
-    def ledger(self, root: RunPath, identity: str, *, create: bool = True) -> Ledger | None:
+    def ledger(self, root: RunPath | None, identity: str, *, create: bool = True) -> Ledger | None:
         """The ledger of what this destination holds of the run (``create=False``: None when
-        there is none, and nothing is made)."""
+        there is none, and nothing is made); ``root`` None: of no run directory (a comparison
+        of runs), the user cache's."""
+        if root is None:
+            return Ledger.in_cache(identity, create=create)
         if create:
             return Ledger.for_run_dir(root, identity)
         return Ledger.existing(root, identity)

@@ -71,6 +71,15 @@ class Ledger:
         return cls(home / "uploads.json")
 
     @classmethod
+    def in_cache(cls, identity: str, *, create: bool = True) -> Ledger | None:
+        """The user cache's ledger of ``identity`` (``create=False``: None when there is none)."""
+        path = _cache_dir(identity) / "uploads.json"
+        if create:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return cls(path)
+        return cls(path) if path.is_file() else None
+
+    @classmethod
     def existing(cls, run_dir: Any, identity: str) -> Ledger | None:
         """The run's ledger if there is one, without creating anything (for a dry run)."""
         cached = _cache_dir(identity) / "uploads.json"

@@ -204,6 +204,7 @@ class PlannedRuns:
     # Planned while the job still wrote the run (``settled``): its complete rows only; the
     # runs stay unfinished in the ledger, for a later upload to continue.
     open: bool = False
+    tags: list[str] = field(default_factory=list)  # W&B's tags of the runs (a comparison's sources)
 
     def close(self) -> None:
         """Remove the files raw runs' histories are kept in (``history`` ends with them)."""
@@ -355,11 +356,11 @@ def _shared_run(
     shared = frame.with_columns(key=pl.format("{}/{}", pl.col("key").replace_strict(mapping), "process"))
     run_id = run_id_for(identity, key, None)
     if mode is LoggingMode.PER_RANK_REDUCE:
-        return [_wide_run(run_id, name, group, None, shared, bucket)], mapping
+        return [wide_run(run_id, name, group, None, shared, bucket)], mapping
     return [_raw_run(run_id, name, group, None, shared.sort("timestamp"), bucket)], mapping
 
 
-def _wide_run(
+def wide_run(
     run_id: str, name: str, group: str | None, source: str | None, part: pl.DataFrame, bucket: str
 ) -> PlannedRun:
     """A history row per bucket, a column per key."""

@@ -412,7 +412,7 @@ class WandBSender(Sender):
         return f"; the interrupted run's files {partial.name} were removed (`wandb sync` would send them too)"
 
     def _init_args(self, run: PlannedRun, run_id: str, resume: str | None) -> dict[str, Any]:
-        args = {
+        args: dict[str, Any] = {
             "project": self.to.project,
             "entity": self.to.entity,
             "id": run_id,
@@ -424,6 +424,8 @@ class WandBSender(Sender):
             "dir": str(self.to.wandb_dir) if self.to.wandb_dir else None,
             "settings": {**REPLAY_SETTINGS, "init_timeout": self.to.connect_timeout},
         }
+        if self.plan.tags:
+            args["tags"] = self.plan.tags
         if resume and resume.startswith("from:"):  # W&B's rewind: drop the rows from there on
             args["resume_from"] = f"{run_id}?_step={resume.removeprefix('from:')}"
         elif resume:

@@ -78,7 +78,7 @@ class TensorBoard(Destination):
                 "--to tensorboard writes with tensorboardX: pip install 'metriclog[tensorboard]'"
             ) from None
 
-    def ledger(self, root: RunPath, identity: str, *, create: bool = True) -> Ledger | None:
+    def ledger(self, root: RunPath | None, identity: str, *, create: bool = True) -> Ledger | None:
         path = Path(self.logdir) / LEDGER
         if create:
             path.parent.mkdir(parents=True, exist_ok=True)
