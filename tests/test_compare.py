@@ -76,16 +76,18 @@ def write_timed(
     c.shutdown()
 
 
+def write_seeds(root: Path, steps, lrs=LRS) -> list[Path]:
+    """The job with a seed a learning rate of ``lrs``, seed i of ``steps(i)`` steps."""
+    runs = [root / f"seed{i}" for i in range(len(lrs))]
+    for i, (run, lr) in enumerate(zip(runs, lrs, strict=True)):
+        write_job(run, seed=i, lr=lr, steps=steps(i))
+    return runs
+
+
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory):
     """5 seeds in 2 groups by lr; they end at different steps (30 to 34)."""
-    root = tmp_path_factory.mktemp("seeds")
-    runs = []
-    for i, lr in enumerate(LRS):
-        run = root / f"seed{i}"
-        write_job(run, seed=i, lr=lr, steps=30 + i)
-        runs.append(run)
-    return runs
+    return write_seeds(tmp_path_factory.mktemp("seeds"), lambda i: 30 + i)
 
 
 # --- the oracle: fractions over the runs' own reduce outputs ---------------------------

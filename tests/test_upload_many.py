@@ -20,7 +20,7 @@ from metric_core.offline.compare import compare_runs
 from metric_core.offline.engine import execute
 from metric_core.offline.read import scan_run
 
-from .test_compare import write_job
+from .test_compare import write_seeds
 from .wandb_file import config_of, find_run_file, history_rows, read_records, run_record
 
 runner = CliRunner()
@@ -36,13 +36,7 @@ def offline_env(wandb_offline, monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def seeds(tmp_path_factory):
-    root = tmp_path_factory.mktemp("many")
-    runs = []
-    for i, lr in enumerate(LRS):
-        run = root / f"seed{i}"
-        write_job(run, seed=i, lr=lr, steps=6 + i % 2)  # they end at steps 5 and 6
-        runs.append(run)
-    return runs
+    return write_seeds(tmp_path_factory.mktemp("many"), lambda i: 6 + i % 2, LRS)  # ending at steps 5 and 6
 
 
 def copies(seeds, tmp_path, n):
