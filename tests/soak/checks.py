@@ -412,9 +412,73 @@ def across(job, seen: list[dict]) -> None:
         if bad:
             said = "; ".join(bad[:3])
             job.result.fail(f"compare of {len(runs)} copies: {len(bad)} wrong row(s), e.g. {said}")
+        if spec.get("to"):
+            compare_to(job, runs, labels, mode, got)
     done = job.command("diff", "diff", str(job.run), str(copies[0]), "--mode", job.choice(mode))
     if done.code == 0 and "equal" not in done.out:
         job.result.fail(f"diff of the run and its copy: exit 0 but it does not say equal: {_tail(done.out)}")
+    if spec.get("to"):
+        upload_many(job, copies[0], mode, reduced)
+
+
+def compare_to(job, runs: list[str], labels: list[str], mode: str, got: dict[tuple, dict]) -> None:
+    """``compare --to tensorboard``: the comparison's every statistic as a tag (``KEY/STAT``,
+    ``KEY/PROCESS/STAT`` per rank) at its step, the float32 of what ``compare`` printed; a
+    second send adds nothing."""
+    logdir = job.dir / "out" / "compare-tb"
+    args = ["compare", *runs, *labels, "--mode", job.choice(mode), "--to", job.choice("tensorboard")]
+    done = job.command("compare-to", *args, "--logdir", str(logdir))
+    if done.code != 0:
+        return
+    sent = {(r["key"], r["step"]): r["value"] for r in _tensorboard_records(logdir)}
+    want = {}
+    for at, row in got.items():
+        key = f"{at[-1]}/{at[0]}" if mode == "per_rank_reduce" else at[-1]
+        for stat in ("mean", "std", "std_sample", "stderr", "min", "max", "median", "count"):
+            if row[stat] is not None:
+                want[(f"{key}/{stat}", at[-2])] = float(row[stat])
+    bad = [f"{tag} step {step}: not sent" for tag, step in sorted(set(want) - set(sent))]
+    bad += [f"{tag} step {step}: sent, not compared" for tag, step in sorted(set(sent) - set(want))]
+    for at in set(want) & set(sent):
+        job.result.values += 1
+        if not _float32_equal(sent[at], want[at]):
+            bad.append(f"{at[0]} step {at[1]}: {sent[at]!r} in TensorBoard, {want[at]!r} compared")
+    if bad:
+        said = "; ".join(sorted(bad)[:3])
+        job.result.fail(f"compare --to tensorboard: {len(bad)} problem(s), e.g. {said}")
+    files = sorted(logdir.rglob("*"))
+    again = job.command("compare-to-again", *args, "--logdir", str(logdir))
+    if again.code == 0 and sorted(logdir.rglob("*")) != files:
+        job.result.fail("compare --to tensorboard sent again: files changed, where it should add nothing")
+
+
+def upload_many(job, copy: Path, mode: str, reduced: Path) -> None:
+    """``upload RUN COPY --to tensorboard``: a copy is the same run (its run.json's run_id), so
+    the second is already written and the logdir holds reduce's values once, as float32."""
+    logdir = job.dir / "out" / "many-tb"
+    done = job.command(
+        "upload-many", "upload", str(job.run), str(copy), "--to", job.choice("tensorboard"),
+        "--logdir", str(logdir), "--mode", job.choice(mode),
+    )  # fmt: skip
+    if done.code != 0:
+        return
+    if f"{copy.name}: already written to {logdir}" not in done.out:
+        job.result.fail(f"upload of the run and a copy: the copy not said already written: {_tail(done.out)}")
+    sent: dict[tuple, list[float]] = defaultdict(list)
+    for r in _tensorboard_records(logdir):
+        sent[(r["key"], r["step"])].append(r["value"])
+    want: dict[tuple, list[float]] = defaultdict(list)
+    for r in read_frame(reduced):
+        want[(r["key"], r["step"])].append(r["value"])  # per rank: a value a source
+    bad = [f"{key} step {step}" for key, step in sorted(set(want) ^ set(sent), key=str)]
+    for at in set(want) & set(sent):
+        job.result.values += len(want[at])
+        if len(sent[at]) != len(want[at]) or not all(
+            _float32_equal(s, w) for s, w in zip(sorted(sent[at]), sorted(want[at]), strict=True)
+        ):
+            bad.append(f"{at[0]} step {at[1]}: {sorted(sent[at])} sent, {sorted(want[at])} reduced")
+    if bad:
+        job.result.fail(f"upload of the run and its copy: {len(bad)} problem(s), e.g. " + "; ".join(bad[:3]))
 
 
 def _same_float(got: float | None, want: float) -> bool:

@@ -24,7 +24,8 @@ A job is a plain dict (JSON, kept beside the run as ``job.json``):
   console's ``global_reduce`` printer beside the job, and the uploads' ``--sample-tables``.
   Every choice a command takes is spelled at random besides (``spell``).
 * ``across``: issue 46's commands over many runs, from a random of its own too
-  (``_across``): ``compare`` of the run and copies of it, ``diff`` of the run and a copy.
+  (``_across``): ``compare`` of the run and copies of it, ``diff`` of the run and a copy,
+  ``compare --to tensorboard`` and ``upload`` of several runs.
 * ``trackers``: issue 45's destinations and imports, from a random of its own too
   (``_trackers``): ``upload --to mlflow`` into a SQLite store of the job's own, and
   ``import`` of what an upload wrote (MLflow, TensorBoard) or of an export of the records.
@@ -116,10 +117,12 @@ ACROSS_SHARE = 0.2
 
 def _across(rng: random.Random) -> dict | None:
     """For 1 job in 5: ``compare`` of the run and 1-2 copies of it, and ``diff`` of the run
-    and a copy, in ``mode``."""
+    and a copy, in ``mode``; for half of them (``to``), that comparison sent to TensorBoard
+    (``compare --to``) and the run and a copy uploaded by one ``upload RUN RUN``."""
     if rng.random() >= ACROSS_SHARE:
         return None
-    return {"copies": rng.choice((1, 2)), "mode": rng.choice(MODES[:2])}
+    spec = {"copies": rng.choice((1, 2)), "mode": rng.choice(MODES[:2])}
+    return {**spec, "to": rng.random() < 0.5}  # drawn last: earlier seeds keep their draws
 
 
 # -- other trackers, out and in (issue 45) ------------------------------------------------
