@@ -118,7 +118,8 @@ ACROSS_SHARE = 0.2
 def _across(rng: random.Random) -> dict | None:
     """For 1 job in 5: ``compare`` of the run and 1-2 copies of it, and ``diff`` of the run
     and a copy, in ``mode``; for a quarter of them (``to``), that comparison sent to
-    TensorBoard (``compare --to``) and the run and a copy uploaded by one ``upload RUN RUN``:
+    TensorBoard (``compare --to``), the run and a copy uploaded by one ``upload RUN RUN``
+    and plotted with a band (``plot RUN... --band``):
     few, since writing TensorBoard's files loads torch where it is installed (tensorboardX
     imports it), about 1.8 s of CPU a command."""
     if rng.random() >= ACROSS_SHARE:
