@@ -18,6 +18,8 @@ from typer.testing import CliRunner
 
 from metric_core import reduce_run
 
+from .test_follow import wait_for
+
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_logs" / "rl_run"
@@ -262,6 +264,55 @@ def test_an_import_killed_before_its_end_is_redone_by_itself_and_refused_by_anot
     assert not (tmp_path / "run" / ".metriclog-import").exists()
     _, again = imported(tmp_path / "tb", tmp_path / "run")
     assert "holds this import already" in again
+
+
+GATED_IMPORT = """
+import sys, time
+from pathlib import Path
+from metric_core.offline.importers import run
+write = run.write_run_json
+def gated(*a, **k):  # every record written; run.json waits for the gate
+    Path(sys.argv[3] + ".waiting").touch()
+    while not Path(sys.argv[3]).exists():
+        time.sleep(0.01)
+    write(*a, **k)
+run.write_run_json = gated
+run.import_source(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_second_import_into_a_directory_being_imported_is_refused_and_removes_nothing(tmp_path):
+    values = {"loss": [(s, 1.0 / (s + 1)) for s in range(5)]}
+    tensorboardx_run(tmp_path / "tb" / "a", values)
+    gate = tmp_path / "gate"
+    first = subprocess.Popen(
+        [sys.executable, "-c", GATED_IMPORT, tmp_path / "tb", tmp_path / "run", gate], cwd=ROOT
+    )
+    try:
+        wait_for(
+            lambda: Path(f"{gate}.waiting").exists() or first.poll() is not None, "the first import's records"
+        )
+        assert first.poll() is None
+        second = invoke("import", tmp_path / "tb", tmp_path / "run")
+        assert second.exit_code == 1
+        assert second.stderr.strip() == (
+            f"Error: another `metriclog import` into {tmp_path / 'run'} is running: wait for it to end, "
+            "or import into another directory"
+        )
+    finally:
+        gate.touch()
+        assert first.wait(timeout=120) == 0
+    got = raw(tmp_path / "run")
+    want = [("a", "loss", step, float(np.float32(v))) for step, v in values["loss"]]
+    assert sorted(zip(got["process"], got["key"], got["step"], got["value"], strict=True)) == want
+    assert not list((tmp_path / "run").glob(".metriclog-import*"))
+
+
+def test_an_import_refused_as_its_source_is_opened_leaves_no_directory(tmp_path):
+    (tmp_path / "empty.csv").write_text("step,loss\n")
+    refused = invoke("import", tmp_path / "empty.csv", tmp_path / "run")
+    assert refused.exit_code == 1 and f"Error: {tmp_path / 'empty.csv'}: no numeric column" in refused.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_flipped_byte_is_named_with_its_file_and_offset_and_a_torn_end_is_said(tmp_path):

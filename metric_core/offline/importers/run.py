@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,7 @@ REDUCTIONS = tuple(r.value for r in Reduce if r is not Reduce.SAMPLE)
 TABLE_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")
 # What a run directory holds as data (docs/format.md): a directory holding any is a run.
 _DATA_SUFFIXES = (".parquet", ".jsonl", ".journal")
+_LOCK = ".metriclog-import.lock"  # held by the import under way
 
 
 @dataclass
@@ -79,15 +84,22 @@ def import_source(
     identity = importer.identity()
     digest = hashlib.blake2b(json.dumps(identity, sort_keys=True).encode(), digest_size=16).hexdigest()
     out = Path(run_dir)
-    if _holds(out, digest, warn):
-        return ImportResult(out, digest, importer.name, importer.kind, added=False)
+    with _one_import(out):
+        if _holds(out, digest, warn):
+            return ImportResult(out, digest, importer.name, importer.kind, added=False)
+        return _write(importer, src, out, digest, identity, reduction)
+
+
+def _write(
+    importer: Importer, src: str | Path, out: Path, digest: str, identity: dict[str, Any], reduction: str
+) -> ImportResult:
+    """Every stream of ``importer`` written into ``out``, then its run.json."""
     result = ImportResult(out, digest, importer.name, importer.kind, added=True)
     skipped: collections.Counter[str] = collections.Counter()
     for stream in importer.streams():  # a source refused as it is opened leaves nothing
         if not result.sources:
             # Said before the first record, gone after run.json: an import stopped in between
             # (a kill, a full disk) is known by it, and the same import started again redoes it.
-            out.mkdir(parents=True, exist_ok=True)
             replace_file(out / run_json.IMPORTING, f"{digest}\n".encode(), fsync=True)
         writer = StreamWriter(out, stream, reduction, skipped, run_id=digest)
         writer.write_all(stream.items)
@@ -102,6 +114,35 @@ def import_source(
     )  # fmt: skip
     (out / run_json.IMPORTING).unlink()
     return result
+
+
+@contextlib.contextmanager
+def _one_import(out: Path) -> Iterator[None]:
+    """One import into ``out`` at a time, across processes: a second of the same source would
+    take the first's records for those of a stopped import and remove them. An OS lock on
+    ``out/.metriclog-import.lock``, which the kernel drops when its holder ends, however it
+    ends; ``out`` is made for it, and removed again if the import wrote nothing there."""
+    made = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / _LOCK
+    lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SourceError(
+                f"another `metriclog import` into {out} is running: wait for it to end, or import into "
+                "another directory"
+            ) from None
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+            if made:
+                with contextlib.suppress(OSError):  # not empty: what the import wrote
+                    out.rmdir()
+    finally:
+        os.close(lock)
 
 
 def _open(src: str | Path, warn: Warn, **options: Any) -> Importer:
