@@ -223,6 +223,14 @@ def killed_after(work: Callable[[], object]) -> None:
     assert os.waitstatus_to_exitcode(status) == -signal.SIGKILL, "the writing child failed (see stderr)"
 
 
+def wait_for(condition: Callable[[], object], what: str, timeout: float = 120.0) -> None:
+    """Poll ``condition`` until it holds (a condition, never a fixed wait); fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def wandb_offline(monkeypatch):
     """W&B offline and logged out: no key, no netrc, its files in the test's own place."""

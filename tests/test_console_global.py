@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import wait_for
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow  # real rank processes and rank 0's printer, for seconds each
 
@@ -111,13 +113,6 @@ def start(tmp_path: Path, world: int, **config) -> tuple[list[subprocess.Popen],
             if r not in config.get("absent", ())  # a rank that never starts: the last ones only
         ]
     return ranks, out
-
-
-def wait_for(condition, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def ended(ranks: list[subprocess.Popen], out: Path, killed: set[int] = frozenset()) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from metric_core import reduce_run
+from tests.conftest import wait_for
 from tests.wandb_file import find_run_file, history_rows, read_records
 
 METRICLOG = str(Path(sys.executable).with_name("metriclog"))
@@ -179,14 +180,6 @@ def follow(run: Path, *args: str) -> subprocess.Popen:
 def follow_logged(run: Path, log: Path, *args: str) -> subprocess.Popen:
     """A follower beside the job whose stderr goes to ``log``, to be read while it runs."""
     return subprocess.Popen(command(run, *args), stdout=subprocess.DEVNULL, stderr=log.open("w"), text=True)
-
-
-def wait_for(condition, what: str, timeout: float = 90.0) -> None:
-    """Poll ``condition`` until it holds (a condition, never a fixed wait)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def rows_sent(run: Path) -> int:

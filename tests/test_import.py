@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from metric_core import reduce_run
 
-from .test_follow import wait_for
+from .conftest import wait_for
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,8 +27,9 @@ import numpy as np
 import pytest
 
 from metric_core import reduce_run
+from tests.conftest import wait_for
 from tests.test_exact import root, rounded
-from tests.test_follow import follow, runs_written, wait_for
+from tests.test_follow import follow, runs_written
 from tests.wandb_file import find_run_file, history_rows, read_records
 
 pytestmark = pytest.mark.slow  # real writer processes and a follower, for seconds
