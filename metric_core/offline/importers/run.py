@@ -125,7 +125,11 @@ def _one_import(out: Path) -> Iterator[None]:
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     path = out / _LOCK
-    lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError:  # not writable: nothing can be removed there, and writing says so itself
+        yield
+        return
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
