@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from metric_core.offline.upload import overlap
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import os, sys
@@ -73,19 +76,26 @@ def test_with_polars_loaded_the_work_runs_here_when_asked():
 
 
 def test_upload_forks_before_polars_loads():
-    """The options, the credentials check and the send path must not load polars: with
-    polars loaded, upload would read the run in this process instead of in a child."""
+    """The options, the credentials check, the runs found (``upload RUN...``) and the send
+    path must not load polars: with polars loaded, upload would read the run in this process
+    instead of in a child."""
     script = (
         "import sys\n"
         "from metric_core import LoggingMode\n"
         "from metric_core.offline.plan import By\n"
         "from metric_core.offline.upload import send\n"
         "from metriclog import options\n"
-        "options.plan(LoggingMode.PER_RANK_REDUCE, By.TIME, '10s', ['p=p99'], ['t/*'], '0-3', '5:9', 'all')\n"
+        "chosen = options.PlanOptions(LoggingMode.PER_RANK_REDUCE, By.TIME, '10s', ['p=p99'], ['t/*'],\n"
+        "                             '0-3', '5:9', 'all')\n"
+        "chosen.plan()\n"
         "from metric_core.credentials import has_credentials\n"
         "has_credentials()\n"
+        "from metric_core.offline.compare import expand_runs\n"
+        "expand_runs(['sample_logs/*'])\n"
         "print('polars' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "False\n"
