@@ -11,12 +11,13 @@ fails when the target exists: the first writer wins).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -100,3 +101,31 @@ def holder(fd: int) -> str:
         return f"pid {held['pid']} on {held['host']}, since {since}"
     except (OSError, ValueError, KeyError, TypeError):
         return "it did not say which"
+
+
+@contextlib.contextmanager
+def held_lock(path: Path, busy: Callable[[str], Exception]) -> Iterator[bool]:
+    """An OS lock on ``path`` (made if need be, never through a symlink) for the block, across
+    processes; the kernel drops it when its holder ends, however it ends. Held by another
+    process: ``busy(who)`` is raised, ``who`` as that process wrote itself (``holder``).
+    Yields False, holding nothing, where ``path`` cannot be opened (a folder not writable)."""
+    try:
+        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held_by = holder(lock)
+            for _ in range(20):  # it writes who it is just after it locks: a moment to say so
+                if not held_by.startswith("it did not say"):
+                    break
+                time.sleep(0.05)
+                held_by = holder(lock)
+            raise busy(held_by) from None
+        write_holder(lock)
+        yield True
+    finally:
+        os.close(lock)

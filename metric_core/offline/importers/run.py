@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from metric_core import run_json
-from metric_core.atomic import replace_file
+from metric_core.atomic import held_lock, replace_file
 from metric_core.errors import PlanError, SourceError
 from metric_core.format.schema import parse_json
 from metric_core.metric import Reduce
@@ -125,28 +123,22 @@ def _one_import(out: Path) -> Iterator[None]:
     made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     path = out / _LOCK
-    try:
-        lock = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    except OSError:  # not writable: nothing can be removed there, and writing says so itself
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SourceError(
-                f"another `metriclog import` into {out} is running: wait for it to end, or import into "
-                "another directory"
-            ) from None
+
+    def busy(held_by: str) -> SourceError:
+        return SourceError(
+            f"another `metriclog import` into {out} is running ({held_by}): wait for it to end, or "
+            "import into another directory"
+        )
+
+    with held_lock(path, busy) as held:  # not writable: nothing can be removed there anyway
         try:
             yield
         finally:
-            path.unlink(missing_ok=True)
+            if held:
+                path.unlink(missing_ok=True)
             if made:
                 with contextlib.suppress(OSError):  # not empty: what the import wrote
                     out.rmdir()
-    finally:
-        os.close(lock)
 
 
 def _open(src: str | Path, warn: Warn, **options: Any) -> Importer:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from metric_core.atomic import holder, new_hidden_file, replace_file, write_holder
+from metric_core.atomic import held_lock, new_hidden_file, replace_file
 from metric_core.errors import UnsafePathError, UploadError
 from metric_core.offline.storage import is_remote, storage_errors
 
@@ -171,26 +171,16 @@ def only_upload(home: Path, key: str, run: Any) -> Iterator[None]:
         if home.is_symlink():
             raise OSError("a symlink: the ledger refuses it, and says so")
         home.mkdir(parents=True, exist_ok=True)
-        lock = os.open(home / f".upload-{key[:16]}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     except OSError:  # not writable: the ledger goes to the user's cache, and no lock is kept
         yield
         return
-    try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held_by = holder(lock)
-            for _ in range(20):  # it writes who it is just after it locks: a moment to say so
-                if not held_by.startswith("it did not say"):
-                    break
-                time.sleep(0.05)
-                held_by = holder(lock)
-            raise UploadError(
-                f"another `metriclog upload` of the same upload of {run} is running ({held_by}); two "
-                "would hand every row over twice. Wait for it to end, or stop it (or upload another mode "
-                "or project)"
-            ) from None
-        write_holder(lock)
+
+    def busy(held_by: str) -> UploadError:
+        return UploadError(
+            f"another `metriclog upload` of the same upload of {run} is running ({held_by}); two "
+            "would hand every row over twice. Wait for it to end, or stop it (or upload another mode "
+            "or project)"
+        )
+
+    with held_lock(home / f".upload-{key[:16]}.lock", busy):
         yield
-    finally:
-        os.close(lock)
