@@ -129,3 +129,43 @@ def held_lock(path: Path, busy: Callable[[str], Exception]) -> Iterator[bool]:
         yield True
     finally:
         os.close(lock)
+
+
+def hold_stops() -> Callable[[], None]:
+    """Hold a stop (Ctrl-C, SIGTERM) from now on; the returned function lets it through (a
+    stop that came meanwhile is raised as it returns: call it inside the ``try`` whose
+    ``finally`` undoes what was made while it was held). Nothing is held off POSIX."""
+    import signal
+
+    hold = getattr(signal, "pthread_sigmask", None)
+    if hold is None:
+        return lambda: None
+    held = hold(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    return lambda: hold(signal.SIG_SETMASK, held)
+
+
+def new_scratch_directory(prefix: str, let_go: Callable[[], None]) -> str:
+    """A new temporary directory ($TMPDIR), made while stops are held (``hold_stops``); they
+    stay held if it is made (``let_go`` in the caller's guard), are let go if it fails."""
+    import tempfile
+
+    try:
+        return tempfile.mkdtemp(prefix=prefix)
+    except BaseException:
+        let_go()
+        raise
+
+
+@contextlib.contextmanager
+def scratch_directory(prefix: str) -> Iterator[str]:
+    """A new temporary directory ($TMPDIR) for the block, removed however it ends: no stop
+    (``KeyboardInterrupt``) can come between its making and the removal's guard."""
+    import shutil
+
+    let_go = hold_stops()
+    path = new_scratch_directory(prefix, let_go)
+    try:
+        let_go()
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -30,9 +30,9 @@ def work():
         os._exit(9)
     return {"pid": os.getpid(), "data": list(range(3))}
 
-pending = overlap.start(work)
 try:
-    result = pending()
+    with overlap.started(work) as pending:
+        result = pending()
 except MetricLogError as exc:
     print(type(exc).__name__, getattr(exc, "where", None), exc, file=sys.stderr)
     sys.exit(3)
@@ -70,9 +70,54 @@ def test_with_polars_loaded_the_work_runs_here_when_asked():
     import polars  # noqa: F401  (its thread pool would not survive a fork)
 
     calls = []
-    pending = overlap.start(lambda: calls.append(1) or "done")
-    assert calls == []
-    assert pending() == "done" and calls == [1]
+    with overlap.started(lambda: calls.append(1) or "done") as pending:
+        assert calls == []
+        assert pending() == "done" and calls == [1]
+
+
+LEFT = """
+import os, sys, time
+from pathlib import Path
+from metriclog.start import catch_stops
+from metric_core.offline.upload import overlap
+
+catch_stops()  # as the command line: a SIGTERM is a KeyboardInterrupt
+here = Path(sys.argv[2])
+
+def work():
+    (here / "pid").write_text(str(os.getpid()))
+    if sys.argv[1] == "sending":
+        return b"x" * (8 << 20)  # more than a pipe holds: the child waits in its send
+    try:
+        while True:
+            time.sleep(0.01)
+    finally:
+        (here / "cleaned").write_text("")
+
+with overlap.started(work):
+    while not (here / "pid").exists():
+        time.sleep(0.01)
+    time.sleep(0.2)  # into the loop, or the send
+pid = int((here / "pid").read_text())
+try:
+    os.kill(pid, 0)
+    print("alive")
+except ProcessLookupError:
+    print("gone")
+"""
+
+
+@pytest.mark.parametrize("case", ["working", "sending"])
+def test_a_block_left_before_the_result_is_taken_stops_the_child_first(tmp_path, case):
+    """upload removes the child's output folder once the block is left (a stop while wandb
+    loads): the child must be gone by then, its cleanup run, with no traceback."""
+    done = subprocess.run(
+        [sys.executable, "-c", LEFT, case, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "gone\n"
+    assert "Traceback" not in done.stderr, done.stderr
+    assert (tmp_path / "cleaned").exists() == (case == "working")
 
 
 def test_upload_forks_before_polars_loads():

@@ -10,6 +10,7 @@ lines.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from metric_core.atomic import scratch_directory
 from metric_core.errors import (
     Message,
     MetricLogError,
@@ -41,7 +43,7 @@ from metric_core.offline.upload.destination import (
 )
 from metric_core.offline.upload.ledger import Ledger, only_upload
 from metric_core.offline.upload.mlflow import MLflow
-from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, plan_runs, request_key
+from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, plan_runs, request_key, spills
 from metric_core.offline.upload.send import WandB
 from metric_core.offline.upload.settled import running, settled_runs
 from metric_core.offline.upload.tensorboard import TensorBoard
@@ -169,38 +171,45 @@ def upload_run(
                 events,
             )
         return UploadResult(planned, state.outcomes, dry_run=dry_run, followed=state)
-    prepare: Callable[[], PlannedRuns] = functools.partial(
-        _prepare, root, plan, on_progress=on_progress, engine=engine, ray_address=ray_address, **read
-    )
-    settled = functools.partial(settled_runs, root, plan, **read)
-    live = running(root, follow_symlinks=follow_symlinks)
-    if live:  # the job still writes: its settled rows
-        prepare = settled
-    if not dry_run and to.slow_client:  # its client is imported while a child reads and reduces the run
-        prepare = overlap.start(prepare)
-    if not dry_run:
-        to.load_client()
-    planned = _started_meanwhile(_received(prepare, events), live, root, settled, follow_symlinks, events)
-    try:
-        report_planned(planned, events)
-        if dry_run:
-            ledger = to.ledger(root, planned.identity, create=False)
-            would = [(r, to.decide(r, find_entry(ledger, r, to), force_new)) for r in planned.runs]
-            outcomes = [RunOutcome(r, d.action, d.run_id, 0, d.message) for r, d in would]
-            return UploadResult(planned, outcomes, dry_run=True)
-        ledger = to.ledger(root, planned.identity)
-        assert ledger is not None
-        with only_upload(ledger.path.parent, request_key(plan, request, share_run), root):
-            ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
-            tables = _sample_tables(root, plan, samples or SampleChoice(), share_run, events)
-            sent = tables if to.takes_samples else None
-            outcomes = send_runs(planned, ledger, to, force_new=force_new, events=events, samples=sent)
-            if planned.open:
-                events.message("note", _still_written(events))
-            _said_samples(root, planned, tables, to, events)
-            return UploadResult(planned, outcomes)
-    finally:
-        planned.close()
+    with contextlib.ExitStack() as held:  # left in turn: the reading child stopped, then the columns removed
+        # the runs' columns: made here, in the process that removes them however the upload
+        # ends, whichever process plans the runs (``overlap``)
+        spill = (
+            held.enter_context(scratch_directory("metriclog-upload-")) if spills(plan, share_run) else None
+        )
+        prepare: Callable[[], PlannedRuns] = functools.partial(
+            _prepare, root, plan, on_progress=on_progress, engine=engine, ray_address=ray_address,
+            spill_dir=spill, **read,
+        )  # fmt: skip
+        settled = functools.partial(settled_runs, root, plan, **read)
+        live = running(root, follow_symlinks=follow_symlinks)
+        if live:  # the job still writes: its settled rows
+            prepare = settled
+        if not dry_run and to.slow_client:  # its client is imported while a child reads and reduces the run
+            prepare = held.enter_context(overlap.started(prepare))
+        if not dry_run:
+            to.load_client()
+        planned = _started_meanwhile(_received(prepare, events), live, root, settled, follow_symlinks, events)
+        try:
+            report_planned(planned, events)
+            if dry_run:
+                ledger = to.ledger(root, planned.identity, create=False)
+                would = [(r, to.decide(r, find_entry(ledger, r, to), force_new)) for r in planned.runs]
+                outcomes = [RunOutcome(r, d.action, d.run_id, 0, d.message) for r, d in would]
+                return UploadResult(planned, outcomes, dry_run=True)
+            ledger = to.ledger(root, planned.identity)
+            assert ledger is not None
+            with only_upload(ledger.path.parent, request_key(plan, request, share_run), root):
+                ledger = Ledger(ledger.path)  # as the upload that held the lock before left it
+                tables = _sample_tables(root, plan, samples or SampleChoice(), share_run, events)
+                sent = tables if to.takes_samples else None
+                outcomes = send_runs(planned, ledger, to, force_new=force_new, events=events, samples=sent)
+                if planned.open:
+                    events.message("note", _still_written(events))
+                _said_samples(root, planned, tables, to, events)
+                return UploadResult(planned, outcomes)
+        finally:
+            planned.close()
 
 
 @dataclass

@@ -16,7 +16,7 @@ import contextlib
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -25,8 +25,12 @@ from metric_core.errors import MetricLogError, UploadError
 T = TypeVar("T")
 
 
-def start(work: Callable[[], T]) -> Callable[[], T]:
-    """Start ``work`` in a forked child; the returned function waits for its result."""
+@contextlib.contextmanager
+def started(work: Callable[[], T]) -> Iterator[Callable[[], T]]:
+    """``work`` started in a forked child for the block, which is given a function that
+    waits for its result. When the block ends the child is gone: stopped (SIGTERM, its
+    cleanup run) if its result was not taken, so what the block then removes is not
+    being written."""
     import multiprocessing
 
     if (
@@ -34,7 +38,8 @@ def start(work: Callable[[], T]) -> Callable[[], T]:
         or threading.active_count() > 1
         or "fork" not in multiprocessing.get_all_start_methods()
     ):
-        return work
+        yield work
+        return
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     child = context.Process(target=_child, args=(work, send), daemon=True)
@@ -61,18 +66,30 @@ def start(work: Callable[[], T]) -> Callable[[], T]:
             "run again, and report it if it happens again"
         )
 
-    return result
+    try:
+        yield result
+    finally:
+        receive.close()  # a child still sending its result is told at once (EPIPE)
+        if child.is_alive():
+            child.terminate()
+            child.join(10)
+            if child.is_alive():
+                child.kill()
+                child.join()
 
 
 def _child(work: Callable[[], Any], send: Connection) -> None:
     try:
-        message: tuple[str, Any] = ("ok", work())
-    except (MetricLogError, OSError) as exc:  # expected failures: raised again in the parent
-        message = ("error", exc)
-    except KeyboardInterrupt:
-        message = ("interrupted", None)
-    except BaseException:
-        traceback.print_exc()  # a bug: its traceback is the report
-        message = ("crashed", None)
-    with send, contextlib.suppress(OSError):  # OSError: the parent is gone (interrupted)
-        send.send(message)
+        try:
+            message: tuple[str, Any] = ("ok", work())
+        except (MetricLogError, OSError) as exc:  # expected failures: raised again in the parent
+            message = ("error", exc)
+        except KeyboardInterrupt:
+            message = ("interrupted", None)
+        except BaseException:
+            traceback.print_exc()  # a bug: its traceback is the report
+            message = ("crashed", None)
+        with send, contextlib.suppress(OSError):  # OSError: the parent is gone (interrupted)
+            send.send(message)
+    except KeyboardInterrupt:  # stopped by the parent (``started``) while it sent: the parent says why
+        pass

@@ -19,14 +19,13 @@ import json
 import os
 import re
 import shutil
-import signal
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from metric_core.atomic import hold_stops, new_scratch_directory
 from metric_core.errors import DamagedRunJsonError, PlanError, opt
 from metric_core.metric import LoggingMode
 from metric_core.offline.plan import ReducePlan, one_rank_a_process
@@ -265,6 +264,12 @@ def safe_keys(keys: list[str], taken: set[str] | None = None) -> dict[str, str]:
     return mapping
 
 
+def spills(plan: ReducePlan, share_run: bool) -> bool:
+    """Whether the runs of ``plan`` keep their rows in files (``plan_runs``): all but
+    ``share_run``'s one run (which takes the per-rank modes only), held in memory."""
+    return not share_run or plan.mode is LoggingMode.GLOBAL_REDUCE
+
+
 def plan_runs(
     result: ReduceResult,
     *,
@@ -272,6 +277,7 @@ def plan_runs(
     group: str | None = None,
     share_run: bool = False,
     request: dict[str, Any] | None = None,
+    spill_dir: str | None = None,
 ) -> PlannedRuns:
     """Map a reduction to the W&B runs that hold it (nothing is sent).
 
@@ -281,7 +287,9 @@ def plan_runs(
 
     Runs keep their rows in files of a temporary directory, written as the reduction
     streams them (but ``share_run``'s, held in memory): close the plan (or use it in a
-    ``with``) to remove them.
+    ``with``) to remove them. ``spill_dir``: that directory, made by the caller, who removes
+    it however the plan ends (an upload whose plan is made in another process), else one
+    made here.
     """
     plan: ReducePlan = result.plan
     identity = run_identity(result)
@@ -289,20 +297,18 @@ def plan_runs(
     group = group or name
     bucket = plan.bucket
     mode = plan.mode
-    spill_dir = None
-    if not share_run or mode is LoggingMode.GLOBAL_REDUCE:  # share_run: per-rank modes only
-        # a stop (SIGTERM, Ctrl-C) held while the folder is made and named: it is removed below
-        hold = getattr(signal, "pthread_sigmask", None)  # POSIX
-        held = hold(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if hold else None
+    if spills(plan, share_run):
+        made = spill_dir is None
+        if spill_dir is None:  # the plan's own, which ``close`` removes
+            let_go = hold_stops()
+            spill_dir = new_scratch_directory("metriclog-upload-", let_go)
         try:
-            spill_dir = tempfile.mkdtemp(prefix="metriclog-upload-")
-        finally:
-            if hold and held is not None:
-                hold(signal.SIG_SETMASK, held)
-        try:
+            if made:
+                let_go()
             runs, mapping = _streamed_runs(result, spill_dir, identity, key, name, group, bucket)
         except BaseException:
-            shutil.rmtree(spill_dir, ignore_errors=True)
+            if made:
+                shutil.rmtree(spill_dir, ignore_errors=True)
             raise
     else:
         runs, mapping = _shared_run(result.frame, identity, key, name, group, bucket, mode)
