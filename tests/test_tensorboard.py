@@ -209,3 +209,38 @@ def test_a_ledger_an_earlier_version_wrote_is_read_and_nothing_is_written_again(
     assert [o.action for o in again.outcomes] == ["skipped", "skipped"]
     assert [o.rows_sent for o in again.outcomes] == [e["rows"] for e in old.values()]
     assert sorted(p for p in logdir.rglob("events.out.tfevents.*")) == files
+
+
+def test_the_writer_loads_no_torch_and_writes_what_torch_loaded_first_would(tmp_path):
+    """tensorboardX's package imports torch where installed (about 1.8 s): an upload keeps
+    it out, and a process that loaded torch before writes the same events with it."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torch")
+    write_collector_run(tmp_path / "run", [("w", 0)], steps=5)
+    script = (
+        "import sys\n"
+        "if sys.argv[1] == 'torch': import torch\n"
+        "from metric_core import make_plan\n"
+        "from metric_core.offline.upload import upload_run\n"
+        "from metric_core.offline.upload.tensorboard import TensorBoard\n"
+        "upload_run(sys.argv[2], make_plan(), TensorBoard(sys.argv[3]))\n"
+        "print('torch' in sys.modules, 'tensorboardX' in sys.modules)\n"
+        "import torch\n"  # still importable after
+        "print(torch.tensor([1.5]).item())\n"
+    )
+    written = {}
+    for first in ("none", "torch"):
+        logdir = tmp_path / first
+        done = subprocess.run(
+            [sys.executable, "-c", script, first, str(tmp_path / "run"), str(logdir)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split() == [str(first == "torch"), "True", "1.5"]
+        # (step, value): a global run's wall time is when it was written
+        written[first] = {tag: [e[:2] for e in events] for tag, events in scalars(logdir / "run").items()}
+    assert written["none"] == written["torch"] and written["none"]

@@ -102,11 +102,14 @@ class TensorBoardImporter(Importer):
 
 def _event_type() -> Any:
     """The ``Event`` protobuf: tensorboard's compiled protos where installed (they load nothing
-    else), else tensorboardX's (whose package loads torch where it is installed)."""
+    else), else tensorboardX's."""
     try:
         from tensorboard.compat.proto import event_pb2
     except ImportError:
+        from metric_core.offline.tensorboardx import import_tensorboardx
+
         try:
+            import_tensorboardx()
             from tensorboardX.proto import event_pb2  # type: ignore[no-redef]
         except ImportError:
             raise MissingDependencyError(

@@ -71,8 +71,10 @@ class TensorBoard(Destination):
         return {"tensorboard": str(Path(self.logdir).resolve()), "name": given, "group": group}
 
     def load_client(self) -> None:
+        from metric_core.offline.tensorboardx import import_tensorboardx
+
         try:
-            import tensorboardX  # noqa: F401
+            import_tensorboardx()
         except ImportError:
             raise MissingDependencyError(
                 "--to tensorboard writes with tensorboardX: pip install 'metriclog[tensorboard]'"
