@@ -186,7 +186,13 @@ class Job:
         with open(self.dir / "out" / f"rank{rank}.a{attempt}.err", "w") as log:
             return subprocess.Popen(
                 [sys.executable, str(WORKER), str(self.dir), str(rank), str(attempt), str(start)],
-                env={**self.env, "RANK": str(rank), "WORLD_SIZE": str(self.job["world"])},
+                # OPENBLAS_NUM_THREADS: numpy's threads would spin as it loads, for no linear algebra
+                env={
+                    **self.env,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(self.job["world"]),
+                    "OPENBLAS_NUM_THREADS": "1",
+                },
                 stdout=subprocess.DEVNULL,
                 stderr=log,
                 cwd=self.dir,
