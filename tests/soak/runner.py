@@ -525,7 +525,9 @@ def run_one(seed: int, root: Path, *, keep: bool = False, only: frozenset[str] |
 
         job.result.fail(f"the soak itself failed: {exc!r}\n{_tail(traceback.format_exc(), 20)}")
     job.result.seconds = time.monotonic() - started
-    if not job.result.failures and not keep:
+    if job.result.failures:  # beside what it failed on, for whoever reads the artefacts later
+        (job.dir / "failures.txt").write_text(report(job.result) + "\n")
+    elif not keep:
         shutil.rmtree(job.dir, ignore_errors=True)
         job.result.artefacts = None
     return job.result
