@@ -35,6 +35,11 @@ for _name, _value in json.loads(os.environ["MLS_CONTROLLER_TERMINAL"]).items():
     else:
         os.environ[_name] = _value
 
+# Ray starts its workers at niceness 15 (RAY_worker_niceness): beside a busy process at 0
+# (a CPU hog, the suite's other workers) they get about 3% of a core, and the Ray cases
+# took past their 20 minutes. The suite's Ray workers run at the niceness of the tests.
+os.environ.setdefault("RAY_worker_niceness", "0")
+
 SUITE_TMP: Path | None = None  # this pytest process's own, from pytest_configure on
 
 
