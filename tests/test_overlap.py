@@ -85,20 +85,32 @@ catch_stops()  # as the command line: a SIGTERM is a KeyboardInterrupt
 here = Path(sys.argv[2])
 
 def work():
-    (here / "pid").write_text(str(os.getpid()))
     if sys.argv[1] == "sending":
+        (here / "pid").write_text(str(os.getpid()))
         return b"x" * (8 << 20)  # more than a pipe holds: the child waits in its send
     try:
+        (here / "pid").write_text(str(os.getpid()))  # in the guard: its cleanup will run
         while True:
             time.sleep(0.01)
     finally:
         (here / "cleaned").write_text("")
 
+def waiting_in_its_send(pid):
+    try:
+        # the kernel function it sleeps in
+        return Path(f"/proc/{pid}/wchan").read_text().endswith("pipe_write")
+    except OSError:  # no /proc: the send is not seen, only likely
+        time.sleep(0.5)
+        return True
+
 with overlap.started(work):
     while not (here / "pid").exists():
         time.sleep(0.01)
-    time.sleep(0.2)  # into the loop, or the send
-pid = int((here / "pid").read_text())
+    pid = int((here / "pid").read_text())
+    deadline = time.monotonic() + 60
+    while sys.argv[1] == "sending" and not waiting_in_its_send(pid):
+        assert time.monotonic() < deadline, "the child never waited in its send"
+        time.sleep(0.01)
 try:
     os.kill(pid, 0)
     print("alive")
