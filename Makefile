@@ -45,11 +45,13 @@ lint: $(STAMP)
 # exact oracle. `make soak SEED=1234` replays one seed; `make soak MINUTES=60` runs new
 # seeds for that long (JOBS at a time, 3 by default) and prints a summary. A failure prints its seed and
 # keeps its run directory. The fixed seeds of tests/soak/seeds.txt run in `make test`.
+# ONLY=reduce,keys,... runs those checks alone, on the jobs the seeds made before the
+# other checks joined (tests/soak/checks.py's CHECKS).
 MINUTES ?= 10
 # a job waits on its hangs and follows: three at a time keep two cores busy
 JOBS ?= 3
 soak: $(STAMP)
-	$(BIN)/python -m tests.soak $(if $(SEED),$(foreach s,$(SEED),--seed $(s)),--minutes $(MINUTES)) --jobs $(JOBS)
+	$(BIN)/python -m tests.soak $(if $(SEED),$(foreach s,$(SEED),--seed $(s)),--minutes $(MINUTES)) --jobs $(JOBS) $(if $(ONLY),--only $(ONLY))
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_record.py
