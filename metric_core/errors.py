@@ -168,10 +168,13 @@ class ConfigError(MetricLogError):
 
 
 class NoDataError(MetricLogError):
-    """A run directory (or a filtered selection of it) holds no readable record."""
+    """A run directory (or a filtered selection of it) holds no readable record. ``over``:
+    its writers' attempts all ended before recording one ("finished": each shut down
+    cleanly; "died": one did not), None where that is not known (or one still runs)."""
 
-    def __init__(self, where: str, why: str) -> None:
+    def __init__(self, where: str, why: str, over: str | None = None) -> None:
         self.where = where
+        self.over = over
         super().__init__(f"no readable metric record in {where}: " + why)
 
 

@@ -438,6 +438,23 @@ def test_a_rank_that_died_after_init_before_its_first_record_is_a_source_that_di
     assert "TrainActor_r1 (rank 1) died before its first flush" in done.stderr + done.stdout, done.stderr
 
 
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_watch_ends_when_every_rank_ended_before_recording_anything(tmp_path, how):
+    """Soak seed 391353656: the one rank of a job was stopped before its first flush. The run
+    holds attempts that all ended and no record: watch said it was waiting for records, for
+    ever. It ends as any run whose every source died: 4, after --restart-grace."""
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-c", DIES_AFTER_INIT, str(run), "0", how], timeout=120)
+    done = subprocess.run(
+        [METRICLOG, "watch", str(run), "--interval", "0.2", "--restart-grace", "0s"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, (done.returncode, done.stdout, done.stderr)
+    assert "TrainActor_r0 (rank 0) died before its first flush" in done.stderr, done.stderr
+
+
 def test_watch_ends_by_itself_when_every_rank_died(tmp_path):
     run = tmp_path / "run"
     children = writers(run, [(400, -1), (400, -1)])

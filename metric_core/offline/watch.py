@@ -199,6 +199,13 @@ def watch_run(
         except NoDataError as exc:  # not started yet: wait for its first records
             if on_waiting is not None:
                 on_waiting(str(exc))
+            if exc.over is None:  # or its writers ended before recording any: over, as below
+                over_since = None
+            else:
+                over_since = over_since if over_since is not None else time.monotonic()
+                if time.monotonic() - over_since >= restart_grace:
+                    result.code = FINISHED if exc.over == "finished" else OVER
+                    return _last_values(result, values, alert)
         except RunChangedError as exc:  # a file replaced while it was read (a copy): next poll
             changed += 1
             if changed >= CHANGED_POLLS:

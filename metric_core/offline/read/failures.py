@@ -35,7 +35,10 @@ def all_skipped(report: ReadReport) -> NoDataError:
             "lists them",
         )
     if not extra and report.attempts:
-        return NoDataError(str(report.run_dir), _recorded_nothing(report))
+        why = _recorded_nothing(report)  # tells each attempt's end
+        ends = {"running" if a.end == "running" else a.ended_well for a in report.attempts}
+        over = None if "running" in ends else ("finished" if ends == {True} else "died")
+        return NoDataError(str(report.run_dir), why, over=over)
     return NoDataError(str(report.run_dir), "every record was skipped" + (f"\n{extra}" if extra else ""))
 
 
