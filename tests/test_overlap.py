@@ -84,12 +84,16 @@ from metric_core.offline.upload import overlap
 catch_stops()  # as the command line: a SIGTERM is a KeyboardInterrupt
 here = Path(sys.argv[2])
 
+def say_pid():  # whole or not at all: the parent reads it as soon as it is there
+    (here / "pid.part").write_text(str(os.getpid()))
+    os.replace(here / "pid.part", here / "pid")
+
 def work():
     if sys.argv[1] == "sending":
-        (here / "pid").write_text(str(os.getpid()))
+        say_pid()
         return b"x" * (8 << 20)  # more than a pipe holds: the child waits in its send
     try:
-        (here / "pid").write_text(str(os.getpid()))  # in the guard: its cleanup will run
+        say_pid()  # in the guard: its cleanup will run
         while True:
             time.sleep(0.01)
     finally:
