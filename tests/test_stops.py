@@ -166,7 +166,10 @@ def test_a_stop_that_lands_where_python_cannot_raise_is_raised_again(name):
     ignored ... Traceback" and lost: it is raised at the main thread's next instruction."""
     ran = subprocess.run(
         [sys.executable, "-c", LOST_STOP.format(signal=name)],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert (ran.stdout, ran.stderr) == ("stopped\n", "")

@@ -58,6 +58,7 @@ SEALED_LABELS = 1 << 20
 # groups the table of records handed over as rows holds (``grouptable``: about 150 bytes
 # each) before they are folded in with the others
 TABLE_GROUPS = 1 << 20
+KNOWN_LABELS = 64  # sets of labels whose numbers are kept (``_Labels.numbers``)
 TABLE_RECORDS = 2  # ... and keeps taking records past it while they are this many a group or more
 
 
@@ -82,13 +83,27 @@ class _Labels:
         # those after it, in tail_parts chunks (made one past 32)
         self.sealed = 0
         self.tail_parts = 0
+        # the numbers of labels given as Python values too (``Partial.names``): a reader's
+        # partitions of one file, or of files of the same keys, have the same labels
+        self.known: dict[tuple[tuple[Any, ...], ...], np.ndarray] = {}
 
     def __len__(self) -> int:
         return self.table.height
 
-    def numbers(self, labels: pl.DataFrame) -> np.ndarray:
+    def numbers(self, labels: pl.DataFrame, names: tuple[tuple[Any, ...], ...] | None = None) -> np.ndarray:
         """The combo of each row of ``labels`` (distinct rows); labels not met before are
-        numbered next, in row order."""
+        numbered next, in row order. ``names``: the rows of ``labels`` as Python values,
+        where the caller has them (then labels met as a whole before are not looked up)."""
+        if names is not None:
+            known = self.known.get(names)
+            if known is None:
+                known = self.known[names] = self._numbers(labels)
+                if len(self.known) > KNOWN_LABELS:
+                    self.known = {names: known}
+            return known.copy()
+        return self._numbers(labels)
+
+    def _numbers(self, labels: pl.DataFrame) -> np.ndarray:
         labels = labels.with_columns(
             pl.col(c).cast(pl.Categorical) for c in ("process", "reduction") if c in labels
         )
@@ -499,7 +514,7 @@ class Accumulator:
             self.aside = None
 
     def _fold(self, p: Partial) -> None:
-        combo_of = self.labels.numbers(p.labels)
+        combo_of = self.labels.numbers(p.labels, p.names)
         combo = combo_of[p.combo]
         self._fold_numbered(p.bucket, combo, p.state, p.exact)
         if p.rows is not None:

@@ -36,13 +36,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 
 from metric_core.errors import PlanError
 from metric_core.format.schema import key_hash
+from metric_core.offline import filters
 from metric_core.offline.plan import By, ReducePlan, Statistic
 
 if TYPE_CHECKING:  # imported where used: the engine package imports this module
@@ -104,6 +105,7 @@ class Partial:
     values: np.ndarray
     exact: ExactState | None = None
     rows: Rows | None = None  # records of the groups no state was made for (compiled path)
+    names: tuple[tuple[Any, ...], ...] | None = None  # the rows of labels, where made from Python values
 
 
 # The statistics whose records may be handed over as they are (``Rows``): what they read of
@@ -221,6 +223,87 @@ def partition_states(
         subset = np.arange(rows) if stat_codes is None else np.flatnonzero(quantile[stat_codes])
         value_group, values = ids[subset], value[subset]
     return Partial(group_bucket, group_combo, labels, state, value_group, values, exact, rows_out)
+
+
+def rows_of_batch(
+    batch: Any,
+    plan: ReducePlan,
+    statistic_of: Callable[[str, str], str],
+    t0: float | None,
+    seen: filters.Seen,
+) -> Partial | None:
+    """``partition_states`` with ``direct`` of a batch of records as pyarrow read it from
+    a Parquet file (``RunScan.offered``: the record schema's types, no null, strings as
+    dictionary arrays), in global_reduce, where every group's statistic is one of DIRECT:
+    its records handed over as rows, with no polars frame made. The same labels, buckets,
+    combos (by their labels) and values as ``partition_states`` gives the batch's frame,
+    so the same bits. None where a statistic is not one of DIRECT (or the batch's key
+    strings are split among dictionaries): the caller makes the frame. The batch's keys
+    are noted in ``seen`` (no filter drops any: the caller takes batches only without
+    ``--ranks``, ``--steps`` or ``--key``)."""
+    from metric_core.format.records import as_numpy  # pyarrow: the batch's reader has it
+
+    if plan.group_columns[0] == "process":
+        return None
+    codes, names = [], []
+    for name in ("key", "reduction"):
+        column = batch.column(name)
+        if hasattr(column, "num_chunks"):  # a table's column
+            if column.num_chunks != 1:
+                return None
+            column = column.chunk(0)
+        codes.append(as_numpy(column.indices, np.int64))
+        names.append(column.dictionary.to_pylist())
+    keys, recorded = names
+    width = max(len(recorded), 1)
+    pair = codes[0] * width + codes[1]
+    rows = len(pair)
+    if len(keys) * width <= 4 * rows + 1024:
+        present = np.flatnonzero(np.bincount(pair, minlength=len(keys) * width))
+    else:  # a dictionary of many keys: the pairs found by sorting
+        present = np.unique(pair)
+    combo_of: dict[tuple[str, str], int] = {}
+    chosen = np.empty(len(present), dtype=np.int64)
+    stats: list[str] = []
+    for i, p in enumerate(present.tolist()):
+        key = keys[p // width]
+        statistic = statistic_of(key, recorded[p % width].lower())
+        if statistic not in _DIRECT_NAMES and not (
+            is_statistic(statistic) and Statistic.parse(statistic).name in DIRECT
+        ):
+            return None
+        chosen[i] = combo_of.setdefault((key, statistic), len(combo_of))
+        if chosen[i] == len(stats):
+            stats.append(statistic)
+    if seen.keys is not None:
+        seen.add(None, {key for key, _ in combo_of})
+    if len(present) and present[-1] < 4 * rows + 1024:
+        combo_of_pair = np.zeros(present[-1] + 1, dtype=np.int64)
+        combo_of_pair[present] = chosen
+        combo = combo_of_pair[pair]
+    else:
+        combo = chosen[np.searchsorted(present, pair)]
+    if plan.by is By.TIME:
+        assert t0 is not None and plan.every is not None
+        bucket = np.floor((as_numpy(batch.column("timestamp"), np.float64) - t0) / plan.every).astype(
+            np.int64
+        )
+    else:
+        bucket = as_numpy(batch.column("step"), np.int64)
+    labels = pl.DataFrame(
+        {"key": [key for key, _ in combo_of], "reduction": [stat for _, stat in combo_of]},
+        schema={"key": pl.String, "reduction": pl.String},
+    )
+    squares = np.array([Statistic.parse(stat).name == "std" for stat in stats], dtype=np.uint8)
+    value = as_numpy(batch.column("value"), np.float64)
+    named = tuple(combo_of) if len(combo_of) <= NAMED_LABELS else None
+    return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares), names=named)
+
+
+NAMED_LABELS = 4096  # labels given to the accumulator as Python values too, at most (``Partial.names``)
+
+
+_DIRECT_NAMES = frozenset(DIRECT)
 
 
 def _no_groups(

@@ -6,12 +6,13 @@ breaks ties of time in per_rank_no_reduce)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import polars as pl
 
@@ -28,6 +29,8 @@ from metric_core.offline.storage import RunPath, open_read, raise_store_failure
 # What breaks a tie of timestamps between a first (or last) record and another, after them
 # the value's bits (``partials``)
 TIE_COLUMNS = ("step", "process", "rank")
+
+T = TypeVar("T")
 
 # Records a partition holds (its states are made and folded as one): smaller partitions
 # lower the peak memory on another tool's large files, for no speed (bench_memory.py).
@@ -217,9 +220,20 @@ class TaskWork:
         rows = self.rows
         pieces: list[pl.DataFrame] = []
         held = 0
+        # Records no filter drops may be taken as pyarrow read them (``partials.rows_of_batch``)
+        taken = None
+        if self.direct and not (plan.ranks or plan.steps is not None or plan.keys):
+            taken = functools.partial(
+                partials.rows_of_batch, plan=plan, statistic_of=statistic_of, t0=self.t0, seen=seen
+            )
         for fid, groups in task.reads:
-            batches = read_batches(plan, self.scan, fid, self.dictionaries, self.kept, groups, rows, seen)
+            batches = read_batches(
+                plan, self.scan, fid, self.dictionaries, self.kept, groups, rows, seen, taken
+            )
             for frame in batches:
+                if isinstance(frame, partials.Partial):
+                    yield frame
+                    continue
                 for start in range(0, frame.height, rows):  # a whole file read at once, too
                     pieces.append(key_matching(frame.slice(start, rows), match))
                     held += pieces[-1].height
@@ -242,11 +256,16 @@ def read_batches(
     row_groups: list[int] | None,
     rows: int | None,
     seen: filters.Seen,
-) -> Iterator[pl.DataFrame]:
+    taken: Callable[[Any], T | None] | None = None,
+) -> Iterator[pl.DataFrame | T]:
     """One file's ``kept`` columns (``columns_read``; or those of its ``row_groups``) as
     ``RunScan.batches`` reads them, the plan's rank and step filters applied. The ranks and
-    keys read are noted in ``seen`` before the filters drop any."""
-    for df in scan.batches(fid, kept, dictionaries=dictionaries, row_groups=row_groups, rows=rows):
+    keys read are noted in ``seen`` before the filters drop any. A batch ``taken`` took
+    (``RunScan.offered``) comes as it made it."""
+    for df in scan.offered(fid, kept, taken, dictionaries=dictionaries, row_groups=row_groups, rows=rows):
+        if not isinstance(df, pl.DataFrame):
+            yield df
+            continue
         seen.add(
             df["rank"].unique() if seen.ranks is not None else None,
             df["key"].unique().cast(pl.String) if seen.keys is not None else None,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import polars as pl
 from polars.exceptions import PanicException
 
-from metric_core.format.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS
+from metric_core.format.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED_FIELDS, TIMESTAMP_RANGE
 from metric_core.format.segment import SegmentMeta
 from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.interned import KEY_BUDGET, categorical_keys
@@ -34,6 +35,15 @@ from metric_core.offline.storage import (
 )
 
 _EXACT_TYPES = {name: POLARS_SCHEMA[name] for name in REQUIRED_FIELDS}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Taken(Generic[T]):
+    """What a reader's ``taken`` made of a batch of ``records`` records, instead of a frame."""
+
+    records: int
+    value: T
 
 
 def scan_parquet(
@@ -261,14 +271,20 @@ def categorical_batches(
     rows: int | None = None,
     *,
     rep: FileReport,
-) -> Iterator[pl.DataFrame]:
+    taken: Callable[[Any], T | None] | None = None,
+) -> Iterator[pl.DataFrame | Taken[T]]:
     """``columns`` of the records of one Parquet file (or of its ``row_groups``), read once
     with pyarrow, in frames of at most ``rows`` records (None: one frame), strings kept as
     their dictionary codes (polars Categorical): what the engine groups on, without
     decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame.
     Each row group is read and checked whole before any of it is handed over, and one that
     fails is skipped and counted in ``rep`` (``checked_groups``); its frames are typed as
-    they are asked for."""
+    they are asked for.
+
+    ``taken``: a batch whose columns are already the record schema's and whose records
+    are all good (``clean``) is first offered to it as pyarrow read it (dictionary strings,
+    no copy); what it returns (None: it did not take it) is handed over for the frame, with
+    the batch's count of records (``Taken``)."""
     import pyarrow.parquet as pq
 
     meta = footer(path)
@@ -277,9 +293,11 @@ def categorical_batches(
     text_key = typed_columns(schema, hashed)["key"]  # for a frame of too many keys: interned
     wanted = [c for c in columns if c in exprs]
     sources, strings = _stored(schema, wanted)
+    if not _as_records(schema):
+        taken = None  # its columns are cast: only a frame has them as records
     with arrow_source(path) as where:  # a remote file, open until the last frame
         file = pq.ParquetFile(where, metadata=meta, read_dictionary=strings, page_checksum_verification=True)
-        yield from _frames(file, wanted, exprs, text_key, sources, row_groups, rows, rep)
+        yield from _frames(file, wanted, exprs, text_key, sources, row_groups, rows, rep, taken)
 
 
 def _stored(schema: Mapping[str, pl.DataType], fields: list[str]) -> tuple[set[str], list[str]]:
@@ -301,15 +319,62 @@ def _frames(
     row_groups: list[int] | None,
     rows: int | None,
     rep: FileReport,
-) -> Iterator[pl.DataFrame]:
+    taken: Callable[[Any], T | None] | None,
+) -> Iterator[pl.DataFrame | Taken[T]]:
     """``categorical_batches``' frames, from the open ``file``."""
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
     empty = True
     for table in checked_groups(file, groups, sorted(sources), rep, rows):
         empty = False
+        if taken is not None and clean(table):
+            took = taken(table)
+            if took is not None:
+                yield Taken(len(table), took)
+                continue
         yield _typed_frame(table, wanted, exprs, text_key)
     if empty:  # every row group asked for was damaged: a frame of no records, typed as others
         yield _typed_frame(file.schema_arrow.empty_table().select(sorted(sources)), wanted, exprs, text_key)
+
+
+def _as_records(schema: Mapping[str, pl.DataType]) -> bool:
+    """Whether a file's columns are read as the records' fields with no cast (``typed_columns``
+    keeps them as they are): numbers typed as the record schema's, strings as text or
+    dictionaries (Categorical)."""
+    strings = (pl.String, pl.Categorical)
+    return all(
+        schema[name] in strings if dtype == pl.String else schema[name] == dtype
+        for name, dtype in _EXACT_TYPES.items()
+    ) and ("process" not in schema or schema["process"] in strings)
+
+
+def clean(table: Any) -> bool:
+    """Whether a batch of a Parquet file whose columns have the record schema's types holds
+    the records as they are: no null in any column, strings as dictionary codes, each
+    timestamp a clock's (``RECORD_OK``: nothing to drop, nothing to cast or to fill)."""
+    import numpy as np
+
+    from metric_core.format.records import as_numpy
+
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        if column.null_count:
+            return False
+        if name in ("key", "reduction", "process") and not _text_codes(column.type):
+            return False
+        if name == "timestamp" and len(column):
+            times = as_numpy(column, np.float64)
+            lo, hi = TIMESTAMP_RANGE
+            if not (lo <= times.min() and times.max() < hi):  # NaN fails both
+                return False
+    return True
+
+
+def _text_codes(dtype: Any) -> bool:
+    """Whether a pyarrow type is strings as dictionary codes."""
+    import pyarrow as pa
+
+    return pa.types.is_dictionary(dtype) and (
+        pa.types.is_string(dtype.value_type) or pa.types.is_large_string(dtype.value_type)
+    )
 
 
 def _typed_frame(table: Any, wanted: list[str], exprs: dict[str, pl.Expr], text_key: pl.Expr) -> pl.DataFrame:

@@ -36,6 +36,7 @@ from metric_core.offline.read.interned import categorical_keys
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import (
+    Taken,
     categorical_batches,
     check_groups,
     drop_bad_rows,
@@ -229,6 +230,26 @@ class RunScan:
         (``categorical_batches``); another file is one frame. A file not checked yet is
         also read with the fields its check needs; read whole, it is then counted (a later
         read drops its bad rows without counting them again)."""
+        for df in self.offered(
+            fid, columns, None, dictionaries=dictionaries, row_groups=row_groups, rows=rows
+        ):
+            assert isinstance(df, pl.DataFrame)
+            yield df
+
+    def offered(
+        self,
+        fid: int,
+        columns: list[str],
+        taken: Callable[[Any], T | None] | None,
+        *,
+        dictionaries: bool = True,
+        row_groups: list[int] | None = None,
+        rows: int | None = None,
+    ) -> Iterator[pl.DataFrame | T]:
+        """``batches``, where a Parquet batch read through the dictionaries whose records
+        need no cast, fill or drop is first offered to ``taken`` as pyarrow read it (its
+        columns as ``batches`` would have them, strings as dictionary arrays): what it
+        makes of it (not None) comes instead of its frame, its records counted as read."""
         rep = self.report.files[fid]
         columns = sorted({*columns, *(REQUIRED_FIELDS if not self.trusted(fid) else ())})
         if fid in self._failed or rep.unreadable is not None:  # given up on (by a check of it, say)
@@ -236,12 +257,17 @@ class RunScan:
             return
         given = False
         try:
-            for df in self._frames(rep, fid, columns, dictionaries, row_groups, rows):
-                df = self._checked(fid, df)
+            for got in self._frames(rep, fid, columns, dictionaries, row_groups, rows, taken):
+                out: pl.DataFrame | T
+                if isinstance(got, Taken):
+                    records, out = got.records, got.value
+                else:
+                    out = self._checked(fid, got)
+                    records = out.height
                 with self._counting:
-                    self._taken[fid] = self._taken.get(fid, 0) + df.height
+                    self._taken[fid] = self._taken.get(fid, 0) + records
                 given = True
-                yield df
+                yield out
         except (Exception, PanicException) as exc:
             if not is_read_failure(exc) or is_store_failure(exc):
                 raise
@@ -260,19 +286,25 @@ class RunScan:
         dictionaries: bool,
         row_groups: list[int] | None,
         rows: int | None,
-    ) -> Iterator[pl.DataFrame]:
+        taken: Callable[[Any], T | None] | None = None,
+    ) -> Iterator[pl.DataFrame | Taken[T]]:
         if rep.format == "parquet":  # by pyarrow: page checksums verified, a failing row group skipped
             # A restart's rewind (the scan's frames have it) drops records by their step,
             # which the columns asked for need not hold (global_reduce --by time reads none).
             rewind = rep.replaced_from
-            step_added = rewind is not None and "step" not in columns
+            if rewind is None:
+                yield from categorical_batches(
+                    rep.path, columns, rep.hashed, row_groups, rows, rep=rep, taken=taken
+                )
+                return
+            step_added = "step" not in columns
             read = [*columns, "step"] if step_added else columns
+            frames: Iterator[pl.DataFrame | Taken[None]]
             frames = categorical_batches(rep.path, read, rep.hashed, row_groups, rows, rep=rep)
-            if rewind is not None:
-                frames = (df.filter(pl.col("step") < rewind) for df in frames)
-            if step_added:
-                frames = (df.drop("step") for df in frames)
-            yield from frames
+            for df in frames:
+                assert isinstance(df, pl.DataFrame)  # nothing taken
+                df = df.filter(pl.col("step") < rewind)
+                yield df.drop("step") if step_added else df
         else:
             assert row_groups is None, "row groups are read through the dictionaries"
             frame = self._parts[fid].select(columns).collect()
