@@ -95,10 +95,10 @@ def test_the_table_holds_what_accumulate_and_numpy_give(seed):
 def test_a_group_drained_and_met_again_is_added_to_where_it_went():
     table = grouptable.GroupTable()
     one = np.arange(1)
-    table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.1, 0.2]), SQUARES), one)
+    table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.1, 0.2]), SQUARES[:1]), one)
     bucket, _, state, held = table.drain(6)
     assert bucket.tolist() == [5] and len(table) == 1
-    table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.7, 0.3]), SQUARES), one)
+    table.add(Rows(np.array([5, 9]), np.array([0, 0]), np.array([0.7, 0.3]), SQUARES[:1]), one)
     bucket, _, state, later = table.drain(math.inf)
     assert bucket.tolist() == [5, 9] and state[0].tolist() == [1, 2]
     assert later.sum().tolist() == [0.7, 0.5] and held.sum().tolist() == [0.1]
@@ -147,3 +147,10 @@ def test_a_reduction_through_the_table_is_the_states_bits(tmp_path, monkeypatch,
         assert any(not takes for _, takes in seen)  # ... and stopped taking records
     else:
         assert all(takes for _, takes in seen)
+
+
+def test_a_label_the_numbers_do_not_cover_is_refused_and_nothing_is_added():
+    table = grouptable.GroupTable()
+    with pytest.raises(ValueError, match="label 1 of row 1 is not one of the 1 given"):
+        table.add(Rows(np.array([5, 9]), np.array([0, 1]), np.array([0.1, 0.2]), SQUARES[:1]), np.arange(1))
+    assert len(table) == 0

@@ -995,31 +995,41 @@ static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)t;
 }
 
-/* add(bucket, combo, values, squares): each row's value into its group (bucket[i],
- * combo[i]), made where there is none; its square too where squares[i] (uint8). */
+/* add(bucket, label, values, combo_of, squares): each row's value into its group
+ * (bucket[i], combo_of[label[i]]), made where there is none; its square too where
+ * squares[label[i]] (uint8). A label out of combo_of's range is a ValueError, and nothing
+ * is added. */
 static PyObject *table_add(Table *t, PyObject *args) {
-    Py_buffer bucket_b, combo_b, values_b, squares_b;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*", &bucket_b, &combo_b, &values_b, &squares_b)) return NULL;
-    Py_buffer *all[] = {&bucket_b, &combo_b, &values_b, &squares_b};
+    Py_buffer bucket_b, label_b, values_b, combo_b, squares_b;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &bucket_b, &label_b, &values_b, &combo_b, &squares_b)) return NULL;
+    Py_buffer *all[] = {&bucket_b, &label_b, &values_b, &combo_b, &squares_b};
     PyObject *result = NULL;
-    int64_t rows = (int64_t)(values_b.len / 8);
-    if (check_length(&bucket_b, rows, 8, "bucket") || check_length(&combo_b, rows, 8, "combo") ||
-        check_length(&squares_b, rows, 1, "squares"))
+    int64_t rows = (int64_t)(values_b.len / 8), labels = (int64_t)(combo_b.len / 8);
+    if (check_length(&bucket_b, rows, 8, "bucket") || check_length(&label_b, rows, 8, "label") ||
+        check_length(&squares_b, labels, 1, "squares"))
         goto done;
-    const int64_t *bucket = (const int64_t *)bucket_b.buf, *combo = (const int64_t *)combo_b.buf;
+    const int64_t *bucket = (const int64_t *)bucket_b.buf, *label = (const int64_t *)label_b.buf;
+    const int64_t *combo_of = (const int64_t *)combo_b.buf;
     const uint64_t *v = (const uint64_t *)values_b.buf;
-    const uint8_t *sq = (const uint8_t *)squares_b.buf;
+    const uint8_t *sq_of = (const uint8_t *)squares_b.buf;
+    for (int64_t i = 0; i < rows; i++)
+        if (label[i] < 0 || label[i] >= labels) {
+            PyErr_Format(PyExc_ValueError, "label %lld of row %lld is not one of the %lld given", (long long)label[i],
+                         (long long)i, (long long)labels);
+            goto done;
+        }
     int status = OK;
     Py_BEGIN_ALLOW_THREADS
     int64_t last = -1; /* the group of the row before: rows of one group, or of the next one made, */
     for (int64_t i = 0; i < rows; i++) { /* often follow each other (steps and keys in order) */
         Group *x = NULL;
+        const int64_t combo = combo_of[label[i]];
         for (int64_t g = last; g <= last + 1 && g < t->used; g++)
-            if (g >= 0 && t->groups[g].bucket == bucket[i] && t->groups[g].combo == combo[i]) {
+            if (g >= 0 && t->groups[g].bucket == bucket[i] && t->groups[g].combo == combo) {
                 x = t->groups + g;
                 break;
             }
-        if (!x) x = table_group(t, bucket[i], combo[i]);
+        if (!x) x = table_group(t, bucket[i], combo);
         if (x) last = x - t->groups;
         if (!x) {
             status = NO_MEMORY;
@@ -1061,7 +1071,7 @@ static PyObject *table_add(Table *t, PyObject *args) {
         y[0] += p[0];
         y[1] += p[1];
         y[2] += p[2];
-        if (!sq[i]) continue;
+        if (!sq_of[label[i]]) continue;
         d = square_pieces(m, e, p);
         if ((x->q_at < 0 || d < x->q_lo || d + SQUARE_PIECES > (int64_t)x->q_lo + x->q_len) &&
             window_cover(t, &x->q_at, &x->q_lo, &x->q_len, d, d + SQUARE_PIECES - 1)) {

@@ -56,7 +56,13 @@ class Table:
     squares: bool
     def __len__(self) -> int: ...
     def add(
-        self, bucket: np.ndarray, combo: np.ndarray, values: np.ndarray, squares: np.ndarray, /
+        self,
+        bucket: np.ndarray,
+        label: np.ndarray,
+        values: np.ndarray,
+        combo_of: np.ndarray,
+        squares: np.ndarray,
+        /,
     ) -> None: ...
     def below(self, upto: int, every: bool, /) -> int: ...
     def drain(

@@ -46,13 +46,14 @@ class GroupTable:
         return len(self._table)
 
     def add(self, rows: Rows, combo_of: np.ndarray) -> None:
-        """``rows``' records into their groups, their combos numbered by ``combo_of``."""
-        combo = np.ascontiguousarray(combo_of[rows.combo], dtype=np.int64)
+        """``rows``' records into their groups, their combos numbered by ``combo_of`` (one
+        number, and one of ``rows.squares``, for each of the partition's labels)."""
         self._table.add(
             np.ascontiguousarray(rows.bucket, dtype=np.int64),
-            combo,
+            np.ascontiguousarray(rows.combo, dtype=np.int64),
             np.ascontiguousarray(rows.value, dtype=np.float64),
-            np.ascontiguousarray(rows.squares[rows.combo], dtype=np.uint8),
+            np.ascontiguousarray(combo_of, dtype=np.int64),
+            np.ascontiguousarray(rows.squares, dtype=np.uint8),
         )
 
     def below(self, upto: float) -> int:
