@@ -1,6 +1,7 @@
-"""Batches taken as pyarrow read them (``partials.rows_of_batch``): in global_reduce on the
-compiled path, a Parquet batch whose records need no cast, fill or drop goes to the table
-of groups without a polars frame. Whatever a run holds, the result and the read's report
+"""Batches taken as pyarrow read them (``partials.batch_partial``): in global_reduce, a
+Parquet batch whose records need no cast, fill or drop goes to the table of groups (on the
+compiled path: sums, means, stds, min, max, counts) or gives its groups' values (medians,
+pNN) without a polars frame. Whatever a run holds, the result and the read's report
 are those of the frames' path, bit for bit: files written by pyarrow (dictionaries) and
 by polars (large strings), reductions recorded in capitals, keys recorded with two
 reductions, ``--reduce`` patterns that keep a batch's statistics direct or do not, bad rows
@@ -16,17 +17,15 @@ import pytest
 
 from metric_core.offline.engine import partials, run_plan, tasks
 from metric_core.offline.plan import make_plan
-from tests.test_exact import COMPILED, NOT_BUILT
+from tests.test_exact import KERNELS, kernel_of
 from tests.test_exact_engine import EVERY, RANKS, records, write
 from tests.test_grouptable import bits
-
-pytestmark = pytest.mark.skipif(COMPILED is None, reason=NOT_BUILT)
 
 
 def _run(tmp_path, seed: int) -> None:
     """A run of another tool's files, with the oddities above drawn by ``seed``."""
     rng = np.random.default_rng(seed)
-    df = records(seed=seed, others=seed >= 2)  # first, last, median and pNN keys too
+    df = records(seed=seed, others=seed in (2, 3, 5))  # first, last, median and pNN keys too
     shout = rng.random(df.height) < 0.2  # 'MEAN' beside 'mean': one statistic
     df = df.with_columns(
         reduction=pl.when(pl.Series(shout))
@@ -58,11 +57,12 @@ def _reduced(run, **options) -> tuple[pl.DataFrame, str]:
     return frame.sort([c for c in frame.columns if c != "value"]), result.scan.report.summary()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_batches_taken_as_read_give_the_frames_bits_and_report(tmp_path, monkeypatch, seed):
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("seed", range(6))
+def test_batches_taken_as_read_give_the_frames_bits_and_report(tmp_path, monkeypatch, seed, kernel):
     _run(tmp_path, seed)
     taken = []
-    real = partials.rows_of_batch
+    real = partials.batch_partial
 
     def counted(*args, **kwargs):
         got = real(*args, **kwargs)
@@ -70,21 +70,24 @@ def test_batches_taken_as_read_give_the_frames_bits_and_report(tmp_path, monkeyp
         return got
 
     rows = [None, 61][seed % 2]  # partitions cut small: several batches a row group
-    # the statistics of every key direct (seeds 0 and 2: some batch is taken), or not all
-    overrides = [[], ["*/max=p50"], ["*=std"], ["floats*=sum"]][seed]
+    # every key's statistic direct (seeds 0 and 2) or a quantile (4 and 5): some batch is
+    # taken; or they are mixed
+    overrides = [[], ["*/max=p50"], ["*=std"], ["floats*=sum"], ["*=p99"], ["*=median"]][seed]
     for by in ("step", "time"):
         options = dict(
             mode="global_reduce", by=by, reduce=overrides, **({"every": EVERY} if by == "time" else {})
         )
         if rows is not None:
             monkeypatch.setattr(tasks, "PARTITION_ROWS", rows)
-        monkeypatch.setattr(partials, "rows_of_batch", counted)
+        monkeypatch.setattr(partials, "batch_partial", counted)
         taken.clear()
-        fast, fast_report = _reduced(tmp_path, **options)
-        if seed in (0, 2):
+        with kernel_of(kernel):
+            fast, fast_report = _reduced(tmp_path, **options)
+        if seed in (4, 5) or (seed in (0, 2) and kernel == "compiled"):  # rows: for the C table
             assert any(taken), (by, "no batch was taken as read")
-        monkeypatch.setattr(partials, "rows_of_batch", lambda *args, **kwargs: None)
-        slow, slow_report = _reduced(tmp_path, **options)
+        monkeypatch.setattr(partials, "batch_partial", lambda *args, **kwargs: None)
+        with kernel_of(kernel):
+            slow, slow_report = _reduced(tmp_path, **options)
         monkeypatch.undo()
         assert fast.drop("value").equals(slow.drop("value")), by
         assert np.array_equal(bits(fast["value"]), bits(slow["value"])), by

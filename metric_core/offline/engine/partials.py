@@ -225,22 +225,23 @@ def partition_states(
     return Partial(group_bucket, group_combo, labels, state, value_group, values, exact, rows_out)
 
 
-def rows_of_batch(
+def batch_partial(
     batch: Any,
     plan: ReducePlan,
     statistic_of: Callable[[str, str], str],
     t0: float | None,
     seen: filters.Seen,
+    direct: bool,
 ) -> Partial | None:
-    """``partition_states`` with ``direct`` of a batch of records as pyarrow read it from
-    a Parquet file (``RunScan.offered``: the record schema's types, no null, strings as
-    dictionary arrays), in global_reduce, where every group's statistic is one of DIRECT:
-    its records handed over as rows, with no polars frame made. The same labels, buckets,
-    combos (by their labels) and values as ``partition_states`` gives the batch's frame,
-    so the same bits. None where a statistic is not one of DIRECT (or the batch's key
-    strings are split among dictionaries): the caller makes the frame. The batch's keys
-    are noted in ``seen`` (no filter drops any: the caller takes batches only without
-    ``--ranks``, ``--steps`` or ``--key``)."""
+    """``partition_states`` of a batch of records as pyarrow read it from a Parquet file
+    (``RunScan.offered``: the record schema's types, no null, strings as dictionary arrays),
+    in global_reduce, with no polars frame made: where every group's statistic is one of
+    DIRECT and ``direct``, its records handed over as rows; where every group's is a median
+    or pNN, its groups' counts and values. The same labels, buckets, groups (by their
+    labels) and values as ``partition_states`` gives the batch's frame, so the same bits.
+    None otherwise (or where the batch's key strings are split among dictionaries): the
+    caller makes the frame. The batch's keys are noted in ``seen`` (no filter drops any:
+    the caller takes batches only without ``--ranks``, ``--steps`` or ``--key``)."""
     from metric_core.format.records import as_numpy  # pyarrow: the batch's reader has it
 
     if plan.group_columns[0] == "process":
@@ -264,17 +265,14 @@ def rows_of_batch(
         present = np.unique(pair)
     combo_of: dict[tuple[str, str], int] = {}
     chosen = np.empty(len(present), dtype=np.int64)
-    stats: list[str] = []
+    kinds = set()
     for i, p in enumerate(present.tolist()):
         key = keys[p // width]
         statistic = statistic_of(key, recorded[p % width].lower())
-        if statistic not in _DIRECT_NAMES and not (
-            is_statistic(statistic) and Statistic.parse(statistic).name in DIRECT
-        ):
+        kinds.add(_kind(statistic))
+        if len(kinds) > 1 or None in kinds or (not direct and "direct" in kinds):
             return None
         chosen[i] = combo_of.setdefault((key, statistic), len(combo_of))
-        if chosen[i] == len(stats):
-            stats.append(statistic)
     if seen.keys is not None:
         seen.add(None, {key for key, _ in combo_of})
     if len(present) and present[-1] < 4 * rows + 1024:
@@ -285,25 +283,40 @@ def rows_of_batch(
         combo = chosen[np.searchsorted(present, pair)]
     if plan.by is By.TIME:
         assert t0 is not None and plan.every is not None
-        bucket = np.floor((as_numpy(batch.column("timestamp"), np.float64) - t0) / plan.every).astype(
-            np.int64
-        )
+        times = as_numpy(batch.column("timestamp"), np.float64)
+        bucket = np.floor((times - t0) / plan.every).astype(np.int64)
     else:
         bucket = as_numpy(batch.column("step"), np.int64)
     labels = pl.DataFrame(
         {"key": [key for key, _ in combo_of], "reduction": [stat for _, stat in combo_of]},
         schema={"key": pl.String, "reduction": pl.String},
     )
-    squares = np.array([Statistic.parse(stat).name == "std" for stat in stats], dtype=np.uint8)
     value = as_numpy(batch.column("value"), np.float64)
     named = tuple(combo_of) if len(combo_of) <= NAMED_LABELS else None
-    return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares), names=named)
+    if kinds == {"direct"}:
+        squares = np.array([Statistic.parse(stat).name == "std" for _, stat in combo_of], dtype=np.uint8)
+        return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares), names=named)
+    ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
+    state = empty_cells(n_groups, COUNTED)
+    state[N] = count
+    return Partial(group_bucket, group_combo, labels, state, ids, value, names=named)
+
+
+def _kind(statistic: str) -> str | None:
+    """What a batch taken as read makes of a statistic's groups: "direct" (rows for the
+    table), "values" (median and pNN: the values), or None (a frame: first, last, or not
+    a statistic, which the frame's path names)."""
+    if not is_statistic(statistic):
+        return None
+    parsed = Statistic.parse(statistic)
+    if parsed.name in DIRECT:
+        return "direct"
+    if parsed.name == "median" or parsed.quantile is not None:
+        return "values"
+    return None
 
 
 NAMED_LABELS = 4096  # labels given to the accumulator as Python values too, at most (``Partial.names``)
-
-
-_DIRECT_NAMES = frozenset(DIRECT)
 
 
 def _no_groups(

@@ -220,11 +220,16 @@ class TaskWork:
         rows = self.rows
         pieces: list[pl.DataFrame] = []
         held = 0
-        # Records no filter drops may be taken as pyarrow read them (``partials.rows_of_batch``)
+        # Records no filter drops may be taken as pyarrow read them (``partials.batch_partial``)
         taken = None
-        if self.direct and not (plan.ranks or plan.steps is not None or plan.keys):
+        if not (plan.ranks or plan.steps is not None or plan.keys):
             taken = functools.partial(
-                partials.rows_of_batch, plan=plan, statistic_of=statistic_of, t0=self.t0, seen=seen
+                partials.batch_partial,
+                plan=plan,
+                statistic_of=statistic_of,
+                t0=self.t0,
+                seen=seen,
+                direct=self.direct,
             )
         for fid, groups in task.reads:
             batches = read_batches(
