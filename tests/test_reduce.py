@@ -634,3 +634,40 @@ def test_counts_are_a_float_value_column_as_every_other_statistic(tmp_path, mode
     assert table.filter(pl.col("key") == "q/x")["value"].to_list() == [float(np.median(values[0]))] * 3
     only_counts = reduce_run(run, mode=mode, reduce=["*=count"])
     assert only_counts.schema["value"] == pl.Float64
+
+
+def _frames(n: int, rows: int, seed: int = 0):
+    """``n`` frames of a result's shape, ``rows`` rows each, of random values."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        yield pl.DataFrame(
+            {
+                "step": np.arange(i * rows, (i + 1) * rows, dtype=np.int64),
+                "key": [f"loss/{k}" for k in rng.integers(0, 1000, rows)],
+                "value": rng.normal(size=rows),
+            }
+        )
+
+
+def test_a_parquet_result_is_written_in_order_beside_the_next_frame_and_a_failure_leaves_nothing(tmp_path):
+    """A stream of frames is written in order (a thread writes one frame while the next is
+    made); a stream that fails part way, or a disk that runs full, raises, and leaves no
+    result and no half-written file."""
+    import metric_core
+    from tests.test_faults import small_disk
+
+    out = tmp_path / "result.parquet"
+    assert metric_core.write_result(_frames(9, 5_000), out, derived="test") == 45_000
+    assert pl.read_parquet(out).equals(pl.concat(_frames(9, 5_000)))
+
+    def failing():
+        yield from _frames(3, 5_000)
+        raise RuntimeError("the engine failed")
+
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        metric_core.write_result(failing(), tmp_path / "failed.parquet", derived="test")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result.parquet"]
+    with small_disk(tmp_path / "small", "1m") as disk:
+        with pytest.raises(OSError):
+            metric_core.write_result(_frames(40, 20_000, seed=1), disk / "big.parquet", derived="test")
+        assert list(disk.iterdir()) == []

@@ -93,10 +93,7 @@ def _write(
         import pyarrow.parquet as pq
 
         with pq.ParquetWriter(out, first.to_arrow().schema.with_metadata({DERIVED_KEY: derived})) as writer:
-            for frame in itertools.chain([first], rest):
-                writer.write_table(frame.to_arrow())
-                rows += frame.height
-        return rows
+            return _written_behind(writer, itertools.chain([first], rest))
     with open(out, "wb") as f:
         if suffix == ".json":
             f.write(b"[")
@@ -113,4 +110,31 @@ def _write(
             rows += frame.height
         if suffix == ".json":
             f.write(b"]\n")
+    return rows
+
+
+def _written_behind(writer: Any, frames: Iterator[pl.DataFrame]) -> int:
+    """``frames`` written by a Parquet ``writer`` on a thread of their own, one frame behind
+    the one being made: pyarrow's encoding (strings, statistics: most of a large result's
+    writing) lets go of the GIL, so it runs beside the engine's work on the next frame.
+    Frames are written in order; a failure of either side stops both and is raised here,
+    once the writing thread is done with the file. The rows written."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    rows = 0
+    pending: Future[None] | None = None
+    with ThreadPoolExecutor(1, thread_name_prefix="metriclog-write") as pool:
+        try:
+            for frame in frames:
+                table = frame.to_arrow()
+                if pending is not None:
+                    pending.result()  # at most one frame in the writing
+                pending = pool.submit(writer.write_table, table)
+                rows += frame.height
+            if pending is not None:
+                pending.result()
+        except BaseException:
+            if pending is not None:  # the file is the writer's alone again before it is closed
+                pending.cancel() or pending.exception()
+            raise
     return rows
