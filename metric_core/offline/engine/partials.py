@@ -235,13 +235,14 @@ def batch_partial(
 ) -> Partial | None:
     """``partition_states`` of a batch of records as pyarrow read it from a Parquet file
     (``RunScan.offered``: the record schema's types, no null, strings as dictionary arrays),
-    in global_reduce, with no polars frame made: where every group's statistic is one of
-    DIRECT and ``direct``, its records handed over as rows; where every group's is a median
-    or pNN, its groups' counts and values. The same labels, buckets, groups (by their
-    labels) and values as ``partition_states`` gives the batch's frame, so the same bits.
-    None otherwise (or where the batch's key strings are split among dictionaries): the
-    caller makes the frame. The batch's keys are noted in ``seen`` (no filter drops any:
-    the caller takes batches only without ``--ranks``, ``--steps`` or ``--key``)."""
+    in global_reduce, with no polars frame made: the records of groups whose statistic is
+    one of DIRECT handed over as rows (where ``direct``), those of medians and pNN as their
+    groups' counts and values. The same labels, buckets, groups (by their labels) and values
+    as ``partition_states`` gives the batch's frame, so the same bits. None where a group's
+    statistic is another (first, last; or one the frame's path names as not a statistic),
+    or where the batch's key strings are split among dictionaries: the caller makes the
+    frame. The batch's keys are noted in ``seen`` (no filter drops any: the caller takes
+    batches only without ``--ranks``, ``--steps`` or ``--key``)."""
     from metric_core.format.records import as_numpy  # pyarrow: the batch's reader has it
 
     if plan.group_columns[0] == "process":
@@ -270,7 +271,7 @@ def batch_partial(
         key = keys[p // width]
         statistic = statistic_of(key, recorded[p % width].lower())
         kinds.add(_kind(statistic))
-        if len(kinds) > 1 or None in kinds or (not direct and "direct" in kinds):
+        if None in kinds or (not direct and "direct" in kinds):
             return None
         chosen[i] = combo_of.setdefault((key, statistic), len(combo_of))
     if seen.keys is not None:
@@ -293,13 +294,18 @@ def batch_partial(
     )
     value = as_numpy(batch.column("value"), np.float64)
     named = tuple(combo_of) if len(combo_of) <= NAMED_LABELS else None
-    if kinds == {"direct"}:
+    rows_out = None
+    if "direct" in kinds:
         squares = np.array([Statistic.parse(stat).name == "std" for _, stat in combo_of], dtype=np.uint8)
-        return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares), names=named)
+        if kinds == {"direct"}:
+            return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares), names=named)
+        handed = np.array([_kind(stat) == "direct" for _, stat in combo_of])[combo]
+        rows_out = Rows(bucket[handed], combo[handed], value[handed], squares)
+        bucket, combo, value = bucket[~handed], combo[~handed], value[~handed]
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     state = empty_cells(n_groups, COUNTED)
     state[N] = count
-    return Partial(group_bucket, group_combo, labels, state, ids, value, names=named)
+    return Partial(group_bucket, group_combo, labels, state, ids, value, rows=rows_out, names=named)
 
 
 def _kind(statistic: str) -> str | None:
