@@ -40,6 +40,7 @@ Usage: python benchmarks/bench_duckdb.py [--dir /work/bench-data/exactwire] [--r
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import subprocess
@@ -203,8 +204,38 @@ def read():
                                rows=engine.tasks.PARTITION_ROWS)
     return frames
 
-frames = read()  # once untimed: the files in the page cache, as for every other side
-frames = timed("read", sum(df.height for df in frames), read)
+n_read = sum(df.height for df in read())  # once untimed: the files in the page cache, as for every other side
+
+# The engine's own path: batches taken as pyarrow read them (rows for the C table on the
+# compiled path), then added (into the table, or folded on the pure path), then taken out.
+import functools
+from metric_core.offline import filters
+from metric_core.offline.engine import grouptable
+
+offer = functools.partial(partials.batch_partial, plan=plan, statistic_of=statistic_of, t0=None,
+                          seen=filters.Seen.wanted_by(plan), direct=grouptable.available())
+
+def as_read():
+    out = []
+    for fid in scan.file_ids[:files]:
+        for got in scan.offered(fid, kept, offer, rows=engine.tasks.PARTITION_ROWS):
+            out.append(got if isinstance(got, partials.Partial)
+                       else partials.partition_states(got, plan, statistic_of, None, grouptable.available()))
+    return out
+
+taken_parts = timed("as-read", n_read, as_read)
+acc = Accumulator()
+def added():
+    for p in taken_parts:
+        acc.add(p)
+timed("added", n_read, added)
+wall, cpu = time.perf_counter(), time.process_time()
+taken = acc.take()
+print("drained", time.perf_counter() - wall, time.process_time() - cpu, len(taken.bucket), flush=True)
+acc.close()
+del taken_parts, acc, taken
+
+frames = timed("read", n_read, read)
 records = sum(df.height for df in frames)
 parts = timed(
     "states", records, lambda: [partials.partition_states(df, plan, statistic_of, None) for df in frames]
@@ -237,7 +268,11 @@ wall, cpu = time.perf_counter(), time.process_time()
 taken = acc.take()
 print("take", time.perf_counter() - wall, time.process_time() - cpu, len(taken.bucket), flush=True)
 acc.close()
+
 """
+# What a reduce process spends before it reads a record: Python, and the imports of the
+# command line, the engine and pyarrow's Parquet reader.
+START_CHILD = "import metriclog.main, metric_core.offline.engine.run, pyarrow.parquet"
 
 
 def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> None:
@@ -259,6 +294,8 @@ def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> 
             for line in done.stdout.splitlines():
                 name, wall, cpu, count = line.split()
                 found[side].setdefault(name, []).append((float(wall), float(cpu), int(count)))
+            wall, _, cpu = cpu_timed([sys.executable, "-c", START_CHILD])
+            found[side].setdefault("start", []).append((wall, cpu, 1))
     records = 20_000_000
     duck_s = statistics.median(duck)
     print(f"\nfloors: phases alone on one thread ({files} of 32 files), medians of {repeats}")
@@ -272,15 +309,23 @@ def floors(run: Path, out: Path, repeats: int, paths: list[str], files: int) -> 
             wall = statistics.median(w for w, _, _ in runs)
             cpu = statistics.median(c for _, c, _ in runs)
             count = runs[0][2]
-            per = "group" if name in ("sum", "mean", "std", "take") else "record"
-            print(
-                f"{side:<10}{name:<8}{wall:>9.2f}{cpu:>9.2f}{wall / count * 1e9:>10.1f}"
-                f"{cpu / count * 1e9:>9.1f}  {per} ({count:,})"
+            per = (
+                "group"
+                if name in ("sum", "mean", "std", "take", "drained")
+                else "process"
+                if name == "start"
+                else "record"
             )
+            each = (wall / count * 1e9, cpu / count * 1e9) if per != "process" else (math.nan, math.nan)
+            line = f"{side:<10}{name:<8}{wall:>9.2f}{cpu:>9.2f}{each[0]:>10.1f}{each[1]:>9.1f}"
+            print(f"{line}  {per} ({count:,})")
     print(
         "read: the columns a reduction needs, a partition at a time; states: the engine's partition states"
         " (exact: of which the exact accumulation alone); merge: the partitions' exact states into the run's"
-        " groups at once; sum, mean, std: each of every group; fold and take: the accumulator's own"
+        " groups at once; sum, mean, std: each of every group; fold and take: the accumulator's own."
+        " The engine's path as it runs: as-read: batches read and taken as pyarrow read them"
+        " (rows for the C table where compiled); added: into the table (or folded); drained: every"
+        " group out and rounded. start: a process's Python and imports, before a record is read"
     )
 
 
