@@ -235,10 +235,10 @@ def row_group_reads(monkeypatch) -> list[tuple[str, int]]:
     reads: list[tuple[str, int]] = []
     original = read.scan.categorical_batches
 
-    def counting(path, columns, hashed, row_groups=None, rows=None, *, rep, taken=None):
+    def counting(path, columns, hashed, row_groups=None, rows=None, *, rep, take_batch=None):
         groups = range(pq.ParquetFile(path).num_row_groups) if row_groups is None else row_groups
         reads.extend((Path(path).name, g) for g in groups)
-        return original(path, columns, hashed, row_groups, rows, rep=rep, taken=taken)
+        return original(path, columns, hashed, row_groups, rows, rep=rep, take_batch=take_batch)
 
     monkeypatch.setattr(read.scan, "categorical_batches", counting)
     monkeypatch.setattr(engine.tasks, "DICTIONARY_READ_RECORDS", 0)

@@ -118,23 +118,29 @@ def _written_behind(writer: Any, frames: Iterator[pl.DataFrame]) -> int:
     the one being made: pyarrow's encoding (strings, statistics: most of a large result's
     writing) lets go of the GIL, so it runs beside the engine's work on the next frame.
     Frames are written in order; a failure of either side stops both and is raised here,
-    once the writing thread is done with the file. The rows written."""
-    from concurrent.futures import Future, ThreadPoolExecutor
+    only once the writing thread is done with the file (the caller then closes it). The
+    rows written."""
+    from concurrent.futures import Future, ThreadPoolExecutor, wait
 
     rows = 0
     pending: Future[None] | None = None
-    with ThreadPoolExecutor(1, thread_name_prefix="metriclog-write") as pool:
-        try:
-            for frame in frames:
-                table = frame.to_arrow()
-                if pending is not None:
-                    pending.result()  # at most one frame in the writing
-                pending = pool.submit(writer.write_table, table)
-                rows += frame.height
+    pool = ThreadPoolExecutor(1, thread_name_prefix="metriclog-write")
+    try:
+        for frame in frames:
+            table = frame.to_arrow()
             if pending is not None:
-                pending.result()
-        except BaseException:
-            if pending is not None:  # the file is the writer's alone again before it is closed
-                pending.cancel() or pending.exception()
-            raise
+                pending.result()  # at most one frame in the writing
+            pending = pool.submit(writer.write_table, table)
+            rows += frame.height
+        if pending is not None:
+            pending.result()
+    finally:
+        # Whatever ends the writing (a failure, a second Ctrl-C), the file is the writer's
+        # alone again before anyone closes it.
+        while pending is not None and not pending.done():
+            try:
+                wait([pending])
+            except BaseException:  # a stop while a frame is written waits for it
+                continue
+        pool.shutdown(wait=False)
     return rows

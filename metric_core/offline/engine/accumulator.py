@@ -58,8 +58,8 @@ SEALED_LABELS = 1 << 20
 # groups the table of records handed over as rows holds (``grouptable``: about 150 bytes
 # each) before they are folded in with the others
 TABLE_GROUPS = 1 << 20
-KNOWN_LABELS = 64  # sets of labels whose numbers are kept (``_Labels.numbers``)
 TABLE_RECORDS = 2  # ... and keeps taking records past it while they are this many a group or more
+KNOWN_LABELS = 64  # sets of labels whose numbers are kept (``_Labels.numbers``)
 
 
 class _Labels:

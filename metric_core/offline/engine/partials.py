@@ -34,6 +34,7 @@ Ray tasks, whatever the files' names and the order of their rows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -181,7 +182,7 @@ def partition_states(
     stats = [Statistic.parse(name) if is_statistic(name) else None for name in names]
     rows_out = None
     if direct:
-        handed = np.array([s is not None and s.name in DIRECT for s in stats])
+        handed = np.array([kind_of(name) == DIRECT_KIND for name in names])
         if handed.any():
             std = np.array([s is not None and s.name == "std" for s in stats])
             squares = std[stat_of_combo].astype(np.uint8)
@@ -194,7 +195,7 @@ def partition_states(
             df = df[rest]
             rows = len(rest)
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
-    quantile = np.array([s is not None and (s.name == "median" or s.quantile is not None) for s in stats])
+    quantile = np.array([kind_of(name) == VALUES_KIND for name in names])
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
     spread = any(s is not None and s.name in ("min", "max") for s in stats)
     fields = len(FIELDS) if timed else UNTIMED if spread else COUNTED
@@ -238,16 +239,19 @@ def batch_partial(
     in global_reduce, with no polars frame made: the records of groups whose statistic is
     one of DIRECT handed over as rows (where ``direct``), those of medians and pNN as their
     groups' counts and values. The same labels, buckets, groups (by their labels) and values
-    as ``partition_states`` gives the batch's frame, so the same bits. None where a group's
+    as ``partition_states`` gives the batch's frame, so the same bits (a median's states may
+    hold fewer fields than the frame's: none that it reads). None where a group's
     statistic is another (first, last; or one the frame's path names as not a statistic),
     or where the batch's key strings are split among dictionaries: the caller makes the
     frame. The batch's keys are noted in ``seen`` (no filter drops any: the caller takes
     batches only without ``--ranks``, ``--steps`` or ``--key``)."""
     from metric_core.format.records import as_numpy  # pyarrow: the batch's reader has it
 
-    if plan.group_columns[0] == "process":
+    assert plan.group_columns[0] != "process", "global_reduce's batches only (tasks.takes_batches)"
+    rows = len(batch)
+    if not rows:
         return None
-    codes, names = [], []
+    codes, dictionaries = [], []
     for name in ("key", "reduction"):
         column = batch.column(name)
         if hasattr(column, "num_chunks"):  # a table's column
@@ -255,23 +259,29 @@ def batch_partial(
                 return None
             column = column.chunk(0)
         codes.append(as_numpy(column.indices, np.int64))
-        names.append(column.dictionary.to_pylist())
-    keys, recorded = names
-    width = max(len(recorded), 1)
+        dictionaries.append(column.dictionary)
+    width = max(len(dictionaries[1]), 1)
     pair = codes[0] * width + codes[1]
-    rows = len(pair)
-    if len(keys) * width <= 4 * rows + 1024:
-        present = np.flatnonzero(np.bincount(pair, minlength=len(keys) * width))
-    else:  # a dictionary of many keys: the pairs found by sorting
+    if len(dictionaries[0]) * width <= 4 * rows + 1024:
+        present = np.flatnonzero(np.bincount(pair, minlength=len(dictionaries[0]) * width))
+    else:  # a dictionary of many keys (a slice of a row group's uses some): found by sorting
         present = np.unique(pair)
+    if len(present) > NAMED_LABELS:  # labels looked at one by one here: the frame's path is faster
+        return None
+    try:  # only the strings the batch uses, decoded once each
+        used_keys = np.unique(present // width)
+        keys = dict(zip(used_keys.tolist(), dictionaries[0].take(used_keys).to_pylist(), strict=True))
+        recorded = [name.lower() for name in dictionaries[1].to_pylist()]
+    except (UnicodeDecodeError, ValueError):  # bytes that are not text: the frame's path says so
+        return None
     combo_of: dict[tuple[str, str], int] = {}
     chosen = np.empty(len(present), dtype=np.int64)
     kinds = set()
     for i, p in enumerate(present.tolist()):
         key = keys[p // width]
-        statistic = statistic_of(key, recorded[p % width].lower())
-        kinds.add(_kind(statistic))
-        if None in kinds or (not direct and "direct" in kinds):
+        statistic = statistic_of(key, recorded[p % width])
+        kinds.add(kind_of(statistic))
+        if None in kinds or (not direct and DIRECT_KIND in kinds):
             return None
         chosen[i] = combo_of.setdefault((key, statistic), len(combo_of))
     if seen.keys is not None:
@@ -293,36 +303,47 @@ def batch_partial(
         schema={"key": pl.String, "reduction": pl.String},
     )
     value = as_numpy(batch.column("value"), np.float64)
-    named = tuple(combo_of) if len(combo_of) <= NAMED_LABELS else None
+    named = tuple(combo_of)
     rows_out = None
-    if "direct" in kinds:
-        squares = np.array([Statistic.parse(stat).name == "std" for _, stat in combo_of], dtype=np.uint8)
-        if kinds == {"direct"}:
+    if DIRECT_KIND in kinds:
+        squares = np.array([_squares(stat) for _, stat in combo_of], dtype=np.uint8)
+        if kinds == {DIRECT_KIND}:
             return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares), names=named)
-        handed = np.array([_kind(stat) == "direct" for _, stat in combo_of])[combo]
+        handed = np.array([kind_of(stat) == DIRECT_KIND for _, stat in combo_of])[combo]
         rows_out = Rows(bucket[handed], combo[handed], value[handed], squares)
         bucket, combo, value = bucket[~handed], combo[~handed], value[~handed]
+    # the rest are medians' and pNN's: their groups' counts (all their values are read for)
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     state = empty_cells(n_groups, COUNTED)
     state[N] = count
     return Partial(group_bucket, group_combo, labels, state, ids, value, rows=rows_out, names=named)
 
 
-def _kind(statistic: str) -> str | None:
-    """What a batch taken as read makes of a statistic's groups: "direct" (rows for the
-    table), "values" (median and pNN: the values), or None (a frame: first, last, or not
-    a statistic, which the frame's path names)."""
+DIRECT_KIND, VALUES_KIND = "direct", "values"
+
+
+@functools.cache
+def kind_of(statistic: str) -> str | None:
+    """What becomes of a statistic's records: DIRECT_KIND (one of DIRECT: they may go to
+    the accumulator's table as rows), VALUES_KIND (median and pNN: their values are kept),
+    or None (first, last, or not a statistic: states of their own, or an error)."""
     if not is_statistic(statistic):
         return None
     parsed = Statistic.parse(statistic)
     if parsed.name in DIRECT:
-        return "direct"
+        return DIRECT_KIND
     if parsed.name == "median" or parsed.quantile is not None:
-        return "values"
+        return VALUES_KIND
     return None
 
 
-NAMED_LABELS = 4096  # labels given to the accumulator as Python values too, at most (``Partial.names``)
+@functools.cache
+def _squares(statistic: str) -> bool:
+    """Whether a statistic reads its groups' exact sums of squares (std)."""
+    return Statistic.parse(statistic).name == "std"
+
+
+NAMED_LABELS = 4096  # a batch's labels taken as read, at most (they are Python values: ``Partial.names``)
 
 
 def _no_groups(

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import polars as pl
 
 from metric_core.format.schema import TIMESTAMP_RANGE, default_process_name, parse_json
+from metric_core.metric import LoggingMode
 from metric_core.offline import filters
 from metric_core.offline.engine import partials
 from metric_core.offline.engine.filtering import key_matching, nothing_kept, plan_filtered, statistic_chooser
@@ -220,10 +221,9 @@ class TaskWork:
         rows = self.rows
         pieces: list[pl.DataFrame] = []
         held = 0
-        # Records no filter drops may be taken as pyarrow read them (``partials.batch_partial``)
-        taken = None
-        if not (plan.ranks or plan.steps is not None or plan.keys):
-            taken = functools.partial(
+        take_batch = None
+        if takes_batches(plan):  # batches may go to the engine as pyarrow read them
+            take_batch = functools.partial(
                 partials.batch_partial,
                 plan=plan,
                 statistic_of=statistic_of,
@@ -233,7 +233,7 @@ class TaskWork:
             )
         for fid, groups in task.reads:
             batches = read_batches(
-                plan, self.scan, fid, self.dictionaries, self.kept, groups, rows, seen, taken
+                plan, self.scan, fid, self.dictionaries, self.kept, groups, rows, seen, take_batch
             )
             for frame in batches:
                 if isinstance(frame, partials.Partial):
@@ -261,13 +261,17 @@ def read_batches(
     row_groups: list[int] | None,
     rows: int | None,
     seen: filters.Seen,
-    taken: Callable[[Any], T | None] | None = None,
+    take_batch: Callable[[Any], T | None] | None = None,
 ) -> Iterator[pl.DataFrame | T]:
     """One file's ``kept`` columns (``columns_read``; or those of its ``row_groups``) as
     ``RunScan.batches`` reads them, the plan's rank and step filters applied. The ranks and
-    keys read are noted in ``seen`` before the filters drop any. A batch ``taken`` took
-    (``RunScan.offered``) comes as it made it."""
-    for df in scan.offered(fid, kept, taken, dictionaries=dictionaries, row_groups=row_groups, rows=rows):
+    keys read are noted in ``seen`` before the filters drop any. A batch ``take_batch``
+    took (``RunScan.offered``) comes as it made it: no filter is applied to it, so it is
+    given only where the plan has none (``takes_batches``)."""
+    assert take_batch is None or takes_batches(plan)
+    for df in scan.offered(
+        fid, kept, take_batch, dictionaries=dictionaries, row_groups=row_groups, rows=rows
+    ):
         if not isinstance(df, pl.DataFrame):
             yield df
             continue
@@ -276,6 +280,13 @@ def read_batches(
             df["key"].unique().cast(pl.String) if seen.keys is not None else None,
         )
         yield plan_filtered(plan, df.lazy(), kept).collect()
+
+
+def takes_batches(plan: ReducePlan) -> bool:
+    """Whether a plan's records may go to the engine as pyarrow read them
+    (``partials.batch_partial``): in global_reduce, where no ``--ranks``, ``--steps`` or
+    ``--key`` filter drops any."""
+    return plan.mode is LoggingMode.GLOBAL_REDUCE and not (plan.ranks or plan.steps is not None or plan.keys)
 
 
 def columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:

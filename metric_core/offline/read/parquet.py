@@ -39,11 +39,20 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Taken(Generic[T]):
-    """What a reader's ``taken`` made of a batch of ``records`` records, instead of a frame."""
+class BatchTaken(Generic[T]):
+    """What a reader's ``take_batch`` made of a batch of ``records`` records, instead of a frame."""
 
     records: int
     value: T
+
+
+class NotTheFile(Exception):
+    """A reader's ``take_batch`` failed: its caller's failure, not the file's (the reader
+    raises the ``failure`` itself, and does not give the file up)."""
+
+    def __init__(self, failure: Exception) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
 
 
 def scan_parquet(
@@ -271,8 +280,8 @@ def categorical_batches(
     rows: int | None = None,
     *,
     rep: FileReport,
-    taken: Callable[[Any], T | None] | None = None,
-) -> Iterator[pl.DataFrame | Taken[T]]:
+    take_batch: Callable[[Any], T | None] | None = None,
+) -> Iterator[pl.DataFrame | BatchTaken[T]]:
     """``columns`` of the records of one Parquet file (or of its ``row_groups``), read once
     with pyarrow, in frames of at most ``rows`` records (None: one frame), strings kept as
     their dictionary codes (polars Categorical): what the engine groups on, without
@@ -281,10 +290,10 @@ def categorical_batches(
     fails is skipped and counted in ``rep`` (``checked_groups``); its frames are typed as
     they are asked for.
 
-    ``taken``: a batch whose columns are already the record schema's and whose records
+    ``take_batch``: a batch whose columns are already the record schema's and whose records
     are all good (``clean``) is first offered to it as pyarrow read it (dictionary strings,
     no copy); what it returns (None: it did not take it) is handed over for the frame, with
-    the batch's count of records (``Taken``)."""
+    the batch's count of records (``BatchTaken``)."""
     import pyarrow.parquet as pq
 
     meta = footer(path)
@@ -294,10 +303,10 @@ def categorical_batches(
     wanted = [c for c in columns if c in exprs]
     sources, strings = _stored(schema, wanted)
     if not _as_records(schema):
-        taken = None  # its columns are cast: only a frame has them as records
+        take_batch = None  # its columns are cast: only a frame has them as records
     with arrow_source(path) as where:  # a remote file, open until the last frame
         file = pq.ParquetFile(where, metadata=meta, read_dictionary=strings, page_checksum_verification=True)
-        yield from _frames(file, wanted, exprs, text_key, sources, row_groups, rows, rep, taken)
+        yield from _frames(file, wanted, exprs, text_key, sources, row_groups, rows, rep, take_batch)
 
 
 def _stored(schema: Mapping[str, pl.DataType], fields: list[str]) -> tuple[set[str], list[str]]:
@@ -319,17 +328,20 @@ def _frames(
     row_groups: list[int] | None,
     rows: int | None,
     rep: FileReport,
-    taken: Callable[[Any], T | None] | None,
-) -> Iterator[pl.DataFrame | Taken[T]]:
+    take_batch: Callable[[Any], T | None] | None,
+) -> Iterator[pl.DataFrame | BatchTaken[T]]:
     """``categorical_batches``' frames, from the open ``file``."""
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
     empty = True
     for table in checked_groups(file, groups, sorted(sources), rep, rows):
         empty = False
-        if taken is not None and clean(table):
-            took = taken(table)
+        if take_batch is not None and clean(table):
+            try:
+                took = take_batch(table)
+            except Exception as exc:
+                raise NotTheFile(exc) from exc
             if took is not None:
-                yield Taken(len(table), took)
+                yield BatchTaken(len(table), took)
                 continue
         yield _typed_frame(table, wanted, exprs, text_key)
     if empty:  # every row group asked for was damaged: a frame of no records, typed as others

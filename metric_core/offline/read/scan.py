@@ -36,7 +36,8 @@ from metric_core.offline.read.interned import categorical_keys
 from metric_core.offline.read.journal import read_journal
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import (
-    Taken,
+    BatchTaken,
+    NotTheFile,
     categorical_batches,
     check_groups,
     drop_bad_rows,
@@ -240,16 +241,17 @@ class RunScan:
         self,
         fid: int,
         columns: list[str],
-        taken: Callable[[Any], T | None] | None,
+        take_batch: Callable[[Any], T | None] | None,
         *,
         dictionaries: bool = True,
         row_groups: list[int] | None = None,
         rows: int | None = None,
     ) -> Iterator[pl.DataFrame | T]:
         """``batches``, where a Parquet batch read through the dictionaries whose records
-        need no cast, fill or drop is first offered to ``taken`` as pyarrow read it (its
+        need no cast, fill or drop is first offered to ``take_batch`` as pyarrow read it (its
         columns as ``batches`` would have them, strings as dictionary arrays): what it
-        makes of it (not None) comes instead of its frame, its records counted as read."""
+        makes of it (not None) comes instead of its frame, its records counted as read.
+        What ``take_batch`` raises is raised as it is: the caller's failure, not the file's."""
         rep = self.report.files[fid]
         columns = sorted({*columns, *(REQUIRED_FIELDS if not self.trusted(fid) else ())})
         if fid in self._failed or rep.unreadable is not None:  # given up on (by a check of it, say)
@@ -257,9 +259,9 @@ class RunScan:
             return
         given = False
         try:
-            for got in self._frames(rep, fid, columns, dictionaries, row_groups, rows, taken):
+            for got in self._frames(rep, fid, columns, dictionaries, row_groups, rows, take_batch):
                 out: pl.DataFrame | T
-                if isinstance(got, Taken):
+                if isinstance(got, BatchTaken):
                     records, out = got.records, got.value
                 else:
                     out = self._checked(fid, got)
@@ -268,6 +270,8 @@ class RunScan:
                     self._taken[fid] = self._taken.get(fid, 0) + records
                 given = True
                 yield out
+        except NotTheFile as exc:  # the caller's own failure
+            raise exc.failure from None
         except (Exception, PanicException) as exc:
             if not is_read_failure(exc) or is_store_failure(exc):
                 raise
@@ -286,20 +290,20 @@ class RunScan:
         dictionaries: bool,
         row_groups: list[int] | None,
         rows: int | None,
-        taken: Callable[[Any], T | None] | None = None,
-    ) -> Iterator[pl.DataFrame | Taken[T]]:
+        take_batch: Callable[[Any], T | None] | None = None,
+    ) -> Iterator[pl.DataFrame | BatchTaken[T]]:
         if rep.format == "parquet":  # by pyarrow: page checksums verified, a failing row group skipped
             # A restart's rewind (the scan's frames have it) drops records by their step,
             # which the columns asked for need not hold (global_reduce --by time reads none).
             rewind = rep.replaced_from
             if rewind is None:
                 yield from categorical_batches(
-                    rep.path, columns, rep.hashed, row_groups, rows, rep=rep, taken=taken
+                    rep.path, columns, rep.hashed, row_groups, rows, rep=rep, take_batch=take_batch
                 )
                 return
             step_added = "step" not in columns
             read = [*columns, "step"] if step_added else columns
-            frames: Iterator[pl.DataFrame | Taken[None]]
+            frames: Iterator[pl.DataFrame | BatchTaken[None]]
             frames = categorical_batches(rep.path, read, rep.hashed, row_groups, rows, rep=rep)
             for df in frames:
                 assert isinstance(df, pl.DataFrame)  # nothing taken
