@@ -245,7 +245,7 @@ def batch_partial(
     or where the batch's key strings are split among dictionaries: the caller makes the
     frame. The batch's keys are noted in ``seen`` (no filter drops any: the caller takes
     batches only without ``--ranks``, ``--steps`` or ``--key``)."""
-    from metric_core.format.records import as_numpy  # pyarrow: the batch's reader has it
+    from metric_core.format.records import as_numpy, int64_array  # pyarrow: the batch's reader has it
 
     assert plan.group_columns[0] != "process", "global_reduce's batches only (tasks.takes_batches)"
     rows = len(batch)
@@ -270,7 +270,8 @@ def batch_partial(
         return None
     try:  # only the strings the batch uses, decoded once each
         used_keys = np.unique(present // width)
-        keys = dict(zip(used_keys.tolist(), dictionaries[0].take(used_keys).to_pylist(), strict=True))
+        names = dictionaries[0].take(int64_array(used_keys)).to_pylist()  # (numpy indices load pandas)
+        keys = dict(zip(used_keys.tolist(), names, strict=True))
         recorded = [name.lower() for name in dictionaries[1].to_pylist()]
     except (UnicodeDecodeError, ValueError):  # bytes that are not text: the frame's path says so
         return None
