@@ -197,6 +197,18 @@ def timed(name, count, f):
     print(name, time.perf_counter() - wall, time.process_time() - cpu, count, flush=True)
     return out
 
+# the accumulator's fold of parts (timed as fold_name), then its take (take_name)
+def folded(fold_name, take_name, parts, count):
+    acc = Accumulator()
+    def fold():
+        for p in parts:
+            acc.add(p)
+    timed(fold_name, count, fold)
+    wall, cpu = time.perf_counter(), time.process_time()
+    taken = acc.take()
+    print(take_name, time.perf_counter() - wall, time.process_time() - cpu, len(taken.bucket), flush=True)
+    acc.close()
+
 def read():
     frames = []
     for fid in scan.file_ids[:files]:
@@ -223,17 +235,7 @@ def as_read():
                        else partials.partition_states(got, plan, statistic_of, None, grouptable.available()))
     return out
 
-taken_parts = timed("as-read", n_read, as_read)
-acc = Accumulator()
-def added():
-    for p in taken_parts:
-        acc.add(p)
-timed("added", n_read, added)
-wall, cpu = time.perf_counter(), time.process_time()
-taken = acc.take()
-print("drained", time.perf_counter() - wall, time.process_time() - cpu, len(taken.bucket), flush=True)
-acc.close()
-del taken_parts, acc, taken
+folded("added", "drained", timed("as-read", n_read, as_read), n_read)
 
 frames = timed("read", n_read, read)
 records = sum(df.height for df in frames)
@@ -259,15 +261,7 @@ maps = [np.searchsorted(everyone, m) for m, _, _, _ in rows]
 merged = timed("merge", summed, lambda: exact.combine(states, maps, len(everyone)))
 for stat in ("sum", "mean", "std"):
     timed(stat, len(everyone), getattr(merged, stat))
-acc = Accumulator()
-def fold():
-    for p in parts:
-        acc.add(p)
-timed("fold", records, fold)
-wall, cpu = time.perf_counter(), time.process_time()
-taken = acc.take()
-print("take", time.perf_counter() - wall, time.process_time() - cpu, len(taken.bucket), flush=True)
-acc.close()
+folded("fold", "take", parts, records)
 
 """
 # What a reduce process spends before it reads a record: Python, and the imports of the
