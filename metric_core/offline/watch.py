@@ -180,6 +180,11 @@ def watch_run(
     first_seen: float | None = None  # the first poll that found records
     said: set[str] = set()
 
+    def grace_over() -> bool:  # the run looks over: whether it has, for --restart-grace
+        nonlocal over_since
+        over_since = over_since if over_since is not None else time.monotonic()
+        return time.monotonic() - over_since >= restart_grace
+
     def run_json_noted(read: ReadReport) -> None:  # a damaged run.json, said once, not each poll
         for notice in read.notices:
             if notice.startswith("run.json:") and notice not in said:
@@ -201,11 +206,9 @@ def watch_run(
                 on_waiting(str(exc))
             if exc.over is None:  # or its writers ended before recording any: over, as below
                 over_since = None
-            else:
-                over_since = over_since if over_since is not None else time.monotonic()
-                if time.monotonic() - over_since >= restart_grace:
-                    result.code = FINISHED if exc.over == "finished" else OVER
-                    return _last_values(result, values, alert)
+            elif grace_over():
+                result.code = FINISHED if exc.over == "finished" else OVER
+                return _last_values(result, values, alert)
         except RunChangedError as exc:  # a file replaced while it was read (a copy): next poll
             changed += 1
             if changed >= CHANGED_POLLS:
@@ -264,8 +267,7 @@ def watch_run(
                         f"every source that wrote finished or died, and {absent}; waiting "
                         f"{duration(restart_grace)} for it or a restart (--restart-grace)"
                     )
-                over_since = over_since if over_since is not None else time.monotonic()
-                if time.monotonic() - over_since >= restart_grace:
+                if grace_over():
                     result.code = OVER
                     return _last_values(result, values, alert)
             else:
