@@ -1072,6 +1072,66 @@ def test_how_groups_are_held_and_keys_typed_changes_no_bit(many_files, monkeypat
     assert want.height > 100 and got.equals(want)
 
 
+@pytest.mark.parametrize(
+    "args",
+    [{"mode": "per_rank_reduce"}, {"mode": "per_rank_reduce", "by": "time", "every": "1s"}, {}],
+    ids=["per_rank", "per_rank-by-time", "global"],
+)
+def test_new_groups_placed_as_chunks_of_their_own_change_no_bit(tmp_path, monkeypatch, args):
+    """A source's partitions bring steps past every group held: their groups are placed as
+    chunks of their own (``_Block._appended``), joined while the one before is no more than
+    twice their size, split past twice CHUNK_GROUPS; partitions with no exact sums (only min
+    keys), without squares (no std key yet) and with them follow one another, a rank's
+    second file repeats steps of its first (placed among the others, as before). The same
+    bits as when every group is placed among the others, in every mode."""
+    rng = np.random.default_rng(5)
+    for rank in range(2):
+        for part, steps in enumerate((np.arange(0, 900), np.arange(850, 1000))):
+            step = np.repeat(steps, 4)
+            key = np.tile(np.array(["a", "b", "c", "d"]), len(steps))
+            keep = (key == "b") | ((key == "a") & (step >= 300)) | ((key == "c") & (step >= 61))
+            keep |= (key == "d") & (step >= 61) & (step % 3 == 0)  # steps 0-60 (a partition): min alone
+            step, key = step[keep], key[keep]
+            n = len(step)
+            reductions = {"a": "mean", "b": "min", "c": "std", "d": "sum"}
+            rows = {
+                "key": key, "value": rng.integers(-50, 50, n) * 0.1 + rng.choice([0.0, 1e12], n),
+                "reduction": [reductions[k] for k in key], "step": step,
+                "timestamp": BASE_TIME + step.astype(float) * 0.5, "rank": np.full(n, rank),
+            }  # fmt: skip
+            write_foreign(tmp_path / f"r{rank}-{part}.parquet", rows, row_group_size=173)
+    monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 61)
+    monkeypatch.setattr(accumulator, "CHUNK_GROUPS", 100)
+    monkeypatch.setattr(accumulator, "LOOSE_GROUPS", 16)
+    appended, joined = [], []
+    real_appended, real_joined = accumulator._Block._appended, accumulator._Chunk.joined
+
+    def counting_appended(self):
+        appended.append(real_appended(self))
+        return appended[-1]
+
+    def counting_joined(self, after):
+        joined.append(len(self.ids) + len(after.ids))
+        return real_joined(self, after)
+
+    def counting_split(chunk):
+        pieces = real_split(chunk)
+        split.append(len(pieces))
+        return pieces
+
+    split, real_split = [], accumulator._split
+    monkeypatch.setattr(accumulator._Block, "_appended", counting_appended)
+    monkeypatch.setattr(accumulator._Chunk, "joined", counting_joined)
+    monkeypatch.setattr(accumulator, "_split", counting_split)
+    got = run_plan(tmp_path, make_plan(**args)).frame
+    monkeypatch.setattr(accumulator._Block, "_appended", lambda self: False)
+    want = run_plan(tmp_path, make_plan(**args)).frame
+    assert want.height > 400 and got.equals(want)
+    if args.get("mode") == "per_rank_reduce":
+        assert True in appended and False in appended and joined and max(split) > 1  # each way
+        assert max(joined) <= 2 * accumulator.CHUNK_GROUPS
+
+
 def test_many_distinct_keys_read_as_text_equal_numpy(tmp_path):
     """3,000 distinct keys, past a budget of 1,000 interned keys: the first row groups'
     keys come as Categorical, the later ones' as text, partitions mix both, and every group

@@ -466,6 +466,22 @@ def test_counts_past_the_vector_path_take_python_integers(monkeypatch, kernel):
     assert_bits(state.std(), vector[1], "std")
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_the_statistics_of_some_groups_are_those_of_all(seed, monkeypatch, kernel):
+    """sum, mean and std of the groups a mask picks (the engine's take of a chunk whose
+    keys name different statistics): their bits are those of the same groups finished
+    with the others, and the oracle's; groups past the vector path's counts and empty
+    groups among them."""
+    monkeypatch.setattr(exact, "_VECTOR_COUNT", 3)  # groups of 4 rows or more: Python's path
+    groups, values, n_groups = generate(900 + seed, n_groups=1500)
+    state = accumulate(groups, values, n_groups)
+    check(state, groups, values, n_groups)  # every group finished: the oracle's bits
+    assert (np.bincount(groups, minlength=n_groups) == 0).any() and (state.count > 3).any()
+    where = np.random.default_rng(seed).random(n_groups) < 0.4
+    for name in ("sum", "mean", "std"):
+        assert_bits(getattr(state, name)(where)[where], getattr(state, name)()[where], name)
+
+
 def test_many_rows_a_group_cross_the_bincount_limit(monkeypatch, path):
     """More rows than one float64 bincount may add exactly, in one group: pieces near
     2**32 each, a sum near 2**53 in a digit if they were not split."""

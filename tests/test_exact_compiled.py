@@ -146,6 +146,62 @@ def test_the_compiled_merge_gives_the_numpy_state(seed):
 
 
 @pytest.mark.skipif(COMPILED is None, reason=NOT_BUILT)
+@pytest.mark.parametrize("seed", range(3))
+def test_a_group_one_part_reaches_is_copied_and_equals_the_added_one(seed):
+    """Groups that one part reaches (copied as they are by the extension), beside groups
+    that two reach and groups none reaches, in a shuffled mapping: the state numpy's
+    merge gives (it adds every group), and the integers themselves. Parts whose digits
+    are not canonical (a zero digit at either end, an exact zero with a digit) are carried
+    as the sum of several parts is: the same canonical state."""
+    rng = np.random.default_rng(seed)
+    groups, values, n_groups = generate(500 + seed, n_groups=600)
+    with kernel_of("numpy"):
+        state = accumulate(groups, values, n_groups)
+    target = rng.permutation(3 * n_groups)[:n_groups]  # a third of the groups reached
+    twice = rng.choice(n_groups, 50, replace=False)  # ... these by a second part too
+    other = state.take(twice)
+    maps = [target, target[twice]]
+    with kernel_of("numpy"):
+        numpy = combine([state, other], maps, 3 * n_groups)
+    expected = [0] * (3 * n_groups)
+    for g, value in enumerate(state.sum_digits.to_ints()):
+        expected[target[g]] += value
+    for g, value in zip(twice.tolist(), other.sum_digits.to_ints(), strict=True):
+        expected[target[g]] += value
+    padded = exact.ExactState(
+        state.count, state.nan, state.pos_inf, state.neg_inf, _padded(state.sum_digits, rng), state.squares
+    )
+    for first in (state, padded):
+        with kernel_of("compiled"):
+            compiled = combine([first, other], maps, 3 * n_groups)
+        assert compiled.equals(numpy)
+        assert compiled.sum_digits.to_ints() == expected
+
+
+def _padded(d: exact.Digits, rng: np.random.Generator) -> exact.Digits:
+    """``d`` with a zero digit added below or above some groups' digits (the same integers,
+    not in canonical form), and an exact zero given one zero digit."""
+    pad = rng.integers(0, 3, len(d))  # 0: as it is, 1: a zero below, 2: a zero above
+    pad[d.size == 0] = 0
+    zero = np.flatnonzero(d.size == 0)[:5]
+    pieces, start = [], 0
+    for g, end in enumerate(d.ends().tolist()):
+        mine = d.digits[start:end]
+        if pad[g] == 1:
+            mine = np.r_[np.uint32(0), mine]
+        elif pad[g] == 2:
+            mine = np.r_[mine, np.uint32(0)]
+        elif g in zero:
+            mine = np.zeros(1, np.uint32)
+        pieces.append(mine.astype(np.uint32))
+        start = end
+    size = d.size + (pad > 0)
+    size[zero] = 1
+    low = d.low - (pad == 1)
+    return exact.Digits(d.sign.copy(), low.astype(np.int16), size.astype(np.uint8), np.concatenate(pieces))
+
+
+@pytest.mark.skipif(COMPILED is None, reason=NOT_BUILT)
 def test_the_compiled_merge_refuses_what_numpy_refuses():
     state = accumulate(np.array([0, 1]), np.array([1.0, 2.0]), 2)
     for name in ("compiled", "numpy"):

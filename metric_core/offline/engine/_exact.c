@@ -418,6 +418,8 @@ done:
 
 /* ---- add_digits: states' integers added into groups (exact.combine) ------------------ */
 
+enum { NONE = 0, ONE_UP = 1, ONE_DOWN = 2, SEVERAL = 3 }; /* the parts that reach a group */
+
 static PyObject *add_digits(PyObject *self, PyObject *args) {
     Py_buffer sign_b, low_b, size_b, digits_b, target_b, out_sign_b, out_low_b, out_size_b;
     Py_ssize_t n_groups_arg;
@@ -428,6 +430,7 @@ static PyObject *add_digits(PyObject *self, PyObject *args) {
     Py_buffer *all[] = {&sign_b, &low_b, &size_b, &digits_b, &target_b, &out_sign_b, &out_low_b, &out_size_b};
     PyObject *result = NULL, *out = NULL;
     int64_t *lo = NULL, *bins = NULL;
+    uint8_t *reached = NULL;
     int64_t n_groups = (int64_t)n_groups_arg, m = (int64_t)sign_b.len;
     const int8_t *sign = (const int8_t *)sign_b.buf;
     const int16_t *low = (const int16_t *)low_b.buf;
@@ -445,46 +448,67 @@ static PyObject *add_digits(PyObject *self, PyObject *args) {
                      digits_b.len, (long long)held);
         goto done;
     }
-    /* each group's lowest and highest position reached, then its span's start */
+    /* each group's lowest and highest position reached; whom it is reached by (REACHED):
+     * none, one part (copied as it is, where that part is canonical: the general path's
+     * result, without its bins), or several (added in bins, then carried); its start: the
+     * one part's digits, or its bins' */
     lo = (int64_t *)malloc(sizeof(int64_t) * (3 * (size_t)n_groups + 1));
-    if (!lo) {
+    reached = (uint8_t *)calloc((size_t)n_groups + 1, 1);
+    if (!lo || !reached) {
         PyErr_NoMemory();
         goto done;
     }
     int64_t *hi = lo + n_groups, *start = hi + n_groups;
     int status = OK;
-    int64_t total = 0, written = 0;
+    int64_t total = 0, copied = 0, written = 0;
     Py_BEGIN_ALLOW_THREADS
     for (int64_t g = 0; g < n_groups; g++) {
         lo[g] = INT64_MAX;
         hi[g] = INT64_MIN;
     }
+    int64_t at = 0;
     for (int64_t i = 0; i < m; i++) {
         int64_t t = target[i];
         if (t < 0 || t >= n_groups) {
             status = BAD_GROUP;
             break;
         }
+        at += size[i];
         if (!size[i] || !sign[i]) continue;
+        if (reached[t] == NONE) {
+            reached[t] = sign[i] > 0 ? ONE_UP : ONE_DOWN;
+            start[t] = at - size[i];
+        } else {
+            reached[t] = SEVERAL;
+        }
         if (low[i] < lo[t]) lo[t] = low[i];
         if (low[i] + size[i] - 1 > hi[t]) hi[t] = low[i] + size[i] - 1;
     }
     if (status == OK) {
         for (int64_t g = 0; g < n_groups; g++) {
+            if (reached[g] == NONE) continue;
+            if (reached[g] != SEVERAL) {
+                const uint32_t *d = digits + start[g];
+                int64_t k = hi[g] - lo[g] + 1;
+                if (d[0] && d[k - 1]) {
+                    copied += k;
+                    continue;
+                }
+                reached[g] = SEVERAL; /* not canonical: carried as the sum of several is */
+            }
             start[g] = total;
-            if (hi[g] >= lo[g]) total += hi[g] - lo[g] + 2; /* one digit on top for carries */
+            total += hi[g] - lo[g] + 2; /* one digit on top for carries */
         }
-        start[n_groups] = total;
         bins = (int64_t *)calloc((size_t)total + 1, sizeof(int64_t));
         if (!bins) status = NO_MEMORY;
     }
     if (status == OK) {
-        int64_t at = 0;
+        at = 0;
         for (int64_t i = 0; i < m; i++) {
             int64_t k = size[i];
             if (!k) continue;
-            if (sign[i]) {
-                int64_t t = target[i];
+            int64_t t = target[i];
+            if (sign[i] && reached[t] == SEVERAL) {
                 int64_t *x = bins + start[t] + (low[i] - lo[t]);
                 const uint32_t *d = digits + at;
                 if (sign[i] > 0)
@@ -504,7 +528,7 @@ static PyObject *add_digits(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(total * 4));
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)((total + copied) * 4));
     if (!out) goto done;
     Py_BEGIN_ALLOW_THREADS
     uint32_t *o = (uint32_t *)PyByteArray_AS_STRING(out);
@@ -512,8 +536,22 @@ static PyObject *add_digits(PyObject *self, PyObject *args) {
     int16_t *out_low = (int16_t *)out_low_b.buf;
     uint8_t *out_size = (uint8_t *)out_size_b.buf;
     for (int64_t g = 0; g < n_groups; g++) {
-        int64_t k = start[g + 1] - start[g];
-        int64_t got = canonical_one(bins + start[g], k, k ? lo[g] : 0, out_sign + g, out_low + g, out_size + g,
+        if (reached[g] == NONE) {
+            out_sign[g] = 0;
+            out_low[g] = 0;
+            out_size[g] = 0;
+            continue;
+        }
+        int64_t k = hi[g] - lo[g] + 1;
+        if (reached[g] != SEVERAL) {
+            out_sign[g] = reached[g] == ONE_UP ? 1 : -1;
+            out_low[g] = (int16_t)lo[g];
+            out_size[g] = (uint8_t)k;
+            memcpy(o + written, digits + start[g], sizeof(uint32_t) * (size_t)k);
+            written += k;
+            continue;
+        }
+        int64_t got = canonical_one(bins + start[g], k + 1, lo[g], out_sign + g, out_low + g, out_size + g,
                                     o + written);
         if (got < 0) {
             written = -1;
@@ -533,6 +571,7 @@ done:
     Py_XDECREF(out);
     free(lo);
     free(bins);
+    free(reached);
     for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
         if (all[i]->obj) PyBuffer_Release(all[i]);
     return result;
@@ -744,9 +783,10 @@ static int std_one(const uint32_t *s, int64_t ks, int64_t ls, const uint32_t *q,
 }
 
 /* finish(kind, s_sign, s_low, s_size, s_digits, count, limit, q_sign, q_low, q_size,
- * q_digits, out): kind 0 sum, 1 mean, 2 std of each group into out; mean and std only for
- * groups of count in [1, limit] (the others are left as they are), std only for groups
- * whose squares are nonzero. */
+ * q_digits, out): kind 0 sum, 1 mean, 2 std of each group into out; only for groups of
+ * count 1 or more (the others are left as they are: a caller finishing some groups gives
+ * the others a count of 0), mean and std only for groups of count up to limit, std only
+ * for groups whose squares are nonzero. */
 static PyObject *finish(PyObject *self, PyObject *args) {
     Py_buffer sb[4], qb[4], count_b, out_b;
     int kind;
@@ -798,11 +838,12 @@ static PyObject *finish(PyObject *self, PyObject *args) {
         const uint32_t *d = digits + at, *qd = q_digits + q_at;
         at += k;
         q_at += kq;
+        if (count[g] < 1) continue;
         if (kind == 0) {
             out[g] = k ? sum_one(d, k, low[g], sign[g] < 0) : 0.0;
             continue;
         }
-        if (count[g] < 1 || count[g] > limit) continue;
+        if (count[g] > limit) continue;
         uint64_t n = (uint64_t)count[g];
         if (kind == 1) {
             if (k) out[g] = mean_one(d, k, low[g], n, sign[g] < 0);

@@ -21,6 +21,7 @@ from metric_core.offline.engine.partials import (
     Partial,
     Rows,
     add_exact,
+    concat_exact,
     empty_cells,
     fold,
     is_statistic,
@@ -198,6 +199,14 @@ class _Chunk:
             self.pending, self.pending_groups = [], 0
         return self.exact
 
+    def joined(self, after: _Chunk) -> _Chunk:
+        """This chunk's groups and then ``after``'s (whose ids are all past these), as one."""
+        return _Chunk(
+            np.concatenate([self.ids, after.ids]),
+            np.concatenate([self.state, after.state], axis=1),
+            concat_exact([(self.settled(), len(self.ids)), (after.settled(), len(after.ids))]),
+        )
+
     def piece(self, lo: int, hi: int) -> _Chunk:
         """Its groups ``lo`` to ``hi`` as a chunk of their own (copies)."""
         exact = self.settled()
@@ -276,7 +285,7 @@ class _Block:
     def settle(self) -> None:
         """The loose groups placed among the others, each one's states folded, its exact
         sums added (in one ``add_exact`` for all, and one a chunk they go to)."""
-        if not self.loose:
+        if not self.loose or self._appended():
             return
         fields = self.fields
         ids = np.concatenate([i for i, _, _ in self.loose])
@@ -326,6 +335,36 @@ class _Block:
             chunks += _split(chunk)
         self.chunks = chunks
         self.held += len(ids)
+
+    def _appended(self) -> bool:
+        """The loose groups placed as a chunk after the others, where each is there once,
+        in order, past every group held (a partition's new steps, the usual case when a
+        source's files are reduced on their own): their states are not copied (but for
+        fields they lack), and a chunk is joined to the one before it while that one is no
+        more than twice its size and the two fit in a chunk (so a block holds few chunks,
+        and a group is copied a few times at most). False, with nothing done, where they are
+        not all new."""
+        last = next((int(c.ids[-1]) for c in reversed(self.chunks) if len(c.ids)), -1)
+        for ids, _, _ in self.loose:
+            if len(ids) and (int(ids[0]) <= last or not (ids[1:] > ids[:-1]).all()):
+                return False
+            last = int(ids[-1]) if len(ids) else last
+        new = _Chunk(
+            np.concatenate([i for i, _, _ in self.loose]),
+            np.concatenate([with_fields(s, self.fields) for _, s, _ in self.loose], axis=1),
+            concat_exact([(e, len(i)) for i, _, e in self.loose]),
+        )
+        self.held += len(new.ids)
+        self.loose, self.loose_groups = [], 0
+        chunks = [c for c in self.chunks if len(c.ids)]
+        chunks += _split(new)
+        while len(chunks) > 1 and len(chunks[-2].ids) <= min(
+            2 * len(chunks[-1].ids), 2 * CHUNK_GROUPS - len(chunks[-1].ids)
+        ):
+            *chunks, before, after = chunks
+            chunks.append(before.joined(after))
+        self.chunks = chunks
+        return True
 
     def take(self, below: int | None) -> list[_Chunk]:
         """The groups whose ids are below ``below`` (None: all), taken out."""
@@ -698,8 +737,7 @@ class Accumulator:
                 if rows.all():  # a float column whatever the statistic (a count's is integral)
                     value = statistic(state, exact, name).astype(np.float64, copy=False)
                 elif rows.any():
-                    at = np.flatnonzero(rows)
-                    value[at] = statistic(state[:, at], take_exact(exact, at), name)
+                    value[rows] = statistic(state, exact, name, where=rows)[rows]
             counts.append(statistic(state, exact, "count"))
             values_of.append(value)
             del state, exact

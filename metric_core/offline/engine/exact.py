@@ -264,13 +264,17 @@ class ExactState:
             self.sum_digits.take(groups), None if self.squares is None else self.squares.take(groups),
         )  # fmt: skip
 
-    def sum(self) -> np.ndarray:
-        """Each group's sum, correctly rounded to float64 (module docstring)."""
+    def sum(self, where: np.ndarray | None = None) -> np.ndarray:
+        """Each group's sum, correctly rounded to float64 (module docstring). ``where``: a
+        mask of the groups wanted (the others' entries are then unspecified): only those
+        are finished, none copied."""
         s = self.sum_digits
         out = np.zeros(len(self))
         if _native is not None:
-            _finish_compiled(0, s, self.count, out)
+            _finish_compiled(0, s, self._counted(where), out)
             return self._nonfinite(out, spread=False)
+        if where is not None:
+            return self._of_taken("sum", where)
         ends = s.ends()
         some = np.flatnonzero(s.size)
         if len(some):
@@ -281,16 +285,19 @@ class ExactState:
             out[some] = _round_window(a2, a1, a0, k > 3, exp0) * s.sign[some]
         return self._nonfinite(out, spread=False)
 
-    def mean(self) -> np.ndarray:
-        """Each group's mean, its exact sum divided by its count, correctly rounded."""
+    def mean(self, where: np.ndarray | None = None) -> np.ndarray:
+        """Each group's mean, its exact sum divided by its count, correctly rounded
+        (``where``: as ``sum``'s)."""
+        if where is not None and _native is None:
+            return self._of_taken("mean", where)
         s = self.sum_digits
         with np.errstate(invalid="ignore"):
             out = np.where(self.count > 0, 0.0, np.nan)
-        some = np.flatnonzero(s.size)
+        some = np.flatnonzero(s.size if where is None else (s.size > 0) & where)
         big = some[self.count[some] > _VECTOR_COUNT]
         some = some[self.count[some] <= _VECTOR_COUNT]
         if _native is not None:  # the groups of counts 1 .. _VECTOR_COUNT
-            _finish_compiled(1, s, self.count, out)
+            _finish_compiled(1, s, self._counted(where), out)
             some = some[:0]
         if len(some):
             n = self.count[some]
@@ -314,15 +321,18 @@ class ExactState:
             out[g] = _python_mean(self, g)
         return self._nonfinite(out, spread=False)
 
-    def std(self) -> np.ndarray:
+    def std(self, where: np.ndarray | None = None) -> np.ndarray:
         """Each group's population standard deviation, the correctly rounded square root
-        of its exact variance."""
+        of its exact variance (``where``: as ``sum``'s)."""
         if self.squares is None:
             raise ValueError("std needs the sums of squares: accumulate(..., squares=True)")
+        if where is not None and _native is None:
+            return self._of_taken("std", where)
         with np.errstate(invalid="ignore"):
             out = np.where(self.count > 0, 0.0, np.nan)
         finite = (self.nan | self.pos_inf | self.neg_inf) == 0
-        some = np.flatnonzero((self.squares.size > 0) & finite & (self.count > 0))
+        wanted = (self.squares.size > 0) & finite & (self.count > 0)
+        some = np.flatnonzero(wanted if where is None else wanted & where)
         big = some[self.count[some] > _VECTOR_COUNT]
         some = some[self.count[some] <= _VECTOR_COUNT]
         if _native is not None and len(some):  # those groups alone: the others' counts as 0
@@ -335,6 +345,18 @@ class ExactState:
         for g in big.tolist():
             out[g] = _python_std(self, g)
         return self._nonfinite(out, spread=True)
+
+    def _counted(self, where: np.ndarray | None) -> np.ndarray:
+        """The counts, 0 outside ``where``: the extension finishes groups of count 0 as
+        they are."""
+        return self.count if where is None else np.where(where, self.count, 0)
+
+    def _of_taken(self, name: str, where: np.ndarray) -> np.ndarray:
+        """Statistic ``name`` of the groups ``where``, from a copy of theirs (numpy's way)."""
+        at = np.flatnonzero(where)
+        out = np.full(len(self), np.nan)
+        out[at] = getattr(self.take(at), name)()
+        return out
 
     def _nonfinite(self, out: np.ndarray, *, spread: bool) -> np.ndarray:
         pos, neg = self.pos_inf > 0, self.neg_inf > 0
@@ -507,8 +529,9 @@ def _finish_compiled(
     kind: int, s: Digits, count: np.ndarray, out: np.ndarray, squares: Digits | None = None
 ) -> None:
     """Each group's sum (``kind`` 0), mean (1) or std (2) by the extension, into ``out``:
-    the mean and std of groups of counts 1 to ``_VECTOR_COUNT`` only, the std of groups
-    whose squares are nonzero only (the others are left as they are)."""
+    of groups of count 1 or more only (``count``: 0 for a group not wanted), the mean and
+    std of counts up to ``_VECTOR_COUNT`` only, the std of groups whose squares are nonzero
+    only (the others are left as they are)."""
     assert _native is not None
     q = squares if squares is not None else Digits.zeros(0)
     _native.finish(

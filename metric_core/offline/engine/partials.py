@@ -34,6 +34,7 @@ Ray tasks, whatever the files' names and the order of their rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -508,15 +509,19 @@ def _process_digests(process: pl.Series) -> np.ndarray:
     )
 
 
-def statistic(s: np.ndarray, exact: ExactState | None, name: str) -> np.ndarray:
+def statistic(
+    s: np.ndarray, exact: ExactState | None, name: str, where: np.ndarray | None = None
+) -> np.ndarray:
     """Statistic ``name`` (not median or pNN: those need the values) of merged states ``s``
-    and their exact sums ``exact`` (sum, mean and std read them), one value a group."""
+    and their exact sums ``exact`` (sum, mean and std read them), one value a group.
+    ``where``: a mask of the groups wanted; the others' values are then unspecified (sum,
+    mean and std finish only those)."""
     if name == "count":
         return s[N].astype(np.int64)
     if name in _EXACT:
         if exact is None:  # no group of these states is one of theirs
             return np.full(s.shape[1], np.nan)
-        return getattr(exact, name)()  # type: ignore[no-any-return]
+        return getattr(exact, name)(where)  # type: ignore[no-any-return]
     if name in ("min", "max"):
         out = with_fields(s, UNTIMED)[MIN if name == "min" else MAX].copy()
         out[np.isnan(out)] = np.nan  # one NaN whichever a group met first
@@ -577,6 +582,25 @@ def add_exact(parts: Sequence[tuple[ExactState | None, np.ndarray]], n_groups: i
     if len(held) == 1 and len(held[0][0]) == n_groups and _identity(held[0][1]):
         return held[0][0]
     return exact_sums.combine([e for e, _ in held], [m for _, m in held], n_groups)
+
+
+def concat_exact(parts: Sequence[tuple[ExactState | None, int]]) -> ExactState | None:
+    """The exact sums of parts' groups, one part's after another's (each part: its state,
+    or None, and how many groups it has); None where no part has one. A part without sums
+    or without squares holds zeros, as ``add_exact`` counts it."""
+    from metric_core.offline.engine import exact as exact_sums
+
+    if all(e is None for e, _ in parts):
+        return None
+    squares = any(e is not None and e.squares is not None for e, _ in parts)
+    states = []
+    for e, n in parts:
+        if e is None:
+            e = exact_sums.ExactState.empty(n, squares=squares)
+        elif squares and e.squares is None:
+            e = dataclasses.replace(e, squares=exact_sums.Digits.zeros(n))
+        states.append(e)
+    return exact_sums.concat(states)
 
 
 def take_exact(exact: ExactState | None, groups: np.ndarray) -> ExactState | None:
