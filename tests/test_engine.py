@@ -1513,3 +1513,36 @@ def test_per_rank_reduce_of_one_file_of_several_sources_puts_them_in_process_the
         for p, r in sources
     ]
     assert got == want
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_takes_combos_are_numpys_unique(seed):
+    """The distinct combos of a take, each one's first group and each group's combo among
+    them (``finish._combos``: counted in place where the combos are few and near, sorted
+    where they are far apart, none where each is there once, in order): numpy's unique."""
+    from metric_core.offline.engine.finish import _combos
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 5000))
+    top = [50, 3000, 1 << 20, 1 << 40][seed % 4]
+    combo = rng.integers(0, top, n) if seed < 4 else np.arange(n) * 3
+    if seed == 5:
+        combo = np.tile(combo[:40], 3)
+    for got, want in zip(
+        _combos(combo), np.unique(combo, return_index=True, return_inverse=True), strict=True
+    ):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_rows_found_in_order_are_those_lexsort_leaves_as_they_are(seed):
+    """``finish._in_order`` (a take's rows already in the result's order are not sorted
+    again): true exactly where numpy's stable lexsort keeps every row in place, on columns
+    of few values (ties in the later columns decided by the earlier ones), sorted or not."""
+    from metric_core.offline.engine.finish import _in_order
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 60))
+    columns = [rng.integers(0, 3, n), rng.integers(0, 2, n), rng.integers(0, 2, n)][: 2 + seed % 2]
+    for cols in (columns, [c[np.lexsort(columns)] for c in columns]):
+        assert _in_order(cols) == bool((np.lexsort(cols) == np.arange(n)).all())

@@ -88,20 +88,21 @@ def _sorted_frames(
     combo = group_combo[rows]
     group_bucket = taken.bucket[rows]
     columns = [key_rank[combo], group_bucket]
-    source = None
+    source_of = None
     if per_source:  # each combo's source, ranked in the order of (process, rank)
-        source = _source_ranks(labels.select("process", "rank"))[combo]
-        columns.append(source)
-    order = np.lexsort(columns)
+        source_of = _source_ranks(labels.select("process", "rank"))
+        columns.append(source_of[combo])
+    if not _in_order(columns):
+        rows = rows[np.lexsort(columns)]
     del columns, combo
-    rows = rows[order]
     # where a (source and) bucket starts, in the sorted rows
     group_bucket = taken.bucket[rows]
     starts = np.r_[True, group_bucket[1:] != group_bucket[:-1]]
-    if source is not None:
-        source = source[order]
+    if source_of is not None:
+        source = source_of[group_combo[rows]]
         starts[1:] |= source[1:] != source[:-1]
-    del order, group_bucket, source
+        del source
+    del group_bucket
     edges = _edges(np.flatnonzero(starts), len(rows), FRAME_GROUPS)
     del starts
     for lo, hi in itertools.pairwise(edges):
@@ -111,6 +112,19 @@ def _sorted_frames(
             bucket.alias(plan.bucket), value=pl.Series(value[at]), count=pl.Series(taken.count[at])
         )
         yield out.select(plan.output_columns).with_columns(pl.col(pl.Categorical).cast(pl.String))
+
+
+def _in_order(columns: list[np.ndarray]) -> bool:
+    """Whether the rows are already in the order ``np.lexsort(columns)`` gives (the last
+    column first): a take is in the order of bucket then combo, often that of the keys."""
+    later = np.zeros(max(len(columns[0]) - 1, 0), dtype=bool)  # a row past the one before it
+    tied = np.ones_like(later)
+    for c in reversed(columns):
+        later |= tied & (c[1:] > c[:-1])
+        tied &= c[1:] == c[:-1]
+        if not (later | tied).all():
+            return False
+    return True
 
 
 def _source_ranks(sources: pl.DataFrame) -> np.ndarray:
@@ -141,7 +155,15 @@ def _combos(combo: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if len(combo) < 2 or (combo[1:] > combo[:-1]).all():
         at = np.arange(len(combo))
         return combo, at, at
-    return np.unique(combo, return_index=True, return_inverse=True)
+    top = int(combo.max())
+    if top >= max(len(combo), 1 << 16):  # combos numbered far apart: sorted
+        return np.unique(combo, return_index=True, return_inverse=True)
+    present = np.zeros(top + 1, dtype=bool)  # else counted in place of a sort
+    present[combo] = True
+    distinct = np.flatnonzero(present)
+    first = np.full(top + 1, len(combo))
+    np.minimum.at(first, combo, np.arange(len(combo)))
+    return distinct, first[distinct], (np.cumsum(present) - 1)[combo]
 
 
 def _edges(starts: np.ndarray, n: int, size: int) -> list[int]:
