@@ -29,6 +29,7 @@ from metric_core.offline.plan import make_plan
 from metric_core.offline.read import RunScan, parquet, scan_run
 
 from .conftest import BASE_TIME, killed_after, write_collector_run
+from .test_exact import KERNELS, kernel_of
 
 SOURCES = [(f"TrainActor_r{r}", r) for r in range(4)]
 
@@ -1004,8 +1005,9 @@ def test_a_state_of_counts_alone_where_every_statistic_is_a_percentile(tmp_path,
         assert (v, n) == (pytest.approx(np.percentile(truth[s, k], 99), rel=1e-15), len(truth[s, k])), (s, k)
 
 
+@pytest.mark.parametrize("kernel_name", KERNELS)
 @pytest.mark.parametrize("stat", ["median", "p50", "p99", "p99.9", "p37.5", "p0", "p100"])
-def test_median_and_percentiles_are_numpys_to_the_bit(tmp_path, stat):
+def test_median_and_percentiles_are_numpys_to_the_bit(tmp_path, stat, kernel_name):
     """median and pNN equal np.median and np.percentile bit for bit: groups of 1 to 9
     values of both signs around zero (where a formula that differs rounds far off, in
     relative terms), huge values whose sum overflows, zeros, and a NaN. (Which of -0.0 and
@@ -1040,7 +1042,8 @@ def test_median_and_percentiles_are_numpys_to_the_bit(tmp_path, stat):
             "rank": [0] * len(key),
         },
     )
-    got = run_plan(tmp_path, make_plan(reduce=[f"*={stat}"])).frame
+    with kernel_of(kernel_name):  # order statistics by the extension's selection, or polars' sort
+        got = run_plan(tmp_path, make_plan(reduce=[f"*={stat}"])).frame
     by_step = {s: np.array([v for s2, v in zip(steps, value, strict=True) if s2 == s]) for s in set(steps)}
     for s, v, n in got.select("step", "value", "count").iter_rows():
         values = by_step[s]
@@ -1546,3 +1549,54 @@ def test_rows_found_in_order_are_those_lexsort_leaves_as_they_are(seed):
     columns = [rng.integers(0, 3, n), rng.integers(0, 2, n), rng.integers(0, 2, n)][: 2 + seed % 2]
     for cols in (columns, [c[np.lexsort(columns)] for c in columns]):
         assert _in_order(cols) == bool((np.lexsort(cols) == np.arange(n)).all())
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_extensions_order_statistics_are_those_of_a_sort(seed):
+    """``finish._order_statistics`` by the extension (a selection a group) and by polars'
+    sort of each group: the same groups, counts, ranks, NaN flags, counts below zero and
+    order statistics (a zero's sign aside: ``_signed_zeros`` gives it; and of a group that
+    holds NaN, whose value is NaN whatever they are), for a median and
+    for pNN; and the value they make is numpy's. Groups of 1 to 300 values, ties, +-0.0,
+    infinities, NaN, negative buckets, one group of 20,000."""
+    from metric_core.offline.engine.finish import _as_numpy, _order_statistics, _signed_zeros
+
+    rng = np.random.default_rng(seed)
+    sizes = np.r_[rng.integers(1, 300, 150), 20_000]
+    group = np.repeat(np.arange(len(sizes)), sizes)
+    pool = np.array([-0.0, 0.0, 1.5, -2.0, np.inf, -np.inf, 1e300, -1e-300])
+    value = np.where(rng.random(len(group)) < 0.3, rng.choice(pool, len(group)), rng.normal(0, 4, len(group)))
+    value[group == 3] = rng.choice([-0.0, 0.0], sizes[3])  # zeros alone
+    value[np.flatnonzero(group == 5)[0]] = np.nan
+    order = rng.permutation(len(group))  # groups' values interleaved
+    bucket, combo = (group * 7919) % 13 - 6, group // 13  # (bucket, combo) tells each group
+    part = pl.LazyFrame({"bucket": bucket[order], "_combo": combo[order], "value": value[order]})
+    percent = {0.0: 0, 0.375: 37.5, 0.5: 50, 0.99: 99, 1.0: 100}
+    for q in (None, *percent):
+        found = {}
+        for name in KERNELS:
+            with kernel_of(name):
+                got = _order_statistics(part, q)
+            at = np.lexsort((got["_combo"], got["bucket"]))
+            found[name] = {k: v[at] for k, v in got.items()}
+        clean = found["numpy"]["nan"] == 0  # a group holding NaN: NaN whatever its order statistics
+        for k in found["numpy"]:
+            kept = clean if k in ("lo", "hi") else slice(None)
+            assert np.array_equal(found["compiled"][k][kept], found["numpy"][k][kept]), (q, k)
+        assert (~clean).sum() == 1
+        stats = {k: v.astype(np.float64) for k, v in found["compiled"].items()}
+        _signed_zeros(stats, q)
+        got_value = _as_numpy(stats, q)
+        number = {
+            (int(b), int(c)): g
+            for g, (b, c) in enumerate(
+                zip(bucket[np.cumsum(sizes) - 1], combo[np.cumsum(sizes) - 1], strict=True)
+            )
+        }
+        for j, (b, c) in enumerate(
+            zip(found["compiled"]["bucket"].tolist(), found["compiled"]["_combo"].tolist(), strict=True)
+        ):
+            values = value[group == number[b, c]]
+            with np.errstate(invalid="ignore", over="ignore"):
+                want = np.median(values) if q is None else np.percentile(values, percent[q])
+            assert np.array_equal([got_value[j]], [want], equal_nan=True), (q, b, c, got_value[j], want)

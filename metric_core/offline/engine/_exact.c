@@ -37,6 +37,10 @@
  *     integers, then settled by comparing squares): the root and whether it was exact
  *     round as the std does (round to odd with ten bits to spare).
  *
+ * And order_stats: the order statistics a median or pNN needs of each group (finish.group_values):
+ * the values grouped by hashing (bucket, combo), side by side a group, and each group's one
+ * or two ranks found by selection (Wirth's), not by a sort.
+ *
  * And a type, Table (engine.grouptable): groups (bucket, combo) in an open-addressing hash
  * table, the combos of a bucket side by side, each group with its counts, min and max and
  * its S and Q as int64 digits in a window of an arena that grows to take each value's
@@ -1333,6 +1337,162 @@ static PyTypeObject TableType = {
     .tp_as_sequence = &table_sequence,
 };
 
+/* ---- order_stats: each group's order statistics for median and pNN (finish.group_values) -- */
+
+/* The k-th smallest of x[0 .. n) (from 0), x reordered so that no value before it is larger
+ * and none after it smaller (Wirth's selection, its bound a median of three); no NaN. */
+static double select_kth(double *x, int64_t n, int64_t k) {
+    int64_t l = 0, r = n - 1;
+    while (l < r) {
+        double a = x[l], b = x[l + (r - l) / 2], c = x[r];
+        double pivot = a < b ? (b < c ? b : (a < c ? c : a)) : (a < c ? a : (b < c ? c : b));
+        int64_t i = l, j = r;
+        do {
+            while (x[i] < pivot) i++;
+            while (pivot < x[j]) j--;
+            if (i <= j) {
+                double t = x[i];
+                x[i] = x[j];
+                x[j] = t;
+                i++;
+                j--;
+            }
+        } while (i <= j);
+        if (j < k) l = i;
+        if (k < i) r = j;
+    }
+    return x[k];
+}
+
+/* order_stats(bucket, combo, value, q, g_bucket, g_combo, count, lo, hi, nan, below, rank)
+ * -> groups: the values grouped by (bucket, combo), each group (in the order first met)
+ * with its count, lo and hi (the values of ranks rank and the next one the statistic needs
+ * in the ascending order: rank (n - 1) // 2 and n // 2 for a median, q < 0; floor((n - 1)
+ * q) and the next but at most n - 1 for pNN), whether it holds NaN (lo and hi then NaN),
+ * and its count of values below 0.0, -0.0 counted: what finish.group_values reads from a
+ * sort of each group's values, without the sort. Outputs have room for one group a value. */
+static PyObject *order_stats(PyObject *self, PyObject *args) {
+    Py_buffer bucket_b, combo_b, value_b, out_b[8];
+    double q;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*y*y*dw*w*w*w*w*w*w*w*", &bucket_b, &combo_b, &value_b, &q, &out_b[0],
+                          &out_b[1], &out_b[2], &out_b[3], &out_b[4], &out_b[5], &out_b[6], &out_b[7]))
+        return NULL;
+    Py_buffer *all[] = {&bucket_b, &combo_b, &value_b, &out_b[0], &out_b[1], &out_b[2],
+                        &out_b[3], &out_b[4], &out_b[5], &out_b[6], &out_b[7]};
+    PyObject *result = NULL;
+    int64_t n = (int64_t)(value_b.len / 8), m = 0, mask = 1023;
+    int64_t *index = NULL, *group_of = NULL, *start = NULL;
+    double *held = NULL;
+    if (check_length(&bucket_b, n, 8, "bucket") || check_length(&combo_b, n, 8, "combo") ||
+        check_length(&value_b, n, 8, "value"))
+        goto done;
+    for (int k = 0; k < 8; k++)
+        if (out_b[k].len < (Py_ssize_t)n * 8) {
+            PyErr_SetString(PyExc_ValueError, "_exact.order_stats: an output has no room for a group a value");
+            goto done;
+        }
+    const int64_t *bucket = (const int64_t *)bucket_b.buf, *combo = (const int64_t *)combo_b.buf;
+    const double *value = (const double *)value_b.buf;
+    int64_t *g_bucket = (int64_t *)out_b[0].buf, *g_combo = (int64_t *)out_b[1].buf;
+    int64_t *count = (int64_t *)out_b[2].buf;
+    double *lo = (double *)out_b[3].buf, *hi = (double *)out_b[4].buf;
+    int64_t *nan = (int64_t *)out_b[5].buf, *below = (int64_t *)out_b[6].buf, *rank = (int64_t *)out_b[7].buf;
+    index = (int64_t *)calloc((size_t)mask + 1, sizeof(int64_t));
+    group_of = (int64_t *)malloc(sizeof(int64_t) * ((size_t)n + 1));
+    held = (double *)malloc(sizeof(double) * ((size_t)n + 1));
+    if (!index || !group_of || !held) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int status = OK;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < n && status == OK; i++) { /* each value's group, made where new */
+        int64_t at = slot_of(bucket[i], combo[i], mask), g;
+        for (;;) {
+            g = index[at] - 1;
+            if (g < 0 || (g_bucket[g] == bucket[i] && g_combo[g] == combo[i])) break;
+            at = (at + 1) & mask;
+        }
+        if (g < 0) {
+            g = m++;
+            g_bucket[g] = bucket[i];
+            g_combo[g] = combo[i];
+            count[g] = 0;
+            index[at] = g + 1;
+            if (2 * m > mask + 1) { /* at most half full */
+                int64_t *bigger = (int64_t *)calloc(2 * ((size_t)mask + 1), sizeof(int64_t));
+                if (!bigger) {
+                    status = NO_MEMORY;
+                    break;
+                }
+                mask = 2 * mask + 1;
+                for (int64_t h = 0; h < m; h++) {
+                    int64_t to = slot_of(g_bucket[h], g_combo[h], mask);
+                    while (bigger[to]) to = (to + 1) & mask;
+                    bigger[to] = h + 1;
+                }
+                free(index);
+                index = bigger;
+            }
+        }
+        group_of[i] = g;
+        count[g]++;
+    }
+    if (status == OK) {
+        start = (int64_t *)malloc(sizeof(int64_t) * ((size_t)m + 1));
+        if (!start) status = NO_MEMORY;
+    }
+    if (status == OK) { /* each group's values side by side */
+        int64_t total = 0;
+        for (int64_t g = 0; g < m; g++) {
+            start[g] = total;
+            total += count[g];
+        }
+        for (int64_t i = 0; i < n; i++) held[start[group_of[i]]++] = value[i];
+        for (int64_t g = 0; g < m; g++) { /* start[g] is now its end */
+            int64_t k = count[g];
+            double *x = held + (start[g] - k);
+            int64_t nans = 0, negative = 0;
+            for (int64_t j = 0; j < k; j++) {
+                nans += isnan(x[j]) != 0;
+                negative += x[j] < 0 || (x[j] == 0 && signbit(x[j]));
+            }
+            int64_t r = q < 0 ? (k - 1) / 2 : (int64_t)floor((double)(k - 1) * q);
+            int64_t next = q < 0 ? k / 2 : (r + 1 < k - 1 ? r + 1 : k - 1);
+            nan[g] = nans > 0;
+            below[g] = negative;
+            rank[g] = r;
+            if (nans) {
+                lo[g] = hi[g] = NAN;
+                continue;
+            }
+            lo[g] = select_kth(x, k, r);
+            double up = lo[g];
+            if (next > r) { /* the least value after it */
+                up = x[r + 1];
+                for (int64_t j = r + 2; j < k; j++)
+                    if (x[j] < up) up = x[j];
+            }
+            hi[g] = up;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (status == NO_MEMORY) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyLong_FromLongLong((long long)m);
+done:
+    free(index);
+    free(group_of);
+    free(held);
+    free(start);
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        if (all[i]->obj) PyBuffer_Release(all[i]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"accumulate", accumulate, METH_VARARGS,
      "accumulate(groups, values, n_groups, squares, count, nan, pos_inf, neg_inf, s_sign, s_low, s_size, "
@@ -1344,13 +1504,16 @@ static PyMethodDef methods[] = {
     {"finish", finish, METH_VARARGS,
      "finish(kind, sign, low, size, digits, count, limit, q_sign, q_low, q_size, q_digits, out): each "
      "group's sum (kind 0), mean (1) or std (2) correctly rounded into out (ExactState calls it)."},
+    {"order_stats", order_stats, METH_VARARGS,
+     "order_stats(bucket, combo, value, q, g_bucket, g_combo, count, lo, hi, nan, below, rank) -> groups: "
+     "each group's order statistics for a median (q < 0) or pNN (finish.group_values calls it)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_exact",
-    "The compiled paths of metric_core.offline.engine.exact: accumulate, add_digits, finish; and the Table of "
-    "metric_core.offline.engine.grouptable.", -1,
+    "The compiled paths of metric_core.offline.engine.exact: accumulate, add_digits, finish; of the order "
+    "statistics of finish.group_values: order_stats; and the Table of metric_core.offline.engine.grouptable.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -207,8 +207,9 @@ def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFr
     (``plain``, already there but for median and pNN; merged: bucket, _combo, reduction).
 
     median and pNN take the one or two order statistics they need from each group's
-    sorted values (polars), then combine them as numpy does (``_as_numpy``): the same bits
-    as ``np.median`` and ``np.percentile``. A group holding NaN gets NaN, as in numpy."""
+    values (``_order_statistics``), then combine them as numpy does (``_as_numpy``): the
+    same bits as ``np.median`` and ``np.percentile``. A group holding NaN gets NaN, as in
+    numpy."""
     value = plain
     for name in merged["reduction"].unique().sort():
         stat = Statistic.parse(name)
@@ -220,42 +221,63 @@ def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFr
         combos = None
         if merged["reduction"].n_unique() > 1:
             combos = pl.Series(np.unique(code & 0xFFFFFFFF)).implode()
-        n = pl.len().cast(pl.Int64)
-        if stat.quantile is None:  # median: the middle value, or the two middle ones
-            lo, hi = (n - 1) // 2, n // 2
-        else:  # numpy's linear method: between floor((n - 1) q) and the next one
-            lo = ((n - 1).cast(pl.Float64) * stat.quantile).floor().cast(pl.Int64)
-            hi = pl.min_horizontal(lo + 1, n - 1)
-        between = pl.col("value").sort().slice(lo, hi - lo + 1)  # one sort for both
-        # a sort leaves -0.0 and 0.0 in the order the rows came: these zeros' signs are
-        # those of the order where -0.0 comes first (the values below 0.0 counted)
-        negative = (pl.col("value") < 0) | ((pl.col("value") == 0) & (1.0 / pl.col("value") < 0))
         order = {k: np.full(merged.height, np.nan) for k in ("n", "lo", "hi", "nan", "below", "rank")}
         for part in values:  # a slice of groups at a time, each put at its row of merged
             if combos is not None:
                 part = part.filter(pl.col("_combo").is_in(combos))
-            nan = pl.col("value").is_nan().any()
-            found = (
-                part.group_by("bucket", "_combo")
-                .agg(n=n, between=between, nan=nan, below=negative.sum(), rank=lo)
-                .collect()
-            )
-            bucket = found["bucket"].to_numpy()
+            found = _order_statistics(part, stat.quantile)
+            bucket = found["bucket"]
             rank = np.minimum(np.searchsorted(buckets, bucket), len(buckets) - 1)
-            mine = (rank << 32) | found["_combo"].to_numpy()
+            mine = (rank << 32) | found["_combo"]
             place = np.minimum(np.searchsorted(code, mine), len(code) - 1)
             # a group of this statistic (not one of another's combo, nor of a bucket it has not)
             known = (code[place] == mine) & (buckets[rank] == bucket)
             row = at[place[known]]
-            order["n"][row] = found["n"].to_numpy()[known]
-            order["nan"][row] = found["nan"].to_numpy()[known]
-            order["lo"][row] = found["between"].list.first().to_numpy()[known]
-            order["hi"][row] = found["between"].list.last().to_numpy()[known]
-            order["below"][row] = found["below"].to_numpy()[known]
-            order["rank"][row] = found["rank"].to_numpy()[known]
+            for k in order:
+                order[k][row] = found[k][known]
         _signed_zeros(order, stat.quantile)
         value[rows] = _as_numpy(order, stat.quantile)[rows]
     return value
+
+
+_FOUND = ("bucket", "_combo", "n", "lo", "hi", "nan", "below", "rank")  # what _order_statistics gives
+_PART_TYPES = (("bucket", np.int64), ("_combo", np.int64), ("value", np.float64))  # what it reads
+
+
+def _order_statistics(part: pl.LazyFrame, q: float | None) -> dict[str, np.ndarray]:
+    """Each group (bucket, _combo) of the values ``part`` holds: its count ``n``; ``lo``
+    and ``hi``, its values of ranks ``rank`` and the next one its statistic needs in the
+    ascending order (a median, q None: ranks (n - 1) // 2 and n // 2; pNN: floor((n - 1) q)
+    and the next, at most n - 1); whether it holds NaN (``nan``); and ``below``: its values
+    below 0.0, -0.0 counted. By the extension (a selection a group) where it is built, else
+    by a sort of each group's values in polars: the same values (a zero's sign aside,
+    which ``_signed_zeros`` gives from ``below``)."""
+    from metric_core.offline.engine import exact
+
+    if exact._native is not None:
+        frame = part.collect()
+        columns = [np.ascontiguousarray(frame[c].to_numpy(), dtype=t) for c, t in _PART_TYPES]
+        del frame
+        out = [np.empty(len(columns[2]), dtype=np.float64 if k in ("lo", "hi") else np.int64) for k in _FOUND]
+        groups = exact._native.order_stats(*columns, -1.0 if q is None else q, *out)
+        return {k: a[:groups] for k, a in zip(_FOUND, out, strict=True)}
+    n = pl.len().cast(pl.Int64)
+    if q is None:  # median: the middle value, or the two middle ones
+        lo, hi = (n - 1) // 2, n // 2
+    else:  # numpy's linear method: between floor((n - 1) q) and the next one
+        lo = ((n - 1).cast(pl.Float64) * q).floor().cast(pl.Int64)
+        hi = pl.min_horizontal(lo + 1, n - 1)
+    between = pl.col("value").sort().slice(lo, hi - lo + 1)  # one sort for both
+    # a sort leaves -0.0 and 0.0 in the order the rows came: these zeros' signs are those
+    # of the order where -0.0 comes first (the values below 0.0 counted)
+    negative = (pl.col("value") < 0) | ((pl.col("value") == 0) & (1.0 / pl.col("value") < 0))
+    found = (
+        part.group_by("bucket", "_combo")
+        .agg(n=n, between=between, nan=pl.col("value").is_nan().any(), below=negative.sum(), rank=lo)
+        .with_columns(lo=pl.col("between").list.first(), hi=pl.col("between").list.last())
+        .collect()
+    )
+    return {k: found[k].to_numpy() for k in _FOUND}
 
 
 def _group_places(merged: pl.DataFrame, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
