@@ -520,7 +520,10 @@ def _integer_key_string_value(run: Path) -> str:
         table.append_column("rank", pa.array([0, 0])).append_column("timestamp", pa.array([1.7e9] * 2)),
         run / "a.parquet",
     )
-    return "a.parquet: 1 record(s) skipped: 'value' is null or not a number float64 holds exactly"
+    return (
+        "a.parquet: 1 record(s) skipped: "
+        "'value' is null, not numeric, or an integer float64 cannot hold exactly"
+    )
 
 
 def _line_over_the_limit(run: Path) -> str:
@@ -587,8 +590,8 @@ def test_an_integer_value_float64_cannot_hold_is_refused_not_rounded(tmp_path):
         result = runner.invoke(app, command)
         assert result.exit_code == 0, result.output
         assert (
-            "a.parquet: 2 record(s) skipped: 2 x 'value' is null or not a number float64 holds exactly"
-            in result.output
+            "a.parquet: 2 record(s) skipped: 2 x 'value' is null, not numeric, "
+            "or an integer float64 cannot hold exactly" in result.output
         )
         assert (
             "b.jsonl: 3 record(s) skipped: line 2: 'value' is an integer float64 cannot hold exactly"

@@ -78,6 +78,18 @@ def test_bad_jsonl_lines_are_skipped_with_line_numbers_and_the_rest_is_kept(tmp_
     )
 
 
+def test_the_summary_counts_every_reason_past_the_lines_it_shows(tmp_path):
+    """A file of many bad lines: the first three lines shown, then how many more, and every
+    reason with its count over the whole file (not only the lines shown)."""
+    lines = [rec(0)] + ["{not json"] * 10 + [rec(i, value="abc") for i in range(20, 25)] + [rec(30)]
+    jsonl(tmp_path / "a.jsonl", lines)
+    summary = scan_run(tmp_path).report.summary()
+    assert (
+        "a.jsonl: 15 record(s) skipped: line 2: not valid JSON; line 3: not valid JSON; line 4: not valid "
+        "JSON (+12 more; in all: 5 x 'value' is not a number; 10 x not valid JSON)"
+    ) in " ".join(summary.split())
+
+
 def test_bad_fields_on_the_fast_path_are_reported_too(tmp_path):
     """A file polars parses whole: bad fields still get their line numbers."""
     jsonl(tmp_path / "a.jsonl", [rec(0), rec(1, value="abc"), rec(2), {"key": "k"}, rec(4)])

@@ -673,17 +673,15 @@ def _parquet_reason() -> pl.Expr:
     reason: pl.Expr = pl.when(~plausible(pl.col("timestamp"))).then(pl.lit(BAD_TIME))
     for name in reversed(REQUIRED_FIELDS):
         what = (
-            "a number float64 holds exactly"
+            "is null, not numeric, or an integer float64 cannot hold exactly"  # NaN and inf are values
             if name == "value"
-            else "a number"
+            else "is null or not numeric"
             if name == "timestamp"
-            else "an integer in int64's range"
+            else "is null or not an integer in int64's range"
             if name in ("step", "rank")
-            else "valid"
+            else "is null or not valid"
         )
-        reason = (
-            pl.when(pl.col(name).is_null()).then(pl.lit(f"'{name}' is null or not {what}")).otherwise(reason)
-        )
+        reason = pl.when(pl.col(name).is_null()).then(pl.lit(f"'{name}' {what}")).otherwise(reason)
     return reason
 
 

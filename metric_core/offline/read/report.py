@@ -240,14 +240,16 @@ class ReadReport:
             if f.unreadable is not None:
                 out.append(f"  {name}: unreadable, skipped ({f.unreadable})")
                 continue
+            by_reason = "; ".join(
+                f"{n} x {reason}" if n > 1 else reason for reason, n in sorted(f.skip_reasons.items())
+            )
             if f.skipped_lines:
-                detail = "; ".join(f"line {line}: {reason}" for line, reason in f.skipped_lines[:max_lines])
-                if f.skipped > max_lines:
-                    detail += f" (+{f.skipped - max_lines} more)"
+                shown = f.skipped_lines[:max_lines]
+                detail = "; ".join(f"line {line}: {reason}" for line, reason in shown)
+                if f.skipped > len(shown):  # the lines not shown: how many, and every reason counted
+                    detail += f" (+{f.skipped - len(shown)} more; in all: {by_reason})"
             else:
-                detail = "; ".join(
-                    f"{n} x {reason}" if n > 1 else reason for reason, n in sorted(f.skip_reasons.items())
-                )
+                detail = by_reason
             out.append(f"  {name}: {f.skipped} {self.unit}(s) skipped: {detail}")
         if len(bad) > max_files:
             out.append(f"  ... and {len(bad) - max_files} more file(s)")
