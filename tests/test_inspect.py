@@ -899,3 +899,41 @@ def test_keys_met_again_and_again_past_the_counted_keys_take_the_disk_of_their_d
     assert on_disk  # its pairs went to disk
     assert max(on_disk) <= 2 * keys + 4 * 20 // 4 + 2 * 40  # never its records' (6,000)
     assert not any(temp.iterdir())
+
+
+def test_another_tools_sources_are_running_while_they_write_and_ended_once_silent(tmp_path):
+    """Files that record no life (another tool's): a source is ``running`` while its newest
+    record is within its quiet threshold of the wall clock, ``ended`` once silent past it
+    (the run is over: how it ended is not recorded; it was once called running however
+    old), and ``stopped_early`` by the lag rule whatever the clock; still_running agrees."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    t0 = 1.76e9
+    for rank, steps in ((0, 300), (1, 300), (2, 100)):
+        n = steps + 1
+        pq.write_table(
+            pa.table(
+                {
+                    "key": ["loss"] * n,
+                    "value": np.arange(n) * 1.0,
+                    "reduction": ["mean"] * n,
+                    "step": np.arange(n),
+                    "timestamp": t0 + np.arange(n) * 1.0,
+                    "rank": [rank] * n,
+                    "process": ["trainer"] * n,
+                }
+            ),
+            tmp_path / f"r{rank}.parquet",
+        )
+    for now, state, live in ((t0 + 300.5, "running", True), (t0 + 3600, "ended", False)):
+        report = inspect_run(scan_run(tmp_path), now=now)
+        assert [s.state for s in report.sources] == [state, state, "stopped_early"]
+        assert report.still_running is live
+        assert [s["state"] for s in json.loads(report.to_json())["sources"]] == [
+            state,
+            state,
+            "stopped_early",
+        ]
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0 and "running" not in result.output and " ended " in result.output

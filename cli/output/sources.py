@@ -126,10 +126,10 @@ class WatchDisplay:
             self.live.update(_watch_table(report), refresh=True)
             return
         from metric_core.clock import local_time
-        from metric_core.offline.inspect.health import state_of, state_said
+        from metric_core.offline.inspect.health import state_said
 
         for s in report.sources:
-            state = state_of(s)
+            state = s.state
             if self.states.get((s.process, s.rank)) != state:
                 self.states[(s.process, s.rank)] = state
                 when = local_time(report.checked_at)
@@ -154,7 +154,6 @@ def _watch_table(report: InspectReport) -> Any:
     from rich.text import Text
 
     from metric_core.clock import duration, local_time
-    from metric_core.offline.inspect.health import state_of
 
     table = Table(title=f"{report.name}: {local_time(report.checked_at)}", title_justify="left")
     for name in ("process", "rank", "state", "step", "silent", "step time"):
@@ -165,9 +164,10 @@ def _watch_table(report: InspectReport) -> Any:
         "stopped_early": "red",
         "finished": "green",
         "running": "",
+        "ended": "",
     }
     for s in report.sources:
-        state = state_of(s)
+        state = s.state
         table.add_row(
             s.process,
             str(s.rank),

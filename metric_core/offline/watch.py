@@ -48,7 +48,6 @@ from metric_core.offline.inspect.health import (
     culprit_of,
     held_by_hang,
     held_said,
-    state_of,
     where_text,
 )
 from metric_core.offline.read.report import ReadReport
@@ -232,7 +231,7 @@ def watch_run(
             # Another tool's files (no writer: no attempt, no heartbeat) hold nothing open, as
             # in the sidecar: the writers' sources decide the end, when there are any.
             writers = [s for s in report.sources if s.attempts]
-            states = {state_of(s) for s in writers} or {state_of(s) for s in report.sources}
+            states = {s.state for s in writers} or {s.state for s in report.sources}
             # A rank of world_size that never wrote (it died before init(), or never started)
             # left no file to be seen finishing or dying by: the run did not finish.
             absent = (
@@ -295,7 +294,7 @@ def _changes(
     for s in report.sources:
         key, who = (s.process, s.rank), f"{s.process} (rank {s.rank})"
         newest = s.attempts[-1] if s.attempts else None
-        attempt, state = (newest.attempt if newest else ""), state_of(s)
+        attempt, state = (newest.attempt if newest else ""), s.state
         before = seen.get(key)
         seen[key] = (attempt, state)
         if before is not None and before[0] != attempt and newest is not None:

@@ -191,10 +191,10 @@ def inspect_run(
         health.stalled = (  # alive: its heartbeat goes on (files that record none are judged by lag)
             health.end == "running" and typical is not None and not over and silent > health.stall_after_s
         )
-        health.state = state_of(health)
+        health.state = state_of(health, quiet)
         # Still running: its heartbeat goes on (a hang is running too), or, for a writer that
         # records none, it wrote within its quiet threshold of the wall clock.
-        if health.end == "running" or (health.status == "unfinished" and not quiet and health.end is None):
+        if health.end == "running" or (health.end is None and health.state == "running"):
             live = True
     # Only sources that stopped early are named as stopping first: sources that stopped
     # together, or are still writing, differ by noise.

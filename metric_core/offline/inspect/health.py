@@ -268,22 +268,26 @@ def culprit_of(held: list[SourceHealth]) -> SourceHealth | None:
     return next((s for s in held if (s.process, s.rank) == found), None)
 
 
-def state_of(s: SourceHealth) -> str:
-    """A source as watch names it: finished, died, stalled, running (or, for a writer that
-    records no life, stopped_early by inspect's rule)."""
+def state_of(s: SourceHealth, quiet: bool = False) -> str:
+    """A source's state (``SourceHealth.state``, which inspect sets): finished, died,
+    stalled, running; or, for files that record no life (another tool's), stopped_early by
+    the lag rule, else ended once it is ``quiet`` (silent past its threshold, as the whole
+    run is: it is over, how it ended is not recorded), else running."""
     if s.status == "finished":
         return "finished"
     if s.attempts and s.attempts[-1].failed:
         return "died"
     if s.stalled:
         return "stalled"
-    return "stopped_early" if s.status == "stopped_early" and s.end is None else "running"
+    if s.end is None and s.status == "stopped_early":
+        return "stopped_early"
+    return "ended" if s.end is None and quiet else "running"
 
 
 def state_said(s: SourceHealth) -> str:
     """A source's state with its one step: a death by the last step it flushed (as inspect
     and the sidecar say it), any other state by its newest record's step."""
-    state = state_of(s)
+    state = s.state
     if state == "died":
         return "died" + story.after_step(s.attempts[-1].last_step if s.attempts else None)
     return f"{state} at step {s.last_step}"

@@ -52,7 +52,7 @@ class SourceHealth:
     where: dict[str, Any] | None = None
     no_heartbeat: bool = False  # running, but its writer thread is not heard (native code, SIGSTOP)
     # What it is now, in the one vocabulary of inspect, watch, plot and the sidecar: running,
-    # stalled, finished, died (or stopped_early, for files that record no life).
+    # stalled, finished, died (or stopped_early or ended, for files that record no life).
     state: str = ""
 
 
