@@ -111,7 +111,6 @@ def command_run() -> Iterator[None]:
 @o.plan_options("reduce")
 def reduce(
     run_dir: o.RunDir,
-    follow_symlinks: o.FollowSymlinks = False,
     plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     out: o.OutFile = None,
     form: o.FormatOpt = None,
@@ -119,6 +118,7 @@ def reduce(
     tail: o.Tail = None,
     wide: o.Wide = False,
     strict: o.Strict = False,
+    follow_symlinks: o.FollowSymlinks = False,
     engine: o.EngineOpt = o.Engine.LOCAL,
     ray_address: o.RayAddress = None,
 ) -> None:
@@ -253,11 +253,11 @@ def upload(
 @o.plan_options("inspect")
 def inspect(
     run_dir: o.RunDir,
-    follow_symlinks: o.FollowSymlinks = False,
     plan_options: o.PlanOptions = o.PLAN_DEFAULTS,
     json_out: o.Json = False,
     form: o.InspectFormat = None,
     pause_after: o.PauseAfter = None,
+    follow_symlinks: o.FollowSymlinks = False,
 ) -> None:
     """Tell what happened in a crashed or hung run: how each attempt of each source ended,
     which failed first, where the job paused and was stuck; per-source health, then a verdict.
