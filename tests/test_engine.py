@@ -1556,21 +1556,32 @@ def test_the_extensions_order_statistics_are_those_of_a_sort(seed):
     """``finish._order_statistics`` by the extension (a selection a group) and by polars'
     sort of each group: the same groups, counts, ranks, NaN flags, counts below zero and
     order statistics (a zero's sign aside: ``_signed_zeros`` gives it; and of a group that
-    holds NaN, whose value is NaN whatever they are), for a median and
-    for pNN; and the value they make is numpy's. Groups of 1 to 300 values, ties, +-0.0,
-    infinities, NaN, negative buckets, one group of 20,000."""
+    holds NaN, whose value is NaN whatever they are), for a median and for pNN; and the
+    value they make is numpy's. Groups of 1 to 300 values, ties, +-0.0, infinities, NaN,
+    negative buckets, one group of 20,000, groups of 5,000 in order but for one value (a
+    metric's reset: the shapes that once made the selection quadratic), 600 groups of 1 to
+    3 values (the extension's table of groups grows), each group's values in the order
+    written, the groups' interleaved."""
     from metric_core.offline.engine.finish import _as_numpy, _order_statistics, _signed_zeros
 
     rng = np.random.default_rng(seed)
-    sizes = np.r_[rng.integers(1, 300, 150), 20_000]
+    sizes = np.r_[rng.integers(1, 300, 150), 20_000, 5_000, 5_000, 5_000, rng.integers(1, 4, 600)]
     group = np.repeat(np.arange(len(sizes)), sizes)
     pool = np.array([-0.0, 0.0, 1.5, -2.0, np.inf, -np.inf, 1e300, -1e-300])
     value = np.where(rng.random(len(group)) < 0.3, rng.choice(pool, len(group)), rng.normal(0, 4, len(group)))
     value[group == 3] = rng.choice([-0.0, 0.0], sizes[3])  # zeros alone
     value[np.flatnonzero(group == 5)[0]] = np.nan
-    order = rng.permutation(len(group))  # groups' values interleaved
+    run = np.arange(1.0, 5_000.0)
+    value[group == 151] = np.r_[run, 0.0]  # rising, the least value last
+    value[group == 152] = np.r_[5_000.0, run]  # the greatest first
+    value[group == 153] = np.r_[run[::-1], 5_000.0]  # falling, the greatest last
+    keys = rng.random(len(group))  # when each value came: rising within its group
+    order = np.argsort(keys[np.lexsort((keys, group))], kind="stable")
     bucket, combo = (group * 7919) % 13 - 6, group // 13  # (bucket, combo) tells each group
     part = pl.LazyFrame({"bucket": bucket[order], "_combo": combo[order], "value": value[order]})
+    values_of = np.split(value, np.cumsum(sizes)[:-1])
+    last = np.cumsum(sizes) - 1
+    number = {(int(b), int(c)): g for g, (b, c) in enumerate(zip(bucket[last], combo[last], strict=True))}
     percent = {0.0: 0, 0.375: 37.5, 0.5: 50, 0.99: 99, 1.0: 100}
     for q in (None, *percent):
         found = {}
@@ -1579,6 +1590,7 @@ def test_the_extensions_order_statistics_are_those_of_a_sort(seed):
                 got = _order_statistics(part, q)
             at = np.lexsort((got["_combo"], got["bucket"]))
             found[name] = {k: v[at] for k, v in got.items()}
+        assert len(found["compiled"]["n"]) == len(sizes)
         clean = found["numpy"]["nan"] == 0  # a group holding NaN: NaN whatever its order statistics
         for k in found["numpy"]:
             kept = clean if k in ("lo", "hi") else slice(None)
@@ -1587,16 +1599,10 @@ def test_the_extensions_order_statistics_are_those_of_a_sort(seed):
         stats = {k: v.astype(np.float64) for k, v in found["compiled"].items()}
         _signed_zeros(stats, q)
         got_value = _as_numpy(stats, q)
-        number = {
-            (int(b), int(c)): g
-            for g, (b, c) in enumerate(
-                zip(bucket[np.cumsum(sizes) - 1], combo[np.cumsum(sizes) - 1], strict=True)
-            )
-        }
         for j, (b, c) in enumerate(
             zip(found["compiled"]["bucket"].tolist(), found["compiled"]["_combo"].tolist(), strict=True)
         ):
-            values = value[group == number[b, c]]
+            values = values_of[number[b, c]]
             with np.errstate(invalid="ignore", over="ignore"):
                 want = np.median(values) if q is None else np.percentile(values, percent[q])
             assert np.array_equal([got_value[j]], [want], equal_nan=True), (q, b, c, got_value[j], want)

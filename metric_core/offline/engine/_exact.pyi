@@ -1,6 +1,6 @@
 """The compiled paths of ``exact`` (``_exact.c``): accumulate, add_digits (``combine``), finish
-(``sum``, ``mean``, ``std``), and the Table of ``grouptable``; built only where a C compiler
-was."""
+(``sum``, ``mean``, ``std``); order_stats (``finish._order_statistics``: median and pNN);
+and the Table of ``grouptable``; built only where a C compiler was."""
 
 import numpy as np
 
@@ -48,6 +48,21 @@ def finish(
     out: np.ndarray,
     /,
 ) -> None: ...
+def order_stats(
+    bucket: np.ndarray,
+    combo: np.ndarray,
+    value: np.ndarray,
+    q: float,
+    g_bucket: np.ndarray,
+    g_combo: np.ndarray,
+    count: np.ndarray,
+    lo: np.ndarray,
+    hi: np.ndarray,
+    nan: np.ndarray,
+    below: np.ndarray,
+    rank: np.ndarray,
+    /,
+) -> int: ...
 
 class Table:
     """Records added straight into their groups (bucket, combo): counts, min, max and exact

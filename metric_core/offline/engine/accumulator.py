@@ -235,6 +235,10 @@ class _Block:
         """The groups held (at most: a loose group may be there more than once)."""
         return self.held + self.loose_groups
 
+    def _last_id(self) -> int:
+        """The highest id held in chunks, -1 for none."""
+        return next((int(c.ids[-1]) for c in reversed(self.chunks) if len(c.ids)), -1)
+
     def _chunk_of(self, ids: np.ndarray) -> np.ndarray:
         firsts = np.array([int(c.ids[0]) if len(c.ids) else -1 for c in self.chunks], dtype=np.int64)
         return np.maximum(np.searchsorted(firsts, ids, side="right") - 1, 0)
@@ -246,7 +250,7 @@ class _Block:
             for chunk in self.chunks:
                 chunk.state = with_fields(chunk.state, self.fields)
         hit = np.zeros(len(ids), dtype=bool)
-        last = next((int(c.ids[-1]) for c in reversed(self.chunks) if len(c.ids)), -1)
+        last = self._last_id()
         if len(ids) and int(ids.min()) > last:  # steps (or combos) past every group held: all new
             chunks = []
         else:
@@ -293,7 +297,7 @@ class _Block:
         exacts = [e for _, _, e in self.loose]
         sizes = [len(i) for i, _, _ in self.loose]
         self.loose, self.loose_groups = [], 0
-        if (ids[1:] > ids[:-1]).all():  # each group once, in order (a partition's new steps)
+        if (ids[1:] > ids[:-1]).all():  # each group once, in order (new steps among those held)
             merged = fold(empty_cells(len(ids), fields), states)
             group_of = np.arange(len(ids))
         else:
@@ -339,12 +343,12 @@ class _Block:
     def _appended(self) -> bool:
         """The loose groups placed as a chunk after the others, where each is there once,
         in order, past every group held (a partition's new steps, the usual case when a
-        source's files are reduced on their own): their states are not copied (but for
-        fields they lack), and a chunk is joined to the one before it while that one is no
-        more than twice its size and the two fit in a chunk (so a block holds few chunks,
-        and a group is copied a few times at most). False, with nothing done, where they are
-        not all new."""
-        last = next((int(c.ids[-1]) for c in reversed(self.chunks) if len(c.ids)), -1)
+        source's files are reduced on their own): their states are copied once, side by
+        side, never inserted among the others'; a chunk is joined to the one before it
+        while that one is no more than twice its size and the two fit in a chunk (so a
+        block holds few chunks, and a group is copied a few times at most). False, with
+        nothing done, where they are not all new."""
+        last = self._last_id()
         for ids, _, _ in self.loose:
             if len(ids) and (int(ids[0]) <= last or not (ids[1:] > ids[:-1]).all()):
                 return False

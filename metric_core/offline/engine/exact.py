@@ -513,7 +513,8 @@ def _compiled(g: np.ndarray, v: np.ndarray, n_groups: int, squares: bool) -> Exa
 
 def _add_compiled(parts: list[Digits], maps: list[np.ndarray], n_groups: int) -> Digits:
     """``_add_digits`` by the extension: every part's integers added into their groups and
-    carried (the same arrays: the form is unique)."""
+    carried, a group that one canonical part reaches copied (the same arrays: the form is
+    unique)."""
     assert _native is not None
     joined = _concat_digits(parts) if len(parts) != 1 else parts[0]
     target = np.concatenate(maps) if len(maps) != 1 else maps[0]
