@@ -192,6 +192,23 @@ def _source_records(rng: np.random.Generator, process: str, rank: int, steps: ra
     return out
 
 
+def write_other_tool_run(run: Path, last_steps: dict[int, int], t0: float = 1.76e9) -> None:
+    """Parquet as another tool writes it (no metriclog metadata, no journal, no life): one
+    file a rank of process "trainer", key "loss" at every step 0 .. ``last_steps[rank]``,
+    a step a second from ``t0``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    run.mkdir(parents=True, exist_ok=True)
+    for rank, last in last_steps.items():
+        n = last + 1
+        table = {
+            "key": ["loss"] * n, "value": np.arange(n) * 1.0, "reduction": ["mean"] * n, "step": np.arange(n),
+            "timestamp": t0 + np.arange(n) * 1.0, "rank": [rank] * n, "process": ["trainer"] * n,
+        }  # fmt: skip
+        pq.write_table(pa.table(table), run / f"r{rank}.parquet")
+
+
 def flip_a_page(path: Path, group: int, column: str = "value") -> None:
     """Flip a bit of the last byte of one row group's ``column`` chunk in a Parquet file: page
     data, which a page checksum covers; the footer stays as it was."""

@@ -20,7 +20,7 @@ from metric_core.offline.inspect.health import state_said
 from metric_core.offline.plan import make_plan
 from metric_core.offline.plot import plot_run
 
-from .conftest import killed_after
+from .conftest import killed_after, write_other_tool_run
 
 runner = CliRunner()
 T0 = 1_760_000_000.0
@@ -906,26 +906,8 @@ def test_another_tools_sources_are_running_while_they_write_and_ended_once_silen
     record is within its quiet threshold of the wall clock, ``ended`` once silent past it
     (the run is over: how it ended is not recorded; it was once called running however
     old), and ``stopped_early`` by the lag rule whatever the clock; still_running agrees."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     t0 = 1.76e9
-    for rank, steps in ((0, 300), (1, 300), (2, 100)):
-        n = steps + 1
-        pq.write_table(
-            pa.table(
-                {
-                    "key": ["loss"] * n,
-                    "value": np.arange(n) * 1.0,
-                    "reduction": ["mean"] * n,
-                    "step": np.arange(n),
-                    "timestamp": t0 + np.arange(n) * 1.0,
-                    "rank": [rank] * n,
-                    "process": ["trainer"] * n,
-                }
-            ),
-            tmp_path / f"r{rank}.parquet",
-        )
+    write_other_tool_run(tmp_path, {0: 300, 1: 300, 2: 100}, t0)
     for now, state, live in ((t0 + 300.5, "running", True), (t0 + 3600, "ended", False)):
         report = inspect_run(scan_run(tmp_path), now=now)
         assert [s.state for s in report.sources] == [state, state, "stopped_early"]

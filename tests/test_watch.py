@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import write_other_tool_run
 from tests.lockstep import run_job
 
 pytestmark = pytest.mark.slow
@@ -570,3 +571,17 @@ def test_on_a_terminal_the_table_redraws_in_place_under_the_lines_it_says(tmp_pa
 def _writers_see_this_checkout(monkeypatch):
     root = str(Path(__file__).resolve().parent.parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+
+
+def test_watch_ends_on_another_tools_files_once_they_are_silent(tmp_path):
+    """Files that record no life (another tool's), written long ago: every source is ended
+    (or stopped early) by the wall clock, and watch ends as for a run whose sources died
+    (4, after --restart-grace), where it once watched them as running for ever."""
+    write_other_tool_run(tmp_path, {0: 300, 1: 300, 2: 100})  # rank 2 stopped early
+    done = subprocess.run(
+        [METRICLOG, "watch", str(tmp_path), "--interval", "0.2", "--restart-grace", "0s"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 4, (done.returncode, done.stdout, done.stderr)

@@ -260,7 +260,9 @@ def watch_run(
             if exit_on_stall and fresh:
                 result.code = STALLED
                 return result
-            if states <= {"finished", "died"} and not restarted and not early:
+            # Another tool's sources record no end: silent past their threshold (ended), or
+            # stopped before the others and as silent since, they are over as the dead are.
+            if states <= {"finished", "died", "ended", "stopped_early"} and not restarted and not early:
                 if over_since is None and absent:
                     note(
                         f"every source that wrote finished or died, and {absent}; waiting "
