@@ -224,6 +224,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--metriclog", default=str(Path(sys.executable).with_name("metriclog")))
     args = parser.parse_args()
+    unknown = sorted(set(args.commands.split(",")) - set(COMMANDS))
+    if unknown:
+        parser.error(f"--commands: no command {', '.join(unknown)}; the commands are {', '.join(COMMANDS)}")
     args.dir.mkdir(parents=True, exist_ok=True)
     print(f"{args.metriclog}: peak RSS (MiB) and wall time (s) of each command, medians of {args.runs}")
     print(f"target: at most {LIMIT_MIB} MiB; 'x reduce': the ratio to global_reduce on the same files")
