@@ -183,7 +183,7 @@ def upload(
     interval: o.Interval = o.FOLLOW_INTERVAL,
     sources: o.Sources = None,
     let_go_after: o.LetGoAfter = None,
-    restart_grace: o.RestartGrace = o.RESTART_GRACE,
+    restart_grace: o.FollowRestartGrace = o.RESTART_GRACE,
     wait: o.Wait = False,
     connect_timeout: o.ConnectTimeout = None,
     engine: o.EngineOpt = o.Engine.LOCAL,

@@ -828,8 +828,17 @@ RestartGrace = Annotated[
         "--restart-grace",
         metavar="DURATION",
         help="Once every source finished or died, wait this long for the job to be restarted (a new "
-        "attempt) before ending (0: end at once); upload --follow waits as long for ranks of world_size that "
-        "never wrote. For upload, with --follow.",
+        "attempt) before ending (0: end at once).",
+    ),
+]
+FollowRestartGrace = Annotated[
+    str,
+    typer.Option(
+        "--restart-grace",
+        metavar="DURATION",
+        help="With --follow: once every source finished or died, wait this long for the job to be "
+        "restarted (a new attempt) before ending (0: end at once), and as long for ranks of world_size "
+        "that never wrote.",
     ),
 ]
 RESTART_GRACE = "60s"

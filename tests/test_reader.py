@@ -66,8 +66,8 @@ def test_bad_jsonl_lines_are_skipped_with_line_numbers_and_the_rest_is_kept(tmp_
         (2, "not valid JSON"),
         (9, "not a JSON object"),
         (3, "'value' is not a number"),
-        (4, "missing 'step'"),
-        (8, "missing 'value'"),
+        (4, "'step' is missing or null"),
+        (8, "'value' is missing or null"),
         (10, "'rank' is not an integer"),
     ]
     assert f.skipped == 6
@@ -96,7 +96,7 @@ def test_bad_fields_on_the_fast_path_are_reported_too(tmp_path):
     (f,) = scan_run(tmp_path).report.files
     assert sorted(f.skipped_lines) == [
         (2, "'value' is not a number"),
-        (4, "missing 'value'"),
+        (4, "'value' is missing or null"),
     ]
 
 

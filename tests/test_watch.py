@@ -585,3 +585,4 @@ def test_watch_ends_on_another_tools_files_once_they_are_silent(tmp_path):
         timeout=60,
     )
     assert done.returncode == 4, (done.returncode, done.stdout, done.stderr)
+    assert "the job is over: every source ended or stopped_early, and no restart came within" in done.stderr

@@ -270,6 +270,12 @@ def watch_run(
                     )
                 if grace_over():
                     result.code = OVER
+                    *most, end = sorted(states)
+                    ends = f"{', '.join(most)} or {end}" if most else end
+                    note(
+                        f"the job is over: every source {ends}, and no restart came within "
+                        f"{duration(restart_grace)} (--restart-grace)"
+                    )
                     return _last_values(result, values, alert)
             else:
                 over_since = None

@@ -110,7 +110,7 @@ def _skip_reason(raw: pl.DataFrame, typed: pl.DataFrame) -> pl.Series:
             outside = invalid & (as_float.is_finite() & (as_float == as_float.floor())).fill_null(False)
         reason = (
             pl.when(pl.lit(missing))
-            .then(pl.lit(f"missing '{name}'"))
+            .then(pl.lit(f"'{name}' is missing or null"))  # a JSON line's null reads as missing
             .when(pl.lit(inexact))
             .then(pl.lit(f"'{name}' {INEXACT}"))
             .when(pl.lit(outside))
