@@ -384,7 +384,7 @@ def test_skips_are_summarized_and_strict_makes_them_fatal(tmp_path):
     assert result.exit_code == 0
     assert "warning: skipped 2 record(s) and 0 unreadable file(s)" in result.stderr
     assert (
-        "extra.jsonl: 2 record(s) skipped: line 2: not valid JSON; line 1: 'value' is not a number"
+        "extra.jsonl: 2 record(s) skipped: line 1: 'value' is not a number; line 2: not valid JSON"
         in result.stderr
     )
     strict = invoke("reduce", tmp_path, "--strict")

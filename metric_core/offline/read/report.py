@@ -244,7 +244,7 @@ class ReadReport:
                 f"{n} x {reason}" if n > 1 else reason for reason, n in sorted(f.skip_reasons.items())
             )
             if f.skipped_lines:
-                shown = f.skipped_lines[:max_lines]
+                shown = sorted(f.skipped_lines)[:max_lines]  # the first lines, whatever check found them
                 detail = "; ".join(f"line {line}: {reason}" for line, reason in shown)
                 if f.skipped > len(shown):  # the lines not shown: how many, and every reason counted
                     detail += f" (+{f.skipped - len(shown)} more; in all: {by_reason})"
