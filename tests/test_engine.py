@@ -1080,13 +1080,16 @@ def test_how_groups_are_held_and_keys_typed_changes_no_bit(many_files, monkeypat
     [{"mode": "per_rank_reduce"}, {"mode": "per_rank_reduce", "by": "time", "every": "1s"}, {}],
     ids=["per_rank", "per_rank-by-time", "global"],
 )
-def test_new_groups_placed_as_chunks_of_their_own_change_no_bit(tmp_path, monkeypatch, args):
+@pytest.mark.parametrize("loose", [16, 4096], ids=["settled-often", "settled-late"])
+def test_new_groups_placed_as_chunks_of_their_own_change_no_bit(tmp_path, monkeypatch, args, loose):
     """A source's partitions bring steps past every group held: their groups are placed as
     chunks of their own (``_Block._appended``), joined while the one before is no more than
     twice their size, split past twice CHUNK_GROUPS; partitions with no exact sums (only min
     keys), without squares (no std key yet) and with them follow one another, a rank's
-    second file repeats steps of its first (placed among the others, as before). The same
-    bits as when every group is placed among the others, in every mode."""
+    second file repeats steps of its first (placed among the others, as before). Settled
+    often, or late (then loose partitions of a window's steps hold one group twice: those
+    are not all new). The same bits as when every group is placed among the others, in
+    every mode."""
     rng = np.random.default_rng(5)
     for rank in range(2):
         for part, steps in enumerate((np.arange(0, 900), np.arange(850, 1000))):
@@ -1105,7 +1108,7 @@ def test_new_groups_placed_as_chunks_of_their_own_change_no_bit(tmp_path, monkey
             write_foreign(tmp_path / f"r{rank}-{part}.parquet", rows, row_group_size=173)
     monkeypatch.setattr(engine.tasks, "PARTITION_ROWS", 61)
     monkeypatch.setattr(accumulator, "CHUNK_GROUPS", 100)
-    monkeypatch.setattr(accumulator, "LOOSE_GROUPS", 16)
+    monkeypatch.setattr(accumulator, "LOOSE_GROUPS", loose)
     appended, joined = [], []
     real_appended, real_joined = accumulator._Block._appended, accumulator._Chunk.joined
 
@@ -1130,9 +1133,11 @@ def test_new_groups_placed_as_chunks_of_their_own_change_no_bit(tmp_path, monkey
     monkeypatch.setattr(accumulator._Block, "_appended", lambda self: False)
     want = run_plan(tmp_path, make_plan(**args)).frame
     assert want.height > 400 and got.equals(want)
-    if args.get("mode") == "per_rank_reduce":
+    if args.get("mode") == "per_rank_reduce" and loose == 16:
         assert True in appended and False in appended and joined and max(split) > 1  # each way
         assert max(joined) <= 2 * accumulator.CHUNK_GROUPS
+    elif args.get("mode") == "per_rank_reduce":
+        assert False in appended  # partitions held loose together, not all new
 
 
 def test_many_distinct_keys_read_as_text_equal_numpy(tmp_path):
