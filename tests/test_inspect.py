@@ -919,3 +919,8 @@ def test_another_tools_sources_are_running_while_they_write_and_ended_once_silen
         ]
     result = CliRunner().invoke(app, ["inspect", str(tmp_path)])
     assert result.exit_code == 0 and "running" not in result.output and " ended " in result.output
+    write_other_tool_run(tmp_path / "together", {0: 300, 1: 300})  # none stopped early
+    verdict = inspect_run(scan_run(tmp_path / "together"), now=t0 + 3600).verdict()
+    assert verdict[0].startswith("No source stopped before the others: all 2 ended within 0 ms of each other")
+    assert "shutdown()" not in verdict[0]
+    assert "(their files record no end: how they ended is not known)" in verdict[0]
