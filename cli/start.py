@@ -33,12 +33,12 @@ _lost = False  # a stop's KeyboardInterrupt landed where Python could not raise 
 
 def main() -> None:
     """``metriclog``: stops caught, then the commands loaded and the one asked for run."""
-    catch_stops()
-    # No command does linear algebra: numpy's OpenBLAS would start a thread a core as it
-    # loads, whose spinning costs a short command about a sixth of its CPU.
-    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     try:
         try:
+            catch_stops()  # in the try: a stop may land as soon as its first handler is set
+            # No command does linear algebra: numpy's OpenBLAS would start a thread a core
+            # as it loads, whose spinning costs a short command about a sixth of its CPU.
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
             from .main import main as run  # typer, the commands' options and what they import
 
             run()

@@ -173,3 +173,42 @@ def test_a_stop_that_lands_where_python_cannot_raise_is_raised_again(name):
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert (ran.stdout, ran.stderr) == ("stopped\n", "")
+
+
+LEFT_READING = """
+import sys, threading, time
+from pathlib import Path
+from metric_core.offline.engine.pool import on_threads
+
+inside = threading.Event()
+
+def work(item):
+    yield item
+    if item == 1:
+        inside.set()
+        time.sleep(0.5)  # a read still going (in pyarrow's C++, in a real run)
+        Path(sys.argv[1]).write_text("returned")
+    yield item
+
+stream = on_threads(work, [0, 1], [1, 1], None)
+next(stream)
+inside.wait(60)
+stream.close()  # as a Ctrl-C's KeyboardInterrupt closes it
+sys.exit(130)
+"""
+
+
+def test_a_stream_stopped_while_its_thread_reads_waits_for_the_read_before_the_process_exits(tmp_path):
+    """A thread left inside pyarrow's C++ as the interpreter tears down aborts the process
+    ("terminate called without an active exception", SIGABRT, not exit 130): a stream closed
+    by a stop keeps its pool known until its threads end, and the exit waits for them."""
+    returned = tmp_path / "returned"
+    ran = subprocess.run(
+        [sys.executable, "-c", LEFT_READING, str(returned)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert (ran.returncode, ran.stderr) == (130, "")
+    assert returned.read_text() == "returned"  # the read ended before the process did

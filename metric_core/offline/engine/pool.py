@@ -4,7 +4,6 @@ in the tasks' order with bounded memory (``ray_pool`` does the same on a Ray clu
 from __future__ import annotations
 
 import atexit
-import contextlib
 import queue
 import threading
 import time
@@ -66,8 +65,8 @@ def on_threads(
     # the interpreter from exiting; at exit they are stopped and waited for (``_stop_pools``).
     todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     pool = [threading.Thread(target=_serve, args=(todo, run), daemon=True) for _ in range(threads)]
-    live = (stop, todo, pool)
-    _live_pools.append(live)
+    _live_pools[:] = [live for live in _live_pools if any(t.is_alive() for t in live[2])]
+    _live_pools.append((stop, todo, pool))
     for thread in pool:
         thread.start()
     done_bytes, total = 0, sum(sizes)
@@ -88,17 +87,17 @@ def on_threads(
                 on_progress(i + 1, len(items), done_bytes, total)
             yield i, None
     finally:
+        # Its threads end once their reads return: until then the pool stays in
+        # ``_live_pools``, for the exit to wait for them (a Ctrl-C lands here at once).
         stop.set()
         for _ in pool:
             todo.put(None)
-        with contextlib.suppress(ValueError):
-            _live_pools.remove(live)
 
 
-# The pools of the streams not finished yet. At exit, before the interpreter tears down,
-# each is stopped and its threads waited for (a moment): a thread left inside pyarrow's
-# C++ while the process exits makes it abort ("terminate called without an active
-# exception") instead of exiting with its status.
+# The pools whose threads may not have ended yet (dropped once they all have). At exit,
+# before the interpreter tears down, each is stopped and its threads waited for (a
+# moment): a thread left inside pyarrow's C++ while the process exits makes it abort
+# ("terminate called without an active exception") instead of exiting with its status.
 _live_pools: list[tuple[threading.Event, queue.SimpleQueue[int | None], list[threading.Thread]]] = []
 
 
