@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from metric_core import Metric, MetricCollector, Reduce
+from metric_core.errors import MetricLogError
 from metric_core.format.schema import default_process_name
 from metric_core.offline import engine, read
 from metric_core.offline.engine import accumulator, partials, reduce_run, run_plan
@@ -446,6 +447,87 @@ def test_another_tools_file_of_one_rank_is_streamed_with_its_source(tmp_path):
         (5, 0, 2.0),
         (5, 1, 4.0),
     ]
+
+
+def _foreign_rows(rng: np.random.Generator, rank: int, reductions: list[str]) -> dict:
+    """Another tool's records of one rank: keys k0.. each under one of ``reductions``, 40
+    steps, tied timestamps (first and last break ties by step, process, rank)."""
+    keys = [f"k{i}" for i in range(len(reductions))]
+    steps = np.repeat(np.arange(40), len(keys))
+    return {
+        "key": keys * 40, "value": rng.integers(-50, 50, len(steps)) / 8, "reduction": reductions * 40,
+        "step": steps, "timestamp": BASE_TIME + steps // 4 * 1.0, "rank": [rank] * len(steps),
+        "process": [f"gen_r{rank}"] * len(steps),
+    }  # fmt: skip
+
+
+def test_the_tie_columns_are_read_only_where_a_files_reductions_may_name_first_or_last(tmp_path):
+    """Another tool's Parquet declares no keys; its footer's statistics bound its reduction
+    column, so a run whose bounds leave out every spelling of first and last reads no step,
+    process or rank it does not group by (its timestamps still: each is checked to be a
+    clock's). A file whose bounds may hold one, a JSONL file (no statistics), a --reduce
+    pattern of first or last each bring them back; a pattern '*' of another statistic
+    decides every key, whatever the files recorded."""
+    from metric_core.offline.engine.tasks import columns_read
+
+    rng = np.random.default_rng(7)
+    run = tmp_path / "run"
+    run.mkdir()
+    write_foreign(run / "a.parquet", _foreign_rows(rng, 0, ["mean", "sum", "max", "std"]))
+    write_foreign(run / "b.parquet", _foreign_rows(rng, 1, ["min", "mean"]), dictionary=False)
+
+    def read(**plan: object) -> list[str]:
+        return columns_read(make_plan(**plan), scan_run(run))
+
+    assert [f.reductions for f in scan_run(run).report.files] == [("max", "sum"), ("mean", "min")]
+    assert read() == ["key", "reduction", "step", "timestamp", "value"]
+    assert read(by="time", every="5s") == ["key", "reduction", "timestamp", "value"]
+    everything = ["key", "process", "rank", "reduction", "step", "timestamp", "value"]
+    assert read(mode="per_rank_reduce") == everything  # the columns it groups by
+    assert read(reduce=["k1=last"]) == everything
+    # bounds that may hold a spelling of first or last: (FIRST, MAX) and (LAST, MEAN) only in
+    # capitals, (Last, sum) and (MEAN, sum) hold "last"
+    for reductions in (["FIRST", "MAX"], ["LAST", "MEAN"], ["Last", "sum"], ["MEAN", "sum"]):
+        write_foreign(run / "c.parquet", _foreign_rows(rng, 2, reductions))
+        assert read() == everything, reductions
+        assert read(reduce=["*=p90"]) == ["key", "reduction", "step", "timestamp", "value"]
+        assert read(reduce=["k*=p90"]) == everything  # a pattern that may leave a key its own
+    (run / "c.parquet").unlink()
+    pl.DataFrame(_foreign_rows(rng, 3, ["mean"])).write_ndjson(run / "d.jsonl")
+    assert read() == everything  # no statistics: anything may be there
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_run_read_without_its_tie_columns_gives_the_bits_of_one_read_with_them(tmp_path, kernel):
+    """The same records as Parquet (whose footers leave the tie columns unread) and as JSONL
+    (no footer: every column read) reduce to the same bits, by step, by time and per rank,
+    and a record whose timestamp is no clock's is skipped in both."""
+    rng = np.random.default_rng(11)
+    parquet_run, jsonl_run = tmp_path / "parquet", tmp_path / "jsonl"
+    parquet_run.mkdir()
+    jsonl_run.mkdir()
+    for rank in range(3):
+        rows = _foreign_rows(rng, rank, ["mean", "sum", "max", "std", "min"])
+        if rank == 1:
+            rows["timestamp"] = np.where(np.arange(len(rows["step"])) == 17, np.nan, rows["timestamp"])
+        write_foreign(parquet_run / f"r{rank}.parquet", rows)
+        pl.DataFrame(rows).write_ndjson(jsonl_run / f"r{rank}.jsonl")
+    with kernel_of(kernel):
+        for plan in (make_plan(), make_plan(by="time", every="3s"), make_plan(mode="per_rank_reduce")):
+            read, everything = run_plan(parquet_run, plan), run_plan(jsonl_run, plan)
+            assert_same(everything.frame, read.frame, {}, str(plan))
+            assert read.scan.report.skipped_records == everything.scan.report.skipped_records == 1
+
+
+def test_a_first_or_last_the_footer_statistics_left_out_is_an_error_that_says_so(tmp_path, monkeypatch):
+    """A Parquet footer whose statistics say its reduction column holds no first or last,
+    where a record names one (statistics a writer got wrong): a clear error, never a
+    result without the columns that break its ties."""
+    rng = np.random.default_rng(3)
+    write_foreign(tmp_path / "a.parquet", _foreign_rows(rng, 0, ["mean", "last"]))
+    monkeypatch.setattr(parquet, "_footer_bounds", lambda path, name: ("max", "sum"))
+    with pytest.raises(MetricLogError, match="footer statistics of the run's Parquet files said none"):
+        _ = run_plan(tmp_path, make_plan()).frame
 
 
 def test_percentile_values_spill_to_a_temporary_directory_and_give_the_same_bits(many_files, monkeypatch):

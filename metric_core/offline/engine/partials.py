@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from metric_core.errors import PlanError
+from metric_core.errors import MetricLogError, PlanError
 from metric_core.format.schema import key_hash
 from metric_core.offline import filters
 from metric_core.offline.plan import By, ReducePlan, Statistic
@@ -198,6 +198,12 @@ def partition_states(
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     quantile = np.array([kind_of(name) == VALUES_KIND for name in names])
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
+    if timed and not {"timestamp", "step", "process", "rank"} <= set(df.columns):
+        raise MetricLogError(
+            "a record's reduction is first or last, which the footer statistics of the run's Parquet "
+            "files said none holds: a file's statistics are wrong (rewrite it with a current Parquet "
+            "writer, or give the key a statistic with --reduce)"
+        )
     spread = any(s is not None and s.name in ("min", "max") for s in stats)
     fields = len(FIELDS) if timed else UNTIMED if spread else COUNTED
     state = empty_cells(n_groups, fields)

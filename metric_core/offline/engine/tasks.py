@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +26,7 @@ from metric_core.offline.engine.timeorder import Part
 from metric_core.offline.plan import By, ReducePlan, key_matcher
 from metric_core.offline.read import RunScan
 from metric_core.offline.read.parquet import kept_first_times, row_group_lows
+from metric_core.offline.read.report import FileReport
 from metric_core.offline.storage import RunPath, open_read, raise_store_failure
 
 # What breaks a tie of timestamps between a first (or last) record and another, after them
@@ -290,13 +292,38 @@ def takes_batches(plan: ReducePlan) -> bool:
 
 
 def columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:
-    """The plan's input columns, and wherever a key's statistic may be first or last (a
-    file's recorded reductions, or a ``--reduce`` pattern) the timestamp, and the step,
-    process and rank that break its ties (so every file of a run gives the same columns)."""
-    first_last = any(s.name in ("first", "last") for _, s in plan.overrides) or any(
-        rep.keys is None or any(r in ("first", "last") for _, r in rep.keys) for rep in scan.report.files
+    """The plan's input columns; the timestamp of files that do not declare their keys
+    (another tool's, or not sealed: each record's is checked to be a clock's); and wherever
+    a key's statistic may be first or last (a ``--reduce`` pattern, a file's declared
+    reductions, or what its footer says its ``reduction`` column may hold) the timestamp,
+    and the step, process and rank that break its ties. The same columns for every file of
+    a run."""
+    files = scan.report.files
+    every_key = any(set(pattern) == {"*"} for pattern, _ in plan.overrides)  # whatever was recorded
+    first_last = any(s.name in FIRST_LAST for _, s in plan.overrides) or (
+        not every_key and any(_may_record_first_last(rep) for rep in files)
     )
-    return sorted({*plan.input_columns, *(("timestamp", *TIE_COLUMNS) if first_last else ())})
+    undeclared = ("timestamp",) if any(rep.keys is None for rep in files) else ()
+    return sorted({*plan.input_columns, *undeclared, *(("timestamp", *TIE_COLUMNS) if first_last else ())})
+
+
+FIRST_LAST = ("first", "last")
+# Every spelling of first and last a file's reduction column may hold (they are read in
+# any case)
+_FIRST_LAST_SPELLINGS = tuple(
+    "".join(letters) for name in FIRST_LAST for letters in itertools.product(*((c, c.upper()) for c in name))
+)
+
+
+def _may_record_first_last(rep: FileReport) -> bool:
+    """Whether a file's records may name first or last: by the reductions its writer
+    declared, or by the bounds of its reduction column (its footer's statistics)."""
+    if rep.keys is not None:
+        return any(r.lower() in FIRST_LAST for _, r in rep.keys)
+    if rep.reductions is None:
+        return True
+    low, high = rep.reductions
+    return any(low <= spelling <= high for spelling in _FIRST_LAST_SPELLINGS)
 
 
 def reads_dictionaries(scan: RunScan) -> bool:

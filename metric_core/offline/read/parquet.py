@@ -110,6 +110,7 @@ def scan_parquet(
     if ours:
         return typed, True, None
     rep.single_source = _footer_source(path, "process" in schema)
+    rep.reductions = _footer_bounds(path, "reduction")
     # Exact-typed files are checked together, from null counts (read from null bitmaps);
     # others per file after casting. Rows are only counted where a null was found.
     return typed, False, None if exact else typed.select(pl.col(REQUIRED_FIELDS).null_count())
@@ -220,6 +221,31 @@ def _footer_source(path: RunPath, has_process: bool) -> tuple[str, int] | None:
     if isinstance(process, bytes):
         process = process.decode()
     return (str(process) if process is not None else f"{DEFAULT_PROCESS_PREFIX}{rank}"), rank
+
+
+def _footer_bounds(path: RunPath, name: str) -> tuple[str, str] | None:
+    """The least and the greatest text of a file's column ``name``, from its footer's
+    statistics; None unless every row group has them and all are ASCII (legacy statistics
+    order bytes as signed: on ASCII text, every order agrees)."""
+    try:
+        meta = footer(path)
+        column = meta.schema.names.index(name)
+        bounds: list[str] = []
+        for g in range(meta.num_row_groups):
+            stats = meta.row_group(g).column(column).statistics
+            if stats is None or not stats.has_min_max:
+                return None
+            for bound in (stats.min, stats.max):
+                text = bound.decode("ascii") if isinstance(bound, bytes) else bound
+                if not isinstance(text, str) or not text.isascii():
+                    return None
+                bounds.append(text)
+    except UnicodeDecodeError:
+        return None
+    except (Exception, PanicException) as exc:
+        raise_store_failure(path, exc)
+        return None
+    return (min(bounds), max(bounds)) if bounds else None
 
 
 def typed_columns(

@@ -54,6 +54,9 @@ class FileReport:
     # Another tool's file whose footer says all its records are of one (process, rank):
     # the engine reads it with that source's files (attempts do not apply to it).
     single_source: tuple[str, int] | None = None
+    # Another tool's Parquet file: the least and the greatest of its ``reduction`` column,
+    # as its footer's statistics give them (ASCII text), when every row group has them.
+    reductions: tuple[str, str] | None = None
     # A sealed Parquet segment whose pages carry checksums: what its (checked) metadata
     # declares of each row group (records, lowest step, earliest time), and the row groups
     # found damaged so far (skipped, their records counted in ``skipped``).
