@@ -463,11 +463,12 @@ def _foreign_rows(rng: np.random.Generator, rank: int, reductions: list[str]) ->
 
 def test_the_tie_columns_are_read_only_where_a_files_reductions_may_name_first_or_last(tmp_path):
     """Another tool's Parquet declares no keys; its footer's statistics bound its reduction
-    column, so a run whose bounds leave out every spelling of first and last reads no step,
-    process or rank it does not group by (its timestamps still: each is checked to be a
-    clock's). A file whose bounds may hold one, a JSONL file (no statistics), a --reduce
-    pattern of first or last each bring them back; a pattern '*' of another statistic
-    decides every key, whatever the files recorded."""
+    column, so a run whose bounds leave out every spelling of first and last (in any case,
+    padded with white space) reads no tie columns it does not group by (another tool's
+    records are read with every required field, to check them: of the tie columns, only
+    the process is left). A file whose bounds may hold one, a JSONL file (no statistics),
+    a --reduce pattern of first or last each bring them back; a pattern '*' of another
+    statistic decides every key, whatever the files recorded."""
     from metric_core.offline.engine.tasks import columns_read
 
     rng = np.random.default_rng(7)
@@ -480,28 +481,39 @@ def test_the_tie_columns_are_read_only_where_a_files_reductions_may_name_first_o
         return columns_read(make_plan(**plan), scan_run(run))
 
     assert [f.reductions for f in scan_run(run).report.files] == [("max", "sum"), ("mean", "min")]
-    assert read() == ["key", "reduction", "step", "timestamp", "value"]
+    assert read() == ["key", "reduction", "step", "value"]
     assert read(by="time", every="5s") == ["key", "reduction", "timestamp", "value"]
     everything = ["key", "process", "rank", "reduction", "step", "timestamp", "value"]
     assert read(mode="per_rank_reduce") == everything  # the columns it groups by
     assert read(reduce=["k1=last"]) == everything
-    # bounds that may hold a spelling of first or last: (FIRST, MAX) and (LAST, MEAN) only in
-    # capitals, (Last, sum) and (MEAN, sum) hold "last"
-    for reductions in (["FIRST", "MAX"], ["LAST", "MEAN"], ["Last", "sum"], ["MEAN", "sum"]):
+    may_hold = (
+        ["FIRST", "MAX"],  # (FIRST, MAX) and (LAST, MEAN): only in capitals
+        ["LAST", "MEAN"],
+        ["Last", "sum"],
+        ["MEAN", "sum"],  # (MEAN, sum) holds "last"
+        [" last", "mean"],  # read as "last": white space sorts below "!"
+        ["last ", "mean"],  # from "last " on: texts that begin with "last"
+        ["count", "last\u3000", "sum"],  # ASCII bounds, "last\u3000" between them
+        ["mean", "Sum", "first\t"],
+    )
+    for reductions in may_hold:
         write_foreign(run / "c.parquet", _foreign_rows(rng, 2, reductions))
         assert read() == everything, reductions
-        assert read(reduce=["*=p90"]) == ["key", "reduction", "step", "timestamp", "value"]
+        assert read(reduce=["*=p90"]) == ["key", "reduction", "step", "value"]
         assert read(reduce=["k*=p90"]) == everything  # a pattern that may leave a key its own
+        _ = run_plan(run, make_plan()).frame  # read with its tie columns: no error
     (run / "c.parquet").unlink()
     pl.DataFrame(_foreign_rows(rng, 3, ["mean"])).write_ndjson(run / "d.jsonl")
     assert read() == everything  # no statistics: anything may be there
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_a_run_read_without_its_tie_columns_gives_the_bits_of_one_read_with_them(tmp_path, kernel):
-    """The same records as Parquet (whose footers leave the tie columns unread) and as JSONL
-    (no footer: every column read) reduce to the same bits, by step, by time and per rank,
-    and a record whose timestamp is no clock's is skipped in both."""
+def test_a_run_read_without_its_tie_columns_gives_the_bits_of_one_read_with_them(
+    tmp_path, kernel, monkeypatch
+):
+    """The same records as Parquet (whose footers leave the process unread where no tie is
+    broken) and as JSONL (no footer: every column read) reduce to the same bits, by step, by
+    time and per rank, and a record whose timestamp is no clock's is skipped in both."""
     rng = np.random.default_rng(11)
     parquet_run, jsonl_run = tmp_path / "parquet", tmp_path / "jsonl"
     parquet_run.mkdir()
@@ -512,11 +524,21 @@ def test_a_run_read_without_its_tie_columns_gives_the_bits_of_one_read_with_them
             rows["timestamp"] = np.where(np.arange(len(rows["step"])) == 17, np.nan, rows["timestamp"])
         write_foreign(parquet_run / f"r{rank}.parquet", rows)
         pl.DataFrame(rows).write_ndjson(jsonl_run / f"r{rank}.jsonl")
+    decoded: set[str] = set()  # the columns pyarrow decoded of the Parquet files
+    real = pq.ParquetFile.read_row_group
+
+    def reading(self, i, columns=None, **kwargs):
+        decoded.update(columns or self.schema_arrow.names)
+        return real(self, i, columns=columns, **kwargs)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", reading)
     with kernel_of(kernel):
         for plan in (make_plan(), make_plan(by="time", every="3s"), make_plan(mode="per_rank_reduce")):
+            decoded.clear()
             read, everything = run_plan(parquet_run, plan), run_plan(jsonl_run, plan)
             assert_same(everything.frame, read.frame, {}, str(plan))
             assert read.scan.report.skipped_records == everything.scan.report.skipped_records == 1
+            assert ("process" in decoded) == (plan.mode.value == "per_rank_reduce"), decoded
 
 
 def test_a_first_or_last_the_footer_statistics_left_out_is_an_error_that_says_so(tmp_path, monkeypatch):
@@ -526,7 +548,7 @@ def test_a_first_or_last_the_footer_statistics_left_out_is_an_error_that_says_so
     rng = np.random.default_rng(3)
     write_foreign(tmp_path / "a.parquet", _foreign_rows(rng, 0, ["mean", "last"]))
     monkeypatch.setattr(parquet, "_footer_bounds", lambda path, name: ("max", "sum"))
-    with pytest.raises(MetricLogError, match="footer statistics of the run's Parquet files said none"):
+    with pytest.raises(MetricLogError, match="footer statistics of its Parquet file bound the reduction"):
         _ = run_plan(tmp_path, make_plan()).frame
 
 

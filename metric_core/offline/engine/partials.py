@@ -200,9 +200,9 @@ def partition_states(
     timed = any(s is not None and s.name in ("first", "last") for s in stats)
     if timed and not {"timestamp", "step", "process", "rank"} <= set(df.columns):
         raise MetricLogError(
-            "a record's reduction is first or last, which the footer statistics of the run's Parquet "
-            "files said none holds: a file's statistics are wrong (rewrite it with a current Parquet "
-            "writer, or give the key a statistic with --reduce)"
+            "a record's reduction is first or last where the footer statistics of its Parquet file "
+            "bound the reduction column away from both: the file's statistics are wrong (rewrite it "
+            "with a current Parquet writer, or give the key a statistic with --reduce)"
         )
     spread = any(s is not None and s.name in ("min", "max") for s in stats)
     fields = len(FIELDS) if timed else UNTIMED if spread else COUNTED

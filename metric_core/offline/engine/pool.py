@@ -65,10 +65,11 @@ def on_threads(
     # the interpreter from exiting; at exit they are stopped and waited for (``_stop_pools``).
     todo: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     pool = [threading.Thread(target=_serve, args=(todo, run), daemon=True) for _ in range(threads)]
-    _live_pools[:] = [live for live in _live_pools if any(t.is_alive() for t in live[2])]
-    _live_pools.append((stop, todo, pool))
-    for thread in pool:
-        thread.start()
+    with _pools_lock:  # another thread's pool is known before its threads run
+        _live_pools[:] = [live for live in _live_pools if any(t.is_alive() for t in live[2])]
+        _live_pools.append((stop, todo, pool))
+        for thread in pool:
+            thread.start()
     done_bytes, total = 0, sum(sizes)
     upcoming = iter(range(len(items)))
     try:
@@ -99,6 +100,7 @@ def on_threads(
 # moment): a thread left inside pyarrow's C++ while the process exits makes it abort
 # ("terminate called without an active exception") instead of exiting with its status.
 _live_pools: list[tuple[threading.Event, queue.SimpleQueue[int | None], list[threading.Thread]]] = []
+_pools_lock = threading.Lock()
 
 
 @atexit.register

@@ -292,19 +292,16 @@ def takes_batches(plan: ReducePlan) -> bool:
 
 
 def columns_read(plan: ReducePlan, scan: RunScan) -> list[str]:
-    """The plan's input columns; the timestamp of files that do not declare their keys
-    (another tool's, or not sealed: each record's is checked to be a clock's); and wherever
-    a key's statistic may be first or last (a ``--reduce`` pattern, a file's declared
-    reductions, or what its footer says its ``reduction`` column may hold) the timestamp,
-    and the step, process and rank that break its ties. The same columns for every file of
-    a run."""
-    files = scan.report.files
+    """The plan's input columns, and wherever a key's statistic may be first or last (a
+    ``--reduce`` pattern, a file's declared reductions, or what its footer says its
+    ``reduction`` column may hold) the timestamp, and the step, process and rank that break
+    its ties. The same columns for every file of a run (``RunScan.offered`` adds the
+    required fields of a file it does not trust, to check each record)."""
     every_key = any(set(pattern) == {"*"} for pattern, _ in plan.overrides)  # whatever was recorded
     first_last = any(s.name in FIRST_LAST for _, s in plan.overrides) or (
-        not every_key and any(_may_record_first_last(rep) for rep in files)
+        not every_key and any(_may_record_first_last(rep) for rep in scan.report.files)
     )
-    undeclared = ("timestamp",) if any(rep.keys is None for rep in files) else ()
-    return sorted({*plan.input_columns, *undeclared, *(("timestamp", *TIE_COLUMNS) if first_last else ())})
+    return sorted({*plan.input_columns, *(("timestamp", *TIE_COLUMNS) if first_last else ())})
 
 
 FIRST_LAST = ("first", "last")
@@ -317,13 +314,18 @@ _FIRST_LAST_SPELLINGS = tuple(
 
 def _may_record_first_last(rep: FileReport) -> bool:
     """Whether a file's records may name first or last: by the reductions its writer
-    declared, or by the bounds of its reduction column (its footer's statistics)."""
+    declared, or by the bounds of its reduction column (its footer's statistics). A name is
+    read stripped of white space, in any case (``Statistic.parse``): between ASCII bounds,
+    a text that starts with white space is below "!", and one that starts with a spelling
+    of first or last lies from that spelling up to the texts it begins."""
     if rep.keys is not None:
-        return any(r.lower() in FIRST_LAST for _, r in rep.keys)
+        return any(r.strip().lower() in FIRST_LAST for _, r in rep.keys)
     if rep.reductions is None:
         return True
     low, high = rep.reductions
-    return any(low <= spelling <= high for spelling in _FIRST_LAST_SPELLINGS)
+    if low[:1] <= " ":
+        return True
+    return any(high >= s and (low <= s or low.startswith(s)) for s in _FIRST_LAST_SPELLINGS)
 
 
 def reads_dictionaries(scan: RunScan) -> bool:
