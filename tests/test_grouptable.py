@@ -92,6 +92,41 @@ def test_the_table_holds_what_accumulate_and_numpy_give(seed):
         )
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_combo_kept_as_a_count_alone_is_counted_and_adds_nothing_else(seed):
+    """A median's or pNN's records (KEEP_COUNT: their values are kept apart) count in their
+    groups and add no min, max, non-finite count or exact sum; the other combos' groups,
+    added in the same calls, are those of their records alone."""
+    from metric_core.offline.engine.partials import KEEP_COUNT
+
+    rng = np.random.default_rng(seed)
+    n = 3000
+    value = _family(rng, FAMILIES[seed % len(FAMILIES)], n)
+    value[rng.random(n) < 0.05] = rng.choice([math.nan, math.inf, -math.inf], 1)[0]
+    bucket, combo = rng.integers(0, 30, n), rng.integers(0, COMBOS, n)
+    kept = SQUARES.copy()
+    kept[::3] = KEEP_COUNT  # combos 0, 3 and 6
+    table = grouptable.GroupTable()
+    for lo, hi in ((0, 1000), (1000, n)):
+        table.add(Rows(bucket[lo:hi], combo[lo:hi], value[lo:hi], kept), np.arange(COMBOS))
+    got_bucket, got_combo, state, sums = table.drain(math.inf)
+    counted = kept[got_combo] == KEEP_COUNT
+    assert counted.any() and not counted.all()
+    cell = bucket * COMBOS + combo
+    want_count = np.bincount(cell, minlength=30 * COMBOS)[got_bucket * COMBOS + got_combo]
+    assert np.array_equal(state[0], want_count) and np.array_equal(sums.count, want_count)
+    assert (sums.nan[counted] == 0).all() and (sums.pos_inf[counted] == 0).all()
+    assert (sums.neg_inf[counted] == 0).all() and (sums.sum()[counted] == 0).all()
+    assert not np.isfinite(state[1:, counted]).any()  # no min or max met
+    others = kept[combo] != KEEP_COUNT
+    cells, group = np.unique(cell[others], return_inverse=True)
+    want = exact.accumulate(group, value[others], len(cells), squares=False)
+    mine = sums.take(np.flatnonzero(~counted))
+    assert np.array_equal((got_bucket * COMBOS + got_combo)[~counted], cells)
+    assert np.array_equal(mine.nan, want.nan) and mine.sum_digits.equals(want.sum_digits)
+    assert np.array_equal(bits(mine.mean()), bits(want.mean()))
+
+
 def test_a_group_drained_and_met_again_is_added_to_where_it_went():
     table = grouptable.GroupTable()
     one = np.arange(1)

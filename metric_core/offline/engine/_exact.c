@@ -1041,10 +1041,15 @@ static PyObject *table_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return (PyObject *)t;
 }
 
+/* What a group keeps of a label's records (add's ``squares``, one a label): its count,
+ * min, max and exact sum; with its sum of squares too; or its count alone */
+enum { KEEP_SUMS = 0, KEEP_SQUARES = 1, KEEP_COUNT = 2 };
+
 /* add(bucket, label, values, combo_of, squares): each row's value into its group
- * (bucket[i], combo_of[label[i]]), made where there is none; its square too where
- * squares[label[i]] (uint8). A label out of combo_of's range is a ValueError, and nothing
- * is added. */
+ * (bucket[i], combo_of[label[i]]), made where there is none, as squares[label[i]] (uint8,
+ * a KEEP_ value) says. A label out of combo_of's range is a ValueError, and nothing is
+ * added. */
+
 static PyObject *table_add(Table *t, PyObject *args) {
     Py_buffer bucket_b, label_b, values_b, combo_b, squares_b;
     if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &bucket_b, &label_b, &values_b, &combo_b, &squares_b)) return NULL;
@@ -1082,6 +1087,7 @@ static PyObject *table_add(Table *t, PyObject *args) {
             break;
         }
         x->n++;
+        if (sq_of[label[i]] == KEEP_COUNT) continue; /* a median's or pNN's: its values are kept apart */
         uint64_t bits = v[i];
         double value;
         memcpy(&value, &bits, 8);
@@ -1117,7 +1123,7 @@ static PyObject *table_add(Table *t, PyObject *args) {
         y[0] += p[0];
         y[1] += p[1];
         y[2] += p[2];
-        if (!sq_of[label[i]]) continue;
+        if (sq_of[label[i]] != KEEP_SQUARES) continue;
         d = square_pieces(m, e, p);
         if ((x->q_at < 0 || d < x->q_lo || d + SQUARE_PIECES > (int64_t)x->q_lo + x->q_len) &&
             window_cover(t, &x->q_at, &x->q_lo, &x->q_len, d, d + SQUARE_PIECES - 1)) {

@@ -563,7 +563,15 @@ class Accumulator:
         if p.rows is not None:
             self._rows(p.rows, combo_of)
         if len(p.values):
-            self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
+            if p.values_by_row:  # each value's group told by its row, counted in the table
+                assert p.rows is not None
+                rows, at = p.rows, p.value_group
+                if len(at) == len(rows):  # every row's (its rows in order, each once)
+                    self.value_cells.append((rows.bucket, combo_of[rows.combo], p.values))
+                else:
+                    self.value_cells.append((rows.bucket[at], combo_of[rows.combo[at]], p.values))
+            else:
+                self.value_cells.append((p.bucket[p.value_group], combo[p.value_group], p.values))
             self.held_values += len(p.values)
             if self.held_values > SPILL_VALUES:
                 self._spill()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import polars as pl
@@ -222,10 +223,8 @@ def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFr
         if merged["reduction"].n_unique() > 1:
             combos = pl.Series(np.unique(code & 0xFFFFFFFF)).implode()
         order = {k: np.full(merged.height, np.nan) for k in ("n", "lo", "hi", "nan", "below", "rank")}
-        for part in values:  # a slice of groups at a time, each put at its row of merged
-            if combos is not None:
-                part = part.filter(pl.col("_combo").is_in(combos))
-            found = _order_statistics(part, stat.quantile)
+        parts = values if combos is None else [part.filter(pl.col("_combo").is_in(combos)) for part in values]
+        for found in _each_order_statistics(parts, stat.quantile):  # each put at its row of merged
             bucket = found["bucket"]
             rank = np.minimum(np.searchsorted(buckets, bucket), len(buckets) - 1)
             mine = (rank << 32) | found["_combo"]
@@ -238,6 +237,20 @@ def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFr
         _signed_zeros(order, stat.quantile)
         value[rows] = _as_numpy(order, stat.quantile)[rows]
     return value
+
+
+def _each_order_statistics(parts: list[pl.LazyFrame], q: float | None) -> Iterator[dict[str, np.ndarray]]:
+    """``_order_statistics`` of each slice of values, in order: by the extension, on as many
+    threads as polars uses (it releases the GIL, as polars' reading of a spilled slice
+    does; at most that many slices' values are held at once)."""
+    from metric_core.offline.engine import exact
+
+    threads = min(len(parts), pl.thread_pool_size())
+    if exact._native is None or threads < 2:  # polars' sort is on its own threads already
+        yield from (_order_statistics(part, q) for part in parts)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="metriclog-order") as pool:
+        yield from pool.map(lambda part: _order_statistics(part, q), parts)
 
 
 _FOUND = ("bucket", "_combo", "n", "lo", "hi", "nan", "below", "rank")  # what _order_statistics gives

@@ -72,12 +72,17 @@ _FAMILIES = ("min", "max", "first", "last")  # what only some statistics need
 _DENSE_SLACK = 1 << 16  # a dense index may be this much (plus 4x the rows) larger than the rows
 
 
+KEEP_SUMS, KEEP_SQUARES, KEEP_COUNT = 0, 1, 2  # what the table keeps of a combo's records (``Rows``)
+
+
 @dataclass
 class Rows:
     """Records handed over as they are, for the accumulator to add straight into their
     groups (``engine.grouptable``): each one's ``bucket``, ``combo`` (a row of the
-    partition's labels) and ``value``; ``squares``, for each combo, whether its statistic
-    is std (its squares are kept)."""
+    partition's labels) and ``value``; ``squares``, for each combo, what its groups keep of
+    its records: KEEP_SUMS (count, min, max, exact sum), KEEP_SQUARES (and the exact sum of
+    squares: std) or KEEP_COUNT (the count alone: a median's or pNN's, whose values are
+    kept apart)."""
 
     bucket: np.ndarray
     combo: np.ndarray
@@ -108,6 +113,9 @@ class Partial:
     exact: ExactState | None = None
     rows: Rows | None = None  # records of the groups no state was made for (compiled path)
     names: tuple[tuple[Any, ...], ...] | None = None  # the rows of labels, where made from Python values
+    # ``value_group`` holds rows of ``rows``, not groups: a median's or pNN's records handed
+    # over as rows too (their groups counted in the accumulator's table), their values kept
+    values_by_row: bool = False
 
 
 # The statistics whose records may be handed over as they are (``Rows``): what they read of
@@ -312,19 +320,25 @@ def batch_partial(
     )
     value = as_numpy(batch.column("value"), np.float64)
     named = tuple(combo_of)
-    rows_out = None
-    if DIRECT_KIND in kinds:
-        squares = np.array([_squares(stat) for _, stat in combo_of], dtype=np.uint8)
-        if kinds == {DIRECT_KIND}:
-            return Partial(*_no_groups(labels), rows=Rows(bucket, combo, value, squares), names=named)
-        handed = np.array([kind_of(stat) == DIRECT_KIND for _, stat in combo_of])[combo]
-        rows_out = Rows(bucket[handed], combo[handed], value[handed], squares)
-        bucket, combo, value = bucket[~handed], combo[~handed], value[~handed]
-    # the rest are medians' and pNN's: their groups' counts (all their values are read for)
+    if direct:  # every record into the accumulator's table, which counts every group
+        squares = np.array([_kept(stat) for _, stat in combo_of], dtype=np.uint8)
+        rows_out = Rows(bucket, combo, value, squares)
+        if VALUES_KIND not in kinds:
+            return Partial(*_no_groups(labels), rows=rows_out, names=named)
+        # medians' and pNN's values kept too, each with its row (so its group)
+        if kinds == {VALUES_KIND}:
+            at = np.arange(rows)
+        else:
+            at = np.flatnonzero(np.array([kind_of(stat) == VALUES_KIND for _, stat in combo_of])[combo])
+        none = np.empty(0, dtype=np.int64)
+        state = np.empty((COUNTED, 0))
+        values = value[at]
+        return Partial(none, none, labels, state, at, values, rows=rows_out, names=named, values_by_row=True)
+    # medians' and pNN's alone (the table's path is not taken): their groups' counts
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     state = empty_cells(n_groups, COUNTED)
     state[N] = count
-    return Partial(group_bucket, group_combo, labels, state, ids, value, rows=rows_out, names=named)
+    return Partial(group_bucket, group_combo, labels, state, ids, value, names=named)
 
 
 DIRECT_KIND, VALUES_KIND = "direct", "values"
@@ -346,9 +360,11 @@ def kind_of(statistic: str) -> str | None:
 
 
 @functools.cache
-def _squares(statistic: str) -> bool:
-    """Whether a statistic reads its groups' exact sums of squares (std)."""
-    return Statistic.parse(statistic).name == "std"
+def _kept(statistic: str) -> int:
+    """What the accumulator's table keeps of a statistic's records (``Rows.squares``)."""
+    if kind_of(statistic) == VALUES_KIND:
+        return KEEP_COUNT
+    return KEEP_SQUARES if Statistic.parse(statistic).name == "std" else KEEP_SUMS
 
 
 NAMED_LABELS = 4096  # a batch's labels taken as read, at most (they are Python values: ``Partial.names``)
