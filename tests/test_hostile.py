@@ -131,7 +131,8 @@ def test_fractional_steps_in_parquet_are_skipped_and_said(tmp_path):
     df.write_parquet(run / "a.parquet")
     scan = scan_run(run)
     assert scan.frame.select("step").collect()["step"].to_list() == [0, 2]
-    assert "a.parquet: 2 record(s) skipped: 2 x 'step' is null or not an integer" in scan.report.summary()
+    told = "'step' is null or not an integer in int64's range"
+    assert f"a.parquet: 2 record(s) skipped: row 1: {told}; row 3: {told}" in scan.report.summary()
 
 
 def test_a_gzip_file_named_jsonl_is_named_and_the_rest_read(tmp_path):
@@ -494,7 +495,7 @@ def _timestamp_out_of_range(run: Path) -> str:
     pq.write_table(
         table.append_column("rank", pa.array([0, 0])).append_column("timestamp", times), run / "a.parquet"
     )
-    return "a.parquet: 1 record(s) skipped: 'timestamp' is not Unix epoch seconds from 1970 to 2286"
+    return "a.parquet: 1 record(s) skipped: row 1: 'timestamp' is not Unix epoch seconds from 1970 to 2286"
 
 
 def _binary_key_not_utf8(run: Path) -> str:
@@ -506,7 +507,7 @@ def _binary_key_not_utf8(run: Path) -> str:
         table.append_column("rank", pa.array([0, 0])).append_column("timestamp", pa.array([1.7e9] * 2)),
         run / "a.parquet",
     )
-    return "a.parquet: 1 record(s) skipped: 'key' is null or not valid"
+    return "a.parquet: 1 record(s) skipped: row 1: 'key' is null or not valid"
 
 
 def _integer_key_string_value(run: Path) -> str:
@@ -522,7 +523,7 @@ def _integer_key_string_value(run: Path) -> str:
     )
     return (
         "a.parquet: 1 record(s) skipped: "
-        "'value' is null, not numeric, or an integer float64 cannot hold exactly"
+        "row 1: 'value' is null, not numeric, or an integer float64 cannot hold exactly"
     )
 
 
@@ -590,8 +591,8 @@ def test_an_integer_value_float64_cannot_hold_is_refused_not_rounded(tmp_path):
         result = runner.invoke(app, command)
         assert result.exit_code == 0, result.output
         assert (
-            "a.parquet: 2 record(s) skipped: 2 x 'value' is null, not numeric, "
-            "or an integer float64 cannot hold exactly" in result.output
+            "a.parquet: 2 record(s) skipped: row 1: 'value' is null, not numeric, or an integer float64 "
+            "cannot hold exactly; row 2: 'value' is null" in result.output
         )
         assert (
             "b.jsonl: 3 record(s) skipped: line 2: 'value' is an integer float64 cannot hold exactly"

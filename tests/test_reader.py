@@ -159,6 +159,56 @@ def test_parquet_lacking_a_required_column_is_skipped_and_counted(tmp_path):
     assert f.skip_reasons == {"lacks column(s) reduction, step, timestamp, rank": 1}
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_parquet_files_skipped_records_are_told_by_their_rows(tmp_path, seed, monkeypatch):
+    """Another tool's Parquet with bad records in several row groups: each skipped one is
+    told by its row (from 0, as pyarrow and polars number them), whichever read found it:
+    the scan's frame (the whole file checked), or the engine's reads of row groups cut
+    into tasks, by step, by time and per rank."""
+    from metric_core.offline.engine import run_plan, tasks
+    from metric_core.offline.plan import make_plan
+
+    rng = np.random.default_rng(seed)
+    n = 2_000
+    value, timestamp = rng.normal(size=n), 1.76e9 + np.arange(n) / 10
+    bad = np.sort(rng.choice(n, 9, replace=False))
+    kinds = rng.integers(0, 3, len(bad))
+    null_value = bad[kinds == 0]
+    timestamp[bad[kinds == 1]] = np.nan
+    timestamp[bad[kinds == 2]] = rng.choice([-5.0, 1e11, np.inf], int((kinds == 2).sum()))
+    table = pa.table(
+        {
+            "key": [f"k{i % 3}" for i in range(n)],
+            "value": pa.array(value, mask=np.isin(np.arange(n), null_value)),
+            "reduction": ["mean"] * n,
+            "step": np.arange(n) // 3,
+            "timestamp": timestamp,
+            "rank": np.zeros(n, dtype=np.int64),
+        }
+    )
+    pq.write_table(table, tmp_path / "other.parquet", row_group_size=int(rng.integers(150, 700)))
+    time_reason = "'timestamp' is not Unix epoch seconds from 1970 to 2286"
+    value_reason = "'value' is null, not numeric, or an integer float64 cannot hold exactly"
+    want = sorted(
+        (int(row), value_reason if kind == 0 else time_reason) for row, kind in zip(bad, kinds, strict=True)
+    )
+
+    def told(report) -> list[tuple[int, str]]:
+        (f,) = report.files
+        assert f.skipped == len(bad)
+        return sorted(f.skipped_lines)
+
+    scan = scan_run(tmp_path)
+    scan.frame.collect()
+    assert told(scan.report) == want
+    assert f"row {want[0][0]}: {want[0][1]}" in scan.report.summary()
+    monkeypatch.setattr(tasks, "PARTITION_ROWS", 250)  # tasks cut inside row groups
+    for plan in (make_plan(), make_plan(by="time", every="7s"), make_plan(mode="per_rank_reduce")):
+        result = run_plan(tmp_path, plan)
+        result.frame  # noqa: B018 (read: the checks run as it is read)
+        assert told(result.scan.report) == want, plan
+
+
 def test_parquet_nulls_and_other_types_are_handled(tmp_path):
     ts = pa.array([1_700_000_000_000_000, 1_700_000_001_500_000, None], pa.timestamp("us", tz="UTC"))
     pq.write_table(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -14,7 +15,7 @@ from metric_core.format.schema import DEFAULT_PROCESS_PREFIX, KEY_HASH, REQUIRED
 from metric_core.format.segment import SegmentMeta
 from metric_core.offline.read.discover import take_declared
 from metric_core.offline.read.interned import KEY_BUDGET, categorical_keys
-from metric_core.offline.read.report import COUNTING, FileReport, ReadReport, Shutdown, rel
+from metric_core.offline.read.report import COUNTING, MAX_LINES_KEPT, FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import (
     BAD_TIME,
     POLARS_SCHEMA,
@@ -307,9 +308,10 @@ def categorical_batches(
     *,
     rep: FileReport,
     take_batch: Callable[[Any], T | None] | None = None,
-) -> Iterator[pl.DataFrame | BatchTaken[T]]:
+) -> Iterator[tuple[int, pl.DataFrame | BatchTaken[T]]]:
     """``columns`` of the records of one Parquet file (or of its ``row_groups``), read once
-    with pyarrow, in frames of at most ``rows`` records (None: one frame), strings kept as
+    with pyarrow, in frames of at most ``rows`` records (None: one frame), each with the
+    number of its first row in the file (from 0), strings kept as
     their dictionary codes (polars Categorical): what the engine groups on, without
     decoding or hashing each string. The same fields and casts as ``scan_parquet``'s frame.
     Each row group is read and checked whole before any of it is handed over, and one that
@@ -355,11 +357,11 @@ def _frames(
     rows: int | None,
     rep: FileReport,
     take_batch: Callable[[Any], T | None] | None,
-) -> Iterator[pl.DataFrame | BatchTaken[T]]:
+) -> Iterator[tuple[int, pl.DataFrame | BatchTaken[T]]]:
     """``categorical_batches``' frames, from the open ``file``."""
     groups = list(range(file.num_row_groups) if row_groups is None else row_groups)
     empty = True
-    for table in checked_groups(file, groups, sorted(sources), rep, rows):
+    for start, table in checked_parts(file, groups, sorted(sources), rep, rows):
         empty = False
         if take_batch is not None and clean(table):
             try:
@@ -367,11 +369,12 @@ def _frames(
             except Exception as exc:
                 raise NotTheFile(exc) from exc
             if took is not None:
-                yield BatchTaken(len(table), took)
+                yield start, BatchTaken(len(table), took)
                 continue
-        yield _typed_frame(table, wanted, exprs, text_key)
+        yield start, _typed_frame(table, wanted, exprs, text_key)
     if empty:  # every row group asked for was damaged: a frame of no records, typed as others
-        yield _typed_frame(file.schema_arrow.empty_table().select(sorted(sources)), wanted, exprs, text_key)
+        none = file.schema_arrow.empty_table().select(sorted(sources))
+        yield 0, _typed_frame(none, wanted, exprs, text_key)
 
 
 def _as_records(schema: Mapping[str, pl.DataType]) -> bool:
@@ -454,6 +457,16 @@ def checked_groups(
     decode, or hold other than the records its footer (of a checksummed segment: its
     writer's metadata) declares is skipped, and counted in ``rep`` once. So what a damaged
     file gives does not depend on which threads read what first."""
+    for _, part in checked_parts(file, groups, columns, rep, rows):
+        yield part
+
+
+def checked_parts(
+    file: Any, groups: list[int], columns: list[str] | None, rep: FileReport, rows: int | None = None
+) -> Iterator[tuple[int, Any]]:
+    """``checked_groups``' parts, each with the number of its first row in the file (from 0)."""
+    sizes = [file.metadata.row_group(g).num_rows for g in range(file.metadata.num_row_groups)]
+    starts = [0, *itertools.accumulate(sizes)]
     for g in groups:
         if g in rep.damaged_groups:
             continue
@@ -474,7 +487,10 @@ def checked_groups(
         except (Exception, PanicException) as exc:  # of a damaged page: OSError, ArrowInvalid, ...
             why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         if why is None:
-            yield from parts
+            start = starts[g]
+            for part in parts:
+                yield start, part
+                start += len(part)
             continue
         with COUNTING:
             if g not in rep.damaged_groups:
@@ -662,37 +678,42 @@ def run_parquet_checks(
         except (pl.exceptions.PolarsError, PanicException):
             suspects += exact  # one of them cannot be read: each is checked on its own
     for index, rep in suspects:
+        skipped = rep.skipped
         try:
-            counts = (
-                frames[index]
-                .filter(~RECORD_OK)
-                .group_by(_PARQUET_REASON.alias("reason"))
-                .len()
-                .sort("reason")
-                .collect(engine="streaming")
-            )
+            _count_bad_rows(frames[index].with_row_index("_row").filter(~RECORD_OK), rep)
         except (pl.exceptions.PolarsError, PanicException) as exc:
             rep.give_up(exc)
             frames[index] = frames[index].head(0)
             continue
-        for reason, n in counts.iter_rows():
-            rep.records -= n
-            rep.skip(reason, n)
-        if counts.height:
+        if rep.skipped > skipped:
             frames[index] = frames[index].filter(RECORD_OK)
 
 
-def drop_bad_rows(df: pl.DataFrame, rep: FileReport) -> pl.DataFrame:
-    """A foreign file's records read once, in full (``scan_run(..., defer_checks=True)``):
-    its bad rows counted by reason into ``rep`` and dropped."""
+def drop_bad_rows(df: pl.DataFrame, rep: FileReport, start: int = 0) -> pl.DataFrame:
+    """A foreign file's records read once, in full (``scan_run(..., defer_checks=True)``),
+    the first of them its row ``start``: its bad rows counted by reason into ``rep`` (with
+    the first rows of each, in a Parquet file) and dropped."""
     ok = df.select(RECORD_OK).to_series()
     if ok.all():
         return df
-    bad = df.filter(~ok)
-    for reason, n in bad.group_by(_PARQUET_REASON.alias("reason")).len().sort("reason").iter_rows():
-        rep.records -= n
-        rep.skip(reason, n)
+    bad = df.with_row_index("_row", offset=start).filter(~ok)
+    _count_bad_rows(bad.lazy(), rep)
     return df.filter(ok)
+
+
+def _count_bad_rows(bad: pl.LazyFrame, rep: FileReport) -> None:
+    """A file's bad rows (with their row numbers, ``_row``) counted by reason into ``rep``,
+    the first rows of each reason kept to be shown (a Parquet file's)."""
+    rows = rep.format == "parquet"
+    counts = (
+        bad.group_by(_PARQUET_REASON.alias("reason"))
+        .agg(pl.len(), pl.col("_row").sort().head(MAX_LINES_KEPT))
+        .sort("reason")
+        .collect(engine="streaming")
+    )
+    for reason, n, first in counts.iter_rows():
+        rep.records -= n
+        rep.skip(reason, n, first if rows else None)
 
 
 def _parquet_reason() -> pl.Expr:

@@ -26,6 +26,8 @@ class FileReport:
     format: str
     records: int = 0
     skipped: int = 0
+    # the first skipped records, each (its line from 1; a Parquet file's row from 0, as
+    # pyarrow and polars number them) and why
     skipped_lines: list[tuple[int, str]] = field(default_factory=list)
     skip_reasons: dict[str, int] = field(default_factory=dict)
     truncated: bool = False
@@ -248,7 +250,8 @@ class ReadReport:
             )
             if f.skipped_lines:
                 shown = sorted(f.skipped_lines)[:max_lines]  # the first lines, whatever check found them
-                detail = "; ".join(f"line {line}: {reason}" for line, reason in shown)
+                where = "row" if f.format == "parquet" else "line"  # a Parquet row counted from 0
+                detail = "; ".join(f"{where} {line}: {reason}" for line, reason in shown)
                 if f.skipped > len(shown):  # the lines not shown: how many, and every reason counted
                     detail += f" (+{f.skipped - len(shown)} more; in all: {by_reason})"
             else:

@@ -205,12 +205,13 @@ class RunScan:
         self._check_all()
         return self
 
-    def _checked(self, fid: int, df: pl.DataFrame) -> pl.DataFrame:
-        """A file's records (whole, or some of its row groups, each read once): an unchecked
-        file's bad rows counted in the report and dropped. Safe from several threads."""
+    def _checked(self, fid: int, df: pl.DataFrame, start: int) -> pl.DataFrame:
+        """A file's records (whole, or some of its row groups, each read once; the first of
+        them its row ``start``, from 0): an unchecked file's bad rows counted in the report
+        and dropped. Safe from several threads."""
         if fid in self._pending:
             with self._counting:
-                return drop_bad_rows(df, self.report.files[fid])
+                return drop_bad_rows(df, self.report.files[fid], start)
         if fid in self._counted:
             return df.filter(RECORD_OK)
         return df
@@ -259,12 +260,12 @@ class RunScan:
             return
         given = False
         try:
-            for got in self._frames(rep, fid, columns, dictionaries, row_groups, rows, take_batch):
+            for start, got in self._frames(rep, fid, columns, dictionaries, row_groups, rows, take_batch):
                 out: pl.DataFrame | T
                 if isinstance(got, BatchTaken):
                     records, out = got.records, got.value
                 else:
-                    out = self._checked(fid, got)
+                    out = self._checked(fid, got, start)
                     records = out.height
                 with self._counting:
                     self._taken[fid] = self._taken.get(fid, 0) + records
@@ -291,7 +292,8 @@ class RunScan:
         row_groups: list[int] | None,
         rows: int | None,
         take_batch: Callable[[Any], T | None] | None = None,
-    ) -> Iterator[pl.DataFrame | BatchTaken[T]]:
+    ) -> Iterator[tuple[int, pl.DataFrame | BatchTaken[T]]]:
+        """The file's frames, each with the number of its first row in the file (from 0)."""
         if rep.format == "parquet":  # by pyarrow: page checksums verified, a failing row group skipped
             # A restart's rewind (the scan's frames have it) drops records by their step,
             # which the columns asked for need not hold (global_reduce --by time reads none).
@@ -303,19 +305,19 @@ class RunScan:
                 return
             step_added = "step" not in columns
             read = [*columns, "step"] if step_added else columns
-            frames: Iterator[pl.DataFrame | BatchTaken[None]]
+            frames: Iterator[tuple[int, pl.DataFrame | BatchTaken[None]]]
             frames = categorical_batches(rep.path, read, rep.hashed, row_groups, rows, rep=rep)
-            for df in frames:
+            for start, df in frames:  # the writer's: trusted, not checked (its rows not told)
                 assert isinstance(df, pl.DataFrame)  # nothing taken
                 df = df.filter(pl.col("step") < rewind)
-                yield df.drop("step") if step_added else df
+                yield start, df.drop("step") if step_added else df
         else:
             assert row_groups is None, "row groups are read through the dictionaries"
             frame = self._parts[fid].select(columns).collect()
             strings: list[str] = [c for c in ("reduction", "process") if c in columns]
             if "key" in columns and categorical_keys(frame["key"].unique()):  # else too many: as text
                 strings.append("key")
-            yield frame.with_columns(pl.col(strings).cast(pl.Categorical))
+            yield 0, frame.with_columns(pl.col(strings).cast(pl.Categorical))
 
     def _no_records(self, fid: int, columns: list[str]) -> pl.DataFrame:
         """A frame of no records, typed as the file's frames are."""
