@@ -127,6 +127,26 @@ def test_a_combo_kept_as_a_count_alone_is_counted_and_adds_nothing_else(seed):
     assert np.array_equal(bits(mine.mean()), bits(want.mean()))
 
 
+def test_a_table_of_counts_alone_drains_as_a_partitions_counts_of_medians_do():
+    """Where every combo added keeps its count alone, the groups drain as the states'
+    path gives a median's or pNN's groups: their counts, no min or max, no exact sums (so
+    the accumulator holds 8 bytes a group for them, not the table's fields); once another
+    combo came, every group drains whole."""
+    from metric_core.offline.engine.partials import COUNTED, KEEP_COUNT, KEEP_SUMS
+
+    one = np.arange(1)
+    table = grouptable.GroupTable()
+    table.add(Rows(np.array([1, 1, 2]), np.zeros(3, np.int64), np.array([0.5, 1.5, 2.0]), [KEEP_COUNT]), one)
+    bucket, _, state, sums = table.drain(math.inf)
+    assert bucket.tolist() == [1, 2] and state.shape == (COUNTED, 2) and state[0].tolist() == [2, 1]
+    assert sums is None
+    kinds = np.array([KEEP_COUNT, KEEP_SUMS], np.uint8)
+    table.add(Rows(np.array([1, 1]), np.array([0, 1]), np.array([0.5, 1.5]), kinds), np.arange(2))
+    _, combo, state, sums = table.drain(math.inf)
+    assert combo.tolist() == [0, 1] and state[0].tolist() == [1, 1] and sums is not None
+    assert sums.sum().tolist() == [0.0, 1.5]
+
+
 def test_a_group_drained_and_met_again_is_added_to_where_it_went():
     table = grouptable.GroupTable()
     one = np.arange(1)

@@ -3,6 +3,7 @@ frames, each group's value computed from its merged states (median and pNN to nu
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 from collections.abc import Iterator
@@ -239,18 +240,30 @@ def group_values(merged: pl.DataFrame, plain: np.ndarray, values: list[pl.LazyFr
     return value
 
 
+# Slices of median/pNN values whose order statistics are found at once (each holds about
+# SLICE_VALUES values, 100 bytes each while it is read and selected in)
+ORDER_THREADS = 2
+
+
 def _each_order_statistics(parts: list[pl.LazyFrame], q: float | None) -> Iterator[dict[str, np.ndarray]]:
-    """``_order_statistics`` of each slice of values, in order: by the extension, on as many
-    threads as polars uses (it releases the GIL, as polars' reading of a spilled slice
-    does; at most that many slices' values are held at once)."""
+    """``_order_statistics`` of each slice of values, in order: by the extension, on up to
+    ORDER_THREADS threads (it releases the GIL, as polars' reading of a spilled slice does),
+    each started once a slice's result is read, so that at most that many slices' values
+    are held at once, however many cores there are."""
     from metric_core.offline.engine import exact
 
-    threads = min(len(parts), pl.thread_pool_size())
+    threads = min(len(parts), pl.thread_pool_size(), ORDER_THREADS)
     if exact._native is None or threads < 2:  # polars' sort is on its own threads already
         yield from (_order_statistics(part, q) for part in parts)
         return
     with ThreadPoolExecutor(threads, thread_name_prefix="metriclog-order") as pool:
-        yield from pool.map(lambda part: _order_statistics(part, q), parts)
+        ahead = collections.deque(pool.submit(_order_statistics, part, q) for part in parts[:threads])
+        for part in parts[threads:]:
+            found = ahead.popleft().result()
+            ahead.append(pool.submit(_order_statistics, part, q))
+            yield found
+        while ahead:
+            yield ahead.popleft().result()
 
 
 _FOUND = ("bucket", "_combo", "n", "lo", "hi", "nan", "below", "rank")  # what _order_statistics gives
@@ -273,7 +286,8 @@ def _order_statistics(part: pl.LazyFrame, q: float | None) -> dict[str, np.ndarr
         del frame
         out = [np.empty(len(columns[2]), dtype=np.float64 if k in ("lo", "hi") else np.int64) for k in _FOUND]
         groups = exact._native.order_stats(*columns, -1.0 if q is None else q, *out)
-        return {k: a[:groups] for k, a in zip(_FOUND, out, strict=True)}
+        del columns
+        return {k: a[:groups].copy() for k, a in zip(_FOUND, out, strict=True)}  # not a value's room
     n = pl.len().cast(pl.Int64)
     if q is None:  # median: the middle value, or the two middle ones
         lo, hi = (n - 1) // 2, n // 2
