@@ -118,3 +118,47 @@ def test_a_median_after_groups_were_set_aside_reads_them_back(tmp_path, monkeypa
     assert _bits(got).equals(_bits(held))
     median = got.filter(pl.col("key") == "z/p50")["value"].item()
     assert median == np.median(frames[1]["value"].to_numpy())
+
+
+def test_groups_set_aside_across_many_takes_each_keep_their_own_file(tmp_path, monkeypatch):
+    """Steps finished while the run is read are taken (a few groups a take) while later
+    groups are set aside: a run read back and removed by one take, and one written after
+    it, never share a file (the second was named after the count of runs left, and the
+    first's removal took it: FileNotFoundError). The same bits as with every group held."""
+    from metric_core.offline.engine import finish
+
+    rng = np.random.default_rng(5)
+    for rank in range(3):
+        rows = [
+            (f"k{k}", s)
+            for s in range(400)
+            for k in range(6)
+            for _ in range(1 + (s + k + rank) % 2)  # a group of one record or of two
+        ]
+        step = np.array([s for _, s in rows])
+        pl.DataFrame(
+            {
+                "key": [k for k, _ in rows],
+                "value": rng.normal(size=len(rows)),
+                "reduction": ["mean"] * len(rows),
+                "step": step,
+                "timestamp": 1.76e9 + step,
+                "rank": np.full(len(rows), rank),
+            }
+        ).write_parquet(tmp_path / f"r{rank}.parquet", row_group_size=500)
+    held = reduce_run(tmp_path)
+    monkeypatch.setattr(accumulator, "SET_ASIDE_GROUPS", 20)
+    monkeypatch.setattr(finish, "TAKEN_GROUPS", 64)
+    monkeypatch.setattr(tasks, "PARTITION_ROWS", 300)
+    monkeypatch.setattr(tasks, "DICTIONARY_READ_RECORDS", 0)
+    written = setaside.SetAside.write
+    runs = []
+
+    def counted(self, *args):
+        runs.append(self)
+        return written(self, *args)
+
+    monkeypatch.setattr(setaside.SetAside, "write", counted)
+    got = reduce_run(tmp_path)
+    assert len(runs) > 20
+    assert _bits(got).equals(_bits(held))

@@ -71,6 +71,7 @@ class SetAside:
     def __init__(self) -> None:
         self.dir: tempfile.TemporaryDirectory[str] | None = None
         self.runs: list[_Run] = []
+        self.written = 0  # the runs written so far (each one's name: its number; runs read are removed)
         self.taken: int | None = None
 
     def write(
@@ -93,7 +94,8 @@ class SetAside:
         rank = key_ranks(labels["key"])  # of each combo's key
         order = np.lexsort((rank[combo], bucket))
         del rank
-        path = Path(self.dir.name) / f"{len(self.runs):06d}.arrow"
+        path = Path(self.dir.name) / f"{self.written:06d}.arrow"
+        self.written += 1
         squares = exact is not None and exact.squares is not None
         run = _Run(path, [], labels.columns, len(state), exact is not None, squares)
         with pa.OSFile(str(path), "wb") as sink:
