@@ -1049,7 +1049,6 @@ enum { KEEP_SUMS = 0, KEEP_SQUARES = 1, KEEP_COUNT = 2 };
  * (bucket[i], combo_of[label[i]]), made where there is none, as squares[label[i]] (uint8,
  * a KEEP_ value) says. A label out of combo_of's range is a ValueError, and nothing is
  * added. */
-
 static PyObject *table_add(Table *t, PyObject *args) {
     Py_buffer bucket_b, label_b, values_b, combo_b, squares_b;
     if (!PyArg_ParseTuple(args, "y*y*y*y*y*", &bucket_b, &label_b, &values_b, &combo_b, &squares_b)) return NULL;

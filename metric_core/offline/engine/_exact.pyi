@@ -66,7 +66,9 @@ def order_stats(
 
 class Table:
     """Records added straight into their groups (bucket, combo): counts, min, max and exact
-    sums, kept across calls (``grouptable.GroupTable`` wraps it)."""
+    sums, kept across calls (``grouptable.GroupTable`` wraps it); ``add``'s ``squares``, one
+    a label, says what its records keep (``partials.KEEP_SUMS``, ``KEEP_SQUARES``,
+    ``KEEP_COUNT``)."""
 
     squares: bool
     def __len__(self) -> int: ...
