@@ -330,10 +330,8 @@ def batch_partial(
             at = np.arange(rows)
         else:
             at = np.flatnonzero(np.array([kind_of(stat) == VALUES_KIND for _, stat in combo_of])[combo])
-        none = np.empty(0, dtype=np.int64)
-        state = np.empty((COUNTED, 0))
-        values = value[at]
-        return Partial(none, none, labels, state, at, values, rows=rows_out, names=named, values_by_row=True)
+        no_groups = _no_groups(labels)[:4]
+        return Partial(*no_groups, at, value[at], rows=rows_out, names=named, values_by_row=True)
     # medians' and pNN's alone (the table's path is not taken): their groups' counts
     ids, n_groups, count, group_bucket, group_combo = _groups(bucket, combo, labels.height)
     state = empty_cells(n_groups, COUNTED)

@@ -124,15 +124,12 @@ def _overall(report: InspectReport, problems: bool) -> list[str]:
         ]
         spread = max(ended) - min(ended)
         if all(s.end is None for s in unfinished):  # files that record no end (another tool's)
-            return [
-                f"No source stopped before the others: all {len(unfinished)} ended within {duration(spread)} "
-                f"of each other, the last at {local_time(max(ended))} (their files record no end: how "
-                "they ended is not known)."
-            ]
+            how, why = "", "their files record no end: how they ended is not known"
+        else:
+            how, why = " without shutdown()", "the whole job was stopped, or crashed together"
         return [
-            f"No source stopped before the others: all {len(unfinished)} ended without shutdown() within "
-            f"{duration(spread)} of each other, the last at {local_time(max(ended))} (the whole job was "
-            "stopped, or crashed together)."
+            f"No source stopped before the others: all {len(unfinished)} ended{how} within "
+            f"{duration(spread)} of each other, the last at {local_time(max(ended))} ({why})."
         ]
     return []
 
