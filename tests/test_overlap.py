@@ -160,3 +160,44 @@ def test_upload_forks_before_polars_loads():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "False\n"
+
+
+FORKING = """
+import os, signal, sys, time
+from pathlib import Path
+from metriclog.start import catch_stops
+from metric_core.offline.upload import overlap
+
+catch_stops()
+here = Path(sys.argv[1])
+
+def work():  # writes on until stopped, as the upload's reading child writes its columns
+    while True:
+        (here / f"{time.monotonic_ns()}").write_text("")
+        time.sleep(0.001)
+
+# the stop lands at the worst moment: the child forked, its guard not yet entered
+os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM))
+try:
+    with overlap.started(work):
+        raise AssertionError("the stop was not raised")
+except KeyboardInterrupt:
+    pass
+try:
+    os.waitpid(-1, os.WNOHANG)
+    print("alive")
+except ChildProcessError:  # no child left, reaped or not
+    print("gone")
+"""
+
+
+def test_a_stop_while_the_child_is_forked_still_stops_the_child(tmp_path):
+    """SIGTERM right after the fork (upload stopped as it starts reading): the child is
+    stopped before the block's caller removes what it writes (it once wrote on, and a
+    ``metriclog-upload-*`` folder was left)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKING, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "gone\n"
+    assert "Traceback" not in done.stderr, done.stderr

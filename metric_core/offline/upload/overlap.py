@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+from metric_core.atomic import hold_stops
 from metric_core.errors import MetricLogError, UploadError
 
 T = TypeVar("T")
@@ -42,8 +43,15 @@ def started(work: Callable[[], T]) -> Iterator[Callable[[], T]]:
         return
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(work, send), daemon=True)
-    child.start()
+    # forked with stops held, so none lands between the fork and the guard below (the child,
+    # unguarded, would write on in what the caller then removes); each side lets them go
+    let_go = hold_stops()
+    child = context.Process(target=_child, args=(work, send, let_go), daemon=True)
+    try:
+        child.start()
+    except BaseException:
+        let_go()
+        raise
     send.close()
 
     def result() -> T:
@@ -67,6 +75,7 @@ def started(work: Callable[[], T]) -> Iterator[Callable[[], T]]:
         )
 
     try:
+        let_go()
         yield result
     finally:
         receive.close()  # a child still sending its result is told at once (EPIPE)
@@ -78,8 +87,9 @@ def started(work: Callable[[], T]) -> Iterator[Callable[[], T]]:
                 child.join()
 
 
-def _child(work: Callable[[], Any], send: Connection) -> None:
+def _child(work: Callable[[], Any], send: Connection, let_go: Callable[[], None]) -> None:
     try:
+        let_go()  # the stops held while it was forked (``started``)
         try:
             message: tuple[str, Any] = ("ok", work())
         except (MetricLogError, OSError) as exc:  # expected failures: raised again in the parent
