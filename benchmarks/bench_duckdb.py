@@ -30,7 +30,11 @@ into the run's (step, key) groups: ``exact.combine`` at once), sum, mean and std
 every group from its exact state: the finish), fold (the accumulator's own fold of the
 states) and take (the accumulator's take: every group's statistic): CPU and wall per
 record (per group for sum, mean, std and take), against DuckDB's wall time for the global
-command per record.
+command per record. Then each command's own path (global, time, p99: ``path_floors``), its
+phases alone on one thread (read, add, finish, write) and two floors of its wall time on
+2 cores against DuckDB's: this design's (the imports, then read and add sharing the cores,
+then finish and write) and an ideal one (only Python, numpy and pyarrow's imports before
+the first read, every phase's CPU spread evenly on both cores).
 
 Usage: python benchmarks/bench_duckdb.py [--dir /work/bench-data/exactwire] [--repeats 3]
        [--every 10s] [--commands global,per_rank,time,p99] [--paths compiled,pure]
@@ -264,6 +268,120 @@ for stat in ("sum", "mean", "std"):
 folded("fold", "take", parts, records)
 
 """
+# Each command's own path, its phases one after another on one thread (the compiled path):
+# read (the columns it needs, taken as pyarrow reads them: rows for the C table), add (into
+# the accumulator), finish (every group out, rounded, as result frames), write (the frames
+# to Parquet). Prints one line a phase: name, wall s, CPU s (every thread of the process).
+PATH_CHILD = """
+import math, sys, tempfile, time
+from pathlib import Path
+from cli import tuning
+tuning.apply()
+from metric_core.offline import engine, filters
+from metric_core.offline.engine import grouptable, partials
+from metric_core.offline.engine.accumulator import Accumulator
+from metric_core.offline.engine.finish import finished_frames
+from metric_core.offline.engine.reductions import KeyReductions, first_reductions
+from metric_core.offline.plan import By, make_plan
+from metric_core.offline.read import scan_run
+from metric_core.offline.results import write_result
+
+run, options = sys.argv[1], dict(a.split("=", 1) for a in sys.argv[2:])
+scan = scan_run(run, defer_checks=True)
+plan = make_plan(**options)
+t0 = engine.tasks.first_time(plan, scan) if plan.by is By.TIME else None
+kept, statistic_of = engine.tasks.columns_read(plan, scan), engine.filtering.statistic_chooser(plan)
+dictionaries = engine.tasks.reads_dictionaries(scan)
+direct = grouptable.available()
+
+def offer(batch):
+    return partials.batch_partial(batch, plan, statistic_of, t0, filters.Seen.wanted_by(plan), direct)
+
+def timed(name, f):
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = f()
+    print(name, time.perf_counter() - wall, time.process_time() - cpu, flush=True)
+    return out
+
+def read():
+    out = []
+    for fid in scan.file_ids:
+        rows = engine.tasks.PARTITION_ROWS
+        for got in scan.offered(fid, kept, offer, dictionaries=dictionaries, rows=rows):
+            out.append(got if isinstance(got, partials.Partial)
+                       else partials.partition_states(got, plan, statistic_of, t0, direct))
+    return out
+
+read()  # once untimed: the files in the page cache, as for every other side
+parts = timed("read", read)
+acc = Accumulator()
+timed("add", lambda: [acc.add(p) for p in parts])
+del parts
+recorded = KeyReductions(first_reductions(plan, scan), spills=True)
+frames = timed("finish", lambda: list(finished_frames(plan, scan, acc, t0, recorded, math.inf, {}, True)))
+with tempfile.TemporaryDirectory() as scratch:
+    timed("write", lambda: write_result(frames, Path(scratch) / "out.parquet", derived="reduce"))
+acc.close()
+recorded.close()
+"""
+# What reading needs before a record is read, at least: Python, numpy and pyarrow's reader.
+READ_START_CHILD = "import numpy, pyarrow.parquet"
+# The options of each command's plan (make_plan's), for PATH_CHILD
+PLANS = {
+    "global": [],
+    "time": ["by=time", "every={every}"],
+    "p99": ["reduce=*=p99"],
+}
+
+
+def path_floors(run: Path, out: Path, repeats: int, every: str) -> None:
+    """Each command's phases alone (PATH_CHILD), and two floors of its wall time on this
+    machine's 2 cores, against DuckDB's wall time for it, side by side (medians of --repeats):
+
+    - the design's: the start (the engine's imports, before the footers are read), then
+      read and add sharing the two cores (their CPU / 2), then finish and write (after the
+      last record, on one thread, as the engine runs them);
+    - an ideal one: only Python, numpy and pyarrow's imports before the first read, and
+      every phase's CPU spread evenly on both cores, with nothing lost to waiting."""
+    cases = commands(run, every)
+    rows = []
+    for name, options in PLANS.items():
+        duck, phases, start, read_start = [], {}, [], []
+        for _ in range(repeats):
+            target = out / f"duckdb42_floor_{name}.parquet"
+            query = cases[name][1]
+            duck.append(cpu_timed([sys.executable, "-c", DUCKDB_CHILD, str(run), str(target), query])[0])
+            done = subprocess.run(
+                [sys.executable, "-c", PATH_CHILD, str(run), *(o.format(every=every) for o in options)],
+                capture_output=True, text=True, check=True, cwd=ROOT,
+                env={**os.environ, "METRICLOG_PURE": ""},
+            )  # fmt: skip
+            for line in done.stdout.splitlines():
+                phase, wall, cpu = line.split()
+                phases.setdefault(phase, []).append((float(wall), float(cpu)))
+            start.append(cpu_timed([sys.executable, "-c", START_CHILD])[0])
+            read_start.append(cpu_timed([sys.executable, "-c", READ_START_CHILD])[0])
+        cpu = {k: statistics.median(c for _, c in v) for k, v in phases.items()}
+        wall = {k: statistics.median(w for w, _ in v) for k, v in phases.items()}
+        duck_s, start_s, read_start_s = map(statistics.median, (duck, start, read_start))
+        design = start_s + (cpu["read"] + cpu["add"]) / 2 + wall["finish"] + wall["write"]
+        ideal = read_start_s + sum(cpu.values()) / 2
+        rows.append((name, duck_s, start_s, read_start_s, cpu, design, ideal))
+    print(f"\nfloors of each command (compiled), medians of {repeats}; phases alone on one thread, CPU s")
+    heads = ["command", "duckdb s", "start", "read", "add", "finish", "write", "design", "x duckdb"]
+    heads += ["ideal", "x duckdb"]
+    print(f"{heads[0]:<9}" + "".join(f"{h:>9}" for h in heads[1:]))
+    for name, duck_s, start_s, _, cpu, design, ideal in rows:
+        cells = [duck_s, start_s, cpu["read"], cpu["add"], cpu["finish"], cpu["write"], design]
+        line = f"{name:<9}" + "".join(f"{c:>9.2f}" for c in cells)
+        print(line + f"{design / duck_s:>8.2f}x{ideal:>9.2f}{ideal / duck_s:>8.2f}x")
+    print(
+        "start: a reduce process's Python and imports (the engine's, pyarrow's reader); design: start +"
+        " (read + add) / 2 + finish + write (their wall); ideal: Python, numpy and pyarrow's imports"
+        f" alone ({statistics.median(r[3] for r in rows):.2f} s) + every phase's CPU / 2"
+    )
+
+
 # What a reduce process spends before it reads a record: Python, and the imports of the
 # command line, the engine and pyarrow's Parquet reader.
 START_CHILD = "import metriclog.main, metric_core.offline.engine.run, pyarrow.parquet"
@@ -339,6 +457,7 @@ def main() -> None:
     paths = args.paths.split(",")
     if args.floors:
         floors(run, args.dir, args.repeats, paths, args.floor_files)
+        path_floors(run, args.dir, args.repeats, args.every)
         return
     compare(run, args.dir, args.repeats, args.every, args.commands.split(","), paths)
 
