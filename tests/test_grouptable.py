@@ -147,6 +147,31 @@ def test_a_table_of_counts_alone_drains_as_a_partitions_counts_of_medians_do():
     assert sums.sum().tolist() == [0.0, 1.5]
 
 
+@pytest.mark.parametrize(
+    ("span", "combos"),
+    [(40, 7), (70_000, 50), (1 << 40, 1 << 20), (1 << 62, 1 << 30), (-(1 << 62), 3)],
+    ids=["small", "past-16-bits", "past-32-bits", "wide", "wide-negative"],
+)
+def test_the_drain_hands_groups_over_in_the_order_of_bucket_then_combo(span, combos):
+    """The drain's order, over buckets and combos far apart: bucket then combo, as numpy's
+    unique orders them, every group once, its count right."""
+    rng = np.random.default_rng(abs(span) % 1000 + combos)
+    n = 20_000
+    bucket = rng.integers(min(0, span), max(0, span), n, dtype=np.int64, endpoint=True)
+    bucket[:3] = [min(0, span), max(0, span), 0]  # the span's ends, whatever the draw
+    local = rng.integers(0, 64, n, dtype=np.int64)  # a partition's combos, numbered up to combos
+    number = rng.choice(combos, min(64, combos), replace=False).astype(np.int64)
+    local %= len(number)
+    combo = number[local]
+    table = grouptable.GroupTable()
+    value = rng.normal(size=n)
+    table.add(Rows(bucket, local, value, np.zeros(len(number), np.uint8)), number)
+    got_bucket, got_combo, state, _ = table.drain(math.inf)
+    cells, counts = np.unique(np.stack([bucket, combo]), axis=1, return_counts=True)  # by bucket, then combo
+    assert np.array_equal(got_bucket, cells[0]) and np.array_equal(got_combo, cells[1])
+    assert np.array_equal(state[0], counts)
+
+
 def test_a_group_drained_and_met_again_is_added_to_where_it_went():
     table = grouptable.GroupTable()
     one = np.arange(1)
