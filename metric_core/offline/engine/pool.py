@@ -4,20 +4,26 @@ in the tasks' order with bounded memory (``ray_pool`` does the same on a Ray clu
 from __future__ import annotations
 
 import atexit
+import collections
+import dataclasses
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from itertools import islice
 from typing import Any, TypeVar
 
+import numpy as np
 import polars as pl
 
 from metric_core.offline.read import OnProgress
 
-# Partitions a task may have reduced and not yet handed over: what lets the next task
-# work while this one's are folded, and what bounds the memory that takes.
-HANDED_AHEAD = 1
+# Bytes of outputs (a partition's states or records) the tasks may have handed over and the
+# reader not yet read, beyond one output a task: what lets the next tasks read on while this
+# one's are folded (a task held to one output waited most of the time: --by time took 15%
+# longer on two cores), and what bounds the memory that takes.
+AHEAD_BYTES = 32 << 20
 # Tasks in flight (started and not yet read to the end) per pool thread: a thread that is
 # done with its task starts a later one while an earlier task is still being read.
 IN_FLIGHT_PER_THREAD = 2
@@ -36,19 +42,21 @@ def on_threads(
 ) -> Generator[tuple[int, R | None], None, None]:
     """``work(item)``'s outputs for every item, computed on a pool of threads and yielded
     in the items' order as (the item's index, an output), then (the index, None) once the
-    item is done. At most IN_FLIGHT_PER_THREAD items a thread are in flight, and none runs
-    more than HANDED_AHEAD outputs ahead of the reader, so memory stays bounded."""
+    item is done. At most IN_FLIGHT_PER_THREAD items a thread are in flight, and the outputs
+    handed over ahead of the reader are one an item, and more within AHEAD_BYTES
+    (``_Ahead``), so memory stays bounded."""
     threads = max(1, min(len(items), pl.thread_pool_size()))
     stop = threading.Event()
-    handed: list[queue.SimpleQueue[tuple[str, Any]]] = [queue.SimpleQueue() for _ in items]
-    room = [threading.Semaphore(HANDED_AHEAD) for _ in items]  # outputs item i may hand over
+    handed: list[queue.SimpleQueue[tuple[str, Any, int]]] = [queue.SimpleQueue() for _ in items]
+    ahead = _Ahead(AHEAD_BYTES)
 
     def run(i: int) -> None:
         def put(kind: str, what: Any) -> None:
-            while kind == "out" and not room[i].acquire(timeout=0.05):
+            size = _size(what) if kind == "out" else 0
+            while kind == "out" and not ahead.hand(i, size, timeout=0.05):
                 if stop.is_set():
                     raise _Stopped
-            handed[i].put((kind, what))  # the end of an item never waits: its thread moves on
+            handed[i].put((kind, what, size))  # the end of an item never waits: its thread moves on
 
         if stop.is_set():  # queued before the reader went away
             return
@@ -77,7 +85,7 @@ def on_threads(
             todo.put(j)
         for i in range(len(items)):
             while (got := handed[i].get())[0] == "out":
-                room[i].release()
+                ahead.read(i, got[2])
                 yield i, got[1]
             if got[0] == "error":
                 raise got[1]
@@ -113,6 +121,51 @@ def _stop_pools() -> None:
     for _, _, pool in list(_live_pools):
         for thread in pool:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+class _Ahead:
+    """What a pool's items have handed over and its reader not yet read: an item may always
+    hand over an output while it holds none there, and more while every output held stays
+    within ``budget`` bytes (so the item being read, or the next one, never waits on the
+    others' outputs: no deadlock)."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.bytes = budget, 0
+        self.held: collections.Counter[int] = collections.Counter()
+        self.changed = threading.Condition()
+
+    def hand(self, item: int, size: int, timeout: float) -> bool:
+        """Whether ``item`` may hand over an output of ``size`` bytes (counted as held if
+        so), waiting up to ``timeout`` seconds for the room."""
+        with self.changed:
+            if not self.changed.wait_for(
+                lambda: not self.held[item] or self.bytes + size <= self.budget, timeout
+            ):
+                return False
+            self.held[item] += 1
+            self.bytes += size
+            return True
+
+    def read(self, item: int, size: int) -> None:
+        """An output of ``item`` read: its room is free."""
+        with self.changed:
+            self.held[item] -= 1
+            self.bytes -= size
+            self.changed.notify_all()
+
+
+def _size(output: Any) -> int:
+    """The bytes an output holds in its arrays and frames (a partition's ``Partial``, its
+    ``Rows`` and exact sums; a frame); of anything else, its own."""
+    if isinstance(output, np.ndarray):
+        return int(output.nbytes)
+    if isinstance(output, pl.DataFrame):
+        return int(output.estimated_size())
+    if isinstance(output, tuple | list):
+        return sum(_size(part) for part in output)
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return sum(_size(getattr(output, f.name)) for f in dataclasses.fields(output))
+    return sys.getsizeof(output)
 
 
 def _serve(todo: queue.SimpleQueue[int | None], run: Callable[[int], None]) -> None:
