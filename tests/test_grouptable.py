@@ -152,9 +152,12 @@ def test_a_table_of_counts_alone_drains_as_a_partitions_counts_of_medians_do():
     [(40, 7), (70_000, 50), (1 << 40, 1 << 20), (1 << 62, 1 << 30), (-(1 << 62), 3)],
     ids=["small", "past-16-bits", "past-32-bits", "wide", "wide-negative"],
 )
-def test_the_drain_hands_groups_over_in_the_order_of_bucket_then_combo(span, combos):
-    """The drain's order, over buckets and combos far apart: bucket then combo, as numpy's
-    unique orders them, every group once, its count right."""
+@pytest.mark.parametrize("come", ["shuffled", "in-order", "in-order-but-one", "buckets-in-order"])
+def test_the_drain_hands_groups_over_in_the_order_of_bucket_then_combo(span, combos, come):
+    """The drain's order, over buckets and combos far apart, whether the records came in
+    that order (the groups made in it: no sort needed), in it but for one, in the order of
+    their buckets alone, or shuffled:
+    bucket then combo, as numpy's unique orders them, every group once, its count right."""
     rng = np.random.default_rng(abs(span) % 1000 + combos)
     n = 20_000
     bucket = rng.integers(min(0, span), max(0, span), n, dtype=np.int64, endpoint=True)
@@ -163,6 +166,11 @@ def test_the_drain_hands_groups_over_in_the_order_of_bucket_then_combo(span, com
     number = rng.choice(combos, min(64, combos), replace=False).astype(np.int64)
     local %= len(number)
     combo = number[local]
+    if come != "shuffled":
+        order = np.lexsort((rng.random(n) if come == "buckets-in-order" else combo, bucket))
+        if come == "in-order-but-one":
+            order = np.r_[order[1:], order[:1]]  # the first group made last
+        bucket, local, combo = bucket[order], local[order], combo[order]
     table = grouptable.GroupTable()
     value = rng.normal(size=n)
     table.add(Rows(bucket, local, value, np.zeros(len(number), np.uint8)), number)

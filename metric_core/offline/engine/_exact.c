@@ -1220,8 +1220,15 @@ static PyObject *table_drain(Table *t, PyObject *args) {
     int64_t at = 0;
     for (int64_t g = 0; g < t->used; g++)
         if (every || t->groups[g].bucket < upto) order[at++] = g;
-    sorting = t->groups;
-    qsort(order, (size_t)k, sizeof(int64_t), by_bucket_combo);
+    int in_order = 1; /* groups are made as their first records come: often in this order already */
+    for (int64_t i = 1; i < k && in_order; i++) {
+        const Group *x = t->groups + order[i - 1], *y = t->groups + order[i];
+        in_order = x->bucket < y->bucket || (x->bucket == y->bucket && x->combo < y->combo);
+    }
+    if (!in_order) {
+        sorting = t->groups;
+        qsort(order, (size_t)k, sizeof(int64_t), by_bucket_combo);
+    }
     int64_t s_written = 0, q_written = 0, got = 0;
     for (int64_t i = 0; i < k && got >= 0; i++) {
         const Group *x = t->groups + order[i];
