@@ -19,7 +19,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -134,14 +134,43 @@ def held_lock(path: Path, busy: Callable[[str], Exception]) -> Iterator[bool]:
 def hold_stops() -> Callable[[], None]:
     """Hold a stop (Ctrl-C, SIGTERM) from now on; the returned function lets it through (a
     stop that came meanwhile is raised as it returns: call it inside the ``try`` whose
-    ``finally`` undoes what was made while it was held). Nothing is held off POSIX."""
-    import signal
+    ``finally`` undoes what was made while it was held).
 
-    hold = getattr(signal, "pthread_sigmask", None)
-    if hold is None:
+    A stop is held where Python handles it: its handler (the command line's, or Python's
+    for Ctrl-C) is set aside and the stop recorded, whichever thread the signal reached. (A
+    signal mask held it in this thread only: pyarrow's and polars' threads took the signal,
+    and the stop was raised here all the same.) Nothing is held outside the main thread,
+    where no handler can be set, nor a stop that has no Python handler (ignored, or the
+    default's: the process ends at once)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    held = hold(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    return lambda: hold(signal.SIG_SETMASK, held)
+    came: list[tuple[int, Any]] = []
+    set_aside: dict[int, Callable[[int, Any], Any]] = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if callable(handler):
+            set_aside[signum] = handler
+            signal.signal(signum, lambda signum, frame: came.append((signum, frame)))
+
+    def let_go() -> None:
+        handlers = dict(set_aside)
+        set_aside.clear()  # once, however often called
+        try:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+        finally:  # every handler back, even where a stop landed in between (raised: it came)
+            for signum, handler in handlers.items():
+                if signal.getsignal(signum) is not handler:
+                    signal.signal(signum, handler)
+        if came:  # the first stop that came, as it would have been handled
+            signum, frame = came[0]
+            came.clear()
+            handlers[signum](signum, frame)
+
+    return let_go
 
 
 def new_scratch_directory(prefix: str, let_go: Callable[[], None]) -> str:

@@ -163,41 +163,92 @@ def test_upload_forks_before_polars_loads():
 
 
 FORKING = """
-import os, signal, sys, time
+import os, sys, time
 from pathlib import Path
 from metriclog.start import catch_stops
 from metric_core.offline.upload import overlap
 
 catch_stops()
 here = Path(sys.argv[1])
+(here / "out").mkdir()
 
 def work():  # writes on until stopped, as the upload's reading child writes its columns
     while True:
-        (here / f"{time.monotonic_ns()}").write_text("")
+        (here / "out" / f"{time.monotonic_ns()}").write_text("")
         time.sleep(0.001)
 
-# the stop lands at the worst moment: the child forked, its guard not yet entered
-os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM))
+# the stop lands at the worst moment: the child forked, the parent still in Process.start
+# (its pid not yet kept), its guard not entered
+import multiprocessing.popen_fork as popen_fork
+
+launch = popen_fork.Popen._launch
+
+def stopped_as_forked(self, process):
+    launch(self, process)  # the child never returns from it
+    raise KeyboardInterrupt
+
+popen_fork.Popen._launch = stopped_as_forked
 try:
     with overlap.started(work):
         raise AssertionError("the stop was not raised")
 except KeyboardInterrupt:
     pass
-try:
-    os.waitpid(-1, os.WNOHANG)
-    print("alive")
-except ChildProcessError:  # no child left, reaped or not
-    print("gone")
+while True:  # every child ended (on the old code the child wrote on: the test timed out)
+    try:
+        os.waitpid(-1, 0)
+    except ChildProcessError:  # none left (reaped already, or as it ended)
+        break
+print(len(list((here / "out").iterdir())))
 """
 
 
-def test_a_stop_while_the_child_is_forked_still_stops_the_child(tmp_path):
-    """SIGTERM right after the fork (upload stopped as it starts reading): the child is
-    stopped before the block's caller removes what it writes (it once wrote on, and a
-    ``metriclog-upload-*`` folder was left)."""
+def test_a_stop_as_the_child_is_forked_leaves_a_child_that_writes_nothing_and_ends(tmp_path):
+    """SIGTERM right after the fork (upload stopped as it starts reading), before the
+    parent's guard: the child, never told to start, writes nothing and ends (it once wrote
+    on, unguarded, and a ``metriclog-upload-*`` folder was left)."""
     done = subprocess.run(
         [sys.executable, "-c", FORKING, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "gone\n"
+    assert done.stdout == "0\n"
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+HELD = """
+import os, sys, time
+from pathlib import Path
+from metric_core.atomic import hold_stops
+from metric_core.offline.upload import overlap
+
+here = Path(sys.argv[1])
+
+def work():
+    try:
+        (here / "working").write_text("")
+        while True:
+            time.sleep(0.01)
+    finally:
+        (here / "cleaned").write_text("")
+
+hold_stops()  # the caller holds stops (and keeps holding them)
+start = time.monotonic()
+try:
+    with overlap.started(work):
+        while not (here / "working").exists():
+            time.sleep(0.01)
+        raise RuntimeError("the block fails")
+except RuntimeError:
+    pass
+print(round(time.monotonic() - start) < 8, (here / "cleaned").exists())
+"""
+
+
+def test_a_child_started_while_the_caller_holds_stops_is_still_stopped_with_its_cleanup(tmp_path):
+    """The child takes the parent's SIGTERM whatever the parent made of stops: stopped at
+    once, its cleanup run (it once kept them held: killed 10 s later, without cleanup)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELD, str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "True True\n"
     assert "Traceback" not in done.stderr, done.stderr

@@ -212,3 +212,51 @@ def test_a_stream_stopped_while_its_thread_reads_waits_for_the_read_before_the_p
     )
     assert (ran.returncode, ran.stderr) == (130, "")
     assert returned.read_text() == "returned"  # the read ended before the process did
+
+
+HELD_IN_ANOTHER_THREAD = """
+import os, signal, sys, tempfile, threading, time
+from pathlib import Path
+from metriclog.start import catch_stops
+from metric_core import atomic
+
+catch_stops()
+# another thread, as pyarrow's and polars' are: the signal may reach it rather than this one
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+made = tempfile.mkdtemp
+came, wake = os.pipe()
+os.set_blocking(wake, False)
+signal.set_wakeup_fd(wake)  # written to as the signal reaches the process, in any thread
+
+def stopped_as_made(*args, **kwargs):
+    path = made(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # the stop comes as the directory is made
+    os.read(came, 1)  # and has reached the process before this returns
+    return path
+
+tempfile.mkdtemp = stopped_as_made
+try:
+    with atomic.scratch_directory("metriclog-held-"):
+        print("entered")
+except KeyboardInterrupt:
+    print("stopped")
+print([p.name for p in Path(tempfile.gettempdir()).glob("metriclog-held-*")])
+"""
+
+
+def test_a_stop_held_while_a_directory_is_made_is_raised_inside_its_guard_whichever_thread_took_it(
+    tmp_path,
+):
+    """A stop held (``hold_stops``) while a scratch directory is made comes once its removal
+    is guarded, even where another thread took the signal (a signal mask held it in the
+    main thread alone: an upload stopped by SIGTERM as it started left its directory)."""
+    ran = subprocess.run(
+        [sys.executable, "-c", HELD_IN_ANOTHER_THREAD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )
+    assert (ran.returncode, ran.stderr) == (0, "")
+    assert ran.stdout == "stopped\n[]\n"

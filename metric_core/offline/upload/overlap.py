@@ -13,6 +13,8 @@ runner), other threads running, or no fork on this platform.
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import sys
 import threading
 import traceback
@@ -20,7 +22,6 @@ from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from metric_core.atomic import hold_stops
 from metric_core.errors import MetricLogError, UploadError
 
 T = TypeVar("T")
@@ -43,16 +44,13 @@ def started(work: Callable[[], T]) -> Iterator[Callable[[], T]]:
         return
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
-    # forked with stops held, so none lands between the fork and the guard below (the child,
-    # unguarded, would write on in what the caller then removes); each side lets them go
-    let_go = hold_stops()
-    child = context.Process(target=_child, args=(work, send, let_go), daemon=True)
-    try:
-        child.start()
-    except BaseException:
-        let_go()
-        raise
-    send.close()
+    # The child starts its work once told to, from inside the guard below: a stop that lands
+    # before (as the fork returns, whichever thread the signal reached) leaves a child that
+    # was never told, and ends as soon as this end of ``wait`` closes, having written nothing
+    # in what the caller then removes.
+    wait, go = context.Pipe(duplex=False)
+    child = context.Process(target=_child, args=(work, send, wait, go), daemon=True)
+    global _forking
 
     def result() -> T:
         with receive:
@@ -75,9 +73,18 @@ def started(work: Callable[[], T]) -> Iterator[Callable[[], T]]:
         )
 
     try:
-        let_go()
+        _forking = True
+        try:
+            child.start()
+        finally:
+            _forking = False
+        send.close()
+        wait.close()
+        with contextlib.suppress(OSError):  # a child gone already: ``result`` says so
+            go.send_bytes(b"go")
         yield result
     finally:
+        go.close()  # a child never told ends
         receive.close()  # a child still sending its result is told at once (EPIPE)
         if child.is_alive():
             child.terminate()
@@ -87,9 +94,34 @@ def started(work: Callable[[], T]) -> Iterator[Callable[[], T]]:
                 child.join()
 
 
-def _child(work: Callable[[], Any], send: Connection, let_go: Callable[[], None]) -> None:
+_forking = False  # ``started`` forks its child now
+
+
+def _at_fork() -> None:
+    """In a child ``started`` forks, from its first instant: SIGTERM ends it at once,
+    silently (until ``_child`` catches it: nothing is done before), whatever the parent's
+    handler or mask."""
+    if _forking:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_at_fork)
+
+
+def _child(work: Callable[[], Any], send: Connection, wait: Connection, go: Connection) -> None:
+    go.close()  # its copy: the parent's end alone keeps ``wait`` open
     try:
-        let_go()  # the stops held while it was forked (``started``)
+        # Stopped by the parent's SIGTERM (``started``) with its cleanup run, whatever the
+        # parent's handler (one that holds a stop would never raise it).
+        signal.signal(signal.SIGTERM, _stopped)
+        with wait:
+            try:
+                wait.recv_bytes()
+            except EOFError:  # the parent left before its guard: nothing was asked
+                return
         try:
             message: tuple[str, Any] = ("ok", work())
         except (MetricLogError, OSError) as exc:  # expected failures: raised again in the parent
@@ -103,3 +135,7 @@ def _child(work: Callable[[], Any], send: Connection, let_go: Callable[[], None]
             send.send(message)
     except KeyboardInterrupt:  # stopped by the parent (``started``) while it sent: the parent says why
         pass
+
+
+def _stopped(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
