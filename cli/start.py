@@ -79,12 +79,11 @@ def _leave(code: object) -> None:
     elif isinstance(code, int):
         status = code
     else:  # as the interpreter says a SystemExit of a message
-        with contextlib.suppress(OSError, ValueError):
-            print(code, file=sys.stderr)
+        if sys.stderr is not None:
+            with contextlib.suppress(OSError, ValueError):
+                print(code, file=sys.stderr)
         status = 1
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a pipe its reader closed, a stream closed
-            stream.flush()
+    _flush()
     os._exit(status & 0xFF)
 
 
@@ -140,13 +139,20 @@ def _unraisable(report):  # type: ignore[no-untyped-def]
 
 def _end() -> None:
     """The command is done: its output flushed, a stop from here on ends the process at once."""
+    global _done
+    _flush()
+    _done = True
+
+
+def _flush() -> None:
+    """stdout and stderr flushed: a pipe its reader closed, a stream closed, or none at all
+    (the process started with it closed: ``>&-``) is no error of the command's."""
     import contextlib  # after the commands loaded it (not before: see above)
 
-    global _done
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a pipe its reader closed, a stream closed
-            stream.flush()
-    _done = True
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
 
 
 def _ignore_stops() -> None:

@@ -228,6 +228,32 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     assert done.stderr.startswith("warning: skipped 21 record(s)")  # what it said before, only
 
 
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
+def test_a_command_started_with_its_output_closed_ends_quietly_and_writes_its_file(tmp_path, closed):
+    """``metriclog ... >&-`` (or ``2>&-``): what it would say goes to no one, as to a reader
+    that went away; the result file is written, exit 0, no traceback (it once failed on
+    Python's None for the closed stream)."""
+    import os
+    import subprocess
+
+    def close() -> None:
+        os.close(closed)
+
+    for args in (["--version"], ["reduce", SAMPLE], ["reduce", SAMPLE, "--out", tmp_path / "r.parquet"]):
+        done = subprocess.run(
+            [METRICLOG, *args],
+            stdout=None if closed == 1 else subprocess.PIPE,
+            stderr=None if closed == 2 else subprocess.PIPE,
+            preexec_fn=close,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        said = done.stderr if closed == 1 else done.stdout
+        assert "Traceback" not in said, said
+    assert pl.read_parquet(tmp_path / "r.parquet").height == 2400
+
+
 def test_plot_creates_the_folders_of_its_out_file_as_reduce_does_and_says_a_key_that_matches_nothing(
     tmp_path,
 ):
