@@ -264,3 +264,27 @@ def test_the_sidecar_judges_a_restarts_rewound_steps_and_no_step_twice(tmp_path,
         "train/loss|5|nan|Trainer_r0",
         "train/loss|9|nan|Trainer_r0",
     ], err
+
+
+class _Event:
+    def told(self) -> str:
+        return "an alert"
+
+    def who(self) -> str:
+        return "rank0"
+
+    def variables(self, run_dir: str) -> dict[str, str]:
+        return {"METRICLOG_RUN": run_dir}
+
+
+def test_a_relayed_commands_every_line_is_said_before_watch_ends(tmp_path, capsys):
+    """On a terminal where watch redraws its table, a command's output is relayed through
+    watch's stderr: all of it, before watch ends (its end once left the relay behind: lines
+    lost)."""
+    from metriclog.output.sources import EventCommands
+
+    with EventCommands("seq -f 'L%g' 1 3000", str(tmp_path), option="--on-alert", kind="alert") as alerts:
+        alerts.relay = True
+        alerts.run(_Event())
+    said = capsys.readouterr().err.splitlines()
+    assert [line for line in said if line.startswith("L")] == [f"L{i}" for i in range(1, 3001)]

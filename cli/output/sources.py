@@ -187,7 +187,7 @@ class EventCommands:
 
     def __init__(self, command: str | None, run_dir: str, *, option: str, kind: str = "warning") -> None:
         self.command, self.run_dir, self.option, self.kind = command, run_dir, option, kind
-        self.children: list[tuple[str, Any]] = []
+        self.children: list[tuple[str, Any, Any]] = []  # who, its process, its relay thread
         # On a terminal where watch redraws its table, a command's output goes through
         # this process's stderr (above the table): written straight to the terminal, it
         # would leave stale copies of the table behind.
@@ -199,13 +199,15 @@ class EventCommands:
     def __exit__(self, *exc: object) -> None:
         import subprocess
 
-        for who, child in self.children:
+        for who, child, relay in self.children:
             try:
                 code = child.wait(timeout=STALL_COMMAND_WAIT_S)
             except subprocess.TimeoutExpired:
                 waited = f"{STALL_COMMAND_WAIT_S:.0f} s"
                 say("warning", f"{self.option} command for {who} still runs after {waited}; left running")
                 continue
+            if relay is not None:  # the rest of what it said, relayed before the process ends
+                relay.join(timeout=STALL_COMMAND_WAIT_S)
             if code:
                 say("warning", f"{self.option} command for {who} exited with {code}")
 
@@ -218,7 +220,7 @@ class EventCommands:
         who = event.who()
         env = {**os.environ, **event.variables(str(self.run_dir))}
         if not self.relay:
-            self.children.append((who, subprocess.Popen(self.command, shell=True, env=env)))
+            self.children.append((who, subprocess.Popen(self.command, shell=True, env=env), None))
             return
         import threading
 
@@ -230,8 +232,9 @@ class EventCommands:
             for line in child.stdout or ():
                 say("info", line.rstrip("\n"))
 
-        threading.Thread(target=relay, daemon=True).start()
-        self.children.append((who, child))
+        relaying = threading.Thread(target=relay, daemon=True)
+        relaying.start()
+        self.children.append((who, child, relaying))
 
 
 # How long watch waits, at its end, for the --on-stall and --on-alert commands it started.
