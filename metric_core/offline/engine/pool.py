@@ -159,8 +159,10 @@ def _size(output: Any) -> int:
     ``Rows`` and exact sums; a frame); of anything else, its own."""
     if isinstance(output, np.ndarray):
         return int(output.nbytes)
-    if isinstance(output, pl.DataFrame):
+    if isinstance(output, pl.DataFrame | pl.Series):
         return int(output.estimated_size())
+    if isinstance(output, dict):
+        return sum(_size(part) for part in output.values())
     if isinstance(output, tuple | list):
         return sum(_size(part) for part in output)
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
