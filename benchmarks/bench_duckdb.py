@@ -31,7 +31,7 @@ every group from its exact state: the finish), fold (the accumulator's own fold 
 states) and take (the accumulator's take: every group's statistic): CPU and wall per
 record (per group for sum, mean, std and take), against DuckDB's wall time for the global
 command per record. Then each command's own path (global, time, p99: ``path_floors``), its
-phases alone on one thread (read, add, finish, write) and two floors of its wall time on
+phases one after another in one process (read, add, finish, write) and two floors of its wall time on
 2 cores against DuckDB's: this design's (the imports, then read and add sharing the cores,
 then finish and write) and an ideal one (only Python, numpy and pyarrow's imports before
 the first read, every phase's CPU spread evenly on both cores).
@@ -268,7 +268,8 @@ for stat in ("sum", "mean", "std"):
 folded("fold", "take", parts, records)
 
 """
-# Each command's own path, its phases one after another on one thread (the compiled path):
+# Each command's own path, its phases one after another in one process (the compiled path;
+# pyarrow's and polars' own threads work as they do in a command):
 # read (the columns it needs, taken as pyarrow reads them: rows for the C table), add (into
 # the accumulator), finish (every group out, rounded, as result frames), write (the frames
 # to Parquet). Prints one line a phase: name, wall s, CPU s (every thread of the process).
@@ -335,8 +336,9 @@ PLANS = {
 
 
 def path_floors(run: Path, out: Path, repeats: int, every: str) -> None:
-    """Each command's phases alone (PATH_CHILD), and two floors of its wall time on this
-    machine's 2 cores, against DuckDB's wall time for it, side by side (medians of --repeats):
+    """Each command's phases one after another (PATH_CHILD), and two floors of its wall time
+    on this machine's 2 cores, against DuckDB's wall time for it, side by side (medians of
+    --repeats):
 
     - the design's: the start (the engine's imports, before the footers are read), then
       read and add sharing the two cores (their CPU / 2), then finish and write (after the
@@ -366,19 +368,21 @@ def path_floors(run: Path, out: Path, repeats: int, every: str) -> None:
         duck_s, start_s, read_start_s = map(statistics.median, (duck, start, read_start))
         design = start_s + (cpu["read"] + cpu["add"]) / 2 + wall["finish"] + wall["write"]
         ideal = read_start_s + sum(cpu.values()) / 2
-        rows.append((name, duck_s, start_s, read_start_s, cpu, design, ideal))
-    print(f"\nfloors of each command (compiled), medians of {repeats}; phases alone on one thread, CPU s")
-    heads = ["command", "duckdb s", "start", "read", "add", "finish", "write", "design", "x duckdb"]
-    heads += ["ideal", "x duckdb"]
+        rows.append((name, duck_s, start_s, read_start_s, cpu, wall, design, ideal))
+    print(f"\nfloors of each command (compiled), medians of {repeats}; its phases one after another")
+    heads = ["command", "duckdb s", "start", "read cpu", "add cpu", "finish", "(cpu)", "write", "(cpu)"]
+    heads += ["design", "x duckdb", "ideal", "x duckdb"]
     print(f"{heads[0]:<9}" + "".join(f"{h:>9}" for h in heads[1:]))
-    for name, duck_s, start_s, _, cpu, design, ideal in rows:
-        cells = [duck_s, start_s, cpu["read"], cpu["add"], cpu["finish"], cpu["write"], design]
+    for name, duck_s, start_s, _, cpu, wall, design, ideal in rows:
+        cells = [duck_s, start_s, cpu["read"], cpu["add"], wall["finish"], cpu["finish"]]
+        cells += [wall["write"], cpu["write"], design]
         line = f"{name:<9}" + "".join(f"{c:>9.2f}" for c in cells)
         print(line + f"{design / duck_s:>8.2f}x{ideal:>9.2f}{ideal / duck_s:>8.2f}x")
     print(
-        "start: a reduce process's Python and imports (the engine's, pyarrow's reader); design: start +"
-        " (read + add) / 2 + finish + write (their wall); ideal: Python, numpy and pyarrow's imports"
-        f" alone ({statistics.median(r[3] for r in rows):.2f} s) + every phase's CPU / 2"
+        "seconds; start: a reduce process's wall before it reads (Python, the engine's imports, pyarrow's"
+        " reader); read, add: CPU; finish, write: wall (their CPU beside it: pyarrow's and polars' own"
+        " threads count); design: start + (read + add) / 2 + finish + write; ideal: Python, numpy and"
+        f" pyarrow's imports alone ({statistics.median(r[3] for r in rows):.2f} s) + every phase's CPU / 2"
     )
 
 
