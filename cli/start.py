@@ -64,8 +64,8 @@ def _leave(code: object) -> None:
     would: the threads it waits for joined, then the ``atexit`` functions run (temporary
     directories removed, a Ray started here shut down, wandb's and logging's ends), what
     only reference cycles hold finalized, then the output flushed; but not its teardown,
-    which frees every module and what it holds one by one: a fifth of a second after a
-    large reduce, for nothing (the command's files are written and closed by then)."""
+    which frees every module and what it holds one by one: about 0.05 s after a large
+    reduce, for nothing (the command's files are written and closed by then)."""
     import contextlib
     import gc
 
