@@ -79,3 +79,12 @@ def test_every_output_comes_in_the_items_order_whatever_runs_ahead(monkeypatch, 
     in_flight = 2 * pool.pl.thread_pool_size()  # items started at once at most
     # one an item in flight, plus what fits the budget, plus one a thread about to be handed
     assert most[0] <= in_flight + budget // 8192 + pool.pl.thread_pool_size() + 1
+
+
+def test_a_long_sequence_is_sized_from_its_first_items():
+    """A row a combo (a partition's labels as Python values): not walked item by item."""
+    import sys
+
+    arrays = [np.zeros(10) for _ in range(1000)]
+    assert pool._size(arrays) == sys.getsizeof(arrays) + 1000 * 80
+    assert pool._size(arrays[:10]) == 800  # a short one, item by item

@@ -164,6 +164,8 @@ def _size(output: Any) -> int:
     if isinstance(output, dict):
         return sum(_size(part) for part in output.values())
     if isinstance(output, tuple | list):
+        if len(output) > 64:  # a row a combo, say: its first items' sizes as the rest's
+            return sys.getsizeof(output) + len(output) * sum(map(_size, output[:8])) // 8
         return sum(_size(part) for part in output)
     if dataclasses.is_dataclass(output) and not isinstance(output, type):
         return sum(_size(getattr(output, f.name)) for f in dataclasses.fields(output))
