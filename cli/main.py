@@ -645,9 +645,6 @@ def main() -> None:
     way out. An unexpected error is a bug: its traceback once, one line saying so, exit 1."""
     catch_stops()
     tuning.apply()
-    for name in ("stdout", "stderr"):  # started with it closed (>&-): said to no one, as to a reader gone
-        if getattr(sys, name) is None:
-            setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (open until the process ends)
     every = app.registered_commands
     app.registered_commands = _asked(sys.argv[1:2]) or every
     try:

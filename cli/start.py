@@ -39,6 +39,9 @@ def main() -> None:
     try:
         try:
             catch_stops()  # in the try: a stop may land as soon as its first handler is set
+            for name in ("stdout", "stderr"):  # started closed (>&-): said to no one, as to a reader gone
+                if getattr(sys, name) is None:
+                    setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (open until the process ends)
             # No command does linear algebra: numpy's OpenBLAS would start a thread a core
             # as it loads, whose spinning costs a short command about a sixth of its CPU.
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -79,9 +82,8 @@ def _leave(code: object) -> None:
     elif isinstance(code, int):
         status = code
     else:  # as the interpreter says a SystemExit of a message
-        if sys.stderr is not None:
-            with contextlib.suppress(OSError, ValueError):
-                print(code, file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):
+            print(code, file=sys.stderr)
         status = 1
     _flush()
     os._exit(status & 0xFF)
@@ -145,12 +147,12 @@ def _end() -> None:
 
 
 def _flush() -> None:
-    """stdout and stderr flushed: a pipe its reader closed, a stream closed, or none at all
-    (the process started with it closed: ``>&-``) is no error of the command's."""
+    """stdout and stderr flushed: a pipe its reader closed, or a stream closed, is no error
+    of the command's."""
     import contextlib  # after the commands loaded it (not before: see above)
 
     for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
+        if stream is not None:  # closed at the start, and a stop came before ``main`` replaced it
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
 

@@ -231,7 +231,6 @@ def work():
         (here / "cleaned").write_text("")
 
 hold_stops()  # the caller holds stops (and keeps holding them)
-start = time.monotonic()
 try:
     with overlap.started(work):
         while not (here / "working").exists():
@@ -239,7 +238,7 @@ try:
         raise RuntimeError("the block fails")
 except RuntimeError:
     pass
-print(round(time.monotonic() - start) < 8, (here / "cleaned").exists())
+print((here / "cleaned").exists())  # a child killed (SIGKILL, 10 s on) never cleans up
 """
 
 
@@ -250,5 +249,5 @@ def test_a_child_started_while_the_caller_holds_stops_is_still_stopped_with_its_
         [sys.executable, "-c", HELD, str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout == "True True\n"
+    assert done.stdout == "True\n"
     assert "Traceback" not in done.stderr, done.stderr
