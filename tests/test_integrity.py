@@ -334,3 +334,43 @@ def test_a_flip_in_the_metadata_declaring_a_restart_is_said_when_the_restart_is_
         outcomes["said"] += 1
     restarted.write_bytes(pristine)
     assert outcomes["said"] > 20, outcomes  # the trials reached the declaration, not only its padding
+
+
+@pytest.mark.parametrize("column", ["value", "key"])
+@pytest.mark.parametrize("writer", ["metriclog, its metadata damaged", "another tool, page checksums"])
+def test_a_damaged_page_is_skipped_alike_by_every_read_of_a_file_whose_pages_carry_checksums(
+    tmp_path, writer, column
+):
+    """A page flipped in a file read as another tool's whose pages carry checksums: the
+    writer's segment whose metadata is damaged too (soak seed 659228941: a flipped key
+    page decoded as 'Dictionary Index is out-of-bounds' in polars), or another tool's file
+    written with them. polars checks no page checksum, so every read of it through polars
+    (plot's, upload's first times, --strict's check) verifies its pages first: each read
+    returns the same records, none of them unwritten, and says the same skip."""
+    run, truth = written_run(tmp_path / "run", "parquet")
+    (path,) = run.glob("*.parquet")
+    if writer.startswith("another tool"):
+        table = pq.read_table(path).drop_columns(["key_hash"]).replace_schema_metadata(None)
+        path.unlink()
+        path = run / "other.parquet"
+        pq.write_table(table, path, row_group_size=BLOCK, write_page_checksum=True)
+    else:
+        data = path.read_bytes()
+        assert data.count(b'"records": 500') == 1
+        path.write_bytes(data.replace(b'"records": 500', b'"records": 600'))  # fails its checksum
+    flip_a_page(path, group=2, column=column)
+    kept = collections.Counter(truth[: 2 * BLOCK] + truth[3 * BLOCK :])
+    fields = ["key", "value", "step", "timestamp", "rank", "process"]
+    engine = run_plan(run, make_plan(mode="per_rank_no_reduce"))
+    assert collections.Counter(engine.frame.select(fields).rows()) == kept
+    assert engine.scan.report.skipped_records == BLOCK
+    scan = scan_run(run)
+    assert collections.Counter(scan.frame.select(fields).collect().rows()) == kept
+    assert scan.report.skipped_records == BLOCK and "row group 2 cannot be read" in scan.report.summary()
+    plotted = runner.invoke(app, ["plot", str(run), "--key", "loss", "--out", str(tmp_path / "p.svg")])
+    assert plotted.exit_code == 0, plotted.output
+    tensorboard = ["--to", "tensorboard", "--logdir", str(tmp_path / "tb")]
+    uploaded = runner.invoke(app, ["upload", str(run), *tensorboard, "--mode", "per_rank_reduce"])
+    assert uploaded.exit_code == 0 and "row group 2 cannot be read" in uploaded.stderr, uploaded.output
+    strict = runner.invoke(app, ["reduce", str(run), "--strict", "--out", str(tmp_path / "s.parquet")])
+    assert strict.exit_code == 1 and "row group 2 cannot be read" in strict.stderr, strict.output

@@ -101,6 +101,7 @@ def scan_parquet(
         return None, True, None
     if own is not None and own.row_groups is not None:
         rep.row_groups = own.row_groups
+        rep.page_checksums = True
     # sealed by our writer, untouched, with clock timestamps
     ours = own is not None and own.records == rows and own.plausible_times
     if own is not None and ours:
@@ -478,7 +479,7 @@ def checked_parts(
             parts = [file.read_row_group(g, columns=columns)]
             if rows is not None:
                 parts = parts[0].to_batches(max_chunksize=rows)
-            for part in parts if rep.row_groups is not None else ():  # a dictionary index out of
+            for part in parts if rep.page_checksums is True else ():  # a dictionary index out of
                 part.validate(full=True)  # range, say, that a damaged page header let decode
             found = sum(len(part) for part in parts)
             why = (
@@ -526,6 +527,37 @@ def check_groups(
         raise_store_failure(rep.path, exc)
         return False
     return not rep.damaged_groups.intersection(groups)
+
+
+def pages_carry_checksums(path: RunPath) -> bool:
+    """Whether a Parquet file's pages carry checksums (its writer's choice, made for every
+    page), as the header of its first page says. That header is Thrift's compact protocol:
+    the PageHeader's three sizes (fields 1-3, each an i32 whose field byte is 0x15), then
+    field 4, ``crc``, when there is one. A header that does not read so counts as carrying
+    them: the file is then verified, one more read and never a wrong value. A file that
+    cannot be read says so when it is read."""
+    try:
+        meta = footer(path)
+        group = next((g for g in range(meta.num_row_groups) if meta.row_group(g).num_rows), None)
+        if group is None or meta.num_columns == 0:
+            return False
+        chunk = meta.row_group(group).column(0)
+        start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        with path.open("rb") as file:
+            file.seek(start)
+            head = file.read(32)
+    except (Exception, PanicException) as exc:
+        raise_store_failure(path, exc)
+        return False
+    at = 0
+    for _ in range(3):
+        if at >= len(head) or head[at] != 0x15:
+            return True
+        at += 1
+        while at < len(head) and head[at] & 0x80:  # the varint's bytes
+            at += 1
+        at += 1
+    return at >= len(head) or head[at] == 0x15
 
 
 def verify(rep: FileReport) -> pl.LazyFrame | None:

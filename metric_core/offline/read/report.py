@@ -64,6 +64,11 @@ class FileReport:
     # found damaged so far (skipped, their records counted in ``skipped``).
     row_groups: tuple[tuple[int, int, float], ...] | None = None
     damaged_groups: set[int] = field(default_factory=set)
+    # Its pages carry checksums: the writer's Parquet file (a sealed segment, or one whose
+    # metadata is damaged), or another tool's that wrote them (None: not looked at yet).
+    # Its row groups are verified before polars reads it (polars checks no page checksum,
+    # and a damaged page may not decode: ``scan._verified``).
+    page_checksums: bool | None = None
     verified: bool = False  # every row group read once to verify it
     # (bytes, mtime in ns) before its records were read: a file that still shows these is
     # the file that was read (``identity``).

@@ -41,6 +41,7 @@ from metric_core.offline.read.parquet import (
     categorical_batches,
     check_groups,
     drop_bad_rows,
+    pages_carry_checksums,
     run_parquet_checks,
     scan_parquet,
     verify,
@@ -160,7 +161,7 @@ class RunScan:
         """A read of the file checks its rows or verifies its pages as it goes: read it
         once, with ``batches``, rather than through a query over ``file_frame``."""
         rep = self.report.files[fid]
-        return not self.trusted(fid) or (rep.row_groups is not None and not rep.verified)
+        return not self.trusted(fid) or (rep.page_checksums is True and not rep.verified)
 
     def unchanged(self, fid: int) -> bool:
         """The file is as the ``earlier`` scan given to ``scan_run`` listed it (its
@@ -181,7 +182,7 @@ class RunScan:
             for fid in earlier.file_ids
             if fid not in earlier._pending
             and fid not in earlier._failed
-            and not (files[fid].row_groups is not None and files[fid].skipped)
+            and not (files[fid].page_checksums is True and files[fid].skipped)
         }
         for fid in self.file_ids:
             rep = self.report.files[fid]
@@ -386,6 +387,8 @@ class RunScan:
             if good is not frame:  # a row group was damaged: the others, as ``resolve`` left them
                 if rep.replaced_from is not None:
                     good = good.filter(pl.col("step") < rep.replaced_from)
+                if fid in self._counted:  # its bad rows counted already: dropped, as before
+                    good = good.filter(RECORD_OK)
                 with self._counting:
                     self._parts[fid] = _framed(good, rep, fid)
 
@@ -401,7 +404,8 @@ class RunScan:
             rep = self.report.files[fid]
             if rep.source is not None and rep.timestamps is not None:
                 first[rep.source] = min(first.get(rep.source, math.inf), rep.timestamps[0])
-            else:  # as listed: unchecked (the upload ids made of these must not change)
+            else:  # rows as listed, unchecked (the upload ids made of these must not change)
+                self._verify([fid])  # but pages that fail their checksums are not read
                 rest.append(self._parts[fid])
         if rest:
             found = pl.concat(rest).group_by("process", "rank").agg(pl.col("timestamp").min())
@@ -492,6 +496,8 @@ def scan_run(
             rep.superseded_by = superseded[path]
             continue
         take_attempt(rep, metas[path])
+        if suffix == ".parquet" and isinstance(found[path], Damaged):
+            rep.page_checksums = True  # the writer's file
         check: pl.LazyFrame | None = None
         trusted = True
         if suffix == ".parquet":
@@ -550,9 +556,14 @@ def _framed(frame: pl.LazyFrame, rep: FileReport, fid: int) -> pl.LazyFrame:
 
 
 def _verified(rep: FileReport, frame: pl.LazyFrame) -> pl.LazyFrame:
-    """A file's ``frame``; a checksummed segment's verified first, once (``verify``): the
-    frame of its undamaged row groups when one is damaged."""
-    if rep.row_groups is None or rep.verified:
+    """A file's ``frame``; a Parquet file whose pages carry checksums (``page_checksums``;
+    another tool's, as its first page says) verified first, once (``verify``): the frame of
+    its undamaged row groups when one is damaged."""
+    if rep.format != "parquet" or rep.verified:
+        return frame
+    if rep.page_checksums is None:
+        rep.page_checksums = pages_carry_checksums(rep.path)
+    if not rep.page_checksums:
         return frame
     rep.verified = True
     good = verify(rep)
