@@ -85,13 +85,15 @@ def _root(
 
 
 @contextmanager
-def command_run() -> Iterator[None]:
+def command_run(numpy_api: bool = True) -> Iterator[None]:
     """A command's work. First, polars' hand-over to numpy, which a stop landing in it would
-    turn into a panic (``fetch_numpy_api``); then expected failures become one line on
-    stderr and an exit code, never a traceback."""
-    from metric_core.offline.read import fetch_numpy_api
+    turn into a panic (``fetch_numpy_api``; not for ``upload``, which reads in a child
+    forked before polars loads, and fetches it once the child is done); then expected
+    failures become one line on stderr and an exit code, never a traceback."""
+    if numpy_api:
+        from metric_core.offline.read import fetch_numpy_api
 
-    fetch_numpy_api()
+        fetch_numpy_api()
     try:
         yield
     except PlanError as exc:
@@ -220,7 +222,8 @@ def upload(
     from metric_core.offline.upload import upload_runs
 
     report = output.RunsReport()
-    with command_run(), output.EventCommands(on_alert, runs[0], option="--on-alert", kind="alert") as alerts:
+    alerts = output.EventCommands(on_alert, runs[0], option="--on-alert", kind="alert")
+    with command_run(numpy_api=False), alerts:
         alarms = o.alarms(alert, alert_on, on_alert)
         following = o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait, alarms)
         with output.upload_events() as events, output.read_progress() as progress:

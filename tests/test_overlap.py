@@ -5,6 +5,8 @@ A fresh interpreter runs each case, as the command line does: polars not yet loa
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -160,6 +162,44 @@ def test_upload_forks_before_polars_loads():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == "False\n"
+
+
+FIRST_POLARS = """
+import os, sys
+main_pid, said = os.getpid(), sys.argv[1]
+
+class FirstPolars:  # the pid of each process's first import of polars, in turn
+    def find_spec(self, name, path=None, target=None):
+        if name == "polars":
+            with open(said, "a") as f:
+                f.write(f"{os.getpid()}\\n")
+            sys.meta_path.remove(self)
+        return None
+
+sys.meta_path.insert(0, FirstPolars())
+from metriclog.start import main
+sys.argv = ["metriclog", "upload", sys.argv[2], "--project", "p", "--offline"]
+print(main_pid, flush=True)
+main()
+"""
+
+
+def test_the_upload_command_reads_the_run_in_a_child_forked_before_polars_loads(tmp_path):
+    """``metriclog upload`` itself, not only ``upload_run``: nothing on its way to the fork
+    (the command's start, whether the job still writes) loads polars, so the child imports
+    it first and this process only once the child is done."""
+    run = shutil.copytree(ROOT / "sample_logs" / "rl_run", tmp_path / "run")
+    said = tmp_path / "pids"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_POLARS, said, run], capture_output=True, text=True, timeout=120,
+        cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    main_pid = int(done.stdout.split()[0])
+    first, *then = [int(pid) for pid in said.read_text().split()]
+    assert first != main_pid and then == [main_pid]
+    assert "300 rows" in done.stderr
 
 
 FORKING = """

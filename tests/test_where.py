@@ -350,9 +350,8 @@ def test_a_pid_reused_by_a_later_process_is_not_the_attempt_still_running():
     import os
     import socket
 
-    from metric_core.format.life import pid_namespace
-    from metric_core.offline.inspect.story import _process_state
+    from metric_core.format.life import pid_namespace, process_state
 
     here = Life(host=socket.gethostname(), pid=os.getpid(), pidns=pid_namespace())
-    assert _process_state(here, time.time()) is True  # this process started before "now"
-    assert _process_state(here, time.time() - 10 * 24 * 3600) is False  # an attempt from before it
+    assert process_state(here, time.time()) is True  # this process started before "now"
+    assert process_state(here, time.time() - 10 * 24 * 3600) is False  # an attempt from before it

@@ -29,9 +29,11 @@ directory, and ``step``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,3 +290,51 @@ def _pair(value: Any) -> tuple[int, float] | None:
         return None
     step, at = value
     return (int(step), float(at))
+
+
+def process_gone(life: Life) -> bool:
+    """Its process is known to be gone: written on this host and in this pid namespace (a
+    container with this host name but pids of its own is another place), and no process
+    has its pid."""
+    return process_state(life) is False
+
+
+def process_state(life: Life, started: float | None = None) -> bool | None:
+    """Whether its process is there (True), known gone (False), or not known (None: written
+    on another host or in another pid namespace, or without a pid). A process with its pid
+    that started after the attempt did (``started``) is another one: the pid was reused."""
+    if life.pid is None or life.host != socket.gethostname() or life.pidns != pid_namespace():
+        return None
+    try:
+        os.kill(life.pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return None
+    try:  # a zombie (killed, not yet waited for by its parent) is gone
+        with open(f"/proc/{life.pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+        if fields[0] in (b"Z", b"X"):
+            return False
+        if started is not None and math.isfinite(started):
+            born = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+            if born > started + PID_REUSED_AFTER_S:
+                return False
+        return True
+    except (OSError, IndexError, ValueError):
+        return True
+
+
+# A process with the attempt's pid that started this long after the attempt is another one.
+PID_REUSED_AFTER_S = 2.0
+
+
+@functools.lru_cache(maxsize=1)
+def _boot_time() -> float:
+    with open("/proc/stat", "rb") as f:
+        for line in f:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    raise OSError("no btime in /proc/stat")

@@ -25,12 +25,19 @@ import functools
 import math
 import os
 import re
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from metric_core.format.life import CAUGHT_SIGNALS, STACK_NAME, STACKS_DIR, Life, pid_namespace, place_text
+from metric_core.format.life import (
+    CAUGHT_SIGNALS,
+    STACK_NAME,
+    STACKS_DIR,
+    Life,
+    place_text,
+    process_gone,
+    process_state,
+)
 from metric_core.offline.read.attempts import LEGACY, Attempt
 from metric_core.offline.read.report import ReadReport, rel
 from metric_core.offline.storage import RunPath, is_remote, listed_below, size_and_mtime
@@ -299,7 +306,7 @@ def _end(
     if not exits and newest and not life.dead(now) and not process_gone(life):
         a.end = "running"  # a thread's exception does not end a process that goes on
         return
-    if not exits and newest and _process_state(life, a.started) is True:
+    if not exits and newest and process_state(life, a.started) is True:
         a.end, a.no_heartbeat = "running", True  # its process is there, its writer thread is not heard
         return
     if a.thread_exceptions:  # the process ended without shutdown() after it: the likely cause
@@ -321,54 +328,6 @@ def end_of(a: Attempt, life: Life, stacks: list[StackFile], now: float) -> None:
     down, from its life and stack files: the rule ``inspect`` tells ends by, for a follower
     that reads the run as it grows."""
     _end(a, life, stacks, {}, True, now)
-
-
-def process_gone(life: Life) -> bool:
-    """Its process is known to be gone: written on this host and in this pid namespace (a
-    container with this host name but pids of its own is another place), and no process
-    has its pid."""
-    return _process_state(life) is False
-
-
-def _process_state(life: Life, started: float | None = None) -> bool | None:
-    """Whether its process is there (True), known gone (False), or not known (None: written
-    on another host or in another pid namespace, or without a pid). A process with its pid
-    that started after the attempt did (``started``) is another one: the pid was reused."""
-    if life.pid is None or life.host != socket.gethostname() or life.pidns != pid_namespace():
-        return None
-    try:
-        os.kill(life.pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return None
-    try:  # a zombie (killed, not yet waited for by its parent) is gone
-        with open(f"/proc/{life.pid}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-        if fields[0] in (b"Z", b"X"):
-            return False
-        if started is not None and math.isfinite(started):
-            born = _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-            if born > started + PID_REUSED_AFTER_S:
-                return False
-        return True
-    except (OSError, IndexError, ValueError):
-        return True
-
-
-# A process with the attempt's pid that started this long after the attempt is another one.
-PID_REUSED_AFTER_S = 2.0
-
-
-@functools.lru_cache(maxsize=1)
-def _boot_time() -> float:
-    with open("/proc/stat", "rb") as f:
-        for line in f:
-            if line.startswith(b"btime "):
-                return float(line.split()[1])
-    raise OSError("no btime in /proc/stat")
 
 
 def _or_inf(x: float) -> float:

@@ -13,9 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import polars as pl
-from polars.exceptions import PanicException
-
 from metric_core import run_json
 from metric_core.format.sample import is_samples_file
 from metric_core.format.schema import DATA_SUFFIXES, parse_json
@@ -271,6 +268,9 @@ class Derived:
 
 
 def _parquet_meta(path: RunPath) -> SegmentMeta | Derived | Damaged | None:
+    import polars as pl  # here: a listing (``upload``'s, before it forks its reader) loads none
+    from polars.exceptions import PanicException
+
     try:
         kv = pl.read_parquet_metadata(source(path))
     except (Exception, PanicException) as exc:

@@ -190,6 +190,9 @@ def upload_run(
         if not dry_run:
             to.load_client()
         planned = _started_meanwhile(_received(prepare, events), live, root, settled, follow_symlinks, events)
+        from metric_core.offline.read import fetch_numpy_api  # once polars may load here
+
+        fetch_numpy_api()  # where a child read the run, this process has not fetched it yet
         try:
             report_planned(planned, events)
             if dry_run:

@@ -39,7 +39,7 @@ def running(root: RunPath, *, follow_symlinks: bool = False) -> bool:
     gone, its heartbeat stopped). Files of an older writer, which record no life, and runs
     in object storage, read as finished (as every command reads them)."""
     from metric_core.format import journal
-    from metric_core.offline.inspect.story import process_gone
+    from metric_core.format.life import process_gone
     from metric_core.offline.read import ReadReport
     from metric_core.offline.read.discover import list_data_files
 
