@@ -157,15 +157,13 @@ Keys = Annotated[
     typer.Option("--key", metavar="PATTERN", help="Only keys matching this glob. Repeatable."),
 ]
 Ranks = Annotated[str | None, typer.Option("--ranks", metavar="RANKS", help="Only these ranks, e.g. 0,2-5.")]
-Steps = Annotated[
-    str | None,
-    typer.Option(
-        "--steps",
-        metavar="START:STOP",
-        help="Only steps START:STOP (STOP excluded), e.g. 100:200. A negative number counts back from "
-        "the last step, as Python slices do: -5: is the last 5 steps, :-1 all but the last (not with "
-        "upload --follow).",
-    ),
+_STEPS_HELP = (
+    "Only steps START:STOP (STOP excluded), e.g. 100:200. A negative number counts back from the last "
+    "step, as Python slices do: -5: is the last 5 steps, :-1 all but the last"
+)
+Steps = Annotated[str | None, typer.Option("--steps", metavar="START:STOP", help=_STEPS_HELP + ".")]
+UploadSteps = Annotated[  # a live run has no last step yet
+    str | None, typer.Option("--steps", metavar="START:STOP", help=_STEPS_HELP + " (not with --follow).")
 ]
 Strict = Annotated[bool, typer.Option("--strict", help="Exit 1 if any record or file had to be skipped.")]
 
@@ -524,6 +522,8 @@ COMMAND_PLAN_OPTIONS: dict[str, tuple[str, ...]] = {
     "inspect": ("attempts",),
     "watch": ("attempts",),
 }
+# A plan option whose help a command words its own way (the same option otherwise).
+OWN_HELP: dict[tuple[str, str], Any] = {("upload", "steps"): UploadSteps}
 # A plan option's flag that a command takes in another sense, declared apart on purpose.
 OTHER_MEANINGS: dict[tuple[str, str], str] = {
     ("plot", "--key"): "the keys to plot (PlotKeys): required",
@@ -579,6 +579,7 @@ def plan_options(command: str) -> Callable[[F], F]:
                 continue
             for name in names:
                 kind, default = PLAN_OPTIONS[name]
+                kind = OWN_HELP.get((command, name), kind)
                 params.append(inspect.Parameter(name, param.kind, default=default, annotation=kind))
 
         @functools.wraps(func)

@@ -19,9 +19,11 @@ from typer.testing import CliRunner
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _declared(name: str) -> tuple[str, str, object]:
-    """An option's flag, help and default as cli/options.py declares them."""
+def _declared(name: str, command: str | None = None) -> tuple[str, str, object]:
+    """An option's flag, help and default as cli/options.py declares them (for ``command``,
+    in its own words where ``OWN_HELP`` has them: the same flag and default)."""
     kind, default = o.PLAN_OPTIONS[name]
+    kind = o.OWN_HELP.get((command, name), kind)
     info = typing.get_args(kind)[1]  # Annotated[type, typer.Option(flag, ...)]
     return info.default, info.help, default
 
@@ -51,7 +53,7 @@ def test_each_command_takes_exactly_its_listed_plan_options_as_declared(command)
             continue
         name = FLAGS[flag]
         took.add(name)
-        declared_flag, declared_help, declared_default = _declared(name)
+        declared_flag, declared_help, declared_default = _declared(name, command)
         assert param.opts == [declared_flag] and not param.secondary_opts, (command, param.opts)
         assert param.help == declared_help, (command, flag)
         assert param.default in (declared_default, getattr(declared_default, "value", object())), (
@@ -69,7 +71,7 @@ def test_help_shows_each_plan_option_once_with_its_declared_help(command):
     assert shown.exit_code == 0, shown.output
     said = " ".join(shown.output.split())
     for name in o.COMMAND_PLAN_OPTIONS.get(command, ()):
-        flag, help_text, _ = _declared(name)
+        flag, help_text, _ = _declared(name, command)
         assert len(re.findall(rf"^\s+{flag}\b", shown.output, re.M)) == 1, (command, flag)
         assert " ".join(help_text.split()) in said, (command, flag)
 
@@ -84,12 +86,25 @@ def test_the_commands_name_no_plan_option_type_and_no_other_declaration_takes_th
             assert not re.search(rf"\bo\.({'|'.join(types)})\b", path.read_text()), path
     plan_types = {id(kind) for kind, _ in o.PLAN_OPTIONS.values()}
     apart = {re.search(r"\((\w+)", why).group(1) for why in o.OTHER_MEANINGS.values()}
+    own = {id(kind) for kind in o.OWN_HELP.values()}
     for name, value in vars(o).items():
         args = typing.get_args(value) if typing.get_origin(value) is typing.Annotated else ()
         infos = [a for a in args[1:] if isinstance(a, typer.models.OptionInfo)]
         if infos and infos[0].default in FLAGS:
-            assert id(value) in plan_types or name in apart, name
+            assert id(value) in plan_types | own or name in apart, name
     assert sorted(n for n, v in vars(o).items() if id(v) in plan_types) == sorted(types)
+
+
+def test_an_option_worded_for_one_command_keeps_its_flag_and_default_and_only_it_says_so():
+    """``--steps`` is the same everywhere; only upload, which has --follow, says it cannot
+    count back from the last step of a live run."""
+    for command, name in o.OWN_HELP:
+        flag, _, default = _declared(name)
+        assert _declared(name, command)[::2] == (flag, default)
+    for command in COMMANDS:
+        shown = " ".join(CliRunner().invoke(app, [command, "--help"]).output.split())
+        assert ("(not with --follow)" in shown) == (command == "upload"), command
+        assert "upload --follow" not in shown, command
 
 
 def test_a_command_s_plan_options_reach_it(tmp_path):
