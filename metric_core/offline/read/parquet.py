@@ -561,9 +561,9 @@ def pages_carry_checksums(path: RunPath) -> bool:
 
 
 def verify(rep: FileReport) -> pl.LazyFrame | None:
-    """Read every row group of a checksummed segment to verify it (``check_groups``, every
-    column); when one is damaged, the frame of the others (typed as ``scan_parquet`` types
-    them), else None: the file's scan stands."""
+    """Read every row group of a file whose pages carry checksums to verify it
+    (``check_groups``, every column); when one is damaged, the frame of the others (typed
+    as ``scan_parquet`` types them), else None: the file's scan stands."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
