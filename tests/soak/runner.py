@@ -394,8 +394,31 @@ class Job:
 
     # -- damage ----------------------------------------------------------------------
 
+    def damage_foreign(self) -> set[tuple[str, int]]:
+        """Another tool's Parquet file written with page checksums: a bit of one page's data
+        flipped (in half such jobs), which its checksum covers; its sources, if so. (Its
+        footer is left whole: nothing tells a change there from what the tool wrote.)"""
+        import pyarrow.parquet as pq
+
+        spec = self.job["foreign"]
+        path = self.run / "other" / "other_tool.parquet"
+        if not spec or spec["format"] != "parquet" or not foreign_checksums(spec):
+            return set()
+        rng = random.Random(spec["seed"] ^ 0xF11)
+        if rng.random() < 0.5:
+            return set()
+        meta = pq.read_metadata(path)
+        chunk = meta.row_group(rng.randrange(meta.num_row_groups)).column(rng.randrange(meta.num_columns))
+        start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+        data = bytearray(path.read_bytes())
+        data[start + chunk.total_compressed_size - 1] ^= 1 << rng.randrange(8)  # page data, not a header
+        path.write_bytes(bytes(data))
+        self.notes.setdefault("damaged", []).append({"file": "other/other_tool.parquet", "kind": "flip"})
+        return {(f"Other_r{k}", 100 + k) for k in range(spec["sources"])}
+
     def damage(self) -> set[tuple[str, int]]:
-        """Flip bits in, or cut short, sealed segments of the writer; the sources hit."""
+        """Flip bits in, or cut short, sealed segments of the writer (and a page of another
+        tool's file that has checksums: ``damage_foreign``); the sources hit."""
         hit: set[tuple[str, int]] = set()
         sealed = sorted(p for p in self.run.glob("*.r*.*") if p.suffix in (".parquet", ".jsonl"))
         for damage in self.job["damage"]:
@@ -416,8 +439,15 @@ class Job:
             rank = int(path.name.split(".r")[1].split(".")[0])
             hit.add((self.job["ranks"][rank]["process"], rank))
             self.notes.setdefault("damaged", []).append({"file": path.name, "kind": damage["kind"]})
+        hit |= self.damage_foreign()
         (self.dir / "notes.json").write_text(json.dumps(self.notes, indent=1))
         return hit
+
+
+def foreign_checksums(spec: dict) -> bool:
+    """Whether another tool's Parquet file is written with page checksums (drawn from its
+    seed apart, so that the jobs of the seeds kept are made as they were)."""
+    return random.Random(spec["seed"] ^ 0xC4C).random() < 0.5
 
 
 def write_foreign(job: dict, job_dir: Path) -> None:
@@ -454,7 +484,12 @@ def write_foreign(job: dict, job_dir: Path) -> None:
             name: [r[name] for r in rows]
             for name in ("key", "value", "reduction", "step", "timestamp", "rank", "process")
         }
-        pq.write_table(pa.table(columns), folder / "other_tool.parquet")
+        pq.write_table(  # with page checksums, as Spark writes them, for half the jobs
+            pa.table(columns),
+            folder / "other_tool.parquet",
+            row_group_size=max(1, len(rows) // 3),
+            write_page_checksum=foreign_checksums(spec),
+        )
     else:
         with open(folder / "other_tool.jsonl", "w") as f:
             for r in rows:
