@@ -445,6 +445,31 @@ def test_what_an_export_cannot_carry_is_counted_and_said_never_rounded(tmp_path)
     assert got.select("step", "key", "value").rows() == [(1, "count", 7.0), (0, "loss", 1.0)]
 
 
+def test_integer_columns_of_every_width_import_and_only_those_past_2_53_are_refused(tmp_path):
+    """An int32 or uint8 column (a narrow type: its abs() overflowed, a traceback) imports
+    as its values; of 64-bit ones, exactly those beyond 2**53 either way are refused."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = {
+        "epoch": pa.array([1, -(2**31), 3], pa.int32()),
+        "u8": pa.array([1, 2, 255], pa.uint8()),
+        "i64": pa.array([2**53, -(2**53) - 1, -(2**63)], pa.int64()),
+        "u64": pa.array([2**53, 2**53 + 1, 2**64 - 1], pa.uint64()),
+    }
+    pq.write_table(pa.table({"step": pa.array([0, 1, 2], pa.int64()), **columns}), tmp_path / "n.parquet")
+    _, err = imported(tmp_path / "n.parquet", tmp_path / "run")
+    assert "warning: not imported: 4 integers past 2**53 (float64 cannot hold them exactly)" in err
+    got = {(s, k): v for s, k, v in raw(tmp_path / "run").select("step", "key", "value").rows()}
+    want = {
+        (step, key): float(v)
+        for key, array in columns.items()
+        for step, v in enumerate(array.to_pylist())
+        if abs(v) <= 2**53
+    }
+    assert got == want
+
+
 @pytest.mark.parametrize("suffix", ["csv", "jsonl", "parquet"])
 def test_an_export_of_many_batches_imports_every_row_and_counts_across_them(tmp_path, monkeypatch, suffix):
     """The file is read a batch at a time (here 97 rows, so 2,000 rows are many batches):

@@ -158,11 +158,12 @@ class TableImporter(Importer):
             self.skipped[f"values of columns that are no numbers ({', '.join(left[:5])})"] += (
                 frame.height * len(left)
             )
-        for c in [c for c in keys if frame[c].dtype.is_integer()]:  # past 2**53: refused, never rounded
-            big = int((frame[c].abs() > 1 << 53).sum())
+        for c in [c for c in keys if frame[c].dtype in (pl.Int64, pl.UInt64)]:  # (a narrower one always is)
+            held = pl.col(c).is_between(-(1 << 53), 1 << 53)  # past 2**53: refused, never rounded
+            big = frame.select((~held).sum()).item()
             if big:
                 self.skipped[PAST_FLOAT64] += big
-                frame = frame.with_columns(pl.when(pl.col(c).abs() <= 1 << 53).then(pl.col(c)).alias(c))
+                frame = frame.with_columns(pl.when(held).then(pl.col(c)).alias(c))
         frame = frame.with_columns(pl.col(keys).cast(pl.Float64))
         return frame.unpivot(keys, index=[step, "__time"], variable_name="key", value_name="value").select(
             pl.col(step).alias("step"), "key", "value", pl.col("__time").alias("time")
