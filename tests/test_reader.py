@@ -487,3 +487,35 @@ def test_the_tail_reads_a_step_whose_journal_rotated_before_its_flush_when_the_f
     w.seal_ready()
     assert tail.poll().filter(pl.col("step") == 0).height == 0  # and none again from its segment
     w.close(clean_shutdown=True)
+
+
+@pytest.mark.parametrize("cut", ["mid-line", "at a line's end", "after line 1"])
+def test_an_older_writers_segment_cut_short_counts_every_record_its_metadata_says_it_held(tmp_path, cut):
+    """sample_logs/ holds segments of a writer before block lines: their first line declares
+    ``records`` and ``bytes`` but no checksum. Cut short, every record it wrote and the file
+    no longer holds is counted (not the one half-written line alone), and said as cut short."""
+    import shutil
+
+    run = shutil.copytree(Path(__file__).resolve().parents[1] / "sample_logs" / "rl_run", tmp_path / "run")
+    path = run / "GeneratorActor_r0.r0.00001.jsonl"
+    data = path.read_bytes()
+    meta = json.loads(data[: data.index(b"\n")])
+    assert "checksum" not in meta and meta["bytes"] == len(data) - data.index(b"\n") - 1
+    half = len(data) // 2
+    at = {
+        "mid-line": half,
+        "at a line's end": data.index(b"\n", half) + 1,
+        "after line 1": data.index(b"\n") + 1,
+    }[cut]
+    path.write_bytes(data[:at])
+    kept = data[:at].count(b'\n{"key":')  # whole record lines left
+    scan = scan_run(run)
+    rep = next(f for f in scan.report.files if f.path.name == path.name)
+    assert rep.records == kept and rep.skipped == meta["records"] - kept
+    said = scan.report.summary()
+    left = at - data.index(b"\n") - 1
+    assert "the file is cut short" in said and f"{left:,} of the" in said
+    frame = scan.frame.filter(pl.col("process") == "GeneratorActor_r0", pl.col("step").is_between(120, 239))
+    assert frame.select(pl.len()).collect().item() == kept
+    whole = scan_run(Path(__file__).resolve().parents[1] / "sample_logs" / "rl_run")
+    assert not any(f.skipped for f in whole.report.files if f.path.name == path.name)

@@ -89,6 +89,11 @@ def read_jsonl(
             rep.truncated = True
             rep.skip(_TRUNCATED, 1, [data.count(b"\n", 0, cut) + 1])
             data = data[:cut]
+    if not blocks and sealed is not None and sealed.records is not None and _cut_short(size, sealed):
+        # an older writer's segment (no block lines), cut short: what its metadata says is missing
+        missing = sealed.records - _record_lines(data) - rep.truncated
+        if missing > 0:
+            rep.skip(f"not in the file, though its writer wrote them ({_cut_short(size, sealed)})", missing)
     newlines = data.count(b"\n")
 
     def line_numbers() -> np.ndarray:
@@ -249,13 +254,8 @@ def _without(
     missing = 0
     if meta is not None and meta.records is not None:  # a record line may be what was damaged
         missing = max(meta.records - _record_lines(out) - sum(lost), 0)
-    written = meta.bytes if meta is not None else None
-    cut = written is not None and size < written
-    short = (
-        f"the file is cut short ({size:,} of the {written:,} bytes its writer wrote after line 1)"
-        if cut
-        else ""
-    )
+    short = _cut_short(size, meta)
+    cut = bool(short)
     if cut and damaged and damaged[-1][1] == len(data):  # its last block, without its block line
         tail = where.pop()
         said = f"line {tail} is" if "-" not in tail else f"lines {tail} are"
@@ -273,6 +273,15 @@ def _without(
             f"not in the file, though its writer wrote them ({short or 'cut short, or blocks lost'})", missing
         )
     return out
+
+
+def _cut_short(size: int, meta: SegmentMeta | None) -> str:
+    """What to say of a segment of ``size`` bytes after its first line that its writer's
+    metadata says was longer ("" where it was not, or does not say)."""
+    written = meta.bytes if meta is not None else None
+    if written is None or size >= written:
+        return ""
+    return f"the file is cut short ({size:,} of the {written:,} bytes its writer wrote after line 1)"
 
 
 def _scan_sealed_jsonl(
