@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +85,28 @@ def _task(work: TaskWork, task: Task) -> tuple[list[partials.Partial], Any]:
     return states, seen.found()
 
 
+def _reachable(address: str | None) -> None:
+    """Fail at once, naming it, where a cluster's ``host:port`` (or ``ray://host:port``)
+    takes no connection: Ray itself retries an address that is not there for ever."""
+    if address is None or ":" not in address:  # "auto", "local": Ray finds or starts its own
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not port.isdigit():
+        return  # Ray's own message says what is wrong with it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise MetricLogError(
+            f"cannot reach the Ray cluster at {address} ({exc.strerror or exc}): start it "
+            "(ray start --head), give the address its head printed (--ray-address or RAY_ADDRESS), "
+            "or run with --engine local"
+        ) from None
+
+
+# How long a cluster's address may take to accept a connection.
+RAY_CONNECT_TIMEOUT_S = 10.0
+
+
 def connect(address: str | None) -> Any:
     """Ray, connected to ``address`` (or ``RAY_ADDRESS``), else to a local cluster it starts."""
     try:
@@ -95,6 +118,7 @@ def connect(address: str | None) -> Any:
     if not ray.is_initialized():
         logging.getLogger("ray").setLevel(logging.ERROR)  # its start-up chatter is not the command's output
         address = address or os.environ.get("RAY_ADDRESS") or None
+        _reachable(address)
         try:
             ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
         except ConnectionError as exc:
