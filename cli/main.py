@@ -635,10 +635,13 @@ def diff(
                 run_a, run_b, plan, rtol=rtol, atol=atol, strict=strict, follow_symlinks=follow_symlinks,
                 on_read=output.said_skips, on_progress=progress, engine=engine, ray_address=ray_address,
             )  # fmt: skip
-        if form == "json":
-            typer.echo(report.to_json())
-        else:
-            print_diff(report)
+        try:
+            if form == "json":
+                typer.echo(report.to_json())
+            else:
+                print_diff(report)
+        except BrokenPipeError:  # the reader went away (`| head`): the verdict is still the exit code
+            _quiet_stdout()
     raise typer.Exit(0 if report.equal else DIFFERENT)
 
 

@@ -14,6 +14,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
+from metric_core.errors import MetricLogError
 from metric_core.metric import LoggingMode
 from metric_core.metric import Reduce as Reduction
 from metric_core.offline.plan import By, Engine, ReducePlan, make_plan
@@ -218,7 +219,15 @@ Tail = Annotated[int | None, typer.Option("--tail", metavar="N", min=0, help="On
 
 def rows(limit: int | None, tail: int | None, out: str | None = None, form: Format | None = None) -> None:
     """``--limit`` and ``--tail`` exclude each other; ``--format`` is stdout's, and a file's
-    format comes from its suffix."""
+    format comes from its suffix. Rows for a stdout the process started without (``>&-``)
+    are refused before any read: they would go to no one."""
+    from .start import STARTED_CLOSED
+
+    if out in (None, "-") and "stdout" in STARTED_CLOSED:
+        raise MetricLogError(
+            "standard output is closed (>&-): the rows would go to no one; write them to a file "
+            "with --out FILE, or send stdout to a pipe or a file"
+        )
     if limit is not None and tail is not None:
         raise typer.BadParameter("give --limit or --tail, not both")
     if form is not None and out not in (None, "-"):

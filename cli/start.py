@@ -28,6 +28,9 @@ STOPPED = 130  # a command's exit code when a stop ended it (a shell's, for a Ct
 _stopping = False  # a stop came
 _done = False  # the command is done: the interpreter ends
 _first = _signal.SIGINT  # the signal of the first stop
+# The standard streams the process started with closed (``>&-``): written to /dev/null. A
+# command whose rows go to stdout refuses to make them for no one (``options.rows``).
+STARTED_CLOSED: set[str] = set()
 _lost = False  # a stop's KeyboardInterrupt landed where Python could not raise it
 
 
@@ -42,6 +45,7 @@ def main() -> None:
             for name in ("stdout", "stderr"):  # started closed (>&-): said to no one, as to a reader gone
                 if getattr(sys, name) is None:
                     setattr(sys, name, open(os.devnull, "w"))  # noqa: SIM115 (open until the process ends)
+                    STARTED_CLOSED.add(name)
             # No command does linear algebra: numpy's OpenBLAS would start a thread a core
             # as it loads, whose spinning costs a short command about a sixth of its CPU.
             os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")

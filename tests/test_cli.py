@@ -232,14 +232,21 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
 def test_a_command_started_with_its_output_closed_ends_quietly_and_writes_its_file(tmp_path, closed):
     """``metriclog ... >&-`` (or ``2>&-``): what it would say goes to no one, as to a reader
     that went away; the result file is written, exit 0, no traceback (it once failed on
-    Python's None for the closed stream)."""
+    Python's None for the closed stream). Rows that would go to a closed stdout are refused
+    before any read, exit 1 (a new user's trial: ``reduce RUN >&-`` lost them, exit 0)."""
     import os
     import subprocess
 
     def close() -> None:
         os.close(closed)
 
-    for args in (["--version"], ["reduce", SAMPLE], ["reduce", SAMPLE, "--out", tmp_path / "r.parquet"]):
+    rows = (
+        ["reduce", SAMPLE],
+        ["keys", SAMPLE],
+        ["samples", SAMPLE],
+        ["compare", SAMPLE, SAMPLE, "--label", "a", "--label", "b"],
+    )
+    for args in (["--version"], *rows, ["reduce", SAMPLE, "--out", tmp_path / "r.parquet"]):
         done = subprocess.run(
             [METRICLOG, *args],
             stdout=None if closed == 1 else subprocess.PIPE,
@@ -248,10 +255,38 @@ def test_a_command_started_with_its_output_closed_ends_quietly_and_writes_its_fi
             text=True,
             timeout=120,
         )
-        assert done.returncode == 0, (args, done.stdout, done.stderr)
         said = done.stderr if closed == 1 else done.stdout
         assert "Traceback" not in said, said
+        if closed == 1 and args in rows:
+            assert done.returncode == 1, (args, said)
+            assert said.startswith("Error: standard output is closed (>&-)") and "--out FILE" in said
+        else:
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
     assert pl.read_parquet(tmp_path / "r.parquet").height == 2400
+
+
+def test_diff_s_verdict_is_its_exit_code_when_its_reader_goes_away(tmp_path):
+    """``diff A B | head -1``: a reader gone does not turn "they differ" (5) into 0."""
+    import os
+    import shutil
+    import subprocess
+
+    other = shutil.copytree(SAMPLE, tmp_path / "other")
+    path = other / "TrainActor_r0.r0.00000.parquet"
+    table = pl.read_parquet(path)
+    table.with_columns(pl.col("value") * 2).write_parquet(path)
+    for form in ([], ["--format", "json"]):
+        read, write = os.pipe()
+        os.close(read)  # as `| head -1` does once it has its line
+        try:
+            done = subprocess.run(
+                [METRICLOG, "diff", SAMPLE, other, *form],
+                stdout=write, stderr=subprocess.PIPE, text=True, timeout=120,
+            )  # fmt: skip
+        finally:
+            os.close(write)
+        assert done.returncode == 5, (form, done.stderr)
+        assert "Traceback" not in done.stderr and "Broken pipe" not in done.stderr
 
 
 def test_plot_creates_the_folders_of_its_out_file_as_reduce_does_and_says_a_key_that_matches_nothing(
