@@ -445,6 +445,35 @@ def test_what_an_export_cannot_carry_is_counted_and_said_never_rounded(tmp_path)
     assert got.select("step", "key", "value").rows() == [(1, "count", 7.0), (0, "loss", 1.0)]
 
 
+def test_a_column_of_numbers_keeps_them_past_a_nan_spelled_as_text_or_a_cell_of_text(tmp_path):
+    """A new user's trial: metriclog's own ``reduce --wide --out x.jsonl`` writes NaN as
+    "NaN", which made the whole column text, and every value of it was left out; so did
+    one cell of text in a CSV column of numbers. Now the numbers are kept, the spellings
+    of NaN and the infinities read, and only the cells of other text counted and left out."""
+    import json
+    import math
+
+    rows = [
+        {"step": 0, "loss": 1.5, "acc": 0.125},
+        {"step": 1, "loss": "NaN", "acc": -0.0},
+        {"step": 2, "loss": 2.5, "acc": "Infinity"},
+        {"step": 3, "loss": "-Infinity", "acc": "n/a"},
+    ]
+    (tmp_path / "w.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.csv").write_text(
+        "step,loss,acc\n" + "".join(f"{r['step']},{r['loss']},{r['acc']}\n" for r in rows)
+    )
+    for name in ("w.jsonl", "c.csv"):
+        _, err = imported(tmp_path / name, tmp_path / name.replace(".", "_"))
+        assert "warning: not imported: 1 cells of text that are no numbers, in columns of numbers" in err
+        assert "columns that are no numbers" not in err and "empty cells" not in err, err
+        got = raw(tmp_path / name.replace(".", "_")).sort("key", "step")
+        want = sorted((k, r["step"], float(r[k])) for r in rows for k in ("loss", "acc") if r[k] != "n/a")
+        assert [(k, s) for s, k, *_ in got.rows()] == [(k, s) for k, s, _ in want], name
+        assert same_bits(got["value"].to_numpy(), np.array([v for *_, v in want])), name
+        assert math.copysign(1, got.filter(pl.col("step") == 1, pl.col("key") == "acc")["value"][0]) == -1
+
+
 def test_integer_columns_of_every_width_import_and_only_those_past_2_53_are_refused(tmp_path):
     """An int32 or uint8 column (a narrow type: its abs() overflowed, a traceback) imports
     as its values; of 64-bit ones, exactly those beyond 2**53 either way are refused."""

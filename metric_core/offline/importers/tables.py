@@ -22,6 +22,7 @@ from metric_core.errors import SourceError
 from metric_core.offline.importers.source import PAST_FLOAT64, Importer, Item, Stream, Warn, file_identity
 
 BATCH_ROWS = 65_536  # rows of the file at a time (the writer's batch)
+NOT_NUMBERS = "cells of text that are no numbers, in columns of numbers"
 
 
 class TableImporter(Importer):
@@ -41,6 +42,9 @@ class TableImporter(Importer):
         self.path = path
         self.name = path.stem
         self.columns = {"step": step_col, "time": time_col, "key": key_col, "value": value_col}
+        # Wide form: text columns holding numbers ("NaN" where the others are floats, a cell
+        # of text among numbers): keys, their cells that are no numbers counted and left out.
+        self.texted: list[str] = []
         if (key_col is None) != (value_col is None):
             raise SourceError("long form takes both --key-col and --value-col (wide form: neither)")
 
@@ -88,6 +92,10 @@ class TableImporter(Importer):
                     f"{self.path}: no column '{name}' (its columns: {', '.join(list(schema)[:20])}); "
                     "name the columns with --step-col, --time-col, --key-col and --value-col"
                 )
+        if self.columns["key"] is None:
+            text = [c for c in self._others(schema) if schema[c] == pl.String]
+            with _readable(self.path):
+                self.texted = _numbers_in_text(frame, text)
         if self.columns["key"] is None and not self._keys(schema):
             raise SourceError(f"{self.path}: no numeric column to import besides '{step}'")
         if schema[step].is_integer():
@@ -104,15 +112,20 @@ class TableImporter(Importer):
                 "not an integer: name the step column with --step-col"
             )
 
+    def _others(self, schema: Any) -> list[str]:
+        """The columns but step and time."""
+        return [c for c in schema if c not in (self.columns["step"], self.columns["time"], "__time")]
+
     def _keys(self, schema: Any) -> list[str]:
-        """Wide form: every numeric or boolean column but step and time is a key."""
+        """Wide form: every numeric or boolean column but step and time is a key, and every
+        text column that holds a number (``texted``)."""
         import polars as pl
 
-        step, at = self.columns["step"], self.columns["time"]
         return [
-            c for c, t in schema.items()
-            if c not in (step, at, "__time") and (t.is_numeric() or t == pl.Boolean)
-        ]  # fmt: skip
+            c
+            for c in self._others(schema)
+            if schema[c].is_numeric() or schema[c] == pl.Boolean or c in self.texted
+        ]
 
     def _records(self, frame: Any) -> Iterator[Item]:
         with _readable(self.path):
@@ -131,7 +144,7 @@ class TableImporter(Importer):
         )  # fmt: skip
         frame = frame.with_columns(times.alias("__time"))
         key, value = self.columns["key"], self.columns["value"]
-        before = self.skipped[PAST_FLOAT64]
+        before = self.skipped[PAST_FLOAT64] + self.skipped[NOT_NUMBERS]
         if key is not None and value is not None:
             long = frame.select(
                 pl.col(step).alias("step"),
@@ -142,7 +155,7 @@ class TableImporter(Importer):
         else:
             long = self._wide(frame, step, at)
         empty = long.filter(pl.any_horizontal(pl.all().is_null())).height - (
-            self.skipped[PAST_FLOAT64] - before
+            self.skipped[PAST_FLOAT64] + self.skipped[NOT_NUMBERS] - before
         )
         if empty:
             self.skipped["empty cells (a row without that key, or no step, time or number)"] += empty
@@ -158,6 +171,15 @@ class TableImporter(Importer):
             self.skipped[f"values of columns that are no numbers ({', '.join(left[:5])})"] += (
                 frame.height * len(left)
             )
+        texted = [c for c in keys if c in self.texted]
+        if texted:  # a cell of text that is no number: left out, and counted
+            numbers = {c: pl.col(c).cast(pl.Float64, strict=False) for c in texted}
+            bad = frame.select(
+                pl.sum_horizontal((pl.col(c).is_not_null() & numbers[c].is_null()).sum() for c in texted)
+            )
+            if bad.item():
+                self.skipped[NOT_NUMBERS] += bad.item()
+            frame = frame.with_columns(**numbers)
         for c in [c for c in keys if frame[c].dtype in (pl.Int64, pl.UInt64)]:  # (a narrower one always is)
             held = pl.col(c).is_between(-(1 << 53), 1 << 53)  # past 2**53: refused, never rounded
             big = frame.select((~held).sum()).item()
@@ -168,6 +190,18 @@ class TableImporter(Importer):
         return frame.unpivot(keys, index=[step, "__time"], variable_name="key", value_name="value").select(
             pl.col(step).alias("step"), "key", "value", pl.col("__time").alias("time")
         )
+
+
+def _numbers_in_text(frame: Any, columns: list[str]) -> list[str]:
+    """Those of the text ``columns`` of which a cell reads as a number ("1.5", "NaN",
+    "inf"), in one streaming pass."""
+    import polars as pl
+
+    if not columns:
+        return []
+    found = frame.select(pl.col(c).cast(pl.Float64, strict=False).is_not_null().any() for c in columns)
+    row = found.collect(engine="streaming").row(0)
+    return [c for c, any_number in zip(columns, row, strict=True) if any_number]
 
 
 def _csv_types(path: Path) -> dict[str, Any]:
