@@ -585,7 +585,7 @@ def test_steps_help_shows_that_a_negative_number_counts_back():
         assert (
             "--steps START:STOP Only steps START:STOP (STOP excluded), e.g. 100:200. A negative number "
             "counts back from the last step, as Python slices do: -5: is the last 5 steps, :-1 all but "
-            "the last (not with upload --follow)."
+            "the last" + (" (not with --follow)." if command == "upload" else ".")
         ) in help_of(command), command
 
 

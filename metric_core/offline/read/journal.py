@@ -10,7 +10,7 @@ from metric_core.format.segment import SegmentMeta
 from metric_core.offline.read.discover import take_attempt, writer_meta
 from metric_core.offline.read.jsonl import read_jsonl
 from metric_core.offline.read.parquet import scan_parquet
-from metric_core.offline.read.report import FileReport, ReadReport, Shutdown
+from metric_core.offline.read.report import FileReport, ReadReport, Shutdown, rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
 from metric_core.offline.storage import RunPath, raise_store_failure
 
@@ -40,7 +40,7 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
     rep.attempt_started = decoded.attempt.get("attempt_started")
     rep.attempt_first_step = decoded.attempt.get("attempt_first_step", decoded.first_flush)
     rep.life = decoded.life if decoded.version >= 4 else None  # older writers record no life
-    take_damage(decoded, rep, decoded.truncated_records)
+    take_damage(decoded, rep, decoded.truncated_records, report)
     if decoded.unknown_codes:
         rep.skip("key code without a key definition", decoded.unknown_codes)
     if decoded.table is None or decoded.table.num_rows == 0:
@@ -60,15 +60,27 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
     return df.lazy().cast(POLARS_SCHEMA)  # type: ignore[arg-type]
 
 
-def take_damage(decoded: Any, rep: FileReport, cut: int) -> None:
+def take_damage(decoded: Any, rep: FileReport, cut: int, report: ReadReport) -> None:
     """What decoding a journal (``journal.Decoded``) found wrong, as skips of its file: a
-    damaged frame, and a last frame cut short (``cut``: what it held, as far as known). The
-    readers of records and of samples say them alike."""
+    damaged frame, and a last frame cut short (``cut``: the records it held, as far as
+    known). A last frame cut short with no whole record in it lost nothing a flush had
+    written: said as a notice, not a skip (``--strict`` lets it be). The readers of records
+    and of samples say them alike."""
     for problem in decoded.problems:
         rep.skip(problem, 0)
     if decoded.truncated:
         rep.truncated = True
-        rep.skip("unfinished write at the end (the writer was killed mid-write, or is writing now)", cut)
+        if cut:
+            rep.skip(UNFINISHED, cut)
+        else:
+            report.notices.append(f"{rel(rep.path, report.run_dir)}: {CUT_WRITE}")
+
+
+UNFINISHED = "unfinished write at the end (the writer was killed mid-write, or is writing now)"
+CUT_WRITE = (
+    "its last write was cut short (the writer was killed mid-write, or is writing now): "
+    "that write is not read"
+)
 
 
 def _read_sealed_replacement(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyFrame | None:

@@ -147,7 +147,7 @@ def _gist(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def read_journal_samples(path: RunPath, rep: FileReport) -> SamplesPart | None:
+def read_journal_samples(path: RunPath, rep: FileReport, report: ReadReport) -> SamplesPart | None:
     """A journal's samples up to its first damaged frame (said in ``rep``, as the records'
     reader says it), None when it holds none; ``FileNotFoundError`` when it was sealed since
     it was listed."""
@@ -161,7 +161,7 @@ def read_journal_samples(path: RunPath, rep: FileReport) -> SamplesPart | None:
         return None
     from metric_core.offline.read.journal import take_damage  # loads polars, as above
 
-    take_damage(decoded, rep, 0)  # what follows a damaged frame is not read: samples too
+    take_damage(decoded, rep, 0, report)  # what follows a damaged frame is not read: samples too
     if not decoded.samples or decoded.process is None or decoded.rank is None:
         return None
     rep.records = len(decoded.samples)

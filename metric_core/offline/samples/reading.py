@@ -165,7 +165,7 @@ def _parts_listed(
         if path.name in superseded:
             continue  # sealed meanwhile, or a kill between the samples file and the unlink
         try:
-            part = read_journal_samples(path, _file(report, path))
+            part = read_journal_samples(path, _file(report, path), report)
         except FileNotFoundError:
             return None
         if part is not None:
