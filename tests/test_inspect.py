@@ -203,6 +203,23 @@ def test_a_straggler_is_slower_by_a_sustained_margin_and_noise_or_a_late_start_i
     assert slow.step_time_s / slow.role_step_time_s > 1.2
 
 
+def test_ranks_stopped_together_at_different_steps_are_told_by_each_one_s_last_step(tmp_path, india):
+    """A new user's trial: a rank hung at step 20 while the other went on to 390, then the
+    launcher stopped both; the story said "together after step 20" of both."""
+    run = tmp_path / "run"
+    writers = [
+        step_times(run, f"TrainActor_r{rank}", rank, list(T0 + 0.02 * np.arange(steps)), shutdown=None)
+        for rank, steps in ((0, 101), (1, 51), (2, 101))
+    ]
+    for c in writers:
+        c.abort()
+    died = inspect_run(scan_run(run), now=T0 + 3600)
+    assert [s.last_step for s in sorted(died.sources, key=lambda s: s.rank)] == [100, 50, 100]
+    story = died.verdict()[0]
+    assert "together after steps 50 to 100 (their last flushed)" in story, story
+    assert "after step 50 (" not in story
+
+
 def test_a_run_still_writing_is_still_running_and_a_job_that_died_together_is_said_so(tmp_path, india):
     run = tmp_path / "run"
     newest = T0 + 100 * 0.02

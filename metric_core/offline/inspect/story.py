@@ -433,8 +433,12 @@ def story_lines(failure: Failure | None, attempts: list[Attempt], pauses_found: 
             label += f" restarted from step {min(firsts)} and" if firsts else " restarted and"
         over = ended_together(group)
         if over:
-            step = min((a.last_step for a in over if a.last_step is not None), default=None)
-            at = after_step(step, many=True)
+            steps = sorted({a.last_step for a in over if a.last_step is not None})
+            at = (  # each rank's own last step: the lowest alone was said for all (a new user's trial)
+                after_step(steps[0] if steps else None, many=True)
+                if len(steps) <= 1
+                else f" after steps {steps[0]} to {steps[-1]} (their last flushed)"
+            )
             when = f" at {local_time(over[0].ended_at)}" if over[0].ended_at is not None else ""
             head = f"{label}: " if label and not label.endswith("and") else f"{label} " if label else ""
             told.append(
