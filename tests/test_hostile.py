@@ -148,6 +148,35 @@ def test_a_gzip_file_named_jsonl_is_named_and_the_rest_read(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "where", ["zeros after the last line", "a NUL inside a line", "binary from the start"]
+)
+def test_nul_bytes_in_json_lines_skip_the_lines_they_are_in_not_the_file(tmp_path, where):
+    """A new user's trial: 4 KiB of zeros after the last line (what a file system can leave
+    after a crash), or one NUL in a line, made the whole file "binary": every record lost.
+    Now only those lines are skipped, each said; a file that is binary from its first line
+    is still named unreadable."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps(rec(i)).encode() for i in range(4)]
+    if where == "zeros after the last line":
+        data, kept, said = (
+            b"\n".join(lines) + b"\n" + b"\0" * 4096,
+            [0.0, 1.0, 2.0, 3.0],
+            "line 5: half-written",
+        )
+    elif where == "a NUL inside a line":
+        lines[2] = lines[2][:10] + b"\0" + lines[2][11:]
+        data, kept, said = b"\n".join(lines) + b"\n", [0.0, 1.0, 3.0], "line 3: not valid JSON"
+    else:
+        data, kept, said = b"\0\0\0" + b"\n".join(lines) + b"\n", None, "unreadable, skipped (binary data"
+    (run / "a.jsonl").write_bytes(data)
+    jsonl(run / "b.jsonl", [rec(9)])
+    scan = scan_run(run)
+    assert said in scan.report.summary(), scan.report.summary()
+    assert sorted(values(scan)) == sorted([*(kept or []), 9.0])
+
+
+@pytest.mark.parametrize(
     "column", [pa.array([{"a": 1.0}] * 2), pa.array([[1.0], [2.0]])], ids=["struct", "list"]
 )
 def test_a_parquet_value_of_a_nested_type_is_named_and_the_rest_read(tmp_path, column):
