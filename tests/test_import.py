@@ -474,6 +474,40 @@ def test_a_column_of_numbers_keeps_them_past_a_nan_spelled_as_text_or_a_cell_of_
         assert math.copysign(1, got.filter(pl.col("step") == 1, pl.col("key") == "acc")["value"][0]) == -1
 
 
+def test_columns_named_key_or_value_import_and_a_file_of_records_is_told_to_use_the_long_form(tmp_path):
+    """A new user's trial: a wide file with a column named ``key`` (or ``value``) failed as
+    "not readable: duplicate column name 'key'", blaming the file; a file of metriclog's
+    records (``reduce --out``) too, and in long form its other columns went unsaid."""
+    (tmp_path / "k.csv").write_text("step,key,value,loss\n0,1,2.5,0.5\n1,3,4.5,0.25\n")
+    _, err = imported(tmp_path / "k.csv", tmp_path / "k")
+    got = sorted(raw(tmp_path / "k").select("key", "step", "value").rows())
+    assert got == sorted(
+        [
+            ("key", 0, 1.0),
+            ("key", 1, 3.0),
+            ("value", 0, 2.5),
+            ("value", 1, 4.5),
+            ("loss", 0, 0.5),
+            ("loss", 1, 0.25),
+        ]
+    )
+    records = tmp_path / "records.parquet"
+    pl.DataFrame(
+        {"process": ["a", "b"], "rank": [0, 1], "step": [0, 0], "timestamp": [1.7e9, 1.7e9],
+         "key": ["loss", "loss"], "value": [1.0, 2.0], "reduction": ["mean", "mean"]}
+    ).write_parquet(records)  # fmt: skip
+    refused = invoke("import", records, tmp_path / "r")
+    assert refused.exit_code == 1 and "Traceback" not in refused.output
+    assert (
+        "holds metriclog's record columns" in refused.stderr
+        and "--key-col key --value-col value" in refused.stderr
+    )
+    assert "duplicate column" not in refused.stderr and not (tmp_path / "r").exists()
+    _, err = imported(records, tmp_path / "long", "--key-col", "key", "--value-col", "value")
+    assert "not imported: 8 values of other columns (process, rank, timestamp, reduction)" in err, err
+    assert raw(tmp_path / "long")["value"].to_list() == [1.0, 2.0]
+
+
 def test_integer_columns_of_every_width_import_and_only_those_past_2_53_are_refused(tmp_path):
     """An int32 or uint8 column (a narrow type: its abs() overflowed, a traceback) imports
     as its values; of 64-bit ones, exactly those beyond 2**53 either way are refused."""

@@ -92,6 +92,11 @@ class TableImporter(Importer):
                     f"{self.path}: no column '{name}' (its columns: {', '.join(list(schema)[:20])}); "
                     "name the columns with --step-col, --time-col, --key-col and --value-col"
                 )
+        if self.columns["key"] is None and {"key", "value", "reduction"} <= set(schema):
+            raise SourceError(
+                f"{self.path}: holds metriclog's record columns (key, value, reduction), a record a row: "
+                "import it in long form with --key-col key --value-col value (as one source)"
+            )
         if self.columns["key"] is None:
             text = [c for c in self._others(schema) if schema[c] == pl.String]
             with _readable(self.path):
@@ -146,6 +151,12 @@ class TableImporter(Importer):
         key, value = self.columns["key"], self.columns["value"]
         before = self.skipped[PAST_FLOAT64] + self.skipped[NOT_NUMBERS]
         if key is not None and value is not None:
+            left = [c for c in frame.columns if c not in (step, at, key, value, "__time")]
+            if left:  # said, as the wide form says the columns it does not take
+                taken = "the long form takes --key-col and --value-col"
+                self.skipped[f"values of other columns ({', '.join(left[:5])}): {taken}"] += (
+                    frame.height * len(left)
+                )
             long = frame.select(
                 pl.col(step).alias("step"),
                 pl.col(key).cast(pl.String).alias("key"),
@@ -187,9 +198,11 @@ class TableImporter(Importer):
                 self.skipped[PAST_FLOAT64] += big
                 frame = frame.with_columns(pl.when(held).then(pl.col(c)).alias(c))
         frame = frame.with_columns(pl.col(keys).cast(pl.Float64))
-        return frame.unpivot(keys, index=[step, "__time"], variable_name="key", value_name="value").select(
-            pl.col(step).alias("step"), "key", "value", pl.col("__time").alias("time")
-        )
+        long = frame.select(step, "__time", *keys)  # a column named key or value is no name of polars'
+        return long.unpivot(keys, index=[step, "__time"], variable_name="__key", value_name="__value").select(
+            pl.col(step).alias("step"), pl.col("__key").alias("key"), pl.col("__value").alias("value"),
+            pl.col("__time").alias("time"),
+        )  # fmt: skip
 
 
 def _numbers_in_text(frame: Any, columns: list[str]) -> list[str]:
