@@ -1050,3 +1050,18 @@ def test_a_bug_prints_one_traceback_and_says_it_is_a_bug_an_expected_failure_one
     assert done.stderr.count("Traceback (most recent call last)") == tracebacks, done.stderr
     assert done.stderr.rstrip("\n").splitlines()[-1] == last_line, done.stderr
     assert sum(line.startswith("Error:") for line in done.stderr.splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("command", ["reduce", "plot", "compare", "samples", "keys"])
+def test_an_out_that_is_a_directory_is_refused_before_any_read_naming_it(tmp_path, command):
+    """A new user's trial: ``--out DIR.csv`` where DIR.csv is a directory failed after the
+    read, naming the hidden file metriclog writes first (``.DIR.csv.partial``)."""
+    suffix = ".png" if command == "plot" else ".csv"
+    out = tmp_path / f"taken{suffix}"
+    out.mkdir()
+    args = {"plot": ["--key", "trainer/loss"], "compare": [SAMPLE, "--label", "a", "--label", "b"]}
+    result = invoke(command, SAMPLE, *args.get(command, []), "--out", out)
+    assert result.exit_code == 1, result.output
+    assert f"--out {out}: is a directory: name a file to write" in result.stderr
+    assert ".partial" not in result.stderr and "warning" not in result.stderr  # before the read
+    assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == [out.name]

@@ -342,9 +342,14 @@ def explain_store_failure(exc: BaseException) -> str:
 
 
 def check_target(location: str | os.PathLike[str] | None) -> None:
-    """Before a long read: that a URL to write to (``--out``) is in a bucket that exists
-    (a local file's folders are made when it is written)."""
+    """Before a long read: that a local file to write (``--out``) is not a directory, and
+    that a URL to write to is in a bucket that exists (a local file's folders are made when
+    it is written)."""
     target = None if location is None else run_path(location)
+    if isinstance(target, Path) and target.is_dir():
+        raise MetricLogError(
+            f"--out {location}: is a directory: name a file to write, e.g. {target / 'out'}{target.suffix}"
+        )
     if target is None or isinstance(target, Path):
         return
     bucket = target.path.split("/")[0]
