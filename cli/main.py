@@ -90,6 +90,7 @@ def command_run(numpy_api: bool = True) -> Iterator[None]:
     turn into a panic (``fetch_numpy_api``; not for ``upload``, which reads in a child
     forked before polars loads, and fetches it once the child is done); then expected
     failures become one line on stderr and an exit code, never a traceback."""
+    output.new_command()
     if numpy_api:
         from metric_core.offline.read import fetch_numpy_api
 

@@ -1065,3 +1065,25 @@ def test_an_out_that_is_a_directory_is_refused_before_any_read_naming_it(tmp_pat
     assert f"--out {out}: is a directory: name a file to write" in result.stderr
     assert ".partial" not in result.stderr and "warning" not in result.stderr  # before the read
     assert list(out.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+
+
+def test_skips_said_as_a_warning_are_not_said_again_in_the_error(tmp_path):
+    """A new user's trial: a run whose every record was skipped as it was read printed the
+    list of skips twice, as a warning and again after ``Error:``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import flip_a_page
+
+    run = tmp_path / "run"
+    run.mkdir()
+    columns = {"key": ["k"] * 6, "value": [1.0] * 6, "step": list(range(6)), "timestamp": [1.7e9] * 6}
+    table = pa.table({**columns, "rank": [0] * 6})
+    pq.write_table(
+        table.append_column("reduction", pa.array(["mean"] * 6)), run / "p.parquet", write_page_checksum=True
+    )
+    flip_a_page(run / "p.parquet", group=0)
+    result = invoke("reduce", run, "--out", tmp_path / "r.csv")
+    assert result.exit_code == 1
+    assert result.stderr.count("6 record(s) skipped: 6 x row group 0 cannot be read") == 1, result.stderr
+    assert "every record was skipped (see the warning above)" in result.stderr

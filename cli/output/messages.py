@@ -39,8 +39,19 @@ def say(kind: str, text: str) -> None:
 
 
 def error(text: str) -> None:
-    """A command's one ``Error: ...`` message, on stderr."""
+    """A command's one ``Error: ...`` message, on stderr; a list of skips the warning above
+    said already (``said_skips``) is not said again in it."""
+    for summary in _said:
+        text = text.replace(f"\n{summary}", " (see the warning above)")
     say("Error", text)
+
+
+_said: list[str] = []  # the skips said as warnings by this command, each its summary
+
+
+def new_command() -> None:
+    """A command starts: nothing said yet (the test runner runs many in one process)."""
+    _said.clear()
 
 
 def message_line(kind: str, text: str) -> str:
@@ -117,6 +128,7 @@ def said_skips(report: ReadReport) -> None:
     summary = report.summary(spelling=as_flag)
     if summary:
         say("warning", summary)
+        _said.append(summary)
 
 
 def display_width(text: str) -> int:
