@@ -1200,3 +1200,19 @@ def test_the_steps_a_restart_replaced_since_they_were_sent(sent, now, last_step,
     from metric_core.offline.upload.restarts import stale_steps
 
     assert stale_steps(sent, now, last_step) == stale
+
+
+@pytest.mark.parametrize("to", ["wandb offline", "tensorboard"])
+def test_a_dry_run_says_what_would_be_done_in_words_that_read(tmp_path, to):
+    """A new user's trial: "would be: wrote offline", "would be: wrote to TensorBoard"."""
+    import shutil
+
+    run = shutil.copytree(Path(__file__).resolve().parents[1] / "sample_logs" / "rl_run", tmp_path / "run")
+    tensorboard = ["--to", "tensorboard", "--logdir", tmp_path / "tb"]
+    where = ["--project", "p", "--offline"] if to == "wandb offline" else tensorboard
+    result = runner.invoke(app, ["upload", str(run), *map(str, where), "--dry-run"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    (row,) = [line for line in result.stdout.splitlines() if line.startswith("│ run ")]
+    said = [c.strip() for c in row.strip("│").split("┆")][1]
+    assert said == ("written offline" if to == "wandb offline" else "written to TensorBoard"), row
+    assert not (tmp_path / "tb").exists() and "dry run: nothing was uploaded" in result.output

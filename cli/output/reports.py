@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from metric_core.errors import MetricLogError
+from metric_core.offline.upload.destination import would_be
 
 from ..options import as_flag
 from .messages import echo_prose, message_line, os_error_text, say
@@ -65,7 +66,7 @@ def print_upload(result: UploadResult) -> int:
             [
                 {
                     "name": o.run.name,
-                    "would be": o.action,
+                    "would be": would_be(o.action),
                     "rows": o.run.rows,
                     "keys": len(o.run.keys),
                     "group": o.run.group or "",

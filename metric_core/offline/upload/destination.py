@@ -67,6 +67,12 @@ class UploadEvents:
     alert: Callable[[Any], None] = lambda alert: None
 
 
+def would_be(action: str) -> str:
+    """An action (a past tense: "uploaded", "wrote offline") as a dry run says it after
+    "would be": "written offline", "written to TensorBoard"."""
+    return "written" + action.removeprefix("wrote") if action.startswith("wrote ") else action
+
+
 @dataclass
 class Decision:
     """What to do with a planned run: ``action``, the id it goes under, how to resume

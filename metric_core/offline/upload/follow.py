@@ -34,7 +34,14 @@ from metric_core.offline.plan import By, ReducePlan
 from metric_core.offline.read.tail import NO_RUN_JSON_WAIT_S, RunTail, SourceState, counted, expected_sources
 from metric_core.offline.samples import SampleChoice, SampleTables
 from metric_core.offline.storage import missing_run
-from metric_core.offline.upload.destination import Destination, RunOutcome, Sender, UploadEvents, find_entry
+from metric_core.offline.upload.destination import (
+    Destination,
+    RunOutcome,
+    Sender,
+    UploadEvents,
+    find_entry,
+    would_be,
+)
 from metric_core.offline.upload.ledger import only_upload
 from metric_core.offline.upload.restarts import AttemptStep, attempt_steps, replacing
 from metric_core.offline.upload.runs import PlannedRun, PlannedRuns, request_key, run_config, run_id_for
@@ -524,7 +531,8 @@ class _Pass:
             entry = find_entry(self.to.ledger(self.root, identity, create=False), run, self.to)
             decision = self.to.decide(run, entry, self.force_new)
             opened = _Open(run, RunOutcome(run, decision.action, decision.run_id, 0, decision.message), None)
-            self.events.message("info", f"dry run: {run.name} ({decision.run_id}) would be {decision.action}")
+            would = would_be(decision.action)
+            self.events.message("info", f"dry run: {run.name} ({decision.run_id}) would be {would}")
         else:
             if self.sender is None:
                 ledger = self.to.ledger(self.root, identity)
