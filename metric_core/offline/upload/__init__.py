@@ -459,7 +459,7 @@ def report_planned(planned: PlannedRuns, events: UploadEvents) -> PlannedRuns:
     if planned.identity_from == "content":
         events.message(
             "note",
-            "run.json holds no run_id (files another tool wrote?): the upload ids derive from the run's "
+            "no run.json gives a run_id (files another tool wrote?): the upload ids derive from the run's "
             "content (its sources and their first record times)",
         )
     for original, safe in planned.key_mapping.items():
