@@ -694,3 +694,19 @@ def test_wide_refuses_more_keys_than_its_limit_naming_it(tmp_path):
         invoke("reduce", tmp_path / "run", "--wide", "--key", "k1*", "--out", tmp_path / "w.csv").exit_code
         == 0
     )
+
+
+@pytest.mark.parametrize("size", [0, 11, "half"])
+def test_a_parquet_file_cut_short_is_said_so_not_in_polars_words(tmp_path, size):
+    """A new user's trial: "ComputeError: parquet: File out of specification: The file must
+    end with PAR1 or PARE" for a file cut short or empty; the rest of the run is read."""
+    run = tmp_path / "run"
+    run.mkdir()
+    pl.DataFrame([rec(i) for i in range(50)]).write_parquet(tmp_path / "whole.parquet")
+    data = (tmp_path / "whole.parquet").read_bytes()
+    (run / "cut.parquet").write_bytes(data[: len(data) // 2 if size == "half" else size])
+    jsonl(run / "b.jsonl", [rec(9)])
+    scan = scan_run(run)
+    said = scan.report.summary()
+    assert "cut.parquet: unreadable, skipped (not a whole Parquet file: it lacks the footer" in said, said
+    assert "ComputeError" not in said and values(scan) == [9.0]

@@ -56,6 +56,11 @@ class NotTheFile(Exception):
         self.failure = failure
 
 
+NOT_WHOLE = (
+    "not a whole Parquet file: it lacks the footer a Parquet file ends with (cut short, or being written)"
+)
+
+
 def scan_parquet(
     path: RunPath, own: SegmentMeta | None, rep: FileReport, report: ReadReport
 ) -> tuple[pl.LazyFrame | None, bool, pl.LazyFrame | None]:
@@ -67,6 +72,8 @@ def scan_parquet(
     except (Exception, PanicException) as exc:
         raise_store_failure(path, exc)
         rep.unreadable = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if "must end with PAR1" in rep.unreadable or "at least 12 bytes" in rep.unreadable:
+            rep.unreadable = NOT_WHOLE
         return None, True, None
     damage = None
     if own is not None and own.row_groups is not None:  # its pages carry checksums
