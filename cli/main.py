@@ -227,8 +227,7 @@ def upload(
     with command_run(numpy_api=False), alerts:
         alarms = o.alarms(alert, alert_on, on_alert)
         following = o.follow(follow, interval, until_idle, sources, let_go_after, restart_grace, wait, alarms)
-        with output.upload_events() as events, output.read_progress() as progress:
-            events.alert = alerts.run
+        with output.upload_events(alerts.run) as events, output.read_progress() as progress:
             upload_runs(
                 runs,
                 plan_options.plan(),

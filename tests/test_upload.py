@@ -526,7 +526,7 @@ def test_what_makes_an_upload_the_same(tmp_path, small_run):
     assert dry.exit_code == 0, dry.output
     assert "skipped" in dry.stdout and "keys of exp1: " in dry.stdout and "trainer/loss" in dry.stdout
     fresh = runner.invoke(app, ["upload", str(run_dir), "--project", "C", "--dry-run"])
-    assert "uploaded" in fresh.stdout or "wrote offline" in fresh.stdout
+    assert "uploaded" in fresh.stdout or "written offline" in fresh.stdout
 
 
 def test_after_a_restart_the_same_upload_sends_the_new_history(tmp_path):

@@ -8,7 +8,6 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from metric_core.errors import MetricLogError
-from metric_core.offline.upload.destination import would_be
 
 from ..options import as_flag
 from .messages import echo_prose, message_line, os_error_text, say
@@ -62,11 +61,13 @@ def print_upload(result: UploadResult) -> int:
             "stay open in the ledger; the same command continues them if the job goes on",
         )
     if result.dry_run:
+        from metric_core.offline.upload import destination
+
         print_rows(
             [
                 {
                     "name": o.run.name,
-                    "would be": would_be(o.action),
+                    "would be": destination.would_be(o.action),
                     "rows": o.run.rows,
                     "keys": len(o.run.keys),
                     "group": o.run.group or "",
@@ -134,16 +135,18 @@ class RunsReport:
 
 
 @contextmanager
-def upload_events() -> Iterator[UploadEvents]:
-    """Messages on stderr and, when it is a terminal, a progress bar per W&B run (rows, rows/s, ETA).
+def upload_events(alert: Callable[[Any], None] | None = None) -> Iterator[UploadEvents]:
+    """Messages on stderr and, when it is a terminal, a progress bar per W&B run (rows, rows/s, ETA);
+    each alarm (``--alert``) handed to ``alert``.
 
     The bars start with the first run sent: a live display runs a thread, and upload reads
     the run in a forked child only while this process has no other thread.
     """
     from metric_core.offline.upload import UploadEvents
 
+    alerting = {} if alert is None else {"alert": alert}
     if not sys.stderr.isatty():
-        yield UploadEvents(message=say, spelling=as_flag)
+        yield UploadEvents(message=say, spelling=as_flag, **alerting)
         return
     bars: list[Any] = []
 
@@ -161,7 +164,7 @@ def upload_events() -> Iterator[UploadEvents]:
         return lambda n: bars[0].update(task, completed=n)
 
     try:
-        yield UploadEvents(message=message, progress=start, spelling=as_flag)
+        yield UploadEvents(message=message, progress=start, spelling=as_flag, **alerting)
     finally:
         if bars:
             bars[0].stop()
