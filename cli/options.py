@@ -223,17 +223,17 @@ def rows(limit: int | None, tail: int | None, out: str | None = None, form: Form
     are refused before any read: they would go to no one."""
     from .start import STARTED_CLOSED
 
-    if out in (None, "-") and "stdout" in STARTED_CLOSED:
-        raise MetricLogError(
-            "standard output is closed (>&-): the rows would go to no one; write them to a file "
-            "with --out FILE, or send stdout to a pipe or a file"
-        )
     if limit is not None and tail is not None:
         raise typer.BadParameter("give --limit or --tail, not both")
     if form is not None and out not in (None, "-"):
         raise typer.BadParameter(
             f"--format chooses what goes to stdout; --out {out} writes by its suffix: give one of them",
             param_hint="--format",
+        )
+    if out in (None, "-") and "stdout" in STARTED_CLOSED:  # after the usage errors (exit 2)
+        raise MetricLogError(
+            "standard output is closed (>&-): the rows would go to no one; write them to a file "
+            "with --out FILE, or send stdout to a pipe or a file"
         )
 
 

@@ -225,7 +225,7 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
         os.close(write)
     assert done.returncode == 0
     assert "Broken pipe" not in done.stderr and "Traceback" not in done.stderr
-    assert done.stderr.startswith("warning: skipped 21 record(s)")  # what it said before, only
+    assert done.stderr.startswith("warning: skipped 25 record(s)")  # what it said before, only
 
 
 @pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
@@ -263,6 +263,12 @@ def test_a_command_started_with_its_output_closed_ends_quietly_and_writes_its_fi
         else:
             assert done.returncode == 0, (args, done.stdout, done.stderr)
     assert pl.read_parquet(tmp_path / "r.parquet").height == 2400
+    if closed == 1:  # a usage error is said first, as ever (exit 2)
+        usage = subprocess.run(
+            [METRICLOG, "reduce", SAMPLE, "--limit", "1", "--tail", "1"],
+            stderr=subprocess.PIPE, preexec_fn=close, text=True, timeout=120,
+        )  # fmt: skip
+        assert usage.returncode == 2, usage.stderr
 
 
 def test_diff_s_verdict_is_its_exit_code_when_its_reader_goes_away(tmp_path):
@@ -884,8 +890,8 @@ def test_messages_and_inspects_story_are_wrapped_at_columns_and_data_never_is(tm
     code, _, err = command_at("80", "reduce", "sample_logs/rl_run", "--key", "nomatch")
     assert code == 1
     assert err.splitlines() == [
-        "warning: skipped 21 record(s) and 0 unreadable file(s) in sample_logs/rl_run:",
-        "  GeneratorActor_r1.r1.00001.journal: 21 record(s) skipped: 21 x unfinished",
+        "warning: skipped 25 record(s) and 0 unreadable file(s) in sample_logs/rl_run:",
+        "  GeneratorActor_r1.r1.00001.journal: 25 record(s) skipped: 25 x unfinished",
         "      write at the end (the writer was killed mid-write, or is writing now)",
         "Error: no record in sample_logs/rl_run matches the filters: --key 'nomatch'",
         "    matches no key; nearest of the run's 8 keys: policy/latency_s,",
@@ -999,7 +1005,7 @@ def test_each_command_says_the_sample_runs_skipped_records_once(args, tmp_path):
         options += ["--out", str(tmp_path / "p.png")]
     result = invoke(command, SAMPLE, *options)
     assert result.exit_code in (0, 1), result.output
-    assert result.stderr.count("21 record(s) skipped") == 1, result.stderr
+    assert result.stderr.count("25 record(s) skipped") == 1, result.stderr
 
 
 # A command whose work raises: a bug (ZeroDivisionError) after wandb.init hooked itself to the

@@ -148,7 +148,7 @@ def test_a_gzip_file_named_jsonl_is_named_and_the_rest_read(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "where", ["zeros after the last line", "a NUL inside a line", "binary from the start"]
+    "where", ["zeros after the last line", "a NUL inside a line", "binary from the start", "after a BOM"]
 )
 def test_nul_bytes_in_json_lines_skip_the_lines_they_are_in_not_the_file(tmp_path, where):
     """A new user's trial: 4 KiB of zeros after the last line (what a file system can leave
@@ -167,6 +167,9 @@ def test_nul_bytes_in_json_lines_skip_the_lines_they_are_in_not_the_file(tmp_pat
     elif where == "a NUL inside a line":
         lines[2] = lines[2][:10] + b"\0" + lines[2][11:]
         data, kept, said = b"\n".join(lines) + b"\n", [0.0, 1.0, 3.0], "line 3: not valid JSON"
+    elif where == "after a BOM":  # a UTF-8 byte order mark first: still text
+        data = b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n\0\0"
+        kept, said = [0.0, 1.0, 2.0, 3.0], "line 5: half-written"
     else:
         data, kept, said = b"\0\0\0" + b"\n".join(lines) + b"\n", None, "unreadable, skipped (binary data"
     (run / "a.jsonl").write_bytes(data)

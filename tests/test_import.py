@@ -498,14 +498,23 @@ def test_columns_named_key_or_value_import_and_a_file_of_records_is_told_to_use_
     ).write_parquet(records)  # fmt: skip
     refused = invoke("import", records, tmp_path / "r")
     assert refused.exit_code == 1 and "Traceback" not in refused.output
-    assert (
-        "holds metriclog's record columns" in refused.stderr
-        and "--key-col key --value-col value" in refused.stderr
-    )
+    advice = "--key-col key --value-col value --time-col timestamp"
+    assert "holds metriclog's record columns" in refused.stderr and advice in refused.stderr
     assert "duplicate column" not in refused.stderr and not (tmp_path / "r").exists()
-    _, err = imported(records, tmp_path / "long", "--key-col", "key", "--value-col", "value")
-    assert "not imported: 8 values of other columns (process, rank, timestamp, reduction)" in err, err
-    assert raw(tmp_path / "long")["value"].to_list() == [1.0, 2.0]
+    _, err = imported(records, tmp_path / "long", *advice.split())  # as it advised: the times kept
+    assert "not imported: 6 values of other columns (process, rank, reduction)" in err, err
+    got = raw(tmp_path / "long")
+    assert got["value"].to_list() == [1.0, 2.0] and got["timestamp"].to_list() == [1.7e9, 1.7e9]
+
+
+def test_a_column_of_labels_with_a_number_here_and_there_stays_text(tmp_path):
+    """The review of stop 61: one cell that reads as a number ("7", "nan", "1e5") made a
+    column of labels a metric; a column is numbers when most of its cells are."""
+    (tmp_path / "l.csv").write_text("step,loss,note\n0,0.5,ok\n1,0.25,fine\n2,0.125,7\n3,1,nan\n")
+    _, err = imported(tmp_path / "l.csv", tmp_path / "l")
+    assert "warning: not imported: 4 values of columns that are no numbers (note)" in err, err
+    assert "cells of text" not in err
+    assert set(raw(tmp_path / "l")["key"].to_list()) == {"loss"}
 
 
 def test_integer_columns_of_every_width_import_and_only_those_past_2_53_are_refused(tmp_path):

@@ -374,3 +374,31 @@ def test_a_damaged_page_is_skipped_alike_by_every_read_of_a_file_whose_pages_car
     assert uploaded.exit_code == 0 and "row group 2 cannot be read" in uploaded.stderr, uploaded.output
     strict = runner.invoke(app, ["reduce", str(run), "--strict", "--out", str(tmp_path / "s.parquet")])
     assert strict.exit_code == 1 and "row group 2 cannot be read" in strict.stderr, strict.output
+
+
+@pytest.mark.parametrize(
+    "into", [10, 24 + 10, -1], ids=["its first record", "its second record", "its last byte"]
+)
+def test_a_journal_s_last_record_frame_cut_short_counts_the_records_its_header_declares(tmp_path, into):
+    """The review of stop 61: a record frame cut before its first whole record was said as a
+    notice (no record counted: ``--strict`` let it through) while one cut after it counted
+    the whole records left. Every record its whole header declares is counted, none read."""
+    from metric_core.format import journal
+
+    run, truth = written_run(tmp_path / "run", "journal")
+    (path,) = run.glob("*.journal")
+    data = path.read_bytes()
+    pos, frames = 4 + journal._HEAD.size + journal._HEAD.unpack_from(data, 4)[0], []  # past its header
+    while pos < len(data):
+        kind, length, _ = journal._FRAME.unpack_from(data, pos)
+        frames.append((kind, pos, length))
+        pos += journal._FRAME.size + length
+    kind, start, length = [f for f in frames if f[0] == journal.RECORDS][-1]
+    declared = (length - 8) // 24
+    body = start + journal._FRAME.size + 8  # past the frame's header and its step
+    path.write_bytes(data[: body + into if into >= 0 else start + journal._FRAME.size + length - 1])
+    scan = scan_run(run)
+    assert scan.report.skipped_records == declared and scan.report.has_skips
+    assert scan.frame.select(pl.len()).collect().item() == len(truth) - declared
+    strict = runner.invoke(app, ["reduce", str(run), "--strict", "--out", str(tmp_path / "s.parquet")])
+    assert strict.exit_code == 1 and f"{declared} record(s) skipped" in strict.stderr, strict.output

@@ -265,8 +265,11 @@ def _frames(data: bytes, pos: int, base: int, out: Decoded, *, v1: bool, records
         start, end = pos + frame.size, pos + frame.size + length
         if end > len(data):
             out.truncated = True
-            if kind == RECORDS:
-                out.truncated_records = max(0, (len(data) - start - 8) // _RECORD_BYTES)
+            if kind == RECORDS:  # the records its whole header says it held (if it reads as one)
+                held, odd = divmod(length - 8, _RECORD_BYTES)
+                out.truncated_records = (
+                    held if length >= 8 and not odd else max(0, (len(data) - start - 8) // _RECORD_BYTES)
+                )
             break
         payload = view[start:end]
         if not v1 and zlib.crc32(payload, zlib.crc32(data[pos : pos + 5])) != crc:

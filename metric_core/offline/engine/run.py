@@ -126,7 +126,7 @@ def run_plan(
     >>> result.frame.select("process", "step", "count").head(2).rows()
     [('GeneratorActor_r0', 0, 8), ('GeneratorActor_r0', 1, 8)]
     >>> result.scan.report.skipped_records  # the killed generator's last, half-written frame
-    21
+    25
     """
     # Another tool's files are checked as the engine reads them (one pass), so the report
     # is whole once the plan ran; it is handed over even when the plan fails.

@@ -95,7 +95,9 @@ class TableImporter(Importer):
         if self.columns["key"] is None and {"key", "value", "reduction"} <= set(schema):
             raise SourceError(
                 f"{self.path}: holds metriclog's record columns (key, value, reduction), a record a row: "
-                "import it in long form with --key-col key --value-col value (as one source)"
+                "import it in long form with --key-col key --value-col value"
+                + (" --time-col timestamp" if "timestamp" in schema else "")
+                + " (as one source)"
             )
         if self.columns["key"] is None:
             text = [c for c in self._others(schema) if schema[c] == pl.String]
@@ -206,15 +208,17 @@ class TableImporter(Importer):
 
 
 def _numbers_in_text(frame: Any, columns: list[str]) -> list[str]:
-    """Those of the text ``columns`` of which a cell reads as a number ("1.5", "NaN",
-    "inf"), in one streaming pass."""
+    """Those of the text ``columns`` most of whose cells read as numbers ("1.5", "NaN",
+    "inf"), in one streaming pass: a column of labels with a number here and there stays
+    text."""
     import polars as pl
 
     if not columns:
         return []
-    found = frame.select(pl.col(c).cast(pl.Float64, strict=False).is_not_null().any() for c in columns)
-    row = found.collect(engine="streaming").row(0)
-    return [c for c, any_number in zip(columns, row, strict=True) if any_number]
+    numbers = [pl.col(c).cast(pl.Float64, strict=False).is_not_null().sum().alias(f"{c}\0n") for c in columns]
+    cells = [pl.col(c).is_not_null().sum().alias(f"{c}\0c") for c in columns]
+    row = frame.select(*numbers, *cells).collect(engine="streaming").row(0)
+    return [c for i, c in enumerate(columns) if 2 * row[i] > row[len(columns) + i]]
 
 
 def _csv_types(path: Path) -> dict[str, Any]:

@@ -311,7 +311,11 @@ def _binary_kind(data: bytes) -> str | None:
             return kind
     if b"\x00" in data[:4096]:
         first = data[: data.find(b"\n") + 1 or len(data)]
-        if first.lstrip().startswith(b"{") and b"\x00" not in first and first.endswith(b"\n"):
+        if (
+            first.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"{")
+            and b"\x00" not in first
+            and first.endswith(b"\n")
+        ):
             return None  # JSON lines with a NUL in some (a crash's unwritten zeros): those lines are bad
         return "binary"
     return None

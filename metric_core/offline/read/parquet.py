@@ -30,6 +30,7 @@ from metric_core.offline.storage import (
     RunPath,
     arrow_source,
     is_remote,
+    open_read,
     raise_store_failure,
     size_and_mtime,
     source,
@@ -550,7 +551,7 @@ def pages_carry_checksums(path: RunPath) -> bool:
             return False
         chunk = meta.row_group(group).column(0)
         start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
-        with path.open("rb") as file:
+        with open_read(path) as file:
             file.seek(start)
             head = file.read(32)
     except (Exception, PanicException) as exc:

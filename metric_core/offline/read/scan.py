@@ -442,7 +442,7 @@ def scan_run(
 
     >>> scan = scan_run("sample_logs/rl_run")
     >>> scan.frame.select(pl.len()).collect().item(), scan.report.skipped_records
-    (16200, 21)
+    (16200, 25)
     """
     fetch_numpy_api()
     root = run_path(run_dir)

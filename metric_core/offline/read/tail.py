@@ -30,6 +30,7 @@ from metric_core.offline.inspect.health import quiet_threshold
 from metric_core.offline.read import ReadReport, fetch_numpy_api, read_sealed
 from metric_core.offline.read.attempts import Attempt
 from metric_core.offline.read.discover import Derived, list_data_files, read_run_json, writer_meta
+from metric_core.offline.read.journal import CUT_WRITE, UNFINISHED
 from metric_core.offline.read.report import rel
 from metric_core.offline.read.validate import BAD_TIME, POLARS_SCHEMA, plausible
 
@@ -450,9 +451,10 @@ class RunTail:
         if whole and decoded.truncated and not tail.truncated_said:
             tail.truncated_said = True
             self.skipped += decoded.truncated_records
-            self._notice(
-                f"{rel(path, self.root)}: {decoded.truncated_records} record(s) skipped: unfinished write at "
-                "the end (the writer was killed mid-write)"
+            self._notice(  # as every command says it (``journal.take_damage``)
+                f"{rel(path, self.root)}: {decoded.truncated_records} record(s) skipped: {UNFINISHED}"
+                if decoded.truncated_records
+                else f"{rel(path, self.root)}: {CUT_WRITE}"
             )
         if decoded.table is None or end <= first:
             return None
