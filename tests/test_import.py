@@ -517,6 +517,33 @@ def test_a_column_of_labels_with_a_number_here_and_there_stays_text(tmp_path):
     assert set(raw(tmp_path / "l")["key"].to_list()) == {"loss"}
 
 
+def test_json_lines_with_nan_and_infinity_bare_as_python_writes_them_import(tmp_path, monkeypatch):
+    """Python's ``json.dumps`` writes NaN and the infinities bare, which polars' parser
+    refuses ("TapeError at character 20"): such a file is read from a copy in a scratch
+    folder, removed after; a line that is no JSON is refused, naming its line."""
+    import json
+    import math
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    values = [0.5, math.nan, math.inf, -math.inf, -0.0, 1e-310]
+    (tmp_path / "w.jsonl").write_text(
+        "".join(json.dumps({"step": i, "loss": v}) + "\n" for i, v in enumerate(values))
+    )
+    _, err = imported(tmp_path / "w.jsonl", tmp_path / "w")
+    assert "not imported" not in err, err
+    got = raw(tmp_path / "w")
+    assert got["step"].to_list() == list(range(len(values)))
+    assert same_bits(got["value"].to_numpy(), np.array(values))
+    assert list(scratch.iterdir()) == []  # the copy is gone
+    (tmp_path / "bad.jsonl").write_text('{"step": 0, "loss": NaN}\n{"step": 1, "loss":\n')
+    refused = invoke("import", tmp_path / "bad.jsonl", tmp_path / "bad")
+    assert refused.exit_code == 1 and "Traceback" not in refused.output
+    assert "bad.jsonl: line 2, column 20 is not JSON (Expecting value)" in refused.stderr, refused.stderr
+    assert list(scratch.iterdir()) == [] and not (tmp_path / "bad").exists()
+
+
 def test_integer_columns_of_every_width_import_and_only_those_past_2_53_are_refused(tmp_path):
     """An int32 or uint8 column (a narrow type: its abs() overflowed, a traceback) imports
     as its values; of 64-bit ones, exactly those beyond 2**53 either way are refused."""

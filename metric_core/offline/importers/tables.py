@@ -14,10 +14,12 @@ any size imports in bounded memory.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from metric_core.atomic import scratch_directory
 from metric_core.errors import SourceError
 from metric_core.offline.importers.source import PAST_FLOAT64, Importer, Item, Stream, Warn, file_identity
 
@@ -59,13 +61,16 @@ class TableImporter(Importer):
         return found
 
     def streams(self) -> Iterator[Stream]:
-        frame = self._scan()
-        self._check(frame)  # the columns and the steps, before anything is written
-        yield Stream(self.name, 0, self._records(frame))
+        with contextlib.ExitStack() as held:  # a scratch copy, if one is made, until the records are taken
+            frame = self._scan(held)
+            self._check(frame)  # the columns and the steps, before anything is written
+            yield Stream(self.name, 0, self._records(frame))
 
-    def _scan(self) -> Any:
+    def _scan(self, held: contextlib.ExitStack) -> Any:
         """The file as a ``LazyFrame`` whose schema is known (read here: a file polars
-        cannot parse is refused before anything is written)."""
+        cannot parse is refused before anything is written). JSON lines polars' parser
+        refuses (Python's ``json`` writes NaN and the infinities bare) are read from a
+        copy in a scratch folder (``_json_text``), held open by ``held``."""
         import polars as pl
 
         suffix = self.path.suffix.lower()
@@ -75,7 +80,12 @@ class TableImporter(Importer):
             elif suffix == ".parquet":
                 frame = pl.scan_parquet(self.path)
             else:
-                frame = pl.scan_ndjson(self.path, infer_schema_length=None)
+                try:
+                    frame = pl.scan_ndjson(self.path, infer_schema_length=None)
+                    frame.collect_schema()
+                except pl.exceptions.PolarsError:
+                    folder = held.enter_context(scratch_directory("metriclog-import-"))
+                    frame = pl.scan_ndjson(_json_text(self.path, Path(folder)), infer_schema_length=None)
             frame.collect_schema()
         return frame
 
@@ -205,6 +215,39 @@ class TableImporter(Importer):
             pl.col(step).alias("step"), pl.col("__key").alias("key"), pl.col("__value").alias("value"),
             pl.col("__time").alias("time"),
         )  # fmt: skip
+
+
+def _json_text(path: Path, folder: Path) -> Path:
+    """A copy in ``folder`` of a JSON-lines file that polars' parser refuses, a line at a
+    time: each line parsed by Python's ``json`` (which reads NaN, Infinity and -Infinity
+    bare, as it writes them) and written again with those numbers as text ("NaN"), which
+    the wide form reads as numbers. A line that is no JSON is refused, naming it."""
+    import json
+
+    def spelled(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return "NaN" if value != value else ("Infinity" if value > 0 else "-Infinity")
+        if isinstance(value, dict):
+            return {k: spelled(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [spelled(v) for v in value]
+        return value
+
+    copy = folder / path.name
+    with path.open("rb") as lines, copy.open("w") as out:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line.rstrip(b"\r\n"))
+            except ValueError as exc:
+                where = f", column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+                said = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise SourceError(
+                    f"{path}: line {number:,}{where} is not JSON ({said}): fix or remove it"
+                ) from None
+            out.write(json.dumps(spelled(row)) + "\n")
+    return copy
 
 
 def _numbers_in_text(frame: Any, columns: list[str]) -> list[str]:
