@@ -390,7 +390,7 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
     np.testing.assert_array_equal(line.get_xdata(), truth["step"].to_numpy())
     # Two queries may sum a step's values in another order (streaming is parallel).
     np.testing.assert_allclose(line.get_ydata(), truth["value"].to_numpy(), rtol=1e-12)
-    assert ax_loss.collections, "the min-max band across sources"
+    assert not ax_loss.collections  # every source recorded the same loss: no band of no width
     marks = {
         ln.get_label(): ln.get_xdata()[0] for ln in ax_loss.get_lines() if not ln.get_label().startswith("_")
     }
@@ -406,6 +406,22 @@ def test_plot_global_reduce_draws_the_reduction_band_and_marks(crashed, tmp_path
         "died after step 70 (its last flushed)",
     }
     assert not any("non-finite" in ln.get_label() for ln in ax_grad.get_lines())
+
+
+def test_plot_of_one_source_draws_and_names_no_band(tmp_path):
+    """A new user's trial: the legend named the band of the sources' values for a run of
+    one source, where no band (no spread) can be drawn."""
+    run = tmp_path / "run"
+    c = MetricCollector(run, rank=0)
+    for step in range(5):
+        c.push(Metric("x", float(step), Reduce.MEAN, T0 + step))
+        c.flush(step)
+    c.shutdown()
+    fig = plot_run(scan_run(run), make_plan(keys=["x"]), tmp_path / "plot.png")
+    (ax,) = fig.axes
+    assert len(ax.collections) == 0
+    texts = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert not any("lowest to highest" in t for t in texts), texts
 
 
 def test_plot_per_rank_draws_a_line_per_source(crashed, tmp_path):
@@ -499,6 +515,7 @@ def test_plot_band_is_the_sources_own_statistic_and_the_figure_has_one_legend(tm
         np.sort(np.unique(ys)), np.sort(np.unique([*means.min(0), *means.max(0)])), rtol=1e-12
     )
     assert len(axes["n"].collections) == 0  # sum: no band
+    assert len(axes["a"].collections) == 0  # every source's the same: a band of no width is not drawn
     assert len(axes["s"].collections) == 0  # std: the sources' own stds (0) cannot hold the whole's (81.6)
     (std,) = [ln for ln in axes["s"].get_lines() if ln.get_label() == "_s"]
     np.testing.assert_allclose(std.get_ydata(), np.std([0.0, 100.0, 200.0]), rtol=1e-12)

@@ -145,8 +145,8 @@ def _figure(
             x, y = x_of(data[x_col].to_numpy()), data["value"].to_numpy()
             stat = data["reduction"][0]
             _line(ax, x, y, smooth, color="C0", label=f"_{key}")  # the axis names it: not in the legend
-            if band is not None and key in band:
-                b, _ = band[key]
+            b = band[key][0] if band is not None and key in band else None
+            if b is not None and (b["lo"] < b["hi"]).any():  # no spread (one source): no band, none said
                 ax.fill_between(
                     x_of(b[plan.bucket].to_numpy()),
                     b["lo"].to_numpy(),
