@@ -82,7 +82,8 @@ class TableImporter(Importer):
             else:
                 try:
                     frame = pl.scan_ndjson(self.path, infer_schema_length=None)
-                    frame.collect_schema()
+                    frame.collect_schema()  # its schema from every line: one pass, done once
+                    return frame
                 except pl.exceptions.PolarsError:
                     folder = held.enter_context(scratch_directory("metriclog-import-"))
                     frame = pl.scan_ndjson(_json_text(self.path, Path(folder)), infer_schema_length=None)

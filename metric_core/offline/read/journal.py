@@ -62,10 +62,10 @@ def read_journal(path: RunPath, rep: FileReport, report: ReadReport) -> pl.LazyF
 
 def take_damage(decoded: Any, rep: FileReport, cut: int, report: ReadReport) -> None:
     """What decoding a journal (``journal.Decoded``) found wrong, as skips of its file: a
-    damaged frame, and a last frame cut short (``cut``: the records it held, as far as
-    known). A last frame cut short with no whole record in it lost nothing a flush had
-    written: said as a notice, not a skip (``--strict`` lets it be). The readers of records
-    and of samples say them alike."""
+    damaged frame, and a last frame cut short (``cut``: the records its header declared).
+    A last frame cut short that held no record to count (a heartbeat's, samples, or one
+    cut inside its header) is said as a notice, not a skip (``--strict`` lets it be). The
+    readers of records and of samples say them alike."""
     for problem in decoded.problems:
         rep.skip(problem, 0)
     if decoded.truncated:
